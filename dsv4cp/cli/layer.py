@@ -1,0 +1,89 @@
+"""Run one DSv4 attention layer on random packed input and print its time and peak memory."""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+
+from dsv4cp.config import PRESET_NAMES, DSv4Config
+from dsv4cp.layer import DSv4Attention
+from dsv4cp.packing import PackedSeqs
+
+HELP = "time one layer (forward, optionally backward) on random packed input"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+    parser.add_argument("--ratio", type=int, default=4, help="compress ratio: 0 (W), 4 (C) or another (H)")
+    parser.add_argument("--tokens", type=int, default=4096, help="packed tokens T")
+    parser.add_argument("--lengths", type=str, default=None,
+                        help="comma-separated document lengths (default: one document of --tokens)")
+    parser.add_argument("--backward", action="store_true", help="also run the backward pass")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def parse_lengths(text: str | None, tokens: int) -> list[int]:
+    if text is None:
+        return [tokens]
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--lengths: must be comma-separated ints, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tokens <= 0:
+        raise ValueError(f"--tokens: must be positive, got {args.tokens}")
+    if args.reps <= 0:
+        raise ValueError(f"--reps: must be positive, got {args.reps}")
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = DSv4Config.preset(args.preset)
+    packed = PackedSeqs.from_lengths(parse_lengths(args.lengths, args.tokens), total=args.tokens, device=device)
+    torch.manual_seed(args.seed)
+    layer = DSv4Attention(cfg, args.ratio, backend=args.backend).to(device=device, dtype=dtype)
+    x = torch.randn(packed.total, cfg.hidden, device=device, dtype=dtype, requires_grad=args.backward)
+
+    def step() -> None:
+        result = layer(x, packed)
+        if args.backward:
+            loss = result.out.float().square().mean()
+            if result.indexer_loss is not None:
+                loss = loss + result.indexer_loss
+            loss.backward()
+
+    for _ in range(args.warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    if device.type == "cuda":
+        peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocator peak"
+    else:
+        peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB process peak RSS"
+    what = "fwd+bwd" if args.backward else "fwd"
+    print(
+        f"preset={args.preset} ratio={args.ratio} kind={layer.kind} tokens={args.tokens} docs={packed.num_docs} "
+        f"dtype={str(dtype).removeprefix('torch.')} device={device} backend={args.backend}"
+    )
+    print(f"{what}: median {statistics.median(times):.2f} ms over {args.reps} reps "
+          f"(min {min(times):.2f}, max {max(times):.2f}); {peak}")
+    return 0

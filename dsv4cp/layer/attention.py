@@ -1,0 +1,165 @@
+"""The DeepSeek-V4 hybrid attention layer on packed THD input, with static CP (DESIGN 1-3)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dsv4cp.config import DSv4Config, layer_kind
+from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank
+from dsv4cp.cp.layout import RankLayout, build_layout
+from dsv4cp.layer.compressor import Compressor
+from dsv4cp.layer.indexer import Indexer
+from dsv4cp.layer.indexer_loss import indexer_loss
+from dsv4cp.layer.norm import RMSNorm, rms_norm
+from dsv4cp.layer.rope import apply_rope, rope_frequencies
+from dsv4cp.ops.indexer import indexer_topk
+from dsv4cp.ops.sparse_attention import sparse_attention
+from dsv4cp.packing import PackedSeqs
+
+
+class AttentionOutput(NamedTuple):
+    out: torch.Tensor
+    """``[L, hidden]``: this rank's rows of the layer output."""
+    indexer_loss: torch.Tensor | None
+    """This rank's share of the (coefficient-weighted) indexer loss; None for W and H layers."""
+
+
+class DSv4Attention(nn.Module):
+    """One DSv4 attention layer; ``compress_ratio`` picks W (0), C (4) or H (any other) behaviour.
+
+    Args:
+        cfg: shapes and hyper-parameters.
+        compress_ratio: the layer's compression ratio.
+        backend: sparse-attention backend ("auto", "torch", "triton", ...).
+        overlap: "none" (synchronous collectives) or "async" (all-gathers overlapped with the query
+            projections, reduce-scatters with the compressor backward).
+
+    Parameters carry DeepSeek's checkpoint names (``wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
+    attn_sink, compressor.*, indexer.*``); linear weights are ``[out, in]``.
+    """
+
+    def __init__(self, cfg: DSv4Config, compress_ratio: int, *, backend: str = "auto", overlap: str = "none"):
+        super().__init__()
+        cfg.check_ratio(compress_ratio)
+        if overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap: must be one of {OVERLAP_MODES}, got {overlap!r}")
+        self.cfg, self.compress_ratio, self.kind = cfg, compress_ratio, layer_kind(compress_ratio)
+        self.backend, self.overlap = backend, overlap
+        h, d = cfg.n_heads, cfg.head_dim
+        self.wq_a = nn.Linear(cfg.hidden, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
+        self.wkv = nn.Linear(cfg.hidden, d, bias=False)
+        self.kv_norm = RMSNorm(d, cfg.rms_eps)
+        self.wo_a = nn.Linear(h // cfg.o_groups * d, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.compressor = Compressor(cfg.hidden, d, compress_ratio, cfg.rms_eps) if compress_ratio else None
+        self.indexer = Indexer(cfg) if self.kind == "C" else None
+        self.register_buffer("rope_freqs", rope_frequencies(cfg, compress_ratio), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Linear weights ~ N(0, 1/fan_in); norm weights 1; sink and ``ape`` 0 (as trained from)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
+                module.weight.normal_(0.0, module.in_features**-0.5, generator=generator)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self, x: torch.Tensor, packed: PackedSeqs, cp_group: dist.ProcessGroup | None = None
+    ) -> AttentionOutput:
+        """Run the layer on this rank's rows.
+
+        Args:
+            x: ``[T / cp, hidden]``, this rank's contiguous slice of the packed layer input
+                (rank ``rho`` holds rows ``[rho T/cp, (rho + 1) T/cp)``), in the parameters' dtype.
+            packed: the WHOLE batch's document offsets (identical on every rank).
+            cp_group: the context-parallel process group; None means one rank.
+        """
+        cp, rank = group_size_and_rank(cp_group)
+        self._check_inputs(x, packed, cp)
+        layout = build_layout(packed, self.cfg, self.compress_ratio, rank, cp)
+        freqs, cfg = self.rope_freqs, self.cfg
+        rows, h, d = x.shape[0], cfg.n_heads, cfg.head_dim
+        positions = layout.local_pos
+
+        x_ext = exchange_halo(x, layout.halo, cp_group)
+        kv_ext = apply_rope(self.kv_norm(self.wkv(x_ext)), layout.ext_pos, freqs)
+
+        # Launch the gathers of compressed keys first so they fly while the queries are computed.
+        index_keys = compressed = None
+        if self.indexer is not None:
+            index_keys = all_gather_rows(self.indexer.keys(x_ext.detach(), layout, freqs), cp_group, self.overlap)
+        if self.compressor is not None:
+            compressed = all_gather_rows(self.compressor(x_ext, layout, freqs), cp_group, self.overlap)
+
+        latent = self.q_norm(self.wq_a(x))
+        q = rms_norm(self.wq_b(latent).view(rows, h, d), cfg.rms_eps)
+        q = apply_rope(q, positions, freqs)
+        if self.indexer is not None:
+            index_q, index_w = self.indexer.queries(latent.detach(), x.detach(), positions, freqs)
+            index_keys_all = index_keys.wait()
+            local_doc = layout.local_doc
+            selected = indexer_topk(
+                index_q, index_w, index_keys_all,
+                lambda sl: layout.visible_mask(local_doc[sl], positions[sl]), cfg.index_topk,
+            )
+
+        key_buffer, idx = kv_ext, layout.window_idx
+        if compressed is not None:
+            key_buffer = torch.cat((kv_ext, compressed.wait()), dim=0)
+            entries = selected if self.indexer is not None else layout.all_visible_idx()
+            lowered = torch.where(entries >= 0, entries + layout.ext_rows, -1).to(torch.int32)
+            idx = torch.cat((idx, lowered), dim=1)
+        out, lse = sparse_attention(q, key_buffer, idx, self.attn_sink, cfg.softmax_scale, backend=self.backend)
+
+        loss = None
+        if self.indexer is not None:
+            scored = selected if cfg.indexer_loss == "sparse" else layout.all_visible_idx()
+            loss = indexer_loss(
+                variant=cfg.indexer_loss, q=q, key_buffer=key_buffer, window_idx=layout.window_idx,
+                compressed_offset=layout.ext_rows, scored_entries=scored, attention_lse=lse,
+                sink=self.attn_sink, scale=cfg.softmax_scale, index_q=index_q, index_w=index_w,
+                index_keys=index_keys_all, real=layout.real, global_real_tokens=packed.real_tokens,
+                coeff=cfg.indexer_loss_coeff,
+            )
+        return AttentionOutput(self._project_out(out, positions), loss)
+
+    def _project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Undo the query rotation on each head's output, then the grouped low-rank projection."""
+        cfg = self.cfg
+        out = apply_rope(out, positions, self.rope_freqs, inverse=True)
+        groups = out.reshape(out.shape[0], cfg.o_groups, -1)  # heads of a group are consecutive
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        latent = torch.einsum("lgi,goi->lgo", groups, wo_a).flatten(1)
+        return self.wo_b(latent)
+
+    def _check_inputs(self, x: torch.Tensor, packed: PackedSeqs, cp: int) -> None:
+        """Reject bad input on every rank before any collective is issued (no rank may hang)."""
+        if not isinstance(packed, PackedSeqs):
+            raise ValueError(f"packed: must be a PackedSeqs, got {type(packed).__name__}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.cfg.hidden:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: must be [rows, hidden={self.cfg.hidden}], got {shape}")
+        if x.dtype != self.wq_a.weight.dtype:
+            raise ValueError(f"x: dtype must match the parameters ({self.wq_a.weight.dtype}), got {x.dtype}")
+        if x.device != self.wq_a.weight.device:
+            raise ValueError(f"x: must be on the parameters' device {self.wq_a.weight.device}, got {x.device}")
+        if packed.cu_seqlens_padded.device != x.device:
+            raise ValueError(f"packed: offsets must be on x's device {x.device}, got {packed.cu_seqlens_padded.device}")
+        if packed.total % cp:
+            raise ValueError(f"packed.total: {packed.total} rows are not divisible by cp={cp}")
+        if x.shape[0] * cp != packed.total:
+            raise ValueError(
+                f"x: holds {x.shape[0]} rows but packed.total={packed.total} over cp={cp} ranks "
+                f"means {packed.total // cp} rows per rank"
+            )
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, compress_ratio={self.compress_ratio}, backend={self.backend!r}, overlap={self.overlap!r}"

@@ -1,0 +1,102 @@
+"""Lightning-indexer scoring (DESIGN 1.6, 4.2): ``I[t, j] = sum_h w[t, h] relu(<q[t, h], k[j]>)``.
+
+Two ops, both chunked over queries so neither the per-head score tensor nor the full
+``[T, entries]`` fp32 matrix exists beyond a bounded block:
+
+* :func:`indexer_topk`: no-grad selection of the K best visible entries per query.
+* :func:`indexer_scores`: differentiable scores at given entries (the indexer loss's prediction).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+CHUNK_ELEMENTS = 32 * 2**20
+"""Elements of one chunk's ``[chunk, Hi, keys]`` per-head score block."""
+
+
+def _chunk(per_query: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(per_query, 1))
+
+
+@torch.no_grad()
+def indexer_topk(
+    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: Callable[[slice], torch.Tensor], k: int
+) -> torch.Tensor:
+    """Rows of ``keys`` with the ``k`` highest scores among those visible, per query.
+
+    Args:
+        q: ``[T, Hi, Di]`` indexer queries; ``w``: ``[T, Hi]`` head weights; ``keys``: ``[G, Di]``.
+        visible: maps a slice of queries to their ``[len, G]`` bool visibility mask.
+        k: entries to keep.
+    Returns: ``[T, k]`` int64 key rows, best first, ``-1`` where fewer than ``k`` are visible.
+    """
+    t, hi, _ = q.shape
+    g = keys.shape[0]
+    out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)
+    if g == 0:
+        return out
+    work = torch.promote_types(q.dtype, torch.float32)
+    keys_w = keys.to(work)
+    keep = min(k, g)
+    step = _chunk(hi * g)
+    for s in range(0, t, step):
+        rows = slice(s, min(s + step, t))
+        dots = torch.einsum("chd,gd->chg", q[rows].to(work), keys_w).relu_()
+        scores = torch.einsum("chg,ch->cg", dots, w[rows].to(work))
+        scores.masked_fill_(~visible(rows), float("-inf"))
+        best, where = torch.topk(scores, keep, dim=1)
+        out[rows, :keep] = torch.where(torch.isinf(best), -1, where)
+    return out
+
+
+def _gather_dots(q, keys, idx):
+    gathered = keys[idx.clamp_min(0)]  # [c, K, Di]
+    return gathered, torch.einsum("chd,ckd->chk", q, gathered)
+
+
+class _IndexerScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, w, keys, idx):
+        t, hi, _ = q.shape
+        work = torch.promote_types(q.dtype, torch.float32)
+        out = torch.empty(idx.shape, dtype=work, device=q.device)
+        step = _chunk(hi * idx.shape[1] * 2)
+        for s in range(0, t, step):
+            e = min(s + step, t)
+            _, dots = _gather_dots(q[s:e].to(work), keys.to(work), idx[s:e])
+            out[s:e] = torch.einsum("chk,ch->ck", dots.relu(), w[s:e].to(work))
+        ctx.save_for_backward(q, w, keys, idx)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, w, keys, idx = ctx.saved_tensors
+        t, hi, _ = q.shape
+        work = grad.dtype
+        dq = torch.empty(q.shape, dtype=work, device=q.device)
+        dw = torch.empty(w.shape, dtype=work, device=q.device)
+        dkeys = torch.zeros(keys.shape, dtype=work, device=q.device)
+        keys_w = keys.to(work)
+        step = _chunk(hi * idx.shape[1] * 4)
+        for s in range(0, t, step):
+            e = min(s + step, t)
+            q_c, g_c = q[s:e].to(work), grad[s:e] * (idx[s:e] >= 0)
+            gathered, dots = _gather_dots(q_c, keys_w, idx[s:e])
+            dw[s:e] = torch.einsum("chk,ck->ch", dots.relu(), g_c)
+            ddots = (dots > 0) * w[s:e].to(work)[..., None] * g_c[:, None, :]
+            dq[s:e] = torch.einsum("chk,ckd->chd", ddots, gathered)
+            dgathered = torch.einsum("chk,chd->ckd", ddots, q_c)
+            dkeys.index_add_(0, idx[s:e].clamp_min(0).reshape(-1), dgathered.reshape(-1, keys.shape[1]))
+        return dq.to(q.dtype), dw.to(w.dtype), dkeys.to(keys.dtype), None
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Differentiable scores ``[T, K]`` (fp32, fp64 for fp64) of queries at key rows ``idx [T, K]``.
+
+    ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]``; slots with ``idx == -1`` hold meaningless
+    values and receive no gradient: the caller masks them.
+    """
+    return _IndexerScores.apply(q, w, keys, idx)

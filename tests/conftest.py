@@ -1,0 +1,200 @@
+"""Shared helpers for the layer/op tests: seeded generators, random layers, packings, comparisons."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import reference`
+
+from dsv4cp.config import DSv4Config  # noqa: E402
+from dsv4cp.packing import PackedSeqs  # noqa: E402
+
+# ------------------------------------------------------------------------------------------ configs
+TINY = DSv4Config.preset("tiny")
+TINY_C = TINY.replace(index_n_heads=8)
+"""Tiny config used for C-layer comparisons: with only 2 indexer heads many scores are exactly 0
+(every ReLU off), so the top-k becomes a tie and the selection is arbitrary; 8 heads make ties rare.
+Every comparison also checks the top-k margin reported by the reference."""
+
+MICRO = DSv4Config.preset(
+    "tiny", hidden=16, n_heads=2, head_dim=8, rope_dim=4, q_lora_rank=8, o_groups=1, o_lora_rank=8,
+    window=4, index_n_heads=4, index_head_dim=8, index_topk=2, compress_ratios=(0, 4),
+)
+"""Very small dims for full-Jacobian gradcheck."""
+
+
+def cfg_for(ratio: int, base: DSv4Config | None = None, **overrides) -> DSv4Config:
+    """A config able to build a layer of ``ratio`` (window raised to the ratio for H layers)."""
+    cfg = base if base is not None else (TINY_C if ratio == 4 else TINY)
+    if ratio not in (0, 4) and cfg.window < ratio:
+        overrides.setdefault("window", ratio)
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+# ------------------------------------------------------------------------------------------ seeds
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A per-test seed (stable across runs, different between tests)."""
+    return seed_of(request.node.nodeid)
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed: int, dtype=torch.float64, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------ layers
+INDEXER_PREFIX = "indexer."
+
+
+def randomize_parameters_(layer: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter with random values of a sensible scale (never zeros).
+
+    Linear weights ~ N(0, 1/fan_in); norm weights ~ 1 + 0.2 N(0,1); attn_sink ~ N(0, 1);
+    compressor ape ~ N(0, 0.5^2). Values are drawn in float64 then cast, so fp32 and fp64 layers built
+    with the same seed hold the same values up to rounding.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, prm in sorted(layer.named_parameters()):
+            prm.copy_(_random_value(name, tuple(prm.shape), g).to(prm.dtype))
+
+
+def _random_value(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    base = torch.randn(shape, generator=g, dtype=torch.float64)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.2 * base
+    if name == "attn_sink":
+        return base
+    if name.endswith("ape"):
+        return 0.5 * base
+    if len(shape) == 2:
+        return base / math.sqrt(shape[1])
+    raise AssertionError(f"unexpected parameter {name} {shape}")
+
+
+def expected_shapes(cfg: DSv4Config, ratio: int) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of ``DSv4Attention(cfg, ratio)`` (DeepSeek checkpoint layout)."""
+    H, D, G = cfg.n_heads, cfg.head_dim, cfg.o_groups
+    shapes = {
+        "wq_a.weight": (cfg.q_lora_rank, cfg.hidden),
+        "q_norm.weight": (cfg.q_lora_rank,),
+        "wq_b.weight": (H * D, cfg.q_lora_rank),
+        "wkv.weight": (D, cfg.hidden),
+        "kv_norm.weight": (D,),
+        "wo_a.weight": (G * cfg.o_lora_rank, (H // G) * D),
+        "wo_b.weight": (cfg.hidden, G * cfg.o_lora_rank),
+        "attn_sink": (H,),
+    }
+    if ratio > 0:
+        coff = 2 if ratio == 4 else 1
+        shapes.update({
+            "compressor.wkv.weight": (coff * D, cfg.hidden),
+            "compressor.wgate.weight": (coff * D, cfg.hidden),
+            "compressor.ape": (ratio, coff * D),
+            "compressor.norm.weight": (D,),
+        })
+    if ratio == 4:
+        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+        shapes.update({
+            "indexer.wq_b.weight": (Hi * Di, cfg.q_lora_rank),
+            "indexer.weights_proj.weight": (Hi, cfg.hidden),
+            "indexer.compressor.wkv.weight": (2 * Di, cfg.hidden),
+            "indexer.compressor.wgate.weight": (2 * Di, cfg.hidden),
+            "indexer.compressor.ape": (4, 2 * Di),
+            "indexer.compressor.norm.weight": (Di,),
+        })
+    return shapes
+
+
+def random_state(cfg: DSv4Config, ratio: int, seed: int, dtype=torch.float64) -> dict[str, torch.Tensor]:
+    """A parameter dict with the layer's names and shapes, drawn exactly as
+    :func:`randomize_parameters_` draws them (same seed, same values), usable without the layer."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        name: _random_value(name, shape, g).to(dtype)
+        for name, shape in sorted(expected_shapes(cfg, ratio).items())
+    }
+
+
+def make_layer(cfg: DSv4Config, ratio: int, seed: int = 0, dtype=torch.float64):
+    from dsv4cp import DSv4Attention
+
+    layer = DSv4Attention(cfg, ratio)
+    layer.to(dtype)
+    randomize_parameters_(layer, seed)
+    return layer
+
+
+def param_state(layer: torch.nn.Module, requires_grad: bool = False) -> dict[str, torch.Tensor]:
+    """Plain detached copies of the layer's parameters (the reference's input)."""
+    out = {}
+    for name, prm in layer.named_parameters():
+        t = prm.detach().clone()
+        out[name] = t.requires_grad_(True) if requires_grad else t
+    return out
+
+
+# ------------------------------------------------------------------------------------------ packings
+def packed(lengths, pad_to_multiple: int = 1, tail: int = 0) -> PackedSeqs:
+    base = PackedSeqs.from_lengths(lengths, pad_to_multiple=pad_to_multiple)
+    return PackedSeqs.from_lengths(lengths, pad_to_multiple=pad_to_multiple, total=base.total + tail)
+
+
+def offsets(pk: PackedSeqs) -> tuple[list[int], list[int]]:
+    return pk.cu_seqlens.tolist(), pk.cu_seqlens_padded.tolist()
+
+
+def run_reference(state, cfg, ratio, x, pk: PackedSeqs, info: dict | None = None):
+    from reference import reference_forward
+
+    cu, cup = offsets(pk)
+    return reference_forward(state, cfg, ratio, x, cu, cup, info=info)
+
+
+def real_rows(pk: PackedSeqs) -> list[int]:
+    cu, cup = offsets(pk)
+    rows = []
+    for d in range(len(cu) - 1):
+        rows.extend(range(cup[d], cup[d] + cu[d + 1] - cu[d]))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ compare
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b| (in float64); 0 when both are empty or all zero."""
+    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    assert a64.shape == b64.shape, (a64.shape, b64.shape)
+    if a64.numel() == 0:
+        return 0.0
+    num = (a64 - b64).abs().max().item()
+    den = b64.abs().max().item()
+    if den == 0.0:
+        return num
+    return num / den
+
+
+def assert_close_rel(a, b, tol: float, what: str = "") -> None:
+    err = rel_err(a, b)
+    assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.1e}"
+
+
+def assert_margin(info: dict, tol: float) -> None:
+    """The reference's top-k had no (near-)tie, so the selection is unambiguous at this precision."""
+    m = info.get("topk_margin", math.inf)
+    assert m > tol, f"top-k near-tie (relative margin {m:.2e}): the test's seed makes the selection ambiguous"
