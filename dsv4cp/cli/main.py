@@ -11,6 +11,8 @@ import sys
 COMMANDS: dict[str, str] = {
     "env": "env",
     "layer": "layer",
+    "check-cp": "check_cp",
+    "overlap": "overlap",
 }
 
 

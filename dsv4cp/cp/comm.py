@@ -19,6 +19,10 @@ import torch.distributed as dist
 
 OVERLAP_MODES = ("none", "async")
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the GPU image's 2.11) lack the new names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
@@ -109,7 +113,7 @@ class _LaunchGather(torch.autograd.Function):
         ctx.group, ctx.pending, ctx.async_op = group, pending, async_op
         size = dist.get_world_size(group)
         out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-        work = dist.all_gather_into_tensor(out, local.contiguous(), group=group, async_op=async_op)
+        work = _all_gather_tensor(out, local.contiguous(), group=group, async_op=async_op)
         pending.forward_work = work if async_op else None
         return out
 
@@ -117,7 +121,7 @@ class _LaunchGather(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         size = dist.get_world_size(ctx.group)
         local = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        work = dist.reduce_scatter_tensor(local, grad.contiguous(), group=ctx.group, async_op=ctx.async_op)
+        work = _reduce_scatter_tensor(local, grad.contiguous(), group=ctx.group, async_op=ctx.async_op)
         ctx.pending.backward_work = work if ctx.async_op else None
         return local, None, None, None
 

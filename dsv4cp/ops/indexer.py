@@ -32,6 +32,8 @@ def indexer_topk(
         visible: maps a slice of queries to their ``[len, G]`` bool visibility mask.
         k: entries to keep.
     Returns: ``[T, k]`` int64 key rows, best first, ``-1`` where fewer than ``k`` are visible.
+        Equal scores rank the lower key row first (keys must be in entry order, gaps allowed), so
+        every CP layout selects the same entries.
     """
     t, hi, _ = q.shape
     g = keys.shape[0]
@@ -47,7 +49,10 @@ def indexer_topk(
         dots = torch.einsum("chd,gd->chg", q[rows].to(work), keys_w).relu_()
         scores = torch.einsum("chg,ch->cg", dots, w[rows].to(work))
         scores.masked_fill_(~visible(rows), float("-inf"))
-        best, where = torch.topk(scores, keep, dim=1)
+        # A stable sort breaks ties (ReLU makes exact-zero scores common) toward the lower key row,
+        # i.e. the earlier entry, since key rows follow entry order on every CP layout.
+        best, where = torch.sort(scores, dim=1, descending=True, stable=True)
+        best, where = best[:, :keep], where[:, :keep]
         out[rows, :keep] = torch.where(torch.isinf(best), -1, where)
     return out
 

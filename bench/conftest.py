@@ -1,0 +1,107 @@
+"""pytest-benchmark support for dsv4cp's microbenchmarks (DESIGN 5).
+
+* Without CUDA, ``TRITON_INTERPRET=1`` is set before anything imports triton so that the Triton
+  backends run (slowly, at tiny sizes) on CPU and CI exercises every benchmark.
+* The ``measure`` fixture wraps ``benchmark.pedantic``: each round calls ``setup`` (untimed: fresh
+  arguments, optional L2 flush, a device synchronisation) then times ONE call of the target with CUDA
+  events on GPU (``time.perf_counter`` on CPU). pytest-benchmark's own statistics are the wall time of
+  the (synchronised) call; ``benchmark.extra_info`` holds the event-timed median / p20 / p80 and the
+  TFLOP/s and GB/s derived from the median.
+
+Environment: ``DSV4CP_BENCH_FLUSH_L2=1`` zeroes a 256 MiB buffer before every timed round (GPU only).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:  # registers the "triton" backends (a no-op once the op module imports it itself)
+    import dsv4cp.kernels  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
+
+_L2_FLUSH_BYTES = 256 * 2**20
+_flush_buffer: torch.Tensor | None = None
+
+
+def _flush_l2() -> None:
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    _flush_buffer.zero_()
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@pytest.fixture
+def measure(benchmark):
+    """``measure(fn, setup=None, *, flops, bytes_moved, rounds, warmup_rounds, device)`` benchmarks
+    ``fn(*setup())`` and records throughput in ``benchmark.extra_info``; returns the last result."""
+
+    def run(fn, setup=None, *, flops: float, bytes_moved: float, rounds: int, warmup_rounds: int,
+            device: torch.device):
+        on_cuda = torch.device(device).type == "cuda"
+        flush = on_cuda and os.environ.get("DSV4CP_BENCH_FLUSH_L2", "0") == "1"
+        times_ms: list[float] = []
+        last: dict = {}
+
+        def target(*args):
+            if on_cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                result = fn(*args)
+                end.record()
+                end.synchronize()
+                times_ms.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                result = fn(*args)
+                times_ms.append((time.perf_counter() - t0) * 1e3)
+            last["result"] = result
+            return result
+
+        def round_setup():
+            args = tuple(setup()) if setup is not None else ()
+            if flush:
+                _flush_l2()
+            if on_cuda:
+                torch.cuda.synchronize()
+            return args, {}
+
+        benchmark.pedantic(target, setup=round_setup, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
+        timed = times_ms[warmup_rounds:] or times_ms[-1:]  # (--benchmark-disable runs the target once)
+        median = statistics.median(timed)
+        seconds = median * 1e-3
+        benchmark.extra_info.update(
+            timer="cuda_events" if on_cuda else "perf_counter",
+            l2_flush=flush,
+            rounds=len(timed),
+            median_ms=median,
+            p20_ms=_quantile(timed, 0.2),
+            p80_ms=_quantile(timed, 0.8),
+            flops=float(flops),
+            bytes=float(bytes_moved),
+            tflops=float(flops) / seconds / 1e12 if seconds > 0 else float("nan"),
+            gbps=float(bytes_moved) / seconds / 1e9 if seconds > 0 else float("nan"),
+        )
+        return last.get("result")
+
+    return run

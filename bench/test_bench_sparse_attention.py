@@ -1,0 +1,183 @@
+"""Sparse-attention microbenchmarks (DESIGN 4.3, 5): forward and backward per backend and shape.
+
+Shapes (kv rows N = T + T/4: T raw rows then T/4 compressed rows; ``idx`` per query = the previous
+``window`` raw rows, -1 before the start, then ``selected`` distinct random compressed rows):
+
+* ``flash``: T = 16384, H = 64,  D = 512, Kt = 640  = 128 + 512   (GPU only)
+* ``pro``:   T = 16384, H = 128, D = 512, Kt = 1152 = 128 + 1024  (GPU only)
+* ``tiny``:  T = 8,     H = 4,   D = 32,  Kt = 16   = 8 + 8, with max(T/4, 8) compressed rows (CPU and GPU)
+
+FLOPs (DESIGN 4.3): forward ``4 D`` per (query, head, valid key); backward 2.5x forward. Bytes are the
+op's logical traffic with each gathered kv row read once per query (see ``_bytes``). bf16 on GPU, fp32
+on CPU. Backends "cudnn" and "flashmla" run when registered and available; backward of a backend that
+has none (NotImplementedError) is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dsv4cp.ops.sparse_attention import backend_names, resolve_backend
+
+HAS_CUDA = torch.cuda.is_available()
+BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int
+    heads: int
+    dim: int
+    window: int
+    selected: int
+
+    @property
+    def n_compressed(self) -> int:
+        return max(self.tokens // 4, self.selected)
+
+    @property
+    def kt(self) -> int:
+        return self.window + self.selected
+
+
+SHAPES = {
+    "tiny": Shape("tiny", 8, 4, 32, 8, 8),
+    "flash": Shape("flash", 16384, 64, 512, 128, 512),
+    "pro": Shape("pro", 16384, 128, 512, 128, 1024),
+}
+_gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")]
+SHAPE_PARAMS = [
+    pytest.param("tiny", id="tiny"),
+    pytest.param("flash", id="flash", marks=_gpu_only),
+    pytest.param("pro", id="pro", marks=_gpu_only),
+]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def _dtype() -> torch.dtype:
+    return torch.bfloat16 if HAS_CUDA else torch.float32
+
+
+def _backend(name: str):
+    if name not in backend_names():
+        pytest.skip(f"backend {name!r} is not registered")
+    try:
+        return resolve_backend(name, _device())
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+_INPUTS: dict = {}
+
+
+def _inputs(shape: Shape):
+    """Cached (q, kv, idx, sink, scale, valid_keys) for the shape, plus (out, lse, dout) by the torch
+    oracle for the backward benchmarks (made on first request)."""
+    key = (shape.name, _device().type)
+    if key in _INPUTS:
+        return _INPUTS[key]
+    _INPUTS.clear()  # one shape's tensors at a time (pro: several GiB)
+    device, dtype = _device(), _dtype()
+    g = torch.Generator(device=device).manual_seed(1234)
+    t, h, d = shape.tokens, shape.heads, shape.dim
+    n = t + shape.n_compressed
+    q = torch.randn(t, h, d, device=device, generator=g)
+    q = (q * d**0.5 / q.norm(dim=-1, keepdim=True)).to(dtype)  # per-head RMS-normalised, as in the model
+    kv = torch.randn(n, d, device=device, generator=g).to(dtype)
+    sink = torch.randn(h, device=device, generator=g)
+    tok = torch.arange(t, device=device)
+    window = tok[:, None] - torch.arange(shape.window, device=device)[None, :]
+    window = torch.where(window >= 0, window, torch.full_like(window, -1))
+    scores = torch.rand(t, shape.n_compressed, device=device, generator=g)
+    selected = scores.topk(shape.selected, dim=1).indices + t
+    idx = torch.cat([window, selected], dim=1).to(torch.int32).contiguous()
+    del scores
+    valid = int((idx >= 0).sum().item())
+    entry = {"args": (q, kv, idx, sink, d**-0.5), "valid": valid}
+    _INPUTS[key] = entry
+    return entry
+
+
+def _backward_inputs(shape: Shape, entry: dict):
+    if "bwd" not in entry:
+        q, kv, idx, sink, scale = entry["args"]
+        out, lse = resolve_backend("torch", _device()).forward(q, kv, idx, sink, scale, None)
+        g = torch.Generator(device=_device()).manual_seed(4321)
+        dout = torch.randn(out.shape, device=_device(), generator=g).to(out.dtype)
+        entry["bwd"] = (out, lse, dout)
+    return entry["bwd"]
+
+
+def _flops_forward(shape: Shape, valid: int) -> float:
+    return 4.0 * shape.dim * shape.heads * valid
+
+
+def _bytes(shape: Shape, valid: int, backward: bool) -> float:
+    """Forward: q, out, idx, lse and every valid gathered kv row once per query. Backward: q, out, dout,
+    dq, idx, lse, delta, the gathered kv rows and their fp32 gradient contributions."""
+    el = torch.finfo(_dtype()).bits // 8
+    thd = shape.tokens * shape.heads * shape.dim * el
+    idx_bytes = shape.tokens * shape.kt * 4
+    th = shape.tokens * shape.heads * 4
+    gathered = valid * shape.dim * el
+    if not backward:
+        return 2 * thd + idx_bytes + th + gathered
+    return 4 * thd + idx_bytes + 2 * th + gathered + valid * shape.dim * 4
+
+
+def _rounds() -> tuple[int, int]:
+    return (5, 2) if HAS_CUDA else (2, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
+def test_sparse_attention_forward(benchmark, measure, shape_name, backend):
+    shape = SHAPES[shape_name]
+    impl = _backend(backend)
+    entry = _inputs(shape)
+    q, kv, idx, sink, scale = entry["args"]
+    benchmark.group = f"sparse_attention.fwd.{shape.name}"
+    benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, H=shape.heads,
+                                D=shape.dim, Kt=shape.kt, valid_keys=entry["valid"], dtype=str(q.dtype))
+    try:
+        impl.forward(q, kv, idx, sink, scale, None)  # compile / first-call costs outside the timing
+    except NotImplementedError as exc:
+        pytest.skip(f"{backend}: no forward ({exc})")
+    rounds, warmup = _rounds()
+    out, lse = measure(lambda: impl.forward(q, kv, idx, sink, scale, None), None,
+                       flops=_flops_forward(shape, entry["valid"]), bytes_moved=_bytes(shape, entry["valid"], False),
+                       rounds=rounds, warmup_rounds=warmup, device=q.device)
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
+def test_sparse_attention_backward(benchmark, measure, shape_name, backend):
+    shape = SHAPES[shape_name]
+    impl = _backend(backend)
+    entry = _inputs(shape)
+    q, kv, idx, sink, scale = entry["args"]
+    out, lse, dout = _backward_inputs(shape, entry)
+    benchmark.group = f"sparse_attention.bwd.{shape.name}"
+    benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, H=shape.heads,
+                                D=shape.dim, Kt=shape.kt, valid_keys=entry["valid"], dtype=str(q.dtype))
+
+    def call():
+        return impl.backward(dout, q, kv, idx, sink, scale, out, lse, None)
+
+    try:
+        call()
+    except NotImplementedError as exc:
+        pytest.skip(f"{backend}: no backward ({exc})")
+    rounds, warmup = _rounds()
+    dq, dkv, dsink = measure(call, None, flops=2.5 * _flops_forward(shape, entry["valid"]),
+                             bytes_moved=_bytes(shape, entry["valid"], True), rounds=rounds,
+                             warmup_rounds=warmup, device=q.device)
+    assert dq.shape == q.shape and dkv.shape == kv.shape and dsink.shape == sink.shape

@@ -1,0 +1,48 @@
+"""Compute/communication breakdown and overlap per rank and phase, from a profiled run (DESIGN 5).
+
+PATH is either a directory of Kineto (torch.profiler) Chrome-trace files, one per rank
+(``rank{R}.json``, as written by ``dsv4cp.profiling.trace.capture_trace``), or an Nsight Systems
+SQLite export (``nsys export --type sqlite``), or a directory of per-rank exports. Prints one row
+per (rank, phase) and a ``total`` row per rank; times in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+HELP = "compute/comm overlap per rank and phase from Kineto traces or an nsys SQLite export"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", type=Path, help="directory of per-rank Kineto JSON traces, or an nsys .sqlite file")
+    parser.add_argument("--csv", type=Path, metavar="OUT", help="also write the table to this CSV file")
+
+
+def load_table(path: Path) -> pd.DataFrame:
+    """The overlap table of PATH, choosing the reader by what PATH holds."""
+    from dsv4cp.profiling.nsys import nsys_overlap_table
+    from dsv4cp.profiling.trace import TRACE_SUFFIXES, kineto_overlap_table
+
+    if not path.exists():
+        raise ValueError(f"path: {path} does not exist")
+    if path.is_file():
+        if path.suffix != ".sqlite":
+            raise ValueError(f"path: {path} is a file but not an nsys .sqlite export (give a directory of Kineto traces)")
+        return nsys_overlap_table(path)
+    names = [p.name for p in path.iterdir() if p.is_file()]
+    if any(name.endswith(TRACE_SUFFIXES) for name in names):
+        return kineto_overlap_table(path)
+    if any(name.endswith(".sqlite") for name in names):
+        return nsys_overlap_table(path)
+    raise ValueError(f"path: {path} holds neither Kineto traces (*.json, *.json.gz) nor nsys exports (*.sqlite)")
+
+
+def run(args: argparse.Namespace) -> int:
+    table = load_table(args.path)
+    print(table.to_string(index=False))
+    if args.csv is not None:
+        table.to_csv(args.csv, index=False)
+    return 0

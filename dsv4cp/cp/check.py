@@ -1,0 +1,142 @@
+"""CP parity check: every rank's results under CP equal the CP = 1 layer's (DESIGN 3.8).
+
+Each rank builds the same layer (same seed), runs the full batch at CP = 1 and its own slice under
+CP, back-propagates the same random output weighting plus the indexer loss, sums parameter gradients
+over the group, and compares: output slice, input-gradient slice, indexer loss, parameter gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dsv4cp.config import DSv4Config
+from dsv4cp.layer import DSv4Attention
+from dsv4cp.packing import PackedSeqs
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+REL_TOLERANCE = {"fp64": 1e-10, "fp32": 1e-5}
+COSINE_TOLERANCE = 1e-3  # bf16: cosine similarity > 1 - this
+QUANTITIES = ("out", "x_grad", "indexer_loss", "param_grads")
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    """One parity check: which layer, which batch, which CP settings."""
+
+    preset: str = "tiny"
+    ratio: int = 4
+    lengths: tuple[int, ...] = (300,)
+    total: int | None = None
+    pad_to_multiple: int = 1
+    dtype: str = "fp32"
+    overlap: str = "none"
+    backend: str = "auto"
+    seed: int = 0
+    config_overrides: dict = field(default_factory=dict)
+
+    def config(self) -> DSv4Config:
+        return DSv4Config.preset(self.preset, **self.config_overrides)
+
+    def packed(self, device: torch.device | None = None) -> PackedSeqs:
+        return PackedSeqs.from_lengths(self.lengths, self.pad_to_multiple, self.total, device=device)
+
+
+@dataclass
+class Comparison:
+    quantity: str
+    max_rel_error: float
+    cosine: float
+    passed: bool
+
+
+def randomize_(layer: DSv4Attention, generator: torch.Generator) -> None:
+    """Give every parameter a non-trivial value (sinks, biases by position, norm weights too)."""
+    with torch.no_grad():
+        layer.reset_parameters(generator)
+        for name, param in layer.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32).to(param)
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * noise)
+            elif name.endswith("attn_sink") or name.endswith("ape"):
+                param.copy_(0.5 * noise)
+
+
+def _compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: str) -> Comparison:
+    got, want = got.detach().double().flatten(), want.detach().double().flatten()
+    scale = want.abs().max().clamp_min(1e-30)
+    rel = float((got - want).abs().max() / scale) if want.numel() else 0.0
+    cos = float(torch.nn.functional.cosine_similarity(got, want, dim=0)) if want.abs().max() > 0 else 1.0
+    if got.numel() and want.abs().max() == 0 and got.abs().max() == 0:
+        cos = 1.0
+    passed = cos > 1 - COSINE_TOLERANCE if dtype == "bf16" else rel <= REL_TOLERANCE[dtype]
+    return Comparison(name, rel, cos, passed)
+
+
+def run_rank(rank: int, world: int, device: torch.device, case: CheckCase) -> list[dict]:
+    """Body of one rank (called under :func:`dsv4cp.cp.launch.spawn` or torchrun)."""
+    group = dist.group.WORLD
+    dtype = DTYPES[case.dtype]
+    cfg = case.config()
+    packed = case.packed(device)
+    generator = torch.Generator().manual_seed(case.seed)
+    layer = DSv4Attention(cfg, case.ratio, backend=case.backend, overlap=case.overlap)
+    randomize_(layer, generator)
+    layer = layer.to(device=device, dtype=dtype)
+    x = torch.randn(packed.total, cfg.hidden, generator=generator).to(device=device, dtype=dtype)
+    weight = torch.randn(packed.total, cfg.hidden, generator=generator).to(device=device, dtype=dtype)
+
+    reference = copy.deepcopy(layer)
+    x_full = x.clone().requires_grad_()
+    full = reference(x_full, packed)
+    _objective(full.out, weight, full.indexer_loss).backward()
+
+    rows = packed.total // world
+    mine = slice(rank * rows, (rank + 1) * rows)
+    x_local = x[mine].clone().requires_grad_()
+    local = layer(x_local, packed, cp_group=group)
+    _objective(local.out, weight[mine], local.indexer_loss).backward()
+
+    comparisons = [
+        _compare("out", local.out, full.out[mine], case.dtype),
+        _compare("x_grad", x_local.grad, x_full.grad[mine], case.dtype),
+    ]
+    if full.indexer_loss is not None:
+        summed = local.indexer_loss.detach().clone()
+        dist.all_reduce(summed, group=group)
+        comparisons.append(_compare("indexer_loss", summed, full.indexer_loss, case.dtype))
+    grads = []
+    for (name, p_cp), (_, p_ref) in zip(layer.named_parameters(), reference.named_parameters()):
+        grad = p_cp.grad if p_cp.grad is not None else torch.zeros_like(p_cp)
+        dist.all_reduce(grad, group=group)  # CP ranks hold partial sums, as data parallelism does
+        grads.append((grad, p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)))
+    comparisons.append(
+        _compare("param_grads", torch.cat([g.flatten() for g, _ in grads]),
+                 torch.cat([r.flatten() for _, r in grads]), case.dtype)
+    )
+    return [asdict(c) for c in comparisons]
+
+
+def _objective(out: torch.Tensor, weight: torch.Tensor, indexer_loss: torch.Tensor | None) -> torch.Tensor:
+    value = (out.float() * weight.float()).sum()
+    return value if indexer_loss is None else value + indexer_loss.float()
+
+
+def merge_ranks(per_rank: list[list[dict]]) -> list[Comparison]:
+    """Worst case over ranks for each quantity."""
+    merged: dict[str, Comparison] = {}
+    for results in per_rank:
+        for item in results:
+            c = Comparison(**item)
+            old = merged.get(c.quantity)
+            if old is None:
+                merged[c.quantity] = c
+            else:
+                merged[c.quantity] = Comparison(
+                    c.quantity, max(old.max_rel_error, c.max_rel_error), min(old.cosine, c.cosine),
+                    old.passed and c.passed,
+                )
+    return [merged[q] for q in QUANTITIES if q in merged]

@@ -1,0 +1,93 @@
+"""Run a function on ``world`` local ranks: spawned processes (CPU tests, the CLI) or torchrun's.
+
+One process per rank, each with its own process group. When a rank raises, the spawner terminates
+the others, so no rank waits forever on a collective its peer will never issue.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def device_for(backend: str) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` under NCCL (never assumes one node), else CPU."""
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_from_env(backend: str) -> torch.device:
+    """Join the process group torchrun (or :func:`spawn`) described in the environment."""
+    device = device_for(backend)
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=TIMEOUT, **kwargs)
+    return device
+
+
+def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    try:
+        device = init_from_env(backend)
+        results.put((rank, "ok", fn(rank, world, device, *args)))
+    except BaseException as err:  # report the failure to the parent, then fail this rank
+        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int, *args, backend: str = "gloo") -> list[Any]:
+    """Call ``fn(rank, world, device, *args)`` on ``world`` new processes; return each rank's result.
+
+    ``fn`` must be importable (a module-level function). A failing rank raises ``RuntimeError``
+    here with its message and traceback, after the other ranks are stopped.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    try:
+        mp.start_processes(_worker, args=(world, port, backend, fn, args, results), nprocs=world,
+                           join=True, start_method="spawn")
+    except mp.ProcessRaisedException:
+        pass  # the rank's own message is in the queue; collected below
+    except mp.ProcessExitedException:
+        pass
+    collected: dict[int, Any] = {}
+    errors = []
+    while not results.empty():
+        rank, status, payload = results.get()
+        if status == "ok":
+            collected[rank] = payload
+        else:
+            errors.append(f"rank {rank}: {payload}")
+    if errors or len(collected) != world:
+        raise RuntimeError("distributed run failed:\n" + ("\n".join(errors) or "a rank exited without a result"))
+    return [collected[r] for r in range(world)]

@@ -1,0 +1,717 @@
+"""Triton kernels for the sparse multi-query attention op with a sink (DESIGN 4.1, 4.2).
+
+The op (see :func:`dsv4cp.ops.sparse_attention`)::
+
+    l_j    = scale * <q[t, h], kv[idx[t, j]]>        over the valid slots j of query t
+    out    = sum_j e^{l_j} kv_j / (sum_j e^{l_j} + e^{sink_h})   (0 when t has no valid slot)
+    lse    = log sum_j e^{l_j}                         (natural log, sink EXCLUDED, -inf if none)
+
+A slot is valid when ``idx >= 0`` and its position is below ``topk_length[t]`` (when given); one kv row
+is both the key and the value of every head (multi-query, K = V); repeated rows count as repeated keys.
+
+Kernels, in the style of Triton's tutorials (each ``@triton.jit`` body next to its Python wrapper):
+
+* forward ``_fwd_kernel``: one program per (query token, block of ``BLOCK_H`` heads). The heads sit on
+  the matrix-unit M dimension; the query's slots are visited in blocks of ``BLOCK_K``: the gathered kv
+  rows ``[BLOCK_K, D]`` are loaded ONCE and used both as K (``s = q @ kv^T``) and as V
+  (``acc += p @ kv``). Online softmax in fp32 with ``exp2`` (``scale * log2 e`` folded into the logits),
+  the sink folded into the denominator at the end.
+* backward ``_bwd_preprocess_kernel``: ``delta = <dO, O>`` per (t, h) and the per-row sink-gradient
+  partials ``-p_sink * delta`` (summed over t by ``torch.sum``: deterministic).
+* backward ``_bwd_kernel``: per (query, head block), recomputes ``p`` from ``lse``; ``dq`` is written
+  directly; the kv-row gradient ``scale * ds^T q + p^T dO`` of each slot block is either added with
+  fp32 ``tl.atomic_add`` into an fp32 ``dkv`` buffer (fast default) or, in deterministic mode, written
+  to a per-(head block, query, slot) contribution buffer that ``_dkv_reduce_kernel`` sums per kv row in a
+  fixed order given by an inverted index (stable ``torch.sort`` of the flattened ``idx``): bitwise
+  reproducible results.
+
+How ``D = 512`` fits an sm_90 SM (228 KB shared memory, 64K 32-bit registers): the whole head dim is
+one tile (``BLOCK_D = next_pow2(D)``; the matrix unit reduces over all of it in one ``tl.dot``). Forward,
+bf16, ``BLOCK_H = 64, BLOCK_K = 64, num_warps = 8``: the fp32 accumulator ``[64, 512]`` is 128 KB of
+registers = 128 per thread over 256 threads (the two warpgroups split its 512 columns), q ``[64, 512]``
+stays in shared memory (64 KB) and each stage of gathered kv rows takes 64 KB: 2 stages = ~200 KB.
+Backward, ``BLOCK_K = 32``: ``dq`` accumulator 128 regs/thread plus the ``[32, 512]`` fp32 kv-gradient
+tile 64 regs/thread; q and dO (64 KB each) in shared memory plus 32 KB per kv stage. Each launch tries a
+short ladder of configurations and falls back to a smaller one on ``OutOfResources`` (the choice is
+cached per shape class); ``DSV4CP_TRITON_FWD_CONFIG`` / ``DSV4CP_TRITON_BWD_CONFIG``
+(``"block_h,block_k,num_warps,num_stages"``) or the wrappers' keyword arguments pin one.
+
+Kernels are built lazily per execution mode: CUDA tensors use compiled ``triton.jit`` kernels, CPU
+tensors use Triton's interpreter (slow: tiny sizes only), independently of import order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4cp.ops.sparse_attention import SparseAttentionBackend, register_backend
+from dsv4cp.ops.sparse_attention_torch import sparse_attention_backward as _torch_backward
+from dsv4cp.ops.sparse_attention_torch import sparse_attention_forward as _torch_forward
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - very old triton
+
+    class OutOfResources(Exception):
+        pass
+
+
+__all__ = [
+    "KernelConfig",
+    "sparse_attention_fwd",
+    "sparse_attention_bwd",
+    "set_deterministic",
+    "is_deterministic",
+    "triton_available",
+    "MAX_HEAD_DIM",
+    "DETERMINISTIC_CHUNK_BYTES",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_HEAD_DIM = 512
+"""Largest head dim the kernels accept (one ``[BLOCK_H, D]`` fp32 accumulator tile per program)."""
+
+DETERMINISTIC_CHUNK_BYTES = 2 * 2**30
+"""Budget of the deterministic backward's fp32 contribution buffer ``[head blocks, queries, Kt, D]``;
+queries are processed in chunks that fit it."""
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch configuration: heads per program (M of the matrix unit), slots per step, warps, stages."""
+
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel bodies. Plain functions; ``_build`` turns each into a ``triton.jit`` kernel (CUDA) or an
+# interpreted one (CPU) on first use.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(
+    Q, KV, IDX, SINK, TOPK, OUT, LSE,  # pointers
+    qk_scale2,  # fp32: scale * log2(e)
+    H, N, KT, N_HB,  # heads, kv rows, slots per query, head blocks per query
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Forward of one (query token t, head block).
+
+    Q ``[T, H, D]``, KV ``[N, D]`` (same float dtype), IDX ``[T, KT]`` int32/int64, SINK ``[H]`` fp32,
+    TOPK ``[T]`` int32 (read iff HAS_TOPK), OUT ``[T, H, D]`` (Q's dtype), LSE ``[T, H]`` fp32.
+    """
+    pid = tl.program_id(0)
+    t = (pid // N_HB).to(tl.int64)
+    hb = pid % N_HB
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+
+    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: use fp32 products there
+        q = q.to(tl.float32)
+    kt_len = KT
+    if HAS_TOPK:
+        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of 2^(s - m_i)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for k0 in range(0, kt_len, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        rows = tl.load(IDX + t * stride_it + slots, mask=slots < kt_len, other=-1).to(tl.int64)
+        valid = (rows >= 0) & (rows < N)
+        kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :],
+                     mask=valid[:, None] & dmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]: K and V
+        if DOT_F32:
+            kv = kv.to(tl.float32)
+        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: avoid -inf - -inf
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    # Sink: denominator 2^m * l + 2^(sink*log2e); a row with no key has acc = 0 -> out = 0.
+    sink2 = tl.load(SINK + heads, mask=hmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    denom = l_i + tl.math.exp2(sink2 - m_use)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    out = acc / denom[:, None]
+    has_key = l_i > 0.0
+    lse = tl.where(has_key, (m_use + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(OUT + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=hmask[:, None] & dmask[None, :])
+    tl.store(LSE + t * H + heads, lse, mask=hmask)
+
+
+def _bwd_preprocess_kernel(
+    OUT, DOUT, LSE, SINK, DELTA, DSINK_PART,
+    H, stride_ot, stride_oh, stride_dt, stride_dh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Per (t, head block): DELTA ``[T, H]`` fp32 = <dO, O>; DSINK_PART ``[T, H]`` fp32 = -p_sink * delta
+    with p_sink = e^sink / (e^lse + e^sink). OUT, DOUT ``[T, H, D]``, LSE ``[T, H]`` fp32, SINK ``[H]``."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, BLOCK_D)
+    mask = hmask[:, None] & (d[None, :] < D)
+    o = tl.load(OUT + t * stride_ot + heads[:, None] * stride_oh + d[None, :], mask=mask, other=0.0)
+    do = tl.load(DOUT + t * stride_dt + heads[:, None] * stride_dh + d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + t * H + heads, mask=hmask, other=float("-inf"))
+    sink = tl.load(SINK + heads, mask=hmask, other=float("-inf")).to(tl.float32)
+    # p_sink = 1 / (1 + e^(lse - sink)); a row with no key (lse = -inf) has p_sink = 1 (and delta = 0).
+    no_key = lse == float("-inf")
+    diff = tl.where(no_key, 0.0, lse - tl.where(no_key, 0.0, sink))  # sink = -inf -> +inf -> p_sink = 0
+    p_sink = tl.where(no_key, 1.0, 1.0 / (1.0 + tl.math.exp2(diff * 1.4426950408889634)))
+    tl.store(DELTA + t * H + heads, delta, mask=hmask)
+    tl.store(DSINK_PART + t * H + heads, -p_sink * delta, mask=hmask)
+
+
+def _bwd_kernel(
+    Q, KV, IDX, TOPK, DOUT, LSE, DELTA, SINK, DQ, DKV,
+    scale, qk_scale2,
+    H, N, KT, N_HB, T0,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh, stride_dqt, stride_dqh,
+    stride_chb,  # deterministic: contribution buffer stride between head blocks
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_TOPK: tl.constexpr, DETERMINISTIC: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Backward of one (query token T0 + pid // N_HB, head block).
+
+    Writes DQ ``[T, H, D]`` (Q's dtype). DKV is either an fp32 ``[N, D]`` buffer receiving atomic adds
+    or, with DETERMINISTIC, an fp32 contribution buffer ``[N_HB, chunk, KT, D]`` (strides
+    ``stride_chb, KT * D, D, 1``) whose entry (head block, t - T0, slot) is written for valid slots.
+    """
+    pid = tl.program_id(0)
+    t_local = (pid // N_HB).to(tl.int64)
+    t = T0 + t_local
+    hb = pid % N_HB
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qd_mask = hmask[:, None] & dmask[None, :]
+
+    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DOUT + t * stride_dt + heads[:, None] * stride_dh + d[None, :], mask=qd_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = tl.load(LSE + t * H + heads, mask=hmask, other=float("-inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + t * H + heads, mask=hmask, other=0.0)
+    sink2 = tl.load(SINK + heads, mask=hmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    # log2 of the full denominator (keys + sink); heads with no key (or padding) get +inf -> p = 0.
+    mx = tl.maximum(lse2, sink2)
+    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
+    total = tl.math.exp2(lse2 - mx_use) + tl.math.exp2(sink2 - mx_use)
+    has_key = hmask & (lse2 > float("-inf"))
+    lt2 = tl.where(has_key, mx_use + tl.math.log2(tl.where(has_key, total, 1.0)), float("inf"))
+
+    kt_len = KT
+    if HAS_TOPK:
+        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+
+    dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for k0 in range(0, kt_len, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        rows = tl.load(IDX + t * stride_it + slots, mask=slots < kt_len, other=-1).to(tl.int64)
+        valid = (rows >= 0) & (rows < N)
+        kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :],
+                     mask=valid[:, None] & dmask[None, :], other=0.0)
+        if DOT_F32:
+            kv = kv.to(tl.float32)
+        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
+        p = tl.math.exp2(s - lt2[:, None])
+        p = tl.where(valid[None, :], p, 0.0)  # [BLOCK_H, BLOCK_K] probabilities (sink in denominator)
+        dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None]) * scale  # d loss / d (q.k), scale folded in
+        ds_c = ds.to(kv.dtype)
+        dq = tl.dot(ds_c, kv, dq, input_precision=PRECISION)
+        # K = V: the row's gradient gets both roles, summed over this block's heads.
+        dkv = tl.dot(tl.trans(ds_c), q, input_precision=PRECISION)
+        dkv = tl.dot(tl.trans(p.to(kv.dtype)), do, dkv, input_precision=PRECISION)  # [BLOCK_K, BLOCK_D]
+        if DETERMINISTIC:
+            dst = DKV + hb * stride_chb + (t_local * KT + slots)[:, None] * D + d[None, :]
+            tl.store(dst, dkv, mask=valid[:, None] & dmask[None, :])
+        else:
+            tl.atomic_add(DKV + rows[:, None] * D + d[None, :], dkv, mask=valid[:, None] & dmask[None, :],
+                          sem="relaxed")
+    tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=qd_mask)
+
+
+def _dkv_reduce_kernel(
+    CONTRIB, PERM, SEG, DKV,
+    N_HB, stride_chb,
+    D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Deterministic kv-gradient reduction: program (r, d block) adds to DKV[r] (fp32 ``[N, D]``) the
+    contributions ``CONTRIB[hb, PERM[i]]`` for i in ``[SEG[r], SEG[r+1])`` (in that order, head blocks
+    innermost). PERM int64 is the stable sort of the flattened slot rows; SEG ``[N + 1]`` int64."""
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    start = tl.load(SEG + r)
+    end = tl.load(SEG + r + 1)
+    if end > start:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for i0 in range(start, end, BLOCK_C):
+            offs = i0 + tl.arange(0, BLOCK_C)
+            cmask = offs < end
+            src = tl.load(PERM + offs, mask=cmask, other=0)
+            for hb in range(0, N_HB):
+                vals = tl.load(CONTRIB + hb * stride_chb + src[:, None] * D + d[None, :],
+                               mask=cmask[:, None] & dmask[None, :], other=0.0)
+                acc += tl.sum(vals, 0)
+        old = tl.load(DKV + r * D + d, mask=dmask, other=0.0)
+        tl.store(DKV + r * D + d, old + acc, mask=dmask)
+
+
+_BODIES = {f.__name__: f for f in (_fwd_kernel, _bwd_preprocess_kernel, _bwd_kernel, _dkv_reduce_kernel)}
+_BUILT: dict[tuple[str, bool], object] = {}
+
+
+def _build(name: str, device: torch.device):
+    """The kernel ``name`` compiled for CUDA, or interpreted for CPU tensors."""
+    interpret = device.type != "cuda"
+    key = (name, interpret)
+    if key not in _BUILT:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _BUILT[key] = InterpretedFunction(_BODIES[name])
+        else:
+            _BUILT[key] = triton.jit(_BODIES[name])
+    return _BUILT[key]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration.
+# ---------------------------------------------------------------------------------------------------
+
+_CHOSEN: dict[tuple, KernelConfig] = {}
+
+
+def _block_h(heads: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(heads)))
+
+
+def _env_config(var: str) -> KernelConfig | None:
+    text = os.environ.get(var)
+    if not text:
+        return None
+    try:
+        values = [int(v) for v in text.split(",")]
+        if len(values) != 4:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{var}: expected 'block_h,block_k,num_warps,num_stages', got {text!r}") from None
+    return KernelConfig(*values)
+
+
+def _fwd_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
+    bh = _block_h(heads)
+    if block_d >= 256:
+        ladder = [(bh, 64, 8, 2), (bh, 64, 8, 1), (bh, 32, 8, 2), (bh, 32, 8, 1)]
+        if dtype == torch.float32:
+            ladder = [(bh, 32, 8, 1), (min(bh, 32), 32, 8, 1)]
+        ladder.append((min(bh, 32), 16, 4, 1))
+    else:
+        ladder = [(bh, 64, 4, 2), (bh, 32, 4, 2), (bh, 32, 4, 1)]
+    return [KernelConfig(*c) for c in ladder]
+
+
+def _bwd_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
+    bh = _block_h(heads)
+    if block_d >= 256:
+        ladder = [(bh, 32, 8, 2), (bh, 32, 8, 1), (bh, 16, 8, 1), (min(bh, 32), 16, 4, 1)]
+        if dtype == torch.float32:
+            ladder = [(bh, 16, 8, 1), (min(bh, 32), 16, 8, 1), (16, 16, 4, 1)]
+    else:
+        ladder = [(bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
+    return [KernelConfig(*c) for c in ladder]
+
+
+def _explicit_config(env_var, block_h, block_k, num_warps, num_stages, default: KernelConfig):
+    """A pinned config from keyword arguments (filled from ``default``) or the env var, else None."""
+    if any(v is not None for v in (block_h, block_k, num_warps, num_stages)):
+        cfg = KernelConfig(
+            block_h if block_h is not None else default.block_h,
+            block_k if block_k is not None else default.block_k,
+            num_warps if num_warps is not None else default.num_warps,
+            num_stages if num_stages is not None else default.num_stages,
+        )
+    else:
+        cfg = _env_config(env_var)
+    if cfg is not None:
+        for name in ("block_h", "block_k"):
+            value = getattr(cfg, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: must be a power of two >= 16 (matrix-unit tile), got {value}")
+    return cfg
+
+
+def _launch(kind: str, key: tuple, ladder: list[KernelConfig], pinned: KernelConfig | None, launch) -> None:
+    """Run ``launch(cfg)`` with the pinned config, the cached one, or the first config of the ladder that
+    fits the device (compilation raising OutOfResources moves to the next)."""
+    if pinned is not None:
+        launch(pinned)
+        return
+    cache_key = (kind, *key)
+    if cache_key in _CHOSEN:
+        launch(_CHOSEN[cache_key])
+        return
+    error = None
+    for cfg in ladder:
+        try:
+            launch(cfg)
+        except OutOfResources as exc:  # raised before anything runs: safe to retry smaller
+            error = exc
+            continue
+        _CHOSEN[cache_key] = cfg
+        return
+    raise RuntimeError(f"sparse_attention triton {kind}: no configuration fits this device: {error}") from error
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check(q, kv, idx, sink, topk_length) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q: must be [T, H, D], got shape {tuple(q.shape)}")
+    t, h, d = q.shape
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q: dtype must be one of bf16, fp16, fp32 for the triton backend, got {q.dtype}")
+    if d % 16 != 0 or d == 0:
+        raise ValueError(f"q: head dim D must be a positive multiple of 16 (matrix-unit K), got {d}")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D must be at most {MAX_HEAD_DIM} for the triton backend, got {d}")
+    if kv.dim() != 2 or kv.shape[1] != d:
+        raise ValueError(f"kv: must be [N, {d}], got shape {tuple(kv.shape)}")
+    if kv.dtype != q.dtype:
+        raise ValueError(f"kv: dtype must match q ({q.dtype}), got {kv.dtype}")
+    if idx.dim() != 2 or idx.shape[0] != t:
+        raise ValueError(f"idx: must be [{t}, Kt], got shape {tuple(idx.shape)}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx: dtype must be int32 (or int64), got {idx.dtype}")
+    if sink.shape != (h,):
+        raise ValueError(f"sink: must be [{h}], got shape {tuple(sink.shape)}")
+    if not sink.dtype.is_floating_point:
+        raise ValueError(f"sink: dtype must be floating (fp32), got {sink.dtype}")
+    if topk_length is not None:
+        if topk_length.shape != (t,):
+            raise ValueError(f"topk_length: must be [{t}], got shape {tuple(topk_length.shape)}")
+        if topk_length.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_length: dtype must be int32 (or int64), got {topk_length.dtype}")
+    for name, tensor in (("kv", kv), ("idx", idx), ("sink", sink), ("topk_length", topk_length)):
+        if tensor is not None and tensor.device != q.device:
+            raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"q: device must be cuda (or cpu under the Triton interpreter), got {q.device}")
+
+
+def _precision(q: torch.Tensor) -> str:
+    # fp32 products stay fp32 ("ieee", not tf32): fp32 inputs (tests), and bf16 upcast by the interpreter.
+    # bf16/fp16 on the GPU ignore the setting; "tf32" is Triton's default.
+    return "ieee" if q.dtype == torch.float32 or _dot_f32(q) else "tf32"
+
+
+def _dot_f32(q: torch.Tensor) -> bool:
+    # Triton's interpreter (3.9) feeds bf16 tiles to numpy as raw uint16 in tl.dot: upcast there.
+    return q.device.type != "cuda" and q.dtype == torch.bfloat16
+
+
+def _config_key(q: torch.Tensor) -> tuple:
+    return (q.device.type, q.shape[2], q.dtype, _block_h(q.shape[1]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Wrappers.
+# ---------------------------------------------------------------------------------------------------
+
+
+def sparse_attention_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    topk_length: torch.Tensor | None = None,
+    *,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of sparse multi-query attention with a sink (Triton).
+
+    Args:
+        q: ``[T, H, D]`` bf16, fp16 or fp32 (D a multiple of 16, at most 512).
+        kv: ``[N, D]`` same dtype: each row is key and value of every head.
+        idx: ``[T, Kt]`` int32 (or int64) rows of ``kv``; ``-1`` marks an empty slot. Rows ``>= N`` are
+            treated as empty (no memory fault) rather than raising.
+        sink: ``[H]`` fp32 sink logits.
+        scale: logit scale.
+        topk_length: optional ``[T]`` int32: query t uses its first ``topk_length[t]`` slots only.
+        block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder).
+
+    Returns:
+        ``out [T, H, D]`` in q's dtype and ``lse [T, H]`` fp32 (natural log, sink excluded, -inf for a
+        row with no valid key, whose ``out`` is 0).
+    """
+    _check(q, kv, idx, sink, topk_length)
+    q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
+    sink = sink.to(torch.float32).contiguous()
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
+    block_d = triton.next_power_of_2(d)
+    ladder = _fwd_ladder(block_d, h, q.dtype)
+    pinned = _explicit_config("DSV4CP_TRITON_FWD_CONFIG", block_h, block_k, num_warps, num_stages, ladder[0])
+    kernel = _build("_fwd_kernel", q.device)
+
+    def launch(cfg: KernelConfig) -> None:
+        n_hb = triton.cdiv(h, cfg.block_h)
+        kernel[(t * n_hb,)](
+            q, kv, idx, sink, topk, out, lse,
+            float(scale) * LOG2E, h, kv.shape[0], idx.shape[1], n_hb,
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+            D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+            HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _launch("fwd", _config_key(q), ladder, pinned, launch)
+    return out, lse
+
+
+_DETERMINISTIC = False
+
+
+def set_deterministic(flag: bool) -> None:
+    """Make the "triton" backend's backward use the deterministic (atomic-free) kv-gradient reduction.
+
+    Independently of this flag, ``torch.use_deterministic_algorithms(True)`` also selects it, and the
+    "triton-deterministic" backend always uses it."""
+    global _DETERMINISTIC
+    _DETERMINISTIC = bool(flag)
+
+
+def is_deterministic() -> bool:
+    """Whether the "triton" backend's backward currently runs deterministically."""
+    return _DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+
+
+def sparse_attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    topk_length: torch.Tensor | None = None,
+    *,
+    deterministic: bool | None = None,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    chunk_bytes: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`sparse_attention_fwd` (Triton).
+
+    Args:
+        dout: ``[T, H, D]`` gradient of ``out`` (q's dtype); q, kv, idx, sink, scale, topk_length as in
+            the forward; ``out [T, H, D]`` and ``lse [T, H]`` fp32 from the forward.
+        deterministic: ``True``: kv gradients reduced through an inverted index in a fixed order
+            (bitwise reproducible, slower, needs a contribution buffer of at most ``chunk_bytes``,
+            default :data:`DETERMINISTIC_CHUNK_BYTES`); ``False``: fp32 atomics; ``None``:
+            :func:`is_deterministic`.
+
+    Returns:
+        ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
+        (sink's dtype, accumulated in fp32 by a per-row partial then ``torch.sum``).
+    """
+    _check(q, kv, idx, sink, topk_length)
+    t, h, d = q.shape
+    if dout.shape != q.shape or dout.dtype != q.dtype:
+        raise ValueError(f"dout: must be {tuple(q.shape)} {q.dtype}, got {tuple(dout.shape)} {dout.dtype}")
+    if out.shape != q.shape:
+        raise ValueError(f"out: must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    if lse.shape != (t, h):
+        raise ValueError(f"lse: must be [{t}, {h}], got shape {tuple(lse.shape)}")
+    for name, tensor in (("dout", dout), ("out", out), ("lse", lse)):
+        if tensor.device != q.device:
+            raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
+    if deterministic is None:
+        deterministic = is_deterministic()
+    sink_dtype = sink.dtype
+    q, kv, idx, dout, out = q.contiguous(), kv.contiguous(), idx.contiguous(), dout.contiguous(), out.contiguous()
+    sink = sink.to(torch.float32).contiguous()
+    lse = lse.to(torch.float32).contiguous()
+    n, kt = kv.shape[0], idx.shape[1]
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(n, d, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return dq, dkv.to(kv.dtype), torch.zeros(h, dtype=sink_dtype, device=q.device)
+    block_d = triton.next_power_of_2(d)
+    topk = topk_length.contiguous() if topk_length is not None else idx
+
+    # (a) delta and the sink-gradient partials.
+    delta = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    dsink_part = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    pre_bh = _block_h(h)
+    _build("_bwd_preprocess_kernel", q.device)[(t, triton.cdiv(h, pre_bh))](
+        out, dout, lse, sink, delta, dsink_part,
+        h, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+        D=d, BLOCK_D=block_d, BLOCK_H=pre_bh, num_warps=8 if block_d >= 256 else 4,
+    )
+    dsink = dsink_part.sum(0)
+
+    # (b)/(c) dq and dkv.
+    ladder = _bwd_ladder(block_d, h, q.dtype)
+    pinned = _explicit_config("DSV4CP_TRITON_BWD_CONFIG", block_h, block_k, num_warps, num_stages, ladder[0])
+    kernel = _build("_bwd_kernel", q.device)
+    common = dict(scale=float(scale), qk_scale2=float(scale) * LOG2E, H=h, N=n, KT=kt)
+
+    def run_bwd(cfg: KernelConfig, t0: int, rows: int, target: torch.Tensor, stride_chb: int, det: bool):
+        n_hb = triton.cdiv(h, cfg.block_h)
+        kernel[(rows * n_hb,)](
+            q, kv, idx, topk, dout, lse, delta, sink, dq, target,
+            common["scale"], common["qk_scale2"], h, n, kt, n_hb, t0,
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
+            dq.stride(0), dq.stride(1), stride_chb,
+            D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+            HAS_TOPK=topk_length is not None, DETERMINISTIC=det, PRECISION=_precision(q),
+            DOT_F32=_dot_f32(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    if not deterministic:
+        _launch("bwd", _config_key(q), ladder, pinned, lambda cfg: run_bwd(cfg, 0, t, dkv, 0, False))
+    else:
+        _deterministic_dkv(q, idx, topk_length, dkv, ladder, pinned, run_bwd,
+                           DETERMINISTIC_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes))
+    return dq, dkv.to(kv.dtype), dsink.to(sink_dtype)
+
+
+def _valid_rows(idx: torch.Tensor, topk_length: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Flattened int64 kv row of each slot, or ``n`` (sorts last) for an empty slot."""
+    rows = idx.long()
+    valid = (rows >= 0) & (rows < n)
+    if topk_length is not None:
+        slots = torch.arange(idx.shape[1], device=idx.device)
+        valid &= slots[None, :] < topk_length.long()[:, None]
+    return torch.where(valid, rows, torch.full_like(rows, n)).reshape(-1)
+
+
+def _deterministic_dkv(q, idx, topk_length, dkv, ladder, pinned, run_bwd, chunk_bytes) -> None:
+    """Queries in chunks: per-(head block, query, slot) kv-gradient contributions into a buffer, then a
+    per-kv-row reduction in the stable-sorted order of the chunk's slots. Chunks run in order, so every
+    row's sum has a fixed order: bitwise reproducible."""
+    t, h, d = q.shape
+    n, kt = dkv.shape[0], idx.shape[1]
+    reduce_kernel = _build("_dkv_reduce_kernel", q.device)
+    block_d_red = min(triton.next_power_of_2(d), 128)
+    row_ids = torch.arange(n + 1, device=q.device)
+    state: dict = {}
+
+    def one_config(cfg: KernelConfig) -> None:
+        n_hb = triton.cdiv(h, cfg.block_h)
+        per_query = n_hb * max(kt, 1) * d * 4
+        chunk = max(1, min(t, chunk_bytes // per_query))
+        contrib = torch.empty(n_hb, chunk, kt, d, dtype=torch.float32, device=q.device)
+        for t0 in range(0, t, chunk):
+            rows = min(chunk, t - t0)
+            run_bwd(cfg, t0, rows, contrib, contrib.stride(0), True)
+            state["launched"] = True
+            keys = _valid_rows(idx[t0:t0 + rows], None if topk_length is None else topk_length[t0:t0 + rows], n)
+            sorted_keys, perm = torch.sort(keys, stable=True)
+            seg = torch.searchsorted(sorted_keys, row_ids)
+            reduce_kernel[(n, triton.cdiv(d, block_d_red))](
+                contrib, perm, seg, dkv, n_hb, contrib.stride(0),
+                D=d, BLOCK_C=16, BLOCK_D=block_d_red, num_warps=4,
+            )
+
+    def guarded(cfg: KernelConfig) -> None:
+        if state.get("launched"):  # OutOfResources after partial work cannot be retried cleanly
+            raise RuntimeError("sparse_attention triton bwd: configuration failed after partial work")
+        one_config(cfg)
+
+    _launch("bwd", _config_key(q), ladder, pinned, guarded)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registration.
+# ---------------------------------------------------------------------------------------------------
+
+
+def triton_available(device: torch.device) -> bool:
+    """CUDA devices (compiled kernels), or CPU when ``TRITON_INTERPRET=1`` (Triton's interpreter)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    if device.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return False
+
+
+def _backend_forward(q, kv, idx, sink, scale, topk_length=None):
+    if q.dtype == torch.float64:  # no fp64 matrix-unit path: the oracle serves fp64 (tests only)
+        return _torch_forward(q, kv, idx, sink, scale, topk_length)
+    return sparse_attention_fwd(q, kv, idx, sink, scale, topk_length)
+
+
+def _make_backward(deterministic: bool | None):
+    def backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None):
+        if q.dtype == torch.float64:
+            return _torch_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length)
+        return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, topk_length,
+                                    deterministic=deterministic)
+
+    return backward
+
+
+def register() -> None:
+    """Register "triton" (atomics unless deterministic mode is on) and "triton-deterministic".
+
+    "triton" goes first in the "auto" order when CUDA is present at import; on CPU-only hosts it is never
+    picked by "auto" (the interpreter is for tests), only by name."""
+    on_cuda = torch.cuda.is_available()
+    register_backend(
+        SparseAttentionBackend("triton", _backend_forward, _make_backward(None), triton_available),
+        auto_rank=0 if on_cuda else None,
+    )
+    register_backend(
+        SparseAttentionBackend("triton-deterministic", _backend_forward, _make_backward(True), triton_available),
+    )
+

@@ -1,0 +1,309 @@
+"""Interval math of the breakdown and overlap table (DESIGN 5), shared by the Kineto and nsys loaders.
+
+Inputs are plain records: kernels (GPU kernels, or CPU ops for a CPU-only trace) and named ranges,
+all on one clock in nanoseconds. Output is one row per (rank, phase) plus a ``total`` row per rank:
+
+    rank, phase, compute_ms, comm_ms, overlap_ms, overlap_ratio, exposed_comm_ms, idle_ms
+
+Definitions, all as lengths of unions of intervals (kernels on several streams that run at the same
+time count once):
+
+* ``compute_ms``: union of the phase's compute kernels.
+* ``comm_ms``: union of the phase's communication kernels (name starts with ``nccl``, any case).
+* ``overlap_ms``: the part of the phase's communication during which ANY compute kernel of the rank
+  runs (compute launched by another phase hides a collective just as well).
+* ``overlap_ratio``: overlap / comm; NaN when the phase has no communication.
+* ``exposed_comm_ms``: comm - overlap.
+* ``idle_ms``: the phase's window minus the union of ALL kernels of the rank inside it.
+
+Attribution rules (the ``total`` row needs none):
+
+1. A kernel belongs to the innermost range enclosing its launch time (the CUDA API call that
+   enqueued it), or its start time when it has no launch information. Ranges are half-open
+   ``[start, end)``. Innermost = greatest nesting depth, then latest start, then earliest end.
+   Depth, unless given, is inferred by time containment among all ranges of the rank across
+   threads, so backward ranges on autograd's thread nest inside the main thread's step range.
+   Kernels outside every range count only in ``total``.
+2. A kernel attributed by its launch counts whole: it runs asynchronously, usually after its
+   launching range has ended, and all of it is that phase's work. A kernel attributed by its start
+   is clipped to the range for the per-phase numbers (the part past the range's end is the device
+   still busy while the host is in the next phase, which this rule cannot assign); ``total`` counts
+   it whole.
+3. The window of one range instance is the span from the first start to the last end of the
+   kernels LAUNCHED inside it (its children's included, like Kineto's ``gpu_user_annotation``);
+   when nothing launched inside it carries launch information, the range itself. A phase's window
+   is the union of its instances' windows. The ``total`` window is the capture window when given,
+   else first kernel start to last kernel end.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+COLUMNS: tuple[str, ...] = (
+    "rank", "phase", "compute_ms", "comm_ms", "overlap_ms", "overlap_ratio", "exposed_comm_ms", "idle_ms",
+)
+"""Columns of ``overlap_table``, in order."""
+
+KERNEL_COLUMNS: tuple[str, ...] = ("rank", "phase", "kernel", "is_comm", "count", "time_ms")
+"""Columns of ``kernel_table``, in order."""
+
+TOTAL = "total"
+"""Phase name of the per-rank row over the whole captured window."""
+
+UNATTRIBUTED = "(unattributed)"
+"""Phase name, in ``kernel_table`` only, of kernels outside every range."""
+
+_NS_PER_MS = 1e6
+
+
+def is_comm_kernel(name: str) -> bool:
+    """DESIGN 5: kernels whose names start with ``nccl`` (case-insensitive) are communication."""
+    return name.lower().startswith("nccl")
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """One kernel execution (or one CPU op of a CPU-only trace); times in ns on the ranges' clock."""
+
+    rank: int
+    stream: int
+    """CUDA stream id (thread id for CPU ops); informational, unions ignore it."""
+    start_ns: int
+    end_ns: int
+    name: str
+    is_comm: bool
+    launch_ns: int | None = None
+    """Start of the API call that launched it; None when the trace cannot tell."""
+
+    def __post_init__(self) -> None:
+        if self.end_ns < self.start_ns:
+            raise ValueError(f"end_ns must be >= start_ns, got start_ns={self.start_ns} end_ns={self.end_ns} ({self.name})")
+
+
+@dataclass(frozen=True)
+class RangeRecord:
+    """One instance of a named range (NVTX or record_function); times in ns."""
+
+    rank: int
+    name: str
+    start_ns: int
+    end_ns: int
+    depth: int | None = None
+    """Nesting depth (0 = outermost); None: inferred from time containment."""
+
+    def __post_init__(self) -> None:
+        if self.end_ns < self.start_ns:
+            raise ValueError(f"end_ns must be >= start_ns, got start_ns={self.start_ns} end_ns={self.end_ns} ({self.name})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Interval sets: pairs of int64 arrays (starts, ends).
+
+_Intervals = tuple[np.ndarray, np.ndarray]
+_EMPTY: _Intervals = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def _union(intervals: _Intervals) -> _Intervals:
+    """Disjoint, sorted intervals covering the same points."""
+    starts, ends = intervals
+    if starts.size == 0:
+        return _EMPTY
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)
+    opens = np.empty(starts.size, dtype=bool)
+    opens[0] = True
+    opens[1:] = starts[1:] > reach[:-1]  # a gap before this interval starts a new merged one
+    first = np.flatnonzero(opens)
+    last = np.append(first[1:] - 1, starts.size - 1)
+    return starts[first], reach[last]
+
+
+def _length(intervals: _Intervals) -> int:
+    starts, ends = _union(intervals)
+    return int((ends - starts).sum())
+
+
+def _concat(*sets: _Intervals) -> _Intervals:
+    return np.concatenate([s for s, _ in sets]), np.concatenate([e for _, e in sets])
+
+
+def _intersection_length(a: _Intervals, b: _Intervals) -> int:
+    """|A and B| = |A| + |B| - |A or B|."""
+    return _length(a) + _length(b) - _length(_concat(a, b))
+
+
+def _select(intervals: _Intervals, mask: np.ndarray) -> _Intervals:
+    return intervals[0][mask], intervals[1][mask]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attribution of one rank's kernels to its ranges.
+
+
+def _infer_depths(ranges: list[RangeRecord]) -> list[int]:
+    """Depth = number of ranges open when this one starts (earlier start, or same start and longer)."""
+    order = sorted(range(len(ranges)), key=lambda i: (ranges[i].start_ns, -ranges[i].end_ns))
+    depths = [0] * len(ranges)
+    open_ends: list[int] = []
+    for i in order:
+        open_ends = [end for end in open_ends if end > ranges[i].start_ns]
+        depths[i] = len(open_ends)
+        open_ends.append(ranges[i].end_ns)
+    return [r.depth if r.depth is not None else d for r, d in zip(ranges, depths)]
+
+
+@dataclass
+class _Attribution:
+    """One rank's kernels with their phase and per-phase (possibly clipped) intervals."""
+
+    kernels: list[KernelRecord]
+    intervals: _Intervals
+    """Whole kernel intervals, in ``kernels`` order."""
+    is_comm: np.ndarray
+    phase: list[str | None]
+    """Phase of each kernel; None outside every range."""
+    phase_intervals: _Intervals
+    """Kernel intervals clipped per rule 2 (unattributed kernels: whole)."""
+    windows: dict[str, list[tuple[int, int]]]
+    """Window of every range instance, per phase, in order of first start."""
+
+
+def _attribute(kernels: list[KernelRecord], ranges: list[RangeRecord]) -> _Attribution:
+    n = len(kernels)
+    starts = np.fromiter((k.start_ns for k in kernels), np.int64, n)
+    ends = np.fromiter((k.end_ns for k in kernels), np.int64, n)
+    has_launch = np.fromiter((k.launch_ns is not None for k in kernels), bool, n)
+    keys = np.where(has_launch, np.fromiter((k.launch_ns or 0 for k in kernels), np.int64, n), starts)
+    is_comm = np.fromiter((k.is_comm for k in kernels), bool, n)
+
+    by_key = np.argsort(keys, kind="stable")
+    sorted_keys = keys[by_key]
+    owner = np.full(n, -1, dtype=np.int64)
+    depths = _infer_depths(ranges)
+    precedence = sorted(range(len(ranges)), key=lambda i: (depths[i], ranges[i].start_ns, -ranges[i].end_ns))
+    windows: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for i in sorted(range(len(ranges)), key=lambda i: ranges[i].start_ns):
+        r = ranges[i]
+        lo, hi = np.searchsorted(sorted_keys, [r.start_ns, r.end_ns], side="left")
+        launched = by_key[lo:hi][has_launch[by_key[lo:hi]]]
+        if launched.size:
+            windows[r.name].append((int(starts[launched].min()), int(ends[launched].max())))
+        else:
+            windows[r.name].append((r.start_ns, r.end_ns))
+    for i in precedence:  # deeper (then later, then shorter) ranges overwrite their ancestors
+        lo, hi = np.searchsorted(sorted_keys, [ranges[i].start_ns, ranges[i].end_ns], side="left")
+        owner[by_key[lo:hi]] = i
+
+    range_starts = np.array([r.start_ns for r in ranges] + [0], np.int64)  # index -1 -> dummy
+    range_ends = np.array([r.end_ns for r in ranges] + [0], np.int64)
+    attributed = owner >= 0
+    clip = attributed & ~has_launch
+    clipped_starts = np.where(clip, np.maximum(starts, range_starts[owner]), starts)
+    # a kernel wholly outside its range's interval clips to zero length
+    clipped_ends = np.maximum(np.where(clip, np.minimum(ends, range_ends[owner]), ends), clipped_starts)
+    return _Attribution(
+        kernels=kernels,
+        intervals=(starts, ends),
+        is_comm=is_comm,
+        phase=[ranges[o].name if o >= 0 else None for o in owner.tolist()],
+        phase_intervals=(clipped_starts, clipped_ends),
+        windows=dict(windows),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables.
+
+
+def _row(rank: int, phase: str, work: _Intervals, is_comm: np.ndarray, all_compute: _Intervals,
+         all_kernels: _Intervals, window: _Intervals) -> dict[str, object]:
+    compute = _length(_select(work, ~is_comm))
+    comm_set = _select(work, is_comm)
+    comm = _length(comm_set)
+    overlap = _intersection_length(comm_set, all_compute)
+    idle = _length(window) - _intersection_length(window, all_kernels)
+    return {
+        "rank": rank,
+        "phase": phase,
+        "compute_ms": compute / _NS_PER_MS,
+        "comm_ms": comm / _NS_PER_MS,
+        "overlap_ms": overlap / _NS_PER_MS,
+        "overlap_ratio": overlap / comm if comm > 0 else float("nan"),
+        "exposed_comm_ms": (comm - overlap) / _NS_PER_MS,
+        "idle_ms": idle / _NS_PER_MS,
+    }
+
+
+def _group_by_rank(kernels: Iterable[KernelRecord], ranges: Iterable[RangeRecord]):
+    kernels_of: dict[int, list[KernelRecord]] = defaultdict(list)
+    ranges_of: dict[int, list[RangeRecord]] = defaultdict(list)
+    for k in kernels:
+        kernels_of[k.rank].append(k)
+    for r in ranges:
+        ranges_of[r.rank].append(r)
+    return kernels_of, ranges_of
+
+
+def overlap_table(
+    kernels: Iterable[KernelRecord],
+    ranges: Iterable[RangeRecord],
+    windows: Mapping[int, tuple[int, int]] | None = None,
+) -> pd.DataFrame:
+    """Per-rank, per-phase breakdown (columns ``COLUMNS``; times in ms) plus a ``total`` row per rank.
+
+    ``windows`` optionally gives each rank's capture window ``(start_ns, end_ns)`` for its ``total``
+    row. Phases appear in order of their first range start; ``total`` comes last for each rank.
+    """
+    kernels_of, ranges_of = _group_by_rank(kernels, ranges)
+    windows = dict(windows or {})
+    rows: list[dict[str, object]] = []
+    for rank in sorted(set(kernels_of) | set(ranges_of) | set(windows)):
+        att = _attribute(kernels_of[rank], ranges_of[rank])
+        all_compute = _select(att.intervals, ~att.is_comm)
+        phase_mask = np.array([p is not None for p in att.phase], dtype=bool)
+        names = np.array([p or "" for p in att.phase], dtype=object)
+        for phase, instance_windows in att.windows.items():
+            mask = phase_mask & (names == phase)
+            window = (np.array([w[0] for w in instance_windows], np.int64),
+                      np.array([w[1] for w in instance_windows], np.int64))
+            rows.append(_row(rank, phase, _select(att.phase_intervals, mask), att.is_comm[mask],
+                             all_compute, att.intervals, window))
+        starts, ends = att.intervals
+        if rank in windows:
+            total_window = (np.array([windows[rank][0]], np.int64), np.array([windows[rank][1]], np.int64))
+        elif starts.size:
+            total_window = (np.array([starts.min()]), np.array([ends.max()]))
+        else:
+            total_window = _EMPTY
+        rows.append(_row(rank, TOTAL, att.intervals, att.is_comm, all_compute, att.intervals, total_window))
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def kernel_table(kernels: Iterable[KernelRecord], ranges: Iterable[RangeRecord]) -> pd.DataFrame:
+    """Kernels per phase: launch count and summed (clipped) duration in ms, by kernel name.
+
+    Columns ``KERNEL_COLUMNS``; kernels outside every range appear under ``UNATTRIBUTED`` with their
+    whole duration. Sorted by rank, then phase, then time descending.
+    """
+    kernels_of, ranges_of = _group_by_rank(kernels, ranges)
+    rows: list[dict[str, object]] = []
+    for rank in sorted(kernels_of):
+        att = _attribute(kernels_of[rank], ranges_of[rank])
+        durations = att.phase_intervals[1] - att.phase_intervals[0]
+        stats: dict[tuple[str, str, bool], list[int]] = defaultdict(lambda: [0, 0])
+        for kernel, phase, duration in zip(att.kernels, att.phase, durations.tolist()):
+            entry = stats[(phase or UNATTRIBUTED, kernel.name, kernel.is_comm)]
+            entry[0] += 1
+            entry[1] += duration
+        for (phase, name, comm), (count, ns) in stats.items():
+            rows.append({"rank": rank, "phase": phase, "kernel": name, "is_comm": comm,
+                         "count": count, "time_ms": ns / _NS_PER_MS})
+    table = pd.DataFrame(rows, columns=list(KERNEL_COLUMNS))
+    return table.sort_values(["rank", "phase", "time_ms"], ascending=[True, True, False], ignore_index=True)

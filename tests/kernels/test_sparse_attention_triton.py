@@ -1,0 +1,365 @@
+"""Triton sparse-attention kernels against the torch oracle (DESIGN 4.1, 4.2).
+
+CPU: fp32 (and a bf16 smoke check) under Triton's interpreter at tiny sizes (T <= 16, H <= 8, D <= 64,
+Kt <= 80, plus one multi-head-block case). GPU (marked ``gpu``): full size D = 512, H = 64, Kt = 640,
+T = 2048 in bf16 against an fp32 reference, fp32 at small sizes, and bitwise determinism.
+
+Inputs are random and fresh each run (the seed is in every failure message); every case mixes empty
+(-1) slots, a row with no valid key, duplicated indices, random sinks and (when given) topk_length.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from dsv4cp.kernels import (  # noqa: E402
+    is_deterministic,
+    set_deterministic,
+    sparse_attention_bwd,
+    sparse_attention_fwd,
+    triton_available,
+)
+from dsv4cp.ops.sparse_attention import resolve_backend, sparse_attention  # noqa: E402
+from dsv4cp.ops.sparse_attention_torch import (  # noqa: E402
+    sparse_attention_backward as torch_backward,
+)
+from dsv4cp.ops.sparse_attention_torch import (  # noqa: E402
+    sparse_attention_forward as torch_forward,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+def make_case(seed, t, h, d, n, kt, *, dtype=torch.float32, device="cpu", topk=False, dup_all=False):
+    """Random inputs; never zeros. Row 1 has no valid key (all -1 or topk_length 0)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=g)
+    kv = torch.randn(n, d, generator=g)
+    sink = torch.randn(h, generator=g)
+    idx = torch.randint(0, n, (t, kt), generator=g)
+    idx[torch.rand(t, kt, generator=g) < 0.2] = -1  # empty slots
+    if kt > 1:  # duplicated indices inside rows
+        idx[::2, kt - 1] = idx[::2, 0]
+        idx[1::3, kt // 2] = idx[1::3, 0]
+    if dup_all:  # many queries hitting few rows: stresses the kv-gradient reduction
+        idx = torch.where(idx >= 0, idx % 3, idx)
+    if t > 1:
+        idx[1] = -1
+    topk_length = None
+    if topk:
+        topk_length = torch.randint(0, kt + 3, (t,), generator=g, dtype=torch.int32)
+        if t > 2:
+            topk_length[2] = 0
+    idx = idx.to(torch.int32)
+    to = dict(device=device)
+    return (q.to(dtype=dtype, **to), kv.to(dtype=dtype, **to), idx.to(**to), sink.to(**to), d**-0.5,
+            None if topk_length is None else topk_length.to(**to))
+
+
+def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    den = b64.norm().item()
+    num = (a64 - b64).norm().item()
+    return num / den if den > 0 else num
+
+
+def check_lse(lse, ref, tol, msg):
+    assert lse.dtype == torch.float32, msg
+    empty = torch.isneginf(ref)
+    assert torch.equal(torch.isneginf(lse), empty), f"{msg}: -inf pattern of lse differs"
+    assert rel_fro(lse[~empty], ref[~empty]) < tol, f"{msg}: lse"
+
+
+# ------------------------------------------------------------------------------------------ CPU
+# (T, H, D, N, Kt): H not a multiple of 16, Kt not a multiple of 64, D non-power-of-two once.
+CPU_CASES = [
+    (16, 3, 32, 40, 13),
+    (12, 5, 64, 60, 70),
+    (8, 8, 48, 30, 80),
+    (6, 1, 16, 12, 5),
+]
+
+
+@pytest.mark.parametrize("topk", [False, True], ids=["all-slots", "topk_length"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
+def test_forward_matches_torch_fp32(case, topk):
+    seed = fresh_seed()
+    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=topk)
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    msg = f"seed={seed} case={case} topk={topk}"
+    assert out.dtype == q.dtype and out.shape == q.shape, msg
+    assert torch.isfinite(out).all(), msg
+    assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out"
+    check_lse(lse, ref_lse, 1e-4, msg)
+    assert out[1].abs().max().item() == 0.0, f"{msg}: row without key must output 0"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("topk", [False, True], ids=["all-slots", "topk_length"])
+@pytest.mark.parametrize("case", CPU_CASES[:3], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
+def test_backward_matches_torch_fp32(case, topk, deterministic):
+    seed = fresh_seed()
+    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=topk)
+    out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=deterministic)
+    ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
+    msg = f"seed={seed} case={case} topk={topk} deterministic={deterministic}"
+    for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{msg}: {name} {a.dtype} {a.shape}"
+        assert torch.isfinite(a).all(), f"{msg}: {name} not finite"
+        assert rel_fro(a, b) < 1e-4, f"{msg}: {name} rel err {rel_fro(a, b):.2e}"
+    assert got[0][1].abs().max().item() == 0.0, f"{msg}: row without key must get dq = 0"
+
+
+def test_multiple_head_and_slot_blocks():
+    """H = 20 over head blocks of 16 (the second one 4/16 full), slots in blocks of 16."""
+    seed = fresh_seed()
+    q, kv, idx, sink, scale, tl_ = make_case(seed, 4, 20, 32, 24, 37, topk=True)
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_h=16, block_k=16)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    assert rel_fro(out, ref_out) < 1e-4, f"seed={seed}"
+    check_lse(lse, ref_lse, 1e-4, f"seed={seed}")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
+    for det in (False, True):
+        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, deterministic=det,
+                                   block_h=16, block_k=16, chunk_bytes=2 * 2 * 37 * 32 * 4)  # 2 queries/chunk
+        for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+            assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det}: {name}"
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    seed = fresh_seed()
+    q, kv, idx, sink, scale, tl_ = make_case(seed, 16, 5, 32, 20, 40, topk=True, dup_all=True)
+    out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    kw = dict(deterministic=True, chunk_bytes=5 * 40 * 32 * 4)  # several chunks of 5 queries
+    first = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, **kw)
+    second = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, **kw)
+    for name, a, b in zip(("dq", "dkv", "dsink"), first, second):
+        assert torch.equal(a, b), f"seed={seed}: {name} differs between runs"
+    ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
+    assert rel_fro(first[1], ref[1]) < 1e-4, f"seed={seed}: dkv"
+
+
+def test_sink_minus_inf_and_empty_rows_stay_finite():
+    """A -inf sink (a padded head) and rows without keys: out 0, lse -inf, no NaN anywhere."""
+    seed = fresh_seed()
+    q, kv, idx, sink, scale, _ = make_case(seed, 5, 4, 32, 16, 9)
+    sink[0] = float("-inf")
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), f"seed={seed}"
+    assert out[1].abs().max().item() == 0.0 and torch.isneginf(lse[1]).all(), f"seed={seed}"
+    has_key = ~torch.isneginf(lse)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale)
+    assert rel_fro(out[has_key], ref_out[has_key]) < 1e-4, f"seed={seed}"
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    for det in (False, True):
+        dq, dkv, dsink = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, deterministic=det)
+        assert torch.isfinite(dq).all() and torch.isfinite(dkv).all() and torch.isfinite(dsink).all()
+        assert dsink[0].item() == 0.0, f"seed={seed}: a -inf sink gets no gradient"
+
+
+def test_bf16_through_interpreter_vs_fp32_reference():
+    seed = fresh_seed()
+    q, kv, idx, sink, scale, tl_ = make_case(seed, 8, 4, 32, 24, 20, topk=True)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    out, lse = sparse_attention_fwd(q.bfloat16(), kv.bfloat16(), idx, sink, scale, tl_)
+    assert out.dtype == torch.bfloat16
+    assert rel_fro(out, ref_out) < 1e-2, f"seed={seed}"
+    check_lse(lse, ref_lse, 1e-2, f"seed={seed}")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
+    got = sparse_attention_bwd(dout.bfloat16(), q.bfloat16(), kv.bfloat16(), idx, sink, scale, out, lse, tl_)
+    for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+        assert rel_fro(a, b) < 1e-2, f"seed={seed}: {name}"
+
+
+def test_int64_indices_and_topk():
+    seed = fresh_seed()
+    q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
+    out32, lse32 = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
+    out64, lse64 = sparse_attention_fwd(q, kv, idx.long(), sink, scale, tl_.long())
+    assert torch.equal(out32, out64) and torch.equal(lse32, lse64), f"seed={seed}"
+
+
+# ------------------------------------------------------------------------------------------ validation
+def _good(d=32, dtype=torch.float32):
+    return make_case(1, 3, 2, d, 8, 4, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda a: (a[0][..., :24].contiguous(), a[1][:, :24].contiguous(), *a[2:]), "q"),  # D = 24
+        (lambda a: (a[0].double(), a[1].double(), *a[2:]), "q"),  # fp64
+        (lambda a: (a[0][..., :16], a[1], *a[2:]), "kv"),  # D mismatch
+        (lambda a: (a[0], a[1].half(), *a[2:]), "kv"),  # dtype mismatch
+        (lambda a: (a[0], a[1], a[2].float(), *a[3:]), "idx"),
+        (lambda a: (a[0], a[1], a[2][:2], *a[3:]), "idx"),
+        (lambda a: (a[0], a[1], a[2], a[3][:1], *a[4:]), "sink"),
+        (lambda a: (*a[:5], torch.ones(2, dtype=torch.int32)), "topk_length"),
+        (lambda a: (*a[:5], torch.ones(3)), "topk_length"),
+    ],
+)
+def test_invalid_inputs_raise_naming_the_field(mutate, field):
+    args = mutate(_good())
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        sparse_attention_fwd(*args)
+
+
+def test_head_dim_over_limit_raises():
+    q = torch.randn(2, 1, 528)
+    with pytest.raises(ValueError, match="^q:.*at most 512"):
+        sparse_attention_fwd(q, torch.randn(4, 528), torch.zeros(2, 1, dtype=torch.int32), torch.zeros(1), 1.0)
+
+
+def test_backward_validates_dout():
+    q, kv, idx, sink, scale, _ = _good()
+    out, lse = torch_forward(q, kv, idx, sink, scale)
+    with pytest.raises(ValueError, match="^dout:"):
+        sparse_attention_bwd(out[:, :1], q, kv, idx, sink, scale, out, lse)
+    with pytest.raises(ValueError, match="^lse:"):
+        sparse_attention_bwd(out, q, kv, idx, sink, scale, out, lse[:1])
+
+
+def test_pinned_config_validation():
+    q, kv, idx, sink, scale, _ = _good()
+    with pytest.raises(ValueError, match="^block_k:"):
+        sparse_attention_fwd(q, kv, idx, sink, scale, block_k=24)
+
+
+# ------------------------------------------------------------------------------------------ registry
+needs_backend = pytest.mark.skipif(
+    not triton_available(torch.device("cuda" if HAS_CUDA else "cpu")),
+    reason="triton backend unavailable here (CPU needs TRITON_INTERPRET=1 before the session starts)",
+)
+
+
+@needs_backend
+@pytest.mark.parametrize("backend", ["triton", "triton-deterministic"])
+def test_registered_backend_autograd_matches_torch(backend):
+    seed = fresh_seed()
+    device = "cuda" if HAS_CUDA else "cpu"
+    q, kv, idx, sink, scale, tl_ = make_case(seed, 8, 3, 32, 20, 11, device=device, topk=True)
+    results = {}
+    for name in ("torch", backend):
+        leaves = [x.clone().requires_grad_(True) for x in (q, kv, sink)]
+        out, lse = sparse_attention(leaves[0], leaves[1], idx, leaves[2], scale, tl_, backend=name)
+        (out * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
+        results[name] = (out, lse, *(x.grad for x in leaves))
+    for what, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), results[backend], results["torch"]):
+        if what == "lse":
+            check_lse(a, b, 1e-4, f"seed={seed}")
+        else:
+            assert rel_fro(a, b) < 1e-4, f"seed={seed} {backend}: {what}"
+
+
+@needs_backend
+def test_registered_backend_serves_fp64_through_the_oracle():
+    """tl.dot has no fp64 matrix-unit path: the backend hands fp64 (CP tests) to the torch oracle."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    q, kv, idx, sink, scale, _ = make_case(fresh_seed(), 4, 2, 16, 8, 5, dtype=torch.float64, device=device)
+    got = sparse_attention(q, kv, idx, sink, scale, backend="triton")
+    ref = sparse_attention(q, kv, idx, sink, scale, backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_auto_order_torch_on_cpu_triton_on_cuda():
+    assert resolve_backend("auto", torch.device("cpu")).name == "torch"
+    if HAS_CUDA:
+        assert resolve_backend("auto", torch.device("cuda")).name == "triton"
+
+
+def test_set_deterministic_round_trip():
+    before = is_deterministic()
+    try:
+        set_deterministic(True)
+        assert is_deterministic()
+        set_deterministic(False)
+        assert is_deterministic() == torch.are_deterministic_algorithms_enabled()
+    finally:
+        set_deterministic(before and not torch.are_deterministic_algorithms_enabled())
+
+
+# ------------------------------------------------------------------------------------------ GPU
+def realistic_idx(t, n_window, n_selected, n_compressed, device, generator):
+    """Window = the previous ``n_window`` raw rows (-1 before the start), then ``n_selected`` distinct
+    random compressed rows (kv rows ``t .. t + n_compressed``)."""
+    tok = torch.arange(t, device=device)
+    window = tok[:, None] - torch.arange(n_window, device=device)[None, :]
+    window = torch.where(window >= 0, window, torch.full_like(window, -1))
+    scores = torch.rand(t, n_compressed, device=device, generator=generator)
+    selected = scores.topk(n_selected, dim=1).indices + t
+    return torch.cat([window, selected], dim=1).to(torch.int32)
+
+
+def gpu_case(seed, t, h, d, n_window, n_selected, dtype):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n_comp = max(t // 4, n_selected)
+    n = t + n_comp
+    q = torch.randn(t, h, d, device="cuda", generator=g)
+    q = q / q.norm(dim=-1, keepdim=True) * d**0.5  # model: per-head RMS-normalised queries
+    kv = torch.randn(n, d, device="cuda", generator=g)
+    sink = torch.randn(h, device="cuda", generator=g)
+    idx = realistic_idx(t, n_window, n_selected, n_comp, "cuda", g)
+    return q.to(dtype), kv.to(dtype), idx, sink, d**-0.5
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("heads, n_selected", [(64, 512), (128, 1024), (3, 64)], ids=["flash", "pro", "H3"])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_full_size_bf16(heads, n_selected, deterministic):
+    seed = fresh_seed()
+    t = 2048 if heads <= 64 else 1024
+    q, kv, idx, sink, scale = gpu_case(seed, t, heads, 512, 128, n_selected, torch.bfloat16)
+    q32, kv32 = q.float(), kv.float()  # the fp32 reference sees exactly the bf16 values
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale)
+    ref_out, ref_lse = torch_forward(q32, kv32, idx, sink, scale)
+    msg = f"seed={seed} H={heads}"
+    assert rel_fro(out, ref_out) < 1e-2, f"{msg}: out {rel_fro(out, ref_out):.2e}"
+    check_lse(lse, ref_lse, 1e-2, msg)
+    dout = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    got = sparse_attention_bwd(dout.bfloat16(), q, kv, idx, sink, scale, out, lse, deterministic=deterministic)
+    ref = torch_backward(dout.bfloat16().float(), q32, kv32, idx, sink, scale, ref_out, ref_lse)
+    for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+        assert rel_fro(a, b) < 1e-2, f"{msg}: {name} {rel_fro(a, b):.2e}"
+    if deterministic:
+        again = sparse_attention_bwd(dout.bfloat16(), q, kv, idx, sink, scale, out, lse, deterministic=True)
+        for name, a, b in zip(("dq", "dkv", "dsink"), got, again):
+            assert torch.equal(a, b), f"{msg}: {name} not bitwise reproducible"
+
+
+@pytest.mark.parametrize(
+    "case", CPU_CASES + [(64, 7, 512, 300, 200)], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c)
+)
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp32_matches_torch(case):
+    seed = fresh_seed()
+    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, device="cuda", topk=True)
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    assert rel_fro(out, ref_out) < 1e-4, f"seed={seed}"
+    check_lse(lse, ref_lse, 1e-4, f"seed={seed}")
+    dout = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
+    for det in (False, True):
+        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=det)
+        for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+            assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det}: {name} {rel_fro(a, b):.2e}"
+
