@@ -131,6 +131,20 @@ def test_all_documents_empty(r):
 
 
 @pytest.mark.parametrize("r", RATIOS)
+def test_zero_rows(r):
+    """A legal packing of nothing (only empty documents, T = 0) gives an empty output."""
+    cfg = cfg_for(r)
+    pk = packed([0, 0])
+    assert pk.total == 0
+    layer = make_layer(cfg, r, seed=seed_of("zero", r))
+    with torch.no_grad():
+        res = layer(torch.zeros(0, cfg.hidden, dtype=torch.float64), pk)
+    assert res.out.shape == (0, cfg.hidden)
+    if r == 4:
+        assert res.indexer_loss is not None and res.indexer_loss.item() == 0
+
+
+@pytest.mark.parametrize("r", RATIOS)
 def test_float32_and_float64_layers_agree(r):
     cfg = cfg_for(r)
     pk = packed([30, 11], 1, 2)

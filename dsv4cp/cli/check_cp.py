@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pad-to-multiple", type=int, default=1)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     parser.add_argument("--overlap", choices=OVERLAP_MODES, default="none")
+    parser.add_argument("--recompute", action="store_true", help="selective recompute with KV reconstruction")
     parser.add_argument("--loss", choices=("sparse", "dense"), default="sparse", help="indexer loss variant")
     parser.add_argument("--kernel-backend", default="auto", help="sparse-attention backend")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="torch.distributed backend")
@@ -52,6 +53,7 @@ def build_case(args: argparse.Namespace, cp: int) -> CheckCase:
     case = CheckCase(
         preset=args.preset, ratio=args.ratio, lengths=tuple(lengths), total=args.tokens,
         pad_to_multiple=args.pad_to_multiple, dtype=args.dtype, overlap=args.overlap,
+        recompute=args.recompute,
         backend=args.kernel_backend, seed=args.seed, config_overrides={"indexer_loss": args.loss},
     )
     cfg: DSv4Config = case.config()
@@ -86,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     results = merge_ranks(gathered)
     tol = f"cosine > 1 - {COSINE_TOLERANCE:g}" if case.dtype == "bf16" else f"rel <= {REL_TOLERANCE[case.dtype]:g}"
     print(f"check-cp preset={case.preset} ratio={case.ratio} cp={world} docs={len(case.lengths)} "
-          f"tokens={case.packed().total} dtype={case.dtype} overlap={case.overlap} loss={args.loss} ({tol})")
+          f"tokens={case.packed().total} dtype={case.dtype} overlap={case.overlap} recompute={case.recompute} "
+          f"loss={args.loss} ({tol})")
     print(f"{'quantity':<14}{'max_rel_error':>15}{'cosine':>14}  result")
     for c in results:
         print(f"{c.quantity:<14}{c.max_rel_error:>15.3e}{c.cosine:>14.9f}  {'ok' if c.passed else 'FAIL'}")

@@ -13,6 +13,7 @@ COMMANDS: dict[str, str] = {
     "layer": "layer",
     "check-cp": "check_cp",
     "overlap": "overlap",
+    "model": "model",
 }
 
 

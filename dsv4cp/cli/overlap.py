@@ -30,7 +30,9 @@ def load_table(path: Path) -> pd.DataFrame:
         raise ValueError(f"path: {path} does not exist")
     if path.is_file():
         if path.suffix != ".sqlite":
-            raise ValueError(f"path: {path} is a file but not an nsys .sqlite export (give a directory of Kineto traces)")
+            raise ValueError(
+                f"path: {path} is a file but not an nsys .sqlite export (give a directory of Kineto traces)"
+            )
         return nsys_overlap_table(path)
     names = [p.name for p in path.iterdir() if p.is_file()]
     if any(name.endswith(TRACE_SUFFIXES) for name in names):

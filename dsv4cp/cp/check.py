@@ -34,6 +34,7 @@ class CheckCase:
     pad_to_multiple: int = 1
     dtype: str = "fp32"
     overlap: str = "none"
+    recompute: bool = False
     backend: str = "auto"
     seed: int = 0
     config_overrides: dict = field(default_factory=dict)
@@ -83,7 +84,7 @@ def run_rank(rank: int, world: int, device: torch.device, case: CheckCase) -> li
     cfg = case.config()
     packed = case.packed(device)
     generator = torch.Generator().manual_seed(case.seed)
-    layer = DSv4Attention(cfg, case.ratio, backend=case.backend, overlap=case.overlap)
+    layer = DSv4Attention(cfg, case.ratio, backend=case.backend, overlap=case.overlap, recompute=case.recompute)
     randomize_(layer, generator)
     layer = layer.to(device=device, dtype=dtype)
     x = torch.randn(packed.total, cfg.hidden, generator=generator).to(device=device, dtype=dtype)
@@ -118,6 +119,11 @@ def run_rank(rank: int, world: int, device: torch.device, case: CheckCase) -> li
                  torch.cat([r.flatten() for _, r in grads]), case.dtype)
     )
     return [asdict(c) for c in comparisons]
+
+
+def run_cases(rank: int, world: int, device: torch.device, cases: list[CheckCase]) -> list[list[dict]]:
+    """Several checks in one process group (each spawn costs seconds; tests batch their cases)."""
+    return [run_rank(rank, world, device, case) for case in cases]
 
 
 def _objective(out: torch.Tensor, weight: torch.Tensor, indexer_loss: torch.Tensor | None) -> torch.Tensor:

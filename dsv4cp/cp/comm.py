@@ -19,9 +19,15 @@ import torch.distributed as dist
 
 OVERLAP_MODES = ("none", "async")
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the GPU image's 2.11) lack the new names.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_tensor(*args, **kwargs):
+    # torch 2.13 renamed the tensor-in/tensor-out collectives; the GPU image's 2.11 has only the old names.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_tensor(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:

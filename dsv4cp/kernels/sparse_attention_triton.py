@@ -37,7 +37,9 @@ cached per shape class); ``DSV4CP_TRITON_FWD_CONFIG`` / ``DSV4CP_TRITON_BWD_CONF
 (``"block_h,block_k,num_warps,num_stages"``) or the wrappers' keyword arguments pin one.
 
 Kernels are built lazily per execution mode: CUDA tensors use compiled ``triton.jit`` kernels, CPU
-tensors use Triton's interpreter (slow: tiny sizes only), independently of import order.
+tensors use Triton's interpreter (slow: tiny sizes only), which needs ``TRITON_INTERPRET=1`` in the
+environment before triton is first imported (triton builds its language library at import). The
+package ``dsv4cp.kernels`` registers the backends without importing this module (nor triton).
 """
 
 from __future__ import annotations
@@ -49,9 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4cp.ops.sparse_attention import SparseAttentionBackend, register_backend
-from dsv4cp.ops.sparse_attention_torch import sparse_attention_backward as _torch_backward
-from dsv4cp.ops.sparse_attention_torch import sparse_attention_forward as _torch_forward
+from dsv4cp.kernels import is_deterministic, triton_interpreting
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -65,9 +65,6 @@ __all__ = [
     "KernelConfig",
     "sparse_attention_fwd",
     "sparse_attention_bwd",
-    "set_deterministic",
-    "is_deterministic",
-    "triton_available",
     "MAX_HEAD_DIM",
     "DETERMINISTIC_CHUNK_BYTES",
 ]
@@ -294,8 +291,14 @@ _BUILT: dict[tuple[str, bool], object] = {}
 
 
 def _build(name: str, device: torch.device):
-    """The kernel ``name`` compiled for CUDA, or interpreted for CPU tensors."""
-    interpret = device.type != "cuda"
+    """The kernel ``name`` compiled for CUDA, or interpreted for CPU tensors (and for every tensor when
+    triton itself was imported under ``TRITON_INTERPRET=1``: its language library is then interpreted)."""
+    interpret = _interpreted(device)
+    if interpret and not triton_interpreting():
+        raise RuntimeError(
+            "sparse_attention triton: CPU tensors need Triton's interpreter, but triton was imported without "
+            "TRITON_INTERPRET=1; set it in the environment before anything imports triton"
+        )
     key = (name, interpret)
     if key not in _BUILT:
         if interpret:
@@ -440,9 +443,13 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 or _dot_f32(q) else "tf32"
 
 
+def _interpreted(device: torch.device) -> bool:
+    return device.type != "cuda" or bool(triton_interpreting())
+
+
 def _dot_f32(q: torch.Tensor) -> bool:
     # Triton's interpreter (3.9) feeds bf16 tiles to numpy as raw uint16 in tl.dot: upcast there.
-    return q.device.type != "cuda" and q.dtype == torch.bfloat16
+    return _interpreted(q.device) and q.dtype == torch.bfloat16
 
 
 def _config_key(q: torch.Tensor) -> tuple:
@@ -510,23 +517,6 @@ def sparse_attention_fwd(
 
     _launch("fwd", _config_key(q), ladder, pinned, launch)
     return out, lse
-
-
-_DETERMINISTIC = False
-
-
-def set_deterministic(flag: bool) -> None:
-    """Make the "triton" backend's backward use the deterministic (atomic-free) kv-gradient reduction.
-
-    Independently of this flag, ``torch.use_deterministic_algorithms(True)`` also selects it, and the
-    "triton-deterministic" backend always uses it."""
-    global _DETERMINISTIC
-    _DETERMINISTIC = bool(flag)
-
-
-def is_deterministic() -> bool:
-    """Whether the "triton" backend's backward currently runs deterministically."""
-    return _DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
 
 
 def sparse_attention_bwd(
@@ -668,50 +658,3 @@ def _deterministic_dkv(q, idx, topk_length, dkv, ladder, pinned, run_bwd, chunk_
         one_config(cfg)
 
     _launch("bwd", _config_key(q), ladder, pinned, guarded)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Registration.
-# ---------------------------------------------------------------------------------------------------
-
-
-def triton_available(device: torch.device) -> bool:
-    """CUDA devices (compiled kernels), or CPU when ``TRITON_INTERPRET=1`` (Triton's interpreter)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    if device.type == "cpu":
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return False
-
-
-def _backend_forward(q, kv, idx, sink, scale, topk_length=None):
-    if q.dtype == torch.float64:  # no fp64 matrix-unit path: the oracle serves fp64 (tests only)
-        return _torch_forward(q, kv, idx, sink, scale, topk_length)
-    return sparse_attention_fwd(q, kv, idx, sink, scale, topk_length)
-
-
-def _make_backward(deterministic: bool | None):
-    def backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None):
-        if q.dtype == torch.float64:
-            return _torch_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length)
-        return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, topk_length,
-                                    deterministic=deterministic)
-
-    return backward
-
-
-def register() -> None:
-    """Register "triton" (atomics unless deterministic mode is on) and "triton-deterministic".
-
-    "triton" goes first in the "auto" order when CUDA is present at import; on CPU-only hosts it is never
-    picked by "auto" (the interpreter is for tests), only by name."""
-    on_cuda = torch.cuda.is_available()
-    register_backend(
-        SparseAttentionBackend("triton", _backend_forward, _make_backward(None), triton_available),
-        auto_rank=0 if on_cuda else None,
-    )
-    register_backend(
-        SparseAttentionBackend("triton-deterministic", _backend_forward, _make_backward(True), triton_available),
-    )
-

@@ -10,14 +10,15 @@ from torch import nn
 
 from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank
-from dsv4cp.cp.layout import RankLayout, build_layout
+from dsv4cp.cp.layout import build_layout
+from dsv4cp.cp.recompute import recomputed_attention
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.indexer import Indexer
 from dsv4cp.layer.indexer_loss import indexer_loss
 from dsv4cp.layer.norm import RMSNorm, rms_norm
 from dsv4cp.layer.rope import apply_rope, rope_frequencies
 from dsv4cp.ops.indexer import indexer_topk
-from dsv4cp.ops.sparse_attention import sparse_attention
+from dsv4cp.ops.sparse_attention import resolve_backend, sparse_attention
 from dsv4cp.packing import PackedSeqs
 
 
@@ -37,18 +38,23 @@ class DSv4Attention(nn.Module):
         backend: sparse-attention backend ("auto", "torch", "triton", ...).
         overlap: "none" (synchronous collectives) or "async" (all-gathers overlapped with the query
             projections, reduce-scatters with the compressor backward).
+        recompute: selective recompute; keep neither the query up-projection nor the key buffer for
+            backward, rebuild them there from the saved parts (DESIGN 3.6). Same results.
 
     Parameters carry DeepSeek's checkpoint names (``wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
     attn_sink, compressor.*, indexer.*``); linear weights are ``[out, in]``.
     """
 
-    def __init__(self, cfg: DSv4Config, compress_ratio: int, *, backend: str = "auto", overlap: str = "none"):
+    def __init__(
+        self, cfg: DSv4Config, compress_ratio: int, *, backend: str = "auto", overlap: str = "none",
+        recompute: bool = False,
+    ):
         super().__init__()
         cfg.check_ratio(compress_ratio)
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap: must be one of {OVERLAP_MODES}, got {overlap!r}")
         self.cfg, self.compress_ratio, self.kind = cfg, compress_ratio, layer_kind(compress_ratio)
-        self.backend, self.overlap = backend, overlap
+        self.backend, self.overlap, self.recompute = backend, overlap, recompute
         h, d = cfg.n_heads, cfg.head_dim
         self.wq_a = nn.Linear(cfg.hidden, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps)
@@ -100,8 +106,13 @@ class DSv4Attention(nn.Module):
             compressed = all_gather_rows(self.compressor(x_ext, layout, freqs), cp_group, self.overlap)
 
         latent = self.q_norm(self.wq_a(x))
-        q = rms_norm(self.wq_b(latent).view(rows, h, d), cfg.rms_eps)
-        q = apply_rope(q, positions, freqs)
+
+        def queries(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            q = rms_norm(nn.functional.linear(latent, weight).view(rows, h, d), cfg.rms_eps)
+            return apply_rope(q, positions, freqs)
+
+        # Without recompute the query up-projection runs here, while the gathers fly.
+        q = None if self.recompute else queries(latent, self.wq_b.weight)
         if self.indexer is not None:
             index_q, index_w = self.indexer.queries(latent.detach(), x.detach(), positions, freqs)
             index_keys_all = index_keys.wait()
@@ -111,13 +122,21 @@ class DSv4Attention(nn.Module):
                 lambda sl: layout.visible_mask(local_doc[sl], positions[sl]), cfg.index_topk,
             )
 
-        key_buffer, idx = kv_ext, layout.window_idx
+        idx, compressed_all = layout.window_idx, None
         if compressed is not None:
-            key_buffer = torch.cat((kv_ext, compressed.wait()), dim=0)
+            compressed_all = compressed.wait()
             entries = selected if self.indexer is not None else layout.all_visible_idx()
             lowered = torch.where(entries >= 0, entries + layout.ext_rows, -1).to(torch.int32)
             idx = torch.cat((idx, lowered), dim=1)
-        out, lse = sparse_attention(q, key_buffer, idx, self.attn_sink, cfg.softmax_scale, backend=self.backend)
+        if self.recompute:
+            backend = resolve_backend(self.backend, x.device)
+            out, lse, q, key_buffer = recomputed_attention(
+                latent, self.wq_b.weight, queries, kv_ext, compressed_all, idx, self.attn_sink,
+                cfg.softmax_scale, backend,
+            )
+        else:
+            key_buffer = kv_ext if compressed_all is None else torch.cat((kv_ext, compressed_all), dim=0)
+            out, lse = sparse_attention(q, key_buffer, idx, self.attn_sink, cfg.softmax_scale, backend=self.backend)
 
         loss = None
         if self.indexer is not None:
@@ -162,4 +181,7 @@ class DSv4Attention(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind}, compress_ratio={self.compress_ratio}, backend={self.backend!r}, overlap={self.overlap!r}"
+        return (
+            f"kind={self.kind}, compress_ratio={self.compress_ratio}, backend={self.backend!r}, "
+            f"overlap={self.overlap!r}, recompute={self.recompute}"
+        )

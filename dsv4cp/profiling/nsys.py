@@ -13,7 +13,10 @@ Tables and columns read (names as in NVIDIA's export schema; all times in ns on 
 ``globalPid``/``globalTid`` are serialised ids; the process id is bits 24..47
 (``(globalTid >> 24) & 0xFFFFFF``). CUPTI correlation ids are unique per process only, so a
 kernel is joined to its launch on (process, correlationId) when the kernel table has
-``globalPid`` (it does in real exports), else on correlationId alone.
+``globalPid`` (it does in real exports), else on correlationId alone. A kernel with no matching
+row (its launching call was not recorded in that table) is attributed by its start time instead
+(overlap.py, rules 1-2); no export from this suite's GPUs has been checked yet, since the GPU
+machines here have no ``nsys``.
 
 Ranks: one file per rank (``rank`` given, or ``rank<N>`` in the file name), or else the kernel's
 ``deviceId``. The latter assumes one process per GPU with device = rank (``torchrun`` on one node,

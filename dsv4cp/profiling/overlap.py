@@ -83,7 +83,9 @@ class KernelRecord:
 
     def __post_init__(self) -> None:
         if self.end_ns < self.start_ns:
-            raise ValueError(f"end_ns must be >= start_ns, got start_ns={self.start_ns} end_ns={self.end_ns} ({self.name})")
+            raise ValueError(
+                f"end_ns must be >= start_ns, got start_ns={self.start_ns} end_ns={self.end_ns} ({self.name})"
+            )
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,9 @@ class RangeRecord:
 
     def __post_init__(self) -> None:
         if self.end_ns < self.start_ns:
-            raise ValueError(f"end_ns must be >= start_ns, got start_ns={self.start_ns} end_ns={self.end_ns} ({self.name})")
+            raise ValueError(
+                f"end_ns must be >= start_ns, got start_ns={self.start_ns} end_ns={self.end_ns} ({self.name})"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +176,7 @@ class _Attribution:
     phase_intervals: _Intervals
     """Kernel intervals clipped per rule 2 (unattributed kernels: whole)."""
     windows: dict[str, list[tuple[int, int]]]
-    """Window of every range instance, per phase, in order of first start."""
+    """Window of every range instance, per phase; phases in order of first start (outer first on ties)."""
 
 
 def _attribute(kernels: list[KernelRecord], ranges: list[RangeRecord]) -> _Attribution:
@@ -189,7 +193,7 @@ def _attribute(kernels: list[KernelRecord], ranges: list[RangeRecord]) -> _Attri
     depths = _infer_depths(ranges)
     precedence = sorted(range(len(ranges)), key=lambda i: (depths[i], ranges[i].start_ns, -ranges[i].end_ns))
     windows: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for i in sorted(range(len(ranges)), key=lambda i: ranges[i].start_ns):
+    for i in sorted(range(len(ranges)), key=lambda i: (ranges[i].start_ns, -ranges[i].end_ns)):
         r = ranges[i]
         lo, hi = np.searchsorted(sorted_keys, [r.start_ns, r.end_ns], side="left")
         launched = by_key[lo:hi][has_launch[by_key[lo:hi]]]
@@ -201,19 +205,16 @@ def _attribute(kernels: list[KernelRecord], ranges: list[RangeRecord]) -> _Attri
         lo, hi = np.searchsorted(sorted_keys, [ranges[i].start_ns, ranges[i].end_ns], side="left")
         owner[by_key[lo:hi]] = i
 
-    range_starts = np.array([r.start_ns for r in ranges] + [0], np.int64)  # index -1 -> dummy
-    range_ends = np.array([r.end_ns for r in ranges] + [0], np.int64)
-    attributed = owner >= 0
-    clip = attributed & ~has_launch
-    clipped_starts = np.where(clip, np.maximum(starts, range_starts[owner]), starts)
-    # a kernel wholly outside its range's interval clips to zero length
-    clipped_ends = np.maximum(np.where(clip, np.minimum(ends, range_ends[owner]), ends), clipped_starts)
+    range_ends = np.array([r.end_ns for r in ranges] + [0], np.int64)  # index -1 (no range) -> dummy
+    clip = (owner >= 0) & ~has_launch
+    # attributed by its start, a kernel starts inside its range: only its end can need clipping
+    phase_ends = np.where(clip, np.minimum(ends, range_ends[owner]), ends)
     return _Attribution(
         kernels=kernels,
         intervals=(starts, ends),
         is_comm=is_comm,
         phase=[ranges[o].name if o >= 0 else None for o in owner.tolist()],
-        phase_intervals=(clipped_starts, clipped_ends),
+        phase_intervals=(starts, phase_ends),
         windows=dict(windows),
     )
 
@@ -224,6 +225,7 @@ def _attribute(kernels: list[KernelRecord], ranges: list[RangeRecord]) -> _Attri
 
 def _row(rank: int, phase: str, work: _Intervals, is_comm: np.ndarray, all_compute: _Intervals,
          all_kernels: _Intervals, window: _Intervals) -> dict[str, object]:
+    """One table row from a phase's (clipped) kernels and window and the rank's whole kernel sets."""
     compute = _length(_select(work, ~is_comm))
     comm_set = _select(work, is_comm)
     comm = _length(comm_set)
@@ -241,7 +243,9 @@ def _row(rank: int, phase: str, work: _Intervals, is_comm: np.ndarray, all_compu
     }
 
 
-def _group_by_rank(kernels: Iterable[KernelRecord], ranges: Iterable[RangeRecord]):
+def _group_by_rank(
+    kernels: Iterable[KernelRecord], ranges: Iterable[RangeRecord]
+) -> tuple[dict[int, list[KernelRecord]], dict[int, list[RangeRecord]]]:
     kernels_of: dict[int, list[KernelRecord]] = defaultdict(list)
     ranges_of: dict[int, list[RangeRecord]] = defaultdict(list)
     for k in kernels:
@@ -259,7 +263,8 @@ def overlap_table(
     """Per-rank, per-phase breakdown (columns ``COLUMNS``; times in ms) plus a ``total`` row per rank.
 
     ``windows`` optionally gives each rank's capture window ``(start_ns, end_ns)`` for its ``total``
-    row. Phases appear in order of their first range start; ``total`` comes last for each rank.
+    row. Phases appear in order of their first range start (the enclosing one first when two start
+    together); ``total`` comes last for each rank.
     """
     kernels_of, ranges_of = _group_by_rank(kernels, ranges)
     windows = dict(windows or {})
@@ -267,10 +272,9 @@ def overlap_table(
     for rank in sorted(set(kernels_of) | set(ranges_of) | set(windows)):
         att = _attribute(kernels_of[rank], ranges_of[rank])
         all_compute = _select(att.intervals, ~att.is_comm)
-        phase_mask = np.array([p is not None for p in att.phase], dtype=bool)
-        names = np.array([p or "" for p in att.phase], dtype=object)
+        names = np.array([p or "" for p in att.phase], dtype=object)  # "" never names a range
         for phase, instance_windows in att.windows.items():
-            mask = phase_mask & (names == phase)
+            mask = names == phase
             window = (np.array([w[0] for w in instance_windows], np.int64),
                       np.array([w[1] for w in instance_windows], np.int64))
             rows.append(_row(rank, phase, _select(att.phase_intervals, mask), att.is_comm[mask],

@@ -3,19 +3,22 @@
 Capture: ``capture_trace(step_fn, out_dir)`` runs ``warmup`` profiled-but-discarded steps and
 ``steps`` recorded ones, each inside the ``dsv4cp.step`` range, and writes ``out_dir/rank{R}.json``.
 
-Reading a Chrome-trace JSON export (checked against torch 2.13's exporter): complete events have
-``ph == "X"``, times ``ts``/``dur`` in microseconds, and a category ``cat``:
+Reading a Chrome-trace JSON export (checked against exports of torch 2.13 on CPU and torch 2.11 +
+CUDA 13 on an H200): complete events have ``ph == "X"``, times ``ts``/``dur`` in microseconds, and a
+category ``cat``:
 
 * ``kernel``: a GPU kernel; ``args.stream`` and ``args.correlation``.
 * ``cuda_runtime`` / ``cuda_driver``: the host API call that launched it, with the same
-  ``args.correlation`` (Triton kernels are launched through the driver API), used as launch time.
+  ``args.correlation``; used as the launch time. Both matter: cuBLAS (``nvjet_*``), NCCL and Triton
+  kernels were launched by the driver's ``cuLaunchKernelEx`` (``cuda_driver``).
 * ``user_annotation``: a ``record_function`` range on the host (our ``dsv4cp.*`` ranges);
-  ``gpu_user_annotation`` is Kineto's projection of it onto the device timeline.
+  ``gpu_user_annotation`` is Kineto's projection of some of them onto a device stream.
 * ``cpu_op``: an ATen operator on a host thread.
+* ``gpu_memcpy`` / ``gpu_memset``: copy-engine and memset work; not counted as kernels.
 
 Ranges are the ``user_annotation`` events named ``dsv4cp.*`` and kernels are attributed by launch
 (overlap.py, rule 1). Only if no kernel of a file has a matching launch event are the
-``gpu_user_annotation`` events used instead, with kernels attributed by start time.
+``gpu_user_annotation`` events used instead (when present), with kernels attributed by start time.
 
 CPU-only traces have no kernels. Then host work stands in for them: every ``cpu_op`` is compute,
 except communication, which is any ``cpu_op`` or ``user_annotation`` (other than our ranges) whose
@@ -95,6 +98,7 @@ def capture_trace(
         activities=activities,
         schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
         on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
+        acc_events=True,  # one cycle only; silences the "clears events at the end of each cycle" warning
     ) as prof:
         for _ in range(warmup + steps):
             with nvtx_range("step"):

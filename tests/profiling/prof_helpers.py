@@ -151,12 +151,14 @@ def write_nsys(path: Path, kernels: list[K], ranges: list[R]) -> Path:
 # Workers for torch.multiprocessing.spawn (must be importable by the child processes).
 
 
-def spawn(worker, *args: object, nprocs: int = 2, start_method: str = "fork") -> None:
-    """Run ``worker(rank, nprocs, *args)`` in ``nprocs`` processes; fork skips re-importing torch.
+def spawn(worker, *args: object, nprocs: int = 2) -> None:
+    """Run ``worker(rank, nprocs, *args)`` in ``nprocs`` processes.
 
-    CUDA cannot be re-initialised in a forked child, so GPU tests pass ``start_method="spawn"``.
+    Fork where there is no GPU (it skips re-importing torch: seconds on the 2-core CI machine);
+    spawn where there is one, since CUDA and CUPTI do not survive a fork.
     """
-    mp.start_processes(worker, args=(nprocs, *args), nprocs=nprocs, start_method=start_method)
+    method = "spawn" if torch.cuda.is_available() else "fork"
+    mp.start_processes(worker, args=(nprocs, *args), nprocs=nprocs, start_method=method)
 
 
 def _init(rank: int, world: int, init_file: str, backend: str = "gloo") -> None:
@@ -191,7 +193,7 @@ def timing_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from dsv4cp.profiling.timing import benchmark
 
     _init(rank, world, init_file)
-    result = benchmark(lambda: time.sleep(0.002 + 0.020 * rank), warmup=1, reps=5)
+    result = benchmark(lambda: time.sleep(0.002 + 0.020 * rank), warmup=1, reps=5, device="cpu")
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result.to_dict()))
     dist.destroy_process_group()
 

@@ -70,7 +70,7 @@ def test_push_pop_balanced_with_cached_attributes(monkeypatch):
 
 
 def _annotations(prof_dir, fn) -> tuple[list[str], torch.Tensor]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as prof:
         out = fn()
     path = prof_dir / "trace.json"
     prof.export_chrome_trace(str(path))

@@ -1,0 +1,186 @@
+"""Analytic cost model of one layer: per-phase FLOPs, HBM bytes, communication and roofline bounds.
+
+Computed in closed form over documents (no tensors), so any CP size and batch size is instant.
+Examples:
+
+  dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 2
+  dsv4cp model --preset flash --ratio 4 --tokens 262144 --cp 64 --machine internode --bandwidth 40
+  dsv4cp model --preset flash --ratio 4 --packing histogram --extrapolate --machine internode
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pandas as pd
+
+from dsv4cp.config import PRESET_NAMES, DSv4Config
+from dsv4cp.model import BOTH, MACHINE_PRESETS, Machine, estimate, extrapolate
+from dsv4cp.model.machine import GB
+from dsv4cp.model.sweep import DEFAULT_CPS, DEFAULT_TOKENS
+from dsv4cp.workloads import PACKINGS, pack_lengths
+
+HELP = "analytic per-phase FLOPs, bytes, communication and lower bounds of one layer (no GPU needed)"
+
+MiB = float(1 << 20)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"must be positive ints, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="flash")
+    parser.add_argument("--ratio", type=int, default=4, help="compress ratio: 0 (W), 4 (C) or another (H)")
+    parser.add_argument("--tokens", type=int, default=65536, help="packed tokens T of the batch")
+    parser.add_argument("--cp", type=int, default=2, help="context-parallel size")
+    parser.add_argument("--packing", choices=PACKINGS, default="one")
+    parser.add_argument("--doc-len", type=int, default=4096, help="document length of --packing fixed")
+    parser.add_argument("--lengths", type=str, default=None,
+                        help="comma-separated document lengths (overrides --packing; total --tokens)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the histogram packings")
+    parser.add_argument("--indexer-loss", choices=("sparse", "dense"), default=None)
+    parser.add_argument("--machine", choices=MACHINE_PRESETS, default="h200x2")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="communication bandwidth in GB/s (all-gather bus bandwidth and P2P); "
+                             "default: the preset's (258 / 256 for h200x2, 40 for internode)")
+    parser.add_argument("--per-rank", action="store_true", help="print every (rank, phase, direction) record")
+    parser.add_argument("--csv", default=None, help="write the records (or the extrapolation) to this CSV")
+    parser.add_argument("--extrapolate", action="store_true",
+                        help="sweep --cps x --sweep-tokens (or --tokens-per-rank) instead of one point")
+    parser.add_argument("--cps", type=_int_list, default=list(DEFAULT_CPS), help="CP sizes of --extrapolate")
+    parser.add_argument("--sweep-tokens", type=_int_list, default=list(DEFAULT_TOKENS),
+                        help="total tokens of --extrapolate (strong scaling)")
+    parser.add_argument("--tokens-per-rank", type=_int_list, default=None,
+                        help="tokens per rank of --extrapolate (weak scaling; overrides --sweep-tokens)")
+    parser.add_argument("--direction", choices=("fwd", "bwd"), default="fwd", help="direction of --extrapolate")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tokens <= 0:
+        raise ValueError(f"--tokens: must be positive, got {args.tokens}")
+    if args.cp <= 0:
+        raise ValueError(f"--cp: must be positive, got {args.cp}")
+    if args.bandwidth is not None and not args.bandwidth > 0:
+        raise ValueError(f"--bandwidth: must be positive GB/s, got {args.bandwidth}")
+    cfg = DSv4Config.preset(args.preset)
+    if args.indexer_loss:
+        cfg = cfg.replace(indexer_loss=args.indexer_loss)
+    cfg.check_ratio(args.ratio)
+    machine = Machine.preset(args.machine, None if args.bandwidth is None else args.bandwidth * GB)
+    _print_machine(machine)
+    if args.extrapolate:
+        return _run_extrapolate(args, cfg, machine)
+
+    if args.lengths is not None:
+        try:
+            lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--lengths: must be comma-separated ints, got {args.lengths!r}") from None
+    else:
+        lengths = pack_lengths(args.tokens, args.packing, doc_len=args.doc_len, seed=args.seed)
+    est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens)
+    c = est.counts
+    print(f"layer: preset={args.preset} ratio={args.ratio} kind={est.kind} tokens={c.total} cp={c.cp} "
+          f"rows/rank={c.rows} docs={c.n_docs} halo={c.halo} capacity={c.capacity} "
+          f"packing={'lengths' if args.lengths else args.packing}")
+    with pd.option_context("display.width", 200, "display.max_rows", 10_000, "display.max_columns", 50):
+        if args.per_rank:
+            print(_per_rank(est).to_string(index=False))
+        else:
+            print(_per_phase(est).to_string(index=False))
+        print()
+        print(_ranks(est).to_string(index=False))
+    print()
+    for direction in ("fwd", "bwd", BOTH):
+        s = est.summary(direction)
+        print(f"{direction:>7}: model {s.model_flops / 1e12:.3f} TFLOP (+{(s.total_flops - s.model_flops) / 1e9:.2f}"
+              f" GFLOP halo), flops imbalance {s.flops_imbalance:.3f}, bound {s.bound_overlap_s * 1e3:.3f} ms "
+              f"overlapped / {s.bound_serial_s * 1e3:.3f} ms serial (compute {s.compute_s * 1e3:.3f}, comm "
+              f"{s.comm_s * 1e3:.3f}, attention {s.attention_s * 1e3:.3f}), time imbalance {s.time_imbalance:.3f}, "
+              f"{s.model_tflops_per_gpu(s.bound_overlap_s) if s.bound_overlap_s > 0 else float('nan'):.0f} "
+              f"TFLOP/s/GPU at the bound")
+    if args.csv:
+        est.table().to_csv(args.csv, index=False)
+        print(f"records written to {args.csv}")
+    return 0
+
+
+def _print_machine(m: Machine) -> None:
+    print(f"machine: {m.name}: {m.peak_flops / 1e12:.0f} TFLOP/s, HBM {m.hbm_bandwidth / 1e12:.2f} TB/s, "
+          f"all-gather busbw {m.allgather_busbw / GB:.0f} GB/s, P2P {m.p2p_bandwidth / GB:.0f} GB/s")
+
+
+def _per_phase(est) -> pd.DataFrame:
+    t = est.phase_table()
+    return pd.DataFrame({
+        "phase": t["phase"], "dir": t["direction"], "res": t["resource"],
+        "GFLOP(sum)": (t["flops"] / 1e9).round(2), "halo_GFLOP": (t["redundant_flops"] / 1e9).round(3),
+        "GFLOP(max)": (t["max_rank_flops"] / 1e9).round(2), "imbal": t["flops_imbalance"].round(3),
+        "HBM_MiB(max)": (t["max_rank_hbm_bytes"] / MiB).round(2),
+        "comm_MiB(max)": (t["max_rank_comm_bytes"] / MiB).round(3),
+        "bound_us(max)": (t["max_rank_bound_s"] * 1e6).round(1),
+    })
+
+
+def _per_rank(est) -> pd.DataFrame:
+    t = est.table()
+    return pd.DataFrame({
+        "rank": t["rank"], "phase": t["phase"], "dir": t["direction"], "GFLOP": (t["flops"] / 1e9).round(3),
+        "halo_GFLOP": (t["redundant_flops"] / 1e9).round(3), "HBM_MiB": (t["hbm_bytes"] / MiB).round(2),
+        "comm_MiB": (t["comm_bytes"] / MiB).round(3), "bound_us": (t["time_lower_bound_s"] * 1e6).round(1),
+        "limiter": t["limiter"],
+    })
+
+
+def _ranks(est) -> pd.DataFrame:
+    t = est.rank_table()
+    if est.cp > 16:  # summarise: first, last and slowest ranks
+        keep = {0, est.cp - 1}
+        both = t[t["direction"] == BOTH]
+        keep.add(int(both.loc[both["bound_overlap_s"].idxmax(), "rank"]))
+        t = t[t["rank"].isin(sorted(keep))]
+    return pd.DataFrame({
+        "rank": t["rank"], "dir": t["direction"], "TFLOP": (t["flops"] / 1e12).round(3),
+        "comm_MiB": (t["comm_bytes"] / MiB).round(2), "compute_ms": (t["compute_s"] * 1e3).round(3),
+        "comm_ms": (t["comm_s"] * 1e3).round(3), "bound_overlap_ms": (t["bound_overlap_s"] * 1e3).round(3),
+        "bound_serial_ms": (t["bound_serial_s"] * 1e3).round(3),
+    })
+
+
+def _run_extrapolate(args, cfg, machine) -> int:
+    table = extrapolate(
+        cfg, args.ratio, args.packing, cps=args.cps, tokens=args.sweep_tokens, machine=machine,
+        tokens_per_rank=args.tokens_per_rank, doc_len=args.doc_len, seed=args.seed, direction=args.direction,
+    )
+    if table.empty:
+        raise ValueError("--extrapolate: no feasible (cp, tokens) point (tokens must divide by cp and "
+                         "leave at least the halo per rank)")
+    shown = pd.DataFrame({
+        "cp": table["cp"], "tokens": table["tokens"], "tok/rank": table["tokens_per_rank"], "docs": table["docs"],
+        "attn_ms": (table["attention_s"] * 1e3).round(3), "compute_ms": (table["compute_s"] * 1e3).round(3),
+        "comm_ms": (table["comm_s"] * 1e3).round(3), "comm_MiB": (table["comm_bytes_per_rank"] / MiB).round(1),
+        "comm/attn": table["comm_over_attention"].round(2), "comm/compute": table["comm_over_compute"].round(2),
+        "overlap_ms": (table["bound_overlap_s"] * 1e3).round(3), "serial_ms": (table["bound_serial_s"] * 1e3).round(3),
+        "imbal": table["time_imbalance"].round(2), "TF/GPU": table["tflops_per_gpu_at_bound"].round(0),
+    })
+    print(f"extrapolation ({args.direction}): preset={args.preset} ratio={args.ratio} packing={args.packing}")
+    with pd.option_context("display.width", 220, "display.max_rows", 10_000, "display.max_columns", 50):
+        print(shown.to_string(index=False))
+    cross = table[table["comm_exceeds_attention"]]
+    if len(cross):
+        first = cross.sort_values(["tokens_per_rank", "cp"], ascending=[False, True]).iloc[0]
+        print(f"communication exceeds the attention bound from cp={first['cp']} at "
+              f"{first['tokens_per_rank']} tokens/rank (and at {len(cross)} of {len(table)} points)")
+    else:
+        print("communication stays below the attention bound at every point")
+    if args.csv:
+        table.to_csv(args.csv, index=False)
+        print(f"extrapolation written to {args.csv}")
+    return 0

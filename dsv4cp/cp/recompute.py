@@ -1,0 +1,63 @@
+"""Selective recompute with KV reconstruction (DESIGN 3.6).
+
+The attention core normally keeps, for backward, the query up-projection ``q [L, H, D]`` with its
+intermediates and the concatenated key buffer ``[halo kv | local kv | gathered compressed kv]``.
+With recompute on, it keeps only the parts those are made of (the query latent, the ext kv rows and
+the gathered compressed rows) and rebuilds both in backward: the key buffer by concatenating the
+saved parts again, the queries by re-running their projection, whose gradient is then propagated
+by hand. The attention itself is not recomputed: its output and lse are saved as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from dsv4cp.ops.sparse_attention import SparseAttentionBackend
+
+QueryFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _key_buffer(kv_ext: torch.Tensor, compressed: torch.Tensor | None) -> torch.Tensor:
+    return kv_ext if compressed is None else torch.cat((kv_ext, compressed), dim=0)
+
+
+class _RecomputedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend):
+        with torch.no_grad():
+            q = query_fn(latent, q_weight)
+        keys = _key_buffer(kv_ext, compressed)
+        out, lse = backend.forward(q, keys, idx, sink, scale, None)
+        ctx.save_for_backward(latent, q_weight, kv_ext, compressed, idx, sink, out, lse)
+        ctx.query_fn, ctx.scale, ctx.backend = query_fn, scale, backend
+        ctx.mark_non_differentiable(lse, q, keys)
+        return out, lse, q, keys
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dq, _dkeys):
+        latent, q_weight, kv_ext, compressed, idx, sink, out, lse = ctx.saved_tensors
+        keys = _key_buffer(kv_ext, compressed)  # KV reconstruction
+        with torch.enable_grad():
+            latent_r = latent.detach().requires_grad_()
+            weight_r = q_weight.detach().requires_grad_()
+            q = ctx.query_fn(latent_r, weight_r)
+        dq, dkeys, dsink = ctx.backend.backward(dout.contiguous(), q.detach(), keys, idx, sink, ctx.scale, out, lse, None)
+        dlatent, dweight = torch.autograd.grad(q, (latent_r, weight_r), dq)
+        dkv_ext = dkeys[: kv_ext.shape[0]]
+        dcompressed = None if compressed is None else dkeys[kv_ext.shape[0] :]
+        return dlatent, dweight, dkv_ext, dcompressed, None, dsink, None, None, None
+
+
+def recomputed_attention(
+    latent: torch.Tensor, q_weight: torch.Tensor, query_fn: QueryFn, kv_ext: torch.Tensor,
+    compressed: torch.Tensor | None, idx: torch.Tensor, sink: torch.Tensor, scale: float,
+    backend: SparseAttentionBackend,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse attention of ``query_fn(latent, q_weight)`` over ``[kv_ext | compressed]`` rows.
+
+    Returns ``(out, lse, q, key_buffer)``; ``q`` and ``key_buffer`` are detached views for
+    forward-only consumers (the indexer loss) and are not kept for backward.
+    """
+    return _RecomputedAttention.apply(latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend)

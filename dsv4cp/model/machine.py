@@ -1,0 +1,72 @@
+"""Hardware ceilings for the roofline lower bounds (DESIGN 6: measured on the H200 machines here)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GB = 1e9
+"""Bandwidths are quoted in decimal GB/s, as NCCL's tests and the DESIGN figures do."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Throughput ceilings of one GPU and its links.
+
+    Attributes:
+        name: a label carried into tables.
+        peak_flops: dense bf16 matrix throughput (FLOP/s); DESIGN 6 measured 784e12 on H200.
+        hbm_bandwidth: device-memory bandwidth (B/s); a device copy ran at 4.26e12.
+        allgather_busbw: collective BUS bandwidth (B/s) in NCCL's convention, used for all-gathers and
+            reduce-scatters alike: a collective whose full (gathered) buffer is ``S`` bytes over ``n``
+            ranks takes ``(n - 1) / n * S / busbw``. 258e9 measured between two NVLinked H200 at
+            256 MiB per rank (smaller messages reach less: 183e9 at 16 MiB, 34e9 at 1 MiB).
+        p2p_bandwidth: point-to-point bandwidth per direction (B/s), for the halo; 256e9 measured.
+    """
+
+    name: str = "h200x2"
+    peak_flops: float = 784e12
+    hbm_bandwidth: float = 4.26e12
+    allgather_busbw: float = 258e9
+    p2p_bandwidth: float = 256e9
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "hbm_bandwidth", "allgather_busbw", "p2p_bandwidth"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{field}: must be a positive number, got {value!r}")
+
+    @classmethod
+    def preset(cls, name: str = "h200x2", bandwidth: float | None = None) -> "Machine":
+        """``h200x2`` (two NVLinked H200, the measured ceilings) or ``internode`` (same GPUs, every
+        collective and the halo limited to ``bandwidth`` B/s per GPU, default 40e9).
+
+        ``bandwidth`` (B/s), when given, replaces both communication ceilings of either preset.
+        """
+        if name not in MACHINE_PRESETS:
+            raise ValueError(f"machine: unknown preset {name!r}; choose one of {MACHINE_PRESETS}")
+        machine = cls()
+        if name == "internode":
+            machine = machine.with_bandwidth(INTERNODE_BANDWIDTH if bandwidth is None else bandwidth, "internode")
+        elif bandwidth is not None:
+            machine = machine.with_bandwidth(bandwidth)
+        return machine
+
+    def with_bandwidth(self, bandwidth: float, name: str | None = None) -> "Machine":
+        """The same GPU with all-gather bus bandwidth and P2P bandwidth both set to ``bandwidth`` B/s."""
+        if not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
+            raise ValueError(f"bandwidth: must be a positive number of bytes/s, got {bandwidth!r}")
+        label = name or f"{self.name}@{bandwidth / GB:g}GB/s"
+        return dataclasses.replace(self, name=label, allgather_busbw=float(bandwidth), p2p_bandwidth=float(bandwidth))
+
+    def collective_time(self, total_bytes: float, ranks: int) -> float:
+        """All-gather / reduce-scatter time of a ``total_bytes`` buffer over ``ranks`` ranks (bus-bw rule)."""
+        if ranks <= 1:
+            return 0.0
+        return (ranks - 1) / ranks * total_bytes / self.allgather_busbw
+
+
+INTERNODE_BANDWIDTH = 40 * GB
+"""Default per-GPU inter-node bandwidth of the ``internode`` preset (DESIGN 6b's example)."""
+
+MACHINE_PRESETS = ("h200x2", "internode")

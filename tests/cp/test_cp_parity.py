@@ -1,0 +1,93 @@
+"""CP = cp results equal CP = 1 results (DESIGN 3.8): every layer type, loss variant, overlap mode and
+recompute setting, on packings that put documents, groups and windows across rank boundaries."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsv4cp.cp.check import CheckCase, merge_ranks, run_cases
+from dsv4cp.cp.launch import spawn
+
+# (ratio, indexer-loss variant): W, C sparse, C dense, H (tiny preset: window 8 covers ratio 8).
+LAYER_TYPES = [(0, "sparse"), (4, "sparse"), (4, "dense"), (8, "sparse")]
+MODES = list(itertools.product(("none", "async"), (False, True)))  # (overlap, recompute)
+
+
+def packings(cp: int) -> dict[str, tuple[tuple[int, ...], int | None, int]]:
+    """name -> (lengths, total, pad_to_multiple); rows per rank L = 30 (not a multiple of 4 or 8,
+    so compressed groups and their overlap predecessors straddle rank boundaries)."""
+    rows = 30
+    total = rows * cp
+    return {
+        "one_long": ((total,), None, 1),
+        "many_short": (tuple(([7, 3, 12, 5, 9, 1] * total)[: total // 7]), total, 1),
+        "empty_docs": ((0, rows - 3, 0, 0, total - rows + 3 - 20, 0), total, 1),
+        "shorter_than_r": ((1, 2, 3, 1, 2, 3, 5, 7, total - 24), total, 1),
+        "padded_docs": ((13, 22, 9), total, 8),
+        "tail_padding": ((rows + 5, 17), total, 1),
+        "starts_at_boundary": (tuple([rows] * cp), None, 1),
+        "halo_sized_ranks": ((5 * cp, 3 * cp), 8 * cp, 1),  # L = 8 = the smallest legal (the halo)
+    }
+
+
+def cases_for(cp: int) -> list[CheckCase]:
+    cases = []
+    for i, ((ratio, loss), (name, (lengths, total, pad))) in enumerate(
+        itertools.product(LAYER_TYPES, packings(cp).items())
+    ):
+        overlap, recompute = MODES[i % len(MODES)]
+        cases.append(CheckCase(ratio=ratio, lengths=lengths, total=total, pad_to_multiple=pad, overlap=overlap,
+                               recompute=recompute, seed=i, config_overrides={"indexer_loss": loss}))
+    # every mode on the packing with the most boundary crossings
+    lengths, total, pad = packings(cp)["many_short"]
+    for ratio, loss in LAYER_TYPES:
+        for overlap, recompute in MODES:
+            cases.append(CheckCase(ratio=ratio, lengths=lengths, total=total, overlap=overlap, recompute=recompute,
+                                   config_overrides={"indexer_loss": loss}))
+    return cases
+
+
+def _assert_all_pass(cases: list[CheckCase], per_rank: list[list[list[dict]]]) -> None:
+    failures = []
+    for i, case in enumerate(cases):
+        for c in merge_ranks([rank_results[i] for rank_results in per_rank]):
+            if not c.passed:
+                failures.append(f"{case}: {c.quantity} rel error {c.max_rel_error:.2e}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_cp_matches_cp1(cp: int) -> None:
+    cases = cases_for(cp)
+    _assert_all_pass(cases, spawn(run_cases, cp, cases))
+
+
+@pytest.mark.slow
+def test_cp8_matches_cp1() -> None:
+    cases = cases_for(8)[: len(LAYER_TYPES) * 3]
+    _assert_all_pass(cases, spawn(run_cases, 8, cases))
+
+
+def test_fp64_parity_is_tight() -> None:
+    """In fp64 the CP computation is the CP = 1 computation up to summation order."""
+    cases = [CheckCase(ratio=r, lengths=(5, 70, 0, 41), total=120, dtype="fp64", overlap="async",
+                       config_overrides={"indexer_loss": loss}) for r, loss in LAYER_TYPES]
+    _assert_all_pass(cases, spawn(run_cases, 3, cases))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cp=st.integers(2, 3),
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    extra=st.integers(0, 12),
+    ratio=st.sampled_from([0, 4, 8]),
+)
+def test_random_packings_match_cp1(cp: int, lengths: list[int], extra: int, ratio: int) -> None:
+    padded_end = sum(lengths) + extra
+    total = max(-(-padded_end // cp) * cp, 8 * cp)
+    case = CheckCase(ratio=ratio, lengths=tuple(lengths), total=total, overlap="async")
+    _assert_all_pass([case], spawn(run_cases, cp, [case]))
