@@ -175,9 +175,12 @@ def _run_extrapolate(args, cfg, machine) -> int:
         print(shown.to_string(index=False))
     cross = table[table["comm_exceeds_attention"]]
     if len(cross):
-        first = cross.sort_values(["tokens_per_rank", "cp"], ascending=[False, True]).iloc[0]
-        print(f"communication exceeds the attention bound from cp={first['cp']} at "
-              f"{first['tokens_per_rank']} tokens/rank (and at {len(cross)} of {len(table)} points)")
+        where = "; ".join(
+            f"cp={cp}: " + ",".join(str(v) for v in sorted(group["tokens_per_rank"]))
+            for cp, group in cross.groupby("cp")
+        )
+        print(f"communication exceeds the attention bound at {len(cross)} of {len(table)} points "
+              f"(tokens/rank) {where}")
     else:
         print("communication stays below the attention bound at every point")
     if args.csv:
