@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dsv4cp.profiling.nvtx import nvtx_range
+
 OVERLAP_MODES = ("none", "async")
 
 
@@ -41,15 +43,17 @@ class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, halo: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.halo, ctx.group = halo, group
-        received = _shift_to_next(x[-halo:].contiguous(), group)
-        return torch.cat((received, x), dim=0)
+        with nvtx_range("halo.fwd"):
+            received = _shift_to_next(x[-halo:].contiguous(), group)
+            return torch.cat((received, x), dim=0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         halo = ctx.halo
-        returned = _shift_to_previous(grad[:halo].contiguous(), ctx.group)
-        grad_x = grad[halo:].clone()
-        grad_x[-halo:] += returned
+        with nvtx_range("halo.bwd"):
+            returned = _shift_to_previous(grad[:halo].contiguous(), ctx.group)
+            grad_x = grad[halo:].clone()
+            grad_x[-halo:] += returned
         return grad_x, None, None
 
 
@@ -88,6 +92,8 @@ def exchange_halo(x_local: torch.Tensor, halo: int, group: dist.ProcessGroup | N
 class PendingGather:
     """Handles of one gathered tensor's collectives: the forward all-gather and backward reduce-scatter."""
 
+    name: str = "kv"
+    """Which gathered tensor ("kv" or "index_k"): names its profiling ranges."""
     forward_work: object | None = None
     backward_work: object | None = None
     gathered: torch.Tensor | None = field(default=None, repr=False)
@@ -108,7 +114,8 @@ class _DeferredBackwardWait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.pending.backward_work is not None:
-            ctx.pending.backward_work.wait()
+            with nvtx_range(f"reducescatter.{ctx.pending.name}.wait"):
+                ctx.pending.backward_work.wait()
             ctx.pending.backward_work = None
         return grad, None
 
@@ -118,16 +125,18 @@ class _LaunchGather(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, group, pending: PendingGather, async_op: bool) -> torch.Tensor:
         ctx.group, ctx.pending, ctx.async_op = group, pending, async_op
         size = dist.get_world_size(group)
-        out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-        work = _all_gather_tensor(out, local.contiguous(), group=group, async_op=async_op)
+        with nvtx_range(f"allgather.{pending.name}.launch"):
+            out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+            work = _all_gather_tensor(out, local.contiguous(), group=group, async_op=async_op)
         pending.forward_work = work if async_op else None
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         size = dist.get_world_size(ctx.group)
-        local = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        work = _reduce_scatter_tensor(local, grad.contiguous(), group=ctx.group, async_op=ctx.async_op)
+        with nvtx_range(f"reducescatter.{ctx.pending.name}.launch"):
+            local = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+            work = _reduce_scatter_tensor(local, grad.contiguous(), group=ctx.group, async_op=ctx.async_op)
         ctx.pending.backward_work = work if ctx.async_op else None
         return local, None, None, None
 
@@ -136,7 +145,8 @@ class _CompleteGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gathered: torch.Tensor, pending: PendingGather) -> torch.Tensor:
         if pending.forward_work is not None:
-            pending.forward_work.wait()
+            with nvtx_range(f"allgather.{pending.name}.wait"):
+                pending.forward_work.wait()
             pending.forward_work = None
         return gathered.view_as(gathered)
 
@@ -146,14 +156,15 @@ class _CompleteGather(torch.autograd.Function):
 
 
 def all_gather_rows(
-    local: torch.Tensor, group: dist.ProcessGroup | None, overlap: str = "none"
+    local: torch.Tensor, group: dist.ProcessGroup | None, overlap: str = "none", name: str = "kv"
 ) -> PendingGather:
     """Launch the all-gather of ``local [n, ...]`` into ``[cp * n, ...]`` (rank-major).
 
     Returns a :class:`PendingGather`; call ``.wait()`` where the gathered rows are needed. Gradients
-    of the gathered rows are reduce-scattered (summed) back to their owners.
+    of the gathered rows are reduce-scattered (summed) back to their owners. ``name`` ("kv" or
+    "index_k") names the collectives' profiling ranges.
     """
-    pending = PendingGather()
+    pending = PendingGather(name)
     if group is None or dist.get_world_size(group) == 1:
         pending.gathered = local
         return pending

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from dsv4cp.ops.sparse_attention import SparseAttentionBackend
+from dsv4cp.profiling.nvtx import nvtx_range
 
 QueryFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -26,10 +27,11 @@ def _key_buffer(kv_ext: torch.Tensor, compressed: torch.Tensor | None) -> torch.
 class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend):
-        with torch.no_grad():
+        with torch.no_grad(), nvtx_range("q_proj.fwd"):
             q = query_fn(latent, q_weight)
         keys = _key_buffer(kv_ext, compressed)
-        out, lse = backend.forward(q, keys, idx, sink, scale, None)
+        with nvtx_range("sparse_attn.fwd"):
+            out, lse = backend.forward(q, keys, idx, sink, scale, None)
         ctx.save_for_backward(latent, q_weight, kv_ext, compressed, idx, sink, out, lse)
         ctx.query_fn, ctx.scale, ctx.backend = query_fn, scale, backend
         ctx.mark_non_differentiable(lse, q, keys)
@@ -38,13 +40,15 @@ class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse, _dq, _dkeys):
         latent, q_weight, kv_ext, compressed, idx, sink, out, lse = ctx.saved_tensors
-        keys = _key_buffer(kv_ext, compressed)  # KV reconstruction
-        with torch.enable_grad():
+        with nvtx_range("kv_rebuild.bwd"), torch.enable_grad():
+            keys = _key_buffer(kv_ext, compressed)  # KV reconstruction
             latent_r = latent.detach().requires_grad_()
             weight_r = q_weight.detach().requires_grad_()
             q = ctx.query_fn(latent_r, weight_r)
-        dq, dkeys, dsink = ctx.backend.backward(dout.contiguous(), q.detach(), keys, idx, sink, ctx.scale, out, lse, None)
-        dlatent, dweight = torch.autograd.grad(q, (latent_r, weight_r), dq)
+        with nvtx_range("sparse_attn.bwd"):
+            dq, dkeys, dsink = ctx.backend.backward(dout.contiguous(), q.detach(), keys, idx, sink, ctx.scale, out, lse, None)
+        with nvtx_range("q_proj.bwd"):
+            dlatent, dweight = torch.autograd.grad(q, (latent_r, weight_r), dq)
         dkv_ext = dkeys[: kv_ext.shape[0]]
         dcompressed = None if compressed is None else dkeys[kv_ext.shape[0] :]
         return dlatent, dweight, dkv_ext, dcompressed, None, dsink, None, None, None

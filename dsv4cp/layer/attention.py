@@ -20,6 +20,8 @@ from dsv4cp.layer.rope import apply_rope, rope_frequencies
 from dsv4cp.ops.indexer import indexer_topk
 from dsv4cp.ops.sparse_attention import resolve_backend, sparse_attention
 from dsv4cp.packing import PackedSeqs
+from dsv4cp.profiling.autograd_ranges import BackwardRegion, phase_region
+from dsv4cp.profiling.nvtx import nvtx_range
 
 
 class AttentionOutput(NamedTuple):
@@ -96,31 +98,36 @@ class DSv4Attention(nn.Module):
         positions = layout.local_pos
 
         x_ext = exchange_halo(x, layout.halo, cp_group)
-        kv_ext = apply_rope(self.kv_norm(self.wkv(x_ext)), layout.ext_pos, freqs)
+        kv_ext = phase_region("kv_proj", self._kv, x_ext, layout.ext_pos)
 
         # Launch the gathers of compressed keys first so they fly while the queries are computed.
         index_keys = compressed = None
         if self.indexer is not None:
-            index_keys = all_gather_rows(self.indexer.keys(x_ext.detach(), layout, freqs), cp_group, self.overlap)
+            local_keys = phase_region("indexer.compress", self.indexer.keys, x_ext.detach(), layout, freqs)
+            index_keys = all_gather_rows(local_keys, cp_group, self.overlap, name="index_k")
         if self.compressor is not None:
-            compressed = all_gather_rows(self.compressor(x_ext, layout, freqs), cp_group, self.overlap)
-
-        latent = self.q_norm(self.wq_a(x))
+            local_kv = phase_region("compress", self.compressor, x_ext, layout, freqs)
+            compressed = all_gather_rows(local_kv, cp_group, self.overlap, name="kv")
 
         def queries(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             q = rms_norm(nn.functional.linear(latent, weight).view(rows, h, d), cfg.rms_eps)
             return apply_rope(q, positions, freqs)
 
-        # Without recompute the query up-projection runs here, while the gathers fly.
-        q = None if self.recompute else queries(latent, self.wq_b.weight)
+        q_region = BackwardRegion("q_proj.bwd")
+        with nvtx_range("q_proj.fwd"):
+            latent = self.q_norm(self.wq_a(q_region.input(x)))
+            # Without recompute the query up-projection runs here, while the gathers fly.
+            q = None if self.recompute else q_region.output(queries(latent, self.wq_b.weight))
         if self.indexer is not None:
-            index_q, index_w = self.indexer.queries(latent.detach(), x.detach(), positions, freqs)
+            with nvtx_range("indexer.q_proj.fwd"):
+                index_q, index_w = self.indexer.queries(latent.detach(), x.detach(), positions, freqs)
             index_keys_all = index_keys.wait()
-            local_doc = layout.local_doc
-            selected = indexer_topk(
-                index_q, index_w, index_keys_all,
-                lambda sl: layout.visible_mask(local_doc[sl], positions[sl]), cfg.index_topk,
-            )
+            with nvtx_range("indexer.topk.fwd"):
+                local_doc = layout.local_doc
+                selected = indexer_topk(
+                    index_q, index_w, index_keys_all,
+                    lambda sl: layout.visible_mask(local_doc[sl], positions[sl]), cfg.index_topk,
+                )
 
         idx, compressed_all = layout.window_idx, None
         if compressed is not None:
@@ -141,14 +148,19 @@ class DSv4Attention(nn.Module):
         loss = None
         if self.indexer is not None:
             scored = selected if cfg.indexer_loss == "sparse" else layout.all_visible_idx()
-            loss = indexer_loss(
-                variant=cfg.indexer_loss, q=q, key_buffer=key_buffer, window_idx=layout.window_idx,
-                compressed_offset=layout.ext_rows, scored_entries=scored, attention_lse=lse,
-                sink=self.attn_sink, scale=cfg.softmax_scale, index_q=index_q, index_w=index_w,
-                index_keys=index_keys_all, real=layout.real, global_real_tokens=packed.real_tokens,
-                coeff=cfg.indexer_loss_coeff,
-            )
-        return AttentionOutput(self._project_out(out, positions), loss)
+            with nvtx_range("indexer.loss.fwd"):
+                loss = indexer_loss(
+                    variant=cfg.indexer_loss, q=q, key_buffer=key_buffer, window_idx=layout.window_idx,
+                    compressed_offset=layout.ext_rows, scored_entries=scored, attention_lse=lse,
+                    sink=self.attn_sink, scale=cfg.softmax_scale, index_q=index_q, index_w=index_w,
+                    index_keys=index_keys_all, real=layout.real, global_real_tokens=packed.real_tokens,
+                    coeff=cfg.indexer_loss_coeff,
+                )
+        return AttentionOutput(phase_region("out_proj", self._project_out, out, positions), loss)
+
+    def _kv(self, x_ext: torch.Tensor, ext_positions: torch.Tensor) -> torch.Tensor:
+        """The one key/value row per token: ``RoPE(RMSNorm(wkv x))``."""
+        return apply_rope(self.kv_norm(self.wkv(x_ext)), ext_positions, self.rope_freqs)
 
     def _project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo the query rotation on each head's output, then the grouped low-rank projection."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsv4cp.ops.indexer import indexer_scores
+from dsv4cp.profiling.autograd_ranges import BackwardRegion
 
 _CHUNK_ELEMENTS = 32 * 2**20
 
@@ -107,5 +108,6 @@ def indexer_loss(
         log_denominator = torch.logaddexp(window_lse, logsumexp_over(q, key_buffer, key_rows, scale))
     target_mass = head_summed_probs(q, key_buffer, key_rows, scale, log_denominator)
     scores = indexer_scores(index_q, index_w, index_keys, scored_entries)
-    total = kl_distillation(target_mass, scores, valid, real.to(scores.dtype))
-    return total * (coeff / max(global_real_tokens, 1))
+    region = BackwardRegion("indexer.loss.bwd")
+    total = kl_distillation(target_mass, region.input(scores), valid, real.to(scores.dtype))
+    return region.output(total * (coeff / max(global_real_tokens, 1)))

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from dsv4cp.config import DSv4Config
-from dsv4cp.model.costs import BOTH, LayerEstimate, estimate, range_to_phase
+from dsv4cp.model.costs import LayerEstimate, estimate, range_to_phase
 from dsv4cp.model.machine import Machine
 from dsv4cp.workloads import pack_lengths
 
@@ -150,4 +150,4 @@ def _breakdown_vs_bound(table: pd.DataFrame, est: LayerEstimate) -> pd.DataFrame
     return out
 
 
-__all__ = ["BOTH", "DEFAULT_CPS", "DEFAULT_TOKENS", "EXTRAPOLATE_COLUMNS", "extrapolate", "measured_vs_bound"]
+__all__ = ["DEFAULT_CPS", "DEFAULT_TOKENS", "EXTRAPOLATE_COLUMNS", "extrapolate", "measured_vs_bound"]

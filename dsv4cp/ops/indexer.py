@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from dsv4cp.profiling.nvtx import nvtx_range
+
 CHUNK_ELEMENTS = 32 * 2**20
 """Elements of one chunk's ``[chunk, Hi, keys]`` per-head score block."""
 
@@ -65,6 +67,11 @@ def _gather_dots(q, keys, idx):
 class _IndexerScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, w, keys, idx):
+        with nvtx_range("indexer.score.fwd"):
+            return _IndexerScores._forward(ctx, q, w, keys, idx)
+
+    @staticmethod
+    def _forward(ctx, q, w, keys, idx):
         t, hi, _ = q.shape
         work = torch.promote_types(q.dtype, torch.float32)
         out = torch.empty(idx.shape, dtype=work, device=q.device)
@@ -78,6 +85,11 @@ class _IndexerScores(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with nvtx_range("indexer.score.bwd"):
+            return _IndexerScores._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         q, w, keys, idx = ctx.saved_tensors
         t, hi, _ = q.shape
         work = grad.dtype

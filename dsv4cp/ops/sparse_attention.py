@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from dsv4cp.ops import sparse_attention_torch
+from dsv4cp.profiling.nvtx import nvtx_range
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ register_backend(
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, idx, sink, scale, topk_length, backend):
-        out, lse = backend.forward(q, kv, idx, sink, scale, topk_length)
+        with nvtx_range("sparse_attn.fwd"):
+            out, lse = backend.forward(q, kv, idx, sink, scale, topk_length)
         ctx.save_for_backward(q, kv, idx, sink, out, lse, topk_length)
         ctx.scale, ctx.backend = scale, backend
         ctx.mark_non_differentiable(lse)
@@ -77,7 +79,8 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, kv, idx, sink, out, lse, topk_length = ctx.saved_tensors
-        dq, dkv, dsink = ctx.backend.backward(dout.contiguous(), q, kv, idx, sink, ctx.scale, out, lse, topk_length)
+        with nvtx_range("sparse_attn.bwd"):
+            dq, dkv, dsink = ctx.backend.backward(dout.contiguous(), q, kv, idx, sink, ctx.scale, out, lse, topk_length)
         return dq, dkv, None, dsink, None, None, None
 
 

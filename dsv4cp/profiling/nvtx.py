@@ -103,6 +103,12 @@ class _NoNvtx:
     def pop_range(self) -> None:
         pass
 
+    def start_range(self, attributes: Any) -> None:
+        return None
+
+    def end_range(self, range_id: Any) -> None:
+        pass
+
 
 _DOMAIN_HANDLE: Any = _nvtx_lib.get_domain(DOMAIN) if _nvtx_lib is not None else _NoNvtx()
 
@@ -181,6 +187,36 @@ def nvtx_range(phase: str) -> contextlib.AbstractContextManager[None]:
     """
     spec = _spec(phase)
     return _ActiveRange(spec) if _enabled else _NULL_RANGE
+
+
+class Span:
+    """A range opened and closed at two independent points (NVTX start/end, eventType 60).
+
+    Unlike ``nvtx_range`` it need not nest with other ranges: backward phases open when autograd
+    reaches a region's output and close when it has finished the region's input, while other
+    autograd nodes may run in between. ``close`` without ``open``, or twice, does nothing.
+    """
+
+    __slots__ = ("_spec", "_range_id", "_record")
+
+    def __init__(self, phase: str) -> None:
+        self._spec = _spec(phase)
+        self._range_id: Any = None
+        self._record: Any = None
+
+    def open(self) -> None:
+        if not _enabled or self._record is not None:
+            return
+        self._range_id = _DOMAIN_HANDLE.start_range(self._spec.attributes)
+        self._record = torch.profiler.record_function(self._spec.full_name)
+        self._record.__enter__()
+
+    def close(self) -> None:
+        if self._record is None:
+            return
+        self._record.__exit__(None, None, None)
+        _DOMAIN_HANDLE.end_range(self._range_id)
+        self._record = self._range_id = None
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -1,0 +1,63 @@
+"""Backward-pass phase ranges for regions that autograd builds itself (DESIGN 5, NVTX).
+
+Custom autograd functions wrap their own backward in ``nvtx_range``. For a region of ordinary ops
+(a projection, the compressor) ``BackwardRegion`` puts two identity nodes on its boundary: the one
+on the region's output opens the phase's range when its gradient arrives, the one on the input
+closes it once the input's gradient is complete. With ranges switched off no node is added.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4cp.profiling.nvtx import Span, is_enabled, nvtx_range
+
+
+class _OpenInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, span: Span) -> torch.Tensor:
+        ctx.span = span
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.span.open()
+        return grad, None
+
+
+class _CloseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, span: Span) -> torch.Tensor:
+        ctx.span = span
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.span.close()
+        return grad, None
+
+
+class BackwardRegion:
+    """Marks ``phase`` (e.g. ``"compress.bwd"``) around the backward of the ops between
+    ``region.input(x)`` and ``region.output(y)``."""
+
+    def __init__(self, phase: str) -> None:
+        self._span = Span(phase)
+        self._active = is_enabled()
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._active or not x.requires_grad:
+            return x
+        return _CloseInBackward.apply(x, self._span)
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        if not self._active or not y.requires_grad:
+            return y
+        return _OpenInBackward.apply(y, self._span)
+
+
+def phase_region(phase: str, fn, x: torch.Tensor, *args):
+    """``fn(x, *args)`` inside range ``{phase}.fwd``, its backward inside ``{phase}.bwd``."""
+    region = BackwardRegion(f"{phase}.bwd")
+    with nvtx_range(f"{phase}.fwd"):
+        return region.output(fn(region.input(x), *args))
