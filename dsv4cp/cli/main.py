@@ -12,6 +12,7 @@ COMMANDS: dict[str, str] = {
     "env": "env",
     "layer": "layer",
     "check-cp": "check_cp",
+    "profile": "profile",
     "overlap": "overlap",
     "model": "model",
 }
