@@ -167,14 +167,6 @@ def run_reference(state, cfg, ratio, x, pk: PackedSeqs, info: dict | None = None
     return reference_forward(state, cfg, ratio, x, cu, cup, info=info)
 
 
-def real_rows(pk: PackedSeqs) -> list[int]:
-    cu, cup = offsets(pk)
-    rows = []
-    for d in range(len(cu) - 1):
-        rows.extend(range(cup[d], cup[d] + cu[d + 1] - cu[d]))
-    return rows
-
-
 # ------------------------------------------------------------------------------------------ compare
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a - b| / max|b| (in float64); 0 when both are empty or all zero."""

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from conftest import (
     TINY, assert_close_rel, assert_margin, cfg_for, make_layer, packed, param_state, random_state,
-    randn, real_rows, run_reference, seed_of,
+    randn, run_reference, seed_of,
 )
 from reference import hadamard_matrix, reference_forward, rope_frequencies
 

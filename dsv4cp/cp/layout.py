@@ -167,7 +167,7 @@ def build_layout(
     e_last = torch.where(e_valid, e_first + r - 1, total)  # invalid entries sort past every rank
     rank_bounds = torch.arange(cp + 1, device=device) * rows
     owner_first_eid = torch.searchsorted(e_last, rank_bounds)  # [cp + 1]
-    owner = torch.div(e_last, rows, rounding_mode="floor").clamp_max(cp - 1)
+    owner = torch.div(e_last, max(rows, 1), rounding_mode="floor").clamp_max(cp - 1)
     slot = eid - owner_first_eid[owner]
     entry_row = torch.where(e_valid, owner * cap + slot, -1)
 

@@ -5,7 +5,7 @@ CPU, where Triton's interpreter needs ``TRITON_INTERPRET=1`` set before triton's
 
 Public API (the kernel wrappers load triton lazily on attribute access):
 
-* :func:`sparse_attention_fwd`, :func:`sparse_attention_bwd`, :class:`KernelConfig`
+* :func:`sparse_attention_fwd`, :func:`sparse_attention_bwd`, :class:`KernelConfig`, :class:`DkvConfig`
   (``dsv4cp.kernels.sparse_attention_triton``);
 * :func:`set_deterministic`, :func:`is_deterministic`, :func:`triton_available`,
   :func:`triton_interpreting`.
@@ -30,8 +30,8 @@ from dsv4cp.ops.sparse_attention_torch import sparse_attention_forward as _torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-_LAZY = {"sparse_attention_fwd", "sparse_attention_bwd", "KernelConfig", "MAX_HEAD_DIM",
-         "DETERMINISTIC_CHUNK_BYTES"}
+_LAZY = {"sparse_attention_fwd", "sparse_attention_bwd", "KernelConfig", "DkvConfig", "MAX_HEAD_DIM",
+         "BWD_SCRATCH_BYTES"}
 
 __all__ = ["HAS_TRITON", "set_deterministic", "is_deterministic", "triton_available", "triton_interpreting",
            *sorted(_LAZY)]

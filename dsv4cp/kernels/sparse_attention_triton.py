@@ -6,8 +6,8 @@ The op (see :func:`dsv4cp.ops.sparse_attention`)::
     out    = sum_j e^{l_j} kv_j / (sum_j e^{l_j} + e^{sink_h})   (0 when t has no valid slot)
     lse    = log sum_j e^{l_j}                         (natural log, sink EXCLUDED, -inf if none)
 
-A slot is valid when ``idx >= 0`` and its position is below ``topk_length[t]`` (when given); one kv row
-is both the key and the value of every head (multi-query, K = V); repeated rows count as repeated keys.
+A slot is valid when ``0 <= idx < N`` and its position is below ``topk_length[t]`` (when given); one kv
+row is both the key and the value of every head (multi-query, K = V); repeated rows are repeated keys.
 
 Kernels, in the style of Triton's tutorials (each ``@triton.jit`` body next to its Python wrapper):
 
@@ -16,25 +16,32 @@ Kernels, in the style of Triton's tutorials (each ``@triton.jit`` body next to i
   rows ``[BLOCK_K, D]`` are loaded ONCE and used both as K (``s = q @ kv^T``) and as V
   (``acc += p @ kv``). Online softmax in fp32 with ``exp2`` (``scale * log2 e`` folded into the logits),
   the sink folded into the denominator at the end.
-* backward ``_bwd_preprocess_kernel``: ``delta = <dO, O>`` per (t, h) and the per-row sink-gradient
-  partials ``-p_sink * delta`` (summed over t by ``torch.sum``: deterministic).
-* backward ``_bwd_kernel``: per (query, head block), recomputes ``p`` from ``lse``; ``dq`` is written
-  directly; the kv-row gradient ``scale * ds^T q + p^T dO`` of each slot block is either added with
-  fp32 ``tl.atomic_add`` into an fp32 ``dkv`` buffer (fast default) or, in deterministic mode, written
-  to a per-(head block, query, slot) contribution buffer that ``_dkv_reduce_kernel`` sums per kv row in a
-  fixed order given by an inverted index (stable ``torch.sort`` of the flattened ``idx``): bitwise
-  reproducible results.
+* backward, per chunk of queries:
+  (a) ``_bwd_preprocess_kernel``: ``delta = <dO, O>`` per (t, h) and the sink-gradient partials
+      ``-p_sink * delta`` (summed over t by ``torch.sum``: deterministic);
+  (b) ``_bwd_dq_kernel``: per (query, head block) like the forward: recomputes ``p`` from ``lse``,
+      ``ds = p (dO.kv - delta) scale``, accumulates ``dq = ds @ kv`` and writes ``p`` and ``ds``
+      (``[chunk, Kt, H]``, q's dtype: exactly the values the matrix unit consumes) to scratch;
+  (c) ``_bwd_dkv_kernel``: per (query, D chunk): ``dkv_slots = ds^T q + p^T dO`` over ALL heads
+      (K = V: both roles add), then either fp32 ``tl.atomic_add`` into the kv rows (fast default) or, in
+      deterministic mode, a store into a per-(query, slot) contribution buffer that
+      ``_dkv_reduce_kernel`` sums per kv row in a fixed order given by an inverted index (stable
+      ``torch.sort`` of the flattened ``idx``): bitwise reproducible.
 
-How ``D = 512`` fits an sm_90 SM (228 KB shared memory, 64K 32-bit registers): the whole head dim is
-one tile (``BLOCK_D = next_pow2(D)``; the matrix unit reduces over all of it in one ``tl.dot``). Forward,
-bf16, ``BLOCK_H = 64, BLOCK_K = 64, num_warps = 8``: the fp32 accumulator ``[64, 512]`` is 128 KB of
-registers = 128 per thread over 256 threads (the two warpgroups split its 512 columns), q ``[64, 512]``
-stays in shared memory (64 KB) and each stage of gathered kv rows takes 64 KB: 2 stages = ~200 KB.
-Backward, ``BLOCK_K = 32``: ``dq`` accumulator 128 regs/thread plus the ``[32, 512]`` fp32 kv-gradient
-tile 64 regs/thread; q and dO (64 KB each) in shared memory plus 32 KB per kv stage. Each launch tries a
-short ladder of configurations and falls back to a smaller one on ``OutOfResources`` (the choice is
-cached per shape class); ``DSV4CP_TRITON_FWD_CONFIG`` / ``DSV4CP_TRITON_BWD_CONFIG``
-(``"block_h,block_k,num_warps,num_stages"``) or the wrappers' keyword arguments pin one.
+How ``D = 512`` fits an sm_90 SM (227 KB of shared memory per block, 64K 32-bit registers). The head dim
+is one tile (``BLOCK_D = next_pow2(D)``: one ``tl.dot`` reduces over all of it); the fp32 ``[64, 512]``
+accumulators (forward ``acc``, backward ``dq``) take 128 registers per thread over ``num_warps = 8``
+(two warpgroups, each owning 256 of the 512 columns). Shared memory, bf16, compiled for sm_90 with
+Triton 3.9 (``triton.compile`` without a GPU): forward ``BLOCK_H=64, BLOCK_K=64, 2 stages`` = 192 KB
+(q 64 KB + 2 x 64 KB of gathered rows, cp.async-pipelined, wgmma for both products, 255 registers
+with a ~200 B spill); dq kernel ``BLOCK_H=64, BLOCK_K=32, 2 stages`` (q and dO 64 KB each + 2 x 32 KB);
+dkv kernel ``BLOCK_K=64, 256 columns of D`` (q and dO column blocks + p/ds tiles). A single fused
+backward (dq and dkv in one loop) needs two [*, 512] fp32 accumulators and a second copy of q and dO
+in shared memory (~300 KB): it does not fit, hence (b) + (c) at the price of writing p and ds once.
+Each launch tries a short ladder of configurations and falls back to the next on ``OutOfResources``
+(cached per shape class); ``DSV4CP_TRITON_FWD_CONFIG`` / ``DSV4CP_TRITON_BWD_CONFIG``
+(``"block_h,block_k,num_warps,num_stages"``), ``DSV4CP_TRITON_DKV_CONFIG``
+(``"block_k,block_d,num_warps,num_stages"``) or the wrappers' keyword arguments pin one.
 
 Kernels are built lazily per execution mode: CUDA tensors use compiled ``triton.jit`` kernels, CPU
 tensors use Triton's interpreter (slow: tiny sizes only), which needs ``TRITON_INTERPRET=1`` in the
@@ -63,30 +70,40 @@ except ImportError:  # pragma: no cover - very old triton
 
 __all__ = [
     "KernelConfig",
+    "DkvConfig",
     "sparse_attention_fwd",
     "sparse_attention_bwd",
     "MAX_HEAD_DIM",
-    "DETERMINISTIC_CHUNK_BYTES",
+    "BWD_SCRATCH_BYTES",
 ]
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 512
 """Largest head dim the kernels accept (one ``[BLOCK_H, D]`` fp32 accumulator tile per program)."""
 
-DETERMINISTIC_CHUNK_BYTES = 2 * 2**30
-"""Budget of the deterministic backward's fp32 contribution buffer ``[head blocks, queries, Kt, D]``;
-queries are processed in chunks that fit it."""
+BWD_SCRATCH_BYTES = 2 * 2**30
+"""Budget of the backward's scratch per query chunk: p and ds ``[chunk, Kt, H]`` (q's dtype) and, in
+deterministic mode, the fp32 kv-gradient contributions ``[chunk, Kt, D]``."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch configuration: heads per program (M of the matrix unit), slots per step, warps, stages."""
+    """Forward / dq-kernel launch: heads per program (matrix-unit M), slots per step, warps, stages."""
 
     block_h: int
     block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DkvConfig:
+    """dkv-kernel launch: slots per step (matrix-unit M), head-dim columns per program, warps, stages."""
+
+    block_k: int
+    block_d: int
     num_warps: int
     num_stages: int
 
@@ -133,8 +150,11 @@ def _fwd_kernel(
         slots = k0 + tl.arange(0, BLOCK_K)
         rows = tl.load(IDX + t * stride_it + slots, mask=slots < kt_len, other=-1).to(tl.int64)
         valid = (rows >= 0) & (rows < N)
-        kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :],
-                     mask=valid[:, None] & dmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]: K and V
+        if D == BLOCK_D:  # no head-dim padding: a row mask only (fewer predicate registers)
+            kv_mask = valid[:, None]
+        else:
+            kv_mask = valid[:, None] & dmask[None, :]
+        kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :], mask=kv_mask, other=0.0)  # K and V
         if DOT_F32:
             kv = kv.to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
@@ -186,20 +206,20 @@ def _bwd_preprocess_kernel(
     tl.store(DSINK_PART + t * H + heads, -p_sink * delta, mask=hmask)
 
 
-def _bwd_kernel(
-    Q, KV, IDX, TOPK, DOUT, LSE, DELTA, SINK, DQ, DKV,
+def _bwd_dq_kernel(
+    Q, KV, IDX, TOPK, DOUT, LSE, DELTA, SINK, DQ, PBUF, DSBUF,
     scale, qk_scale2,
     H, N, KT, N_HB, T0,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh, stride_dqt, stride_dqh,
-    stride_chb,  # deterministic: contribution buffer stride between head blocks
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_TOPK: tl.constexpr, DETERMINISTIC: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """Backward of one (query token T0 + pid // N_HB, head block).
+    """dq of one (query token t = T0 + pid // N_HB, head block), and its p / ds scratch.
 
-    Writes DQ ``[T, H, D]`` (Q's dtype). DKV is either an fp32 ``[N, D]`` buffer receiving atomic adds
-    or, with DETERMINISTIC, an fp32 contribution buffer ``[N_HB, chunk, KT, D]`` (strides
-    ``stride_chb, KT * D, D, 1``) whose entry (head block, t - T0, slot) is written for valid slots.
+    Q, DOUT ``[T, H, D]``, KV ``[N, D]``, IDX ``[T, KT]``, TOPK ``[T]`` (iff HAS_TOPK), LSE, DELTA
+    ``[T, H]`` fp32, SINK ``[H]`` fp32. Writes DQ ``[T, H, D]`` (Q's dtype) and, for the slots below
+    the query's length, PBUF / DSBUF ``[chunk, KT, H]`` (Q's dtype) at ``(t - T0, slot, head)``:
+    p = e^{l - logaddexp(lse, sink)} and ds = p (<dO, kv> - delta) scale (0 on empty slots).
     """
     pid = tl.program_id(0)
     t_local = (pid // N_HB).to(tl.int64)
@@ -233,40 +253,90 @@ def _bwd_kernel(
     dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
-        rows = tl.load(IDX + t * stride_it + slots, mask=slots < kt_len, other=-1).to(tl.int64)
+        in_len = slots < kt_len
+        rows = tl.load(IDX + t * stride_it + slots, mask=in_len, other=-1).to(tl.int64)
         valid = (rows >= 0) & (rows < N)
-        kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :],
-                     mask=valid[:, None] & dmask[None, :], other=0.0)
+        if D == BLOCK_D:
+            kv_mask = valid[:, None]
+        else:
+            kv_mask = valid[:, None] & dmask[None, :]
+        kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:
             kv = kv.to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
         p = tl.math.exp2(s - lt2[:, None])
         p = tl.where(valid[None, :], p, 0.0)  # [BLOCK_H, BLOCK_K] probabilities (sink in denominator)
         dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None]) * scale  # d loss / d (q.k), scale folded in
-        ds_c = ds.to(kv.dtype)
-        dq = tl.dot(ds_c, kv, dq, input_precision=PRECISION)
-        # K = V: the row's gradient gets both roles, summed over this block's heads.
-        dkv = tl.dot(tl.trans(ds_c), q, input_precision=PRECISION)
-        dkv = tl.dot(tl.trans(p.to(kv.dtype)), do, dkv, input_precision=PRECISION)  # [BLOCK_K, BLOCK_D]
-        if DETERMINISTIC:
-            dst = DKV + hb * stride_chb + (t_local * KT + slots)[:, None] * D + d[None, :]
-            tl.store(dst, dkv, mask=valid[:, None] & dmask[None, :])
-        else:
-            tl.atomic_add(DKV + rows[:, None] * D + d[None, :], dkv, mask=valid[:, None] & dmask[None, :],
-                          sem="relaxed")
+        ds = (p * (dp - delta[:, None]) * scale).to(kv.dtype)  # d loss / d (q.k), scale folded in
+        dq = tl.dot(ds, kv, dq, input_precision=PRECISION)
+        scratch = (t_local * KT + slots)[None, :] * H + heads[:, None]
+        smask = hmask[:, None] & in_len[None, :]
+        tl.store(PBUF + scratch, p.to(PBUF.dtype.element_ty), mask=smask)
+        tl.store(DSBUF + scratch, ds.to(DSBUF.dtype.element_ty), mask=smask)
     tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
 
 
+def _bwd_dkv_kernel(
+    Q, DOUT, IDX, TOPK, PBUF, DSBUF, DKV,
+    H, N, KT, T0,
+    stride_qt, stride_qh, stride_it, stride_dt, stride_dh,
+    D: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_TOPK: tl.constexpr, DETERMINISTIC: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """kv-row gradients of one query token t = T0 + program_id(0), head-dim columns
+    ``[program_id(1) * BLOCK_DC, +BLOCK_DC)``: ``g[slot] = ds[:, slot]^T q + p[:, slot]^T dO`` summed over
+    all H heads (BLOCK_HK >= H, padded heads masked).
+
+    Q, DOUT ``[T, H, D]``; PBUF, DSBUF ``[chunk, KT, H]`` from ``_bwd_dq_kernel``. DKV is an fp32 ``[N, D]``
+    buffer receiving atomic adds, or with DETERMINISTIC an fp32 ``[chunk, KT, D]`` contribution buffer
+    written at ``(t - T0, slot)`` for the valid slots.
+    """
+    t_local = tl.program_id(0).to(tl.int64)
+    t = T0 + t_local
+    d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    dmask = d < D
+    heads = tl.arange(0, BLOCK_HK)
+    hmask = heads < H
+    qd_mask = hmask[:, None] & dmask[None, :]
+    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DOUT + t * stride_dt + heads[:, None] * stride_dh + d[None, :], mask=qd_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+
+    kt_len = KT
+    if HAS_TOPK:
+        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    for k0 in range(0, kt_len, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        in_len = slots < kt_len
+        rows = tl.load(IDX + t * stride_it + slots, mask=in_len, other=-1).to(tl.int64)
+        valid = (rows >= 0) & (rows < N)
+        scratch = (t_local * KT + slots)[:, None] * H + heads[None, :]
+        smask = in_len[:, None] & hmask[None, :]
+        ds_t = tl.load(DSBUF + scratch, mask=smask, other=0.0)  # [BLOCK_K, BLOCK_HK]
+        p_t = tl.load(PBUF + scratch, mask=smask, other=0.0)
+        if DOT_F32:
+            ds_t = ds_t.to(tl.float32)
+            p_t = p_t.to(tl.float32)
+        g = tl.dot(ds_t, q, input_precision=PRECISION)
+        g = tl.dot(p_t, do, g, input_precision=PRECISION)  # [BLOCK_K, BLOCK_DC] fp32
+        gmask = valid[:, None] & dmask[None, :]
+        if DETERMINISTIC:
+            tl.store(DKV + (t_local * KT + slots)[:, None] * D + d[None, :], g, mask=gmask)
+        else:
+            tl.atomic_add(DKV + rows[:, None] * D + d[None, :], g, mask=gmask, sem="relaxed")
+
+
 def _dkv_reduce_kernel(
     CONTRIB, PERM, SEG, DKV,
-    N_HB, stride_chb,
     D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Deterministic kv-gradient reduction: program (r, d block) adds to DKV[r] (fp32 ``[N, D]``) the
-    contributions ``CONTRIB[hb, PERM[i]]`` for i in ``[SEG[r], SEG[r+1])`` (in that order, head blocks
-    innermost). PERM int64 is the stable sort of the flattened slot rows; SEG ``[N + 1]`` int64."""
+    contribution rows ``CONTRIB[PERM[i]]`` (fp32 ``[chunk * KT, D]``) for i in ``[SEG[r], SEG[r+1])``, in
+    that order, BLOCK_C at a time. PERM int64 is the stable sort of the flattened slot rows, SEG
+    ``[N + 1]`` int64 the start of each row's run in it."""
     r = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -278,16 +348,20 @@ def _dkv_reduce_kernel(
             offs = i0 + tl.arange(0, BLOCK_C)
             cmask = offs < end
             src = tl.load(PERM + offs, mask=cmask, other=0)
-            for hb in range(0, N_HB):
-                vals = tl.load(CONTRIB + hb * stride_chb + src[:, None] * D + d[None, :],
-                               mask=cmask[:, None] & dmask[None, :], other=0.0)
-                acc += tl.sum(vals, 0)
+            vals = tl.load(CONTRIB + src[:, None] * D + d[None, :], mask=cmask[:, None] & dmask[None, :],
+                           other=0.0)
+            acc += tl.sum(vals, 0)
         old = tl.load(DKV + r * D + d, mask=dmask, other=0.0)
         tl.store(DKV + r * D + d, old + acc, mask=dmask)
 
 
-_BODIES = {f.__name__: f for f in (_fwd_kernel, _bwd_preprocess_kernel, _bwd_kernel, _dkv_reduce_kernel)}
+_BODIES = {f.__name__: f for f in (_fwd_kernel, _bwd_preprocess_kernel, _bwd_dq_kernel, _bwd_dkv_kernel,
+                                   _dkv_reduce_kernel)}
 _BUILT: dict[tuple[str, bool], object] = {}
+
+
+def _interpreted(device: torch.device) -> bool:
+    return device.type != "cuda" or bool(triton_interpreting())
 
 
 def _build(name: str, device: torch.device):
@@ -314,14 +388,49 @@ def _build(name: str, device: torch.device):
 # Configuration.
 # ---------------------------------------------------------------------------------------------------
 
-_CHOSEN: dict[tuple, KernelConfig] = {}
+_CHOSEN: dict[tuple, object] = {}
 
 
 def _block_h(heads: int) -> int:
     return max(16, min(64, triton.next_power_of_2(heads)))
 
 
-def _env_config(var: str) -> KernelConfig | None:
+def _fwd_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
+    bh = _block_h(heads)
+    if block_d >= 256:
+        ladder = [(bh, 64, 8, 2), (bh, 32, 8, 3), (bh, 64, 8, 1), (bh, 32, 8, 1)]
+        if dtype == torch.float32:
+            ladder = [(bh, 32, 8, 2), (bh, 32, 8, 1), (bh, 16, 8, 1)]
+        ladder.append((min(bh, 32), 16, 4, 1))
+    else:
+        ladder = [(bh, 64, 4, 2), (bh, 32, 4, 2), (bh, 32, 4, 1)]
+    return [KernelConfig(*c) for c in ladder]
+
+
+def _dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
+    bh = _block_h(heads)
+    if block_d >= 256:
+        ladder = [(bh, 32, 8, 2), (bh, 64, 8, 1), (bh, 32, 8, 1), (bh, 16, 8, 1)]
+        if dtype == torch.float32:
+            ladder = [(bh, 16, 8, 1), (min(bh, 32), 16, 8, 1)]
+        ladder.append((min(bh, 32), 16, 4, 1))
+    else:
+        ladder = [(bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
+    return [KernelConfig(*c) for c in ladder]
+
+
+def _dkv_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]:
+    wide = min(block_d, 256)
+    if block_d >= 256:
+        ladder = [(64, wide, 8, 2), (64, 128, 4, 2), (64, 128, 4, 1), (32, 128, 4, 1), (16, 64, 4, 1)]
+        if dtype == torch.float32:
+            ladder = [(64, 128, 4, 2), (64, 128, 4, 1), (32, 64, 4, 1), (16, 64, 4, 1)]
+    else:
+        ladder = [(64, wide, 4, 2), (32, wide, 4, 1), (16, min(wide, 64), 4, 1)]
+    return [DkvConfig(*c) for c in ladder]
+
+
+def _parse_env(var: str, cls):
     text = os.environ.get(var)
     if not text:
         return None
@@ -330,55 +439,29 @@ def _env_config(var: str) -> KernelConfig | None:
         if len(values) != 4:
             raise ValueError
     except ValueError:
-        raise ValueError(f"{var}: expected 'block_h,block_k,num_warps,num_stages', got {text!r}") from None
-    return KernelConfig(*values)
+        fields = ",".join(cls.__dataclass_fields__)
+        raise ValueError(f"{var}: expected '{fields}' (4 integers), got {text!r}") from None
+    return cls(*values)
 
 
-def _fwd_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
-    bh = _block_h(heads)
-    if block_d >= 256:
-        ladder = [(bh, 64, 8, 2), (bh, 64, 8, 1), (bh, 32, 8, 2), (bh, 32, 8, 1)]
-        if dtype == torch.float32:
-            ladder = [(bh, 32, 8, 1), (min(bh, 32), 32, 8, 1)]
-        ladder.append((min(bh, 32), 16, 4, 1))
+def _pinned(env_var: str, cls, default, **overrides):
+    """A pinned config from keyword arguments (unset fields from ``default``) or the env var, else None."""
+    if any(v is not None for v in overrides.values()):
+        cfg = cls(**{k: (overrides[k] if overrides.get(k) is not None else getattr(default, k))
+                     for k in cls.__dataclass_fields__})
     else:
-        ladder = [(bh, 64, 4, 2), (bh, 32, 4, 2), (bh, 32, 4, 1)]
-    return [KernelConfig(*c) for c in ladder]
-
-
-def _bwd_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
-    bh = _block_h(heads)
-    if block_d >= 256:
-        ladder = [(bh, 32, 8, 2), (bh, 32, 8, 1), (bh, 16, 8, 1), (min(bh, 32), 16, 4, 1)]
-        if dtype == torch.float32:
-            ladder = [(bh, 16, 8, 1), (min(bh, 32), 16, 8, 1), (16, 16, 4, 1)]
-    else:
-        ladder = [(bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
-    return [KernelConfig(*c) for c in ladder]
-
-
-def _explicit_config(env_var, block_h, block_k, num_warps, num_stages, default: KernelConfig):
-    """A pinned config from keyword arguments (filled from ``default``) or the env var, else None."""
-    if any(v is not None for v in (block_h, block_k, num_warps, num_stages)):
-        cfg = KernelConfig(
-            block_h if block_h is not None else default.block_h,
-            block_k if block_k is not None else default.block_k,
-            num_warps if num_warps is not None else default.num_warps,
-            num_stages if num_stages is not None else default.num_stages,
-        )
-    else:
-        cfg = _env_config(env_var)
+        cfg = _parse_env(env_var, cls)
     if cfg is not None:
-        for name in ("block_h", "block_k"):
-            value = getattr(cfg, name)
-            if value < 16 or value & (value - 1):
+        for name in ("block_h", "block_k", "block_d"):
+            value = getattr(cfg, name, None)
+            if value is not None and (value < 16 or value & (value - 1)):
                 raise ValueError(f"{name}: must be a power of two >= 16 (matrix-unit tile), got {value}")
     return cfg
 
 
-def _launch(kind: str, key: tuple, ladder: list[KernelConfig], pinned: KernelConfig | None, launch) -> None:
+def _launch(kind: str, key: tuple, ladder: list, pinned, launch) -> None:
     """Run ``launch(cfg)`` with the pinned config, the cached one, or the first config of the ladder that
-    fits the device (compilation raising OutOfResources moves to the next)."""
+    fits the device (compilation raising OutOfResources, before anything runs, moves to the next)."""
     if pinned is not None:
         launch(pinned)
         return
@@ -390,7 +473,7 @@ def _launch(kind: str, key: tuple, ladder: list[KernelConfig], pinned: KernelCon
     for cfg in ladder:
         try:
             launch(cfg)
-        except OutOfResources as exc:  # raised before anything runs: safe to retry smaller
+        except OutOfResources as exc:
             error = exc
             continue
         _CHOSEN[cache_key] = cfg
@@ -443,17 +526,13 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 or _dot_f32(q) else "tf32"
 
 
-def _interpreted(device: torch.device) -> bool:
-    return device.type != "cuda" or bool(triton_interpreting())
-
-
 def _dot_f32(q: torch.Tensor) -> bool:
     # Triton's interpreter (3.9) feeds bf16 tiles to numpy as raw uint16 in tl.dot: upcast there.
     return _interpreted(q.device) and q.dtype == torch.bfloat16
 
 
 def _config_key(q: torch.Tensor) -> tuple:
-    return (q.device.type, q.shape[2], q.dtype, _block_h(q.shape[1]))
+    return (q.device.type, q.shape[2], q.dtype, _block_h(q.shape[1]), triton.next_power_of_2(q.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -501,7 +580,8 @@ def sparse_attention_fwd(
     topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
     block_d = triton.next_power_of_2(d)
     ladder = _fwd_ladder(block_d, h, q.dtype)
-    pinned = _explicit_config("DSV4CP_TRITON_FWD_CONFIG", block_h, block_k, num_warps, num_stages, ladder[0])
+    pinned = _pinned("DSV4CP_TRITON_FWD_CONFIG", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
+                     num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_fwd_kernel", q.device)
 
     def launch(cfg: KernelConfig) -> None:
@@ -535,7 +615,8 @@ def sparse_attention_bwd(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    chunk_bytes: int | None = None,
+    dkv_config: DkvConfig | None = None,
+    scratch_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`sparse_attention_fwd` (Triton).
 
@@ -543,13 +624,15 @@ def sparse_attention_bwd(
         dout: ``[T, H, D]`` gradient of ``out`` (q's dtype); q, kv, idx, sink, scale, topk_length as in
             the forward; ``out [T, H, D]`` and ``lse [T, H]`` fp32 from the forward.
         deterministic: ``True``: kv gradients reduced through an inverted index in a fixed order
-            (bitwise reproducible, slower, needs a contribution buffer of at most ``chunk_bytes``,
-            default :data:`DETERMINISTIC_CHUNK_BYTES`); ``False``: fp32 atomics; ``None``:
-            :func:`is_deterministic`.
+            (bitwise reproducible, slower); ``False``: fp32 atomics; ``None``:
+            :func:`dsv4cp.kernels.is_deterministic`.
+        block_h, block_k, num_warps, num_stages: pin the dq kernel's configuration;
+        dkv_config: pin the dkv kernel's configuration.
+        scratch_bytes: scratch budget per query chunk (default :data:`BWD_SCRATCH_BYTES`).
 
     Returns:
         ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
-        (sink's dtype, accumulated in fp32 by a per-row partial then ``torch.sum``).
+        (sink's dtype, accumulated in fp32 by per-row partials then ``torch.sum``).
     """
     _check(q, kv, idx, sink, topk_length)
     t, h, d = q.shape
@@ -569,92 +652,91 @@ def sparse_attention_bwd(
     sink = sink.to(torch.float32).contiguous()
     lse = lse.to(torch.float32).contiguous()
     n, kt = kv.shape[0], idx.shape[1]
+    dev = q.device
     dq = torch.empty_like(q)
-    dkv = torch.zeros(n, d, dtype=torch.float32, device=q.device)
-    if t == 0:
-        return dq, dkv.to(kv.dtype), torch.zeros(h, dtype=sink_dtype, device=q.device)
+    dkv = torch.zeros(n, d, dtype=torch.float32, device=dev)
+    if t == 0 or kt == 0:
+        dq.zero_()
+        return dq, dkv.to(kv.dtype), torch.zeros(h, dtype=sink_dtype, device=dev)
     block_d = triton.next_power_of_2(d)
-    topk = topk_length.contiguous() if topk_length is not None else idx
+    topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
+    key = _config_key(q)
 
-    # (a) delta and the sink-gradient partials.
-    delta = torch.empty(t, h, dtype=torch.float32, device=q.device)
-    dsink_part = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    # (a) delta and the sink-gradient partials, for all queries at once.
+    delta = torch.empty(t, h, dtype=torch.float32, device=dev)
+    dsink_part = torch.empty(t, h, dtype=torch.float32, device=dev)
     pre_bh = _block_h(h)
-    _build("_bwd_preprocess_kernel", q.device)[(t, triton.cdiv(h, pre_bh))](
+    _build("_bwd_preprocess_kernel", dev)[(t, triton.cdiv(h, pre_bh))](
         out, dout, lse, sink, delta, dsink_part,
         h, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_H=pre_bh, num_warps=8 if block_d >= 256 else 4,
     )
     dsink = dsink_part.sum(0)
 
-    # (b)/(c) dq and dkv.
-    ladder = _bwd_ladder(block_d, h, q.dtype)
-    pinned = _explicit_config("DSV4CP_TRITON_BWD_CONFIG", block_h, block_k, num_warps, num_stages, ladder[0])
-    kernel = _build("_bwd_kernel", q.device)
-    common = dict(scale=float(scale), qk_scale2=float(scale) * LOG2E, H=h, N=n, KT=kt)
+    # (b) dq + p/ds scratch and (c) kv gradients, chunk by chunk of queries.
+    dq_ladder = _dq_ladder(block_d, h, q.dtype)
+    dq_pinned = _pinned("DSV4CP_TRITON_BWD_CONFIG", KernelConfig, dq_ladder[0], block_h=block_h,
+                        block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    dkv_ladder = _dkv_ladder(block_d, h, q.dtype)
+    dkv_pinned = _pinned("DSV4CP_TRITON_DKV_CONFIG", DkvConfig, dkv_ladder[0],
+                         **({} if dkv_config is None else vars(dkv_config)))
+    dq_kernel, dkv_kernel = _build("_bwd_dq_kernel", dev), _build("_bwd_dkv_kernel", dev)
+    budget = BWD_SCRATCH_BYTES if scratch_bytes is None else int(scratch_bytes)
+    per_query = 2 * kt * h * q.element_size() + (kt * d * 4 if deterministic else 0)
+    chunk = max(1, min(t, budget // per_query))
+    pbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
+    dsbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
+    contrib = torch.empty(chunk * kt, d, dtype=torch.float32, device=dev) if deterministic else None
+    precision, dot_f32 = _precision(q), _dot_f32(q)
+    has_topk = topk_length is not None
+    block_hk = max(16, triton.next_power_of_2(h))
 
-    def run_bwd(cfg: KernelConfig, t0: int, rows: int, target: torch.Tensor, stride_chb: int, det: bool):
-        n_hb = triton.cdiv(h, cfg.block_h)
-        kernel[(rows * n_hb,)](
-            q, kv, idx, topk, dout, lse, delta, sink, dq, target,
-            common["scale"], common["qk_scale2"], h, n, kt, n_hb, t0,
-            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
-            dq.stride(0), dq.stride(1), stride_chb,
-            D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-            HAS_TOPK=topk_length is not None, DETERMINISTIC=det, PRECISION=_precision(q),
-            DOT_F32=_dot_f32(q),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+    for t0 in range(0, t, chunk):
+        rows = min(chunk, t - t0)
 
-    if not deterministic:
-        _launch("bwd", _config_key(q), ladder, pinned, lambda cfg: run_bwd(cfg, 0, t, dkv, 0, False))
-    else:
-        _deterministic_dkv(q, idx, topk_length, dkv, ladder, pinned, run_bwd,
-                           DETERMINISTIC_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes))
+        def launch_dq(cfg: KernelConfig) -> None:
+            n_hb = triton.cdiv(h, cfg.block_h)
+            dq_kernel[(rows * n_hb,)](
+                q, kv, idx, topk, dout, lse, delta, sink, dq, pbuf, dsbuf,
+                float(scale), float(scale) * LOG2E, h, n, kt, n_hb, t0,
+                q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
+                dq.stride(0), dq.stride(1),
+                D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+                HAS_TOPK=has_topk, PRECISION=precision, DOT_F32=dot_f32,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+
+        def launch_dkv(cfg: DkvConfig) -> None:
+            dkv_kernel[(rows, triton.cdiv(d, cfg.block_d))](
+                q, dout, idx, topk, pbuf, dsbuf, contrib if deterministic else dkv,
+                h, n, kt, t0,
+                q.stride(0), q.stride(1), idx.stride(0), dout.stride(0), dout.stride(1),
+                D=d, BLOCK_DC=cfg.block_d, BLOCK_HK=block_hk, BLOCK_K=cfg.block_k,
+                HAS_TOPK=has_topk, DETERMINISTIC=deterministic, PRECISION=precision, DOT_F32=dot_f32,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+
+        _launch("bwd_dq", key, dq_ladder, dq_pinned, launch_dq)
+        _launch("bwd_dkv", key, dkv_ladder, dkv_pinned, launch_dkv)
+        if deterministic:
+            _reduce_contributions(contrib, idx[t0:t0 + rows], None if topk_length is None else
+                                  topk_length[t0:t0 + rows], dkv)
     return dq, dkv.to(kv.dtype), dsink.to(sink_dtype)
 
 
-def _valid_rows(idx: torch.Tensor, topk_length: torch.Tensor | None, n: int) -> torch.Tensor:
-    """Flattened int64 kv row of each slot, or ``n`` (sorts last) for an empty slot."""
+def _reduce_contributions(contrib, idx, topk_length, dkv) -> None:
+    """dkv[r] += the chunk's contributions to row r, in the order of a stable sort of the flattened
+    slot rows (query-major, then slot): a fixed order, hence bitwise reproducible sums."""
+    n, d = dkv.shape
     rows = idx.long()
     valid = (rows >= 0) & (rows < n)
     if topk_length is not None:
         slots = torch.arange(idx.shape[1], device=idx.device)
         valid &= slots[None, :] < topk_length.long()[:, None]
-    return torch.where(valid, rows, torch.full_like(rows, n)).reshape(-1)
-
-
-def _deterministic_dkv(q, idx, topk_length, dkv, ladder, pinned, run_bwd, chunk_bytes) -> None:
-    """Queries in chunks: per-(head block, query, slot) kv-gradient contributions into a buffer, then a
-    per-kv-row reduction in the stable-sorted order of the chunk's slots. Chunks run in order, so every
-    row's sum has a fixed order: bitwise reproducible."""
-    t, h, d = q.shape
-    n, kt = dkv.shape[0], idx.shape[1]
-    reduce_kernel = _build("_dkv_reduce_kernel", q.device)
-    block_d_red = min(triton.next_power_of_2(d), 128)
-    row_ids = torch.arange(n + 1, device=q.device)
-    state: dict = {}
-
-    def one_config(cfg: KernelConfig) -> None:
-        n_hb = triton.cdiv(h, cfg.block_h)
-        per_query = n_hb * max(kt, 1) * d * 4
-        chunk = max(1, min(t, chunk_bytes // per_query))
-        contrib = torch.empty(n_hb, chunk, kt, d, dtype=torch.float32, device=q.device)
-        for t0 in range(0, t, chunk):
-            rows = min(chunk, t - t0)
-            run_bwd(cfg, t0, rows, contrib, contrib.stride(0), True)
-            state["launched"] = True
-            keys = _valid_rows(idx[t0:t0 + rows], None if topk_length is None else topk_length[t0:t0 + rows], n)
-            sorted_keys, perm = torch.sort(keys, stable=True)
-            seg = torch.searchsorted(sorted_keys, row_ids)
-            reduce_kernel[(n, triton.cdiv(d, block_d_red))](
-                contrib, perm, seg, dkv, n_hb, contrib.stride(0),
-                D=d, BLOCK_C=16, BLOCK_D=block_d_red, num_warps=4,
-            )
-
-    def guarded(cfg: KernelConfig) -> None:
-        if state.get("launched"):  # OutOfResources after partial work cannot be retried cleanly
-            raise RuntimeError("sparse_attention triton bwd: configuration failed after partial work")
-        one_config(cfg)
-
-    _launch("bwd", _config_key(q), ladder, pinned, guarded)
+    keys = torch.where(valid, rows, torch.full_like(rows, n)).reshape(-1)  # empty slots sort last
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    seg = torch.searchsorted(sorted_keys, torch.arange(n + 1, device=idx.device))
+    block_d = min(triton.next_power_of_2(d), 128)
+    _build("_dkv_reduce_kernel", dkv.device)[(n, triton.cdiv(d, block_d))](
+        contrib, perm, seg, dkv, D=d, BLOCK_C=16, BLOCK_D=block_d, num_warps=4,
+    )

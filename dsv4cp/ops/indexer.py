@@ -33,9 +33,9 @@ def indexer_topk(
         q: ``[T, Hi, Di]`` indexer queries; ``w``: ``[T, Hi]`` head weights; ``keys``: ``[G, Di]``.
         visible: maps a slice of queries to their ``[len, G]`` bool visibility mask.
         k: entries to keep.
-    Returns: ``[T, k]`` int64 key rows, best first, ``-1`` where fewer than ``k`` are visible.
-        Equal scores rank the lower key row first (keys must be in entry order, gaps allowed), so
-        every CP layout selects the same entries.
+    Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are
+        visible. Among equal scores at the cut the lower key rows win (keys must be in entry order,
+        gaps allowed), so every CP layout selects the same entries.
     """
     t, hi, _ = q.shape
     g = keys.shape[0]
@@ -51,12 +51,21 @@ def indexer_topk(
         dots = torch.einsum("chd,gd->chg", q[rows].to(work), keys_w).relu_()
         scores = torch.einsum("chg,ch->cg", dots, w[rows].to(work))
         scores.masked_fill_(~visible(rows), float("-inf"))
-        # A stable sort breaks ties (ReLU makes exact-zero scores common) toward the lower key row,
-        # i.e. the earlier entry, since key rows follow entry order on every CP layout.
-        best, where = torch.sort(scores, dim=1, descending=True, stable=True)
-        best, where = best[:, :keep], where[:, :keep]
-        out[rows, :keep] = torch.where(torch.isinf(best), -1, where)
+        out[rows, :keep] = _select_top(scores, keep)
     return out
+
+
+def _select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """The ``keep`` best finite columns of each row of ``scores``, ties at the cut going to the lowest
+    columns (ReLU makes exact-zero scores common, and the rule must not depend on the layout)."""
+    cut = torch.topk(scores, keep, dim=1).values[:, -1:]
+    above = scores > cut
+    at_cut = scores == cut
+    room = keep - above.sum(1, keepdim=True)
+    chosen = (above | (at_cut & (at_cut.cumsum(1) <= room))) & torch.isfinite(scores)
+    columns = torch.arange(scores.shape[1], 0, -1, device=scores.device)  # lower column = larger key
+    where = torch.topk(chosen * columns, keep, dim=1).indices
+    return torch.where(chosen.gather(1, where), where, -1)
 
 
 def _gather_dots(q, keys, idx):

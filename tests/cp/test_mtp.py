@@ -7,14 +7,16 @@
 * one P2P exchange per call for all fields;
 * bad input raises ValueError naming the field on every rank before any communication.
 
-Every distributed case of one cp runs inside ONE spawn (each spawn costs seconds); its results are cached.
+Every distributed case runs inside ONE 4-process spawn (each spawn costs seconds), on CP groups of 1-4 of its
+ranks; the results are cached.
 """
 
 from __future__ import annotations
 
 import functools
-import io
+import os
 import random
+import tempfile
 
 import pytest
 import torch
@@ -192,8 +194,9 @@ def _bad_inputs(rank: int, cp: int, group) -> list[tuple[str, str | None]]:
     return out
 
 
-def _body(rank: int, world: int, device, all_cases: list[dict]) -> dict:
-    group = dist.group.WORLD
+def _run_cp(rank: int, world: int, group) -> dict:
+    """Every distributed check of one CP size; ``rank``/``world`` are the rank and size inside ``group``."""
+    all_cases = cases(world)
     rolled, hidden = [], []
     for case in all_cases:
         packed = packed_of(case)
@@ -221,22 +224,43 @@ def _body(rank: int, world: int, device, all_cases: list[dict]) -> dict:
     with _Counter() as bad_calls:
         bad = _bad_inputs(rank, world, group)
     after = roll_left(five, packed, 1, group)
-    return _to_bytes(dict(rolled=rolled, hidden=hidden, fields_calls=fields_calls.calls, fwd_calls=fwd_calls.calls,
+    result = dict(rolled=rolled, hidden=hidden, fields_calls=fields_calls.calls, fwd_calls=fwd_calls.calls,
                 bwd_calls=bwd_calls.calls, bad=bad, bad_calls=bad_calls.calls,
                 after=after, after_expected={n: local(oracle_roll(x, packed, 1, default_fill(n)), rank, world)
-                                             for n, x in full_fields(24, 99).items() if n in five}))
+                                             for n, x in full_fields(24, 99).items() if n in five})
+    return result
 
 
-def _to_bytes(obj) -> bytes:
-    """Tensors sent through the spawn queue would be shared-memory handles that die with the rank."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+# CP groups carved out of ONE 4-process spawn (a spawn costs seconds); their global ranks are not 0..cp-1,
+# so the P2P helper's group-rank -> global-rank mapping is exercised too.
+GROUP_MEMBERS = {1: [2], 2: [1, 3], 3: [0, 1, 3], 4: [0, 1, 2, 3]}
+WORLD = 4
+
+
+def _body(rank: int, world: int, device, out_dir: str) -> list[str]:
+    paths = []
+    for cp in CPS:
+        group = dist.new_group(GROUP_MEMBERS[cp])  # collective over the world: every rank calls it, in order
+        if rank in GROUP_MEMBERS[cp]:
+            group_rank = dist.get_rank(group)
+            result = _run_cp(group_rank, cp, group)
+            # Tensors on spawn's result queue would be shared-memory handles that die with the rank, and a
+            # large pickled payload could fill the queue's pipe before the parent reads it: write files.
+            paths.append(os.path.join(out_dir, f"cp{cp}_rank{group_rank}.pt"))
+            torch.save(result, paths[-1])
+    return paths
 
 
 @functools.lru_cache(maxsize=None)
+def _run_all() -> dict[int, list[dict]]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        spawn(_body, WORLD, out_dir)
+        return {cp: [torch.load(os.path.join(out_dir, f"cp{cp}_rank{r}.pt")) for r in range(cp)] for cp in CPS}
+
+
 def run(cp: int) -> list[dict]:
-    return [torch.load(io.BytesIO(b)) for b in spawn(_body, cp, cases(cp))]
+    """Per group rank, the results of :func:`_run_cp` on a CP group of ``cp`` ranks."""
+    return _run_all()[cp]
 
 
 # ------------------------------------------------------------------------------------ single rank

@@ -136,7 +136,7 @@ def test_multiple_head_and_slot_blocks():
     ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
     for det in (False, True):
         got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, deterministic=det,
-                                   block_h=16, block_k=16, chunk_bytes=2 * 2 * 37 * 32 * 4)  # 2 queries/chunk
+                                   block_h=16, block_k=16, scratch_bytes=2 * (2 * 37 * 20 * 4 + 37 * 32 * 4))  # 2 queries/chunk
         for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
             assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det}: {name}"
 
@@ -146,7 +146,7 @@ def test_deterministic_backward_is_bitwise_reproducible():
     q, kv, idx, sink, scale, tl_ = make_case(seed, 16, 5, 32, 20, 40, topk=True, dup_all=True)
     out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
-    kw = dict(deterministic=True, chunk_bytes=5 * 40 * 32 * 4)  # several chunks of 5 queries
+    kw = dict(deterministic=True, scratch_bytes=5 * (2 * 40 * 5 * 4 + 40 * 32 * 4))  # chunks of 5 queries
     first = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, **kw)
     second = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, **kw)
     for name, a, b in zip(("dq", "dkv", "dsink"), first, second):
