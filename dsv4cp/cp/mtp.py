@@ -30,7 +30,6 @@ Inputs are validated before any communication, identically on every rank, so bad
 
 from __future__ import annotations
 
-import math
 from typing import Mapping
 
 import torch
@@ -83,15 +82,13 @@ def _rows_per_rank(packed: PackedSeqs, cp: int) -> int:
     return packed.total // cp
 
 
-def _check_field(name: str, x, rows: int, device: torch.device | None) -> None:
+def _check_field(label: str, x, rows: int, device: torch.device | None) -> None:
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"fields[{name!r}]: must be a tensor, got {type(x).__name__}")
+        raise ValueError(f"{label}: must be a tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[0] != rows:
-        raise ValueError(
-            f"fields[{name!r}]: must have L = {rows} rows (this rank's slice), got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"{label}: must have L = {rows} rows (this rank's slice), got shape {tuple(x.shape)}")
     if device is not None and x.device != device:
-        raise ValueError(f"fields[{name!r}]: on {x.device}, but the other fields are on {device}")
+        raise ValueError(f"{label}: on {x.device}, but the other fields are on {device}")
 
 
 def _fill_tensor(name: str, value, dtype: torch.dtype, device) -> torch.Tensor:
@@ -165,7 +162,7 @@ def roll_left(
     names = sorted(fields)  # one buffer layout on every rank whatever the dict's insertion order
     device = None
     for name in names:
-        _check_field(name, fields[name], rows, device)
+        _check_field(f"fields[{name!r}]", fields[name], rows, device)
         device = fields[name].device
     unknown = sorted(set(fill) - set(fields))
     if unknown:

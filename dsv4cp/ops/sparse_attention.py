@@ -17,12 +17,17 @@ from dsv4cp.profiling.nvtx import nvtx_range
 
 @dataclass(frozen=True)
 class SparseAttentionBackend:
-    """A forward ``(q, kv, idx, sink, scale, topk_length) -> (out, lse)`` and its backward
-    ``(dout, q, kv, idx, sink, scale, out, lse, topk_length) -> (dq, dkv, dsink)``."""
+    """A forward ``(q, kv, idx, sink, scale, topk_length) -> (out, lse)`` and a backward
+    ``(dout, q, kv, idx, sink, scale, out, lse, topk_length) -> (dq, dkv, dsink)``.
+
+    Either may be None for a one-sided library (FlashMLA has only a forward, cuDNN's DSA only a
+    backward on Hopper); such backends are used in a pair named ``"forward+backward"``, e.g.
+    ``"flashmla+cudnn"`` or ``"triton+cudnn"``.
+    """
 
     name: str
-    forward: Callable
-    backward: Callable
+    forward: Callable | None
+    backward: Callable | None
     available: Callable[[torch.device], bool]
 
 
@@ -43,12 +48,31 @@ def backend_names() -> list[str]:
 
 
 def resolve_backend(name: str, device: torch.device) -> SparseAttentionBackend:
-    """The backend called ``name`` (or the fastest available for "auto") on ``device``."""
+    """The backend called ``name`` (or the fastest available for "auto") on ``device``.
+
+    ``"A+B"`` pairs the forward of backend A with the backward of backend B.
+    """
     if name == "auto":
         for candidate in AUTO_ORDER:
             if _BACKENDS[candidate].available(device):
                 return _BACKENDS[candidate]
         return _BACKENDS["torch"]
+    if "+" in name:
+        fwd_name, _, bwd_name = name.partition("+")
+        fwd, bwd = _available(fwd_name, device), _available(bwd_name, device)
+        if fwd.forward is None:
+            raise ValueError(f"backend: {fwd_name!r} has no forward; it cannot come first in {name!r}")
+        if bwd.backward is None:
+            raise ValueError(f"backend: {bwd_name!r} has no backward; it cannot come second in {name!r}")
+        return SparseAttentionBackend(name, fwd.forward, bwd.backward, lambda d: True)
+    backend = _available(name, device)
+    if backend.forward is None or backend.backward is None:
+        side = "forward" if backend.forward is None else "backward"
+        raise ValueError(f"backend: {name!r} has no {side}; pair it, e.g. 'flashmla+cudnn' or 'triton+cudnn'")
+    return backend
+
+
+def _available(name: str, device: torch.device) -> SparseAttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"backend: unknown sparse-attention backend {name!r}; choose from {['auto', *_BACKENDS]}")
     backend = _BACKENDS[name]
