@@ -57,7 +57,7 @@ class _HaloExchange(torch.autograd.Function):
         return grad_x, None, None
 
 
-def _p2p(send: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
+def p2p_shift(send: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
     """Send ``send`` to rank + step and receive the same shape from rank - step (zeros at the edges)."""
     size, rank = group_size_and_rank(group)
     received = torch.zeros_like(send)
@@ -73,11 +73,11 @@ def _p2p(send: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tenso
 
 
 def _shift_to_next(rows: torch.Tensor, group) -> torch.Tensor:
-    return _p2p(rows, group, +1)
+    return p2p_shift(rows, group, +1)
 
 
 def _shift_to_previous(rows: torch.Tensor, group) -> torch.Tensor:
-    return _p2p(rows, group, -1)
+    return p2p_shift(rows, group, -1)
 
 
 def exchange_halo(x_local: torch.Tensor, halo: int, group: dist.ProcessGroup | None) -> torch.Tensor:

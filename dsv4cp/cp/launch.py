@@ -7,6 +7,7 @@ the others, so no rank waits forever on a collective its peer will never issue.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import traceback
@@ -55,7 +56,11 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
     torch.set_num_threads(1)  # ranks share the machine's cores
     try:
         device = init_from_env(backend)
-        results.put((rank, "ok", fn(rank, world, device, *args)))
+        # Serialised by torch.save: tensors must not travel as shared-memory handles that vanish with
+        # this process.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world, device, *args), buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException as err:  # report the failure to the parent, then fail this rank
         results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise
@@ -73,21 +78,25 @@ def spawn(fn: Callable[..., Any], world: int, *args, backend: str = "gloo") -> l
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    try:
-        mp.start_processes(_worker, args=(world, port, backend, fn, args, results), nprocs=world,
-                           join=True, start_method="spawn")
-    except mp.ProcessRaisedException:
-        pass  # the rank's own message is in the queue; collected below
-    except mp.ProcessExitedException:
-        pass
     collected: dict[int, Any] = {}
-    errors = []
-    while not results.empty():
-        rank, status, payload = results.get()
-        if status == "ok":
-            collected[rank] = payload
-        else:
-            errors.append(f"rank {rank}: {payload}")
+    errors: list[str] = []
+
+    def drain() -> None:  # read as results arrive: a large result would otherwise fill the pipe
+        while not results.empty():
+            rank, status, payload = results.get()
+            if status == "ok":
+                collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank}: {payload}")
+
+    context = mp.start_processes(_worker, args=(world, port, backend, fn, args, results), nprocs=world,
+                                 join=False, start_method="spawn")
+    try:
+        while not context.join(timeout=0.05):
+            drain()
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        pass  # the failing rank's own message is in the queue; the others were terminated by join()
+    drain()
     if errors or len(collected) != world:
         raise RuntimeError("distributed run failed:\n" + ("\n".join(errors) or "a rank exited without a result"))
     return [collected[r] for r in range(world)]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from dsv4cp.cp.comm import _p2p, group_size_and_rank
+from dsv4cp.cp.comm import p2p_shift, group_size_and_rank
 from dsv4cp.packing import PackedSeqs
 
 __all__ = ["default_fill", "roll_left", "roll_hidden_left", "rolled_source_valid"]
@@ -123,8 +123,8 @@ def _exchange_leading_rows(fields: Mapping[str, torch.Tensor], names: list[str],
     if offset == 0:
         buffer = torch.zeros(0, dtype=torch.uint8, device=device)
     else:
-        # send my leading rows to rank - 1, receive rank + 1's (step -1 of _p2p)
-        buffer = _p2p(torch.cat(segments), group, -1)
+        # send my leading rows to rank - 1, receive rank + 1's (step -1 of p2p_shift)
+        buffer = p2p_shift(torch.cat(segments), group, -1)
     received = {}
     for name, off, nbytes in layout:
         x = fields[name]
@@ -191,7 +191,7 @@ class _RollHiddenLeft(torch.autograd.Function):
         ctx.depth, ctx.group = depth, group
         ctx.save_for_backward(valid)
         if group is not None and dist.get_world_size(group) > 1:
-            nxt = _p2p(h[:depth].contiguous(), group, -1)  # rank + 1's leading rows
+            nxt = p2p_shift(h[:depth].contiguous(), group, -1)  # rank + 1's leading rows
         else:
             nxt = h.new_zeros((depth, *h.shape[1:]))
         shifted = torch.cat((h[depth:], nxt), dim=0)
@@ -207,7 +207,7 @@ class _RollHiddenLeft(torch.autograd.Function):
         # out[j] = h_ext[j + depth]: local rows depth.. get g[: rows - depth]; the borrowed rows' gradient
         # g[rows - depth:] goes back to rank + 1, and rank - 1's comes here for our first depth rows.
         if group is not None and dist.get_world_size(group) > 1:
-            returned = _p2p(g[rows - depth :].contiguous(), group, +1)
+            returned = p2p_shift(g[rows - depth :].contiguous(), group, +1)
         else:
             returned = g.new_zeros((depth, *g.shape[1:]))
         return torch.cat((returned, g[: rows - depth]), dim=0), None, None, None
