@@ -14,9 +14,7 @@ ranks; the results are cached.
 from __future__ import annotations
 
 import functools
-import os
 import random
-import tempfile
 
 import pytest
 import torch
@@ -238,25 +236,25 @@ GROUP_MEMBERS = {1: [2], 2: [1, 3], 3: [0, 1, 3], 4: [0, 1, 2, 3]}
 WORLD = 4
 
 
-def _body(rank: int, world: int, device, out_dir: str) -> list[str]:
-    paths = []
+def _body(rank: int, world: int, device) -> dict[int, tuple[int, dict]]:
+    """cp -> (group rank, results) for every CP group this rank belongs to."""
+    mine = {}
     for cp in CPS:
         group = dist.new_group(GROUP_MEMBERS[cp])  # collective over the world: every rank calls it, in order
         if rank in GROUP_MEMBERS[cp]:
             group_rank = dist.get_rank(group)
-            result = _run_cp(group_rank, cp, group)
-            # Tensors on spawn's result queue would be shared-memory handles that die with the rank, and a
-            # large pickled payload could fill the queue's pipe before the parent reads it: write files.
-            paths.append(os.path.join(out_dir, f"cp{cp}_rank{group_rank}.pt"))
-            torch.save(result, paths[-1])
-    return paths
+            mine[cp] = (group_rank, _run_cp(group_rank, cp, group))
+    return mine
 
 
 @functools.lru_cache(maxsize=None)
 def _run_all() -> dict[int, list[dict]]:
-    with tempfile.TemporaryDirectory() as out_dir:
-        spawn(_body, WORLD, out_dir)
-        return {cp: [torch.load(os.path.join(out_dir, f"cp{cp}_rank{r}.pt")) for r in range(cp)] for cp in CPS}
+    per_rank = spawn(_body, WORLD)
+    by_cp: dict[int, dict[int, dict]] = {cp: {} for cp in CPS}
+    for mine in per_rank:
+        for cp, (group_rank, result) in mine.items():
+            by_cp[cp][group_rank] = result
+    return {cp: [by_cp[cp][r] for r in range(cp)] for cp in CPS}
 
 
 def run(cp: int) -> list[dict]:
