@@ -165,7 +165,7 @@ def reference_forward(
     kind = "W" if r == 0 else ("C" if r == 4 else "H")
     cu, cup = _as_list(cu_seqlens), _as_list(cu_seqlens_padded)
     eps = float(cfg.rms_eps)
-    H, D, _P = cfg.n_heads, cfg.head_dim, cfg.rope_dim
+    H, D = cfg.n_heads, cfg.head_dim
     G, OL, W, K = cfg.o_groups, cfg.o_lora_rank, cfg.window, cfg.index_topk
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     scale = D**-0.5

@@ -124,7 +124,7 @@ def test_design_6b_cp2_64k_flash_c_layer():
     """cp = 2, 64K tokens, one document: ~8K compressed rows (8 MiB) and ~2 MiB of indexer keys per
     rank, ~50 us of gathers at NVLink bandwidth against ~5 ms of attention at FlashMLA speed, a
     1 MiB halo, and the later rank doing ~3x the indexer work of the earlier one."""
-    tokens, cp, D, _Di = 1 << 16, 2, FLASH.head_dim, FLASH.index_head_dim
+    tokens, cp, D = 1 << 16, 2, FLASH.head_dim
     est = estimate(FLASH, 4, [tokens], cp, Machine.preset("h200x2"))
     assert est.counts.capacity == 8 * K
     t = est.table("fwd").set_index(["phase", "rank"])
