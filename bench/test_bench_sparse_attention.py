@@ -9,8 +9,8 @@ Shapes (kv rows N = T + T/4: T raw rows then T/4 compressed rows; ``idx`` per qu
 
 FLOPs (DESIGN 4.3): forward ``4 D`` per (query, head, valid key); backward 2.5x forward. Bytes are the
 op's logical traffic with each gathered kv row read once per query (see ``_bytes``). bf16 on GPU, fp32
-on CPU. Backends "cudnn" and "flashmla" run when registered and available; backward of a backend that
-has none (NotImplementedError) is skipped.
+on CPU. Backends "cudnn" (backward only) and "flashmla" (forward only) run when registered (by
+``dsv4cp.kernels.optional``) and available; a direction a backend lacks is skipped.
 """
 
 from __future__ import annotations
@@ -146,6 +146,8 @@ def test_sparse_attention_forward(benchmark, measure, shape_name, backend):
     benchmark.group = f"sparse_attention.fwd.{shape.name}"
     benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, H=shape.heads,
                                 D=shape.dim, Kt=shape.kt, valid_keys=entry["valid"], dtype=str(q.dtype))
+    if impl.forward is None:
+        pytest.skip(f"{backend}: backward-only backend")
     try:
         impl.forward(q, kv, idx, sink, scale, None)  # compile / first-call costs outside the timing
     except NotImplementedError as exc:
@@ -168,6 +170,9 @@ def test_sparse_attention_backward(benchmark, measure, shape_name, backend):
     benchmark.group = f"sparse_attention.bwd.{shape.name}"
     benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, H=shape.heads,
                                 D=shape.dim, Kt=shape.kt, valid_keys=entry["valid"], dtype=str(q.dtype))
+
+    if impl.backward is None:
+        pytest.skip(f"{backend}: forward-only backend")
 
     def call():
         return impl.backward(dout, q, kv, idx, sink, scale, out, lse, None)

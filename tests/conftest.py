@@ -10,6 +10,11 @@ import zlib
 import pytest
 import torch
 
+# Without CUDA, Triton kernels run on its CPU interpreter, which must be chosen before triton is
+# first imported (by any test module): set it here, the first conftest pytest loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import reference`
 
 from dsv4cp.config import DSv4Config  # noqa: E402

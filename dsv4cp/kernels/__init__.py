@@ -33,8 +33,19 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 _LAZY = {"sparse_attention_fwd", "sparse_attention_bwd", "KernelConfig", "DkvConfig", "MAX_HEAD_DIM",
          "BWD_SCRATCH_BYTES"}
 
-__all__ = ["HAS_TRITON", "set_deterministic", "is_deterministic", "triton_available", "triton_interpreting",
-           *sorted(_LAZY)]
+__all__ = [
+    "BWD_SCRATCH_BYTES",
+    "HAS_TRITON",
+    "MAX_HEAD_DIM",
+    "DkvConfig",
+    "KernelConfig",
+    "is_deterministic",
+    "set_deterministic",
+    "sparse_attention_bwd",
+    "sparse_attention_fwd",
+    "triton_available",
+    "triton_interpreting",
+]
 
 
 def __getattr__(name: str):
@@ -87,6 +98,11 @@ def triton_available(device: torch.device | str) -> bool:
     return False
 
 
+triton_available.missing_hint = (  # type: ignore[attr-defined]  (shown by resolve_backend)
+    "needs the triton package and a CUDA device, or on CPU TRITON_INTERPRET=1 set before triton's first import"
+)
+
+
 # ------------------------------------------------------------------------------------------ backends
 def _forward(q, kv, idx, sink, scale, topk_length=None):
     if q.dtype == torch.float64:  # tl.dot has no fp64 matrix-unit path: the oracle serves fp64 (tests)
@@ -121,3 +137,4 @@ def _register() -> None:
 
 
 _register()
+from dsv4cp.kernels import optional as _optional  # noqa: E402,F401  (FlashMLA / cuDNN adapters)

@@ -9,14 +9,14 @@ The op (see :func:`dsv4cp.ops.sparse_attention`)::
 A slot is valid when ``0 <= idx < N`` and its position is below ``topk_length[t]`` (when given); one kv
 row is both the key and the value of every head (multi-query, K = V); repeated rows are repeated keys.
 
-Kernels, in the style of Triton's tutorials (each ``@triton.jit`` body next to its Python wrapper):
+Kernels, in the style of Triton's tutorials (kernel bodies, then their Python wrappers):
 
 * forward ``_fwd_kernel``: one program per (query token, block of ``BLOCK_H`` heads). The heads sit on
   the matrix-unit M dimension; the query's slots are visited in blocks of ``BLOCK_K``: the gathered kv
   rows ``[BLOCK_K, D]`` are loaded ONCE and used both as K (``s = q @ kv^T``) and as V
   (``acc += p @ kv``). Online softmax in fp32 with ``exp2`` (``scale * log2 e`` folded into the logits),
   the sink folded into the denominator at the end.
-* backward, per chunk of queries:
+* backward: (a) for all queries, then (b) and (c) per chunk of queries:
   (a) ``_bwd_preprocess_kernel``: ``delta = <dO, O>`` per (t, h) and the sink-gradient partials
       ``-p_sink * delta`` (summed over t by ``torch.sum``: deterministic);
   (b) ``_bwd_dq_kernel``: per (query, head block) like the forward: recomputes ``p`` from ``lse``,
@@ -29,15 +29,23 @@ Kernels, in the style of Triton's tutorials (each ``@triton.jit`` body next to i
       ``torch.sort`` of the flattened ``idx``): bitwise reproducible.
 
 How ``D = 512`` fits an sm_90 SM (227 KB of shared memory per block, 64K 32-bit registers). The head dim
-is one tile (``BLOCK_D = next_pow2(D)``: one ``tl.dot`` reduces over all of it); the fp32 ``[64, 512]``
-accumulators (forward ``acc``, backward ``dq``) take 128 registers per thread over ``num_warps = 8``
-(two warpgroups, each owning 256 of the 512 columns). Shared memory, bf16, compiled for sm_90 with
-Triton 3.9 (``triton.compile`` without a GPU): forward ``BLOCK_H=64, BLOCK_K=64, 2 stages`` = 192 KB
-(q 64 KB + 2 x 64 KB of gathered rows, cp.async-pipelined, wgmma for both products, 255 registers
-with a ~200 B spill); dq kernel ``BLOCK_H=64, BLOCK_K=32, 2 stages`` (q and dO 64 KB each + 2 x 32 KB);
-dkv kernel ``BLOCK_K=64, 256 columns of D`` (q and dO column blocks + p/ds tiles). A single fused
-backward (dq and dkv in one loop) needs two [*, 512] fp32 accumulators and a second copy of q and dO
-in shared memory (~300 KB): it does not fit, hence (b) + (c) at the price of writing p and ds once.
+is one tile (``BLOCK_D = next_pow2(D)``: one ``tl.dot`` reduces over all of it); a ``[64, 512]`` fp32
+accumulator takes 128 registers per thread over ``num_warps = 8`` (two warpgroups, each owning 256 of
+the 512 columns). Default bf16 configurations at D = 512, checked by compiling for sm_90 with Triton 3.9
+without a GPU (``triton.compile`` + cuobjdump; registers, shared memory, spills in the main loop):
+
+* forward ``BLOCK_H=64, BLOCK_K=64, 8 warps, 2 stages``: 192 KB shared (q 64 KB + 2 x 64 KB of
+  gathered rows, cp.async-pipelined), wgmma for both products, 255 registers, ~35 local-memory
+  accesses per 64-key step. Triton lays the ``[64, BLOCK_K]`` logits out over warps [8, 1], so both
+  warpgroups compute the same q @ kv^T (the price of splitting the accumulator's columns). (``BLOCK_K=32, 3 stages``: 128 KB, no spill in the loop, more steps.)
+* dq kernel ``BLOCK_H=32, BLOCK_K=64, 8 warps, 2 stages``: 132 KB, mma.sync, 173 registers, no spill.
+  With 64 heads (wgmma) it fits in 196 KB but spills ~200 registers per step.
+* dkv kernel ``BLOCK_K=64`` slots x 256 columns (128 when H > 64), 8 warps, 2 stages: 160 KB,
+  wgmma, 181 registers, no spill; atomics compile to vectorised ``RED.ADD.F32`` (4 floats).
+
+A single fused backward (dq and dkv in one loop) needs two [*, 512] fp32 accumulators and a second copy
+of q and dO in shared memory (~300 KB): it does not fit, hence (b) + (c) at the price of writing p and
+ds once (2 x T x Kt x H x 2 bytes, in chunks of at most ``BWD_SCRATCH_BYTES``).
 Each launch tries a short ladder of configurations and falls back to the next on ``OutOfResources``
 (cached per shape class); ``DSV4CP_TRITON_FWD_CONFIG`` / ``DSV4CP_TRITON_BWD_CONFIG``
 (``"block_h,block_k,num_warps,num_stages"``), ``DSV4CP_TRITON_DKV_CONFIG``
@@ -69,12 +77,12 @@ except ImportError:  # pragma: no cover - very old triton
 
 
 __all__ = [
-    "KernelConfig",
-    "DkvConfig",
-    "sparse_attention_fwd",
-    "sparse_attention_bwd",
-    "MAX_HEAD_DIM",
     "BWD_SCRATCH_BYTES",
+    "MAX_HEAD_DIM",
+    "DkvConfig",
+    "KernelConfig",
+    "sparse_attention_bwd",
+    "sparse_attention_fwd",
 ]
 
 LOG2E = 1.4426950408889634
@@ -410,10 +418,12 @@ def _fwd_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConf
 def _dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
     bh = _block_h(heads)
     if block_d >= 256:
-        ladder = [(bh, 32, 8, 2), (bh, 64, 8, 1), (bh, 32, 8, 1), (bh, 16, 8, 1)]
+        # 32 heads per program (mma.sync): the [32, 512] fp32 dq tile leaves room for everything else;
+        # 64 heads (wgmma) compiles to ~200 KB of shared memory but spills ~200 registers per iteration.
+        bh32 = min(bh, 32)
+        ladder = [(bh32, 64, 8, 2), (bh32, 32, 8, 2), (bh, 32, 8, 2), (bh32, 32, 8, 1), (16, 16, 4, 1)]
         if dtype == torch.float32:
-            ladder = [(bh, 16, 8, 1), (min(bh, 32), 16, 8, 1)]
-        ladder.append((min(bh, 32), 16, 4, 1))
+            ladder = [(bh32, 16, 8, 1), (16, 16, 8, 1), (16, 16, 4, 1)]
     else:
         ladder = [(bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
     return [KernelConfig(*c) for c in ladder]
@@ -422,9 +432,12 @@ def _dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfi
 def _dkv_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]:
     wide = min(block_d, 256)
     if block_d >= 256:
-        ladder = [(64, wide, 8, 2), (64, 128, 4, 2), (64, 128, 4, 1), (32, 128, 4, 1), (16, 64, 4, 1)]
+        if triton.next_power_of_2(heads) >= 128:  # q and dO column blocks are [128, block_d]
+            ladder = [(64, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 1)]
+        else:
+            ladder = [(64, wide, 8, 2), (64, 128, 4, 2), (64, 128, 4, 1), (32, 64, 4, 1)]
         if dtype == torch.float32:
-            ladder = [(64, 128, 4, 2), (64, 128, 4, 1), (32, 64, 4, 1), (16, 64, 4, 1)]
+            ladder = [(64, 128, 4, 2), (32, 64, 4, 1), (16, 64, 4, 1)]
     else:
         ladder = [(64, wide, 4, 2), (32, wide, 4, 1), (16, min(wide, 64), 4, 1)]
     return [DkvConfig(*c) for c in ladder]
@@ -665,7 +678,7 @@ def sparse_attention_bwd(
     # (a) delta and the sink-gradient partials, for all queries at once.
     delta = torch.empty(t, h, dtype=torch.float32, device=dev)
     dsink_part = torch.empty(t, h, dtype=torch.float32, device=dev)
-    pre_bh = _block_h(h)
+    pre_bh = 16 if block_d >= 256 else _block_h(h)  # [16, 512] tiles: ~70 registers at 8 warps
     _build("_bwd_preprocess_kernel", dev)[(t, triton.cdiv(h, pre_bh))](
         out, dout, lse, sink, delta, dsink_part,
         h, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
@@ -694,7 +707,7 @@ def sparse_attention_bwd(
     for t0 in range(0, t, chunk):
         rows = min(chunk, t - t0)
 
-        def launch_dq(cfg: KernelConfig) -> None:
+        def launch_dq(cfg: KernelConfig, t0: int = t0, rows: int = rows) -> None:
             n_hb = triton.cdiv(h, cfg.block_h)
             dq_kernel[(rows * n_hb,)](
                 q, kv, idx, topk, dout, lse, delta, sink, dq, pbuf, dsbuf,
@@ -706,7 +719,7 @@ def sparse_attention_bwd(
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        def launch_dkv(cfg: DkvConfig) -> None:
+        def launch_dkv(cfg: DkvConfig, t0: int = t0, rows: int = rows) -> None:
             dkv_kernel[(rows, triton.cdiv(d, cfg.block_d))](
                 q, dout, idx, topk, pbuf, dsbuf, contrib if deterministic else dkv,
                 h, n, kt, t0,

@@ -77,7 +77,8 @@ def _available(name: str, device: torch.device) -> SparseAttentionBackend:
         raise ValueError(f"backend: unknown sparse-attention backend {name!r}; choose from {['auto', *_BACKENDS]}")
     backend = _BACKENDS[name]
     if not backend.available(device):
-        raise ValueError(f"backend: {name!r} is not available on device {device} (is its package installed?)")
+        hint = getattr(backend.available, "missing_hint", None) or "is its package installed?"
+        raise ValueError(f"backend: {name!r} is not available on device {device} ({hint})")
     return backend
 
 
@@ -162,3 +163,9 @@ def _check_inputs(q, kv, idx, sink, topk_length) -> None:
     for name, tensor in (("kv", kv), ("idx", idx), ("sink", sink), ("topk_length", topk_length)):
         if tensor is not None and tensor.device != q.device:
             raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
+
+
+try:  # own Triton kernels ("triton", "triton-deterministic") and the optional FlashMLA / cuDNN adapters
+    import dsv4cp.kernels  # noqa: E402,F401
+except ImportError:  # pragma: no cover - the package is importable wherever dsv4cp is
+    pass

@@ -1,0 +1,276 @@
+"""Lightning-indexer microbenchmarks (DESIGN 1.6, 4.2, 4.3, 5): scoring + top-K per backend and shape.
+
+Shapes: ONE document of T tokens, its ``G = T/4`` compressed entries as keys (the CP = 1 layout), query
+t sees entries ``j < (t + 1) // 4``; ``Hi = 64, Di = 128, K = 512``, bf16 on GPU:
+
+* ``8k``, ``32k``, ``64k``: T = 8192, 32768, 65536 (GPU only);
+* ``tiny``: T = 64, Hi = 4, Di = 32, K = 8, fp32 (CPU and GPU: CI exercises every path).
+
+Backends:
+
+* ``torch``: :func:`dsv4cp.ops.indexer.indexer_topk` (the oracle: per-head scores of a query chunk
+  against ALL keys, masked, then ``_select_top``);
+* ``triton``: :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` (fused head-sum score kernel
+  per query chunk + the same ``_select_top``);
+* ``triton-score``: the Triton path's scoring alone (every chunk scored, nothing selected): the score
+  kernel's own throughput.
+
+Also (GPU only) ``test_indexer_score_config``: the score kernel alone at T = 32K under each launch
+configuration of the ladder (pinned), to pick the default on the machine; and
+``test_indexer_scores_fwd_bwd``: the differentiable scores at K = 512 given entries per query (the
+indexer loss's prediction), forward + backward, torch vs Triton (FLOPs ``3 * 2 * Hi * Di`` per valid
+slot: the forward, and the backward's ``dq`` and ``dkeys`` products).
+
+``benchmark.extra_info``: FLOPs ``2 * Hi * Di`` per (query, VISIBLE entry) (DESIGN 4.3: causally
+invisible pairs are not counted, whatever a backend computes) and the TFLOP/s of the median;
+``peak_extra_bytes`` / ``peak_extra_gib``: on CUDA, ``torch.cuda.max_memory_allocated`` during one
+untimed call (after ``reset_peak_memory_stats``) minus what was allocated before it and minus the
+output (``None`` on CPU); ``chunks`` / ``budget_bytes`` for the Triton paths.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dsv4cp.ops.indexer import indexer_topk
+
+HAS_CUDA = torch.cuda.is_available()
+BACKENDS = ["torch", "triton", "triton-score"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int
+    heads: int
+    dim: int
+    topk: int
+
+    @property
+    def n_keys(self) -> int:
+        return self.tokens // 4
+
+
+SHAPES = {
+    "tiny": Shape("tiny", 64, 4, 32, 8),
+    "8k": Shape("8k", 8192, 64, 128, 512),
+    "32k": Shape("32k", 32768, 64, 128, 512),
+    "64k": Shape("64k", 65536, 64, 128, 512),
+}
+_gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")]
+SHAPE_PARAMS = [pytest.param("tiny", id="tiny")] + [
+    pytest.param(name, id=name, marks=_gpu_only) for name in ("8k", "32k", "64k")
+]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def _dtype() -> torch.dtype:
+    return torch.bfloat16 if HAS_CUDA else torch.float32
+
+
+_INPUTS: dict = {}
+
+
+def _inputs(shape: Shape) -> dict:
+    """Cached inputs of one shape (the previous shape's are dropped first)."""
+    key = (shape.name, _device().type)
+    if key in _INPUTS:
+        return _INPUTS[key]
+    _INPUTS.clear()
+    gc.collect()
+    device, dtype = _device(), _dtype()
+    g = torch.Generator(device=device).manual_seed(4242)
+    t, hi, di, n = shape.tokens, shape.heads, shape.dim, shape.n_keys
+    q = torch.randn(t, hi, di, device=device, generator=g).to(dtype)
+    keys = torch.randn(n, di, device=device, generator=g).to(dtype)
+    w = torch.randn(t, hi, device=device, generator=g) * (hi * di) ** -0.5
+    pos = torch.arange(t, device=device)
+    query_doc = torch.zeros(t, dtype=torch.int64, device=device)
+    query_limit = (pos + 1) // 4
+    key_doc = torch.zeros(n, dtype=torch.int64, device=device)
+    key_j = torch.arange(n, device=device)
+    visible_pairs = int(query_limit.clamp_max(n).sum().item())
+    entry = dict(q=q, w=w, keys=keys, query_doc=query_doc, query_limit=query_limit, key_doc=key_doc,
+                 key_j=key_j, visible_pairs=visible_pairs)
+    _INPUTS[key] = entry
+    return entry
+
+
+def _visible(entry: dict):
+    qdoc, qlim, kdoc, kj = entry["query_doc"], entry["query_limit"], entry["key_doc"], entry["key_j"]
+
+    def visible(rows: slice) -> torch.Tensor:
+        return ((qdoc[rows, None] >= 0) & (kdoc[None, :] == qdoc[rows, None])
+                & (kj[None, :] < qlim[rows, None]))
+
+    return visible
+
+
+def _runner(backend: str, shape: Shape, entry: dict):
+    """A no-argument callable running ``backend`` once, plus extra info about it."""
+    q, w, keys = entry["q"], entry["w"], entry["keys"]
+    vis_args = (entry["query_doc"], entry["query_limit"], entry["key_doc"], entry["key_j"])
+    if backend == "torch":
+        visible = _visible(entry)
+        return (lambda: indexer_topk(q, w, keys, visible, shape.topk)), {}
+    from dsv4cp.kernels import triton_available
+
+    if not triton_available(q.device):
+        pytest.skip(f"{backend}: triton cannot run on {q.device} here")
+    from dsv4cp.kernels import indexer_triton as it
+
+    lo, hi = it.key_ranges(*vis_args)
+    info = {"chunks": len(it.plan_chunks(lo, hi, it.TOPK_BUDGET_BYTES)), "budget_bytes": it.TOPK_BUDGET_BYTES}
+    if backend == "triton":
+        return (lambda: it.indexer_topk_triton(q, w, keys, *vis_args, shape.topk)), info
+
+    def score_only():
+        last = None
+        for _, _, _, scores in it.iter_score_chunks(q, w, keys, *vis_args):
+            last = scores
+        return last
+
+    return score_only, info
+
+
+def _peak_extra_bytes(fn) -> int | None:
+    """Peak allocator memory of one call beyond what existed before it and beyond its output."""
+    if not HAS_CUDA:
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    out_bytes = out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
+    # triton-score returns a view of its internal buffer: that buffer is working memory, not output
+    if out is not None and out._base is not None:
+        out_bytes = 0
+    del out
+    return int(peak - out_bytes)
+
+
+def _rounds(shape: Shape) -> tuple[int, int]:
+    if not HAS_CUDA:
+        return 2, 1
+    return (5, 1) if shape.tokens <= 8192 else (3, 1)
+
+
+def _bytes(shape: Shape, entry: dict) -> float:
+    """Logical traffic: q, w, keys read once, the [T, K] int64 selection written once."""
+    el = entry["q"].element_size()
+    t, hi, di = shape.tokens, shape.heads, shape.dim
+    return t * hi * di * el + t * hi * 4 + shape.n_keys * di * el + t * shape.topk * 8
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
+def test_indexer_topk(benchmark, measure, shape_name, backend):
+    shape = SHAPES[shape_name]
+    entry = _inputs(shape)
+    fn, info = _runner(backend, shape, entry)
+    benchmark.group = f"indexer.topk.{shape.name}"
+    flops = 2.0 * shape.heads * shape.dim * entry["visible_pairs"]
+    fn()  # compile / pick a configuration outside the timing
+    peak = _peak_extra_bytes(fn)
+    benchmark.extra_info.update(
+        backend=backend, shape=shape.name, T=shape.tokens, Hi=shape.heads, Di=shape.dim, G=shape.n_keys,
+        K=shape.topk, dtype=str(entry["q"].dtype), visible_pairs=entry["visible_pairs"],
+        peak_extra_bytes=peak, peak_extra_gib=None if peak is None else peak / 2**30, **info,
+    )
+    rounds, warmup = _rounds(shape)
+    out = measure(fn, None, flops=flops, bytes_moved=_bytes(shape, entry), rounds=rounds,
+                  warmup_rounds=warmup, device=entry["q"].device)
+    if backend != "triton-score":
+        assert out.shape == (shape.tokens, shape.topk) and out.dtype == torch.int64
+        assert ((out >= -1) & (out < shape.n_keys)).all()
+
+
+SCORE_CONFIGS = [(64, 256, 8, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="config sweep needs CUDA")
+@pytest.mark.parametrize("cfg", SCORE_CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_indexer_score_config(benchmark, measure, cfg):
+    from dsv4cp.kernels import indexer_triton as it
+
+    shape = SHAPES["32k"]
+    entry = _inputs(shape)
+    q, w, keys = entry["q"], entry["w"], entry["keys"]
+    vis_args = (entry["query_doc"], entry["query_limit"], entry["key_doc"], entry["key_j"])
+    config = it.IndexerConfig(*cfg)
+
+    def score_only():
+        last = None
+        for _, _, _, scores in it.iter_score_chunks(q, w, keys, *vis_args, config=config):
+            last = scores
+        return last
+
+    try:
+        score_only()
+    except it.OutOfResources as exc:
+        pytest.skip(f"{cfg}: does not fit ({exc})")
+    benchmark.group = "indexer.score.config.32k"
+    benchmark.extra_info.update(backend="triton-score", config=list(cfg), T=shape.tokens, Hi=shape.heads,
+                                Di=shape.dim, G=shape.n_keys, visible_pairs=entry["visible_pairs"])
+    rounds, warmup = _rounds(shape)
+    measure(score_only, None, flops=2.0 * shape.heads * shape.dim * entry["visible_pairs"],
+            bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup, device=q.device)
+
+
+_SCORES_PARAMS = [pytest.param("tiny", id="tiny")] + [
+    pytest.param(name, id=name, marks=_gpu_only) for name in ("8k", "32k")
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("shape_name", _SCORES_PARAMS)
+def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend):
+    from dsv4cp.ops.indexer import indexer_scores
+
+    shape = SHAPES[shape_name]
+    entry = _inputs(shape)
+    q, w, keys = entry["q"], entry["w"], entry["keys"]
+    if backend == "triton":
+        from dsv4cp.kernels import triton_available
+
+        if not triton_available(q.device):
+            pytest.skip(f"triton cannot run on {q.device} here")
+        from dsv4cp.kernels.indexer_triton import indexer_scores_triton as fn
+    else:
+        fn = indexer_scores
+    g = torch.Generator(device=q.device).manual_seed(99)
+    limit = entry["query_limit"].clamp_max(shape.n_keys)
+    slots = torch.arange(shape.topk, device=q.device)
+    idx = (torch.rand(shape.tokens, shape.topk, device=q.device, generator=g) * limit[:, None]).long()
+    idx = torch.where(slots[None, :] < limit[:, None], idx, -1)  # up to K entries among the visible ones
+    valid = int((idx >= 0).sum().item())
+    grad = torch.randn(idx.shape, device=q.device, generator=g) * (idx >= 0)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, w, keys)]
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        out = fn(*leaves, idx)
+        out.backward(grad)
+        return out
+
+    step()
+    benchmark.group = f"indexer.scores.fwd_bwd.{shape.name}"
+    peak = _peak_extra_bytes(step)
+    benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, Hi=shape.heads,
+                                Di=shape.dim, K=shape.topk, valid_slots=valid, dtype=str(q.dtype),
+                                peak_extra_bytes=peak, peak_extra_gib=None if peak is None else peak / 2**30)
+    rounds, warmup = _rounds(shape)
+    out = measure(step, None, flops=3 * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),
+                  rounds=rounds, warmup_rounds=warmup, device=q.device)
+    assert out.shape == idx.shape

@@ -1,0 +1,171 @@
+"""FlashMLA's sparse-prefill forward as the forward-only sparse-attention backend "flashmla" (DESIGN 4.2).
+
+Library call (``flash_mla/flash_mla_interface.py`` and ``tests/ref.py`` of deepseek-ai/FlashMLA)::
+
+    flash_mla.flash_mla_sparse_fwd(q [T, Hl, D] bf16, kv [N, 1, D] bf16, indices [T, 1, Kl] int32, sm_scale,
+                                   d_v=512, attn_sink=[Hl] fp32 | None, topk_length=[T] int32 | None)
+        -> (out [T, Hl, 512] bf16, max_logits [T, Hl] fp32, lse [T, Hl] fp32)
+
+* an index ``< 0`` (or ``>= N``) is an empty slot; with ``topk_length`` query ``t`` reads its first
+  ``topk_length[t]`` slots only;
+* ``lse`` is the natural-log sum of ``exp(sm_scale * <q, k>)`` over the valid keys, EXCLUDING the sink
+  (the sink only rescales ``out`` by ``e^lse / (e^lse + e^sink)``); a query with no valid key gets
+  ``out = 0`` and ``lse = +inf``;
+* Hopper kernels: ``Hl`` in {64, 128}; ``Kl`` a multiple of 128 and at least 128; ``d_v = 512``. With
+  ``D = 576`` the keys have 576 columns but the values only their first 512.
+
+Adapter to the op contract (:func:`dsv4cp.ops.sparse_attention`), whose value is the WHOLE kv row:
+
+* ``D`` must be 512 (``D = 576`` would give a ``[T, H, 512]`` output of a different op: ValueError);
+* heads go in groups of at most 128, each padded to 64 or 128 with zero queries and ``-inf`` sinks
+  (a ``-inf`` sink has no effect); the padded heads' outputs are dropped;
+* ``idx`` is padded with ``-1`` to a multiple of 128 (at least 128); ``topk_length`` is clamped to
+  ``[0, Kt]`` and passed on (the kernel then skips the tail of short rows);
+* ``q`` and ``kv`` are cast to bf16 (fp16 / fp32 inputs are computed in bf16 and ``out`` is returned in
+  ``q``'s dtype); fp64 is rejected;
+* ``lse = +inf`` (no valid key) becomes ``-inf``.
+
+The forward is deterministic (no atomics). Importing this module never imports ``flash_mla``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+NAME = "flashmla"
+MISSING_HINT = (
+    "the 'flashmla' backend needs the FlashMLA package (import name 'flash_mla', built from source from "
+    "https://github.com/deepseek-ai/FlashMLA at a revision with the SM90 sparse-prefill kernels; no wheel "
+    "matches torch 2.11) and an SM90+ CUDA device"
+)
+SUPPORTED_HEAD_DIMS = (512,)
+VALUE_DIM = 512
+HEAD_GROUP_SIZES = (64, 128)
+"""Head counts the kernels accept; a group of ``h`` heads is padded to the first size ``>= h``."""
+TOPK_MULTIPLE = 128
+"""The kernels' key-block size: the slot count must be a multiple of it (and at least one block)."""
+
+
+# ------------------------------------------------------------------------------------------ availability
+def library_problem() -> str | None:
+    """Why ``flash_mla.flash_mla_sparse_fwd`` cannot be used in this process, or None."""
+    try:
+        module = importlib.import_module("flash_mla")
+    except Exception as exc:  # noqa: BLE001  (ImportError, or OSError / undefined symbol of a bad build)
+        return f"'import flash_mla' failed ({type(exc).__name__}: {exc})"
+    if not callable(getattr(module, "flash_mla_sparse_fwd", None)):
+        return "flash_mla has no flash_mla_sparse_fwd (a FlashMLA build without the sparse prefill)"
+    return None
+
+
+def device_problem(device: torch.device | str) -> str | None:
+    """Why ``device`` cannot run FlashMLA's sparse prefill, or None (checked before importing anything)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device {device} is not a CUDA device"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"SM{major}{minor}: FlashMLA's sparse prefill needs SM90 or newer"
+    return None
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """The first reason the backend cannot run on ``device`` (device first, then the package), or None."""
+    return device_problem(device) or library_problem()
+
+
+def available(device: torch.device | str) -> bool:
+    """A CUDA device of SM90+ and an importable ``flash_mla`` with ``flash_mla_sparse_fwd``."""
+    return unavailable_reason(device) is None
+
+
+available.missing_hint = MISSING_HINT  # read by the registry's "not available" message when it supports it
+
+
+def _library():
+    problem = library_problem()
+    if problem is not None:
+        raise RuntimeError(f"{NAME}: {problem}; {MISSING_HINT}")
+    return importlib.import_module("flash_mla").flash_mla_sparse_fwd
+
+
+# ------------------------------------------------------------------------------------------ adapter
+def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q: must be [T, H, D], got shape {tuple(q.shape)}")
+    d = q.shape[2]
+    if d not in SUPPORTED_HEAD_DIMS:
+        extra = (" (FlashMLA's D = 576 mode uses only the first 512 columns as values, while this op's value "
+                 "is the whole kv row)") if d == 576 else ""
+        raise ValueError(f"q: head dim D = {d} is not supported by the '{NAME}' backend; it needs D in "
+                         f"{SUPPORTED_HEAD_DIMS}{extra}; use 'torch' or 'triton'")
+    if q.dtype == torch.float64 or kv.dtype == torch.float64:
+        raise ValueError(f"q: dtype {q.dtype} is not supported by the '{NAME}' backend (it computes in bf16); "
+                         "use 'torch' for fp64")
+    if kv.dim() != 2 or kv.shape[1] != d:
+        raise ValueError(f"kv: must be [N, {d}], got shape {tuple(kv.shape)}")
+    if idx.dim() != 2 or idx.shape[0] != q.shape[0]:
+        raise ValueError(f"idx: must be [{q.shape[0]}, Kt], got shape {tuple(idx.shape)}")
+    if sink.shape != (q.shape[1],):
+        raise ValueError(f"sink: must be [{q.shape[1]}], got shape {tuple(sink.shape)}")
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return max(multiple, -(-value // multiple) * multiple)
+
+
+def padded_slots(kt: int) -> int:
+    """The slot count handed to the library for ``kt`` slots."""
+    return _round_up(kt, TOPK_MULTIPLE)
+
+
+def head_groups(h: int) -> list[tuple[int, int, int]]:
+    """``(first head, last head + 1, padded count)`` of each library call for ``h`` heads."""
+    groups = []
+    largest = HEAD_GROUP_SIZES[-1]
+    for h0 in range(0, h, largest):
+        h1 = min(h0 + largest, h)
+        groups.append((h0, h1, next(size for size in HEAD_GROUP_SIZES if size >= h1 - h0)))
+    return groups
+
+
+def sparse_attention_forward(q, kv, idx, sink, scale, topk_length=None):
+    """``(out [T, H, D] in q.dtype, lse [T, H] fp32)`` of the op contract, computed by FlashMLA."""
+    _check(q, kv, idx, sink)
+    t, h, d = q.shape
+    kt = idx.shape[1]
+    if t == 0 or kt == 0:
+        return (torch.zeros(t, h, d, dtype=q.dtype, device=q.device),
+                torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device))
+    sparse_fwd = _library()
+
+    kv_lib = kv.to(torch.bfloat16).contiguous().unsqueeze(1)  # [N, 1, D]: one kv head
+    idx_lib = idx.to(torch.int32)
+    kl = padded_slots(kt)
+    if kl != kt:
+        idx_lib = F.pad(idx_lib, (0, kl - kt), value=-1)
+    idx_lib = idx_lib.contiguous().unsqueeze(1)  # [T, 1, Kl]
+    length = None if topk_length is None else topk_length.clamp(0, kt).to(torch.int32).contiguous()
+
+    outs, lses = [], []
+    for h0, h1, hp in head_groups(h):
+        q_g = q[:, h0:h1].to(torch.bfloat16)
+        sink_g = sink[h0:h1].to(torch.float32)
+        if hp != h1 - h0:
+            q_g = F.pad(q_g, (0, 0, 0, hp - (h1 - h0)))  # zero queries
+            sink_g = F.pad(sink_g, (0, hp - (h1 - h0)), value=float("-inf"))
+        result = sparse_fwd(q_g.contiguous(), kv_lib, idx_lib, float(scale), d_v=VALUE_DIM,
+                            attn_sink=sink_g.contiguous(), topk_length=length)
+        outs.append(result[0][:, : h1 - h0])
+        lses.append(result[2][:, : h1 - h0])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
+    out = out.to(q.dtype).contiguous()
+    lse = lse.to(torch.float32)
+    lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))  # FlashMLA marks "no valid key" with +inf
+    return out, lse

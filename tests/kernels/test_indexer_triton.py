@@ -1,0 +1,490 @@
+"""Triton lightning-indexer kernels against the torch ops (DESIGN 1.6, 3.4, 4.2).
+
+CPU (Triton's interpreter, fp32, tiny sizes: T <= 24, Hi <= 4, Di in {16, 32}, G <= 48):
+
+* the masked score matrix against an einsum reference (values and the -inf pattern);
+* the top-k against :func:`dsv4cp.ops.indexer.indexer_topk`: with integer-valued inputs every score is
+  exact in any summation order, so the selections must be IDENTICAL, ties included (many exact ties,
+  and exact-zero scores by construction: queries with non-negative q against keys with non-positive
+  entries); with normal inputs the selections must agree up to near-ties (checked through the scores);
+* real CP layouts (``build_layout``: several documents, rank-major gathered keys with empty slots);
+* chunking (tiny budgets and chunk caps give the same selection), the key-range bounds, the planner;
+* the differentiable scores at given indices (forward and gradients, atomic and deterministic).
+
+GPU (marked ``gpu``): T = 8192, Hi = 64, Di = 128, G = T/4 in bf16: the k-th best score of our selection
+against the reference's (within a small tolerance; bf16 rounding and summation order move near-ties).
+
+Inputs are random and fresh each run (the seed is in every failure message), never zeros.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from dsv4cp.config import DSv4Config  # noqa: E402
+from dsv4cp.cp.layout import build_layout  # noqa: E402
+from dsv4cp.kernels import set_deterministic, triton_available  # noqa: E402
+from dsv4cp.kernels.indexer_triton import (  # noqa: E402
+    IndexerConfig,
+    indexer_score_matrix,
+    indexer_scores_triton,
+    indexer_topk_triton,
+    iter_score_chunks,
+    key_ranges,
+    plan_chunks,
+    query_limits,
+)
+from dsv4cp.ops.indexer import indexer_scores, indexer_topk  # noqa: E402
+from dsv4cp.packing import PackedSeqs  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+if not triton_available(DEVICE):  # pragma: no cover - triton imported without the interpreter on CPU
+    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
+                allow_module_level=True)
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def gathered_layout(gen: torch.Generator, entries: list[int], cp: int, slack: int = 2):
+    """``key_doc, key_j [G]`` of a rank-major gathered buffer: the documents' entries in global order,
+    cut into ``cp`` contiguous parts, each placed in a block of ``capacity`` rows followed by empty slots
+    (doc -1). A document's keys are therefore split across blocks, with gaps."""
+    order = [(d, j) for d, n in enumerate(entries) for j in range(n)]
+    cuts = sorted(torch.randint(0, len(order) + 1, (cp - 1,), generator=gen).tolist())
+    parts = [order[a:b] for a, b in zip([0, *cuts], [*cuts, len(order)])]
+    capacity = max(len(p) for p in parts) + slack
+    key_doc = torch.full((cp * capacity,), -1, dtype=torch.int64)
+    key_j = torch.zeros(cp * capacity, dtype=torch.int64)
+    for r, part in enumerate(parts):
+        for i, (d, j) in enumerate(part):
+            key_doc[r * capacity + i], key_j[r * capacity + i] = d, j
+    return key_doc, key_j
+
+
+def make_case(seed: int, t: int, hi: int, di: int, entries: list[int], cp: int, *, integer: bool,
+              dtype=torch.float32, device: str = "cpu"):
+    """Random indexer inputs (never zeros) on a random multi-document layout; a third of the queries
+    have non-negative q and a third of the keys non-positive entries, so their pairs score exactly 0.
+    Query rows: random documents (some -1) and positions (some too early to see any entry)."""
+    gen = torch.Generator().manual_seed(seed)
+    key_doc, key_j = gathered_layout(gen, entries, cp)
+    g = key_doc.numel()
+    if integer:  # exact scores in any summation order (|dot| <= 9 * di, w multiples of 1/2)
+        values = torch.tensor([-3.0, -2.0, -1.0, 1.0, 2.0, 3.0])
+        q = values[torch.randint(0, 6, (t, hi, di), generator=gen)]
+        keys = values[torch.randint(0, 6, (g, di), generator=gen)]
+        w = torch.tensor([-1.0, -0.5, 0.5, 1.0, 1.5, 2.0])[torch.randint(0, 6, (t, hi), generator=gen)]
+    else:
+        q = torch.randn(t, hi, di, generator=gen)
+        keys = torch.randn(g, di, generator=gen)
+        w = torch.randn(t, hi, generator=gen)
+    pos_q = torch.rand(t, generator=gen) < 0.34
+    q[pos_q] = q[pos_q].abs()
+    neg_k = torch.rand(g, generator=gen) < 0.34
+    keys[neg_k] = -keys[neg_k].abs()
+    n_docs = len(entries)
+    qdoc = torch.randint(0, n_docs, (t,), generator=gen)
+    qdoc[torch.rand(t, generator=gen) < 0.1] = -1
+    longest = torch.tensor(entries)[qdoc.clamp_min(0)]
+    pos = (torch.rand(t, generator=gen) * (4 * longest + 4).to(torch.float32)).to(torch.int64)
+    qlim = query_limits(qdoc, pos)
+    to = dict(device=device)
+    return dict(q=q.to(dtype=dtype, **to), w=w.to(**to), keys=keys.to(dtype=dtype, **to), query_doc=qdoc.to(**to),
+                query_limit=qlim.to(**to), key_doc=key_doc.to(**to), key_j=key_j.to(**to))
+
+
+def visible_of(case) -> torch.Tensor:
+    qdoc, qlim = case["query_doc"], case["query_limit"]
+    return ((qdoc[:, None] >= 0) & (case["key_doc"][None, :] == qdoc[:, None])
+            & (case["key_j"][None, :] < qlim[:, None]))
+
+
+def reference_topk(case, k: int) -> torch.Tensor:
+    vis = visible_of(case)
+    return indexer_topk(case["q"], case["w"], case["keys"], lambda sl: vis[sl], k)
+
+
+def reference_scores(case) -> torch.Tensor:
+    """fp64 masked scores of the (already rounded) inputs."""
+    q, w, keys = (case[n].double() for n in ("q", "w", "keys"))
+    s = torch.einsum("thd,gd->thg", q, keys).relu_().mul_(w[:, :, None]).sum(1)
+    return s.masked_fill_(~visible_of(case), float("-inf"))
+
+
+def triton_topk(case, k: int, **kw) -> torch.Tensor:
+    return indexer_topk_triton(case["q"], case["w"], case["keys"], case["query_doc"], case["query_limit"],
+                               case["key_doc"], case["key_j"], k, **kw)
+
+
+def assert_equivalent_selection(ours, ref, scores, tol, msg, min_identical=0.0):
+    """Same number of valid entries per row, the rows selected in increasing order, every selected entry
+    visible, and the k-th best (reference) score of ours within ``tol`` (relative to the row's scale) of
+    the reference's: the selections can differ only between near-tied entries."""
+    assert ours.shape == ref.shape and ours.dtype == torch.int64, msg
+    ours, ref, scores = ours.cpu(), ref.cpu(), scores.cpu().double()
+    assert torch.equal((ours >= 0).sum(1), (ref >= 0).sum(1)), f"{msg}: valid counts differ"
+    valid = ours >= 0
+    assert torch.equal(valid, (ref >= 0)), f"{msg}: -1 padding must trail"
+    sel = torch.gather(scores, 1, ours.clamp_min(0))
+    assert torch.isfinite(sel[valid]).all(), f"{msg}: an invisible entry was selected"
+    inc = ours[:, 1:] > ours[:, :-1]
+    assert (inc | ~valid[:, 1:]).all(), f"{msg}: rows must be increasing"
+    ref_sel = torch.gather(scores, 1, ref.clamp_min(0))
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    kth_ours = torch.where(valid, sel, inf).amin(1)
+    kth_ref = torch.where(valid, ref_sel, inf).amin(1)
+    rows = valid.any(1)
+    scale = torch.where(torch.isfinite(scores), scores.abs(), 0).amax(1).clamp_min(1e-30)
+    gap = ((kth_ours - kth_ref).abs() / scale)[rows]
+    assert gap.numel() == 0 or gap.max().item() <= tol, f"{msg}: k-th best score off by {gap.max().item():.2e}"
+    identical = (ours == ref).all(1).double().mean().item()
+    assert identical >= min_identical, f"{msg}: only {identical:.3f} of the rows select identical entries"
+
+
+# ---------------------------------------------------------------------------------------------- CPU tests
+CPU_CASES = [  # (t, hi, di, entries per document, cp)
+    (24, 4, 32, [9, 5, 14], 3),
+    (17, 2, 16, [20, 3], 2),
+    (24, 3, 32, [40], 1),
+]
+
+
+@pytest.mark.parametrize("t,hi,di,entries,cp", CPU_CASES)
+def test_score_matrix_matches_reference(t, hi, di, entries, cp):
+    seed = fresh_seed()
+    case = make_case(seed, t, hi, di, entries, cp, integer=False)
+    ref = reference_scores(case)
+    got = indexer_score_matrix(**case)
+    msg = f"seed={seed}"
+    assert got.dtype == torch.float32 and got.shape == ref.shape, msg
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), f"{msg}: -inf pattern differs"
+    finite = torch.isfinite(ref)
+    err = (got.double() - ref)[finite].abs().max().item() if finite.any() else 0.0
+    assert err <= 1e-5 * max(1.0, ref[finite].abs().max().item()), f"{msg}: max error {err:.2e}"
+    # a column window: the same values, shifted
+    g = ref.shape[1]
+    col0, width = g // 3, g // 2
+    part = indexer_score_matrix(**case, col0=col0, width=width)
+    assert torch.equal(part, got[:, col0:col0 + width]), msg
+
+
+@pytest.mark.parametrize("k", [1, 4, 9, 40])
+@pytest.mark.parametrize("t,hi,di,entries,cp", CPU_CASES)
+def test_topk_identical_with_exact_scores_and_ties(t, hi, di, entries, cp, k):
+    seed = fresh_seed()
+    case = make_case(seed, t, hi, di, entries, cp, integer=True)
+    ref = reference_topk(case, k)
+    got = triton_topk(case, k)
+    scores = reference_scores(case)
+    finite = scores[torch.isfinite(scores)]
+    assert (finite == 0).any(), f"seed={seed}: the case must hold exact-zero scores"
+    assert torch.equal(got, ref), f"seed={seed} k={k}: selections differ\n{got}\n{ref}"
+
+
+@pytest.mark.parametrize("t,hi,di,entries,cp", CPU_CASES)
+def test_topk_matches_reference_random_normal(t, hi, di, entries, cp):
+    seed = fresh_seed()
+    case = make_case(seed, t, hi, di, entries, cp, integer=False)
+    scores = reference_scores(case)
+    for k in (3, 8):
+        got, ref = triton_topk(case, k), reference_topk(case, k)
+        assert_equivalent_selection(got, ref, scores, 1e-5, f"seed={seed} k={k}", min_identical=0.8)
+
+
+def test_topk_chunking_and_budget_do_not_change_the_selection():
+    seed = fresh_seed()
+    case = make_case(seed, 24, 3, 16, [11, 2, 9, 6], 3, integer=True)
+    k = 5
+    ref = reference_topk(case, k)
+    assert torch.equal(triton_topk(case, k), ref), f"seed={seed}"
+    for chunk, budget in ((1, None), (5, None), (7, 4 * 32 * 6), (None, 1)):
+        got = triton_topk(case, k, chunk=chunk, budget_bytes=budget)
+        assert torch.equal(got, ref), f"seed={seed} chunk={chunk} budget={budget}"
+    got = triton_topk(case, k, config=IndexerConfig(16, 16, 4, 1))
+    assert torch.equal(got, ref), f"seed={seed}: pinned 16x16 tiles"
+
+
+CP_PACKINGS = [([9, 13, 2], 24), ([5, 0, 18, 1], 24), ([24], 24), ([3, 7, 4], 24)]
+
+
+@pytest.mark.parametrize("lengths,total", CP_PACKINGS)
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_topk_on_cp_layouts_matches_reference(lengths, total, cp):
+    """Real per-rank layouts (DESIGN 3.3): visibility from RankLayout.visible_mask vs (doc, limit)."""
+    seed = fresh_seed()
+    cfg = DSv4Config.preset("tiny")
+    packed = PackedSeqs.from_lengths(lengths, total=total)
+    gen = torch.Generator().manual_seed(seed)
+    for rank in range(cp):
+        lay = build_layout(packed, cfg, 4, rank, cp)
+        rows, g, hi, di = lay.rows, lay.gathered_rows, 3, 16
+        values = torch.tensor([-2.0, -1.0, 1.0, 2.0])
+        q = values[torch.randint(0, 4, (rows, hi, di), generator=gen)]
+        w = torch.tensor([-0.5, 0.5, 1.0])[torch.randint(0, 3, (rows, hi), generator=gen)]
+        keys = values[torch.randint(0, 4, (g, di), generator=gen)]
+        doc, pos = lay.local_doc, lay.local_pos
+        for k in (2, 6):
+            ref = indexer_topk(q, w, keys, lambda sl: lay.visible_mask(doc[sl], pos[sl]), k)
+            got = indexer_topk_triton(q, w, keys, doc, query_limits(doc, pos), lay.gathered_doc, lay.gathered_j, k)
+            assert torch.equal(got, ref), f"seed={seed} rank={rank}/{cp} k={k}"
+
+
+def test_key_ranges_bound_exactly_the_visible_rows():
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(5):
+        g, t, n_docs = 40, 30, 4
+        key_doc = torch.randint(-1, n_docs, (g,), generator=gen)
+        key_j = torch.zeros(g, dtype=torch.int64)
+        for d in range(n_docs):  # entry numbers per document, in a random row order (not monotone)
+            rows = (key_doc == d).nonzero().flatten()
+            key_j[rows] = torch.randperm(rows.numel(), generator=gen)
+        qdoc = torch.randint(-1, n_docs, (t,), generator=gen)
+        qlim = torch.randint(-1, 14, (t,), generator=gen)
+        lo, hi = key_ranges(qdoc, qlim, key_doc, key_j)
+        vis = (qdoc[:, None] >= 0) & (key_doc[None, :] == qdoc[:, None]) & (key_j[None, :] < qlim[:, None])
+        cols = torch.arange(g)
+        for i in range(t):
+            seen = cols[vis[i]]
+            want = (seen.min().item(), seen.max().item() + 1) if seen.numel() else (0, 0)
+            assert (lo[i].item(), hi[i].item()) == want, f"seed={seed} query {i}"
+
+
+def test_plan_chunks_cover_rows_and_respect_the_budget():
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    t = 300
+    lo = torch.randint(0, 500, (t,), generator=gen)
+    hi = lo + torch.randint(0, 400, (t,), generator=gen)
+    hi[torch.rand(t, generator=gen) < 0.2] = 0  # rows that see nothing
+    lo = torch.where(hi > 0, lo, 0)
+    for budget, cap in ((10**9, None), (32 * 40_000, None), (32 * 5_000, 16), (1, None), (10**9, 7)):
+        plan = plan_chunks(lo, hi, budget, cap)
+        assert plan[0][0] == 0 and plan[-1][1] == t, f"seed={seed}"
+        for (s, e, col0, width), nxt in zip(plan, plan[1:] + [(t, t, 0, 0)]):
+            assert e == nxt[0] and e > s, f"seed={seed}: chunks must tile the rows"
+            assert (e - s) == 1 or (e - s) * width * 32 <= budget, f"seed={seed}: budget {budget} exceeded"
+            assert cap is None or e - s <= cap, f"seed={seed}"
+            live = hi[s:e] > lo[s:e]
+            if live.any():
+                assert col0 <= lo[s:e][live].min() and hi[s:e][live].max() <= col0 + width, f"seed={seed}"
+            else:
+                assert width == 0, f"seed={seed}"
+
+
+def test_bf16_and_fp16_through_the_interpreter():
+    seed = fresh_seed()
+    for dtype in (torch.bfloat16, torch.float16):
+        case = make_case(seed, 20, 4, 32, [12, 8], 2, integer=False, dtype=dtype)
+        ref = reference_scores(case)  # fp64 of the rounded inputs
+        got = indexer_score_matrix(**case)
+        finite = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(got), finite), f"seed={seed} {dtype}"
+        err = (got.double() - ref)[finite].abs().max().item()
+        assert err <= 1e-5 * ref[finite].abs().max().item(), f"seed={seed} {dtype}: error {err:.2e}"
+        got_k = triton_topk(case, 6)
+        assert_equivalent_selection(got_k, reference_topk(case, 6), ref, 1e-5, f"seed={seed} {dtype}")
+
+
+def test_edge_cases_no_keys_no_queries_nothing_visible():
+    seed = fresh_seed()
+    case = make_case(seed, 10, 2, 16, [6, 4], 2, integer=True)
+    k = 50  # more than every document has: the rest is -1
+    assert torch.equal(triton_topk(case, k), reference_topk(case, k)), f"seed={seed}"
+    blind = dict(case, query_limit=torch.zeros_like(case["query_limit"]))
+    assert (triton_topk(blind, 3) == -1).all()
+    assert list(iter_score_chunks(**blind)) == []
+    empty = dict(case, keys=case["keys"][:0], key_doc=case["key_doc"][:0], key_j=case["key_j"][:0])
+    assert torch.equal(triton_topk(empty, 3), torch.full((10, 3), -1, dtype=torch.int64))
+    none = {n: (v[:0] if n in ("q", "w", "query_doc", "query_limit") else v) for n, v in case.items()}
+    assert triton_topk(none, 3).shape == (0, 3)
+
+
+def _mutations():
+    def set_(name, value):
+        return lambda c: dict(c, **{name: value(c)})
+
+    return [
+        (set_("q", lambda c: c["q"][0]), "q"),
+        (set_("q", lambda c: c["q"][..., :24].contiguous()), "q"),  # Di not a multiple of 16
+        (set_("q", lambda c: c["q"].double()), "q"),
+        (set_("w", lambda c: c["w"][:, :1]), "w"),
+        (set_("w", lambda c: c["w"].to(torch.int32)), "w"),
+        (set_("keys", lambda c: c["keys"][:, :16]), "keys"),
+        (set_("keys", lambda c: c["keys"].half()), "keys"),
+        (set_("query_doc", lambda c: c["query_doc"][1:]), "query_doc"),
+        (set_("query_limit", lambda c: c["query_limit"].float()), "query_limit"),
+        (set_("key_doc", lambda c: c["key_doc"][:, None]), "key_doc"),
+        (set_("key_j", lambda c: c["key_j"][1:]), "key_j"),
+    ]
+
+
+@pytest.mark.parametrize("mutate,field", _mutations())
+def test_invalid_inputs_raise_naming_the_field(mutate, field):
+    case = mutate(make_case(fresh_seed(), 6, 2, 32, [5], 1, integer=True))
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        triton_topk(case, 2)
+
+
+def test_invalid_arguments_raise():
+    case = make_case(fresh_seed(), 6, 2, 32, [5], 1, integer=True)
+    with pytest.raises(ValueError, match="^k:"):
+        triton_topk(case, 0)
+    with pytest.raises(ValueError, match="^chunk:"):
+        triton_topk(case, 2, chunk=0)
+    with pytest.raises(ValueError, match="^budget_bytes:"):
+        triton_topk(case, 2, budget_bytes=0)
+    with pytest.raises(ValueError, match="block_n"):
+        triton_topk(case, 2, config=IndexerConfig(16, 24, 4, 1))
+    with pytest.raises(ValueError, match="^idx:"):
+        indexer_scores_triton(case["q"], case["w"], case["keys"], torch.zeros(6, 2))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_indexer_scores_forward_and_gradients_match_torch(deterministic):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    t, hi, di, g, kk = 12, 3, 32, 20, 21
+    q, w, keys = torch.randn(t, hi, di, generator=gen), torch.randn(t, hi, generator=gen), torch.randn(g, di, generator=gen)
+    idx = torch.randint(0, g, (t, kk), generator=gen)
+    idx[torch.rand(t, kk, generator=gen) < 0.25] = -1
+    idx[2] = -1
+    idx[::3, -1] = idx[::3, 0]  # repeated rows: their key gradients add
+    grad = torch.randn(t, kk, generator=gen)
+    results = []
+    for fn in (indexer_scores_triton, indexer_scores):
+        leaves = [x.clone().requires_grad_(True) for x in (q, w, keys)]
+        if fn is indexer_scores_triton:
+            set_deterministic(deterministic)
+        try:
+            out = fn(*leaves, idx)
+            (out * grad * (idx >= 0)).sum().backward()
+        finally:
+            set_deterministic(False)
+        results.append((out.detach(), *(x.grad for x in leaves)))
+    (o1, dq1, dw1, dk1), (o2, dq2, dw2, dk2) = results
+    msg = f"seed={seed} deterministic={deterministic}"
+    assert o1.dtype == torch.float32 and o1.shape == (t, kk), msg
+    valid = idx >= 0
+    assert torch.allclose(o1[valid], o2[valid], rtol=1e-5, atol=1e-5), msg
+    assert (o1[~valid] == 0).all(), f"{msg}: empty slots score 0"
+    for name, a, b in (("dq", dq1, dq2), ("dw", dw1, dw2), ("dkeys", dk1, dk2)):
+        assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{msg}: {name}"
+
+
+def test_indexer_scores_deterministic_backward_is_bitwise_reproducible():
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    q, w, keys = torch.randn(10, 2, 16, generator=gen), torch.randn(10, 2, generator=gen), torch.randn(6, 16, generator=gen)
+    idx = torch.randint(-1, 6, (10, 17), generator=gen)  # few rows, many repeats
+    grads = []
+    set_deterministic(True)
+    try:
+        for _ in range(2):
+            k = keys.clone().requires_grad_(True)
+            indexer_scores_triton(q, w, k, idx).sum().backward()
+            grads.append(k.grad)
+    finally:
+        set_deterministic(False)
+    assert torch.equal(grads[0], grads[1]), f"seed={seed}"
+
+
+# ---------------------------------------------------------------------------------------------- GPU tests
+def gpu_case(seed: int, t: int, docs: list[int], dtype=torch.bfloat16, hi: int = 64, di: int = 128):
+    """Query rows of packed documents (``docs`` = lengths, summing to t), keys = every entry of every
+    document (G = t/4) in a rank-major gathered order with capacity padding (cp = 2). Inputs scaled
+    like the model's (unit-RMS q and keys, w ~ N(0,1) / sqrt(Hi Di))."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    qdoc = torch.cat([torch.full((n,), d) for d, n in enumerate(docs)]).cuda()
+    pos = torch.cat([torch.arange(n) for n in docs]).cuda()
+    entries = [n // 4 for n in docs]
+    order = [(d, j) for d, n in enumerate(entries) for j in range(n)]
+    half = (len(order) + 1) // 2
+    cap = half + 7
+    key_doc = torch.full((2 * cap,), -1, dtype=torch.int64)
+    key_j = torch.zeros(2 * cap, dtype=torch.int64)
+    for r, part in enumerate((order[:half], order[half:])):
+        if part:
+            ds, js = zip(*part)
+            key_doc[r * cap:r * cap + len(part)] = torch.tensor(ds)
+            key_j[r * cap:r * cap + len(part)] = torch.tensor(js)
+    g = key_doc.numel()
+    q = torch.randn(t, hi, di, device="cuda", generator=gen).to(dtype)
+    keys = torch.randn(g, di, device="cuda", generator=gen).to(dtype)
+    w = torch.randn(t, hi, device="cuda", generator=gen) * (hi * di) ** -0.5
+    return dict(q=q, w=w, keys=keys, query_doc=qdoc, query_limit=query_limits(qdoc, pos),
+                key_doc=key_doc.cuda(), key_j=key_j.cuda())
+
+
+def chunked_scores(case, step: int = 256) -> torch.Tensor:
+    """fp32 masked reference scores ``[T, G]`` built ``step`` queries at a time (no [T, Hi, G] tensor)."""
+    q, w, keys = case["q"].float(), case["w"].float(), case["keys"].float()
+    vis = visible_of(case)
+    out = torch.empty(vis.shape, dtype=torch.float32, device=q.device)
+    for s in range(0, q.shape[0], step):
+        dots = torch.einsum("thd,gd->thg", q[s:s + step], keys).relu_()
+        out[s:s + step] = torch.einsum("thg,th->tg", dots, w[s:s + step])
+    return out.masked_fill_(~vis, float("-inf"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("docs", [[8192], [3000, 100, 5000, 92]], ids=["one-doc", "four-docs"])
+def test_gpu_topk_bf16_full_size(docs):
+    seed = fresh_seed()
+    case = gpu_case(seed, 8192, docs)
+    k = 512
+    got = triton_topk(case, k)
+    ref = reference_topk(case, k)
+    scores = chunked_scores(case)
+    assert_equivalent_selection(got, ref, scores, 1e-3, f"seed={seed}", min_identical=0.5)
+    small = triton_topk(case, k, budget_bytes=64 * 2**20)  # many chunks: the same selection
+    assert torch.equal(small, got), f"seed={seed}: chunking changed the selection"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp32_exact_ties_match_reference():
+    seed = fresh_seed()
+    case = make_case(seed, 600, 8, 64, [40, 90, 10], 3, integer=True, device="cuda")
+    for k in (1, 16, 64):
+        assert torch.equal(triton_topk(case, k), reference_topk(case, k)), f"seed={seed} k={k}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_indexer_scores_bf16(deterministic):
+    seed = fresh_seed()
+    case = gpu_case(seed, 4096, [4096])
+    k = 512
+    idx = triton_topk(case, k)
+    q, w, keys = case["q"], case["w"], case["keys"]
+    grad = torch.randn(idx.shape, device="cuda") * (idx >= 0)
+    outs = []
+    for fn in (indexer_scores_triton, indexer_scores):
+        leaves = [x.clone().requires_grad_(True) for x in (q, w, keys)]
+        set_deterministic(deterministic and fn is indexer_scores_triton)
+        try:
+            out = fn(*leaves, idx)
+            (out * grad).sum().backward()
+        finally:
+            set_deterministic(False)
+        outs.append((out.detach().float(), *(x.grad.float() for x in leaves)))
+    for name, a, b in zip(("out", "dq", "dw", "dkeys"), outs[0], outs[1]):
+        if name == "out":
+            a, b = a[idx >= 0], b[idx >= 0]
+        cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+        assert cos > 1 - 1e-3, f"seed={seed} {name}: cosine {cos}"
