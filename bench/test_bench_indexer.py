@@ -97,8 +97,8 @@ def _inputs(shape: Shape) -> dict:
     key_doc = torch.zeros(n, dtype=torch.int64, device=device)
     key_j = torch.arange(n, device=device)
     visible_pairs = int(query_limit.clamp_max(n).sum().item())
-    entry = dict(q=q, w=w, keys=keys, query_doc=query_doc, query_limit=query_limit, key_doc=key_doc,
-                 key_j=key_j, visible_pairs=visible_pairs)
+    entry = {"q": q, "w": w, "keys": keys, "query_doc": query_doc, "query_limit": query_limit,
+             "key_doc": key_doc, "key_j": key_j, "visible_pairs": visible_pairs}
     _INPUTS[key] = entry
     return entry
 

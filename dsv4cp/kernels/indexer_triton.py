@@ -16,6 +16,7 @@ Public API:
   tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` (it reuses ``_select_top``).
 * :func:`indexer_score_matrix` (no grad): the masked fp32 scores of a block of key rows (``-inf``
   where invisible), the kernel the top-k wrapper runs per chunk; exposed for tests and benchmarks.
+* :func:`iter_score_chunks`: the top-k wrapper's scoring half (chunks of masked scores, no selection).
 * :func:`key_ranges`: per query, the half-open range of key rows holding its visible keys.
 * :func:`plan_chunks`: the wrapper's chunking of queries under a byte budget.
 * :func:`indexer_scores_triton` (autograd): the scores at given key rows ``idx [T, K]`` (the indexer
@@ -28,7 +29,7 @@ Score kernel design (``_score_kernel``). One program per (block of ``BLOCK_M`` q
 the matrix unit's B operand) for all heads; the program loops over the ``Hi`` heads and for each one
 loads the query tile ``q[:, h, :]`` (``[BLOCK_M, Di]``, rows ``Hi * Di`` elements apart, 256 contiguous
 bytes each: a pipelined, coalesced load), computes ``s_h = q_h @ k^T`` on the matrix unit (bf16 in,
-fp32 accumulate: wgmma on sm_90, ``m64 n256 k16`` instructions at the default tile) and folds it into
+fp32 accumulate: wgmma on sm_90) and folds it into
 ONE fp32 accumulator ``acc += w[:, h, None] * relu(s_h)``. Per-head score matrices never exist beyond
 one ``[BLOCK_M, BLOCK_N]`` register tile. Why this arrangement: the head reduction happens in
 registers, element-wise, between products that share the B operand, so nothing is reshaped across rows
@@ -60,13 +61,17 @@ fills a ``[rows, width]`` fp32 buffer (``width`` = the chunk's visible key-row r
 picks the top ``k``. Chunks are planned (:func:`plan_chunks`) so ``rows * width * TOPK_BYTES_PER_SCORE``
 stays below a byte budget (default :data:`TOPK_BUDGET_BYTES` = 1 GiB): ``TOPK_BYTES_PER_SCORE = 32``
 counts the fp32 score, the bool masks and the two int64 ``[rows, width]`` temporaries of
-``_select_top`` (the cumulative tie count and the column ranks).
+``_select_top`` (the cumulative tie count and the column ranks). A chunk's column range is widened to
+a multiple of 16 key rows (aligned buffer rows, vector stores). Peak memory beyond inputs and outputs
+is therefore about the budget plus ``O(T)`` metadata (per-query ranges, the int32 visibility arrays,
+the fp32 transposed head weights ``[Hi, T]``).
 
 ``indexer_scores`` kernels (``_gather_fwd_kernel``, ``_gather_bwd_kernel``): one program per query;
 its heads sit on the matrix-unit M dimension (``Hi = 64`` = one wgmma M), the selected key rows are
 gathered ``BLOCK_K`` at a time (``[BLOCK_K, Di]``, loaded once per block and used in every product of
 the block). Backward recomputes ``s = q k^T``, accumulates ``dw`` and ``dq = ds k`` per query in
-registers (no atomics) and adds ``dk = ds^T q`` into the fp32 key gradient with ``tl.atomic_add``; in
+registers (no atomics) and adds ``dk = ds^T q`` into the fp32 key gradient with ``tl.atomic_add``
+(``ds = [s > 0] w g`` is rounded to q's dtype for the two products, as the attention kernels do); in
 deterministic mode (:func:`dsv4cp.kernels.is_deterministic`) it stores per-(query, slot) contributions
 instead, which ``_contrib_reduce_kernel`` sums per key row in the fixed order of a stable sort
 (bitwise reproducible).
@@ -99,19 +104,19 @@ except ImportError:  # pragma: no cover - very old triton
 
 
 __all__ = [
-    "IndexerConfig",
+    "BWD_SCRATCH_BYTES",
+    "MAX_INDEX_DIM",
+    "TOPK_BUDGET_BYTES",
+    "TOPK_BYTES_PER_SCORE",
     "GatherConfig",
-    "indexer_topk_triton",
+    "IndexerConfig",
     "indexer_score_matrix",
-    "iter_score_chunks",
     "indexer_scores_triton",
+    "indexer_topk_triton",
+    "iter_score_chunks",
     "key_ranges",
     "plan_chunks",
     "query_limits",
-    "TOPK_BUDGET_BYTES",
-    "TOPK_BYTES_PER_SCORE",
-    "BWD_SCRATCH_BYTES",
-    "MAX_INDEX_DIM",
 ]
 
 TOPK_BUDGET_BYTES = 2**30
@@ -204,7 +209,7 @@ def _score_kernel(
     q_ptrs = Q + rows64[:, None] * stride_qt + d[None, :]
     q_mask = rmask[:, None] & dmask[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for h in range(0, n_heads):
+    for h in range(n_heads):
         qh = tl.load(q_ptrs + h * stride_qh, mask=q_mask, other=0.0)
         if DOT_F32:
             qh = qh.to(tl.float32)
@@ -465,8 +470,6 @@ def _check_qwk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> None:
         raise ValueError(f"q: indexer dim Di must be at most {MAX_INDEX_DIM}, got {di}")
     if hi == 0:
         raise ValueError(f"q: needs at least one indexer head, got shape {tuple(q.shape)}")
-    if q.stride(2) != 1:
-        raise ValueError(f"q: the last dim must be contiguous (stride 1), got strides {q.stride()}")
     if w.dim() != 2 or tuple(w.shape) != (t, hi):
         raise ValueError(f"w: must be [{t}, {hi}] (q's T and Hi), got shape {tuple(w.shape)}")
     if not w.dtype.is_floating_point or w.dtype == torch.float64:
@@ -486,10 +489,9 @@ def _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j) -> None:
     t, g = q.shape[0], keys.shape[0]
     for name, tensor, n in (("query_doc", query_doc, t), ("query_limit", query_limit, t),
                             ("key_doc", key_doc, g), ("key_j", key_j, g)):
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{name}: must be a tensor, got {type(tensor).__name__}")
-        if tensor.dim() != 1 or tensor.shape[0] != n:
-            raise ValueError(f"{name}: must be [{n}], got shape {tuple(tensor.shape)}")
+        shape = tuple(getattr(tensor, "shape", ()))
+        if len(shape) != 1 or shape[0] != n:
+            raise ValueError(f"{name}: must be a [{n}] tensor, got {shape or type(tensor).__name__}")
         if tensor.dtype not in _INT_DTYPES:
             raise ValueError(f"{name}: dtype must be an integer type (int32 or int64), got {tensor.dtype}")
         if tensor.device != q.device:
@@ -867,7 +869,7 @@ def _gather_backward(q, w, keys, idx, grad, deterministic: bool, config: GatherC
     for t0 in range(0, t, chunk):
         rows = min(chunk, t - t0)
 
-        def launch(cfg: GatherConfig) -> None:
+        def launch(cfg: GatherConfig, rows: int = rows, t0: int = t0) -> None:
             kernel[(rows,)](
                 q, w, keys, idx, grad, dq, dw, dkeys, contrib, hi, g, ksel, t0,
                 q.stride(0), q.stride(1), w.stride(0), keys.stride(0), idx.stride(0), grad.stride(0),

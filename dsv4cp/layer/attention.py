@@ -127,6 +127,7 @@ class DSv4Attention(nn.Module):
                 selected = indexer_topk(
                     index_q, index_w, index_keys_all,
                     lambda sl: layout.visible_mask(local_doc[sl], positions[sl]), cfg.index_topk,
+                    visibility=(local_doc, layout.visible_entries(), layout.gathered_doc, layout.gathered_j),
                 )
 
         idx, compressed_all = layout.window_idx, None

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+import importlib.util
+
 import torch
 
 from dsv4cp.profiling.nvtx import nvtx_range
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 CHUNK_ELEMENTS = 32 * 2**20
 """Elements of one chunk's ``[chunk, Hi, keys]`` per-head score block."""
@@ -25,7 +29,8 @@ def _chunk(per_query: int) -> int:
 
 @torch.no_grad()
 def indexer_topk(
-    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: Callable[[slice], torch.Tensor], k: int
+    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: Callable[[slice], torch.Tensor], k: int,
+    visibility: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Rows of ``keys`` with the ``k`` highest scores among those visible, per query.
 
@@ -33,10 +38,17 @@ def indexer_topk(
         q: ``[T, Hi, Di]`` indexer queries; ``w``: ``[T, Hi]`` head weights; ``keys``: ``[G, Di]``.
         visible: maps a slice of queries to their ``[len, G]`` bool visibility mask.
         k: entries to keep.
+        visibility: the same visibility as ``(query_doc, query_limit, key_doc, key_j)`` tensors: key g
+            is visible to query t iff ``key_doc[g] == query_doc[t] >= 0`` and ``key_j[g] <
+            query_limit[t]``. With it, CUDA inputs go to the fused Triton kernel.
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are
         visible. Among equal scores at the cut the lower key rows win (keys must be in entry order,
         gaps allowed), so every CP layout selects the same entries.
     """
+    if visibility is not None and _use_triton(q):
+        from dsv4cp.kernels.indexer_triton import indexer_topk_triton  # lazy: imports triton
+
+        return indexer_topk_triton(q, w, keys, *visibility, k)
     t, hi, _ = q.shape
     g = keys.shape[0]
     out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)
@@ -53,6 +65,10 @@ def indexer_topk(
         scores.masked_fill_(~visible(rows), float("-inf"))
         out[rows, :keep] = _select_top(scores, keep)
     return out
+
+
+def _use_triton(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype != torch.float64 and q.shape[-1] % 16 == 0 and _HAS_TRITON
 
 
 def _select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
@@ -123,6 +139,10 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
     """Differentiable scores ``[T, K]`` (fp32, fp64 for fp64) of queries at key rows ``idx [T, K]``.
 
     ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]``; slots with ``idx == -1`` hold meaningless
-    values and receive no gradient: the caller masks them.
+    values and receive no gradient: the caller masks them. CUDA inputs run on the Triton kernels.
     """
+    if _use_triton(q):
+        from dsv4cp.kernels.indexer_triton import indexer_scores_triton  # lazy: imports triton
+
+        return indexer_scores_triton(q, w, keys, idx)
     return _IndexerScores.apply(q, w, keys, idx)

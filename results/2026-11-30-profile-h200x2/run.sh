@@ -10,6 +10,11 @@ backend=${KERNEL_BACKEND:-auto}
 common="--preset flash --ratio 4 --tokens 65536 --backward --kernel-backend $backend --warmup 2 --reps 8"
 quiet() { grep -v -e "^W1130" -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:"; }
 {
+for ratio in 4 128; do
+  echo "\$ torchrun --nproc-per-node 2 -m dsv4cp.cli.main check-cp --backend nccl --preset flash --tokens 16384 --packing histogram --dtype bf16 --ratio $ratio --overlap async --kernel-backend $backend"
+  torchrun --nproc-per-node 2 -m dsv4cp.cli.main check-cp --backend nccl --preset flash --tokens 16384 --packing histogram \
+      --dtype bf16 --ratio $ratio --overlap async --kernel-backend $backend 2>&1 | quiet
+done
 echo "\$ python3 -m dsv4cp.cli.main profile $common --out records.jsonl"
 python3 -m dsv4cp.cli.main profile $common --out "$out/records.jsonl" 2>&1 | quiet
 for mode in none async; do

@@ -25,12 +25,12 @@ import pytest
 
 pytest.importorskip("triton")
 
-import torch  # noqa: E402
+import torch
 
-from dsv4cp.config import DSv4Config  # noqa: E402
-from dsv4cp.cp.layout import build_layout  # noqa: E402
-from dsv4cp.kernels import set_deterministic, triton_available  # noqa: E402
-from dsv4cp.kernels.indexer_triton import (  # noqa: E402
+from dsv4cp.config import DSv4Config
+from dsv4cp.cp.layout import build_layout
+from dsv4cp.kernels import set_deterministic, triton_available
+from dsv4cp.kernels.indexer_triton import (
     IndexerConfig,
     indexer_score_matrix,
     indexer_scores_triton,
@@ -40,8 +40,8 @@ from dsv4cp.kernels.indexer_triton import (  # noqa: E402
     plan_chunks,
     query_limits,
 )
-from dsv4cp.ops.indexer import indexer_scores, indexer_topk  # noqa: E402
-from dsv4cp.packing import PackedSeqs  # noqa: E402
+from dsv4cp.ops.indexer import indexer_scores, indexer_topk
+from dsv4cp.packing import PackedSeqs
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -100,9 +100,8 @@ def make_case(seed: int, t: int, hi: int, di: int, entries: list[int], cp: int, 
     longest = torch.tensor(entries)[qdoc.clamp_min(0)]
     pos = (torch.rand(t, generator=gen) * (4 * longest + 4).to(torch.float32)).to(torch.int64)
     qlim = query_limits(qdoc, pos)
-    to = dict(device=device)
-    return dict(q=q.to(dtype=dtype, **to), w=w.to(**to), keys=keys.to(dtype=dtype, **to), query_doc=qdoc.to(**to),
-                query_limit=qlim.to(**to), key_doc=key_doc.to(**to), key_j=key_j.to(**to))
+    return {"q": q.to(device, dtype), "w": w.to(device), "keys": keys.to(device, dtype), "query_doc": qdoc.to(device),
+            "query_limit": qlim.to(device), "key_doc": key_doc.to(device), "key_j": key_j.to(device)}
 
 
 def visible_of(case) -> torch.Tensor:
@@ -216,6 +215,19 @@ def test_topk_chunking_and_budget_do_not_change_the_selection():
     assert torch.equal(got, ref), f"seed={seed}: pinned 16x16 tiles"
 
 
+def test_strided_inputs_and_int32_metadata():
+    seed = fresh_seed()
+    case = make_case(seed, 20, 3, 32, [9, 7], 2, integer=True)
+    ref = reference_topk(case, 4)
+    q_heads_major = case["q"].transpose(0, 1).contiguous().transpose(0, 1)  # [T, Hi, Di] view, stride(2) == 1
+    q_dim_major = case["q"].permute(0, 2, 1).contiguous().permute(0, 2, 1)  # last dim strided
+    w_t = case["w"].t().contiguous().t()
+    ints = {n: case[n].to(torch.int32) for n in ("query_doc", "query_limit", "key_doc", "key_j")}
+    for q in (q_heads_major, q_dim_major):
+        got = triton_topk(dict(case, q=q, w=w_t, **ints), 4)
+        assert torch.equal(got, ref), f"seed={seed} strides={q.stride()}"
+
+
 CP_PACKINGS = [([9, 13, 2], 24), ([5, 0, 18, 1], 24), ([24], 24), ([3, 7, 4], 24)]
 
 
@@ -235,8 +247,11 @@ def test_topk_on_cp_layouts_matches_reference(lengths, total, cp):
         w = torch.tensor([-0.5, 0.5, 1.0])[torch.randint(0, 3, (rows, hi), generator=gen)]
         keys = values[torch.randint(0, 4, (g, di), generator=gen)]
         doc, pos = lay.local_doc, lay.local_pos
+        def visible(sl, lay=lay, doc=doc, pos=pos):
+            return lay.visible_mask(doc[sl], pos[sl])
+
         for k in (2, 6):
-            ref = indexer_topk(q, w, keys, lambda sl: lay.visible_mask(doc[sl], pos[sl]), k)
+            ref = indexer_topk(q, w, keys, visible, k)
             got = indexer_topk_triton(q, w, keys, doc, query_limits(doc, pos), lay.gathered_doc, lay.gathered_j, k)
             assert torch.equal(got, ref), f"seed={seed} rank={rank}/{cp} k={k}"
 
@@ -362,6 +377,8 @@ def test_indexer_scores_forward_and_gradients_match_torch(deterministic):
     idx[torch.rand(t, kk, generator=gen) < 0.25] = -1
     idx[2] = -1
     idx[::3, -1] = idx[::3, 0]  # repeated rows: their key gradients add
+    if deterministic:
+        idx = idx.to(torch.int32)
     grad = torch.randn(t, kk, generator=gen)
     results = []
     for fn in (indexer_scores_triton, indexer_scores):
@@ -424,8 +441,8 @@ def gpu_case(seed: int, t: int, docs: list[int], dtype=torch.bfloat16, hi: int =
     q = torch.randn(t, hi, di, device="cuda", generator=gen).to(dtype)
     keys = torch.randn(g, di, device="cuda", generator=gen).to(dtype)
     w = torch.randn(t, hi, device="cuda", generator=gen) * (hi * di) ** -0.5
-    return dict(q=q, w=w, keys=keys, query_doc=qdoc, query_limit=query_limits(qdoc, pos),
-                key_doc=key_doc.cuda(), key_j=key_j.cuda())
+    return {"q": q, "w": w, "keys": keys, "query_doc": qdoc, "query_limit": query_limits(qdoc, pos),
+            "key_doc": key_doc.cuda(), "key_j": key_j.cuda()}
 
 
 def chunked_scores(case, step: int = 256) -> torch.Tensor:
