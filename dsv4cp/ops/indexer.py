@@ -144,5 +144,6 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
     if _use_triton(q):
         from dsv4cp.kernels.indexer_triton import indexer_scores_triton  # lazy: imports triton
 
-        return indexer_scores_triton(q, w, keys, idx)
+        with nvtx_range("indexer.score.fwd"):
+            return indexer_scores_triton(q, w, keys, idx)
     return _IndexerScores.apply(q, w, keys, idx)
