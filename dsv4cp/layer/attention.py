@@ -109,9 +109,9 @@ class DSv4Attention(nn.Module):
             local_kv = phase_region("compress", self.compressor, x_ext, layout, freqs)
             compressed = all_gather_rows(local_kv, cp_group, self.overlap, name="kv")
 
-        def queries(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            q = rms_norm(nn.functional.linear(latent, weight).view(rows, h, d), cfg.rms_eps)
-            return apply_rope(q, positions, freqs)
+        def queries(latent: torch.Tensor, weight: torch.Tensor, sl: slice = slice(None)) -> torch.Tensor:
+            q = rms_norm(nn.functional.linear(latent, weight).view(latent.shape[0], h, d), cfg.rms_eps)
+            return apply_rope(q, positions[sl], freqs)
 
         q_region = BackwardRegion("q_proj.bwd")
         with nvtx_range("q_proj.fwd"):

@@ -39,14 +39,13 @@ class Compressor(nn.Module):
         gates = self.wgate(x_ext).to(work) + self.ape.to(work)[layout.ext_pos % self.ratio]
         rows = layout.group_rows  # [capacity, S]
         present = rows >= 0
-        safe = rows.clamp_min(0)
-        if self.overlap:  # slots [0, r) read half A of group j-1, slots [r, 2r) half B of group j
-            half = torch.arange(rows.shape[1], device=rows.device) >= self.ratio
-            channels = torch.arange(self.dim, device=rows.device)[None, :] + self.dim * half[:, None]
-            values = values[safe[..., None], channels[None]]
-            gates = gates[safe[..., None], channels[None]]
-        else:
-            values, gates = values[safe], gates[safe]
+        flat = rows.clamp_min(0).flatten()  # index_select: its backward is an index_add, not a sort
+        values = values.index_select(0, flat).view(*rows.shape, -1)
+        gates = gates.index_select(0, flat).view(*rows.shape, -1)
+        if self.overlap:  # slots [0, r) take half A of group j-1, slots [r, 2r) half B of group j
+            r, d = self.ratio, self.dim
+            values = torch.cat((values[:, :r, :d], values[:, r:, d:]), dim=1)
+            gates = torch.cat((gates[:, :r, :d], gates[:, r:, d:]), dim=1)
         gates = gates.masked_fill(~present[..., None], float("-inf"))
         gates = gates.masked_fill(~layout.group_valid[:, None, None], 0.0)  # keep empty slots finite
         pooled = (torch.softmax(gates, dim=1) * values).sum(1)
