@@ -29,7 +29,7 @@ from dsv4cp.layer import DSv4Attention
 from dsv4cp.model import estimate
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import track_memory
-from dsv4cp.profiling.nvtx import nvtx_range
+from dsv4cp.profiling.nvtx import capture_range, nvtx_range
 from dsv4cp.profiling.timing import benchmark
 from dsv4cp.profiling.trace import capture_trace, kineto_overlap_table
 from dsv4cp.workloads import PACKINGS, pack_lengths
@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l2-flush", action="store_true")
     parser.add_argument("--trace-dir", default=None, help="also capture a Kineto trace per rank here")
     parser.add_argument("--trace-steps", type=int, default=2)
+    parser.add_argument("--nsys-steps", type=int, default=0,
+                        help="run this many steps inside cudaProfilerStart/Stop (for nsys --capture-range=cudaProfilerApi)")
     parser.add_argument("--out", default=None, help="append the run's JSON record to this .jsonl file")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -117,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
                   "measured_over_bound": seconds / bound.bound_overlap_s if bound.bound_overlap_s else None},
         "env": environment(), "git_sha": _git_sha(),
     }
+
+    if args.nsys_steps > 0:
+        with capture_range():
+            for _ in range(args.nsys_steps):
+                step()
 
     table = None
     if args.trace_dir:

@@ -1,0 +1,351 @@
+"""Triton kernels for the indexer loss's attention target (DESIGN 1.6): no-grad head-summed probabilities.
+
+With the attention's logits ``l[t, h, k] = scale * <q[t, h], keys[idx[t, k]]>`` over the slots ``k`` of
+query ``t`` (a slot is valid when ``0 <= idx < N``; ``-1`` marks an empty one):
+
+* :func:`logsumexp_over_triton`: ``lse[t, h] = log sum_k e^{l[t, h, k]}`` over the valid slots
+  (natural log, fp32, ``-inf`` for a query with no valid slot);
+* :func:`head_summed_probs_triton`: ``out[t, k] = sum_h e^{l[t, h, k] - log_denominator[t, h]}`` (fp32,
+  0 at empty slots).
+
+They replace the torch reference in :mod:`dsv4cp.layer.indexer_loss` (chunked ``[chunk, K, D]`` fp32
+gathers) on CUDA: the gathered key rows are read ONCE per query, in q's dtype, and the logits never
+leave the chip. Same conventions as the sparse-attention forward (:mod:`.sparse_attention_triton`),
+whose helpers this module imports (kernel building per execution mode, configuration ladders with the
+``OutOfResources`` fallback, pinned configurations, matrix-unit precision, the interpreter's bf16 work
+around) rather than repeats.
+
+Kernels:
+
+* ``_head_probs_kernel``: one program per query token. The query's slots are visited in blocks of
+  ``BLOCK_K``: the gathered key rows ``[BLOCK_K, D]`` are loaded once per block; the heads sit on the
+  matrix-unit M dimension (``s = q @ keys^T`` in fp32 accumulation, ``scale * log2 e`` folded in, so
+  ``p = 2^(s - log_denominator * log2 e)``), and ``p`` is summed over heads (the M axis) in registers.
+  With ``H <= BLOCK_H`` (one head block: H = 64 in the flash preset) q and the denominators are loaded
+  once, before the slot loop; otherwise the program loops over the head blocks inside each slot block
+  (the keys stay loaded, q re-read from L2), accumulating the head sum in a fixed order: no atomics,
+  deterministic.
+* ``_lse_kernel``: one program per (query token, block of ``BLOCK_H`` heads), the sparse-attention
+  forward without the value product: online max / sum over slot blocks in fp32 with ``exp2``.
+
+Resources at ``D = 512`` bf16 on sm_90 (227 KB of shared memory per block): the q tile ``[64, 512]``
+takes 64 KB, a block of 64 gathered rows another 64 KB per pipeline stage; there is no ``[64, 512]``
+accumulator (the forward's), only the ``[BLOCK_H, BLOCK_K]`` logits, so one warpgroup (4 warps) holds
+everything: default ``BLOCK_H = 64, BLOCK_K = 64, 4 warps, 2 stages`` (192 KB) for both kernels, with
+``BLOCK_K = 32`` / 1 stage / 8 warps further down the ladder. ``DSV4CP_TRITON_PROBS_CONFIG`` /
+``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``) or the wrappers' keyword
+arguments pin one.
+
+CPU tensors run on Triton's interpreter (``TRITON_INTERPRET=1`` before triton's first import; tiny
+sizes only), as for the attention kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4cp.kernels.sparse_attention_triton import (
+    _BODIES,
+    _SUPPORTED_DTYPES,
+    LOG2E,
+    MAX_HEAD_DIM,
+    KernelConfig,
+    _block_h,
+    _build,
+    _config_key,
+    _dot_f32,
+    _launch,
+    _pinned,
+    _precision,
+)
+
+__all__ = ["MAX_HEAD_DIM", "KernelConfig", "head_summed_probs_triton", "logsumexp_over_triton"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel bodies (plain functions, registered with the attention module's builder below).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _head_probs_kernel(
+    Q, KEYS, IDX, LDEN, OUT,  # pointers
+    qk_scale2,  # fp32: scale * log2(e)
+    H, N, KT,  # heads, key rows, slots per query
+    stride_qt, stride_qh, stride_kn, stride_it, stride_lt, stride_lh, stride_ot,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    ONE_HEAD_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Head-summed probabilities of query token t = program_id(0).
+
+    Q ``[T, H, D]``, KEYS ``[N, D]`` (same float dtype, unit stride along D), IDX ``[T, KT]`` int32 /
+    int64, LDEN ``[T, H]`` fp32 (natural log), OUT ``[T, KT]`` fp32.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    h_off = tl.arange(0, BLOCK_H)
+    if ONE_HEAD_BLOCK:  # every head in one tile: q and the denominators stay loaded for all slots
+        hmask = h_off < H
+        q = tl.load(Q + t * stride_qt + h_off[:, None] * stride_qh + d[None, :],
+                    mask=hmask[:, None] & dmask[None, :], other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: fp32 products there
+            q = q.to(tl.float32)
+        # padding heads: denominator +inf -> 2^(s - inf) = 0
+        lden2 = tl.load(LDEN + t * stride_lt + h_off * stride_lh, mask=hmask, other=float("inf")) * 1.4426950408889634
+
+    for k0 in range(0, KT, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        in_row = slots < KT
+        rows = tl.load(IDX + t * stride_it + slots, mask=in_row, other=-1).to(tl.int64)
+        valid = (rows >= 0) & (rows < N)
+        if D == BLOCK_D:
+            k_mask = valid[:, None]
+        else:
+            k_mask = valid[:, None] & dmask[None, :]
+        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=k_mask, other=0.0)
+        if DOT_F32:
+            keys = keys.to(tl.float32)
+        if ONE_HEAD_BLOCK:
+            s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale2
+            acc = tl.sum(tl.math.exp2(s - lden2[:, None]), 0)
+        else:
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):  # fixed order over head blocks: deterministic sum
+                heads = h0 + h_off
+                hmask = heads < H
+                qb = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                             mask=hmask[:, None] & dmask[None, :], other=0.0)
+                if DOT_F32:
+                    qb = qb.to(tl.float32)
+                lden2 = tl.load(LDEN + t * stride_lt + heads * stride_lh, mask=hmask,
+                                other=float("inf")) * 1.4426950408889634
+                s = tl.dot(qb, tl.trans(keys), input_precision=PRECISION) * qk_scale2
+                acc += tl.sum(tl.math.exp2(s - lden2[:, None]), 0)
+        tl.store(OUT + t * stride_ot + slots, tl.where(valid, acc, 0.0), mask=in_row)
+
+
+def _lse_kernel(
+    Q, KEYS, IDX, LSE,  # pointers
+    qk_scale2,  # fp32: scale * log2(e)
+    H, N, KT, N_HB,  # heads, key rows, slots per query, head blocks per query
+    stride_qt, stride_qh, stride_kn, stride_it,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Log-sum-exp of one (query token t, head block): LSE ``[T, H]`` fp32, natural log, ``-inf`` for no
+    valid slot. Q ``[T, H, D]``, KEYS ``[N, D]``, IDX ``[T, KT]`` as in ``_head_probs_kernel``."""
+    pid = tl.program_id(0)
+    t = (pid // N_HB).to(tl.int64)
+    heads = (pid % N_HB) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of 2^(s - m_i)
+    for k0 in range(0, KT, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        rows = tl.load(IDX + t * stride_it + slots, mask=slots < KT, other=-1).to(tl.int64)
+        valid = (rows >= 0) & (rows < N)
+        if D == BLOCK_D:
+            k_mask = valid[:, None]
+        else:
+            k_mask = valid[:, None] & dmask[None, :]
+        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=k_mask, other=0.0)
+        if DOT_F32:
+            keys = keys.to(tl.float32)
+        s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: avoid -inf - -inf
+        l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(s - m_use[:, None]), 1)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(has_key, (m_use + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(LSE + t * H + heads, lse, mask=hmask)
+
+
+_BODIES.update({f.__name__: f for f in (_head_probs_kernel, _lse_kernel)})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
+    """Configurations to try in order (both kernels: q tile + pipelined gathered rows, logits only)."""
+    bh = _block_h(heads)
+    if block_d >= 256:
+        if dtype == torch.float32:  # fp32 q [bh, 512] alone is 128 KB at bh = 64
+            ladder = [(min(bh, 32), 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)]
+        else:
+            ladder = [(bh, 64, 4, 2), (bh, 32, 4, 3), (bh, 64, 8, 2), (bh, 64, 4, 1), (bh, 32, 4, 1),
+                      (min(bh, 32), 16, 4, 1)]
+    else:
+        ladder = [(bh, 64, 4, 2), (bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
+    return [KernelConfig(*c) for c in ladder]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q: must be a [T, H, D] tensor, got shape {tuple(getattr(q, 'shape', ()))}")
+    t, _, d = q.shape
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q: dtype must be one of bf16, fp16, fp32 for the triton kernels, got {q.dtype}")
+    if d % 16 != 0 or d == 0:
+        raise ValueError(f"q: head dim D must be a positive multiple of 16 (matrix-unit K), got {d}")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D must be at most {MAX_HEAD_DIM} for the triton kernels, got {d}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"q: device must be cuda (or cpu under the Triton interpreter), got {q.device}")
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[1] != d:
+        raise ValueError(f"keys: must be [N, {d}], got shape {tuple(getattr(keys, 'shape', ()))}")
+    if keys.dtype != q.dtype:
+        raise ValueError(f"keys: dtype must match q ({q.dtype}), got {keys.dtype}")
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != t:
+        raise ValueError(f"idx: must be [{t}, K], got shape {tuple(getattr(idx, 'shape', ()))}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx: dtype must be int32 or int64, got {idx.dtype}")
+    for name, tensor in (("keys", keys), ("idx", idx)):
+        if tensor.device != q.device:
+            raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dim is contiguous (other strides go to the kernel), else a copy."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Wrappers.
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def logsumexp_over_triton(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    *,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """``[T, H]`` fp32 log-sum-exp of ``scale * <q[t, h], keys[idx[t, k]]>`` over the valid slots.
+
+    Args:
+        q: ``[T, H, D]`` bf16, fp16 or fp32 (D a multiple of 16, at most 512).
+        keys: ``[N, D]``, q's dtype.
+        idx: ``[T, K]`` int32 / int64 rows of ``keys``; negative entries (``-1``) are empty slots, rows
+            ``>= N`` are treated as empty too (no memory fault).
+        scale: logit scale.
+        block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder).
+
+    Returns: natural-log lse, ``-inf`` where a query has no valid slot (same contract as
+    :func:`dsv4cp.layer.indexer_loss.logsumexp_over`).
+    """
+    _check(q, keys, idx)
+    q, keys, idx = _unit_last(q), _unit_last(keys), _unit_last(idx)
+    t, h, d = q.shape
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    if t == 0 or h == 0:
+        return lse
+    if idx.shape[1] == 0:
+        return lse.fill_(float("-inf"))
+    block_d = triton.next_power_of_2(d)
+    ladder = _ladder(block_d, h, q.dtype)
+    pinned = _pinned("DSV4CP_TRITON_LSE_CONFIG", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
+                     num_warps=num_warps, num_stages=num_stages)
+    kernel = _build("_lse_kernel", q.device)
+
+    def launch(cfg: KernelConfig) -> None:
+        n_hb = triton.cdiv(h, cfg.block_h)
+        kernel[(t * n_hb,)](
+            q, keys, idx, lse,
+            float(scale) * LOG2E, h, keys.shape[0], idx.shape[1], n_hb,
+            q.stride(0), q.stride(1), keys.stride(0), idx.stride(0),
+            D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+            PRECISION=_precision(q), DOT_F32=_dot_f32(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _launch("probs_lse", _config_key(q), ladder, pinned, launch)
+    return lse
+
+
+@torch.no_grad()
+def head_summed_probs_triton(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    log_denominator: torch.Tensor,
+    *,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """``[T, K]`` fp32: ``sum_h exp(scale * <q[t, h], keys[idx[t, k]]> - log_denominator[t, h])``.
+
+    Args:
+        q, keys, idx, scale: as in :func:`logsumexp_over_triton`.
+        log_denominator: ``[T, H]`` floating (read as fp32), natural log.
+        block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder);
+            ``H > block_h`` loops over head blocks inside each program.
+
+    Returns: 0 at empty slots (same contract as :func:`dsv4cp.layer.indexer_loss.head_summed_probs`).
+    """
+    _check(q, keys, idx)
+    t, h, d = q.shape
+    if not isinstance(log_denominator, torch.Tensor) or log_denominator.shape != (t, h):
+        raise ValueError(f"log_denominator: must be [{t}, {h}], got shape "
+                         f"{tuple(getattr(log_denominator, 'shape', ()))}")
+    if not log_denominator.dtype.is_floating_point:
+        raise ValueError(f"log_denominator: dtype must be floating (fp32), got {log_denominator.dtype}")
+    if log_denominator.device != q.device:
+        raise ValueError(f"log_denominator: must be on q's device {q.device}, got {log_denominator.device}")
+    q, keys, idx = _unit_last(q), _unit_last(keys), _unit_last(idx)
+    lden = log_denominator.to(torch.float32)
+    kt = idx.shape[1]
+    out = torch.empty(t, kt, dtype=torch.float32, device=q.device)
+    if t == 0 or kt == 0:
+        return out
+    if h == 0:
+        return out.zero_()
+    block_d = triton.next_power_of_2(d)
+    ladder = _ladder(block_d, h, q.dtype)
+    pinned = _pinned("DSV4CP_TRITON_PROBS_CONFIG", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
+                     num_warps=num_warps, num_stages=num_stages)
+    kernel = _build("_head_probs_kernel", q.device)
+
+    def launch(cfg: KernelConfig) -> None:
+        kernel[(t,)](
+            q, keys, idx, lden, out,
+            float(scale) * LOG2E, h, keys.shape[0], kt,
+            q.stride(0), q.stride(1), keys.stride(0), idx.stride(0), lden.stride(0), lden.stride(1),
+            out.stride(0),
+            D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, ONE_HEAD_BLOCK=h <= cfg.block_h,
+            PRECISION=_precision(q), DOT_F32=_dot_f32(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _launch("probs_sum", _config_key(q), ladder, pinned, launch)
+    return out
