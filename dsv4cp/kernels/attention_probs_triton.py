@@ -28,13 +28,30 @@ Kernels:
 * ``_lse_kernel``: one program per (query token, block of ``BLOCK_H`` heads), the sparse-attention
   forward without the value product: online max / sum over slot blocks in fp32 with ``exp2``.
 
-Resources at ``D = 512`` bf16 on sm_90 (227 KB of shared memory per block): the q tile ``[64, 512]``
-takes 64 KB, a block of 64 gathered rows another 64 KB per pipeline stage; there is no ``[64, 512]``
-accumulator (the forward's), only the ``[BLOCK_H, BLOCK_K]`` logits, so one warpgroup (4 warps) holds
-everything: default ``BLOCK_H = 64, BLOCK_K = 64, 4 warps, 2 stages`` (192 KB) for both kernels, with
-``BLOCK_K = 32`` / 1 stage / 8 warps further down the ladder. ``DSV4CP_TRITON_PROBS_CONFIG`` /
-``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``) or the wrappers' keyword
-arguments pin one.
+Traffic at the flash shape (T = 32768, H = 64, D = 512, K = 512, bf16): each query reads its 512
+gathered rows once (512 KB) and its q once (64 KB), ~19 GB in all (the torch path moves ~34 GB through
+fp32 gathers, einsum and exp temporaries); the matrix work, 2 T H K D = 1.1 PFLOP, is ~2 ms of
+wgmma, so the kernels are bound by the gathers: ~4 ms at H200 bandwidth if every row came from HBM,
+less as the key buffer (a few MB of compressed rows) stays largely in the 50 MB L2.
+
+Resources at ``D = 512`` on sm_90, checked by compiling for sm_90 with Triton 3.9 without a GPU
+(``triton.compile`` + cuobjdump; registers, shared memory, local-memory spills):
+
+* bf16, ``H <= 64`` (both kernels): ``BLOCK_H = 64, BLOCK_K = 64, 4 warps, 2 stages``: 192 KB shared
+  (q 64 KB + 2 x 64 KB of cp.async-pipelined gathered rows), one warpgroup issuing ``wgmma m64n64``,
+  126 (probs) / 128 (lse) registers, no spill. There is no ``[64, 512]`` fp32 accumulator (the
+  forward's), only the ``[64, BLOCK_K]`` logits; 8 warps would make both warpgroups compute the same
+  product (Triton lays the logits out over warps [8, 1]). Next on the ladder: ``BLOCK_K = 32, 3 stages``
+  (128 KB, 104 registers) and ``BLOCK_K = 16, 3 stages`` (96 KB).
+* bf16 probabilities with ``H > 64`` (head loop): ``64, 64, 8 warps, 2 stages``: 192 KB (the q tile is
+  pipelined too), 188 registers, no spill (4 warps spill ~290 bytes per thread).
+* fp32 (fp32 products, on the CUDA cores): ``32, 32, 8 warps, 1 stage``: 128 KB, 98 registers, no spill
+  (4 warps spill heavily).
+
+``DSV4CP_TRITON_PROBS_CONFIG`` / ``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``)
+or the wrappers' keyword arguments pin a configuration; otherwise the first of the ladder that compiles
+(``OutOfResources`` moves on) is used and cached per shape class. The kernels are built (and show up in
+:func:`dsv4cp.kernels.report.compiled_resources`) through the attention module's builder.
 
 CPU tensors run on Triton's interpreter (``TRITON_INTERPRET=1`` before triton's first import; tiny
 sizes only), as for the attention kernels.
@@ -182,15 +199,16 @@ _BODIES.update({f.__name__: f for f in (_head_probs_kernel, _lse_kernel)})
 # ---------------------------------------------------------------------------------------------------
 
 
-def _ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
-    """Configurations to try in order (both kernels: q tile + pipelined gathered rows, logits only)."""
+def _ladder(block_d: int, heads: int, dtype: torch.dtype, head_loop: bool = False) -> list[KernelConfig]:
+    """Configurations to try in order. ``head_loop``: the probabilities kernel with ``H > BLOCK_H`` (q
+    re-loaded, and pipelined, per head block inside the slot loop)."""
     bh = _block_h(heads)
-    if block_d >= 256:
-        if dtype == torch.float32:  # fp32 q [bh, 512] alone is 128 KB at bh = 64
-            ladder = [(min(bh, 32), 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)]
-        else:
-            ladder = [(bh, 64, 4, 2), (bh, 32, 4, 3), (bh, 64, 8, 2), (bh, 64, 4, 1), (bh, 32, 4, 1),
-                      (min(bh, 32), 16, 4, 1)]
+    if block_d >= 256 and dtype == torch.float32:  # fp32 products on the CUDA cores ("ieee")
+        ladder = [(min(bh, 32), 32, 8, 1), (16, 32, 4, 1), (16, 16, 4, 1)]
+    elif block_d >= 256 and head_loop:
+        ladder = [(bh, 64, 8, 2), (bh, 32, 8, 2), (bh, 64, 4, 1), (min(bh, 32), 16, 4, 1)]
+    elif block_d >= 256:
+        ladder = [(bh, 64, 4, 2), (bh, 32, 4, 3), (bh, 16, 4, 3), (bh, 64, 4, 1), (min(bh, 32), 16, 4, 1)]
     else:
         ladder = [(bh, 64, 4, 2), (bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
     return [KernelConfig(*c) for c in ladder]
@@ -331,7 +349,7 @@ def head_summed_probs_triton(
     if h == 0:
         return out.zero_()
     block_d = triton.next_power_of_2(d)
-    ladder = _ladder(block_d, h, q.dtype)
+    ladder = _ladder(block_d, h, q.dtype, head_loop=h > _block_h(h))
     pinned = _pinned("DSV4CP_TRITON_PROBS_CONFIG", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_head_probs_kernel", q.device)

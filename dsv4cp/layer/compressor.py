@@ -40,8 +40,8 @@ class Compressor(nn.Module):
         rows = layout.group_rows  # [capacity, S]
         present = rows >= 0
         flat = rows.clamp_min(0).flatten()  # index_select: its backward is an index_add, not a sort
-        values = values.index_select(0, flat).view(*rows.shape, -1)
-        gates = gates.index_select(0, flat).view(*rows.shape, -1)
+        values = values.index_select(0, flat).view(*rows.shape, values.shape[-1])
+        gates = gates.index_select(0, flat).view(*rows.shape, gates.shape[-1])
         if self.overlap:  # slots [0, r) take half A of group j-1, slots [r, 2r) half B of group j
             r, d = self.ratio, self.dim
             values = torch.cat((values[:, :r, :d], values[:, r:, d:]), dim=1)

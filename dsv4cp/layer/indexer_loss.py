@@ -1,7 +1,9 @@
 """The indexer's KL distillation loss (DESIGN 1.6), sparse and dense variants.
 
 Target: the attention's own probabilities of the scored compressed entries, summed over heads and
-L1-normalised over the scored set (no gradient). Prediction: the softmax of the indexer scores over
+L1-normalised over the scored set (no gradient): on CUDA (not fp64, D a multiple of 16 up to 512) by the
+Triton kernels of :mod:`dsv4cp.kernels.attention_probs_triton`, elsewhere by the chunked torch gathers
+below (the reference the kernels are tested against). Prediction: the softmax of the indexer scores over
 the same set (gradient to indexer parameters only). Each rank returns its share: the sum over its
 real rows divided by the GLOBAL real-token count, so the CP ranks' shares add up to the full loss.
 """
@@ -10,10 +12,20 @@ from __future__ import annotations
 
 import torch
 
-from dsv4cp.ops.indexer import indexer_scores
+from dsv4cp.ops.indexer import _use_triton, indexer_scores
 from dsv4cp.profiling.autograd_ranges import BackwardRegion
 
 _CHUNK_ELEMENTS = 32 * 2**20
+
+
+def _triton_kernels(q: torch.Tensor):
+    """The Triton target kernels' module when they serve ``q`` (CUDA, not fp64, D a multiple of 16 up to
+    the kernels' maximum, triton installed), else None (the torch path)."""
+    if not _use_triton(q):
+        return None
+    from dsv4cp.kernels import attention_probs_triton  # lazy: imports triton
+
+    return attention_probs_triton if q.shape[-1] <= attention_probs_triton.MAX_HEAD_DIM else None
 
 
 def _chunked_logits(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float):
@@ -31,6 +43,15 @@ def _chunked_logits(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scal
 @torch.no_grad()
 def logsumexp_over(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
     """``[T, H]`` log-sum-exp of the logits of ``q`` against ``keys[idx]`` (``-inf`` for no key)."""
+    kernels = _triton_kernels(q)
+    if kernels is not None:
+        return kernels.logsumexp_over_triton(q, keys, idx, scale)
+    return logsumexp_over_torch(q, keys, idx, scale)
+
+
+@torch.no_grad()
+def logsumexp_over_torch(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`logsumexp_over` by chunked torch gathers on any device (math in fp32, fp64 for fp64)."""
     out = torch.empty(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     for rows, logits in _chunked_logits(q, keys, idx, scale):
         out[rows] = torch.logsumexp(logits, dim=-1)
@@ -42,6 +63,18 @@ def head_summed_probs(
     q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float, log_denominator: torch.Tensor
 ) -> torch.Tensor:
     """``[T, K]``: ``sum_h exp(l[t, h, k] - log_denominator[t, h])`` (zero at empty slots)."""
+    kernels = _triton_kernels(q)
+    if kernels is not None:
+        out = kernels.head_summed_probs_triton(q, keys, idx, scale, log_denominator)
+        return out.to(log_denominator.dtype)
+    return head_summed_probs_torch(q, keys, idx, scale, log_denominator)
+
+
+@torch.no_grad()
+def head_summed_probs_torch(
+    q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float, log_denominator: torch.Tensor
+) -> torch.Tensor:
+    """:func:`head_summed_probs` by chunked torch gathers on any device (in ``log_denominator``'s dtype)."""
     out = torch.empty(idx.shape, dtype=log_denominator.dtype, device=q.device)
     for rows, logits in _chunked_logits(q, keys, idx, scale):
         out[rows] = torch.exp(logits - log_denominator[rows, :, None]).sum(1)
