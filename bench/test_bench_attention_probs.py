@@ -1,0 +1,153 @@
+"""Indexer-loss target microbenchmarks (DESIGN 1.6, 5): the head-summed attention probabilities of the
+scored entries, torch (chunked fp32 gathers, the ``indexer.loss.fwd`` phase's cost before the kernels)
+against Triton (:mod:`dsv4cp.kernels.attention_probs_triton`).
+
+Shapes (key buffer N = T + T/4 rows: T raw rows then T/4 compressed rows; ``idx`` per query = K distinct
+random compressed rows, as the sparse loss scores the selected entries; the denominator is a random
+finite ``[T, H]`` log-normaliser):
+
+* ``flash``: T = 32768, H = 64, D = 512, K = 512 (GPU only; one rank's rows of the flash preset)
+* ``tiny``:  T = 8,     H = 4,  D = 32,  K = 16  (CPU and GPU)
+
+FLOPs: ``2 D`` per (query, head, valid slot) for the logits (the exp and the head sum not counted).
+Bytes: q, idx, the denominator, the output and every valid gathered key row once per query. bf16 on GPU,
+fp32 on CPU. ``test_head_summed_probs_config`` times the Triton kernel per launch configuration at the
+flash shape (which tile is fastest on the H200).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dsv4cp.layer.indexer_loss import head_summed_probs_torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int
+    heads: int
+    dim: int
+    k: int
+
+    @property
+    def n_compressed(self) -> int:
+        return max(self.tokens // 4, self.k)
+
+
+SHAPES = {
+    "tiny": Shape("tiny", 8, 4, 32, 16),
+    "flash": Shape("flash", 32768, 64, 512, 512),
+}
+_gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")]
+SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("flash", id="flash", marks=_gpu_only)]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def _dtype() -> torch.dtype:
+    return torch.bfloat16 if HAS_CUDA else torch.float32
+
+
+def _triton():
+    pytest.importorskip("triton")
+    from dsv4cp.kernels import triton_available
+
+    if not triton_available(_device()):
+        pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)")
+    from dsv4cp.kernels.attention_probs_triton import head_summed_probs_triton
+
+    return head_summed_probs_triton
+
+
+_INPUTS: dict = {}
+
+
+def _inputs(shape: Shape):
+    """Cached ``(q, keys, idx, scale, log_denominator)`` and the valid-slot count for the shape."""
+    key = (shape.name, _device().type)
+    if key in _INPUTS:
+        return _INPUTS[key]
+    _INPUTS.clear()
+    device, dtype = _device(), _dtype()
+    g = torch.Generator(device=device).manual_seed(1234)
+    t, h, d = shape.tokens, shape.heads, shape.dim
+    q = torch.randn(t, h, d, device=device, generator=g)
+    q = (q * d**0.5 / q.norm(dim=-1, keepdim=True)).to(dtype)  # per-head RMS-normalised, as in the model
+    keys = torch.randn(t + shape.n_compressed, d, device=device, generator=g).to(dtype)
+    idx = torch.empty(t, shape.k, dtype=torch.int64, device=device)
+    step = max(1, 2**28 // (4 * shape.n_compressed))  # random scores in blocks of <= 256 MiB
+    for s in range(0, t, step):
+        e = min(s + step, t)
+        scores = torch.rand(e - s, shape.n_compressed, device=device, generator=g)
+        idx[s:e] = scores.topk(shape.k, dim=1).indices + t
+    lden = torch.randn(t, h, device=device, generator=g) + 8.0
+    entry = {"args": (q, keys, idx, d**-0.5, lden), "valid": int((idx >= 0).sum().item())}
+    _INPUTS[key] = entry
+    return entry
+
+
+def _flops(shape: Shape, valid: int) -> float:
+    return 2.0 * shape.dim * shape.heads * valid
+
+
+def _bytes(shape: Shape, valid: int) -> float:
+    el = torch.finfo(_dtype()).bits // 8
+    t, h, k = shape.tokens, shape.heads, shape.k
+    return t * h * shape.dim * el + t * k * 8 + t * h * 4 + t * k * 4 + valid * shape.dim * el
+
+
+def _rounds() -> tuple[int, int]:
+    return (5, 2) if HAS_CUDA else (2, 1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
+def test_head_summed_probs(benchmark, measure, shape_name, backend):
+    shape = SHAPES[shape_name]
+    fn = head_summed_probs_torch if backend == "torch" else _triton()
+    entry = _inputs(shape)
+    q, keys, idx, scale, lden = entry["args"]
+    benchmark.group = f"indexer_loss.head_summed_probs.{shape.name}"
+    benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, H=shape.heads, D=shape.dim,
+                                K=shape.k, valid_slots=entry["valid"], dtype=str(q.dtype))
+    fn(q, keys, idx, scale, lden)  # compile / first-call costs outside the timing
+    rounds, warmup = _rounds()
+    out = measure(lambda: fn(q, keys, idx, scale, lden), None, flops=_flops(shape, entry["valid"]),
+                  bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup,
+                  device=q.device)
+    assert out.shape == idx.shape and out.dtype == torch.float32
+
+
+_CONFIGS = [(64, 64, 4, 2), (64, 32, 4, 3), (64, 16, 4, 3), (64, 32, 4, 2), (64, 64, 8, 2), (64, 128, 8, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")
+@pytest.mark.parametrize("config", _CONFIGS, ids=lambda c: "bh{}-bk{}-w{}-s{}".format(*c))
+def test_head_summed_probs_config(benchmark, measure, config):
+    fn = _triton()
+    shape = SHAPES["flash"]
+    entry = _inputs(shape)
+    q, keys, idx, scale, lden = entry["args"]
+    bh, bk, warps, stages = config
+    kw = {"block_h": bh, "block_k": bk, "num_warps": warps, "num_stages": stages}
+    benchmark.group = "indexer_loss.head_summed_probs.flash.config"
+    benchmark.extra_info.update(backend="triton", shape=shape.name, block_h=bh, block_k=bk, num_warps=warps,
+                                num_stages=stages, dtype=str(q.dtype))
+    try:
+        fn(q, keys, idx, scale, lden, **kw)
+    except Exception as exc:  # OutOfResources: this tile does not fit the device
+        if type(exc).__name__ != "OutOfResources":
+            raise
+        pytest.skip(f"{config}: {exc}")
+    rounds, warmup = _rounds()
+    measure(lambda: fn(q, keys, idx, scale, lden, **kw), None, flops=_flops(shape, entry["valid"]),
+            bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup, device=q.device)

@@ -1,0 +1,280 @@
+"""Triton kernels of the indexer loss's target against the torch path (DESIGN 1.6).
+
+CPU (Triton's interpreter, fp32, tiny sizes: T <= 12, H in {1, 3, 5, 8}, D in {16, 32}, K in {5, 13, 70}):
+:func:`logsumexp_over_triton` and :func:`head_summed_probs_triton` against the torch functions of
+:mod:`dsv4cp.layer.indexer_loss` (relative error 1e-4), plus the head loop (H over several head blocks),
+int32 / int64 indices, strided inputs, out-of-range rows, bf16 through the interpreter, determinism,
+degenerate shapes, input validation and the dispatch (CPU and fp64 stay on torch).
+
+GPU (marked ``gpu``): T = 2048, H = 64, D = 512, K = 512 in bf16 against the torch path in fp32 (relative
+error < 1e-2), the head loop at H = 128, fp32 at D = 512 (the fp32 ladder), and the dispatch on CUDA.
+
+Inputs are random and fresh each run (the seed is in every failure message), never zeros; every case
+mixes empty (-1) slots, a query without any valid slot and duplicated indices.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+
+from dsv4cp.kernels import triton_available
+from dsv4cp.kernels.attention_probs_triton import head_summed_probs_triton, logsumexp_over_triton
+from dsv4cp.layer import indexer_loss as il
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+if not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover - triton imported too early
+    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
+                allow_module_level=True)
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+def make_case(seed: int, t: int, h: int, d: int, n: int, k: int, *, device="cpu", idx_dtype=torch.int64):
+    """q ``[T, H, D]``, keys ``[N, D]`` (randn, fp32), idx ``[T, K]`` with ~20% empty slots, duplicated
+    rows inside queries and query 1 without any valid slot, scale ``D^-1/2``, and the loss's
+    denominator ``logaddexp(lse, sink)`` (finite everywhere, also for the empty query)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=g)
+    keys = torch.randn(n, d, generator=g)
+    idx = torch.randint(0, n, (t, k), generator=g)
+    idx[torch.rand(t, k, generator=g) < 0.2] = -1
+    if k > 1:  # duplicated indices inside rows
+        idx[::2, k - 1] = idx[::2, 0]
+        idx[1::3, k // 2] = idx[1::3, 0]
+    if t > 1:
+        idx[1] = -1
+    scale = d**-0.5
+    sink = torch.randn(h, generator=g)
+    lden = torch.logaddexp(il.logsumexp_over_torch(q, keys, idx, scale), sink[None, :])
+    to = {"device": device}
+    return q.to(**to), keys.to(**to), idx.to(dtype=idx_dtype, **to), scale, lden.to(**to)
+
+
+def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    den = b64.norm().item()
+    num = (a64 - b64).norm().item()
+    return num / den if den > 0 else num
+
+
+def check_lse(lse: torch.Tensor, ref: torch.Tensor, tol: float, msg: str) -> None:
+    assert lse.dtype == torch.float32 and lse.shape == ref.shape, f"{msg}: {lse.dtype} {tuple(lse.shape)}"
+    empty = torch.isneginf(ref.cpu())
+    assert torch.equal(torch.isneginf(lse.cpu()), empty), f"{msg}: -inf pattern of lse differs"
+    assert torch.isfinite(lse.cpu()[~empty]).all(), f"{msg}: lse not finite"
+    err = rel_fro(lse.cpu()[~empty], ref.cpu()[~empty])
+    assert err < tol, f"{msg}: lse rel err {err:.2e}"
+
+
+def check_probs(p: torch.Tensor, ref: torch.Tensor, idx: torch.Tensor, tol: float, msg: str) -> None:
+    assert p.dtype == torch.float32 and p.shape == idx.shape, f"{msg}: {p.dtype} {tuple(p.shape)}"
+    assert torch.isfinite(p).all(), f"{msg}: probs not finite"
+    assert (p.cpu()[idx.cpu() < 0] == 0).all(), f"{msg}: empty slots must be 0"
+    err = rel_fro(p, ref)
+    assert err < tol, f"{msg}: probs rel err {err:.2e}"
+
+
+# ------------------------------------------------------------------------------------------ CPU
+@pytest.mark.parametrize("k", [5, 13, 70])
+@pytest.mark.parametrize("d", [16, 32])
+@pytest.mark.parametrize("h", [1, 3, 5, 8])
+def test_matches_torch_fp32(h, d, k):
+    seed = fresh_seed()
+    t = 12 if k < 70 else 6
+    q, keys, idx, scale, lden = make_case(seed, t, h, d, 3 * k + 7, k)
+    msg = f"seed={seed} T={t} H={h} D={d} K={k}"
+    check_lse(logsumexp_over_triton(q, keys, idx, scale), il.logsumexp_over_torch(q, keys, idx, scale), 1e-4, msg)
+    p = head_summed_probs_triton(q, keys, idx, scale, lden)
+    check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, msg)
+    assert p[1].abs().max().item() == 0.0, f"{msg}: a query without slots has zero mass"
+
+
+def test_head_loop_and_slot_blocks():
+    """H = 20 over head blocks of 16 (the second one 4/16 full): the probabilities kernel loops over head
+    blocks inside each slot block (blocks of 16 slots), the lse kernel runs two programs per query."""
+    seed = fresh_seed()
+    q, keys, idx, scale, lden = make_case(seed, 4, 20, 32, 24, 37)
+    kw = {"block_h": 16, "block_k": 16, "num_warps": 4, "num_stages": 1}
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, **kw), il.logsumexp_over_torch(q, keys, idx, scale),
+              1e-4, f"seed={seed}")
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, **kw)
+    check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, f"seed={seed}")
+
+
+def test_int32_strided_inputs_and_out_of_range_rows():
+    """int32 indices, q a head-strided view, keys and the denominator column views; rows >= N count as
+    empty slots (the reference sees them as -1)."""
+    seed = fresh_seed()
+    q, keys, idx, scale, lden = make_case(seed, 7, 3, 16, 20, 13, idx_dtype=torch.int32)
+    ref_lse = il.logsumexp_over_torch(q, keys, idx, scale)
+    ref_p = il.head_summed_probs_torch(q, keys, idx, scale, lden)
+    q_view = torch.stack([q, q + 1.0], dim=2).flatten(1, 2)[:, ::2]  # stride(1) = 2 D
+    keys_view = torch.cat([keys, keys], dim=1)[:, :16]  # stride(0) = 2 D
+    lden_view = torch.cat([lden, lden], dim=1)[:, :3]  # stride(0) = 2 H
+    assert q_view.stride(1) == 32 and keys_view.stride(0) == 32 and lden_view.stride(0) == 6
+    far = idx.clone()
+    far[0, :3] = torch.tensor([20, 1000, 2**30], dtype=torch.int32)  # out of range: empty
+    near = idx.clone()
+    near[0, :3] = -1
+    msg = f"seed={seed}"
+    check_lse(logsumexp_over_triton(q_view, keys_view, far, scale), il.logsumexp_over_torch(q, keys, near, scale),
+              1e-4, msg)
+    check_lse(logsumexp_over_triton(q_view, keys_view, idx, scale), ref_lse, 1e-4, msg)
+    p = head_summed_probs_triton(q_view, keys_view, far, scale, lden_view)
+    assert (p[0, :3] == 0).all(), f"{msg}: out-of-range rows must be empty"
+    check_probs(p, il.head_summed_probs_torch(q, keys, near, scale, lden), near, 1e-4, msg)
+    check_probs(head_summed_probs_triton(q_view, keys_view, idx, scale, lden_view), ref_p, idx, 1e-4, msg)
+
+
+def test_bf16_through_interpreter_vs_fp32_reference():
+    seed = fresh_seed()
+    q, keys, idx, scale, lden = make_case(seed, 6, 4, 32, 30, 20)
+    qb, kb = q.bfloat16(), keys.bfloat16()
+    check_lse(logsumexp_over_triton(qb, kb, idx, scale), il.logsumexp_over_torch(q, keys, idx, scale), 1e-2,
+              f"seed={seed}")
+    p = head_summed_probs_triton(qb, kb, idx, scale, lden)
+    check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-2, f"seed={seed}")
+
+
+def test_deterministic_and_degenerate_shapes():
+    seed = fresh_seed()
+    q, keys, idx, scale, lden = make_case(seed, 5, 20, 16, 12, 9)
+    kw = {"block_h": 16, "block_k": 16}
+    first = head_summed_probs_triton(q, keys, idx, scale, lden, **kw)
+    assert torch.equal(first, head_summed_probs_triton(q, keys, idx, scale, lden, **kw)), f"seed={seed}"
+    # no slots at all, no queries
+    none = idx[:, :0]
+    assert torch.isneginf(logsumexp_over_triton(q, keys, none, scale)).all()
+    assert head_summed_probs_triton(q, keys, none, scale, lden).shape == (5, 0)
+    assert logsumexp_over_triton(q[:0], keys, idx[:0], scale).shape == (0, 20)
+    assert head_summed_probs_triton(q[:0], keys, idx[:0], scale, lden[:0]).shape == (0, 9)
+    # every slot empty
+    empty = torch.full_like(idx, -1)
+    assert torch.isneginf(logsumexp_over_triton(q, keys, empty, scale)).all()
+    assert (head_summed_probs_triton(q, keys, empty, scale, lden) == 0).all()
+
+
+@pytest.mark.parametrize(
+    "field, change",
+    [
+        ("q", lambda a: {**a, "q": a["q"][0]}),
+        ("q", lambda a: {**a, "q": a["q"].double()}),
+        ("q", lambda a: {**a, "q": a["q"][..., :8], "keys": a["keys"][:, :8]}),
+        ("q", lambda a: {**a, "q": a["q"].repeat(1, 1, 33), "keys": a["keys"].repeat(1, 33)}),
+        ("keys", lambda a: {**a, "keys": a["keys"].bfloat16()}),
+        ("keys", lambda a: {**a, "keys": a["keys"][:, None]}),
+        ("idx", lambda a: {**a, "idx": a["idx"].float()}),
+        ("idx", lambda a: {**a, "idx": a["idx"][1:]}),
+        ("log_denominator", lambda a: {**a, "log_denominator": a["log_denominator"][:, :1]}),
+        ("log_denominator", lambda a: {**a, "log_denominator": a["log_denominator"].long()}),
+    ],
+)
+def test_bad_input_names_the_field(field, change):
+    q, keys, idx, scale, lden = make_case(0, 3, 2, 16, 8, 5)
+    args = change({"q": q, "keys": keys, "idx": idx, "log_denominator": lden})
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        head_summed_probs_triton(args["q"], args["keys"], args["idx"], scale, args["log_denominator"])
+    if field != "log_denominator":
+        with pytest.raises(ValueError, match=rf"^{field}:"):
+            logsumexp_over_triton(args["q"], args["keys"], args["idx"], scale)
+
+
+def test_cpu_and_fp64_dispatch_to_torch(monkeypatch):
+    """The loss's functions use the kernels only for CUDA tensors (not fp64): on CPU they must never
+    reach the Triton wrappers, whatever the dtype."""
+    from dsv4cp.kernels import attention_probs_triton as kernels
+
+    def boom(*args, **kwargs):
+        raise AssertionError("Triton path taken for a CPU tensor")
+
+    monkeypatch.setattr(kernels, "logsumexp_over_triton", boom)
+    monkeypatch.setattr(kernels, "head_summed_probs_triton", boom)
+    q, keys, idx, scale, lden = make_case(fresh_seed(), 3, 2, 16, 8, 5)
+    for dtype in (torch.float32, torch.float64):
+        qc, kc = q.to(dtype), keys.to(dtype)
+        assert torch.equal(il.logsumexp_over(qc, kc, idx, scale), il.logsumexp_over_torch(qc, kc, idx, scale))
+        ld = lden.to(dtype)
+        assert torch.equal(il.head_summed_probs(qc, kc, idx, scale, ld),
+                           il.head_summed_probs_torch(qc, kc, idx, scale, ld))
+
+
+# ------------------------------------------------------------------------------------------ GPU
+def _gpu_case(seed: int, t: int, h: int, d: int, k: int, dtype: torch.dtype):
+    """Model-like inputs on CUDA: per-head RMS-normalised q, a key buffer of T + T / 4 rows, K distinct random rows per query, ~1/8 of the slots empty, query 1
+    empty; the fp32 reference inputs are the bf16 values upcast."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = t + t // 4
+    q = torch.randn(t, h, d, device="cuda", generator=g)
+    q = (q * d**0.5 / q.norm(dim=-1, keepdim=True)).to(dtype)
+    keys = torch.randn(n, d, device="cuda", generator=g).to(dtype)
+    idx = torch.rand(t, n, device="cuda", generator=g).topk(k, dim=1).indices
+    idx[torch.rand(t, k, device="cuda", generator=g) < 0.125] = -1
+    idx[:, -1] = idx[:, 0]
+    idx[1] = -1
+    scale = d**-0.5
+    sink = torch.randn(h, device="cuda", generator=g)
+    q32, k32 = q.float(), keys.float()
+    ref_lse = il.logsumexp_over_torch(q32, k32, idx, scale)
+    lden = torch.logaddexp(ref_lse, sink[None, :])
+    return q, keys, idx, scale, lden, q32, k32, ref_lse
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_gpu_flash_shape_bf16(idx_dtype):
+    seed = fresh_seed()
+    q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 2048, 64, 512, 512, torch.bfloat16)
+    idx = idx.to(idx_dtype)
+    msg = f"seed={seed}"
+    check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-2, msg)
+    ref_p = il.head_summed_probs_torch(q32, k32, idx, scale, lden)
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref_p, idx, 1e-2, msg)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_head_loop_bf16():
+    """H = 128 (pro preset): the probabilities kernel loops over two head blocks of 64."""
+    seed = fresh_seed()
+    q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 512, 128, 512, 512, torch.bfloat16)
+    check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-2, f"seed={seed}")
+    ref_p = il.head_summed_probs_torch(q32, k32, idx, scale, lden)
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref_p, idx, 1e-2, f"seed={seed}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp32_d512():
+    seed = fresh_seed()
+    q, keys, idx, scale, lden, _, _, ref_lse = _gpu_case(seed, 128, 64, 512, 512, torch.float32)
+    check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-4, f"seed={seed}")
+    ref_p = il.head_summed_probs_torch(q, keys, idx, scale, lden)
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref_p, idx, 1e-4, f"seed={seed}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_loss_functions_dispatch_to_triton(monkeypatch):
+    seed = fresh_seed()
+    q, keys, idx, scale, lden, _, _, _ = _gpu_case(seed, 64, 64, 512, 128, torch.bfloat16)
+    lse = il.logsumexp_over(q, keys, idx, scale)
+    p = il.head_summed_probs(q, keys, idx, scale, lden)
+    assert torch.equal(lse, logsumexp_over_triton(q, keys, idx, scale)), f"seed={seed}"
+    assert torch.equal(p, head_summed_probs_triton(q, keys, idx, scale, lden)), f"seed={seed}"
+    # fp64 stays on torch
+    from dsv4cp.kernels import attention_probs_triton as kernels
+
+    monkeypatch.setattr(kernels, "logsumexp_over_triton", None)
+    q64, k64 = q.double(), keys.double()
+    assert torch.equal(il.logsumexp_over(q64, k64, idx, scale), il.logsumexp_over_torch(q64, k64, idx, scale))
