@@ -210,10 +210,10 @@ def test_cpu_and_fp64_dispatch_to_torch(monkeypatch):
 
 # ------------------------------------------------------------------------------------------ GPU
 def _gpu_case(seed: int, t: int, h: int, d: int, k: int, dtype: torch.dtype):
-    """Model-like inputs on CUDA: per-head RMS-normalised q, a key buffer of T + T / 4 rows, K distinct random rows per query, ~1/8 of the slots empty, query 1
+    """Model-like inputs on CUDA: per-head RMS-normalised q, a key buffer of T + T / 4 (at least 2K) rows, K distinct random rows per query, ~1/8 of the slots empty, query 1
     empty; the fp32 reference inputs are the bf16 values upcast."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    n = t + t // 4
+    n = max(t + t // 4, 2 * k)  # enough rows for K distinct indices per query
     q = torch.randn(t, h, d, device="cuda", generator=g)
     q = (q * d**0.5 / q.norm(dim=-1, keepdim=True)).to(dtype)
     keys = torch.randn(n, d, device="cuda", generator=g).to(dtype)
