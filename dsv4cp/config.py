@@ -6,10 +6,20 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 INDEXER_RATIO = 4
 """Ratio 4 always means the overlapping CSA compressor with the lightning indexer."""
 
 LOSS_VARIANTS = ("sparse", "dense")
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtype names every command and record uses."""
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs (what the model trains in), fp32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def layer_kind(compress_ratio: int) -> str:

@@ -13,8 +13,8 @@ import argparse
 import torch.distributed as dist
 
 from dsv4cp.cli.layer import parse_lengths
-from dsv4cp.config import PRESET_NAMES, DSv4Config
-from dsv4cp.cp.check import COSINE_TOLERANCE, DTYPES, REL_TOLERANCE, CheckCase, merge_ranks, run_rank
+from dsv4cp.config import DTYPES, PRESET_NAMES, DSv4Config
+from dsv4cp.cp.check import COSINE_TOLERANCE, REL_TOLERANCE, CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.cp.layout import halo_rows

@@ -1,20 +1,21 @@
-"""Run one DSv4 attention layer on random packed input and print its time and peak memory."""
+"""Run one DSv4 attention layer on random packed input and print its time and peak memory.
+
+One process, no CP: the quick look. ``dsv4cp profile`` is the same measurement under CP, with traces.
+"""
 
 from __future__ import annotations
 
 import argparse
-import resource
-import statistics
-import time
 
 import torch
 
-from dsv4cp.config import PRESET_NAMES, DSv4Config
+from dsv4cp.config import DTYPES, PRESET_NAMES, DSv4Config, default_dtype
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.packing import PackedSeqs
+from dsv4cp.profiling.memory import track_memory
+from dsv4cp.profiling.timing import benchmark
 
 HELP = "time one layer (forward, optionally backward) on random packed input"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated document lengths (default: one document of --tokens)")
     parser.add_argument("--backward", action="store_true", help="also run the backward pass")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
-    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--backend", default="auto", help="sparse-attention backend")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -44,10 +45,8 @@ def parse_lengths(text: str | None, tokens: int) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if args.tokens <= 0:
         raise ValueError(f"--tokens: must be positive, got {args.tokens}")
-    if args.reps <= 0:
-        raise ValueError(f"--reps: must be positive, got {args.reps}")
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = DTYPES[args.dtype] if args.dtype else default_dtype(device)
     cfg = DSv4Config.preset(args.preset)
     packed = PackedSeqs.from_lengths(parse_lengths(args.lengths, args.tokens), total=args.tokens, device=device)
     torch.manual_seed(args.seed)
@@ -62,28 +61,19 @@ def run(args: argparse.Namespace) -> int:
                 loss = loss + result.indexer_loss
             loss.backward()
 
-    for _ in range(args.warmup):
+    timing = benchmark(step, warmup=args.warmup, reps=args.reps, device=device)
+    with track_memory(device) as tracker:
         step()
+    memory = tracker.result
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    if device.type == "cuda":
-        peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocator peak"
+        peak = f"{memory.peak_allocated_bytes / 2**30:.2f} GiB allocator peak"
     else:
-        peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB process peak RSS"
+        peak = f"{memory.host_peak_rss_bytes / 2**30:.2f} GiB process peak RSS"
     what = "fwd+bwd" if args.backward else "fwd"
     print(
         f"preset={args.preset} ratio={args.ratio} kind={layer.kind} tokens={args.tokens} docs={packed.num_docs} "
         f"dtype={str(dtype).removeprefix('torch.')} device={device} backend={args.backend}"
     )
-    print(f"{what}: median {statistics.median(times):.2f} ms over {args.reps} reps "
-          f"(min {min(times):.2f}, max {max(times):.2f}); {peak}")
+    print(f"{what}: median {timing.median_ms:.2f} ms over {timing.reps} reps "
+          f"(p20 {timing.p20_ms:.2f}, p80 {timing.p80_ms:.2f}); {peak}")
     return 0

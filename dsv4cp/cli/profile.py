@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp.cli.env import environment
-from dsv4cp.cli.layer import DTYPES, parse_lengths
-from dsv4cp.config import PRESET_NAMES, DSv4Config
+from dsv4cp.cli.layer import parse_lengths
+from dsv4cp.config import DTYPES, PRESET_NAMES, DSv4Config, default_dtype
 from dsv4cp.cp.check import randomize_
 from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.launch import init_from_env, under_torchrun
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         group, cp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     else:
         device, group, cp, rank = torch.device("cuda" if cuda else "cpu"), None, 1, 0
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = DTYPES[args.dtype] if args.dtype else default_dtype(device)
     cfg = DSv4Config.preset(args.preset)
     lengths = (parse_lengths(args.lengths, args.tokens) if args.lengths
                else pack_lengths(args.tokens, args.packing, doc_len=args.doc_len, seed=args.seed))

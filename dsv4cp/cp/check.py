@@ -13,11 +13,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from dsv4cp.config import DSv4Config
+from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.packing import PackedSeqs
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 REL_TOLERANCE = {"fp64": 1e-10, "fp32": 1e-5}
 COSINE_TOLERANCE = 1e-3  # bf16: cosine similarity > 1 - this
 QUANTITIES = ("out", "x_grad", "indexer_loss", "param_grads")

@@ -94,7 +94,7 @@ class DSv4Attention(nn.Module):
         self._check_inputs(x, packed, cp)
         layout = build_layout(packed, self.cfg, self.compress_ratio, rank, cp)
         freqs, cfg = self.rope_freqs, self.cfg
-        rows, h, d = x.shape[0], cfg.n_heads, cfg.head_dim
+        h, d = cfg.n_heads, cfg.head_dim
         positions = layout.local_pos
 
         x_ext = exchange_halo(x, layout.halo, cp_group)
