@@ -18,7 +18,7 @@ from dsv4cp.layer.indexer_loss import indexer_loss
 from dsv4cp.layer.norm import RMSNorm, rms_norm
 from dsv4cp.layer.rope import apply_rope, rope_frequencies
 from dsv4cp.ops.indexer import indexer_topk
-from dsv4cp.ops.sparse_attention import resolve_backend, sparse_attention
+from dsv4cp.ops.sparse_attention import check_backend_name, resolve_backend, sparse_attention
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.autograd_ranges import BackwardRegion, phase_region
 from dsv4cp.profiling.nvtx import nvtx_range
@@ -53,6 +53,7 @@ class DSv4Attention(nn.Module):
     ):
         super().__init__()
         cfg.check_ratio(compress_ratio)
+        check_backend_name(backend)
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap: must be one of {OVERLAP_MODES}, got {overlap!r}")
         self.cfg, self.compress_ratio, self.kind = cfg, compress_ratio, layer_kind(compress_ratio)

@@ -47,6 +47,15 @@ def backend_names() -> list[str]:
     return list(_BACKENDS)
 
 
+def check_backend_name(name: str) -> None:
+    """Raise ``ValueError`` for a name no backend (or pair of backends) answers to, before any work."""
+    parts = name.split("+") if "+" in name else [name]
+    unknown = [p for p in parts if p not in _BACKENDS and not (p == "auto" and len(parts) == 1)]
+    if not isinstance(name, str) or len(parts) > 2 or unknown:
+        raise ValueError(f"backend: unknown sparse-attention backend {name!r}; choose from {['auto', *_BACKENDS]} "
+                         f"or a pair 'forward+backward'")
+
+
 def resolve_backend(name: str, device: torch.device) -> SparseAttentionBackend:
     """The backend called ``name`` (or the fastest available for "auto") on ``device``.
 
