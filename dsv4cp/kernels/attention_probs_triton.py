@@ -11,9 +11,9 @@ query ``t`` (a slot is valid when ``0 <= idx < N``; ``-1`` marks an empty one):
 They replace the torch reference in :mod:`dsv4cp.layer.indexer_loss` (chunked ``[chunk, K, D]`` fp32
 gathers) on CUDA: the gathered key rows are read ONCE per query, in q's dtype, and the logits never
 leave the chip. Same conventions as the sparse-attention forward (:mod:`.sparse_attention_triton`),
-whose helpers this module imports (kernel building per execution mode, configuration ladders with the
-``OutOfResources`` fallback, pinned configurations, matrix-unit precision, the interpreter's bf16 work
-around) rather than repeats.
+whose helpers this module imports (its kernel set, built per execution mode and launched over
+configuration ladders with the ``OutOfResources`` fallback; matrix-unit precision, the interpreter's
+bf16 work around) rather than repeats; pinned configurations come from :mod:`._triton_launch`.
 
 Kernels:
 
@@ -63,8 +63,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels.sparse_attention_triton import (
-    _BODIES,
+    _KERNELS,
     _SUPPORTED_DTYPES,
     LOG2E,
     MAX_HEAD_DIM,
@@ -74,7 +75,6 @@ from dsv4cp.kernels.sparse_attention_triton import (
     _config_key,
     _dot_f32,
     _launch,
-    _pinned,
     _precision,
 )
 
@@ -191,7 +191,7 @@ def _lse_kernel(
     tl.store(LSE + t * H + heads, lse, mask=hmask)
 
 
-_BODIES.update({f.__name__: f for f in (_head_probs_kernel, _lse_kernel)})
+_KERNELS.register(_head_probs_kernel, _lse_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------

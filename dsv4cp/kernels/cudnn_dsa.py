@@ -39,6 +39,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from dsv4cp.kernels._library import (
+    availability,
+    check_inputs,
+    entry_point,
+    round_up,
+    sm90_problem,
+)
+
 NAME = "cudnn"
 PACKAGE = "nvidia-cudnn-frontend"
 MISSING_HINT = (
@@ -71,35 +79,17 @@ def library_problem() -> str | None:
 
 def device_problem(device: torch.device | str) -> str | None:
     """Why ``device`` cannot run the DSA backward, or None (checked before importing anything)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"device {device} is not a CUDA device"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"SM{major}{minor}: the cuDNN DSA backward needs SM90 or newer"
-    return None
+    return sm90_problem(device, "the cuDNN DSA backward")
 
 
-def unavailable_reason(device: torch.device | str) -> str | None:
-    """The first reason the backend cannot run on ``device`` (device first, then the package), or None."""
-    return device_problem(device) or library_problem()
-
-
-def available(device: torch.device | str) -> bool:
-    """A CUDA device of SM90+ and an importable ``cudnn`` whose ``DSA`` has the backward wrapper."""
-    return unavailable_reason(device) is None
-
-
-available.missing_hint = MISSING_HINT  # read by the registry's "not available" message when it supports it
+unavailable_reason, available = availability(device_problem, library_problem, MISSING_HINT)
+"""``unavailable_reason(device)``: the first reason (device, then package) or None; ``available(device)``:
+a CUDA device of SM90+ and an importable ``cudnn`` whose ``DSA`` has the backward wrapper."""
 
 
 def _library():
-    problem = library_problem()
-    if problem is not None:
-        raise RuntimeError(f"{NAME}: {problem}; {MISSING_HINT}")
-    return importlib.import_module("cudnn").DSA.sparse_attention_backward_wrapper
+    return entry_point(NAME, library_problem(), MISSING_HINT,
+                       lambda: importlib.import_module("cudnn").DSA.sparse_attention_backward_wrapper)
 
 
 # ------------------------------------------------------------------------------------------ adapter
@@ -115,38 +105,14 @@ def _check_deterministic() -> None:
         raise RuntimeError(message)
 
 
-def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q: must be [T, H, D], got shape {tuple(q.shape)}")
-    d = q.shape[2]
-    if d not in SUPPORTED_HEAD_DIMS:
-        extra = (" (cuDNN's D = 576 mode uses only the first 512 columns as values, while this op's value "
-                 "is the whole kv row)") if d == 576 else ""
-        raise ValueError(f"q: head dim D = {d} is not supported by the '{NAME}' backend; it needs D in "
-                         f"{SUPPORTED_HEAD_DIMS}{extra}; use 'torch' or 'triton'")
-    if q.dtype == torch.float64 or kv.dtype == torch.float64:
-        raise ValueError(f"q: dtype {q.dtype} is not supported by the '{NAME}' backend (it computes in "
-                         "bf16/fp16); use 'torch' for fp64")
-    if kv.dim() != 2 or kv.shape[1] != d:
-        raise ValueError(f"kv: must be [N, {d}], got shape {tuple(kv.shape)}")
-    if idx.dim() != 2 or idx.shape[0] != q.shape[0]:
-        raise ValueError(f"idx: must be [{q.shape[0]}, Kt], got shape {tuple(idx.shape)}")
-    if sink.shape != (q.shape[1],):
-        raise ValueError(f"sink: must be [{q.shape[1]}], got shape {tuple(sink.shape)}")
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return max(multiple, -(-value // multiple) * multiple)
-
-
 def padded_heads(h: int) -> int:
     """The head count handed to the library for ``h`` heads."""
-    return _round_up(h, HEAD_MULTIPLE)
+    return round_up(h, HEAD_MULTIPLE)
 
 
 def padded_slots(kt: int) -> int:
     """The slot count handed to the library for ``kt`` slots."""
-    return _round_up(kt, TOPK_MULTIPLE)
+    return round_up(kt, TOPK_MULTIPLE)
 
 
 def _pad_heads(x: torch.Tensor, heads: int, value: float = 0.0) -> torch.Tensor:
@@ -170,7 +136,8 @@ def _unpack(result) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None):
     """``(dq, dkv, dsink)`` of the op contract, computed by cuDNN's DSA backward."""
     _check_deterministic()
-    _check(q, kv, idx, sink)
+    check_inputs(q, kv, idx, sink, name=NAME, library="cuDNN", head_dims=SUPPORTED_HEAD_DIMS,
+                 computes_in="bf16/fp16")
     t, h, _ = q.shape
     kt = idx.shape[1]
     if t == 0 or kt == 0:  # no key anywhere: every gradient is zero

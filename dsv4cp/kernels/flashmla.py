@@ -35,6 +35,14 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from dsv4cp.kernels._library import (
+    availability,
+    check_inputs,
+    entry_point,
+    round_up,
+    sm90_problem,
+)
+
 NAME = "flashmla"
 MISSING_HINT = (
     "the 'flashmla' backend needs the FlashMLA package (import name 'flash_mla', built from source from "
@@ -63,65 +71,23 @@ def library_problem() -> str | None:
 
 def device_problem(device: torch.device | str) -> str | None:
     """Why ``device`` cannot run FlashMLA's sparse prefill, or None (checked before importing anything)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"device {device} is not a CUDA device"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"SM{major}{minor}: FlashMLA's sparse prefill needs SM90 or newer"
-    return None
+    return sm90_problem(device, "FlashMLA's sparse prefill")
 
 
-def unavailable_reason(device: torch.device | str) -> str | None:
-    """The first reason the backend cannot run on ``device`` (device first, then the package), or None."""
-    return device_problem(device) or library_problem()
-
-
-def available(device: torch.device | str) -> bool:
-    """A CUDA device of SM90+ and an importable ``flash_mla`` with ``flash_mla_sparse_fwd``."""
-    return unavailable_reason(device) is None
-
-
-available.missing_hint = MISSING_HINT  # read by the registry's "not available" message when it supports it
+unavailable_reason, available = availability(device_problem, library_problem, MISSING_HINT)
+"""``unavailable_reason(device)``: the first reason (device, then package) or None; ``available(device)``:
+a CUDA device of SM90+ and an importable ``flash_mla`` with ``flash_mla_sparse_fwd``."""
 
 
 def _library():
-    problem = library_problem()
-    if problem is not None:
-        raise RuntimeError(f"{NAME}: {problem}; {MISSING_HINT}")
-    return importlib.import_module("flash_mla").flash_mla_sparse_fwd
+    return entry_point(NAME, library_problem(), MISSING_HINT,
+                       lambda: importlib.import_module("flash_mla").flash_mla_sparse_fwd)
 
 
 # ------------------------------------------------------------------------------------------ adapter
-def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q: must be [T, H, D], got shape {tuple(q.shape)}")
-    d = q.shape[2]
-    if d not in SUPPORTED_HEAD_DIMS:
-        extra = (" (FlashMLA's D = 576 mode uses only the first 512 columns as values, while this op's value "
-                 "is the whole kv row)") if d == 576 else ""
-        raise ValueError(f"q: head dim D = {d} is not supported by the '{NAME}' backend; it needs D in "
-                         f"{SUPPORTED_HEAD_DIMS}{extra}; use 'torch' or 'triton'")
-    if q.dtype == torch.float64 or kv.dtype == torch.float64:
-        raise ValueError(f"q: dtype {q.dtype} is not supported by the '{NAME}' backend (it computes in bf16); "
-                         "use 'torch' for fp64")
-    if kv.dim() != 2 or kv.shape[1] != d:
-        raise ValueError(f"kv: must be [N, {d}], got shape {tuple(kv.shape)}")
-    if idx.dim() != 2 or idx.shape[0] != q.shape[0]:
-        raise ValueError(f"idx: must be [{q.shape[0]}, Kt], got shape {tuple(idx.shape)}")
-    if sink.shape != (q.shape[1],):
-        raise ValueError(f"sink: must be [{q.shape[1]}], got shape {tuple(sink.shape)}")
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return max(multiple, -(-value // multiple) * multiple)
-
-
 def padded_slots(kt: int) -> int:
     """The slot count handed to the library for ``kt`` slots."""
-    return _round_up(kt, TOPK_MULTIPLE)
+    return round_up(kt, TOPK_MULTIPLE)
 
 
 def head_groups(h: int) -> list[tuple[int, int, int]]:
@@ -136,7 +102,8 @@ def head_groups(h: int) -> list[tuple[int, int, int]]:
 
 def sparse_attention_forward(q, kv, idx, sink, scale, topk_length=None):
     """``(out [T, H, D] in q.dtype, lse [T, H] fp32)`` of the op contract, computed by FlashMLA."""
-    _check(q, kv, idx, sink)
+    check_inputs(q, kv, idx, sink, name=NAME, library="FlashMLA", head_dims=SUPPORTED_HEAD_DIMS,
+                 computes_in="bf16")
     t, h, d = q.shape
     kt = idx.shape[1]
     if t == 0 or kt == 0:

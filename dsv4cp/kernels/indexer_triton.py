@@ -84,7 +84,6 @@ import). Configurations: keyword arguments or ``DSV4CP_TRITON_INDEXER_CONFIG``
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -92,16 +91,15 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels import is_deterministic, triton_interpreting
+from dsv4cp.kernels import is_deterministic
+from dsv4cp.kernels._triton_launch import (
+    Kernels,
+    OutOfResources,  # noqa: F401  (re-exported: callers catch indexer_triton.OutOfResources)
+    check_tiles,
+    parse_env,
+)
+from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.ops.indexer import _select_top
-
-try:
-    from triton.runtime.errors import OutOfResources
-except ImportError:  # pragma: no cover - very old triton
-
-    class OutOfResources(Exception):
-        pass
-
 
 __all__ = [
     "BWD_SCRATCH_BYTES",
@@ -332,39 +330,14 @@ def _contrib_reduce_kernel(
     tl.store(DKEYS + g * stride_dkn + d, acc, mask=dmask)
 
 
-_BODIES = {f.__name__: f for f in (_score_kernel, _gather_fwd_kernel, _gather_bwd_kernel, _contrib_reduce_kernel)}
-_BUILT: dict[tuple[str, bool], object] = {}
-
-
-def _interpreted(device: torch.device) -> bool:
-    return device.type != "cuda" or bool(triton_interpreting())
-
-
-def _build(name: str, device: torch.device):
-    """The kernel ``name`` compiled for CUDA, or interpreted for CPU tensors (and for every tensor when
-    triton itself was imported under ``TRITON_INTERPRET=1``)."""
-    interpret = _interpreted(device)
-    if interpret and not triton_interpreting():
-        raise RuntimeError(
-            "indexer triton: CPU tensors need Triton's interpreter, but triton was imported without "
-            "TRITON_INTERPRET=1; set it in the environment before anything imports triton"
-        )
-    key = (name, interpret)
-    if key not in _BUILT:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _BUILT[key] = InterpretedFunction(_BODIES[name])
-        else:
-            _BUILT[key] = triton.jit(_BODIES[name])
-    return _BUILT[key]
+_KERNELS = Kernels("indexer triton", _score_kernel, _gather_fwd_kernel, _gather_bwd_kernel, _contrib_reduce_kernel)
+_BODIES, _BUILT, _CHOSEN = _KERNELS.bodies, _KERNELS.built, _KERNELS.chosen
+_build, _launch = _KERNELS.build, _KERNELS.launch
 
 
 # ---------------------------------------------------------------------------------------------------
 # Configuration.
 # ---------------------------------------------------------------------------------------------------
-
-_CHOSEN: dict[tuple, object] = {}
 
 
 def _score_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[IndexerConfig]:
@@ -394,53 +367,6 @@ def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> l
     if dtype == torch.float32 or block_d > 128:
         return [GatherConfig(*c) for c in ((32, 8, 1), (16, 4, 1))]
     return [GatherConfig(*c) for c in ((64, 8, 2), (64, 8, 1), (32, 8, 1), (16, 4, 1))]
-
-
-def _env_config() -> IndexerConfig | None:
-    text = os.environ.get("DSV4CP_TRITON_INDEXER_CONFIG")
-    if not text:
-        return None
-    try:
-        values = [int(v) for v in text.split(",")]
-        if len(values) != 4:
-            raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"DSV4CP_TRITON_INDEXER_CONFIG: expected 'block_m,block_n,num_warps,num_stages' (4 integers), "
-            f"got {text!r}"
-        ) from None
-    return IndexerConfig(*values)
-
-
-def _check_config(cfg: IndexerConfig) -> None:
-    for name in ("block_m", "block_n"):
-        value = getattr(cfg, name)
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"config.{name}: must be a power of two >= 16 (matrix-unit tile), got {value}")
-    if cfg.num_warps < 1 or cfg.num_stages < 1:
-        raise ValueError(f"config: num_warps and num_stages must be >= 1, got {cfg}")
-
-
-def _launch(kind: str, key: tuple, ladder: list, pinned, launch) -> None:
-    """Run ``launch(cfg)`` with the pinned config, the cached one, or the first config of the ladder that
-    fits the device (compilation raising OutOfResources, before anything runs, moves to the next)."""
-    if pinned is not None:
-        launch(pinned)
-        return
-    cache_key = (kind, *key)
-    if cache_key in _CHOSEN:
-        launch(_CHOSEN[cache_key])
-        return
-    error = None
-    for cfg in ladder:
-        try:
-            launch(cfg)
-        except OutOfResources as exc:
-            error = exc
-            continue
-        _CHOSEN[cache_key] = cfg
-        return
-    raise RuntimeError(f"indexer triton {kind}: no configuration fits this device: {error}") from error
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -623,9 +549,12 @@ def plan_chunks(
 
 
 def _pinned(config: IndexerConfig | None) -> IndexerConfig | None:
-    cfg = config if config is not None else _env_config()
+    """``config``, else the one in ``DSV4CP_TRITON_INDEXER_CONFIG``, else None (the ladder); checked."""
+    cfg = config if config is not None else parse_env("DSV4CP_TRITON_INDEXER_CONFIG", IndexerConfig)
     if cfg is not None:
-        _check_config(cfg)
+        check_tiles(cfg, prefix="config.")
+        if cfg.num_warps < 1 or cfg.num_stages < 1:
+            raise ValueError(f"config: num_warps and num_stages must be >= 1, got {cfg}")
     return cfg
 
 

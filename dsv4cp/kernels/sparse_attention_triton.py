@@ -59,22 +59,17 @@ package ``dsv4cp.kernels`` registers the backends without importing this module 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels import is_deterministic, triton_interpreting
-
-try:
-    from triton.runtime.errors import OutOfResources
-except ImportError:  # pragma: no cover - very old triton
-
-    class OutOfResources(Exception):
-        pass
-
+from dsv4cp.kernels import is_deterministic
+from dsv4cp.kernels._triton_launch import Kernels, OutOfResources  # noqa: F401  (OutOfResources: re-exported)
+from dsv4cp.kernels._triton_launch import interpreted as _interpreted
+from dsv4cp.kernels._triton_launch import pinned as _pinned
+from dsv4cp.ops.sparse_attention import _check_inputs
 
 __all__ = [
     "BWD_SCRATCH_BYTES",
@@ -363,40 +358,15 @@ def _dkv_reduce_kernel(
         tl.store(DKV + r * D + d, old + acc, mask=dmask)
 
 
-_BODIES = {f.__name__: f for f in (_fwd_kernel, _bwd_preprocess_kernel, _bwd_dq_kernel, _bwd_dkv_kernel,
-                                   _dkv_reduce_kernel)}
-_BUILT: dict[tuple[str, bool], object] = {}
-
-
-def _interpreted(device: torch.device) -> bool:
-    return device.type != "cuda" or bool(triton_interpreting())
-
-
-def _build(name: str, device: torch.device):
-    """The kernel ``name`` compiled for CUDA, or interpreted for CPU tensors (and for every tensor when
-    triton itself was imported under ``TRITON_INTERPRET=1``: its language library is then interpreted)."""
-    interpret = _interpreted(device)
-    if interpret and not triton_interpreting():
-        raise RuntimeError(
-            "sparse_attention triton: CPU tensors need Triton's interpreter, but triton was imported without "
-            "TRITON_INTERPRET=1; set it in the environment before anything imports triton"
-        )
-    key = (name, interpret)
-    if key not in _BUILT:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _BUILT[key] = InterpretedFunction(_BODIES[name])
-        else:
-            _BUILT[key] = triton.jit(_BODIES[name])
-    return _BUILT[key]
+_KERNELS = Kernels("sparse_attention triton", _fwd_kernel, _bwd_preprocess_kernel, _bwd_dq_kernel,
+                   _bwd_dkv_kernel, _dkv_reduce_kernel)
+_BODIES, _BUILT, _CHOSEN = _KERNELS.bodies, _KERNELS.built, _KERNELS.chosen
+_build, _launch = _KERNELS.build, _KERNELS.launch
 
 
 # ---------------------------------------------------------------------------------------------------
 # Configuration.
 # ---------------------------------------------------------------------------------------------------
-
-_CHOSEN: dict[tuple, object] = {}
 
 
 def _block_h(heads: int) -> int:
@@ -443,92 +413,28 @@ def _dkv_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]
     return [DkvConfig(*c) for c in ladder]
 
 
-def _parse_env(var: str, cls):
-    text = os.environ.get(var)
-    if not text:
-        return None
-    try:
-        values = [int(v) for v in text.split(",")]
-        if len(values) != 4:
-            raise ValueError
-    except ValueError:
-        fields = ",".join(cls.__dataclass_fields__)
-        raise ValueError(f"{var}: expected '{fields}' (4 integers), got {text!r}") from None
-    return cls(*values)
-
-
-def _pinned(env_var: str, cls, default, **overrides):
-    """A pinned config from keyword arguments (unset fields from ``default``) or the env var, else None."""
-    if any(v is not None for v in overrides.values()):
-        cfg = cls(**{k: (overrides[k] if overrides.get(k) is not None else getattr(default, k))
-                     for k in cls.__dataclass_fields__})
-    else:
-        cfg = _parse_env(env_var, cls)
-    if cfg is not None:
-        for name in ("block_h", "block_k", "block_d"):
-            value = getattr(cfg, name, None)
-            if value is not None and (value < 16 or value & (value - 1)):
-                raise ValueError(f"{name}: must be a power of two >= 16 (matrix-unit tile), got {value}")
-    return cfg
-
-
-def _launch(kind: str, key: tuple, ladder: list, pinned, launch) -> None:
-    """Run ``launch(cfg)`` with the pinned config, the cached one, or the first config of the ladder that
-    fits the device (compilation raising OutOfResources, before anything runs, moves to the next)."""
-    if pinned is not None:
-        launch(pinned)
-        return
-    cache_key = (kind, *key)
-    if cache_key in _CHOSEN:
-        launch(_CHOSEN[cache_key])
-        return
-    error = None
-    for cfg in ladder:
-        try:
-            launch(cfg)
-        except OutOfResources as exc:
-            error = exc
-            continue
-        _CHOSEN[cache_key] = cfg
-        return
-    raise RuntimeError(f"sparse_attention triton {kind}: no configuration fits this device: {error}") from error
-
-
 # ---------------------------------------------------------------------------------------------------
 # Validation.
 # ---------------------------------------------------------------------------------------------------
 
 
 def _check(q, kv, idx, sink, topk_length) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q: must be [T, H, D], got shape {tuple(q.shape)}")
-    t, h, d = q.shape
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q: dtype must be one of bf16, fp16, fp32 for the triton backend, got {q.dtype}")
-    if d % 16 != 0 or d == 0:
-        raise ValueError(f"q: head dim D must be a positive multiple of 16 (matrix-unit K), got {d}")
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim D must be at most {MAX_HEAD_DIM} for the triton backend, got {d}")
-    if kv.dim() != 2 or kv.shape[1] != d:
-        raise ValueError(f"kv: must be [N, {d}], got shape {tuple(kv.shape)}")
-    if kv.dtype != q.dtype:
-        raise ValueError(f"kv: dtype must match q ({q.dtype}), got {kv.dtype}")
-    if idx.dim() != 2 or idx.shape[0] != t:
-        raise ValueError(f"idx: must be [{t}, Kt], got shape {tuple(idx.shape)}")
-    if idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx: dtype must be int32 (or int64), got {idx.dtype}")
-    if sink.shape != (h,):
-        raise ValueError(f"sink: must be [{h}], got shape {tuple(sink.shape)}")
+    """The op's shape / dtype / device checks (``_check_inputs``) and what the kernels need on top of
+    them: a bf16 / fp16 / fp32 q with D a multiple of 16 up to MAX_HEAD_DIM (checked first), a floating
+    sink, int32 / int64 topk_length, a CUDA (or, interpreted, CPU) device."""
+    if q.dim() == 3:
+        d = q.shape[2]
+        if q.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"q: dtype must be one of bf16, fp16, fp32 for the triton backend, got {q.dtype}")
+        if d % 16 != 0 or d == 0:
+            raise ValueError(f"q: head dim D must be a positive multiple of 16 (matrix-unit K), got {d}")
+        if d > MAX_HEAD_DIM:
+            raise ValueError(f"q: head dim D must be at most {MAX_HEAD_DIM} for the triton backend, got {d}")
+    _check_inputs(q, kv, idx, sink, topk_length)
     if not sink.dtype.is_floating_point:
         raise ValueError(f"sink: dtype must be floating (fp32), got {sink.dtype}")
-    if topk_length is not None:
-        if topk_length.shape != (t,):
-            raise ValueError(f"topk_length: must be [{t}], got shape {tuple(topk_length.shape)}")
-        if topk_length.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"topk_length: dtype must be int32 (or int64), got {topk_length.dtype}")
-    for name, tensor in (("kv", kv), ("idx", idx), ("sink", sink), ("topk_length", topk_length)):
-        if tensor is not None and tensor.device != q.device:
-            raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
+    if topk_length is not None and topk_length.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_length: dtype must be int32 (or int64), got {topk_length.dtype}")
     if q.device.type not in ("cuda", "cpu"):
         raise ValueError(f"q: device must be cuda (or cpu under the Triton interpreter), got {q.device}")
 
