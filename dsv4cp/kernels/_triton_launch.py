@@ -1,0 +1,127 @@
+"""Build and launch machinery shared by the Triton kernel modules (:mod:`.sparse_attention_triton`,
+:mod:`.indexer_triton`, :mod:`.attention_probs_triton`).
+
+* :class:`Kernels`: one module's kernel bodies (plain functions), built lazily per execution mode: a
+  compiled ``triton.jit`` kernel for CUDA tensors, an interpreted one for CPU tensors (and for every
+  tensor when triton itself was imported under ``TRITON_INTERPRET=1``: its language library is then
+  interpreted); and launches that try a ladder of configurations, moving on when compilation raises
+  ``OutOfResources``, and cache the one that fits per shape class.
+* :func:`parse_env`, :func:`check_tiles`, :func:`pinned`: launch configurations pinned by keyword
+  arguments or an environment variable (``"a,b,c,d"``: the four integer fields of a config dataclass).
+
+Imports triton: only the kernel modules, themselves imported lazily, import this module.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from dsv4cp.kernels import triton_interpreting
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - very old triton
+
+    class OutOfResources(Exception):
+        pass
+
+
+def interpreted(device: torch.device) -> bool:
+    """Whether kernels for tensors on ``device`` run on Triton's interpreter."""
+    return device.type != "cuda" or bool(triton_interpreting())
+
+
+class Kernels:
+    """One module's kernels. ``bodies``: name -> plain function; ``built``: ``(name, interpreted)`` ->
+    built kernel; ``chosen``: ``(kind, *shape class)`` -> the configuration that fitted. ``label`` starts
+    the error messages (e.g. ``"indexer triton"``)."""
+
+    def __init__(self, label: str, *bodies) -> None:
+        self.label = label
+        self.bodies: dict[str, object] = {}
+        self.built: dict[tuple[str, bool], object] = {}
+        self.chosen: dict[tuple, object] = {}
+        self.register(*bodies)
+
+    def register(self, *bodies) -> None:
+        """Add kernel bodies, each under its function name."""
+        self.bodies.update({f.__name__: f for f in bodies})
+
+    def build(self, name: str, device: torch.device):
+        """The kernel ``name`` compiled for CUDA, or interpreted for CPU tensors (and for every tensor when
+        triton itself was imported under ``TRITON_INTERPRET=1``: its language library is then interpreted)."""
+        interpret = interpreted(device)
+        if interpret and not triton_interpreting():
+            raise RuntimeError(
+                f"{self.label}: CPU tensors need Triton's interpreter, but triton was imported without "
+                "TRITON_INTERPRET=1; set it in the environment before anything imports triton"
+            )
+        key = (name, interpret)
+        if key not in self.built:
+            if interpret:
+                from triton.runtime.interpreter import InterpretedFunction
+
+                self.built[key] = InterpretedFunction(self.bodies[name])
+            else:
+                self.built[key] = triton.jit(self.bodies[name])
+        return self.built[key]
+
+    def launch(self, kind: str, key: tuple, ladder: list, pinned, launch) -> None:
+        """Run ``launch(cfg)`` with the pinned config, the cached one, or the first config of the ladder
+        that fits the device (compilation raising OutOfResources, before anything runs, moves to the next)."""
+        if pinned is not None:
+            launch(pinned)
+            return
+        cache_key = (kind, *key)
+        if cache_key in self.chosen:
+            launch(self.chosen[cache_key])
+            return
+        error = None
+        for cfg in ladder:
+            try:
+                launch(cfg)
+            except OutOfResources as exc:
+                error = exc
+                continue
+            self.chosen[cache_key] = cfg
+            return
+        raise RuntimeError(f"{self.label} {kind}: no configuration fits this device: {error}") from error
+
+
+def parse_env(var: str, cls):
+    """The ``cls`` configuration written in the environment variable ``var`` (4 integers), or None."""
+    text = os.environ.get(var)
+    if not text:
+        return None
+    try:
+        values = [int(v) for v in text.split(",")]
+        if len(values) != 4:
+            raise ValueError
+    except ValueError:
+        fields = ",".join(cls.__dataclass_fields__)
+        raise ValueError(f"{var}: expected '{fields}' (4 integers), got {text!r}") from None
+    return cls(*values)
+
+
+def check_tiles(cfg, prefix: str = "") -> None:
+    """Every ``block_*`` field of the configuration ``cfg`` must be a power of two >= 16 (matrix-unit
+    tile); the error names the field after ``prefix``."""
+    for name in cfg.__dataclass_fields__:
+        value = getattr(cfg, name)
+        if name.startswith("block_") and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{prefix}{name}: must be a power of two >= 16 (matrix-unit tile), got {value}")
+
+
+def pinned(env_var: str, cls, default, **overrides):
+    """A pinned config from keyword arguments (unset fields from ``default``) or the env var, else None."""
+    if any(v is not None for v in overrides.values()):
+        cfg = cls(**{k: (overrides[k] if overrides.get(k) is not None else getattr(default, k))
+                     for k in cls.__dataclass_fields__})
+    else:
+        cfg = parse_env(env_var, cls)
+    if cfg is not None:
+        check_tiles(cfg)
+    return cfg
