@@ -12,6 +12,7 @@ from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank
 from dsv4cp.cp.layout import build_layout
 from dsv4cp.cp.recompute import recomputed_attention
+from dsv4cp.kernels.norm_rope_triton import head_norm_rope, rope_tail, use_fused
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.indexer import Indexer
 from dsv4cp.layer.indexer_loss import indexer_loss
@@ -111,8 +112,10 @@ class DSv4Attention(nn.Module):
             compressed = all_gather_rows(local_kv, cp_group, self.overlap, name="kv")
 
         def queries(latent: torch.Tensor, weight: torch.Tensor, sl: slice = slice(None)) -> torch.Tensor:
-            q = rms_norm(nn.functional.linear(latent, weight).view(latent.shape[0], h, d), cfg.rms_eps)
-            return apply_rope(q, positions[sl], freqs)
+            q = nn.functional.linear(latent, weight).view(latent.shape[0], h, d)
+            if use_fused(q, freqs):  # one Triton pass, no fp32 copies kept for backward
+                return head_norm_rope(q, positions[sl], freqs, cfg.rms_eps)
+            return apply_rope(rms_norm(q, cfg.rms_eps), positions[sl], freqs)
 
         q_region = BackwardRegion("q_proj.bwd")
         with nvtx_range("q_proj.fwd"):
@@ -167,7 +170,8 @@ class DSv4Attention(nn.Module):
     def _project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo the query rotation on each head's output, then the grouped low-rank projection."""
         cfg = self.cfg
-        out = apply_rope(out, positions, self.rope_freqs, inverse=True)
+        rotate = rope_tail if use_fused(out, self.rope_freqs) else apply_rope  # Triton rotates the tail only
+        out = rotate(out, positions, self.rope_freqs, inverse=True)
         groups = out.reshape(out.shape[0], cfg.o_groups, cfg.n_heads // cfg.o_groups * cfg.head_dim)  # heads of a group are consecutive
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
         latent = torch.einsum("lgi,goi->lgo", groups, wo_a).flatten(1)
