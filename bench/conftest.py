@@ -20,7 +20,8 @@ import time
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
+from bench.common import HAS_CUDA
+
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

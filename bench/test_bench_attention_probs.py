@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.layer.indexer_loss import head_summed_probs_torch
 
-HAS_CUDA = torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -44,23 +44,16 @@ SHAPES = {
     "tiny": Shape("tiny", 8, 4, 32, 16),
     "flash": Shape("flash", 32768, 64, 512, 512),
 }
-_gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")]
-SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("flash", id="flash", marks=_gpu_only)]
+SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("flash", id="flash", marks=GPU_ONLY)]
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if HAS_CUDA else "cpu")
-
-
-def _dtype() -> torch.dtype:
-    return torch.bfloat16 if HAS_CUDA else torch.float32
 
 
 def _triton():
     pytest.importorskip("triton")
     from dsv4cp.kernels import triton_available
 
-    if not triton_available(_device()):
+    if not triton_available(bench_device()):
         pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)")
     from dsv4cp.kernels.attention_probs_triton import head_summed_probs_triton
 
@@ -72,11 +65,11 @@ _INPUTS: dict = {}
 
 def _inputs(shape: Shape):
     """Cached ``(q, keys, idx, scale, log_denominator)`` and the valid-slot count for the shape."""
-    key = (shape.name, _device().type)
+    key = (shape.name, bench_device().type)
     if key in _INPUTS:
         return _INPUTS[key]
     _INPUTS.clear()
-    device, dtype = _device(), _dtype()
+    device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(1234)
     t, h, d = shape.tokens, shape.heads, shape.dim
     q = torch.randn(t, h, d, device=device, generator=g)
@@ -99,7 +92,7 @@ def _flops(shape: Shape, valid: int) -> float:
 
 
 def _bytes(shape: Shape, valid: int) -> float:
-    el = torch.finfo(_dtype()).bits // 8
+    el = torch.finfo(bench_dtype()).bits // 8
     t, h, k = shape.tokens, shape.heads, shape.k
     return t * h * shape.dim * el + t * k * 8 + t * h * 4 + t * k * 4 + valid * shape.dim * el
 

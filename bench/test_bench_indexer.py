@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.ops.indexer import indexer_topk
 
-HAS_CUDA = torch.cuda.is_available()
 BACKENDS = ["torch", "triton", "triton-score"]
 
 
@@ -61,18 +61,11 @@ SHAPES = {
     "32k": Shape("32k", 32768, 64, 128, 512),
     "64k": Shape("64k", 65536, 64, 128, 512),
 }
-_gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")]
 SHAPE_PARAMS = [pytest.param("tiny", id="tiny")] + [
-    pytest.param(name, id=name, marks=_gpu_only) for name in ("8k", "32k", "64k")
+    pytest.param(name, id=name, marks=GPU_ONLY) for name in ("8k", "32k", "64k")
 ]
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if HAS_CUDA else "cpu")
-
-
-def _dtype() -> torch.dtype:
-    return torch.bfloat16 if HAS_CUDA else torch.float32
 
 
 _INPUTS: dict = {}
@@ -80,12 +73,12 @@ _INPUTS: dict = {}
 
 def _inputs(shape: Shape) -> dict:
     """Cached inputs of one shape (the previous shape's are dropped first)."""
-    key = (shape.name, _device().type)
+    key = (shape.name, bench_device().type)
     if key in _INPUTS:
         return _INPUTS[key]
     _INPUTS.clear()
     gc.collect()
-    device, dtype = _device(), _dtype()
+    device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(4242)
     t, hi, di, n = shape.tokens, shape.heads, shape.dim, shape.n_keys
     q = torch.randn(t, hi, di, device=device, generator=g).to(dtype)
@@ -228,7 +221,7 @@ def test_indexer_score_config(benchmark, measure, cfg):
 
 
 _SCORES_PARAMS = [pytest.param("tiny", id="tiny")] + [
-    pytest.param(name, id=name, marks=_gpu_only) for name in ("8k", "32k")
+    pytest.param(name, id=name, marks=GPU_ONLY) for name in ("8k", "32k")
 ]
 
 

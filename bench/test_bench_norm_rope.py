@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.layer.norm import rms_norm
 from dsv4cp.layer.rope import apply_rope
 
-HAS_CUDA = torch.cuda.is_available()
 EPS = 1e-6
 
 
@@ -45,23 +45,16 @@ SHAPES = {
     "tiny": Shape("tiny", 8, 4, 32, 8),
     "flash": Shape("flash", 32768, 64, 512, 64),
 }
-_gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")]
-SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("flash", id="flash", marks=_gpu_only)]
+SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("flash", id="flash", marks=GPU_ONLY)]
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if HAS_CUDA else "cpu")
-
-
-def _dtype() -> torch.dtype:
-    return torch.bfloat16 if HAS_CUDA else torch.float32
 
 
 def _fused(op: str):
     pytest.importorskip("triton")
     from dsv4cp.kernels import triton_available
 
-    if not triton_available(_device()):
+    if not triton_available(bench_device()):
         pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)")
     from dsv4cp.kernels.norm_rope_triton import head_norm_rope, rope_tail
 
@@ -81,11 +74,11 @@ _INPUTS: dict = {}
 
 def _inputs(shape: Shape):
     """Cached ``(x leaf requiring grad, upstream gradient, positions, freqs)`` for the shape."""
-    key = (shape.name, _device().type)
+    key = (shape.name, bench_device().type)
     if key in _INPUTS:
         return _INPUTS[key]
     _INPUTS.clear()
-    device, dtype = _device(), _dtype()
+    device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(1234)
     size = (shape.rows, shape.heads, shape.dim)
     x = (torch.randn(size, device=device, generator=g) * 3.0).to(dtype).requires_grad_(True)
@@ -98,7 +91,7 @@ def _inputs(shape: Shape):
 
 
 def _bytes(shape: Shape, op: str, phase: str) -> float:
-    tensor = shape.rows * shape.heads * shape.dim * (torch.finfo(_dtype()).bits // 8)
+    tensor = shape.rows * shape.heads * shape.dim * (torch.finfo(bench_dtype()).bits // 8)
     fwd = 2 * tensor
     bwd = (3 if op == "norm_rope" else 2) * tensor
     return float(fwd + (bwd if phase == "fwd_bwd" else 0))

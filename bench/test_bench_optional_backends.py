@@ -18,6 +18,7 @@ import importlib
 import pytest
 import torch
 
+from bench.common import HAS_CUDA
 import dsv4cp.kernels.optional  # noqa: F401  (registers "flashmla" and "cudnn")
 from bench.test_bench_sparse_attention import (
     SHAPES,
@@ -29,7 +30,6 @@ from bench.test_bench_sparse_attention import (
 )
 from dsv4cp.kernels import cudnn_dsa, flashmla
 
-HAS_CUDA = torch.cuda.is_available()
 SHAPE_PARAMS = [pytest.param("flash", id="flash"), pytest.param("pro", id="pro")]
 PATHS = ["adapter", "library"]
 pytestmark = pytest.mark.gpu

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.ops.sparse_attention import backend_names, resolve_backend
 
-HAS_CUDA = torch.cuda.is_available()
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
 
 
@@ -49,27 +49,20 @@ SHAPES = {
     "flash": Shape("flash", 16384, 64, 512, 128, 512),
     "pro": Shape("pro", 16384, 128, 512, 128, 1024),
 }
-_gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")]
 SHAPE_PARAMS = [
     pytest.param("tiny", id="tiny"),
-    pytest.param("flash", id="flash", marks=_gpu_only),
-    pytest.param("pro", id="pro", marks=_gpu_only),
+    pytest.param("flash", id="flash", marks=GPU_ONLY),
+    pytest.param("pro", id="pro", marks=GPU_ONLY),
 ]
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if HAS_CUDA else "cpu")
-
-
-def _dtype() -> torch.dtype:
-    return torch.bfloat16 if HAS_CUDA else torch.float32
 
 
 def _backend(name: str):
     if name not in backend_names():
         pytest.skip(f"backend {name!r} is not registered")
     try:
-        return resolve_backend(name, _device())
+        return resolve_backend(name, bench_device())
     except ValueError as exc:
         pytest.skip(str(exc))
 
@@ -80,11 +73,11 @@ _INPUTS: dict = {}
 def _inputs(shape: Shape):
     """Cached (q, kv, idx, sink, scale, valid_keys) for the shape, plus (out, lse, dout) by the torch
     oracle for the backward benchmarks (made on first request)."""
-    key = (shape.name, _device().type)
+    key = (shape.name, bench_device().type)
     if key in _INPUTS:
         return _INPUTS[key]
     _INPUTS.clear()  # one shape's tensors at a time (pro: several GiB)
-    device, dtype = _device(), _dtype()
+    device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(1234)
     t, h, d = shape.tokens, shape.heads, shape.dim
     n = t + shape.n_compressed
@@ -108,9 +101,9 @@ def _inputs(shape: Shape):
 def _backward_inputs(shape: Shape, entry: dict):
     if "bwd" not in entry:
         q, kv, idx, sink, scale = entry["args"]
-        out, lse = resolve_backend("torch", _device()).forward(q, kv, idx, sink, scale, None)
-        g = torch.Generator(device=_device()).manual_seed(4321)
-        dout = torch.randn(out.shape, device=_device(), generator=g).to(out.dtype)
+        out, lse = resolve_backend("torch", bench_device()).forward(q, kv, idx, sink, scale, None)
+        g = torch.Generator(device=bench_device()).manual_seed(4321)
+        dout = torch.randn(out.shape, device=bench_device(), generator=g).to(out.dtype)
         entry["bwd"] = (out, lse, dout)
     return entry["bwd"]
 
@@ -122,7 +115,7 @@ def _flops_forward(shape: Shape, valid: int) -> float:
 def _bytes(shape: Shape, valid: int, backward: bool) -> float:
     """Forward: q, out, idx, lse and every valid gathered kv row once per query. Backward: q, out, dout,
     dq, idx, lse, delta, the gathered kv rows and their fp32 gradient contributions."""
-    el = torch.finfo(_dtype()).bits // 8
+    el = torch.finfo(bench_dtype()).bits // 8
     thd = shape.tokens * shape.heads * shape.dim * el
     idx_bytes = shape.tokens * shape.kt * 4
     th = shape.tokens * shape.heads * 4

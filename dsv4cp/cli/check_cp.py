@@ -17,7 +17,7 @@ from dsv4cp.config import DTYPES, PRESET_NAMES, DSv4Config
 from dsv4cp.cp.check import COSINE_TOLERANCE, REL_TOLERANCE, CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
-from dsv4cp.cp.layout import halo_rows
+from dsv4cp.cp.layout import split_rows
 from dsv4cp.workloads import PACKINGS, pack_lengths
 
 HELP = "compare a CP run against CP = 1 (output, gradients, indexer loss)"
@@ -61,12 +61,7 @@ def build_case(args: argparse.Namespace, cp: int) -> CheckCase:
     packed = case.packed()
     if cp < 1:
         raise ValueError(f"--cp: must be >= 1, got {cp}")
-    if packed.total % cp:
-        raise ValueError(f"--tokens: {packed.total} rows are not divisible by cp={cp}")
-    if packed.total // cp < halo_rows(cfg, args.ratio, cp):
-        raise ValueError(
-            f"--tokens: {packed.total // cp} rows per rank is less than the halo of {halo_rows(cfg, args.ratio, cp)}"
-        )
+    split_rows(packed.total, cp, cfg, args.ratio, field="--tokens")
     return case
 
 

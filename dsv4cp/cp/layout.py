@@ -34,6 +34,21 @@ def halo_rows(cfg: DSv4Config, compress_ratio: int, cp: int) -> int:
     return 0 if cp == 1 else max(cfg.window, compression_reach(compress_ratio))
 
 
+def split_rows(total: int, cp: int, cfg: DSv4Config, compress_ratio: int, field: str = "packed.total") -> tuple[int, int]:
+    """``(rows per rank, halo rows)`` of ``total`` rows over ``cp`` ranks; ``ValueError`` naming ``field``
+    when the rows do not divide evenly or a rank would hold fewer rows than the halo it must send."""
+    if total % cp:
+        raise ValueError(f"{field}: {total} rows are not divisible by cp={cp}")
+    rows = total // cp
+    halo = halo_rows(cfg, compress_ratio, cp)
+    if rows < halo:
+        raise ValueError(
+            f"{field}: each of the {cp} ranks holds {rows} rows, fewer than the halo of {halo} rows "
+            f"(max(window, compression reach)); use fewer ranks or more tokens"
+        )
+    return rows, halo
+
+
 def entry_capacity(rows: int, compress_ratio: int) -> int:
     """Most entries one rank can own: their groups are disjoint and end inside its ``rows`` rows."""
     return -(-rows // compress_ratio) if compress_ratio else 0
@@ -116,15 +131,7 @@ def build_layout(
         raise ValueError(f"cp: must be >= 1, got {cp}")
     if not 0 <= rank < cp:
         raise ValueError(f"rank: must be in [0, {cp}), got {rank}")
-    if total % cp:
-        raise ValueError(f"packed.total: {total} rows are not divisible by cp={cp}")
-    rows = total // cp
-    halo = halo_rows(cfg, compress_ratio, cp)
-    if rows < halo:
-        raise ValueError(
-            f"packed.total: each of the {cp} ranks holds {rows} rows, fewer than the halo of {halo} rows "
-            f"(max(window, compression reach)); use fewer ranks or more tokens"
-        )
+    rows, halo = split_rows(total, cp, cfg, compress_ratio)
     start = rank * rows
     device = packed.cu_seqlens_padded.device
     cu_p, cu = packed.cu_seqlens_padded, packed.cu_seqlens

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsv4cp.config import DSv4Config, layer_kind
-from dsv4cp.cp.layout import entry_capacity, halo_rows
+from dsv4cp.cp.layout import entry_capacity, split_rows
 from dsv4cp.packing import PackedSeqs
 
 DocsLike = PackedSeqs | Sequence[int] | np.ndarray
@@ -156,15 +156,7 @@ def rank_counts(cfg: DSv4Config, ratio: int, docs: DocsLike, cp: int, total: int
         raise ValueError(f"cp: must be a positive int, got {cp!r}")
     cp = int(cp)
     cu, total = document_extents(docs, total)
-    if total % cp:
-        raise ValueError(f"total: {total} rows are not divisible by cp={cp}")
-    rows = total // cp
-    halo = halo_rows(cfg, ratio, cp)
-    if rows < halo:
-        raise ValueError(
-            f"total: each of the {cp} ranks holds {rows} rows, fewer than the halo of {halo} rows "
-            f"(max(window, compression reach)); use fewer ranks or more tokens"
-        )
+    rows, halo = split_rows(total, cp, cfg, ratio, field="total")
     kind = layer_kind(ratio)
     starts_all, ends_all = cu[:-1], cu[1:]
     nonempty = ends_all > starts_all
