@@ -22,6 +22,8 @@ class PackedSeqs:
             padded end form a tail padding segment that sees no key and outputs zero.
         max_seqlen_padded: the longest padded document, kept on the host so kernels and metadata get
             static sizes without reading the device.
+        real_tokens: the number of real (loss-bearing) tokens, kept on the host for the same reason:
+            the global normaliser of the indexer loss.
 
     Build with :meth:`from_lengths` or :meth:`from_tensors`; both validate before anything runs.
     """
@@ -30,6 +32,7 @@ class PackedSeqs:
     cu_seqlens_padded: torch.Tensor
     total: int
     max_seqlen_padded: int
+    real_tokens: int
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -71,6 +74,7 @@ class PackedSeqs:
             cu_seqlens_padded=torch.tensor(cu_padded, dtype=torch.int64, device=device),
             total=int(total),
             max_seqlen_padded=max(padded_lengths, default=0),
+            real_tokens=cu[-1],
         )
 
     # ------------------------------------------------------------------ views
@@ -82,11 +86,6 @@ class PackedSeqs:
     def padded_end(self) -> int:
         return int(self.cu_seqlens_padded[-1])
 
-    @property
-    def real_tokens(self) -> int:
-        """Tokens that count in losses (the global normaliser of the indexer loss)."""
-        return int(self.cu_seqlens[-1])
-
     def lengths(self) -> list[int]:
         return torch.diff(self.cu_seqlens).tolist()
 
@@ -95,7 +94,8 @@ class PackedSeqs:
 
     def to(self, device: torch.device | str) -> "PackedSeqs":
         return PackedSeqs(
-            self.cu_seqlens.to(device), self.cu_seqlens_padded.to(device), self.total, self.max_seqlen_padded
+            self.cu_seqlens.to(device), self.cu_seqlens_padded.to(device), self.total, self.max_seqlen_padded,
+            self.real_tokens,
         )
 
     def __repr__(self) -> str:
