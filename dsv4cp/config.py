@@ -65,7 +65,10 @@ class DSv4Config:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        ratios = self.compress_ratios
+        if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__iter__"):
+            raise ValueError(f"compress_ratios: must be a sequence of ints, got {ratios!r}")
+        object.__setattr__(self, "compress_ratios", tuple(ratios))
         self._validate()
 
     # ------------------------------------------------------------------ presets
@@ -97,7 +100,7 @@ class DSv4Config:
 
     def check_ratio(self, compress_ratio: int) -> None:
         """Raise ``ValueError`` if this config cannot build a layer of ``compress_ratio``."""
-        if not isinstance(compress_ratio, int) or compress_ratio < 0:
+        if not isinstance(compress_ratio, int) or isinstance(compress_ratio, bool) or compress_ratio < 0:
             raise ValueError(f"compress_ratio: must be a non-negative int, got {compress_ratio!r}")
         if layer_kind(compress_ratio) == "H" and self.window < compress_ratio:
             raise ValueError(
@@ -115,6 +118,16 @@ class DSv4Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")
+        if not isinstance(self.hadamard, bool):
+            raise ValueError(f"hadamard: must be True or False, got {self.hadamard!r}")
+        if self.index_topk > 2**31 - 1:
+            raise ValueError(f"index_topk: must fit int32 indices (<= 2**31 - 1), got {self.index_topk}")
+        real_fields = ("rope_base", "compressed_rope_base", "yarn_factor", "yarn_beta_fast", "yarn_beta_slow",
+                       "rms_eps", "indexer_loss_coeff")
+        for name in real_fields:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}: must be a finite number, got {value!r}")
         if self.rope_dim % 2:
             raise ValueError(f"rope_dim: must be even (RoPE rotates pairs), got {self.rope_dim}")
         if self.rope_dim >= self.head_dim:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import TINY, expected_shapes, make_layer, packed, randn
+from dsv4cp import DSv4Attention
 from dsv4cp.config import DSv4Config
 from dsv4cp.packing import PackedSeqs
 
@@ -224,3 +225,29 @@ def test_layer_rejects_bad_input(tiny_layer, make_x, field):
     pk = packed([5, 7])
     with pytest.raises(ValueError, match=field):
         tiny_layer(make_x(), pk)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"compress_ratios": (4.7,)}, "compress_ratio"),
+        ({"compress_ratios": (True,)}, "compress_ratio"),
+        ({"compress_ratios": "48"}, "compress_ratios"),
+        ({"hadamard": "no"}, "hadamard"),
+        ({"rope_base": "x"}, "rope_base"),
+        ({"rms_eps": "1"}, "rms_eps"),
+        ({"index_topk": 2**40}, "index_topk"),
+        ({"yarn_beta_fast": float("inf")}, "yarn_beta_fast"),
+    ],
+)
+def test_config_rejects_wrongly_typed_values(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        DSv4Config.preset("tiny", **overrides)
+
+
+@pytest.mark.parametrize("ratio,loss", [(0, "sparse"), (4, "sparse"), (4, "dense"), (8, "sparse")])
+def test_a_batch_of_no_documents_outputs_zeros(ratio, loss):
+    layer = DSv4Attention(DSv4Config.preset("tiny", indexer_loss=loss), ratio)
+    res = layer(torch.randn(16, 64), PackedSeqs.from_lengths([], total=16))
+    assert torch.equal(res.out, torch.zeros(16, 64))
+    assert (res.indexer_loss is None) == (ratio != 4)

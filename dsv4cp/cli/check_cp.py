@@ -9,6 +9,7 @@ similarity > 1 - 1e-3).
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch.distributed as dist
 
@@ -18,6 +19,7 @@ from dsv4cp.cp.check import COSINE_TOLERANCE, REL_TOLERANCE, CheckCase, merge_ra
 from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.cp.layout import split_rows
+from dsv4cp.ops.sparse_attention import check_backend_name
 from dsv4cp.workloads import PACKINGS, pack_lengths
 
 HELP = "compare a CP run against CP = 1 (output, gradients, indexer loss)"
@@ -62,14 +64,15 @@ def build_case(args: argparse.Namespace, cp: int) -> CheckCase:
     if cp < 1:
         raise ValueError(f"--cp: must be >= 1, got {cp}")
     split_rows(packed.total, cp, cfg, args.ratio, field="--tokens")
+    check_backend_name(args.kernel_backend)
     return case
 
 
 def run(args: argparse.Namespace) -> int:
     if under_torchrun():
+        case = build_case(args, int(os.environ["WORLD_SIZE"]))  # before any process group exists
         device = init_from_env(args.backend)
         world, rank = dist.get_world_size(), dist.get_rank()
-        case = build_case(args, world)
         mine = run_rank(rank, world, device, case)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, mine)
@@ -87,5 +90,6 @@ def run(args: argparse.Namespace) -> int:
           f"loss={args.loss} ({tol})")
     print(f"{'quantity':<14}{'max_rel_error':>15}{'cosine':>14}  result")
     for c in results:
-        print(f"{c.quantity:<14}{c.max_rel_error:>15.3e}{c.cosine:>14.9f}  {'ok' if c.passed else 'FAIL'}")
+        worst = f"  (worst: {c.worst})" if c.worst and c.worst != c.quantity else ""
+        print(f"{c.quantity:<14}{c.max_rel_error:>15.3e}{c.cosine:>14.9f}  {'ok' if c.passed else 'FAIL'}{worst}")
     return 0 if all(c.passed for c in results) else 1

@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens <= 0:
         raise ValueError(f"--tokens: must be positive, got {args.tokens}")
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {args.device} requested but no CUDA device is available")
     dtype = DTYPES[args.dtype] if args.dtype else default_dtype(device)
     cfg = DSv4Config.preset(args.preset)
     packed = PackedSeqs.from_lengths(parse_lengths(args.lengths, args.tokens), total=args.tokens, device=device)

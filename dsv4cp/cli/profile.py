@@ -25,8 +25,10 @@ from dsv4cp.config import DTYPES, PRESET_NAMES, DSv4Config, default_dtype
 from dsv4cp.cp.check import randomize_
 from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.launch import init_from_env, under_torchrun
+from dsv4cp.cp.layout import split_rows
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.model import estimate
+from dsv4cp.ops.sparse_attention import check_backend_name
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import track_memory
 from dsv4cp.profiling.nvtx import capture_range, nvtx_range
@@ -75,8 +77,11 @@ def run(args: argparse.Namespace) -> int:
     lengths = (parse_lengths(args.lengths, args.tokens) if args.lengths
                else pack_lengths(args.tokens, args.packing, doc_len=args.doc_len, seed=args.seed))
     packed = PackedSeqs.from_lengths(lengths, total=args.tokens, device=device)
-    if packed.total % cp:
-        raise ValueError(f"--tokens: {packed.total} rows are not divisible by cp={cp}")
+    cfg.check_ratio(args.ratio)
+    split_rows(packed.total, cp, cfg, args.ratio, field="--tokens")
+    check_backend_name(args.kernel_backend)
+    direction = "fwd+bwd" if args.backward else "fwd"
+    bound = estimate(cfg, args.ratio, packed.to("cpu"), cp).summary(direction)  # before measuring anything
 
     generator = torch.Generator().manual_seed(args.seed)
     layer = DSv4Attention(cfg, args.ratio, backend=args.kernel_backend, overlap=args.overlap,
@@ -104,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
     memory = tracker.result.to_dict()
     peaks = _gather_objects(memory, group)
 
-    direction = "fwd+bwd" if args.backward else "fwd"
-    bound = estimate(cfg, args.ratio, packed.to("cpu"), cp).summary(direction)
     seconds = timing.median_ms / 1e3
     record = {
         "command": "profile", "preset": args.preset, "ratio": args.ratio, "tokens": args.tokens,

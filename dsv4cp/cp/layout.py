@@ -106,6 +106,8 @@ class RankLayout:
     def all_visible_idx(self) -> torch.Tensor:
         """``[rows, M]`` int64 gathered rows of every visible entry of each own row (-1 padded)."""
         slots = torch.arange(self.max_entries_per_doc, device=self.ext_doc.device)
+        if self.doc_first_eid.numel() == 0:  # a batch of no documents: nothing to see
+            return torch.full((self.rows, slots.numel()), -1, dtype=torch.int64, device=slots.device)
         first = self.doc_first_eid[self.local_doc.clamp_min(0)]
         eids = (first[:, None] + slots[None, :]).clamp_max(self.entry_row.numel() - 1)
         visible = slots[None, :] < self.visible_entries()[:, None]

@@ -77,6 +77,8 @@ def _check_depth(depth, rows: int) -> None:
 
 
 def _rows_per_rank(packed: PackedSeqs, cp: int) -> int:
+    if not isinstance(packed, PackedSeqs):
+        raise ValueError(f"packed: must be a PackedSeqs, got {type(packed).__name__}")
     if packed.total % cp != 0:
         raise ValueError(f"packed.total: T = {packed.total} is not divisible by cp = {cp}")
     return packed.total // cp
@@ -154,6 +156,8 @@ def roll_left(
     Under CP the leading rows of the next rank are fetched in one batched exchange for all fields.
     """
     cp, rank = group_size_and_rank(cp_group)
+    if fill is not None and not isinstance(fill, Mapping):
+        raise ValueError(f"fill: must be a dict of field name -> scalar, got {fill!r}")
     fill = {} if fill is None else dict(fill)
     if not isinstance(fields, Mapping) or len(fields) == 0:
         raise ValueError(f"fields: must be a non-empty dict of name -> tensor, got {fields!r}")

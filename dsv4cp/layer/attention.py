@@ -192,6 +192,7 @@ class DSv4Attention(nn.Module):
             raise ValueError(f"packed: offsets must be on x's device {x.device}, got {packed.cu_seqlens_padded.device}")
         if packed.total % cp:
             raise ValueError(f"packed.total: {packed.total} rows are not divisible by cp={cp}")
+        resolve_backend(self.backend, x.device)  # an unusable backend fails here, not after the gathers
         if x.shape[0] * cp != packed.total:
             raise ValueError(
                 f"x: holds {x.shape[0]} rows but packed.total={packed.total} over cp={cp} ranks "

@@ -49,7 +49,7 @@ def backend_names() -> list[str]:
 
 def check_backend_name(name: str) -> None:
     """Raise ``ValueError`` for a name no backend (or pair of backends) answers to, before any work."""
-    parts = name.split("+") if "+" in name else [name]
+    parts = (name.split("+") if "+" in name else [name]) if isinstance(name, str) else [name]
     unknown = [p for p in parts if p not in _BACKENDS and not (p == "auto" and len(parts) == 1)]
     if not isinstance(name, str) or len(parts) > 2 or unknown:
         raise ValueError(f"backend: unknown sparse-attention backend {name!r}; choose from {['auto', *_BACKENDS]} "
@@ -152,6 +152,9 @@ def sparse_attention(
 
 
 def _check_inputs(q, kv, idx, sink, topk_length) -> None:
+    for name, tensor in (("q", q), ("kv", kv), ("idx", idx), ("sink", sink)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name}: must be a tensor, got {type(tensor).__name__}")
     if q.dim() != 3:
         raise ValueError(f"q: must be [T, H, D], got shape {tuple(q.shape)}")
     t, h, d = q.shape
@@ -167,6 +170,10 @@ def _check_inputs(q, kv, idx, sink, topk_length) -> None:
         raise ValueError(f"idx: must be int32 (or int64), got {idx.dtype}")
     if sink.shape != (h,):
         raise ValueError(f"sink: must be [{h}], got shape {tuple(sink.shape)}")
+    if not sink.is_floating_point():
+        raise ValueError(f"sink: must be a floating tensor (fp32 in the model), got {sink.dtype}")
+    if topk_length is not None and topk_length.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_length: must be int32 (or int64), got {topk_length.dtype}")
     if topk_length is not None and topk_length.shape != (t,):
         raise ValueError(f"topk_length: must be [{t}], got shape {tuple(topk_length.shape)}")
     for name, tensor in (("kv", kv), ("idx", idx), ("sink", sink), ("topk_length", topk_length)):

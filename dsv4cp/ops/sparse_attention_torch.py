@@ -30,12 +30,19 @@ def _valid_mask(idx: torch.Tensor, topk_length: torch.Tensor | None) -> torch.Te
     return valid
 
 
+def _gather_rows(kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``kv[idx]`` with empty slots reading row 0 (masked later); a kv of no rows reads zeros."""
+    if kv.shape[0] == 0:  # legal when every slot is empty
+        return kv.new_zeros(*idx.shape, kv.shape[1])
+    return kv[idx.clamp_min(0).long()]
+
+
 def _chunk_probs(q, kv, idx, valid, sink, scale, lse=None):
     """Gather the chunk's keys and return (keys, probs over keys, sink prob, lse without sink).
 
     With ``lse`` given (backward) the probabilities are recomputed from it instead of re-reduced.
     """
-    keys = kv[idx.clamp_min(0).long()]  # [c, Kt, D]
+    keys = _gather_rows(kv, idx)  # [c, Kt, D]
     logits = torch.einsum("chd,ckd->chk", q, keys) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     if lse is None:
@@ -87,8 +94,9 @@ def sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse, topk_leng
         dlogits = probs * (dprobs - delta[..., None])
         dq[s:e] = (torch.einsum("chk,ckd->chd", dlogits, keys) * scale).to(q.dtype)
         dkeys = torch.einsum("chk,chd->ckd", dlogits, q_c) * scale + torch.einsum("chk,chd->ckd", probs, do_c)
-        rows = idx[s:e].clamp_min(0).long()
-        dkeys = dkeys * valid[..., None]  # invalid slots read row 0: drop their (zero) contribution
-        dkv.index_add_(0, rows.reshape(-1), dkeys.reshape(-1, dkeys.shape[-1]))
+        if kv.shape[0]:
+            rows = idx[s:e].clamp_min(0).long()
+            dkeys = dkeys * valid[..., None]  # invalid slots read row 0: drop their (zero) contribution
+            dkv.index_add_(0, rows.reshape(-1), dkeys.reshape(-1, dkeys.shape[-1]))
         dsink -= (sink_prob * delta).sum(0)
     return dq, dkv.to(kv.dtype), dsink.to(sink.dtype)

@@ -48,6 +48,8 @@ def _try_bad_call(case: str, world: int) -> str:
             layer(torch.randn(packed.total // 4, cfg.hidden), packed, group)
         elif case == "wrong_dtype":
             layer(x.double(), packed, group)
+        elif case == "backend_not_available":  # a name that exists, but not on this device
+            DSv4Attention(cfg, 4, backend="flashmla")(x, packed, group)
         elif case == "valid_call":  # control: proves the recorder sees the layer's collectives
             layer(x, packed, group)
     except ValueError as err:
@@ -61,6 +63,7 @@ BAD_CASES = {
     "packed_disagrees_with_x": "x:",
     "group_of_wrong_size": "x:",
     "wrong_dtype": "dtype",
+    "backend_not_available": "backend",
 }
 
 
