@@ -64,7 +64,8 @@ class _RecomputedAttention(torch.autograd.Function):
         del q, keys
         with nvtx_range("q_proj.bwd"):  # back through the query projection, one chunk of rows at a time
             dlatent = torch.empty_like(latent)
-            dweight = torch.zeros(q_weight.shape, dtype=torch.float32, device=q_weight.device)
+            dweight = torch.zeros(q_weight.shape, dtype=torch.promote_types(q_weight.dtype, torch.float32),
+                                  device=q_weight.device)  # fp32 sums for bf16 weights; fp64 stays fp64
             for rows in _row_chunks(latent.shape[0], q_weight):
                 with torch.enable_grad():
                     latent_r = latent[rows].detach().requires_grad_()

@@ -74,8 +74,9 @@ def test_cp8_matches_cp1() -> None:
 
 def test_fp64_parity_is_tight() -> None:
     """In fp64 the CP computation is the CP = 1 computation up to summation order."""
-    cases = [CheckCase(ratio=r, lengths=(5, 70, 0, 41), total=120, dtype="fp64", overlap="async",
-                       config_overrides={"indexer_loss": loss}) for r, loss in LAYER_TYPES]
+    cases = [CheckCase(ratio=r, lengths=(5, 70, 0, 41), total=120, dtype="fp64", overlap=overlap,
+                       recompute=recompute, config_overrides={"indexer_loss": loss})
+             for r, loss in LAYER_TYPES for overlap, recompute in MODES]
     _assert_all_pass(cases, spawn(run_cases, 3, cases))
 
 
