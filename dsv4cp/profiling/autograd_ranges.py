@@ -15,27 +15,17 @@ import torch
 from dsv4cp.profiling.nvtx import Span, nvtx_range
 
 
-class _OpenInBackward(torch.autograd.Function):
+class _SpanMarkerInBackward(torch.autograd.Function):
+    """Identity whose backward calls ``action`` (a span's ``open`` or ``close``) when its gradient arrives."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, span: Span) -> torch.Tensor:
-        ctx.span = span
+    def forward(ctx, x: torch.Tensor, action) -> torch.Tensor:
+        ctx.action = action
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.span.open()
-        return grad, None
-
-
-class _CloseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, span: Span) -> torch.Tensor:
-        ctx.span = span
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.span.close()
+        ctx.action()
         return grad, None
 
 
@@ -47,10 +37,10 @@ class BackwardRegion:
         self._span = Span(phase)
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
-        return _CloseInBackward.apply(x, self._span) if x.requires_grad else x
+        return _SpanMarkerInBackward.apply(x, self._span.close) if x.requires_grad else x
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
-        return _OpenInBackward.apply(y, self._span) if y.requires_grad else y
+        return _SpanMarkerInBackward.apply(y, self._span.open) if y.requires_grad else y
 
 
 def phase_region(phase: str, fn, x: torch.Tensor, *args):
