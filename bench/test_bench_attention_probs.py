@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
-from dsv4cp.layer.indexer_loss import head_summed_probs_torch
+from dsv4cp.ops.attention_probs import head_summed_probs_torch
 
 
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from bench.common import HAS_CUDA
-import dsv4cp.kernels.optional  # noqa: F401  (registers "flashmla" and "cudnn")
 from bench.test_bench_sparse_attention import (
     SHAPES,
     _backward_inputs,

@@ -7,6 +7,7 @@ import os
 import sys
 import zlib
 
+import hypothesis
 import pytest
 import torch
 
@@ -16,6 +17,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import reference`
+
+# Hypothesis: no example database (it would replay examples from earlier runs, whatever the seed) and
+# derandomized, for any Hypothesis test the collection hook below does not seed (e.g. a state machine's
+# TestCase); the others are seeded from the base seed.
+hypothesis.settings.register_profile("dsv4cp", database=None, derandomize=True, print_blob=True)
+hypothesis.settings.load_profile("dsv4cp")
 
 from dsv4cp.config import DSv4Config  # noqa: E402
 from dsv4cp.packing import PackedSeqs  # noqa: E402
@@ -43,14 +50,71 @@ def cfg_for(ratio: int, base: DSv4Config | None = None, **overrides) -> DSv4Conf
 
 
 # ------------------------------------------------------------------------------------------ seeds
+SEED_ENV = "DSV4CP_TEST_SEED"
+DEFAULT_BASE_SEED = 0
+"""Base seed when ``DSV4CP_TEST_SEED`` is unset: 0 keeps :func:`seed_of` equal to plain ``crc32``, the
+seeds every test had before the base seed existed."""
+
+
+def _read_base_seed() -> int:
+    raw = os.environ.get(SEED_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BASE_SEED
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{SEED_ENV}: expected an integer in [0, 2**32), got {raw!r}") from None
+    if not 0 <= value < 2**32:  # crc32's start value is an unsigned 32-bit integer
+        raise ValueError(f"{SEED_ENV}: expected an integer in [0, 2**32), got {value}")
+    return value
+
+
+BASE_SEED = _read_base_seed()
+"""The run's base seed: every test seed derives from it, so one integer reproduces a whole run."""
+
+_SEED_KEY = pytest.StashKey[int]()
+
+
 def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+    """A 31-bit seed determined by the base seed and ``parts`` (stable across runs, machines and Python
+    versions: crc32 of ``repr(parts)`` started from :data:`BASE_SEED`, not Python's salted ``hash``)."""
+    return zlib.crc32(repr(parts).encode(), BASE_SEED) & 0x7FFFFFFF
 
 
 @pytest.fixture
 def seed(request) -> int:
-    """A per-test seed (stable across runs, different between tests)."""
-    return seed_of(request.node.nodeid)
+    """A per-test seed (stable across runs, different between tests), derived from the test's node id;
+    printed with the base seed when the test fails."""
+    value = seed_of(request.node.nodeid)
+    request.node.stash[_SEED_KEY] = value
+    return value
+
+
+def pytest_report_header(config) -> str:
+    return f"{SEED_ENV}={BASE_SEED} (every test seed derives from it; set it to vary them)"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Seed every Hypothesis test from the base seed, so a failing example comes back on the next run
+    with the same ``DSV4CP_TEST_SEED`` (and a different one explores other examples)."""
+    for item in items:
+        test = getattr(item, "obj", None)
+        if getattr(test, "is_hypothesis_test", False):
+            value = seed_of(item.module.__name__, item.originalname)
+            hypothesis.seed(value)(test)
+            item.stash[_SEED_KEY] = value
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Add the seeds and the command that reproduces the failure to every failing test's report."""
+    report = yield
+    if report.failed:
+        derived = item.stash.get(_SEED_KEY, None)
+        seeds = f"{SEED_ENV}={BASE_SEED}" + ("" if derived is None else f" seed={derived}")
+        rerun = f"{SEED_ENV}={BASE_SEED} python -m pytest -p no:cacheprovider '{item.nodeid}'"
+        report.sections.append(("dsv4cp test seed", f"{seeds}\nreproduce: {rerun}"))
+    return report
 
 
 @pytest.fixture

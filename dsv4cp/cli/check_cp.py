@@ -1,9 +1,15 @@
 """Check that CP reproduces CP = 1: output, input gradient, indexer loss, summed parameter gradients.
 
-Spawns ``--cp`` local ranks itself, or runs as one rank when started by torchrun
-(``torchrun --nproc-per-node 2 -m dsv4cp.cli.main check-cp --backend nccl ...``).
-Exit code 1 when any quantity misses its tolerance (fp64 1e-10, fp32 1e-5 relative; bf16 cosine
-similarity > 1 - 1e-3).
+Spawns --cp local ranks itself, or runs as one rank per process under torchrun. Exit code 1 when any
+quantity misses its tolerance (fp64 1e-10, fp32 1e-5 relative; bf16 cosine similarity > 1 - 1e-3).
+Examples:
+
+  dsv4cp check-cp --cp 2 --lengths 5,127,0,300
+  torchrun --nproc-per-node 2 -m dsv4cp.cli.main check-cp --dist-backend nccl --preset flash --ratio 4 \\
+      --tokens 16384 --packing histogram --dtype bf16
+
+Every rank also runs the CP = 1 reference on the whole batch, so memory grows with --tokens, not
+--tokens / cp. --tokens defaults to 300 (the tiny preset checks in seconds on a CPU).
 """
 
 from __future__ import annotations
@@ -11,82 +17,72 @@ from __future__ import annotations
 import argparse
 import os
 
+import torch
 import torch.distributed as dist
 
-from dsv4cp.cli.layer import parse_lengths
-from dsv4cp.config import DTYPES, PRESET_NAMES, DSv4Config
+from dsv4cp.cli.common import (
+    add_dist_backend_option, add_layer_options, add_memory_options, check_args_agree, check_memory, layer_inputs,
+    positive_int, resolve_dist_backend,
+)
+from dsv4cp.config import DTYPES
 from dsv4cp.cp.check import COSINE_TOLERANCE, REL_TOLERANCE, CheckCase, merge_ranks, run_rank
-from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.cp.layout import split_rows
-from dsv4cp.ops.sparse_attention import check_backend_name
-from dsv4cp.workloads import PACKINGS, pack_lengths
 
 HELP = "compare a CP run against CP = 1 (output, gradients, indexer loss)"
 
+DEFAULT_CP = 2
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
-    parser.add_argument("--cp", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--ratio", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=None, help="packed rows T (default: the documents' sum)")
-    parser.add_argument("--lengths", default=None, help="comma-separated document lengths, e.g. 5,127,0,300")
-    parser.add_argument("--packing", choices=PACKINGS, default=None, help="generate lengths instead of --lengths")
-    parser.add_argument("--pad-to-multiple", type=int, default=1)
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
-    parser.add_argument("--overlap", choices=OVERLAP_MODES, default="none")
-    parser.add_argument("--recompute", action="store_true", help="selective recompute with KV reconstruction")
-    parser.add_argument("--loss", choices=("sparse", "dense"), default="sparse", help="indexer loss variant")
-    parser.add_argument("--kernel-backend", default="auto", help="sparse-attention backend")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="torch.distributed backend")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cp", type=positive_int, default=None,
+                        help=f"local ranks to spawn (default: {DEFAULT_CP}); under torchrun the world size is used")
+    # fp32 on every device: CP must reproduce CP = 1 to 1e-5 there; bf16 is judged by cosine only
+    add_layer_options(parser, tokens=300, dtype="fp32")
+    add_dist_backend_option(parser)
+    add_memory_options(parser)
 
 
-def build_case(args: argparse.Namespace, cp: int) -> CheckCase:
+def build_case(args: argparse.Namespace, cp: int, device: torch.device) -> CheckCase:
     """Validate everything on the host, before any process or collective starts."""
-    if args.lengths is not None and args.packing is not None:
-        raise ValueError("--packing: give either --lengths or --packing, not both")
-    if args.packing is not None:
-        if args.tokens is None:
-            raise ValueError("--tokens: --packing needs a token count")
-        lengths = pack_lengths(args.tokens, args.packing, seed=args.seed, doc_len=max(1, args.tokens // 8))
-    else:
-        lengths = parse_lengths(args.lengths, args.tokens or 300)
-    case = CheckCase(
-        preset=args.preset, ratio=args.ratio, lengths=tuple(lengths), total=args.tokens,
-        pad_to_multiple=args.pad_to_multiple, dtype=args.dtype, overlap=args.overlap,
-        recompute=args.recompute,
+    inputs = layer_inputs(args)
+    split_rows(inputs.packed.total, cp, inputs.cfg, args.ratio, field="--tokens")
+    check_memory(inputs, args.ratio, 1, backward=True, dtype=DTYPES[args.dtype], recompute=args.recompute,
+                 device=device, force=args.force)  # each rank also runs the whole-batch reference
+    return CheckCase(
+        preset=args.preset, ratio=args.ratio, lengths=tuple(inputs.lengths), total=inputs.packed.total,
+        pad_to_multiple=args.pad_to_multiple, dtype=args.dtype, overlap=args.overlap, recompute=args.recompute,
         backend=args.kernel_backend, seed=args.seed, config_overrides={"indexer_loss": args.loss},
     )
-    cfg: DSv4Config = case.config()
-    cfg.check_ratio(args.ratio)
-    packed = case.packed()
-    if cp < 1:
-        raise ValueError(f"--cp: must be >= 1, got {cp}")
-    split_rows(packed.total, cp, cfg, args.ratio, field="--tokens")
-    check_backend_name(args.kernel_backend)
-    return case
 
 
 def run(args: argparse.Namespace) -> int:
+    backend = resolve_dist_backend(args, distributed=True)  # before any process group exists
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
     if under_torchrun():
-        case = build_case(args, int(os.environ["WORLD_SIZE"]))  # before any process group exists
-        device = init_from_env(args.backend)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        mine = run_rank(rank, world, device, case)
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, mine)
-        dist.destroy_process_group()
+        world = int(os.environ["WORLD_SIZE"])
+        if args.cp is not None and args.cp != world:
+            raise ValueError(f"--cp: {args.cp} differs from torchrun's world size {world}; drop --cp under torchrun")
+        case = build_case(args, world, device)
+        device = init_from_env(backend)
+        try:
+            check_args_agree(args, dist.group.WORLD)
+            rank = dist.get_rank()
+            mine = run_rank(rank, world, device, case)
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, mine)
+        finally:
+            dist.destroy_process_group()
         if rank != 0:
             return 0
     else:
-        world = args.cp
-        case = build_case(args, world)
-        gathered = spawn(run_rank, world, case, backend=args.backend)
+        world = args.cp or DEFAULT_CP
+        case = build_case(args, world, device)
+        gathered = spawn(run_rank, world, case, backend=backend)
     results = merge_ranks(gathered)
     tol = f"cosine > 1 - {COSINE_TOLERANCE:g}" if case.dtype == "bf16" else f"rel <= {REL_TOLERANCE[case.dtype]:g}"
     print(f"check-cp preset={case.preset} ratio={case.ratio} cp={world} docs={len(case.lengths)} "
-          f"tokens={case.packed().total} dtype={case.dtype} overlap={case.overlap} recompute={case.recompute} "
+          f"tokens={case.total} dtype={case.dtype} overlap={case.overlap} recompute={case.recompute} "
           f"loss={args.loss} ({tol})")
     print(f"{'quantity':<14}{'max_rel_error':>15}{'cosine':>14}  result")
     for c in results:

@@ -1,4 +1,6 @@
-"""Print versions, devices and which kernel backends import on this machine."""
+"""Print versions, devices, and every sparse-attention kernel backend with whether it can run here
+and, when it cannot, why (the package is missing, no CUDA device, Triton's CPU interpreter off).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +10,15 @@ import platform
 
 import torch
 
-HELP = "versions, devices and available backends"
+from dsv4cp.cli.common import add_device_option, parse_device
 
-_OPTIONAL = ("triton", "nvtx", "flash_mla", "cudnn", "pandas", "matplotlib")
+HELP = "versions, devices and which kernel backends are usable here (and why not)"
+
+_OPTIONAL = ("triton", "nvtx", "flash_mla", "cudnn", "pandas", "matplotlib", "tqdm")
 
 
 def environment() -> dict[str, str]:
-    """Environment metadata (also recorded with every benchmark result)."""
+    """Environment metadata: interpreter, platform, torch/CUDA, devices, optional package versions."""
     info = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -31,15 +35,43 @@ def environment() -> dict[str, str]:
     return info
 
 
+def backend_status(name: str, device: torch.device) -> str:
+    """``available`` (with its side for a one-sided library) or ``missing (why)`` on ``device``."""
+    from dsv4cp import kernels
+    from dsv4cp.kernels import cudnn_dsa, flashmla
+
+    if name == "torch":
+        return "available (the reference; any device)"
+    if name in ("triton", "triton-deterministic"):
+        if kernels.triton_available(device):
+            return "available" + (" (CPU interpreter: slow, for tests)" if device.type == "cpu" else "")
+        if not kernels.HAS_TRITON:
+            return "missing (no module triton)"
+        if device.type == "cpu":
+            return "missing on CPU without TRITON_INTERPRET=1 (set it before starting the command)"
+        return "missing (no CUDA device)"
+    libraries = {flashmla.NAME: (flashmla, "forward only: pair it, e.g. flashmla+cudnn"),
+                 cudnn_dsa.NAME: (cudnn_dsa, "backward only: pair it, e.g. triton+cudnn")}
+    if name in libraries:
+        module, side = libraries[name]
+        if module.available(device):
+            return f"available ({side})"
+        problems = [p for p in (module.device_problem(device), module.library_problem()) if p]
+        return f"missing ({'; '.join(problems)})"
+    return "registered (no availability check known to 'dsv4cp env')"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser  # no options
+    add_device_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from dsv4cp.ops import backend_names, resolve_backend
 
+    device = parse_device(args.device)
     for key, value in environment().items():
         print(f"{key:>12}: {value}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"{'backends':>12}: {', '.join(backend_names())} (auto -> {resolve_backend('auto', device).name} on {device})")
+    print(f"{'backends':>12}: on {device}; 'auto' -> {resolve_backend('auto', device).name}")
+    for name in backend_names():
+        print(f"{name:>22}: {backend_status(name, device)}")
     return 0

@@ -1,4 +1,13 @@
-"""The ``dsv4cp`` command: one sub-command per module of this package (``dsv4cp <cmd> --help``)."""
+"""Microbenchmarks and profiling of context-parallel DeepSeek-V4 attention.
+
+Run 'dsv4cp COMMAND --help' for a command's options. Examples:
+
+  dsv4cp env
+  dsv4cp layer --preset tiny --ratio 4 --tokens 4096 --backward
+  dsv4cp check-cp --cp 2 --lengths 5,127,0,300
+  torchrun --nproc-per-node 2 -m dsv4cp.cli.main profile --preset flash --tokens 65536 --backward
+  dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 2
+"""
 
 from __future__ import annotations
 
@@ -6,8 +15,10 @@ import argparse
 import importlib
 import sys
 
-# Sub-command name -> module under dsv4cp.cli defining ``add_arguments(parser)`` and ``run(args) -> int``.
-# Modules are imported lazily so that ``dsv4cp env`` works even when a heavy optional import fails.
+from dsv4cp.cli.common import EXIT_CODES_HELP, HelpFormatter, run_command
+
+# Sub-command name -> module under dsv4cp.cli defining ``HELP``, ``add_arguments(parser)`` and
+# ``run(args) -> int``. Modules are imported when the parser is built, in this order.
 COMMANDS: dict[str, str] = {
     "env": "env",
     "layer": "layer",
@@ -15,27 +26,32 @@ COMMANDS: dict[str, str] = {
     "profile": "profile",
     "overlap": "overlap",
     "model": "model",
+    "sweep": "sweep",
+    "report": "report",
+    "compare": "compare",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4cp", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dsv4cp", description=__doc__, epilog=EXIT_CODES_HELP,
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"dsv4cp.cli.{module_name}")
-        cmd = sub.add_parser(name, help=module.HELP, description=module.__doc__)
+        cmd = sub.add_parser(name, help=module.HELP, description=module.__doc__, epilog=EXIT_CODES_HELP,
+                             formatter_class=HelpFormatter)
         module.add_arguments(cmd)
         cmd.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit code.
+
+    Usage errors exit through argparse (code 2); see :data:`EXIT_CODES_HELP` for the others.
+    """
     args = build_parser().parse_args(argv)
-    try:
-        return int(args._run(args) or 0)
-    except ValueError as err:  # bad input: one clear line, no traceback
-        print(f"dsv4cp {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    return run_command(args.command, lambda: args._run(args))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,18 @@ from __future__ import annotations
 import argparse
 
 import pandas as pd
+import torch
 
-from dsv4cp.config import PRESET_NAMES, DSv4Config
-from dsv4cp.model import BOTH, MACHINE_PRESETS, Machine, estimate, extrapolate
+from dsv4cp.cli.common import (
+    add_machine_options, add_renamed_option, check_output_file, int_list, machine_from_args, non_negative_int,
+    parse_lengths, positive_int,
+)
+from dsv4cp.config import LOSS_VARIANTS, PRESET_NAMES, DSv4Config
+from dsv4cp.model import BOTH, Machine, estimate, extrapolate
 from dsv4cp.model.machine import GB
-from dsv4cp.model.sweep import DEFAULT_CPS, DEFAULT_TOKENS
+from dsv4cp.model.memory import peak_bytes_estimate
+from dsv4cp.packing import PackedSeqs
+from dsv4cp.model.extrapolate import DEFAULT_CPS, DEFAULT_TOKENS
 from dsv4cp.workloads import PACKINGS, pack_lengths
 
 HELP = "analytic per-phase FLOPs, bytes, communication and lower bounds of one layer (no GPU needed)"
@@ -25,64 +32,45 @@ HELP = "analytic per-phase FLOPs, bytes, communication and lower bounds of one l
 MiB = float(1 << 20)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated ints, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"must be positive ints, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=PRESET_NAMES, default="flash")
-    parser.add_argument("--ratio", type=int, default=4, help="compress ratio: 0 (W), 4 (C) or another (H)")
-    parser.add_argument("--tokens", type=int, default=65536, help="packed tokens T of the batch")
-    parser.add_argument("--cp", type=int, default=2, help="context-parallel size")
-    parser.add_argument("--packing", choices=PACKINGS, default="one")
-    parser.add_argument("--doc-len", type=int, default=4096, help="document length of --packing fixed")
+    # flash by default, unlike the measuring commands (tiny): the model is instant at any size and
+    # is meant to show the cost of the real checkpoint
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="flash", help="layer dimensions (config preset)")
+    parser.add_argument("--ratio", type=non_negative_int, default=4,
+                        help="compress ratio: 0 (W: window only), 4 (C: indexer top-k) or another (H)")
+    parser.add_argument("--tokens", type=positive_int, default=65536, help="packed rows T of the batch")
+    parser.add_argument("--cp", type=positive_int, default=2, help="context-parallel size")
+    parser.add_argument("--packing", choices=PACKINGS, default="one", help="how --tokens splits into documents")
+    parser.add_argument("--doc-len", type=positive_int, default=4096, help="document length of --packing fixed")
     parser.add_argument("--lengths", type=str, default=None,
                         help="comma-separated document lengths (overrides --packing; total --tokens)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the histogram packings")
-    parser.add_argument("--indexer-loss", choices=("sparse", "dense"), default=None)
-    parser.add_argument("--machine", choices=MACHINE_PRESETS, default="h200x2")
-    parser.add_argument("--bandwidth", type=float, default=None,
-                        help="communication bandwidth in GB/s (all-gather bus bandwidth and P2P); "
-                             "default: the preset's (258 / 256 for h200x2, 40 for internode)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the histogram packings")
+    parser.add_argument("--loss", choices=LOSS_VARIANTS, default="sparse", help="indexer loss variant (C layers)")
+    add_renamed_option(parser, "--indexer-loss", "--loss")
+    add_machine_options(parser)
     parser.add_argument("--per-rank", action="store_true", help="print every (rank, phase, direction) record")
     parser.add_argument("--csv", default=None, help="write the records (or the extrapolation) to this CSV")
     parser.add_argument("--extrapolate", action="store_true",
                         help="sweep --cps x --sweep-tokens (or --tokens-per-rank) instead of one point")
-    parser.add_argument("--cps", type=_int_list, default=list(DEFAULT_CPS), help="CP sizes of --extrapolate")
-    parser.add_argument("--sweep-tokens", type=_int_list, default=list(DEFAULT_TOKENS),
+    parser.add_argument("--cps", type=int_list, default=list(DEFAULT_CPS), help="CP sizes of --extrapolate")
+    parser.add_argument("--sweep-tokens", type=int_list, default=list(DEFAULT_TOKENS),
                         help="total tokens of --extrapolate (strong scaling)")
-    parser.add_argument("--tokens-per-rank", type=_int_list, default=None,
+    parser.add_argument("--tokens-per-rank", type=int_list, default=None,
                         help="tokens per rank of --extrapolate (weak scaling; overrides --sweep-tokens)")
     parser.add_argument("--direction", choices=("fwd", "bwd"), default="fwd", help="direction of --extrapolate")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tokens <= 0:
-        raise ValueError(f"--tokens: must be positive, got {args.tokens}")
-    if args.cp <= 0:
-        raise ValueError(f"--cp: must be positive, got {args.cp}")
-    if args.bandwidth is not None and not args.bandwidth > 0:
-        raise ValueError(f"--bandwidth: must be positive GB/s, got {args.bandwidth}")
-    cfg = DSv4Config.preset(args.preset)
-    if args.indexer_loss:
-        cfg = cfg.replace(indexer_loss=args.indexer_loss)
+    check_output_file(args.csv, "--csv")
+    cfg = DSv4Config.preset(args.preset, indexer_loss=args.loss)
     cfg.check_ratio(args.ratio)
-    machine = Machine.preset(args.machine, None if args.bandwidth is None else args.bandwidth * GB)
+    machine = machine_from_args(args)
     _print_machine(machine)
     if args.extrapolate:
         return _run_extrapolate(args, cfg, machine)
 
     if args.lengths is not None:
-        try:
-            lengths = [int(v) for v in args.lengths.split(",") if v.strip()]
-        except ValueError:
-            raise ValueError(f"--lengths: must be comma-separated ints, got {args.lengths!r}") from None
+        lengths = parse_lengths(args.lengths)
     else:
         lengths = pack_lengths(args.tokens, args.packing, doc_len=args.doc_len, seed=args.seed)
     est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens)
@@ -106,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
               f"{s.comm_s * 1e3:.3f}, attention {s.attention_s * 1e3:.3f}), time imbalance {s.time_imbalance:.3f}, "
               f"{s.model_tflops_per_gpu(s.bound_overlap_s) if s.bound_overlap_s > 0 else float('nan'):.0f} "
               f"TFLOP/s/GPU at the bound")
+    packed = PackedSeqs.from_lengths(lengths, total=args.tokens)
+    peaks = {d: peak_bytes_estimate(cfg, args.ratio, packed, args.cp, d, torch.bfloat16) / 2**30 for d in ("fwd", BOTH)}
+    print(f" memory: estimated peak per rank in bf16: fwd {peaks['fwd']:.2f} GiB, fwd+bwd {peaks[BOTH]:.2f} GiB "
+          f"(see dsv4cp.model.memory)")
     if args.csv:
         est.table().to_csv(args.csv, index=False)
         print(f"records written to {args.csv}")
@@ -113,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_machine(m: Machine) -> None:
-    print(f"machine: {m.name}: {m.peak_flops / 1e12:.0f} TFLOP/s, HBM {m.hbm_bandwidth / 1e12:.2f} TB/s, "
-          f"all-gather busbw {m.allgather_busbw / GB:.0f} GB/s, P2P {m.p2p_bandwidth / GB:.0f} GB/s")
+    print(f"bounds for machine {m.name}: {m.peak_flops / 1e12:.3g} TFLOP/s, HBM {m.hbm_bandwidth / 1e12:.3g} TB/s, "
+          f"all-gather busbw {m.allgather_busbw / GB:.3g} GB/s, P2P {m.p2p_bandwidth / GB:.3g} GB/s")
 
 
 def _per_phase(est) -> pd.DataFrame:

@@ -3,7 +3,9 @@
 PATH is either a directory of Kineto (torch.profiler) Chrome-trace files, one per rank
 (``rank{R}.json``, as written by ``dsv4cp.profiling.trace.capture_trace``), or an Nsight Systems
 SQLite export (``nsys export --type sqlite``), or a directory of per-rank exports. Prints one row
-per (rank, phase) and a ``total`` row per rank; times in milliseconds.
+per (rank, phase) and a ``total`` row per rank; times in milliseconds. Example:
+
+  dsv4cp overlap traces/ --csv overlap.csv
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
+
+from dsv4cp.cli.common import check_output_file
 
 HELP = "compute/comm overlap per rank and phase from Kineto traces or an nsys SQLite export"
 
@@ -27,11 +31,11 @@ def load_table(path: Path) -> pd.DataFrame:
     from dsv4cp.profiling.trace import TRACE_SUFFIXES, kineto_overlap_table
 
     if not path.exists():
-        raise ValueError(f"path: {path} does not exist")
+        raise ValueError(f"PATH: {path} does not exist")
     if path.is_file():
         if path.suffix != ".sqlite":
             raise ValueError(
-                f"path: {path} is a file but not an nsys .sqlite export (give a directory of Kineto traces)"
+                f"PATH: {path} is a file but not an nsys .sqlite export (give a directory of Kineto traces)"
             )
         return nsys_overlap_table(path)
     names = [p.name for p in path.iterdir() if p.is_file()]
@@ -39,10 +43,11 @@ def load_table(path: Path) -> pd.DataFrame:
         return kineto_overlap_table(path)
     if any(name.endswith(".sqlite") for name in names):
         return nsys_overlap_table(path)
-    raise ValueError(f"path: {path} holds neither Kineto traces (*.json, *.json.gz) nor nsys exports (*.sqlite)")
+    raise ValueError(f"PATH: {path} holds neither Kineto traces (*.json, *.json.gz) nor nsys exports (*.sqlite)")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_file(args.csv, "--csv")  # before reading: a bad --csv must not cost the table
     table = load_table(args.path)
     print(table.to_string(index=False))
     if args.csv is not None:

@@ -34,7 +34,9 @@ def halo_rows(cfg: DSv4Config, compress_ratio: int, cp: int) -> int:
     return 0 if cp == 1 else max(cfg.window, compression_reach(compress_ratio))
 
 
-def split_rows(total: int, cp: int, cfg: DSv4Config, compress_ratio: int, field: str = "packed.total") -> tuple[int, int]:
+def split_rows(
+    total: int, cp: int, cfg: DSv4Config, compress_ratio: int, field: str = "packed.total"
+) -> tuple[int, int]:
     """``(rows per rank, halo rows)`` of ``total`` rows over ``cp`` ranks; ``ValueError`` naming ``field``
     when the rows do not divide evenly or a rank would hold fewer rows than the halo it must send."""
     if total % cp:
@@ -98,19 +100,34 @@ class RankLayout:
     def gathered_rows(self) -> int:
         return self.cp * self.capacity
 
+    @property
+    def key_row_limit(self) -> tuple[int, int]:
+        """``(base, r)``: own row ``t`` sees no gathered row at or past ``base + t // r + 1``, with
+        ``base = rank * capacity``; a bound known from sizes alone (compressed layers, ``r > 0``).
+
+        Why: an entry visible to own row t is complete by then (its last row is at or before global row
+        ``start + t``), so its owner is this rank or an earlier one. Earlier ranks' slots lie below
+        ``base``. This rank numbers its entries from slot 0 in buffer order, and the entries whose last
+        row lies in ``[start, start + t]`` are disjoint groups of ``r`` rows, at most ``t // r + 1``
+        of them, so a visible entry of this rank sits in a slot below ``t // r + 1``.
+        """
+        return self.rank * self.capacity, self.compress_ratio
+
     def visible_entries(self) -> torch.Tensor:
         """``[rows]`` int64: how many entries of its document each own row may see, ``(pos+1)//r``."""
         count = (self.local_pos + 1) // self.compress_ratio
         return torch.where(self.local_doc >= 0, count, 0)
 
-    def all_visible_idx(self) -> torch.Tensor:
-        """``[rows, M]`` int64 gathered rows of every visible entry of each own row (-1 padded)."""
+    def all_visible_idx(self, own_rows: slice = slice(None)) -> torch.Tensor:
+        """``[len(own_rows), M]`` int64 gathered rows of every visible entry of each own row in
+        ``own_rows`` (all by default), -1 padded; a slice keeps a chunk of queries from needing all rows'."""
         slots = torch.arange(self.max_entries_per_doc, device=self.ext_doc.device)
+        doc = self.local_doc[own_rows]
         if self.doc_first_eid.numel() == 0:  # a batch of no documents: nothing to see
-            return torch.full((self.rows, slots.numel()), -1, dtype=torch.int64, device=slots.device)
-        first = self.doc_first_eid[self.local_doc.clamp_min(0)]
+            return torch.full((doc.numel(), slots.numel()), -1, dtype=torch.int64, device=slots.device)
+        first = self.doc_first_eid[doc.clamp_min(0)]
         eids = (first[:, None] + slots[None, :]).clamp_max(self.entry_row.numel() - 1)
-        visible = slots[None, :] < self.visible_entries()[:, None]
+        visible = slots[None, :] < self.visible_entries()[own_rows][:, None]
         return torch.where(visible, self.entry_row[eids], -1)
 
     def visible_mask(self, doc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -23,21 +23,25 @@ one byte buffer); the last rank receives nothing (its trailing rows are fills: t
 the borrowed rows to the rank that owns them, which adds it into its first ``depth`` rows.
 
 All row bookkeeping (which rows take their source, which get a fill) is computed on the fields' device
-with ``searchsorted`` on ``cu_seqlens_padded``; there are no host loops over rows and no device reads.
+with ``searchsorted`` on ``cu_seqlens_padded``; there are no host loops over rows and no device reads
+(fill values are checked on the host before they are put on the device), so a roll never stalls the
+CPU and can run inside a CUDA graph. Both rolls emit the ``mtp.roll.fwd`` phase, and the hidden-state
+roll's backward ``mtp.roll.bwd``.
 Inputs are validated before any communication, identically on every rank, so bad input raises
 ``ValueError`` everywhere instead of leaving a peer waiting on a collective.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from dsv4cp.cp.comm import p2p_shift, group_size_and_rank
+from dsv4cp.cp.comm import group_size_and_rank, p2p_shift
 from dsv4cp.packing import PackedSeqs
+from dsv4cp.profiling.nvtx import nvtx_range
 
 __all__ = ["default_fill", "roll_left", "roll_hidden_left", "rolled_source_valid"]
 
@@ -94,16 +98,18 @@ def _check_field(label: str, x, rows: int, device: torch.device | None) -> None:
 
 
 def _fill_tensor(name: str, value, dtype: torch.dtype, device) -> torch.Tensor:
+    """The 0-dim fill of field ``name`` on ``device``, checked on the HOST: a device tensor's value would
+    have to be copied back to be checked, a synchronisation per field."""
     try:
-        t = torch.as_tensor(value, dtype=dtype, device=device)
+        host = torch.as_tensor(value, dtype=dtype)
     except (TypeError, RuntimeError, ValueError) as err:
         raise ValueError(f"fill[{name!r}]: {value!r} is not a scalar of dtype {dtype}: {err}") from None
-    if t.dim() != 0:
+    if host.dim() != 0:
         raise ValueError(f"fill[{name!r}]: must be a scalar, got {value!r}")
     exact = value if isinstance(value, (bool, int, float, complex)) else None
-    if exact is not None and not dtype.is_floating_point and not dtype.is_complex and t.item() != exact:
+    if exact is not None and not dtype.is_floating_point and not dtype.is_complex and host.item() != exact:
         raise ValueError(f"fill[{name!r}]: {value!r} is not representable in dtype {dtype}")
-    return t
+    return torch.full((), host.item(), dtype=dtype, device=device)  # a fill kernel: no host-to-device copy
 
 
 # ---------------------------------------------------------------------------- batched exchange
@@ -173,14 +179,13 @@ def roll_left(
         raise ValueError(f"fill: names {unknown} are not fields (fields: {names})")
     fills = {n: _fill_tensor(n, fill.get(n, default_fill(n)), fields[n].dtype, device) for n in names}
 
-    valid = rolled_source_valid(packed, depth, rank, rows, device)
-    if cp > 1:
-        nxt = _exchange_leading_rows(fields, names, depth, cp_group)
-    else:
-        nxt = {n: fields[n].new_zeros((depth, *fields[n].shape[1:])) for n in names}
-
-    out = {}
-    with torch.no_grad():
+    with nvtx_range("mtp.roll.fwd"), torch.no_grad():
+        valid = rolled_source_valid(packed, depth, rank, rows, device)
+        if cp > 1:
+            nxt = _exchange_leading_rows(fields, names, depth, cp_group)
+        else:
+            nxt = {n: fields[n].new_zeros((depth, *fields[n].shape[1:])) for n in names}
+        out = {}
         for name in names:
             x = fields[name].detach()
             shifted = torch.cat((x[depth:], nxt[name]), dim=0)  # row j <- global row g + depth
@@ -194,27 +199,30 @@ class _RollHiddenLeft(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, valid: torch.Tensor, depth: int, group) -> torch.Tensor:
         ctx.depth, ctx.group = depth, group
         ctx.save_for_backward(valid)
-        if group is not None and dist.get_world_size(group) > 1:
-            nxt = p2p_shift(h[:depth].contiguous(), group, -1)  # rank + 1's leading rows
-        else:
-            nxt = h.new_zeros((depth, *h.shape[1:]))
-        shifted = torch.cat((h[depth:], nxt), dim=0)
-        return torch.where(valid.view(-1, *([1] * (h.dim() - 1))), shifted, shifted.new_zeros(()))
+        with nvtx_range("mtp.roll.fwd"):
+            if group is not None and dist.get_world_size(group) > 1:
+                nxt = p2p_shift(h[:depth].contiguous(), group, -1)  # rank + 1's leading rows
+            else:
+                nxt = h.new_zeros((depth, *h.shape[1:]))
+            shifted = torch.cat((h[depth:], nxt), dim=0)
+            return torch.where(valid.view(-1, *([1] * (h.dim() - 1))), shifted, shifted.new_zeros(()))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (valid,) = ctx.saved_tensors
         depth, group = ctx.depth, ctx.group
-        g = torch.where(valid.view(-1, *([1] * (grad.dim() - 1))), grad, grad.new_zeros(()))
-        rows = g.shape[0]
-        # out[j] = h_ext[j + depth]: local rows depth.. get g[: rows - depth]; the borrowed rows' gradient
-        # g[rows - depth:] goes back to rank + 1, and rank - 1's comes here for our first depth rows.
-        if group is not None and dist.get_world_size(group) > 1:
-            returned = p2p_shift(g[rows - depth :].contiguous(), group, +1)
-        else:
-            returned = g.new_zeros((depth, *g.shape[1:]))
-        return torch.cat((returned, g[: rows - depth]), dim=0), None, None, None
+        with nvtx_range("mtp.roll.bwd"):
+            g = torch.where(valid.view(-1, *([1] * (grad.dim() - 1))), grad, grad.new_zeros(()))
+            rows = g.shape[0]
+            # out[j] = h_ext[j + depth]: local rows depth.. get g[: rows - depth]; the borrowed rows'
+            # gradient g[rows - depth:] goes back to rank + 1, and rank - 1's comes here for our first
+            # depth rows.
+            if group is not None and dist.get_world_size(group) > 1:
+                returned = p2p_shift(g[rows - depth :].contiguous(), group, +1)
+            else:
+                returned = g.new_zeros((depth, *g.shape[1:]))
+            return torch.cat((returned, g[: rows - depth]), dim=0), None, None, None
 
 
 def roll_hidden_left(

@@ -4,8 +4,13 @@ The attention core normally keeps, for backward, the query up-projection ``q [L,
 intermediates and the concatenated key buffer ``[halo kv | local kv | gathered compressed kv]``.
 With recompute on, it keeps only the parts those are made of (the query latent, the ext kv rows and
 the gathered compressed rows) and rebuilds both in backward: the key buffer by concatenating the
-saved parts again, the queries by re-running their projection, whose gradient is then propagated
-by hand. The attention itself is not recomputed: its output and lse are saved as usual.
+saved parts again, the queries by re-running their projection once, with autograd on, so the same
+graph serves the attention backward (its values) and the query backward (its gradient). The
+attention itself is not recomputed: its output and lse are saved as usual.
+
+Backward order inside the node (DESIGN 3.5): KV reconstruction, attention backward, then, the
+gathered keys' gradient being complete, ``on_compressed_grad`` (the CP layer launches its
+reduce-scatter there), then the query backward, which runs while the reduce-scatter flies.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from dsv4cp.profiling.nvtx import nvtx_range
 QueryFn = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
 """``query_fn(latent_rows, q_weight, rows)``: the queries of rows ``rows`` from their latents."""
 
+GradHook = Callable[[torch.Tensor], None]
+"""Called with a gradient as soon as it is complete."""
+
 CHUNK_BYTES = 1 << 30
-"""Bound on the fp32 intermediates of one chunk of recomputed query rows."""
+"""Bound on the fp32 intermediates of one chunk of the forward's (graph-free) query rows."""
 
 
 def _row_chunks(rows: int, q_weight: torch.Tensor) -> list[slice]:
@@ -42,14 +50,14 @@ def _key_buffer(kv_ext: torch.Tensor, compressed: torch.Tensor | None) -> torch.
 
 class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend):
+    def forward(ctx, latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend, on_compressed_grad):
         with nvtx_range("q_proj.fwd"):
             q = _queries(query_fn, latent, q_weight)
         keys = _key_buffer(kv_ext, compressed)
         with nvtx_range("sparse_attn.fwd"):
             out, lse = backend.forward(q, keys, idx, sink, scale, None)
         ctx.save_for_backward(latent, q_weight, kv_ext, compressed, idx, sink, out, lse)
-        ctx.query_fn, ctx.scale, ctx.backend = query_fn, scale, backend
+        ctx.query_fn, ctx.scale, ctx.backend, ctx.on_compressed_grad = query_fn, scale, backend, on_compressed_grad
         ctx.mark_non_differentiable(lse, q, keys)
         return out, lse, q, keys
 
@@ -58,36 +66,36 @@ class _RecomputedAttention(torch.autograd.Function):
         latent, q_weight, kv_ext, compressed, idx, sink, out, lse = ctx.saved_tensors
         with nvtx_range("kv_rebuild.bwd"):
             keys = _key_buffer(kv_ext, compressed)  # KV reconstruction
-            q = _queries(ctx.query_fn, latent, q_weight)
+            with torch.enable_grad():  # built once: its values feed the attention backward, its graph the query backward
+                latent_in = latent.detach().requires_grad_()
+                weight_in = q_weight.detach().requires_grad_()
+                q = ctx.query_fn(latent_in, weight_in, slice(None))
         with nvtx_range("sparse_attn.bwd"):
-            dq, dkeys, dsink = ctx.backend.backward(dout.contiguous(), q, keys, idx, sink, ctx.scale, out, lse, None)
-        del q, keys
-        with nvtx_range("q_proj.bwd"):  # back through the query projection, one chunk of rows at a time
-            dlatent = torch.empty_like(latent)
-            dweight = torch.zeros(q_weight.shape, dtype=torch.promote_types(q_weight.dtype, torch.float32),
-                                  device=q_weight.device)  # fp32 sums for bf16 weights; fp64 stays fp64
-            for rows in _row_chunks(latent.shape[0], q_weight):
-                with torch.enable_grad():
-                    latent_r = latent[rows].detach().requires_grad_()
-                    weight_r = q_weight.detach().requires_grad_()
-                    q_rows = ctx.query_fn(latent_r, weight_r, rows)
-                dlatent_r, dweight_r = torch.autograd.grad(q_rows, (latent_r, weight_r), dq[rows])
-                dlatent[rows] = dlatent_r
-                dweight += dweight_r
-            dweight = dweight.to(q_weight.dtype)
+            dq, dkeys, dsink = ctx.backend.backward(
+                dout.contiguous(), q.detach(), keys, idx, sink, ctx.scale, out, lse, None
+            )
+        del keys
         dkv_ext = dkeys[: kv_ext.shape[0]]
         dcompressed = None if compressed is None else dkeys[kv_ext.shape[0] :]
-        return dlatent, dweight, dkv_ext, dcompressed, None, dsink, None, None, None
+        if dcompressed is not None and ctx.on_compressed_grad is not None:
+            ctx.on_compressed_grad(dcompressed)  # complete here: its reduce-scatter flies during the query backward
+        with nvtx_range("q_proj.bwd"):
+            dlatent, dweight = torch.autograd.grad(q, (latent_in, weight_in), dq)
+        return dlatent, dweight, dkv_ext, dcompressed, None, dsink, None, None, None, None
 
 
 def recomputed_attention(
     latent: torch.Tensor, q_weight: torch.Tensor, query_fn: QueryFn, kv_ext: torch.Tensor,
     compressed: torch.Tensor | None, idx: torch.Tensor, sink: torch.Tensor, scale: float,
-    backend: SparseAttentionBackend,
+    backend: SparseAttentionBackend, on_compressed_grad: GradHook | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention of ``query_fn(latent, q_weight)`` over ``[kv_ext | compressed]`` rows.
 
     Returns ``(out, lse, q, key_buffer)``; ``q`` and ``key_buffer`` are detached views for
-    forward-only consumers (the indexer loss) and are not kept for backward.
+    forward-only consumers (the indexer loss) and are not kept for backward. In backward,
+    ``on_compressed_grad`` receives the gradient of ``compressed`` (complete, since the attention
+    is its only differentiable consumer) before the query backward starts.
     """
-    return _RecomputedAttention.apply(latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend)
+    return _RecomputedAttention.apply(
+        latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend, on_compressed_grad
+    )

@@ -1,6 +1,7 @@
-"""Own GPU kernels (Triton). Importing this package registers the sparse-attention backends
-"triton" (fp32 atomics for the kv gradient unless deterministic mode is on) and "triton-deterministic"
-(DESIGN 4.2) WITHOUT importing triton: the kernels module is imported on first use. That matters on
+"""Own GPU kernels (Triton) and the optional library adapters, below :mod:`dsv4cp.ops` (which chooses
+and registers them as backends of its functional ops; nothing here imports ``dsv4cp.ops``).
+
+Importing this package imports no triton: kernel modules are imported on first use. That matters on
 CPU, where Triton's interpreter needs ``TRITON_INTERPRET=1`` set before triton's first import.
 
 Public API (the kernel wrappers load triton lazily on attribute access):
@@ -8,11 +9,10 @@ Public API (the kernel wrappers load triton lazily on attribute access):
 * :func:`sparse_attention_fwd`, :func:`sparse_attention_bwd`, :class:`KernelConfig`, :class:`DkvConfig`
   (``dsv4cp.kernels.sparse_attention_triton``);
 * :func:`set_deterministic`, :func:`is_deterministic`, :func:`triton_available`,
-  :func:`triton_interpreting`.
+  :func:`triton_interpreting`, :func:`triton_serves`.
 
 Availability: CUDA devices; CPU when ``TRITON_INTERPRET=1`` and triton is (or will be) imported in
-interpreter mode. "auto" tries "triton" first only when CUDA is present at import, so CPU runs of
-"auto" keep using the torch oracle even when the interpreter is enabled for the kernel tests.
+interpreter mode.
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ import os
 import sys
 
 import torch
-
-from dsv4cp.ops.sparse_attention import SparseAttentionBackend, register_backend
-from dsv4cp.ops.sparse_attention_torch import sparse_attention_backward as _torch_backward
-from dsv4cp.ops.sparse_attention_torch import sparse_attention_forward as _torch_forward
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -45,6 +41,7 @@ __all__ = [
     "sparse_attention_fwd",
     "triton_available",
     "triton_interpreting",
+    "triton_serves",
 ]
 
 
@@ -103,38 +100,8 @@ triton_available.missing_hint = (  # type: ignore[attr-defined]  (shown by resol
 )
 
 
-# ------------------------------------------------------------------------------------------ backends
-def _forward(q, kv, idx, sink, scale, topk_length=None):
-    if q.dtype == torch.float64:  # tl.dot has no fp64 matrix-unit path: the oracle serves fp64 (tests)
-        return _torch_forward(q, kv, idx, sink, scale, topk_length)
-    from dsv4cp.kernels.sparse_attention_triton import sparse_attention_fwd
-
-    return sparse_attention_fwd(q, kv, idx, sink, scale, topk_length)
-
-
-def _make_backward(deterministic: bool | None):
-    def backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None):
-        if q.dtype == torch.float64:
-            return _torch_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length)
-        from dsv4cp.kernels.sparse_attention_triton import sparse_attention_bwd
-
-        return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, topk_length,
-                                    deterministic=deterministic)
-
-    return backward
-
-
-def _register() -> None:
-    from dsv4cp.ops.sparse_attention import AUTO_ORDER, backend_names
-
-    if "triton" in backend_names():  # already registered (module reloaded)
-        return
-    prefer = HAS_TRITON and torch.cuda.is_available()
-    register_backend(SparseAttentionBackend("triton", _forward, _make_backward(None), triton_available),
-                     auto_rank=0 if prefer and "triton" not in AUTO_ORDER else None)
-    register_backend(SparseAttentionBackend("triton-deterministic", _forward, _make_backward(True),
-                                            triton_available))
-
-
-_register()
-from dsv4cp.kernels import optional as _optional  # noqa: E402,F401  (FlashMLA / cuDNN adapters)
+def triton_serves(x: torch.Tensor) -> bool:
+    """Whether the compiled Triton kernels of the indexer ops serve ``x [..., D]``: a CUDA tensor, not fp64
+    (no fp64 matrix-unit path), ``D`` a multiple of 16, triton installed. CPU tensors stay on the torch
+    references even under the interpreter (the kernel tests call the kernels directly)."""
+    return x.is_cuda and x.dtype != torch.float64 and x.shape[-1] % 16 == 0 and HAS_TRITON

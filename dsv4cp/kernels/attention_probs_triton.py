@@ -8,7 +8,7 @@ query ``t`` (a slot is valid when ``0 <= idx < N``; ``-1`` marks an empty one):
 * :func:`head_summed_probs_triton`: ``out[t, k] = sum_h e^{l[t, h, k] - log_denominator[t, h]}`` (fp32,
   0 at empty slots).
 
-They replace the torch reference in :mod:`dsv4cp.layer.indexer_loss` (chunked ``[chunk, K, D]`` fp32
+They replace the torch reference in :mod:`dsv4cp.ops.attention_probs` (chunked ``[chunk, K, D]`` fp32
 gathers) on CUDA: the gathered key rows are read ONCE per query, in q's dtype, and the logits never
 leave the chip. Same conventions as the sparse-attention forward (:mod:`.sparse_attention_triton`),
 whose helpers this module imports (its kernel set, built per execution mode and launched over
@@ -277,7 +277,7 @@ def logsumexp_over_triton(
         block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder).
 
     Returns: natural-log lse, ``-inf`` where a query has no valid slot (same contract as
-    :func:`dsv4cp.layer.indexer_loss.logsumexp_over`).
+    :func:`dsv4cp.ops.attention_probs.logsumexp_over`).
     """
     _check(q, keys, idx)
     q, keys, idx = _unit_last(q), _unit_last(keys), _unit_last(idx)
@@ -329,7 +329,7 @@ def head_summed_probs_triton(
         block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder);
             ``H > block_h`` loops over head blocks inside each program.
 
-    Returns: 0 at empty slots (same contract as :func:`dsv4cp.layer.indexer_loss.head_summed_probs`).
+    Returns: 0 at empty slots (same contract as :func:`dsv4cp.ops.attention_probs.head_summed_probs`).
     """
     _check(q, keys, idx)
     t, h, d = q.shape

@@ -18,7 +18,8 @@ Public API:
   where invisible), the kernel the top-k wrapper runs per chunk; exposed for tests and benchmarks.
 * :func:`iter_score_chunks`: the top-k wrapper's scoring half (chunks of masked scores, no selection).
 * :func:`key_ranges`: per query, the half-open range of key rows holding its visible keys.
-* :func:`plan_chunks`: the wrapper's chunking of queries under a byte budget.
+* :func:`plan_chunks`: the wrapper's chunking of queries under a byte budget, from those ranges.
+* :func:`plan_static_chunks`: the same chunking from sizes and a static causal bound (no device read).
 * :func:`indexer_scores_triton` (autograd): the scores at given key rows ``idx [T, K]`` (the indexer
   loss's prediction), Triton forward and backward; same contract as
   :func:`dsv4cp.ops.indexer.indexer_scores`.
@@ -52,8 +53,18 @@ H200 is what ``bench/test_bench_indexer.py::test_indexer_score_config`` measures
 
 Skipping: a tile whose queries see none of its keys (other documents, causally invisible, padding
 slots) loads no keys, runs zero head iterations and only stores ``-inf``. On top of that the wrapper
-narrows every query chunk to the key-row range its queries can see (:func:`key_ranges`): in a
-multi-document batch a chunk's columns cover only its own documents' keys.
+narrows every query chunk to a key-row range holding every key its queries can see. Two planners:
+
+* static (:func:`plan_static_chunks`, what the layer uses): the caller passes ``key_row_limit``, the
+  causal bound of a CP layout (query row t sees no key row past ``base + t // 4``), and the chunks and
+  their column ranges follow from sizes alone. No device->host copy (it would stall the CPU behind the
+  index-key all-gather on every C-layer forward) and one plan for every batch of the same sizes, so a
+  CUDA graph of the layer replays correctly on new data. Early causal rows get narrow chunks; in a
+  multi-document batch a chunk's columns still start at key row 0 (the other documents' tiles are
+  skipped by the kernel, but the selection scans their ``-inf`` columns).
+* exact (:func:`key_ranges` + :func:`plan_chunks`, the default without ``key_row_limit``): the precise
+  visible range per query, read to the host once per call; a chunk's columns then cover only its own
+  documents' keys.
 
 Top-k wrapper (:func:`indexer_topk_triton`): queries are processed in chunks; for each chunk the kernel
 fills a ``[rows, width]`` fp32 buffer (``width`` = the chunk's visible key-row range, never the full
@@ -99,7 +110,7 @@ from dsv4cp.kernels._triton_launch import (
     parse_env,
 )
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
-from dsv4cp.ops.indexer import _select_top
+from dsv4cp.kernels.contracts import select_top as _select_top
 
 __all__ = [
     "BWD_SCRATCH_BYTES",
@@ -114,6 +125,7 @@ __all__ = [
     "iter_score_chunks",
     "key_ranges",
     "plan_chunks",
+    "plan_static_chunks",
     "query_limits",
 ]
 
@@ -133,6 +145,9 @@ MAX_INDEX_DIM = 256
 
 _PLAN_ROWS = 64
 """Row granularity of the chunk planner (query-block aligned for every ladder's BLOCK_M <= 64)."""
+
+_NO_KEY = 2**62
+"""Lower key-row bound of a group of queries that sees no key (above every key row)."""
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
@@ -491,54 +506,116 @@ def plan_chunks(
     that ``rows * width * bytes_per_score <= budget_bytes`` (a single row may exceed it: a chunk never
     has fewer than one row) and ``rows <= max_rows`` when given.
 
-    Greedy over groups of ``min(64, max_rows)`` rows (one host read of the per-group bounds): a chunk
-    grows while it fits, so short documents and early causal rows give wide-row, narrow-column chunks.
+    Planned from the exact per-query ranges ``lo, hi`` (:func:`key_ranges`), which live on the device:
+    this reads them to the host (the per-group bounds once, and the rows of any group that alone
+    exceeds the budget), so it synchronises with the device. :func:`plan_static_chunks` does not.
     """
     t = lo.numel()
+    gran = _check_plan(budget_bytes, max_rows)
+    if t == 0:
+        return []
+    n_groups = -(-t // gran)
+    empty = hi <= lo
+    glo = torch.full((n_groups * gran,), _NO_KEY, dtype=torch.int64, device=lo.device)
+    ghi = torch.zeros(n_groups * gran, dtype=torch.int64, device=lo.device)
+    glo[:t] = torch.where(empty, _NO_KEY, lo.to(torch.int64))
+    ghi[:t] = torch.where(empty, 0, hi.to(torch.int64))
+    glo, ghi = glo.view(n_groups, gran).amin(1), ghi.view(n_groups, gran).amax(1)
+
+    def split(start: int, stop: int, per: int) -> list[tuple[int, int, int, int]]:
+        row_lo, row_hi = lo[start:stop].tolist(), hi[start:stop].tolist()
+        pieces = []
+        for a in range(0, stop - start, per):
+            live = [(x, y) for x, y in zip(row_lo[a:a + per], row_hi[a:a + per]) if y > x]
+            p_lo = min((x for x, _ in live), default=0)
+            p_hi = max((y for _, y in live), default=0)
+            pieces.append((start + a, min(start + a + per, stop), p_lo, p_hi - p_lo))
+        return pieces
+
+    return _greedy_chunks(t, gran, list(zip(glo.tolist(), ghi.tolist())), split, budget_bytes, max_rows,
+                          bytes_per_score)
+
+
+def plan_static_chunks(
+    t: int, g: int, key_row_limit: tuple[int, int] | None = None, budget_bytes: int = TOPK_BUDGET_BYTES,
+    max_rows: int | None = None, bytes_per_score: int = TOPK_BYTES_PER_SCORE,
+) -> list[tuple[int, int, int, int]]:
+    """The chunks of :func:`plan_chunks` for ``t`` queries and ``g`` key rows, planned from sizes alone:
+    no device read, and the same plan for every batch of these sizes (so a CUDA graph captured with it
+    stays correct when replayed on other data).
+
+    Every chunk's columns start at key row 0. Without ``key_row_limit`` they span all ``g`` key rows;
+    with ``key_row_limit = (base, ratio)``, a guarantee from the caller that query row ``t`` sees no key
+    row at or past ``base + t // ratio + 1`` (:attr:`dsv4cp.cp.layout.RankLayout.key_row_limit`: the
+    causal bound of a CP layout's gathered buffer), a chunk of rows ``[start, stop)`` spans key rows
+    ``[0, min(g, base + (stop - 1) // ratio + 1))``, so early query rows get narrow chunks as with the
+    exact planner. The windows contain the exact planner's and the selection ignores invisible columns
+    (their scores are ``-inf``), so from the same scores both plans select the same keys. The price: in
+    a multi-document batch the selection also scans the other documents' (``-inf``) columns.
+    """
+    gran = _check_plan(budget_bytes, max_rows)
+    base, ratio = _check_key_row_limit(key_row_limit)
+    if t == 0 or g == 0:
+        return []
+
+    def width(stop: int) -> int:  # key rows [0, width) hold every key visible to the rows before stop
+        return g if ratio == 0 else min(g, base + (stop - 1) // ratio + 1)
+
+    n_groups = -(-t // gran)
+    bounds = [(0, width(min((i + 1) * gran, t))) for i in range(n_groups)]
+
+    def split(start: int, stop: int, per: int) -> list[tuple[int, int, int, int]]:
+        return [(a, min(a + per, stop), 0, width(min(a + per, stop))) for a in range(start, stop, per)]
+
+    return _greedy_chunks(t, gran, bounds, split, budget_bytes, max_rows, bytes_per_score)
+
+
+def _check_plan(budget_bytes: int, max_rows: int | None) -> int:
+    """Validate the planner's limits; return its row granularity (query-block aligned)."""
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"chunk: must be a positive number of query rows, got {max_rows}")
-    if t == 0:
-        return []
-    gran = _PLAN_ROWS if max_rows is None else max(1, min(_PLAN_ROWS, max_rows))
-    n_groups = -(-t // gran)
-    empty = hi <= lo
-    none = 2**62  # "no visible key" sentinel for lo (above every key row)
-    glo = torch.full((n_groups * gran,), none, dtype=torch.int64, device=lo.device)
-    ghi = torch.zeros(n_groups * gran, dtype=torch.int64, device=lo.device)
-    glo[:t] = torch.where(empty, none, lo.to(torch.int64))
-    ghi[:t] = torch.where(empty, 0, hi.to(torch.int64))
-    glo, ghi = glo.view(n_groups, gran).amin(1), ghi.view(n_groups, gran).amax(1)
-    glo_l, ghi_l = glo.tolist(), ghi.tolist()
+    return _PLAN_ROWS if max_rows is None else max(1, min(_PLAN_ROWS, max_rows))
+
+
+def _check_key_row_limit(key_row_limit) -> tuple[int, int]:
+    """``(base, ratio)`` checked; ``(0, 0)`` (no bound) for None."""
+    if key_row_limit is None:
+        return 0, 0
+    ok = (isinstance(key_row_limit, tuple) and len(key_row_limit) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in key_row_limit))
+    if not ok or key_row_limit[0] < 0 or key_row_limit[1] < 1:
+        raise ValueError(f"key_row_limit: must be a tuple (base >= 0, ratio >= 1) of ints, got {key_row_limit!r}")
+    return key_row_limit
+
+
+def _greedy_chunks(t, gran, bounds, split, budget, max_rows, bytes_per_score) -> list[tuple[int, int, int, int]]:
+    """Greedy chunking shared by both planners. ``bounds``: host ``(lo, hi)`` key-row bounds of each group
+    of ``gran`` query rows (``lo = _NO_KEY, hi = 0``: no key); ``split(start, stop, per)``: the pieces of
+    ``per`` rows of a group that alone exceeds the budget, each with its own bounds. A chunk grows by
+    whole groups while it fits, so short documents and early causal rows give wide-row, narrow-column
+    chunks."""
     cap = t if max_rows is None else max_rows
     chunks: list[tuple[int, int, int, int]] = []
-    i = 0
+    i, n_groups = 0, len(bounds)
     while i < n_groups:
-        c_lo, c_hi = glo_l[i], ghi_l[i]
+        c_lo, c_hi = bounds[i]
         j = i + 1
         while j < n_groups:
-            n_lo, n_hi = min(c_lo, glo_l[j]), max(c_hi, ghi_l[j])
+            n_lo, n_hi = min(c_lo, bounds[j][0]), max(c_hi, bounds[j][1])
             rows = min((j + 1) * gran, t) - i * gran
             width = max(n_hi - n_lo, 0)
-            if rows > cap or rows * width * bytes_per_score > budget_bytes:
+            if rows > cap or rows * width * bytes_per_score > budget:
                 break
             c_lo, c_hi = n_lo, n_hi
             j += 1
         start, stop = i * gran, min(j * gran, t)
         width = max(c_hi - c_lo, 0)
-        col0 = c_lo if width > 0 else 0
-        per = stop - start
-        if width == 0 or per * width * bytes_per_score <= budget_bytes:
-            chunks.append((start, stop, col0, width))
-        else:  # one group alone is too large: split its rows, each piece with its own bounds
-            per = max(1, budget_bytes // (width * bytes_per_score))
-            row_lo, row_hi = lo[start:stop].tolist(), hi[start:stop].tolist()
-            for a in range(0, stop - start, per):
-                live = [(x, y) for x, y in zip(row_lo[a:a + per], row_hi[a:a + per]) if y > x]
-                p_lo = min((x for x, _ in live), default=0)
-                p_hi = max((y for _, y in live), default=0)
-                chunks.append((start + a, min(start + a + per, stop), p_lo, p_hi - p_lo))
+        if width == 0 or (stop - start) * width * bytes_per_score <= budget:
+            chunks.append((start, stop, c_lo if width > 0 else 0, width))
+        else:
+            chunks.extend(split(start, stop, max(1, budget // (width * bytes_per_score))))
         i = j
     return chunks
 
@@ -638,6 +715,7 @@ def indexer_topk_triton(
     *,
     budget_bytes: int | None = None,
     config: IndexerConfig | None = None,
+    key_row_limit: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Rows of ``keys`` with the ``k`` highest indexer scores among those visible, per query (Triton).
 
@@ -652,6 +730,11 @@ def indexer_topk_triton(
         budget_bytes: per-chunk budget for the score buffer and the selection's temporaries (default
             :data:`TOPK_BUDGET_BYTES`; see :func:`plan_chunks`).
         config: pin the score kernel's launch (default: ``DSV4CP_TRITON_INDEXER_CONFIG`` or the ladder).
+        key_row_limit: ``(base, ratio)``: the caller guarantees that query row ``t`` sees no key row at
+            or past ``base + t // ratio + 1`` (a CP layout's :attr:`~dsv4cp.cp.layout.RankLayout.key_row_limit`).
+            Given, the chunks are planned from sizes alone (:func:`plan_static_chunks`): no device
+            read, CUDA-graph safe. Without it they are planned from the exact visible ranges
+            (:func:`key_ranges`, :func:`plan_chunks`), which reads the device once per call.
 
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are visible;
     the same contract and tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` with
@@ -660,7 +743,8 @@ def indexer_topk_triton(
     """
     k = _check_k(k)
     chunks = iter_score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk,
-                               budget_bytes=budget_bytes, config=config)  # validates the inputs
+                               budget_bytes=budget_bytes, config=config,
+                               key_row_limit=key_row_limit)  # validates the inputs
     out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
     for s, e, col0, scores in chunks:
         keep = min(k, scores.shape[1])
@@ -681,12 +765,14 @@ def iter_score_chunks(
     *,
     budget_bytes: int | None = None,
     config: IndexerConfig | None = None,
+    key_row_limit: tuple[int, int] | None = None,
 ) -> Iterator[tuple[int, int, int, torch.Tensor]]:
     """The scoring half of :func:`indexer_topk_triton`: yields ``(start, stop, col0, scores)`` per
     chunk of queries, ``scores [stop - start, width]`` fp32 holding the masked scores of query rows
-    ``[start, stop)`` against key rows ``[col0, col0 + width)`` (``-inf`` where invisible). Chunks whose
-    queries see no key are skipped. ``scores`` is a view of ONE buffer reused by every chunk: consume it
-    before advancing the iterator. Arguments as in :func:`indexer_topk_triton`."""
+    ``[start, stop)`` against key rows ``[col0, col0 + width)`` (``-inf`` where invisible). With the exact
+    plan (no ``key_row_limit``) chunks whose queries see no key are skipped. ``scores`` is a view of ONE
+    buffer reused by every chunk: consume it before advancing the iterator. Arguments as in
+    :func:`indexer_topk_triton`."""
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
@@ -694,7 +780,9 @@ def iter_score_chunks(
     budget = TOPK_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
     if budget <= 0:
         raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
-    return _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, _pinned(config))
+    _check_key_row_limit(key_row_limit)
+    return _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, _pinned(config),
+                         key_row_limit)
 
 
 def _aligned_columns(col0: int, width: int, g: int) -> tuple[int, int]:
@@ -704,13 +792,17 @@ def _aligned_columns(col0: int, width: int, g: int) -> tuple[int, int]:
     return min(col0, g - padded), padded
 
 
-def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, pinned):
+def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, pinned, key_row_limit):
     # Nothing here records autograd history (the kernels write raw buffers; key_ranges and _prepare run
     # under no_grad), so the generator leaves the caller's grad mode alone between chunks.
-    if q.shape[0] == 0 or keys.shape[0] == 0:
+    t, g = q.shape[0], keys.shape[0]
+    if t == 0 or g == 0:
         return
-    lo, hi = key_ranges(query_doc, query_limit, key_doc, key_j)
-    plan = [c for c in plan_chunks(lo, hi, budget, chunk) if c[3] > 0]
+    if key_row_limit is not None:
+        plan = plan_static_chunks(t, g, key_row_limit, budget, chunk)
+    else:
+        plan = [c for c in plan_chunks(*key_ranges(query_doc, query_limit, key_doc, key_j), budget, chunk)
+                if c[3] > 0]
     if not plan:
         return
     g = keys.shape[0]

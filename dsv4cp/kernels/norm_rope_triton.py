@@ -1,10 +1,10 @@
 """Fused per-head RMS norm + partial RoPE of the attention queries, and the tail-only rotation of the
 attention outputs (Triton), replacing ``apply_rope(rms_norm(q, eps), positions, freqs)`` and
-``apply_rope(out, positions, freqs, inverse=True)`` of :mod:`dsv4cp.layer.attention` on CUDA.
+``apply_rope(out, positions, freqs, inverse=True)`` (the ops of :mod:`dsv4cp.ops.norm_rope`) on CUDA.
 
 Ops on ``x [rows, H, D]`` with ``P = 2 * len(freqs)`` rotary dims (the LAST ``P`` dims, interleaved
 pairs ``(D-P+2i, D-P+2i+1)``, angle ``positions[r] * freqs[i]``, exactly as
-:func:`dsv4cp.layer.rope.apply_rope`):
+:func:`dsv4cp.ops.norm_rope.apply_rope`):
 
 * :func:`head_norm_rope`: ``y = x * rsqrt(mean(x^2) + eps)`` per (row, head) in fp32 (weightless RMS
   norm), then the rotation of y's tail; the output is written in x's dtype. Autograd saves x (its own
@@ -51,7 +51,7 @@ the tile; the reshape / split / join stay in registers (pairs within a thread: `
 fp16 / fp32 alike (fp32 forward 40, backward 59 registers).
 
 Importing this module imports no triton (:func:`use_fused` is safe anywhere, e.g. in
-:mod:`dsv4cp.layer.attention`): the kernels are built on first launch (compiled for CUDA tensors, on
+:mod:`dsv4cp.ops.norm_rope`): the kernels are built on first launch (compiled for CUDA tensors, on
 Triton's interpreter for CPU tensors, which needs ``TRITON_INTERPRET=1`` before triton's first import),
 through :class:`dsv4cp.kernels._triton_launch.Kernels`.
 """
@@ -214,7 +214,7 @@ def _describe(value) -> str:
 
 def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin [rows, P/2]`` fp32 of the angles ``positions * freqs``, formed in fp64 exactly as
-    :func:`dsv4cp.layer.rope.apply_rope` forms them (then rounded to fp32)."""
+    :func:`dsv4cp.ops.norm_rope.apply_rope` forms them (then rounded to fp32)."""
     angles = positions.to(torch.float64)[:, None] * freqs.to(positions.device)[None, :]
     return angles.cos().to(torch.float32).contiguous(), angles.sin().to(torch.float32).contiguous()
 

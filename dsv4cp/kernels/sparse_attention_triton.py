@@ -69,7 +69,7 @@ from dsv4cp.kernels import is_deterministic
 from dsv4cp.kernels._triton_launch import Kernels, OutOfResources  # noqa: F401  (OutOfResources: re-exported)
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels._triton_launch import pinned as _pinned
-from dsv4cp.ops.sparse_attention import _check_inputs
+from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 
 __all__ = [
     "BWD_SCRATCH_BYTES",

@@ -9,16 +9,17 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv4cp.config import DSv4Config, layer_kind
-from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank
+from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank, hold_backward_waits
 from dsv4cp.cp.layout import build_layout
 from dsv4cp.cp.recompute import recomputed_attention
-from dsv4cp.kernels.norm_rope_triton import head_norm_rope, rope_tail, use_fused
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.indexer import Indexer
 from dsv4cp.layer.indexer_loss import indexer_loss
-from dsv4cp.layer.norm import RMSNorm, rms_norm
-from dsv4cp.layer.rope import apply_rope, rope_frequencies
+from dsv4cp.layer.norm import RMSNorm
+from dsv4cp.layer.precision import PrecisionPinned
+from dsv4cp.layer.rope import rope_frequencies
 from dsv4cp.ops.indexer import indexer_topk
+from dsv4cp.ops.norm_rope import apply_rope, head_norm_rope, rope_tail
 from dsv4cp.ops.sparse_attention import check_backend_name, resolve_backend, sparse_attention
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.autograd_ranges import BackwardRegion, phase_region
@@ -32,7 +33,7 @@ class AttentionOutput(NamedTuple):
     """This rank's share of the (coefficient-weighted) indexer loss; None for W and H layers."""
 
 
-class DSv4Attention(nn.Module):
+class DSv4Attention(PrecisionPinned):
     """One DSv4 attention layer; ``compress_ratio`` picks W (0), C (4) or H (any other) behaviour.
 
     Args:
@@ -45,8 +46,11 @@ class DSv4Attention(nn.Module):
             backward, rebuild them there from the saved parts (DESIGN 3.6). Same results.
 
     Parameters carry DeepSeek's checkpoint names (``wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
-    attn_sink, compressor.*, indexer.*``); linear weights are ``[out, in]``.
+    attn_sink, compressor.*, indexer.*``); linear weights are ``[out, in]``. Module casts keep
+    ``attn_sink`` fp32 and the ``rope_freqs`` buffer fp64 (or finer): see :mod:`dsv4cp.layer.precision`.
     """
+
+    pinned_dtypes = {"attn_sink": torch.float32, "rope_freqs": torch.float64}
 
     def __init__(
         self, cfg: DSv4Config, compress_ratio: int, *, backend: str = "auto", overlap: str = "none",
@@ -113,30 +117,40 @@ class DSv4Attention(nn.Module):
 
         def queries(latent: torch.Tensor, weight: torch.Tensor, sl: slice = slice(None)) -> torch.Tensor:
             q = nn.functional.linear(latent, weight).view(latent.shape[0], h, d)
-            if use_fused(q, freqs):  # one Triton pass, no fp32 copies kept for backward
-                return head_norm_rope(q, positions[sl], freqs, cfg.rms_eps)
-            return apply_rope(rms_norm(q, cfg.rms_eps), positions[sl], freqs)
+            return head_norm_rope(q, positions[sl], freqs, cfg.rms_eps)
 
+        # Backward order (DESIGN 3.5), fixed by graph edges: each reduce-scatter is launched once its
+        # gradient is complete and before the query path's backward starts (``ahead_of``); its wait
+        # is held until the query path's backward has reached x (``hold_backward_waits``), and the
+        # compressor backward that consumes the scattered rows runs after the wait.
         q_region = BackwardRegion("q_proj.bwd")
         with nvtx_range("q_proj.fwd"):
-            latent = self.q_norm(self.wq_a(q_region.input(x)))
+            latent = self.q_norm(self.wq_a(q_region.input(hold_backward_waits(x, index_keys, compressed))))
             # Without recompute the query up-projection runs here, while the gathers fly.
-            q = None if self.recompute else q_region.output(queries(latent, self.wq_b.weight))
+            if self.recompute:
+                latent = q_path_end = q_region.output(latent)
+                q = None
+            else:
+                q = q_path_end = q_region.output(queries(latent, self.wq_b.weight))
         if self.indexer is not None:
+            index_region = BackwardRegion("indexer.q_proj.bwd")  # trained by the indexer loss only
             with nvtx_range("indexer.q_proj.fwd"):
-                index_q, index_w = self.indexer.queries(latent.detach(), x.detach(), positions, freqs)
-            index_keys_all = index_keys.wait()
+                index_q, index_w = index_region.outputs(
+                    *self.indexer.queries(latent.detach(), x.detach(), positions, freqs)
+                )
+            index_keys_all = index_keys.wait(ahead_of=q_path_end)
             with nvtx_range("indexer.topk.fwd"):
                 local_doc = layout.local_doc
                 selected = indexer_topk(
                     index_q, index_w, index_keys_all,
                     lambda sl: layout.visible_mask(local_doc[sl], positions[sl]), cfg.index_topk,
                     visibility=(local_doc, layout.visible_entries(), layout.gathered_doc, layout.gathered_j),
+                    key_row_limit=layout.key_row_limit,  # static chunk plan: no device read
                 )
 
         idx, compressed_all = layout.window_idx, None
         if compressed is not None:
-            compressed_all = compressed.wait()
+            compressed_all = compressed.wait(ahead_of=q_path_end)
             entries = selected if self.indexer is not None else layout.all_visible_idx()
             lowered = torch.where(entries >= 0, entries + layout.ext_rows, -1).to(torch.int32)
             idx = torch.cat((idx, lowered), dim=1)
@@ -144,7 +158,7 @@ class DSv4Attention(nn.Module):
             backend = resolve_backend(self.backend, x.device)
             out, lse, q, key_buffer = recomputed_attention(
                 latent, self.wq_b.weight, queries, kv_ext, compressed_all, idx, self.attn_sink,
-                cfg.softmax_scale, backend,
+                cfg.softmax_scale, backend, on_compressed_grad=compressed.launch_backward if compressed else None,
             )
         else:
             key_buffer = kv_ext if compressed_all is None else torch.cat((kv_ext, compressed_all), dim=0)
@@ -152,7 +166,7 @@ class DSv4Attention(nn.Module):
 
         loss = None
         if self.indexer is not None:
-            scored = selected if cfg.indexer_loss == "sparse" else layout.all_visible_idx()
+            scored = selected if cfg.indexer_loss == "sparse" else layout.all_visible_idx  # dense: by row chunk
             with nvtx_range("indexer.loss.fwd"):
                 loss = indexer_loss(
                     variant=cfg.indexer_loss, q=q, key_buffer=key_buffer, window_idx=layout.window_idx,
@@ -170,8 +184,7 @@ class DSv4Attention(nn.Module):
     def _project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo the query rotation on each head's output, then the grouped low-rank projection."""
         cfg = self.cfg
-        rotate = rope_tail if use_fused(out, self.rope_freqs) else apply_rope  # Triton rotates the tail only
-        out = rotate(out, positions, self.rope_freqs, inverse=True)
+        out = rope_tail(out, positions, self.rope_freqs, inverse=True)
         groups = out.reshape(out.shape[0], cfg.o_groups, cfg.n_heads // cfg.o_groups * cfg.head_dim)  # heads of a group are consecutive
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
         latent = torch.einsum("lgi,goi->lgo", groups, wo_a).flatten(1)

@@ -9,17 +9,21 @@ from dsv4cp.config import layer_kind
 from dsv4cp.cp.layout import RankLayout
 from dsv4cp.layer.hadamard import hadamard_rotate
 from dsv4cp.layer.norm import RMSNorm
-from dsv4cp.layer.rope import apply_rope
+from dsv4cp.layer.precision import PrecisionPinned
+from dsv4cp.ops.norm_rope import apply_rope
 
 
-class Compressor(nn.Module):
+class Compressor(PrecisionPinned):
     """Pools groups of ``ratio`` tokens of the layer input into one ``dim``-wide entry each.
 
     Ratio 4 overlaps: every projection has two halves (A, B) and entry j pools the A halves of group
     j-1 with the B halves of group j under one softmax per channel. Parameters: ``wkv``, ``wgate``
     (``hidden -> coff * dim``), ``ape`` (fp32 ``[ratio, coff * dim]``, a bias by position in the
-    group) and ``norm``. The indexer's compressor also applies the Hadamard rotation.
+    group) and ``norm``. The indexer's compressor also applies the Hadamard rotation. ``ape`` stays
+    fp32 (or finer) under module casts, see :mod:`dsv4cp.layer.precision`.
     """
+
+    pinned_dtypes = {"ape": torch.float32}
 
     def __init__(self, hidden: int, dim: int, ratio: int, eps: float, rotate: bool = False):
         super().__init__()

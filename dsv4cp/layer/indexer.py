@@ -9,7 +9,7 @@ from dsv4cp.config import INDEXER_RATIO, DSv4Config
 from dsv4cp.cp.layout import RankLayout
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.hadamard import hadamard_rotate
-from dsv4cp.layer.rope import apply_rope
+from dsv4cp.ops.norm_rope import apply_rope
 
 
 class Indexer(nn.Module):

@@ -1,84 +1,40 @@
 """The indexer's KL distillation loss (DESIGN 1.6), sparse and dense variants.
 
 Target: the attention's own probabilities of the scored compressed entries, summed over heads and
-L1-normalised over the scored set (no gradient): on CUDA (not fp64, D a multiple of 16 up to 512) by the
-Triton kernels of :mod:`dsv4cp.kernels.attention_probs_triton`, elsewhere by the chunked torch gathers
-below (the reference the kernels are tested against). Prediction: the softmax of the indexer scores over
-the same set (gradient to indexer parameters only). Each rank returns its share: the sum over its
-real rows divided by the GLOBAL real-token count, so the CP ranks' shares add up to the full loss.
+L1-normalised over the scored set (no gradient), from :mod:`dsv4cp.ops.attention_probs`. Prediction:
+the softmax of the indexer scores over the same set (gradient to indexer parameters only). Each rank
+returns its share: the sum over its real rows divided by the GLOBAL real-token count, so the CP ranks'
+shares add up to the full loss.
+
+Memory. The sparse variant scores the ``K`` selected entries per query: ``[L, K]`` tensors. The dense
+variant scores every visible entry, up to ``M = max_seqlen_padded / 4`` per query (a 64K-token document
+makes ``[L, M]`` 1e9 elements), so it runs over chunks of query rows sized from :data:`DENSE_CHUNK_BYTES`
+and holds one chunk's ``[c, M]`` tensors at a time. Its forward computes each chunk's loss and, when the
+indexer inputs need a gradient, that chunk's gradient too (the loss is a scalar, so its backward only
+scales the saved gradients by the incoming one): no ``[L, M]`` tensor is kept for, nor rebuilt in, the
+backward. The indexer-score backward of the dense variant therefore runs inside ``indexer.loss.fwd``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from dsv4cp.ops.indexer import _use_triton, indexer_scores
+from dsv4cp.ops.attention_probs import head_summed_probs, logsumexp_over
+from dsv4cp.ops.indexer import indexer_scores
 from dsv4cp.profiling.autograd_ranges import BackwardRegion
+from dsv4cp.profiling.nvtx import nvtx_range
 
-_CHUNK_ELEMENTS = 32 * 2**20
+VARIANTS = ("sparse", "dense")
 
+DENSE_CHUNK_BYTES = 256 * 2**20
+"""Budget for one chunk of query rows of the dense variant: its ``[c, M]`` tensors (entries, key rows,
+target, scores, KL terms and their gradients) and the torch references' per-entry gathers."""
 
-def _triton_kernels(q: torch.Tensor):
-    """The Triton target kernels' module when they serve ``q`` (CUDA, not fp64, D a multiple of 16 up to
-    the kernels' maximum, triton installed), else None (the torch path)."""
-    if not _use_triton(q):
-        return None
-    from dsv4cp.kernels import attention_probs_triton  # lazy: imports triton
-
-    return attention_probs_triton if q.shape[-1] <= attention_probs_triton.MAX_HEAD_DIM else None
-
-
-def _chunked_logits(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float):
-    """Yield ``(rows, logits [c, H, K])`` with ``-inf`` at empty slots, chunk by chunk."""
-    t, h, d = q.shape
-    step = max(1, _CHUNK_ELEMENTS // max(idx.shape[1] * (h + d), 1))
-    work = torch.promote_types(q.dtype, torch.float32)
-    for s in range(0, t, step):
-        rows = slice(s, min(s + step, t))
-        gathered = keys[idx[rows].clamp_min(0)].to(work)
-        logits = torch.einsum("chd,ckd->chk", q[rows].to(work), gathered) * scale
-        yield rows, logits.masked_fill(idx[rows][:, None, :] < 0, float("-inf"))
-
-
-@torch.no_grad()
-def logsumexp_over(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[T, H]`` log-sum-exp of the logits of ``q`` against ``keys[idx]`` (``-inf`` for no key)."""
-    kernels = _triton_kernels(q)
-    if kernels is not None:
-        return kernels.logsumexp_over_triton(q, keys, idx, scale)
-    return logsumexp_over_torch(q, keys, idx, scale)
-
-
-@torch.no_grad()
-def logsumexp_over_torch(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """:func:`logsumexp_over` by chunked torch gathers on any device (math in fp32, fp64 for fp64)."""
-    out = torch.empty(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-    for rows, logits in _chunked_logits(q, keys, idx, scale):
-        out[rows] = torch.logsumexp(logits, dim=-1)
-    return out
-
-
-@torch.no_grad()
-def head_summed_probs(
-    q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float, log_denominator: torch.Tensor
-) -> torch.Tensor:
-    """``[T, K]``: ``sum_h exp(l[t, h, k] - log_denominator[t, h])`` (zero at empty slots)."""
-    kernels = _triton_kernels(q)
-    if kernels is not None:
-        out = kernels.head_summed_probs_triton(q, keys, idx, scale, log_denominator)
-        return out.to(log_denominator.dtype)
-    return head_summed_probs_torch(q, keys, idx, scale, log_denominator)
-
-
-@torch.no_grad()
-def head_summed_probs_torch(
-    q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float, log_denominator: torch.Tensor
-) -> torch.Tensor:
-    """:func:`head_summed_probs` by chunked torch gathers on any device (in ``log_denominator``'s dtype)."""
-    out = torch.empty(idx.shape, dtype=log_denominator.dtype, device=q.device)
-    for rows, logits in _chunked_logits(q, keys, idx, scale):
-        out[rows] = torch.exp(logits - log_denominator[rows, :, None]).sum(1)
-    return out
+_DENSE_BYTES_PER_ENTRY = 64
+"""Bytes per (query, entry) of the dense chunk's own tensors besides the gathers: two int64 index
+tensors, a bool mask and about ten fp32 target / score / KL tensors and gradients."""
 
 
 def kl_distillation(
@@ -86,7 +42,8 @@ def kl_distillation(
 ) -> torch.Tensor:
     """``sum_t row_weight[t] * KL(normalise(target_mass[t]) || softmax(scores[t]))`` over valid slots.
 
-    Rows without a valid slot contribute 0.
+    ``target_mass``, ``scores``, ``valid``: ``[rows, K]``; ``row_weight``: ``[rows]``. Rows without a
+    valid slot contribute 0.
     """
     has_slot = valid.any(-1)
     mass = target_mass.masked_fill(~valid, 0)
@@ -97,6 +54,57 @@ def kl_distillation(
     return (per_row * (row_weight * has_slot)).sum()
 
 
+def dense_chunk_rows(entries: int, heads: int, head_dim: int, index_heads: int, index_dim: int) -> int:
+    """Query rows per chunk of the dense variant: :data:`DENSE_CHUNK_BYTES` over the bytes of one row's
+    ``entries`` scored entries (the attention gather ``heads + head_dim`` and the indexer gather
+    ``index_heads + index_dim`` fp32 values per entry, plus the chunk's own tensors)."""
+    per_entry = 4 * (heads + head_dim + index_heads + index_dim) + _DENSE_BYTES_PER_ENTRY
+    return max(1, DENSE_CHUNK_BYTES // max(entries * per_entry, 1))
+
+
+class _ChunkedKL(torch.autograd.Function):
+    """``sum`` over row chunks of ``chunk_loss(rows, q_rows, w_rows, keys)``, differentiable in
+    ``index_q [L, Hi, Di]``, ``index_w [L, Hi]`` and ``index_keys [G, Di]``; gradients are computed chunk by
+    chunk in the forward and saved (the output is a scalar)."""
+
+    @staticmethod
+    def forward(ctx, index_q, index_w, index_keys, chunk_loss: Callable, step: int):
+        needs = ctx.needs_input_grad[:3]
+        work = torch.promote_types(index_q.dtype, torch.float32)
+        total = torch.zeros((), dtype=work, device=index_q.device)
+        dq = torch.zeros_like(index_q) if needs[0] else None
+        dw = torch.zeros_like(index_w) if needs[1] else None
+        dkeys = torch.zeros(index_keys.shape, dtype=work, device=index_keys.device) if needs[2] else None
+        for s in range(0, index_q.shape[0], step):
+            rows = slice(s, min(s + step, index_q.shape[0]))
+            leaves = (index_q[rows].detach().requires_grad_(needs[0]),
+                      index_w[rows].detach().requires_grad_(needs[1]), index_keys.detach().requires_grad_(needs[2]))
+            with torch.enable_grad():
+                loss = chunk_loss(rows, *leaves)
+            if any(needs):
+                wanted = [leaf for leaf, need in zip(leaves, needs) if need]
+                grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True, materialize_grads=True))
+                if needs[0]:
+                    dq[rows] = next(grads)
+                if needs[1]:
+                    dw[rows] = next(grads)
+                if needs[2]:
+                    dkeys += next(grads)
+            total += loss.detach()
+        ctx.save_for_backward(dq, dw, dkeys)
+        ctx.key_dtype = index_keys.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        with nvtx_range("indexer.loss.bwd"):
+            dq, dw, dkeys = ctx.saved_tensors
+            dq = None if dq is None else grad.to(dq.dtype) * dq
+            dw = None if dw is None else grad.to(dw.dtype) * dw
+            dkeys = None if dkeys is None else (grad * dkeys).to(ctx.key_dtype)
+            return dq, dw, dkeys, None, None
+
+
 def indexer_loss(
     *,
     variant: str,
@@ -104,7 +112,7 @@ def indexer_loss(
     key_buffer: torch.Tensor,
     window_idx: torch.Tensor,
     compressed_offset: int,
-    scored_entries: torch.Tensor,
+    scored_entries: torch.Tensor | Callable[[slice], torch.Tensor],
     attention_lse: torch.Tensor,
     sink: torch.Tensor,
     scale: float,
@@ -124,23 +132,49 @@ def indexer_loss(
         q, key_buffer: the attention's queries ``[L, H, D]`` and key rows (detached here).
         window_idx: ``[L, W]`` key-buffer rows of the window keys (dense denominator).
         compressed_offset: key-buffer row of gathered entry 0.
-        scored_entries: ``[L, K]`` gathered-entry rows scored per query, ``-1`` empty.
+        scored_entries: gathered-entry rows scored per query, ``-1`` empty. Sparse: the ``[L, K]``
+            tensor. Dense: a function from a slice of the ``L`` rows to their ``[rows, M]`` entries
+            (e.g. ``RankLayout.all_visible_idx``), called one chunk of rows at a time.
         attention_lse: ``[L, H]`` lse of the attention over its keys (sink excluded).
         index_q, index_w, index_keys: indexer queries ``[L, Hi, Di]``, weights ``[L, Hi]``, all
             gathered indexer keys ``[G, Di]``; the loss differentiates through these.
         real: ``[L]`` bool, rows that count; ``global_real_tokens``: the normaliser.
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: must be one of {VARIANTS}, got {variant!r}")
+    if (variant == "sparse") != isinstance(scored_entries, torch.Tensor):
+        expected = "an [L, K] tensor" if variant == "sparse" else "a function of a row slice"
+        raise ValueError(f"scored_entries: the {variant} variant takes {expected}, got {type(scored_entries).__name__}")
     q, key_buffer = q.detach(), key_buffer.detach()
-    valid = scored_entries >= 0
-    key_rows = torch.where(valid, scored_entries + compressed_offset, -1)
     sink = sink.detach().to(attention_lse.dtype)[None, :]
+    weight = real.to(torch.promote_types(index_q.dtype, torch.float32))
     if variant == "sparse":
         log_denominator = torch.logaddexp(attention_lse.detach(), sink)
-    else:
-        window_lse = torch.logaddexp(logsumexp_over(q, key_buffer, window_idx, scale), sink)
-        log_denominator = torch.logaddexp(window_lse, logsumexp_over(q, key_buffer, key_rows, scale))
+        total = _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q,
+                             index_w, index_keys, weight)
+        return total * (coeff / max(global_real_tokens, 1))
+    window_lse = torch.logaddexp(logsumexp_over(q, key_buffer, window_idx, scale), sink)
+
+    def chunk_loss(rows: slice, q_rows: torch.Tensor, w_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        entries = scored_entries(rows)
+        key_rows = torch.where(entries >= 0, entries + compressed_offset, -1)
+        log_denominator = torch.logaddexp(window_lse[rows], logsumexp_over(q[rows], key_buffer, key_rows, scale))
+        target_mass = head_summed_probs(q[rows], key_buffer, key_rows, scale, log_denominator)
+        scores = indexer_scores(q_rows, w_rows, keys, entries)
+        return kl_distillation(target_mass, scores, entries >= 0, weight[rows])
+
+    m = scored_entries(slice(0, 0)).shape[1]  # M from a call on no rows
+    step = dense_chunk_rows(m, q.shape[1], q.shape[2], index_q.shape[1], index_q.shape[2])
+    total = _ChunkedKL.apply(index_q, index_w, index_keys, chunk_loss, step)
+    return total * (coeff / max(global_real_tokens, 1))
+
+
+def _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q, index_w,
+                 index_keys, weight) -> torch.Tensor:
+    """The sparse variant's unnormalised sum over rows (``[L, K]`` tensors throughout)."""
+    valid = scored_entries >= 0
+    key_rows = torch.where(valid, scored_entries + compressed_offset, -1)
     target_mass = head_summed_probs(q, key_buffer, key_rows, scale, log_denominator)
     scores = indexer_scores(index_q, index_w, index_keys, scored_entries)
     region = BackwardRegion("indexer.loss.bwd")
-    total = kl_distillation(target_mass, region.input(scores), valid, real.to(scores.dtype))
-    return region.output(total * (coeff / max(global_real_tokens, 1)))
+    return region.output(kl_distillation(target_mass, region.input(scores), valid, weight))

@@ -1,19 +1,14 @@
-"""RMS normalisation, with and without a learned weight."""
+"""RMS normalisation with a learned weight (the module); the function is the op
+:func:`dsv4cp.ops.norm_rope.rms_norm`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from dsv4cp.ops.norm_rope import rms_norm
 
-def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2, -1) + eps) (* weight)``, computed in fp32 (fp64 stays fp64)."""
-    work = torch.promote_types(x.dtype, torch.float32)
-    y = x.to(work)
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.to(work)
-    return y.to(x.dtype)
+__all__ = ["RMSNorm", "rms_norm"]
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,5 @@
-"""Partial, interleaved rotary embedding with optional YaRN frequencies (DESIGN 1.3)."""
+"""The frequencies of the partial, interleaved rotary embedding, with optional YaRN (DESIGN 1.3); the
+rotation itself is the op :func:`dsv4cp.ops.norm_rope.apply_rope`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import math
 import torch
 
 from dsv4cp.config import DSv4Config
+from dsv4cp.ops.norm_rope import apply_rope
+
+__all__ = ["apply_rope", "rope_frequencies"]  # apply_rope: the op, kept importable beside its table
 
 
 def rope_frequencies(cfg: DSv4Config, compress_ratio: int) -> torch.Tensor:
@@ -29,25 +33,3 @@ def rope_frequencies(cfg: DSv4Config, compress_ratio: int) -> torch.Tensor:
     span = (high - low) if high != low else 1e-3
     ramp = ((torch.arange(p // 2, dtype=torch.float64) - low) / span).clamp(0, 1)
     return freqs * (1 - ramp) + freqs / cfg.yarn_factor * ramp
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last ``2 * len(freqs)`` dims of ``x`` pairwise (2i, 2i+1) by ``positions * freqs``.
-
-    Args:
-        x: ``[..., rows, (heads,) D]``; ``positions``: ``[rows]`` document positions (any int dtype).
-        inverse: rotate by minus the angle (undoes the rotation; used on attention outputs).
-    Angles are formed in fp64 so large positions stay exact; the product runs in x's dtype (fp32 at least).
-    """
-    p = 2 * freqs.numel()
-    angles = positions.to(torch.float64)[:, None] * freqs.to(positions.device)[None, :]
-    if inverse:
-        angles = -angles
-    work = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = angles.cos().to(work), angles.sin().to(work)
-    if x.dim() == 3:  # [rows, heads, D]: same angle for every head
-        cos, sin = cos[:, None, :], sin[:, None, :]
-    rot = x[..., -p:].to(work).unflatten(-1, (p // 2, 2))
-    even, odd = rot[..., 0], rot[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-p], rotated.to(x.dtype)), dim=-1)

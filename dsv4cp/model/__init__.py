@@ -16,7 +16,7 @@ from dsv4cp.model.costs import (
 )
 from dsv4cp.model.counts import RankCounts, document_extents, rank_counts
 from dsv4cp.model.machine import MACHINE_PRESETS, Machine
-from dsv4cp.model.sweep import EXTRAPOLATE_COLUMNS, extrapolate, measured_vs_bound
+from dsv4cp.model.extrapolate import EXTRAPOLATE_COLUMNS, extrapolate, measured_vs_bound
 
 __all__ = [
     "BOTH", "COLUMNS", "COMM_PHASES", "DIRECTIONS", "EXTRAPOLATE_COLUMNS", "MACHINE_PRESETS", "PHASES",

@@ -276,7 +276,7 @@ def _phase_costs(cfg: DSv4Config, n: RankCounts, machine: Machine, act_bytes: in
     if kind == "C":
         dense = cfg.indexer_loss == "dense"
         scored = (n.visible_entries if dense else n.compressed_keys).astype(float)
-        logit_keys = scored + (n.window_keys if dense else 0)
+        logit_keys = scored + (n.window_keys.astype(float) if dense else 0.0)
         acc = costs["indexer.loss"] = new()
         acc.add("fwd", flops=2.0 * D * H * logit_keys + 2.0 * Hi * Di * scored,
                 hbm_bytes=q_bytes + key_rows * D * b + L * H * F32 + L * K * IDX  # q, keys, lse, ids

@@ -1,9 +1,11 @@
 """Closed-form per-rank work counts of one layer under the contiguous CP layout (DESIGN 3).
 
-Everything here is integer arithmetic over DOCUMENTS, never over tokens: for every rank the documents
+Everything here is EXACT integer arithmetic over DOCUMENTS, never over tokens: for every rank the documents
 overlapping its slice are found by binary search, and the sums over the rank's rows of per-query key
 counts come from prefix-sum formulas evaluated at the two ends of each document segment. Cost is
-``O(n_docs + cp)`` per layer, so 1M tokens at cp 64 take milliseconds. The results equal, row for
+``O(n_docs + cp)`` per layer, so 1M tokens at cp 64 take milliseconds. The sums grow as ``T^2 / r``
+and leave int64 from ``T = 2^33`` rows, so they are Python ints (numpy object arrays): exact at any
+size (tested to ``2^40`` rows against the triangular-number closed form). The results equal, row for
 row, what :func:`dsv4cp.cp.layout.build_layout` produces (the tests count brute force on it).
 
 Per query at document position ``t`` (padded documents; rows of the tail padding segment see nothing):
@@ -69,31 +71,37 @@ def document_extents(docs: DocsLike, total: int | None = None) -> tuple[np.ndarr
 
 
 # ---------------------------------------------------------------------------------- prefix sums
+def _exact(n) -> np.ndarray:
+    """``n`` as an array of Python ints (object dtype): products of positions overflow int64."""
+    return np.asarray(n).astype(object)
+
+
 def window_prefix(n: np.ndarray, window: int) -> np.ndarray:
     """``sum_{t < n} min(t + 1, W)``: window keys of a document's first ``n`` positions."""
-    n = np.asarray(n, dtype=np.int64)
-    w = np.int64(window)
+    n = _exact(n)
+    w = int(window)
     return np.where(n <= w, n * (n + 1) // 2, w * (w + 1) // 2 + (n - w) * w)
 
 
 def floor_prefix(n: np.ndarray, r: int) -> np.ndarray:
     """``sum_{t < n} (t + 1) // r``: visible entries summed over a document's first ``n`` positions."""
-    n = np.asarray(n, dtype=np.int64)
-    q, m = np.divmod(n, np.int64(r))
+    n = _exact(n)
+    q, m = n // r, n % r
     return r * q * (q - 1) // 2 + q * (m + 1)
 
 
 def clamped_floor_prefix(n: np.ndarray, r: int, k: int) -> np.ndarray:
     """``sum_{t < n} min(K, (t + 1) // r)``: top-K-limited compressed keys of the first ``n`` positions."""
-    n = np.asarray(n, dtype=np.int64)
-    knee = np.int64(k) * r  # first u with floor(u / r) == K
+    n = _exact(n)
+    knee = int(k) * r  # first u with floor(u / r) == K
     return np.where(n < knee, floor_prefix(n, r), floor_prefix(knee - 1, r) + k * (n - knee + 1))
 
 
 # ---------------------------------------------------------------------------------- counts
 @dataclass(frozen=True)
 class RankCounts:
-    """Integer work counts of one layer on every rank (arrays are ``[cp]`` int64, rank-indexed).
+    """Integer work counts of one layer on every rank (arrays are ``[cp]``, rank-indexed; the halo
+    arrays int64, the work sums exact Python ints in object arrays: they exceed int64 past 2^33 rows).
 
     Attributes:
         kind, ratio, cp, total: the layer and the batch.
@@ -164,7 +172,7 @@ def rank_counts(cfg: DSv4Config, ratio: int, docs: DocsLike, cp: int, total: int
     lengths = ends - starts
 
     fields = ("query_rows", "window_keys", "visible_entries", "compressed_keys", "owned_entries")
-    out = {name: np.zeros(cp, dtype=np.int64) for name in fields}
+    out = {name: np.zeros(cp, dtype=object) for name in fields}
     for rho in range(cp):
         s, e = rho * rows, (rho + 1) * rows
         lo = int(np.searchsorted(ends, s, side="right"))  # first document ending after s

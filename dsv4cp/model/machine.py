@@ -38,19 +38,34 @@ class Machine:
 
     @classmethod
     def preset(cls, name: str = "h200x2", bandwidth: float | None = None) -> "Machine":
-        """``h200x2`` (two NVLinked H200, the measured ceilings) or ``internode`` (same GPUs, every
-        collective and the halo limited to ``bandwidth`` B/s per GPU, default 40e9).
+        """``h200x2`` (two NVLinked H200, the measured ceilings), ``internode`` (same GPUs, every
+        collective and the halo limited to ``bandwidth`` B/s per GPU, default 40e9) or ``cpu`` (this
+        host's ceilings, measured now by :func:`measure_host`).
 
-        ``bandwidth`` (B/s), when given, replaces both communication ceilings of either preset.
+        ``bandwidth`` (B/s), when given, replaces both communication ceilings of any preset.
         """
         if name not in MACHINE_PRESETS:
             raise ValueError(f"machine: unknown preset {name!r}; choose one of {MACHINE_PRESETS}")
-        machine = cls()
+        machine = measure_host() if name == "cpu" else cls()
         if name == "internode":
             machine = machine.with_bandwidth(INTERNODE_BANDWIDTH if bandwidth is None else bandwidth, "internode")
         elif bandwidth is not None:
             machine = machine.with_bandwidth(bandwidth)
         return machine
+
+    @classmethod
+    def from_dict(cls, values: object, source: str = "machine") -> "Machine":
+        """A machine from a mapping of its fields (a ``--machine-file`` JSON); every ceiling required."""
+        if not isinstance(values, dict):
+            raise ValueError(f"{source}: must be a JSON object of ceilings, got {type(values).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {unknown}; fields are {sorted(fields)}")
+        missing = sorted(fields - {"name"} - set(values))
+        if missing:
+            raise ValueError(f"{source}: missing ceiling(s) {missing}")
+        return cls(**{"name": "file", **values})
 
     def with_bandwidth(self, bandwidth: float, name: str | None = None) -> "Machine":
         """The same GPU with all-gather bus bandwidth and P2P bandwidth both set to ``bandwidth`` B/s."""
@@ -69,4 +84,36 @@ class Machine:
 INTERNODE_BANDWIDTH = 40 * GB
 """Default per-GPU inter-node bandwidth of the ``internode`` preset (DESIGN 6b's example)."""
 
-MACHINE_PRESETS = ("h200x2", "internode")
+MACHINE_PRESETS = ("h200x2", "internode", "cpu")
+
+LOOPBACK_BANDWIDTH = 0.5 * GB
+"""Communication ceiling of the ``cpu`` machine: gloo all-gather bus bandwidth between two local
+processes, measured on the 2-core development host (0.57 GB/s at 16 MiB, 0.33 GB/s at 64 MiB)."""
+
+
+def measure_host(matmul_size: int = 1024, copy_bytes: int = 64 * 2**20) -> Machine:
+    """This host's ceilings, measured in about a second: fp32 matrix-product FLOP/s (best of 5) and
+    memory bandwidth from a large copy (read + write bytes, best of 5); communication is
+    :data:`LOOPBACK_BANDWIDTH`. The CPU runs at the threads torch uses now."""
+    import time
+
+    import torch
+
+    a = torch.randn(matmul_size, matmul_size)
+    b = torch.randn(matmul_size, matmul_size)
+    src = torch.ones(copy_bytes // 4)
+    dst = torch.empty_like(src)
+
+    def best(fn) -> float:
+        fn()  # first call pays for page faults and thread start
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    flops = 2.0 * matmul_size**3 / best(lambda: torch.mm(a, b))
+    bandwidth = 2.0 * copy_bytes / best(lambda: dst.copy_(src))
+    return Machine(name=f"cpu ({torch.get_num_threads()} threads, measured)", peak_flops=flops,
+                   hbm_bandwidth=bandwidth, allgather_busbw=LOOPBACK_BANDWIDTH, p2p_bandwidth=LOOPBACK_BANDWIDTH)

@@ -9,15 +9,13 @@ Two ops, both chunked over queries so neither the per-head score tensor nor the 
 
 from __future__ import annotations
 
-from typing import Callable
-
-import importlib.util
+from collections.abc import Callable
 
 import torch
 
+from dsv4cp.kernels import triton_serves
+from dsv4cp.kernels.contracts import select_top
 from dsv4cp.profiling.nvtx import nvtx_range
-
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 CHUNK_ELEMENTS = 32 * 2**20
 """Elements of one chunk's ``[chunk, Hi, keys]`` per-head score block."""
@@ -30,7 +28,7 @@ def _chunk(per_query: int) -> int:
 @torch.no_grad()
 def indexer_topk(
     q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: Callable[[slice], torch.Tensor], k: int,
-    visibility: tuple[torch.Tensor, ...] | None = None,
+    visibility: tuple[torch.Tensor, ...] | None = None, key_row_limit: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Rows of ``keys`` with the ``k`` highest scores among those visible, per query.
 
@@ -41,14 +39,17 @@ def indexer_topk(
         visibility: the same visibility as ``(query_doc, query_limit, key_doc, key_j)`` tensors: key g
             is visible to query t iff ``key_doc[g] == query_doc[t] >= 0`` and ``key_j[g] <
             query_limit[t]``. With it, CUDA inputs go to the fused Triton kernel.
+        key_row_limit: ``(base, ratio)``: query row t sees no key row at or past ``base + t // ratio +
+            1`` (``RankLayout.key_row_limit``); lets the Triton kernel plan its chunks without reading
+            the device (see :func:`dsv4cp.kernels.indexer_triton.plan_static_chunks`).
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are
         visible. Among equal scores at the cut the lower key rows win (keys must be in entry order,
         gaps allowed), so every CP layout selects the same entries.
     """
-    if visibility is not None and _use_triton(q):
+    if visibility is not None and triton_serves(q):
         from dsv4cp.kernels.indexer_triton import indexer_topk_triton  # lazy: imports triton
 
-        return indexer_topk_triton(q, w, keys, *visibility, k)
+        return indexer_topk_triton(q, w, keys, *visibility, k, key_row_limit=key_row_limit)
     t, hi, _ = q.shape
     g = keys.shape[0]
     out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)
@@ -63,25 +64,8 @@ def indexer_topk(
         dots = torch.einsum("chd,gd->chg", q[rows].to(work), keys_w).relu_()
         scores = torch.einsum("chg,ch->cg", dots, w[rows].to(work))
         scores.masked_fill_(~visible(rows), float("-inf"))
-        out[rows, :keep] = _select_top(scores, keep)
+        out[rows, :keep] = select_top(scores, keep)
     return out
-
-
-def _use_triton(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype != torch.float64 and q.shape[-1] % 16 == 0 and _HAS_TRITON
-
-
-def _select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
-    """The ``keep`` best finite columns of each row of ``scores``, ties at the cut going to the lowest
-    columns (ReLU makes exact-zero scores common, and the rule must not depend on the layout)."""
-    cut = torch.topk(scores, keep, dim=1).values[:, -1:]
-    above = scores > cut
-    at_cut = scores == cut
-    room = keep - above.sum(1, keepdim=True)
-    chosen = (above | (at_cut & (at_cut.cumsum(1) <= room))) & torch.isfinite(scores)
-    columns = torch.arange(scores.shape[1], 0, -1, device=scores.device)  # lower column = larger key
-    where = torch.topk(chosen * columns, keep, dim=1).indices
-    return torch.where(chosen.gather(1, where), where, -1)
 
 
 def _gather_dots(q, keys, idx):
@@ -141,7 +125,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
     ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]``; slots with ``idx == -1`` hold meaningless
     values and receive no gradient: the caller masks them. CUDA inputs run on the Triton kernels.
     """
-    if _use_triton(q):
+    if triton_serves(q):
         from dsv4cp.kernels.indexer_triton import indexer_scores_triton  # lazy: imports triton
 
         with nvtx_range("indexer.score.fwd"):

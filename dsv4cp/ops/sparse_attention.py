@@ -6,11 +6,14 @@ a backward implementing the same contract, and ``torch`` is the oracle the other
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from dsv4cp import kernels
+from dsv4cp.kernels import cudnn_dsa, flashmla
+from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
 from dsv4cp.profiling.nvtx import nvtx_range
 
@@ -91,6 +94,36 @@ def _available(name: str, device: torch.device) -> SparseAttentionBackend:
     return backend
 
 
+# ------------------------------------------------------------------------------------------ backends
+# The op chooses its kernels: this module imports dsv4cp.kernels (never the reverse) and registers
+# "torch" (the oracle), "triton" and "triton-deterministic" (own kernels, DESIGN 4.2) and the one-sided
+# library adapters "flashmla" (forward) and "cudnn" (backward), which enter "auto" never. Importing
+# triton or a library waits for first use: on CPU, Triton's interpreter needs TRITON_INTERPRET=1 set
+# before triton's first import.
+
+
+def _triton_forward(q, kv, idx, sink, scale, topk_length=None):
+    if q.dtype == torch.float64:  # tl.dot has no fp64 matrix-unit path: the oracle serves fp64 (tests)
+        return sparse_attention_torch.sparse_attention_forward(q, kv, idx, sink, scale, topk_length)
+    from dsv4cp.kernels.sparse_attention_triton import sparse_attention_fwd  # lazy: imports triton
+
+    return sparse_attention_fwd(q, kv, idx, sink, scale, topk_length)
+
+
+def _triton_backward(deterministic: bool | None) -> Callable:
+    """The Triton backward; ``deterministic=None`` follows :func:`dsv4cp.kernels.is_deterministic`."""
+
+    def backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None):
+        if q.dtype == torch.float64:
+            return sparse_attention_torch.sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse,
+                                                                    topk_length)
+        from dsv4cp.kernels.sparse_attention_triton import sparse_attention_bwd  # lazy: imports triton
+
+        return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, topk_length, deterministic=deterministic)
+
+    return backward
+
+
 register_backend(
     SparseAttentionBackend(
         "torch", sparse_attention_torch.sparse_attention_forward,
@@ -98,6 +131,15 @@ register_backend(
     ),
     auto_rank=0,
 )
+# "auto" tries "triton" first only when CUDA is present at import, so CPU runs of "auto" keep the oracle
+# even when the interpreter is enabled for the kernel tests.
+register_backend(SparseAttentionBackend("triton", _triton_forward, _triton_backward(None), kernels.triton_available),
+                 auto_rank=0 if kernels.HAS_TRITON and torch.cuda.is_available() else None)
+register_backend(SparseAttentionBackend("triton-deterministic", _triton_forward, _triton_backward(True),
+                                        kernels.triton_available))
+register_backend(SparseAttentionBackend(flashmla.NAME, flashmla.sparse_attention_forward, None, flashmla.available))
+register_backend(SparseAttentionBackend(cudnn_dsa.NAME, None, cudnn_dsa.sparse_attention_backward,
+                                        cudnn_dsa.available))
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -118,6 +160,25 @@ class _SparseAttention(torch.autograd.Function):
         return dq, dkv, None, dsink, None, None, None
 
 
+def _check_index_values(n_rows: int, idx: torch.Tensor, topk_length: torch.Tensor | None) -> None:
+    """``idx`` entries in ``{-1} U [0, n_rows)`` and ``topk_length`` in ``[0, Kt]`` (else the torch
+    backend raises a raw IndexError or silently wraps a negative index, and the kernels read garbage)."""
+    _require((idx >= -1) & (idx < n_rows), idx, f"idx: entries must be -1 (empty) or in [0, {n_rows}) (kv rows)")
+    if topk_length is not None:
+        kt = idx.shape[1]
+        _require((topk_length >= 0) & (topk_length <= kt), topk_length, f"topk_length: entries must be in [0, {kt}]")
+
+
+def _require(ok: torch.Tensor, values: torch.Tensor, message: str) -> None:
+    """``ValueError(message, the first bad values)`` on CPU; on CUDA an asynchronous device assertion,
+    so the check costs no host synchronisation and stays capturable in CUDA graphs."""
+    if values.device.type == "cpu":
+        if not bool(ok.all()):
+            raise ValueError(f"{message}, got {values[~ok][:5].tolist()}")
+    else:
+        torch._assert_async(ok.all(), message)
+
+
 def sparse_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -133,10 +194,12 @@ def sparse_attention(
         q: ``[T, H, D]`` queries (fp32, fp64 or bf16).
         kv: ``[N, D]`` rows, each both key and value of every head (same dtype as ``q``).
         idx: ``[T, Kt]`` int32 rows of ``kv`` each query attends to; ``-1`` marks an empty slot.
-            A repeated row counts as that many keys.
+            A repeated row counts as that many keys. Every entry must be ``-1`` or in ``[0, N)``
+            (no other negative index has a meaning).
         sink: ``[H]`` fp32 per-head sink logit (a key with logit ``sink_h`` and a zero value).
         scale: logit scale (``D ** -0.5`` in the model).
-        topk_length: optional ``[T]`` int32; query ``t`` uses only its first ``topk_length[t]`` slots.
+        topk_length: optional ``[T]`` int32 in ``[0, Kt]``; query ``t`` uses only its first
+            ``topk_length[t]`` slots.
         backend: "torch", another registered backend, or "auto".
 
     Returns:
@@ -144,44 +207,13 @@ def sparse_attention(
         ``l_j = scale <q, kv_j>``, zero for a row with no valid key; and ``lse [T, H]`` fp32 (fp64 for
         fp64 inputs): ``log sum_j e^{l_j}`` over the valid keys EXCLUDING the sink, ``-inf`` when none.
         Differentiable in ``q``, ``kv`` and ``sink``.
+
+    Raises ``ValueError`` naming the argument for a bad shape, dtype or device and, for CPU tensors,
+    an index or length out of range. On CUDA the ranges are asserted on the device instead (no host
+    synchronisation): a violation stops the run with a device-side assertion naming the argument.
     """
     _check_inputs(q, kv, idx, sink, topk_length)
+    _check_index_values(kv.shape[0], idx, topk_length)
     chosen = resolve_backend(backend, q.device)
     out, lse = _SparseAttention.apply(q, kv, idx, sink, float(scale), topk_length, chosen)
     return out, lse
-
-
-def _check_inputs(q, kv, idx, sink, topk_length) -> None:
-    for name, tensor in (("q", q), ("kv", kv), ("idx", idx), ("sink", sink)):
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{name}: must be a tensor, got {type(tensor).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"q: must be [T, H, D], got shape {tuple(q.shape)}")
-    t, h, d = q.shape
-    if kv.dim() != 2 or kv.shape[1] != d:
-        raise ValueError(f"kv: must be [N, {d}], got shape {tuple(kv.shape)}")
-    if kv.dtype != q.dtype:
-        raise ValueError(f"kv: dtype must match q ({q.dtype}), got {kv.dtype}")
-    if q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise ValueError(f"q: dtype must be a floating type, got {q.dtype}")
-    if idx.dim() != 2 or idx.shape[0] != t:
-        raise ValueError(f"idx: must be [{t}, Kt], got shape {tuple(idx.shape)}")
-    if idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx: must be int32 (or int64), got {idx.dtype}")
-    if sink.shape != (h,):
-        raise ValueError(f"sink: must be [{h}], got shape {tuple(sink.shape)}")
-    if not sink.is_floating_point():
-        raise ValueError(f"sink: must be a floating tensor (fp32 in the model), got {sink.dtype}")
-    if topk_length is not None and topk_length.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_length: must be int32 (or int64), got {topk_length.dtype}")
-    if topk_length is not None and topk_length.shape != (t,):
-        raise ValueError(f"topk_length: must be [{t}], got shape {tuple(topk_length.shape)}")
-    for name, tensor in (("kv", kv), ("idx", idx), ("sink", sink), ("topk_length", topk_length)):
-        if tensor is not None and tensor.device != q.device:
-            raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
-
-
-try:  # own Triton kernels ("triton", "triton-deterministic") and the optional FlashMLA / cuDNN adapters
-    import dsv4cp.kernels  # noqa: E402,F401
-except ImportError:  # pragma: no cover - the package is importable wherever dsv4cp is
-    pass

@@ -48,6 +48,9 @@ def _chunk_probs(q, kv, idx, valid, sink, scale, lse=None):
     if lse is None:
         lse = torch.logsumexp(logits, dim=-1)  # -inf on rows with no key
     total = torch.logaddexp(lse, sink[None, :])  # denominator including the sink
+    # No valid key and a -inf sink: an empty denominator. Any finite stand-in makes every probability
+    # exp(-inf) = 0, so the row outputs 0 and back-propagates 0 (the contract), instead of -inf - -inf = NaN.
+    total = total.masked_fill(total == float("-inf"), 0.0)
     probs = torch.exp(logits - total[..., None])
     sink_prob = torch.exp(sink[None, :] - total)
     return keys, probs, sink_prob, lse

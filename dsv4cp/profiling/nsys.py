@@ -52,7 +52,7 @@ def load_nsys(path: str | Path, *, rank: int | None = None) -> tuple[list[Kernel
     if not path.is_file():
         raise ValueError(f"path: {path} is not a file")
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
+    try:  # a file that is not SQLite fails at the first query, not at connect
         kernel_cols = _columns(conn, "CUPTI_ACTIVITY_KIND_KERNEL")
         if not kernel_cols:
             raise ValueError(f"path: {path} has no CUPTI_ACTIVITY_KIND_KERNEL table (profile with -t cuda)")
@@ -76,6 +76,8 @@ def load_nsys(path: str | Path, *, rank: int | None = None) -> tuple[list[Kernel
                 f"SELECT n.start, n.end, {text}, {_PID.format(col='n.globalTid')} FROM NVTX_EVENTS AS n {join} "
                 f"WHERE n.eventType IN ({NVTX_PUSH_POP}, {NVTX_START_END}) AND n.end IS NOT NULL"
             ).fetchall()
+    except sqlite3.DatabaseError as err:
+        raise ValueError(f"path: {path} is not an Nsight Systems SQLite export ({err})") from None
     finally:
         conn.close()
 

@@ -66,8 +66,6 @@ PHASES: tuple[str, ...] = (
     # 3.5 backward reduce-scatters: launch and wait timed separately
     "reducescatter.kv.launch", "reducescatter.kv.wait",
     "reducescatter.index_k.launch", "reducescatter.index_k.wait",
-    # 3.5 CP all-reduce of parameter gradients
-    "allreduce.param_grad.launch", "allreduce.param_grad.wait",
     # 3.7 MTP rolls
     "mtp.roll.fwd", "mtp.roll.bwd",
 )

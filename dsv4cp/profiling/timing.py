@@ -93,6 +93,7 @@ def benchmark(
     l2_flush: bool = False,
     device: torch.device | str | None = None,
     cuda_graph: bool = False,
+    on_step: Callable[[str], object] | None = None,
 ) -> TimingResult:
     """Time ``fn()`` following DESIGN 5 and return the max-over-ranks summary.
 
@@ -106,6 +107,8 @@ def benchmark(
             caches are not what the suite measures).
         device: where ``fn`` runs; default: the current CUDA device, else CPU.
         cuda_graph: capture ``fn`` once into a CUDA graph and time its replays (GPU only).
+        on_step: called after each step with ``"warmup"`` or ``"timed"`` (e.g. a progress bar,
+            :mod:`dsv4cp.profiling.progress`); outside the timed region.
     """
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
@@ -123,8 +126,10 @@ def benchmark(
         run = _graph_replay(fn, warmup) if cuda_graph else fn
         for _ in range(warmup):
             run()
+            if on_step is not None:
+                on_step("warmup")
         flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if (l2_flush and on_gpu) else None
-        times = _timed_reps(run, reps, group, device, flush)
+        times = _timed_reps(run, reps, group, device, flush, on_step)
 
     if group is not None:
         # one collective for all repetitions: per-rep barriers already align the ranks
@@ -141,6 +146,7 @@ def _timed_reps(
     group: dist.ProcessGroup | None,
     device: torch.device,
     flush: torch.Tensor | None,
+    on_step: Callable[[str], object] | None = None,
 ) -> list[float]:
     """Per-repetition times of this rank, in milliseconds."""
     times: list[float] = []
@@ -163,6 +169,8 @@ def _timed_reps(
             t0 = time.perf_counter()
             run()
             times.append((time.perf_counter() - t0) * 1e3)
+        if on_step is not None:
+            on_step("timed")
     return times
 
 

@@ -114,11 +114,15 @@ def capture_trace(
 
 
 def read_trace_json(path: str | Path) -> dict[str, Any]:
-    """Parse a Chrome-trace JSON file (optionally gzip-compressed)."""
+    """Parse a Chrome-trace JSON file (optionally gzip-compressed); ``ValueError`` naming the file if
+    it is not one (bad JSON, bad gzip, not text)."""
     path = Path(path)
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt") as handle:
-        trace = json.load(handle)
+    try:
+        with opener(path, "rt") as handle:
+            trace = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError, gzip.BadGzipFile, EOFError) as err:
+        raise ValueError(f"path: {path} is not a Kineto trace: {type(err).__name__}: {err}") from None
     if not isinstance(trace, dict) or "traceEvents" not in trace:
         raise ValueError(f"path: {path} is not a Kineto trace (no 'traceEvents')")
     return trace

@@ -2,20 +2,18 @@
 
 CPU (Triton's interpreter, fp32, tiny sizes: T <= 12, H in {1, 3, 5, 8}, D in {16, 32}, K in {5, 13, 70}):
 :func:`logsumexp_over_triton` and :func:`head_summed_probs_triton` against the torch functions of
-:mod:`dsv4cp.layer.indexer_loss` (relative error 1e-4), plus the head loop (H over several head blocks),
+:mod:`dsv4cp.ops.attention_probs` (relative error 1e-4), plus the head loop (H over several head blocks),
 int32 / int64 indices, strided inputs, out-of-range rows, bf16 through the interpreter, determinism,
 degenerate shapes, input validation and the dispatch (CPU and fp64 stay on torch).
 
 GPU (marked ``gpu``): T = 2048, H = 64, D = 512, K = 512 in bf16 against the torch path in fp32 (relative
 error < 1e-2), the head loop at H = 128, fp32 at D = 512 (the fp32 ladder), and the dispatch on CUDA.
 
-Inputs are random and fresh each run (the seed is in every failure message), never zeros; every case
-mixes empty (-1) slots, a query without any valid slot and duplicated indices.
+Inputs are random, from the per-test ``seed`` (DSV4CP_TEST_SEED varies it, failures print it), never
+zeros; every case mixes empty (-1) slots, a query without any valid slot and duplicated indices.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
@@ -25,7 +23,7 @@ import torch
 
 from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.attention_probs_triton import head_summed_probs_triton, logsumexp_over_triton
-from dsv4cp.layer import indexer_loss as il
+from dsv4cp.ops import attention_probs as il
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -33,10 +31,6 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 if not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover - triton imported too early
     pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
                 allow_module_level=True)
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(2**31)
 
 
 def make_case(seed: int, t: int, h: int, d: int, n: int, k: int, *, device="cpu", idx_dtype=torch.int64):
@@ -88,8 +82,7 @@ def check_probs(p: torch.Tensor, ref: torch.Tensor, idx: torch.Tensor, tol: floa
 @pytest.mark.parametrize("k", [5, 13, 70])
 @pytest.mark.parametrize("d", [16, 32])
 @pytest.mark.parametrize("h", [1, 3, 5, 8])
-def test_matches_torch_fp32(h, d, k):
-    seed = fresh_seed()
+def test_matches_torch_fp32(h, d, k, seed):
     t = 12 if k < 70 else 6
     q, keys, idx, scale, lden = make_case(seed, t, h, d, 3 * k + 7, k)
     msg = f"seed={seed} T={t} H={h} D={d} K={k}"
@@ -99,10 +92,9 @@ def test_matches_torch_fp32(h, d, k):
     assert p[1].abs().max().item() == 0.0, f"{msg}: a query without slots has zero mass"
 
 
-def test_head_loop_and_slot_blocks():
+def test_head_loop_and_slot_blocks(seed):
     """H = 20 over head blocks of 16 (the second one 4/16 full): the probabilities kernel loops over head
     blocks inside each slot block (blocks of 16 slots), the lse kernel runs two programs per query."""
-    seed = fresh_seed()
     q, keys, idx, scale, lden = make_case(seed, 4, 20, 32, 24, 37)
     kw = {"block_h": 16, "block_k": 16, "num_warps": 4, "num_stages": 1}
     check_lse(logsumexp_over_triton(q, keys, idx, scale, **kw), il.logsumexp_over_torch(q, keys, idx, scale),
@@ -111,10 +103,9 @@ def test_head_loop_and_slot_blocks():
     check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, f"seed={seed}")
 
 
-def test_int32_strided_inputs_and_out_of_range_rows():
+def test_int32_strided_inputs_and_out_of_range_rows(seed):
     """int32 indices, q a head-strided view, keys and the denominator column views; rows >= N count as
     empty slots (the reference sees them as -1)."""
-    seed = fresh_seed()
     q, keys, idx, scale, lden = make_case(seed, 7, 3, 16, 20, 13, idx_dtype=torch.int32)
     ref_lse = il.logsumexp_over_torch(q, keys, idx, scale)
     ref_p = il.head_summed_probs_torch(q, keys, idx, scale, lden)
@@ -136,8 +127,7 @@ def test_int32_strided_inputs_and_out_of_range_rows():
     check_probs(head_summed_probs_triton(q_view, keys_view, idx, scale, lden_view), ref_p, idx, 1e-4, msg)
 
 
-def test_bf16_through_interpreter_vs_fp32_reference():
-    seed = fresh_seed()
+def test_bf16_through_interpreter_vs_fp32_reference(seed):
     q, keys, idx, scale, lden = make_case(seed, 6, 4, 32, 30, 20)
     qb, kb = q.bfloat16(), keys.bfloat16()
     check_lse(logsumexp_over_triton(qb, kb, idx, scale), il.logsumexp_over_torch(q, keys, idx, scale), 1e-2,
@@ -146,8 +136,7 @@ def test_bf16_through_interpreter_vs_fp32_reference():
     check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-2, f"seed={seed}")
 
 
-def test_deterministic_and_degenerate_shapes():
-    seed = fresh_seed()
+def test_deterministic_and_degenerate_shapes(seed):
     q, keys, idx, scale, lden = make_case(seed, 5, 20, 16, 12, 9)
     kw = {"block_h": 16, "block_k": 16}
     first = head_summed_probs_triton(q, keys, idx, scale, lden, **kw)
@@ -189,7 +178,7 @@ def test_bad_input_names_the_field(field, change):
             logsumexp_over_triton(args["q"], args["keys"], args["idx"], scale)
 
 
-def test_cpu_and_fp64_dispatch_to_torch(monkeypatch):
+def test_cpu_and_fp64_dispatch_to_torch(monkeypatch, seed):
     """The loss's functions use the kernels only for CUDA tensors (not fp64): on CPU they must never
     reach the Triton wrappers, whatever the dtype."""
     from dsv4cp.kernels import attention_probs_triton as kernels
@@ -199,7 +188,7 @@ def test_cpu_and_fp64_dispatch_to_torch(monkeypatch):
 
     monkeypatch.setattr(kernels, "logsumexp_over_triton", boom)
     monkeypatch.setattr(kernels, "head_summed_probs_triton", boom)
-    q, keys, idx, scale, lden = make_case(fresh_seed(), 3, 2, 16, 8, 5)
+    q, keys, idx, scale, lden = make_case(seed, 3, 2, 16, 8, 5)
     for dtype in (torch.float32, torch.float64):
         qc, kc = q.to(dtype), keys.to(dtype)
         assert torch.equal(il.logsumexp_over(qc, kc, idx, scale), il.logsumexp_over_torch(qc, kc, idx, scale))
@@ -210,8 +199,9 @@ def test_cpu_and_fp64_dispatch_to_torch(monkeypatch):
 
 # ------------------------------------------------------------------------------------------ GPU
 def _gpu_case(seed: int, t: int, h: int, d: int, k: int, dtype: torch.dtype):
-    """Model-like inputs on CUDA: per-head RMS-normalised q, a key buffer of T + T / 4 (at least 2K) rows, K distinct random rows per query, ~1/8 of the slots empty, query 1
-    empty; the fp32 reference inputs are the bf16 values upcast."""
+    """Model-like inputs on CUDA: per-head RMS-normalised q, a key buffer of T + T / 4 (at least 2K) rows,
+    K distinct random rows per query, ~1/8 of the slots empty, query 1 empty; the fp32 reference inputs
+    are the bf16 values upcast."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     n = max(t + t // 4, 2 * k)  # enough rows for K distinct indices per query
     q = torch.randn(t, h, d, device="cuda", generator=g)
@@ -232,8 +222,7 @@ def _gpu_case(seed: int, t: int, h: int, d: int, k: int, dtype: torch.dtype):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
-def test_gpu_flash_shape_bf16(idx_dtype):
-    seed = fresh_seed()
+def test_gpu_flash_shape_bf16(idx_dtype, seed):
     q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 2048, 64, 512, 512, torch.bfloat16)
     idx = idx.to(idx_dtype)
     msg = f"seed={seed}"
@@ -244,9 +233,8 @@ def test_gpu_flash_shape_bf16(idx_dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_head_loop_bf16():
+def test_gpu_head_loop_bf16(seed):
     """H = 128 (pro preset): the probabilities kernel loops over two head blocks of 64."""
-    seed = fresh_seed()
     q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 512, 128, 512, 512, torch.bfloat16)
     check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-2, f"seed={seed}")
     ref_p = il.head_summed_probs_torch(q32, k32, idx, scale, lden)
@@ -255,8 +243,7 @@ def test_gpu_head_loop_bf16():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_fp32_d512():
-    seed = fresh_seed()
+def test_gpu_fp32_d512(seed):
     q, keys, idx, scale, lden, _, _, ref_lse = _gpu_case(seed, 128, 64, 512, 512, torch.float32)
     check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-4, f"seed={seed}")
     ref_p = il.head_summed_probs_torch(q, keys, idx, scale, lden)
@@ -265,8 +252,7 @@ def test_gpu_fp32_d512():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_loss_functions_dispatch_to_triton(monkeypatch):
-    seed = fresh_seed()
+def test_gpu_loss_functions_dispatch_to_triton(monkeypatch, seed):
     q, keys, idx, scale, lden, _, _, _ = _gpu_case(seed, 64, 64, 512, 128, torch.bfloat16)
     lse = il.logsumexp_over(q, keys, idx, scale)
     p = il.head_summed_probs(q, keys, idx, scale, lden)

@@ -10,12 +10,10 @@ gradients, bf16 / fp16 through the interpreter, what autograd saves, input valid
 GPU (marked ``gpu``): rows = 4096, H = 64, D = 512, P = 64 in bf16 against the torch composition in fp32
 (relative error < 1e-2), with the flash preset's frequencies and positions up to 2^20.
 
-Inputs are random and fresh each run (the seed is in every failure message), never zeros.
+Inputs are random, from the per-test ``seed`` (DSV4CP_TEST_SEED varies it, failures print it), never zeros.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
@@ -41,10 +39,6 @@ if not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover - tr
                 allow_module_level=True)
 
 EPS = 1e-6
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(2**31)
 
 
 def make_case(seed: int, rows: int, h: int, d: int, p: int, *, max_pos: int = 100000, device="cpu",
@@ -85,8 +79,7 @@ CPU_SHAPES = [(16, 1, 16, 4), (5, 3, 32, 8), (16, 4, 32, 4), (7, 4, 16, 8), (1, 
 
 
 @pytest.mark.parametrize("rows,h,d,p", CPU_SHAPES, ids=lambda v: str(v))
-def test_head_norm_rope_matches_torch(rows, h, d, p):
-    seed = fresh_seed()
+def test_head_norm_rope_matches_torch(rows, h, d, p, seed):
     msg = f"seed={seed} rows={rows} H={h} D={d} P={p}"
     x, positions, freqs = make_case(seed, rows, h, d, p)
     grad = torch.randn(rows, h, d, generator=torch.Generator().manual_seed(seed + 1))
@@ -103,8 +96,7 @@ def test_head_norm_rope_matches_torch(rows, h, d, p):
 
 @pytest.mark.parametrize("rows,h,d,p", CPU_SHAPES[:4] + CPU_SHAPES[-1:], ids=lambda v: str(v))
 @pytest.mark.parametrize("inverse", [False, True])
-def test_rope_tail_matches_torch(rows, h, d, p, inverse):
-    seed = fresh_seed()
+def test_rope_tail_matches_torch(rows, h, d, p, inverse, seed):
     msg = f"seed={seed} rows={rows} H={h} D={d} P={p} inverse={inverse}"
     x, positions, freqs = make_case(seed, rows, h, d, p)
     grad = torch.randn(rows, h, d, generator=torch.Generator().manual_seed(seed + 1))
@@ -116,8 +108,7 @@ def test_rope_tail_matches_torch(rows, h, d, p, inverse):
     assert torch.equal(out[..., : d - p], x[..., : d - p]), f"{msg}: the first D - P dims are not copied"
 
 
-def test_rope_tail_inverse_undoes_forward():
-    seed = fresh_seed()
+def test_rope_tail_inverse_undoes_forward(seed):
     x, positions, freqs = make_case(seed, 11, 3, 32, 8, max_pos=2**20)
     there = rope_tail(x, positions, freqs)
     back = rope_tail(there, positions, freqs, inverse=True)
@@ -128,9 +119,8 @@ def test_rope_tail_inverse_undoes_forward():
     assert rel_fro(back, rms_norm(x, EPS)) < 1e-6, f"seed={seed}"
 
 
-def test_large_positions_and_yarn_frequencies():
+def test_large_positions_and_yarn_frequencies(seed):
     """Positions up to 2^20 and fp32 frequencies (the table forms the angle in fp64 like apply_rope)."""
-    seed = fresh_seed()
     x, positions, _ = make_case(seed, 12, 3, 32, 8, max_pos=2**20)
     freqs = torch.tensor([1.0, 0.137, 3.1e-3, 5.7e-7], dtype=torch.float32)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1))
@@ -142,8 +132,7 @@ def test_large_positions_and_yarn_frequencies():
     assert torch.allclose(cos * cos + sin * sin, torch.ones(()), atol=1e-6)
 
 
-def test_strided_inputs_and_gradients():
-    seed = fresh_seed()
+def test_strided_inputs_and_gradients(seed):
     big, positions, freqs = make_case(seed, 6, 8, 48, 8)
     x = big[:, 1::2, 8:40]  # head stride 96, row stride 384, last dim contiguous: D = 32
     assert not x.is_contiguous() and x.stride(2) == 1
@@ -161,10 +150,9 @@ def test_strided_inputs_and_gradients():
 
 
 @pytest.mark.parametrize("config", ["1,4", "2,4", "16,8"])
-def test_pinned_config_head_blocks(monkeypatch, config):
+def test_pinned_config_head_blocks(monkeypatch, config, seed):
     """Several head blocks per row (BLOCK_H < H, the last one partial) and a block wider than H."""
     monkeypatch.setenv("DSV4CP_TRITON_NORM_ROPE_CONFIG", config)
-    seed = fresh_seed()
     x, positions, freqs = make_case(seed, 5, 3, 32, 8)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1))
     out, dx = fwd_bwd(lambda t: head_norm_rope(t, positions, freqs, EPS), x, grad)
@@ -175,15 +163,14 @@ def test_pinned_config_head_blocks(monkeypatch, config):
 
 
 @pytest.mark.parametrize("config", ["8", "3,4", "8,3", "a,b"])
-def test_pinned_config_errors(monkeypatch, config):
+def test_pinned_config_errors(monkeypatch, config, seed):
     monkeypatch.setenv("DSV4CP_TRITON_NORM_ROPE_CONFIG", config)
-    x, positions, freqs = make_case(fresh_seed(), 2, 3, 16, 4)
+    x, positions, freqs = make_case(seed, 2, 3, 16, 4)
     with pytest.raises(ValueError, match="^DSV4CP_TRITON_NORM_ROPE_CONFIG:"):
         rope_tail(x, positions, freqs)
 
 
-def test_large_eps():
-    seed = fresh_seed()
+def test_large_eps(seed):
     x, positions, freqs = make_case(seed, 4, 3, 16, 4)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1))
     out, dx = fwd_bwd(lambda t: head_norm_rope(t, positions, freqs, 0.5), x, grad)
@@ -192,8 +179,7 @@ def test_large_eps():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_through_interpreter(dtype):
-    seed = fresh_seed()
+def test_half_precision_through_interpreter(dtype, seed):
     x, positions, freqs = make_case(seed, 8, 3, 32, 8, dtype=dtype)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     out, dx = fwd_bwd(lambda t: head_norm_rope(t, positions, freqs, EPS), x, grad)
@@ -206,9 +192,9 @@ def test_half_precision_through_interpreter(dtype):
     assert rel_fro(tail, tail_ref) < 1e-2 and rel_fro(dtail, dtail_ref) < 1e-2, f"seed={seed}"
 
 
-def test_saved_tensors_hold_no_fp32_copy():
+def test_saved_tensors_hold_no_fp32_copy(seed):
     """Autograd keeps x in its own dtype and the [rows, H] rstd (plus positions / freqs), nothing else."""
-    x, positions, freqs = make_case(fresh_seed(), 5, 3, 32, 8, dtype=torch.bfloat16)
+    x, positions, freqs = make_case(seed, 5, 3, 32, 8, dtype=torch.bfloat16)
     leaf = x.requires_grad_(True)
     out = head_norm_rope(leaf, positions, freqs, EPS)
     saved = out.grad_fn.saved_tensors
@@ -220,13 +206,12 @@ def test_saved_tensors_hold_no_fp32_copy():
     assert all(t.numel() <= 5 for t in tail.grad_fn.saved_tensors)
 
 
-def test_empty_rows_and_no_grad():
+def test_empty_rows_and_no_grad(seed):
     x = torch.randn(0, 3, 16)
     positions = torch.zeros(0, dtype=torch.int64)
     freqs = torch.ones(2, dtype=torch.float64)
     assert head_norm_rope(x, positions, freqs, EPS).shape == (0, 3, 16)
     assert rope_tail(x, positions, freqs).shape == (0, 3, 16)
-    seed = fresh_seed()
     x, positions, freqs = make_case(seed, 4, 3, 16, 8)
     with torch.no_grad():
         assert rel_fro(head_norm_rope(x, positions, freqs, EPS), reference_norm_rope(x, positions, freqs)) < 1e-5
@@ -248,8 +233,8 @@ def test_empty_rows_and_no_grad():
         ("freqs", lambda x, p, f: (x, p, torch.ones(2, dtype=torch.int64))),
     ],
 )
-def test_validation_names_the_field(field, make):
-    x, positions, freqs = make_case(fresh_seed(), 4, 3, 16, 4)
+def test_validation_names_the_field(field, make, seed):
+    x, positions, freqs = make_case(seed, 4, 3, 16, 4)
     args = make(x, positions, freqs)
     with pytest.raises(ValueError, match=f"^{field}:"):
         head_norm_rope(*args, EPS)
@@ -258,8 +243,8 @@ def test_validation_names_the_field(field, make):
 
 
 @pytest.mark.parametrize("eps", [-1e-6, float("nan"), float("inf"), "1e-6"])
-def test_validation_eps(eps):
-    x, positions, freqs = make_case(fresh_seed(), 4, 3, 16, 4)
+def test_validation_eps(eps, seed):
+    x, positions, freqs = make_case(seed, 4, 3, 16, 4)
     with pytest.raises(ValueError, match="^eps:"):
         head_norm_rope(x, positions, freqs, eps)
 
@@ -286,8 +271,7 @@ def _flash_freqs() -> torch.Tensor:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_flash_head_norm_rope(dtype):
-    seed = fresh_seed()
+def test_gpu_flash_head_norm_rope(dtype, seed):
     rows, h, d = 4096, 64, 512
     freqs = _flash_freqs()
     x, positions, _ = make_case(seed, rows, h, d, 64, max_pos=2**20, device="cuda", dtype=dtype)
@@ -304,8 +288,7 @@ def test_gpu_flash_head_norm_rope(dtype):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("inverse", [False, True])
-def test_gpu_flash_rope_tail(inverse):
-    seed = fresh_seed()
+def test_gpu_flash_rope_tail(inverse, seed):
     rows, h, d = 4096, 64, 512
     freqs = _flash_freqs()
     x, positions, _ = make_case(seed, rows, h, d, 64, max_pos=2**20, device="cuda", dtype=torch.bfloat16)

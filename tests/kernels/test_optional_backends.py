@@ -23,7 +23,6 @@ import types
 import pytest
 import torch
 
-import dsv4cp.kernels.optional  # noqa: F401  (registers "flashmla" and "cudnn")
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention_torch import sparse_attention_backward as torch_backward
 from dsv4cp.ops.sparse_attention_torch import sparse_attention_forward as torch_forward
@@ -428,7 +427,6 @@ def test_explicit_request_of_missing_backend_names_the_package(name, needle):
 
 def test_import_never_needs_the_libraries():
     code = ("import sys; sys.modules['cudnn'] = None; sys.modules['flash_mla'] = None\n"
-            "import dsv4cp.kernels.optional\n"
             "from dsv4cp.ops.sparse_attention import backend_names\n"
             "assert {'cudnn', 'flashmla'} <= set(backend_names())\n"
             "assert 'cudnn' not in sys.modules or sys.modules['cudnn'] is None\n")

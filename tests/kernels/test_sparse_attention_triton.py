@@ -4,13 +4,12 @@ CPU: fp32 (and a bf16 smoke check) under Triton's interpreter at tiny sizes (T <
 Kt <= 80, plus one multi-head-block case). GPU (marked ``gpu``): full size D = 512, H = 64, Kt = 640,
 T = 2048 in bf16 against an fp32 reference, fp32 at small sizes, and bitwise determinism.
 
-Inputs are random and fresh each run (the seed is in every failure message); every case mixes empty
-(-1) slots, a row with no valid key, duplicated indices, random sinks and (when given) topk_length.
+Inputs are random, from the per-test ``seed`` (DSV4CP_TEST_SEED varies it, failures print it); every
+case mixes empty (-1) slots, a row with no valid key, duplicated indices, random sinks and (when given)
+topk_length.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
@@ -38,15 +37,11 @@ from dsv4cp.ops.sparse_attention_torch import (
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA and not triton_interpreting():
     pytest.fail(
-        "triton was imported before TRITON_INTERPRET=1 was set (tests/kernels/conftest.py sets it, but "
-        "something imported triton earlier): set it in the environment or in the root conftest",
+        "triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it, but "
+        "something imported triton earlier): set it in the environment",
         pytrace=False,
     )
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-
-
-def fresh_seed() -> int:
-    return random.SystemRandom().randrange(2**31)
 
 
 def make_case(seed, t, h, d, n, kt, *, dtype=torch.float32, device="cpu", topk=False, dup_all=False):
@@ -101,8 +96,7 @@ CPU_CASES = [
 
 @pytest.mark.parametrize("topk", [False, True], ids=["all-slots", "topk_length"])
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
-def test_forward_matches_torch_fp32(case, topk):
-    seed = fresh_seed()
+def test_forward_matches_torch_fp32(case, topk, seed):
     q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=topk)
     out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
@@ -117,8 +111,7 @@ def test_forward_matches_torch_fp32(case, topk):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("topk", [False, True], ids=["all-slots", "topk_length"])
 @pytest.mark.parametrize("case", CPU_CASES[:3], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
-def test_backward_matches_torch_fp32(case, topk, deterministic):
-    seed = fresh_seed()
+def test_backward_matches_torch_fp32(case, topk, deterministic, seed):
     q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=topk)
     out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
@@ -132,10 +125,9 @@ def test_backward_matches_torch_fp32(case, topk, deterministic):
     assert got[0][1].abs().max().item() == 0.0, f"{msg}: row without key must get dq = 0"
 
 
-def test_multiple_head_and_slot_blocks():
+def test_multiple_head_and_slot_blocks(seed):
     """H = 20 over head blocks of 16 (the second one 4/16 full), slots in blocks of 16, the kv gradient
     in two 16-column blocks of D, the backward in chunks of 2 queries."""
-    seed = fresh_seed()
     q, kv, idx, sink, scale, tl_ = make_case(seed, 4, 20, 32, 24, 37, topk=True)
     out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_h=16, block_k=16)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
@@ -152,8 +144,7 @@ def test_multiple_head_and_slot_blocks():
             assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det}: {name}"
 
 
-def test_deterministic_backward_is_bitwise_reproducible():
-    seed = fresh_seed()
+def test_deterministic_backward_is_bitwise_reproducible(seed):
     q, kv, idx, sink, scale, tl_ = make_case(seed, 16, 5, 32, 20, 40, topk=True, dup_all=True)
     out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
@@ -166,9 +157,8 @@ def test_deterministic_backward_is_bitwise_reproducible():
     assert rel_fro(first[1], ref[1]) < 1e-4, f"seed={seed}: dkv"
 
 
-def test_sink_minus_inf_and_empty_rows_stay_finite():
+def test_sink_minus_inf_and_empty_rows_stay_finite(seed):
     """A -inf sink (a padded head) and rows without keys: out 0, lse -inf, no NaN anywhere."""
-    seed = fresh_seed()
     q, kv, idx, sink, scale, _ = make_case(seed, 5, 4, 32, 16, 9)
     sink[0] = float("-inf")
     out, lse = sparse_attention_fwd(q, kv, idx, sink, scale)
@@ -184,8 +174,7 @@ def test_sink_minus_inf_and_empty_rows_stay_finite():
         assert dsink[0].item() == 0.0, f"seed={seed}: a -inf sink gets no gradient"
 
 
-def test_bf16_through_interpreter_vs_fp32_reference():
-    seed = fresh_seed()
+def test_bf16_through_interpreter_vs_fp32_reference(seed):
     q, kv, idx, sink, scale, tl_ = make_case(seed, 8, 4, 32, 24, 20, topk=True)
     # The fp32 reference sees the same bf16-rounded inputs, so only the kernel's own rounding is measured.
     q, kv = q.bfloat16(), kv.bfloat16()
@@ -201,8 +190,7 @@ def test_bf16_through_interpreter_vs_fp32_reference():
         assert rel_fro(a, b) < 1e-2, f"seed={seed}: {name}"
 
 
-def test_int64_indices_and_topk():
-    seed = fresh_seed()
+def test_int64_indices_and_topk(seed):
     q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
     out32, lse32 = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
     out64, lse64 = sparse_attention_fwd(q, kv, idx.long(), sink, scale, tl_.long())
@@ -264,8 +252,7 @@ needs_backend = pytest.mark.skipif(
 
 @needs_backend
 @pytest.mark.parametrize("backend", ["triton", "triton-deterministic"])
-def test_registered_backend_autograd_matches_torch(backend):
-    seed = fresh_seed()
+def test_registered_backend_autograd_matches_torch(backend, seed):
     device = "cuda" if HAS_CUDA else "cpu"
     q, kv, idx, sink, scale, tl_ = make_case(seed, 8, 3, 32, 20, 11, device=device, topk=True)
     results = {}
@@ -282,10 +269,10 @@ def test_registered_backend_autograd_matches_torch(backend):
 
 
 @needs_backend
-def test_registered_backend_serves_fp64_through_the_oracle():
+def test_registered_backend_serves_fp64_through_the_oracle(seed):
     """tl.dot has no fp64 matrix-unit path: the backend hands fp64 (CP tests) to the torch oracle."""
     device = "cuda" if HAS_CUDA else "cpu"
-    q, kv, idx, sink, scale, _ = make_case(fresh_seed(), 4, 2, 16, 8, 5, dtype=torch.float64, device=device)
+    q, kv, idx, sink, scale, _ = make_case(seed, 4, 2, 16, 8, 5, dtype=torch.float64, device=device)
     got = sparse_attention(q, kv, idx, sink, scale, backend="triton")
     ref = sparse_attention(q, kv, idx, sink, scale, backend="torch")
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
@@ -336,8 +323,7 @@ def gpu_case(seed, t, h, d, n_window, n_selected, dtype):
 @pytest.mark.parametrize("heads, n_selected", [(64, 512), (128, 1024), (3, 64)], ids=["flash", "pro", "H3"])
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_full_size_bf16(heads, n_selected, deterministic):
-    seed = fresh_seed()
+def test_gpu_full_size_bf16(heads, n_selected, deterministic, seed):
     t = 2048 if heads <= 64 else 1024
     q, kv, idx, sink, scale = gpu_case(seed, t, heads, 512, 128, n_selected, torch.bfloat16)
     q32, kv32 = q.float(), kv.float()  # the fp32 reference sees exactly the bf16 values
@@ -362,8 +348,7 @@ def test_gpu_full_size_bf16(heads, n_selected, deterministic):
 )
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_fp32_matches_torch(case):
-    seed = fresh_seed()
+def test_gpu_fp32_matches_torch(case, seed):
     q, kv, idx, sink, scale, tl_ = make_case(seed, *case, device="cuda", topk=True)
     out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)

@@ -1,0 +1,35 @@
+"""Write the report of one or more runs: ``summary.md``, tables (CSV + markdown) and PNG plots.
+
+    dsv4cp report runs/smoke                      # -> runs/smoke/report/summary.md
+    dsv4cp report runs/base runs/new --out cmp/   # two runs side by side
+
+RUN_DIR is a sweep's run directory (``records.jsonl`` + ``meta.json``) or a bare ``.jsonl`` of records.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "summary.md, tables and plots of one or more sweep runs"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories or .jsonl files")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default: RUN_DIR/report for one run directory; required otherwise)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsv4cp.report import load_runs, write_report
+
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out: {args.out} exists and is not a directory")
+    runs = load_runs(args.runs)  # validates every path before anything is written
+    out = args.out
+    if out is None:
+        if len(args.runs) != 1 or not args.runs[0].is_dir():
+            raise ValueError(f"--out: required with several runs or a .jsonl file, got runs={[str(r) for r in args.runs]}")
+        out = args.runs[0] / "report"
+    print(write_report(runs, out))
+    return 0

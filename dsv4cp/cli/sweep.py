@@ -1,0 +1,89 @@
+"""Run a sweep spec (``sweeps/*.yaml``): every point measured and appended to RUN_DIR/records.jsonl.
+
+On any machine (spawns --nproc gloo ranks, default: the spec's largest cp):
+
+    dsv4cp sweep sweeps/smoke.yaml --out runs/smoke
+
+On GPUs (the launcher's ranks; a point with a smaller cp runs on the first cp ranks):
+
+    torchrun --nproc-per-node 2 -m dsv4cp sweep sweeps/cp_scaling.yaml --out runs/cp_scaling
+
+A killed sweep continues with --resume; an OOM or error at one point is recorded and the sweep goes
+on. With --nsys, run under ``nsys profile --capture-range=cudaProfilerApi --capture-range-end=repeat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from dsv4cp.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    PROGRESS_MODES,
+    add_dist_backend_option,
+    add_machine_options,
+    check_output_dir,
+    machine_from_args,
+    positive_float,
+    positive_int,
+    progress_enabled,
+    resolve_dist_backend,
+)
+from dsv4cp.cp.launch import under_torchrun
+from dsv4cp.sweeps.runner import SweepOptions, check_out_dir, default_nproc, run_sweep
+from dsv4cp.sweeps.spec import expand, load_spec
+
+HELP = "run a sweep spec (YAML) and record every point (RUN_DIR/records.jsonl + meta.json)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", help="sweep spec, e.g. sweeps/smoke.yaml")
+    parser.add_argument("--out", default=None, help="run directory (default: runs/<spec name>)")
+    parser.add_argument("--resume", action="store_true", help="continue RUN_DIR: skip the points it already holds")
+    parser.add_argument("--retry-errors", action="store_true",
+                        help="with --resume, run points recorded as errors again")
+    parser.add_argument("--nproc", type=positive_int, default=None,
+                        help="ranks to spawn without torchrun (default: the spec's largest cp)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also capture a Kineto trace per point (RUN_DIR/traces/<point_id>/) and its overlap table")
+    parser.add_argument("--nsys", action="store_true", help="also run steps inside an nsys capture range per point")
+    parser.add_argument("--check", action="store_true", help="also check parity with CP = 1 at every point")
+    parser.add_argument("--dry-run", action="store_true", help="print the expanded points and exit")
+    parser.add_argument("--point-timeout", type=positive_float, default=600.0,
+                        help="seconds a collective of one point may wait before the point is recorded as an error")
+    parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                        help="progress bar with ETA on stderr, rank 0 only; auto: only when stderr is a terminal")
+    add_dist_backend_option(parser)
+    add_machine_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
+    if args.dry_run:
+        if rank == 0:
+            points = expand(spec)
+            for point in points:
+                print(f"{point.point_id}  {point.label()}")
+            print(f"{len(points)} points, spawning {args.nproc or default_nproc(spec)} ranks without torchrun")
+        return EXIT_OK
+    out = Path(args.out) if args.out else Path("runs") / spec.name
+    if rank == 0:
+        check_output_dir(out, "--out")
+    check_out_dir(out, args.resume)
+    distributed = under_torchrun() or (args.nproc or default_nproc(spec)) > 1
+    options = SweepOptions(
+        out=out, resume=args.resume, retry_errors=args.retry_errors, profile=args.profile, nsys=args.nsys,
+        check=args.check, point_timeout_s=args.point_timeout,
+        dist_backend=resolve_dist_backend(args, distributed=distributed) if distributed else "gloo",
+        progress=progress_enabled(args.progress, rank), machine=machine_from_args(args),
+    )
+    summary = run_sweep(spec, options, nproc=args.nproc)
+    if rank == 0:
+        print(f"sweep {spec.name}: {summary.recorded} points recorded in {out} ({summary.ok} ok, {summary.failed} "
+              f"failed, {summary.skipped} skipped), {summary.resumed} already there")
+        if summary.parity_failed:
+            print(f"sweep {spec.name}: parity with CP = 1 FAILED at {summary.parity_failed} points")
+    return EXIT_FAILED if summary.parity_failed else EXIT_OK

@@ -1,0 +1,66 @@
+"""RMS normalisation and partial rotary embedding (DESIGN 1.3): the torch references and the fused ops.
+
+* :func:`rms_norm`, :func:`apply_rope`: the torch references (any device, any float dtype).
+* :func:`head_norm_rope`: ``apply_rope(rms_norm(x, eps), positions, freqs)`` on the attention queries;
+* :func:`rope_tail`: ``apply_rope(x, positions, freqs, inverse)`` on the attention outputs.
+
+The last two run the fused Triton kernels of :mod:`dsv4cp.kernels.norm_rope_triton` where they serve
+the input (:func:`use_fused`: CUDA, bf16 / fp16 / fp32, D a multiple of 16) and the references otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4cp.kernels import norm_rope_triton
+from dsv4cp.kernels.norm_rope_triton import use_fused
+
+__all__ = ["apply_rope", "head_norm_rope", "rms_norm", "rope_tail", "use_fused"]
+
+
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps) (* weight)``, computed in fp32 (fp64 stays fp64), in x's dtype."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(work)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(work)
+    return y.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last ``2 * len(freqs)`` dims of ``x`` pairwise (2i, 2i+1) by ``positions * freqs``.
+
+    Args:
+        x: ``[..., rows, (heads,) D]``; ``positions``: ``[rows]`` document positions (any int dtype).
+        inverse: rotate by minus the angle (undoes the rotation; used on attention outputs).
+    Angles are formed in fp64 so large positions stay exact; the product runs in x's dtype (fp32 at least).
+    """
+    p = 2 * freqs.numel()
+    angles = positions.to(torch.float64)[:, None] * freqs.to(positions.device)[None, :]
+    if inverse:
+        angles = -angles
+    work = torch.promote_types(x.dtype, torch.float32)
+    cos, sin = angles.cos().to(work), angles.sin().to(work)
+    if x.dim() == 3:  # [rows, heads, D]: same angle for every head
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    rot = x[..., -p:].to(work).unflatten(-1, (p // 2, 2))
+    even, odd = rot[..., 0], rot[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-p], rotated.to(x.dtype)), dim=-1)
+
+
+def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, eps), positions, freqs)`` of ``x [rows, H, D]`` (weightless per-head norm),
+    differentiable in x; ``[rows, H, D]`` in x's dtype. Fused on CUDA: no fp32 copy kept for backward."""
+    if use_fused(x, freqs):
+        return norm_rope_triton.head_norm_rope(x, positions, freqs, eps)
+    return apply_rope(rms_norm(x, eps), positions, freqs)
+
+
+def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``apply_rope(x, positions, freqs, inverse)`` of ``x [rows, H, D]``, differentiable in x; fused on
+    CUDA (rotates the tail in place of copying the whole tensor)."""
+    if use_fused(x, freqs):
+        return norm_rope_triton.rope_tail(x, positions, freqs, inverse=inverse)
+    return apply_rope(x, positions, freqs, inverse=inverse)

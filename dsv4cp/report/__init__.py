@@ -1,0 +1,13 @@
+"""Reports over measurement records: the loader, tables, plots, ``summary.md`` and run comparison.
+
+* ``load``: ``load_runs`` (the only reader of ``records.jsonl`` / ``meta.json``), ``load_trace``.
+* ``tables``: DataFrame -> DataFrame (headline, phases, scaling, overlap, memory, imbalance, bound, targets).
+* ``plots``: DataFrame -> matplotlib Figure (scaling, phases, overlap, memory, bound, packing; trace timelines).
+* ``summary``: ``write_report`` (summary.md + tables + plots), used by ``dsv4cp report``.
+* ``compare``: baseline vs new run, used by ``dsv4cp compare``.
+"""
+
+from dsv4cp.report.load import load_runs, load_trace
+from dsv4cp.report.summary import write_report
+
+__all__ = ["load_runs", "load_trace", "write_report"]

@@ -1,0 +1,293 @@
+"""Report plots: pure functions from the records DataFrame (or a trace's records) to matplotlib Figures.
+
+Every function returns a :class:`Plot`: the figure, or ``None`` with a note saying what the runs lack
+(a run without a CP = 1 point has no scaling plot; an unprofiled run no phase plots). Figures are built
+with the object-oriented API (no pyplot state), so they render headless; each names its units and the
+runs' hardware (``machine``, GPU) in a caption.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from dsv4cp.profiling.overlap import TOTAL, KernelRecord, RangeRecord
+from dsv4cp.records import AXES
+from dsv4cp.report import tables
+
+MAX_PHASES = 10
+"""Phases drawn by name in the stacked phase plot; the rest are summed as ``other``."""
+
+
+@dataclass(frozen=True)
+class Plot:
+    """A drawn figure, or ``figure=None`` and ``note`` saying why it was skipped."""
+
+    figure: Figure | None
+    note: str = ""
+
+    def save(self, path: str | Path) -> Path | None:
+        """Write the figure as PNG (parent created); None when skipped."""
+        if self.figure is None:
+            return None
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.figure.savefig(path, dpi=120, bbox_inches="tight")
+        return path
+
+    def _repr_png_(self) -> bytes | None:
+        """The figure in a notebook (IPython's display protocol)."""
+        if self.figure is None:
+            return None
+        buffer = io.BytesIO()
+        self.figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+        return buffer.getvalue()
+
+    def _repr_markdown_(self) -> str | None:
+        """Why the plot was skipped, in a notebook."""
+        return None if self.figure is not None else f"*skipped: {self.note}*"
+
+
+def _figure(title: str, caption: str, width: float = 7.0, height: float = 4.5):
+    """A one-axes figure with ``title`` above and ``caption`` (hardware, notes) below."""
+    fig = Figure(figsize=(width, height), layout="constrained")
+    ax = fig.subplots()
+    ax.set_title(title)
+    fig.supxlabel(caption, fontsize=8, color="dimgray")
+    return fig, ax
+
+
+def _config_labels(table: pd.DataFrame, exclude: Iterable[str]) -> pd.Series:
+    """Label of each row's configuration: its run and axes that vary in ``table``, but ``exclude``."""
+    exclude = set(exclude)
+    axes = [a for a in tables.varying_axes(table) if a not in exclude]
+    if not axes:
+        return pd.Series(["all points"] * len(table), index=table.index)
+    return tables.point_labels(table, axes)
+
+
+def _caption(df: pd.DataFrame, extra: str = "") -> str:
+    return f"hardware: {tables.hardware(df)}" + (f"; {extra}" if extra else "")
+
+
+# ------------------------------------------------------------------------------------------ scaling
+def strong_scaling(df: pd.DataFrame) -> Plot:
+    """Speedup T(1)/T(cp) against cp at fixed total tokens, one line per configuration, with the ideal."""
+    table = tables.scaling(df, "strong")
+    if table.empty:
+        return Plot(None, "strong scaling: no configuration measured at CP = 1 and another CP with the same tokens")
+    fig, ax = _figure("Strong scaling (fixed total tokens)", _caption(df, "speedup = T(1) / T(cp), median step time"))
+    labels = _config_labels(table, ["cp", "tokens_per_rank"])
+    for label, group in table.groupby(labels, sort=False):
+        ax.plot(group["cp"], group["speedup"], marker="o", label=label)
+    cps = np.array(sorted(table["cp"].unique()))
+    ax.plot(cps, cps, linestyle="--", color="black", label="ideal (speedup = cp)")
+    ax.set_xlabel("CP degree (GPUs)")
+    ax.set_ylabel("speedup over CP = 1 (x)")
+    ax.set_xticks(cps)
+    ax.legend(fontsize=7)
+    return Plot(fig)
+
+
+def weak_scaling(df: pd.DataFrame) -> Plot:
+    """Efficiency T(1)/T(cp) against cp at fixed tokens per rank, with the ideal (1.0)."""
+    table = tables.scaling(df, "weak")
+    if table.empty:
+        return Plot(None, "weak scaling: no configuration measured at CP = 1 and another CP with the same tokens per rank")
+    fig, ax = _figure("Weak scaling (fixed tokens per rank)", _caption(df, "efficiency = T(1) / T(cp), median step time"))
+    labels = _config_labels(table, ["cp", "tokens"])
+    for label, group in table.groupby(labels, sort=False):
+        ax.plot(group["cp"], group["efficiency"], marker="o", label=label)
+    cps = np.array(sorted(table["cp"].unique()))
+    ax.axhline(1.0, linestyle="--", color="black", label="ideal (efficiency = 1)")
+    ax.set_xlabel("CP degree (GPUs)")
+    ax.set_ylabel("weak-scaling efficiency")
+    ax.set_xticks(cps)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    return Plot(fig)
+
+
+# ------------------------------------------------------------------------------------------ phases
+def phase_times(df: pd.DataFrame) -> Plot:
+    """Stacked per-phase busy time (compute + exposed comm, rank 0) per profiled point, ordered by cp."""
+    table = tables.phase_breakdown(df)
+    table = table[table["phase"] != TOTAL]
+    if table.empty:
+        return Plot(None, "phase times: no profiled point (run the sweep with --profile)")
+    axes = [a for a in table.columns if a in ("run", *AXES)]
+    table = table.assign(point=tables.point_labels(table, axes) if axes else "point")
+    order = table.drop_duplicates("point").sort_values([a for a in ("run", "cp") if a in table])["point"]
+    wide = table.pivot_table(index="point", columns="phase", values="busy_ms", aggfunc="sum").reindex(order)
+    top = wide.sum().sort_values(ascending=False).index[:MAX_PHASES]
+    if len(wide.columns) > MAX_PHASES:
+        wide = wide[top].assign(other=wide.drop(columns=top).sum(axis=1))
+    else:
+        wide = wide[top]
+    fig, ax = _figure("Where the step time goes (rank 0)", _caption(df, "busy = compute + exposed communication"),
+                      width=9.0, height=1.5 + 0.4 * len(wide))
+    left = np.zeros(len(wide))
+    for phase in wide.columns:
+        values = wide[phase].fillna(0.0).to_numpy()
+        ax.barh(wide.index, values, left=left, label=str(phase).removeprefix("dsv4cp."))
+        left += values
+    ax.set_xlabel("time per step (ms)")
+    ax.tick_params(axis="y", labelsize=7)
+    ax.invert_yaxis()
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    return Plot(fig)
+
+
+def overlap_per_phase(df: pd.DataFrame) -> Plot:
+    """Overlap ratio (hidden / total communication) of each communicating phase, one bar per point."""
+    table = tables.phase_breakdown(df)
+    table = table[(table["comm_ms"] > 0) & (table["phase"] != TOTAL)]
+    if table.empty:
+        return Plot(None, "overlap per phase: no profiled point with communication (profile a CP > 1 point)")
+    axes = [a for a in table.columns if a in ("run", *AXES)]
+    table = table.assign(point=tables.point_labels(table, axes) if axes else "point")
+    wide = table.pivot_table(index="phase", columns="point", values="overlap_ratio", aggfunc="mean")
+    fig, ax = _figure("Communication hidden behind compute, per phase (rank 0)",
+                      _caption(df, "overlap ratio = overlapped comm / comm time"), width=8.0)
+    width = 0.8 / len(wide.columns)
+    positions = np.arange(len(wide))
+    for i, point in enumerate(wide.columns):
+        ax.bar(positions + i * width, wide[point].to_numpy(), width=width, label=point)
+    ax.set_xticks(positions + 0.4 - width / 2, [p.removeprefix("dsv4cp.") for p in wide.index],
+                  rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("overlap ratio")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=6)
+    return Plot(fig)
+
+
+# ------------------------------------------------------------------------------------------ memory, bound, packing
+def memory_vs_tokens(df: pd.DataFrame) -> Plot:
+    """Peak allocated memory (max over ranks) against total tokens, one line per cp/configuration."""
+    table = tables.memory(df).dropna(subset=["peak_allocated_gib"])
+    if table.empty or table["tokens"].nunique() < 2:
+        return Plot(None, "memory vs tokens: needs measured peak memory at two or more token counts")
+    fig, ax = _figure("Peak memory per rank", _caption(df, "max over ranks of peak allocated (host RSS on CPU)"))
+    labels = _config_labels(table, ["tokens", "tokens_per_rank"])
+    for label, group in table.sort_values("tokens").groupby(labels, sort=False):
+        ax.plot(group["tokens"], group["peak_allocated_gib"], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("total tokens")
+    ax.set_ylabel("peak memory per rank (GiB)")
+    ax.legend(fontsize=7)
+    return Plot(fig)
+
+
+def measured_vs_bound(df: pd.DataFrame) -> Plot:
+    """Measured median time against the cost model's lower bound (log-log), with the bound line."""
+    table = tables.measured_vs_bound(df).dropna(subset=["time_ms_median", "bound_ms"])
+    if table.empty:
+        return Plot(None, "measured vs bound: no point with a model bound")
+    fig, ax = _figure("Measured step time vs the cost model's bound", _caption(df, "median step time"))
+    for cp, group in table.groupby("cp"):
+        ax.scatter(group["bound_ms"], group["time_ms_median"], label=f"cp={cp}")
+    low = min(table["bound_ms"].min(), table["time_ms_median"].min())
+    high = max(table["bound_ms"].max(), table["time_ms_median"].max())
+    ax.plot([low, high], [low, high], linestyle="--", color="black", label="measured = bound")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("model bound (ms)")
+    ax.set_ylabel("measured (ms)")
+    ax.legend(fontsize=7)
+    return Plot(fig)
+
+
+def imbalance_per_packing(df: pd.DataFrame) -> Plot:
+    """Per-rank time imbalance (max / mean of the rank medians) of every point, by packing and cp."""
+    table = tables.imbalance(df)
+    table = table[table["cp"] > 1].dropna(subset=["imbalance_max_over_mean"])
+    if table.empty:
+        return Plot(None, "imbalance per packing: no CP > 1 point with per-rank times")
+    fig, ax = _figure("Load imbalance by packing", _caption(df, "each dot: one point; 1.0 = perfectly balanced"))
+    packings = list(dict.fromkeys(table["packing"]))
+    cps = sorted(table["cp"].unique())
+    for j, cp in enumerate(cps):
+        group = table[table["cp"] == cp]
+        x = group["packing"].map(packings.index) + (j - (len(cps) - 1) / 2) * 0.15
+        ax.scatter(x, group["imbalance_max_over_mean"], label=f"cp={cp}")
+    ax.axhline(1.0, linestyle="--", color="black", linewidth=0.8)
+    ax.set_xticks(range(len(packings)), packings)
+    ax.set_xlabel("packing")
+    ax.set_ylabel("max / mean of per-rank times")
+    ax.legend(fontsize=7)
+    return Plot(fig)
+
+
+def all_plots(df: pd.DataFrame) -> dict[str, Plot]:
+    """Every report plot by file stem."""
+    return {
+        "strong_scaling": strong_scaling(df),
+        "weak_scaling": weak_scaling(df),
+        "phase_times": phase_times(df),
+        "overlap_per_phase": overlap_per_phase(df),
+        "memory_vs_tokens": memory_vs_tokens(df),
+        "measured_vs_bound": measured_vs_bound(df),
+        "imbalance_per_packing": imbalance_per_packing(df),
+    }
+
+
+# ------------------------------------------------------------------------------------------ traces
+def phase_timeline(kernels: list[KernelRecord], ranges: list[RangeRecord], *, title: str = "Phase timeline",
+                   caption: str = "") -> Plot:
+    """Per rank, three lanes on one time axis (ms from the first event): the ``dsv4cp.*`` ranges
+    (host; one colour per phase, nested ranges drawn thinner), compute kernels and communication
+    kernels (device). Input: the records of ``dsv4cp.profiling.trace.load_kineto_dir``."""
+    if not kernels and not ranges:
+        return Plot(None, "phase timeline: the trace has no kernel and no dsv4cp range")
+    origin = min([k.start_ns for k in kernels] + [r.start_ns for r in ranges])
+    ranks = sorted({k.rank for k in kernels} | {r.rank for r in ranges})
+    phases = list(dict.fromkeys(r.name for r in sorted(ranges, key=lambda r: r.start_ns)))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(phases)}
+    fig, ax = _figure(title, caption or "lanes per rank: host ranges, compute kernels, communication kernels",
+                      width=10.0, height=1.2 + 1.2 * len(ranks))
+    ticks, tick_labels = [], []
+    for i, rank in enumerate(ranks):
+        base = 3 * (len(ranks) - 1 - i)
+        rank_ranges = sorted((r for r in ranges if r.rank == rank), key=lambda r: (r.start_ns, -r.end_ns))
+        open_ends: list[int] = []
+        for r in rank_ranges:  # depth = ranges still open when this one starts
+            open_ends = [end for end in open_ends if end > r.start_ns]
+            shrink = min(0.15 * len(open_ends), 0.6)
+            ax.broken_barh([((r.start_ns - origin) / 1e6, (r.end_ns - r.start_ns) / 1e6)],
+                           (base + 2 + shrink / 2, 0.8 - shrink), color=colors[r.name], linewidth=0)
+            open_ends.append(r.end_ns)
+        for lane, is_comm in ((1, False), (0, True)):
+            spans = [((k.start_ns - origin) / 1e6, (k.end_ns - k.start_ns) / 1e6)
+                     for k in kernels if k.rank == rank and k.is_comm == is_comm]
+            ax.broken_barh(spans, (base + lane + 0.1, 0.8), color="tab:red" if is_comm else "tab:gray", linewidth=0)
+        ticks += [base + 2.5, base + 1.5, base + 0.5]
+        tick_labels += [f"rank {rank} ranges", f"rank {rank} compute", f"rank {rank} comm"]
+    ax.set_yticks(ticks, tick_labels, fontsize=7)
+    ax.set_xlabel("time (ms)")
+    for name in phases[:MAX_PHASES * 2]:
+        ax.plot([], [], color=colors[name], linewidth=6, label=name.removeprefix("dsv4cp."))
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    return Plot(fig)
+
+
+def trace_overlap(table: pd.DataFrame, *, title: str = "Communication per phase", caption: str = "") -> Plot:
+    """Hidden vs exposed communication (ms) per phase and rank, from an overlap table
+    (``dsv4cp.profiling.overlap.COLUMNS``, e.g. ``kineto_overlap_table``)."""
+    comm = table[(table["comm_ms"] > 0) & (table["phase"] != TOTAL)]
+    if comm.empty:
+        return Plot(None, "trace overlap: no communication in any phase")
+    labels = [f"r{rank} {phase.removeprefix('dsv4cp.')}" for rank, phase in zip(comm["rank"], comm["phase"])]
+    fig, ax = _figure(title, caption or "per phase: communication overlapped by compute vs exposed",
+                      width=8.0, height=1.5 + 0.35 * len(comm))
+    ax.barh(labels, comm["overlap_ms"], color="tab:green", label="overlapped")
+    ax.barh(labels, comm["exposed_comm_ms"], left=comm["overlap_ms"], color="tab:red", label="exposed")
+    ax.invert_yaxis()
+    ax.set_xlabel("communication time (ms)")
+    ax.legend(fontsize=7)
+    return Plot(fig)

@@ -1,0 +1,107 @@
+"""The report a person reads first: ``summary.md`` plus every table (CSV + markdown) and plot (PNG).
+
+:func:`write_report` is what ``dsv4cp report`` calls; :func:`render_summary` builds the markdown from
+already computed tables and plots so a notebook can show it too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from dsv4cp.profiling.overlap import TOTAL
+from dsv4cp.report import plots as plots_module
+from dsv4cp.report import tables as tables_module
+from dsv4cp.report.plots import Plot
+
+TOP_PHASES = 3
+"""Phases named per profiled point in "Where the time goes"."""
+
+
+def _runs_table(df: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for run, group in df.groupby("run", sort=False):
+        first = group.iloc[0]
+        sha = first["git_sha"]
+        rows.append({
+            "run": run, "machine": first["machine"], "gpu": first["gpu_name"],
+            "git_sha": (sha[:10] + ("+dirty" if first["git_dirty"] else "")) if sha else "unknown",
+            "points": len(group), "ok": int((group["status"] == "ok").sum()),
+        })
+    return pd.DataFrame(rows)
+
+
+def _targets_section(targets: pd.DataFrame) -> list[str]:
+    target_text = ", ".join(f"{k}={v}" for k, v in tables_module.TARGET_POINT.items())
+    lines = ["## Targets", "", f"Issue 10 targets, on the configuration {target_text}:", ""]
+    for row in targets.itertuples(index=False):
+        if row.met == tables_module.NOT_MEASURED:
+            verdict = tables_module.NOT_MEASURED
+        elif row.met == "yes":
+            verdict = f"**{row.measured:.3f}** (target <= {row.limit:g}): met"
+        else:
+            verdict = f"**{row.measured:.3f}** (target <= {row.limit:g}): MISSED by {row.miss_pct:.1f}%"
+        lines.append(f"- {row.run}: {row.target}: {verdict}")
+    return lines + [""]
+
+
+def _time_section(phases: pd.DataFrame) -> list[str]:
+    lines = ["## Where the time goes", ""]
+    phases = phases[phases["phase"] != TOTAL] if len(phases) else phases
+    if phases.empty:
+        return lines + ["No profiled point (run the sweep with `--profile` for per-phase times).", ""]
+    axes = [c for c in phases.columns if c not in ("phase", *tables_module.PHASE_METRICS, "busy_ms")]
+    phases = phases.assign(point=tables_module.point_labels(phases, axes) if axes else "point")
+    for point, group in phases.groupby("point", sort=False):
+        busy = group["busy_ms"].sum()
+        top = group.sort_values("busy_ms", ascending=False).head(TOP_PHASES)
+        parts = [f"{p.removeprefix('dsv4cp.')} {t:.3g} ms ({100 * t / busy:.0f}%)"
+                 for p, t in zip(top["phase"], top["busy_ms"]) if busy > 0]
+        comm, exposed = group["comm_ms"].sum(), group["exposed_comm_ms"].sum()
+        comm_text = (f"; communication {comm:.3g} ms, {exposed:.3g} ms exposed ({100 * exposed / comm:.0f}%)"
+                     if comm > 0 else "; no communication")
+        lines.append(f"- {point}: busy {busy:.3g} ms: " + ", ".join(parts) + comm_text)
+    return lines + [""]
+
+
+def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dict[str, Plot],
+                   table_dir: str = "tables", plot_dir: str = "plots") -> str:
+    """``summary.md``'s text: runs, headline table, targets, where the time goes, failed points, and
+    links to the tables (``table_dir/NAME.md``) and plots (``plot_dir/NAME.png``), relative paths."""
+    lines = [f"# dsv4cp report: {', '.join(tables_module.runs_of(df))}", "",
+             f"Hardware: {tables_module.hardware(df)}.", "", "## Runs", "",
+             tables_module.to_markdown(_runs_table(df)), "## Headline", "",
+             "Per point: median step time [p20, p80] in ms (max over ranks per repetition), tokens/s, TFLOP/s per "
+             "GPU, MFU, measured / model bound, peak memory per rank (GiB, max over ranks), exposed "
+             "communication as % of communication time (profiled points only).", "",
+             tables_module.to_markdown(tables["headline"])]
+    lines += _targets_section(tables["targets"])
+    lines += _time_section(tables["phases"])
+    if not tables["failures"].empty:
+        lines += ["## Points that did not measure", "", tables_module.to_markdown(tables["failures"])]
+    lines += ["## Tables", ""]
+    for name, table in tables.items():
+        state = f"{len(table)} rows" if not table.empty else "empty: the runs lack the points it needs"
+        lines.append(f"- [{name}]({table_dir}/{name}.md) ([csv]({table_dir}/{name}.csv)): {state}")
+    lines += ["", "## Plots", ""]
+    for name, plot in plots.items():
+        lines.append(f"![{name}]({plot_dir}/{name}.png)" if plot.figure is not None else f"- {name}: skipped ({plot.note})")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(df: pd.DataFrame, out_dir: str | Path) -> Path:
+    """Write ``out_dir/summary.md``, ``out_dir/tables/*.{csv,md}`` and ``out_dir/plots/*.png``;
+    returns the summary's path."""
+    out_dir = Path(out_dir)
+    tables = tables_module.all_tables(df)
+    plots = plots_module.all_plots(df)
+    for name, table in tables.items():
+        tables_module.write_table(table, out_dir / "tables", name)
+    for name, plot in plots.items():
+        plot.save(out_dir / "plots" / f"{name}.png")
+    summary = out_dir / "summary.md"
+    summary.write_text(render_summary(df, tables, plots))
+    return summary
+

@@ -1,0 +1,338 @@
+"""Report tables: pure functions from the records DataFrame (``load_runs``) to DataFrames.
+
+Every function takes all records (any status), keeps what it needs and returns a new DataFrame; an
+empty result means the runs lack what the table needs (e.g. no CP = 1 point for scaling). Times are
+milliseconds, memory GiB (2**30 bytes). :func:`write_table` saves one as CSV and markdown.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from dsv4cp.config import DSv4Config
+from dsv4cp.model import estimate
+from dsv4cp.profiling.overlap import COLUMNS as OVERLAP_COLUMNS
+from dsv4cp.records import AXES, STATUS_OK
+from dsv4cp.workloads import packing_lengths
+
+GIB = 2**30
+PHASE_METRICS: tuple[str, ...] = tuple(c for c in OVERLAP_COLUMNS if c not in ("rank", "phase"))
+"""Per-phase columns of a record's ``phases`` rows (the overlap table's)."""
+
+DEFAULT_AXES: tuple[str, ...] = ("preset", "ratio", "cp", "tokens")
+"""Axes shown when none varies (a run of one point)."""
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def ok_points(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows with status ``ok``, with ``tokens`` and ``tokens_per_rank`` both filled where one is
+    (``tokens = tokens_per_rank * cp``), so strong and weak scaling can group on either."""
+    out = df[df["status"] == STATUS_OK].copy()
+    per_rank = out["tokens"] / out["cp"]
+    out["tokens_per_rank"] = out["tokens_per_rank"].where(out["tokens_per_rank"].notna(), per_rank)
+    out["tokens"] = out["tokens"].where(out["tokens"].notna(), out["tokens_per_rank"] * out["cp"])
+    return out.reset_index(drop=True)
+
+
+def runs_of(df: pd.DataFrame) -> list[str]:
+    return list(dict.fromkeys(df["run"]))
+
+
+def varying_axes(df: pd.DataFrame) -> list[str]:
+    """Axes (in ``AXES`` order, among ``df``'s columns) taking more than one value; ``run`` first when
+    the rows come from several runs. Falls back to ``DEFAULT_AXES`` when nothing varies."""
+    axes = [a for a in AXES if a in df and df[a].map(str).nunique() > 1]
+    if not axes:
+        axes = [a for a in DEFAULT_AXES if a in df]
+    return (["run"] if "run" in df and df["run"].nunique() > 1 else []) + axes
+
+
+def point_labels(df: pd.DataFrame, axes: list[str]) -> pd.Series:
+    """``"cp=2 tokens=65536"`` per row, from the given axes (``run`` shown bare; ``tokens_per_rank``
+    left out when ``tokens`` and ``cp`` are shown, as it follows from them)."""
+    if {"tokens", "cp"} <= set(axes):
+        axes = [a for a in axes if a != "tokens_per_rank"]
+
+    def label(row: pd.Series) -> str:
+        return " ".join(str(row[a]) if a == "run" else f"{a}={row[a]}" for a in axes)
+
+    return df.apply(label, axis=1) if len(df) else pd.Series([], dtype=object)
+
+
+def hardware(df: pd.DataFrame) -> str:
+    """The runs' hardware for captions: distinct ``machine`` labels (with ``gpu_name`` when known)."""
+    labels = []
+    for machine, gpu in df[["machine", "gpu_name"]].drop_duplicates().itertuples(index=False):
+        text = str(machine) if machine is not None else "unknown machine"
+        if gpu and str(gpu) not in text:
+            text += f" ({gpu})"
+        labels.append(text)
+    return ", ".join(dict.fromkeys(labels)) or "unknown machine"
+
+
+def _max_gib(values: object) -> float:
+    """Largest per-rank byte count of a list metric, in GiB; NaN when unmeasured."""
+    if not isinstance(values, list):
+        return math.nan
+    known = [v for v in values if v is not None]
+    return max(known) / GIB if known else math.nan
+
+
+def _group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
+    """One hashable key per row over ``axes`` (strings, so None, bools and ints group safely)."""
+    keys = ["|".join(map(str, values)) for values in df[axes].itertuples(index=False)]
+    return pd.Series(keys, index=df.index, dtype=object)
+
+
+# ------------------------------------------------------------------------------------------ tables
+def headline(df: pd.DataFrame) -> pd.DataFrame:
+    """Per point (every status): the axes that vary, status, time median [p20, p80], tokens/s,
+    TFLOP/s per GPU, MFU, measured/bound, peak GiB (max over ranks), exposed comm % of comm time."""
+    axes = varying_axes(df)
+    out = df[axes + ["status"]].copy()
+    for column in ("time_ms_median", "time_ms_p20", "time_ms_p80", "tokens_per_s", "tflops_per_gpu", "mfu",
+                   "measured_over_bound"):
+        out[column] = pd.to_numeric(df[column], errors="coerce")
+    out["peak_gib"] = df["peak_allocated_bytes"].map(_max_gib)
+    comm = pd.to_numeric(df["comm_ms"], errors="coerce")
+    exposed = pd.to_numeric(df["exposed_comm_ms"], errors="coerce")
+    out["exposed_comm_pct"] = (100.0 * exposed / comm).where(comm > 0)
+    return out.reset_index(drop=True)
+
+
+def phase_breakdown(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (profiled point, phase) of rank 0's overlap table, plus ``busy_ms`` = compute +
+    exposed comm (the phase's share of the step). Points without ``phases`` are left out."""
+    points = ok_points(df)
+    axes = varying_axes(points) if len(points) else []
+    rows = []
+    for _, point in points.iterrows():
+        if not isinstance(point["phases"], list):
+            continue
+        for phase in point["phases"]:
+            row = {a: point[a] for a in axes}
+            row["phase"] = phase.get("phase")
+            row.update({m: phase.get(m) for m in PHASE_METRICS})
+            rows.append(row)
+    out = pd.DataFrame(rows, columns=[*axes, "phase", *PHASE_METRICS])
+    out[list(PHASE_METRICS)] = out[list(PHASE_METRICS)].apply(pd.to_numeric, errors="coerce")
+    out["busy_ms"] = out["compute_ms"] + out["exposed_comm_ms"]
+    return out
+
+
+def scaling(df: pd.DataFrame, kind: str) -> pd.DataFrame:
+    """Scaling efficiency against the CP = 1 point of the same configuration.
+
+    ``kind="strong"``: total ``tokens`` fixed; speedup T(1)/T(cp), efficiency T(1)/(cp * T(cp)).
+    ``kind="weak"``: ``tokens_per_rank`` fixed; efficiency T(1)/T(cp) (speedup is not defined).
+    Only configurations measured at CP = 1 and at least one other CP appear.
+    """
+    if kind not in ("strong", "weak"):
+        raise ValueError(f"kind: must be 'strong' or 'weak', got {kind!r}")
+    points = ok_points(df)
+    free = {"cp", "tokens_per_rank"} if kind == "strong" else {"cp", "tokens"}
+    key_axes = ["run", *(a for a in AXES if a not in free)]
+    columns = [*varying_axes(points), "time_ms_median", "t1_ms", "speedup", "efficiency"] if len(points) else []
+    rows = []
+    for _, group in points.groupby(_group_key(points, key_axes), sort=False):
+        base = group[group["cp"] == 1]
+        if base.empty or group["cp"].nunique() < 2:
+            continue
+        t1 = float(base["time_ms_median"].iloc[0])
+        for _, point in group.sort_values("cp").iterrows():
+            t = float(point["time_ms_median"])
+            row = {c: point[c] for c in columns[:-3]}
+            row["t1_ms"] = t1
+            row["speedup"] = t1 / t if kind == "strong" else math.nan
+            row["efficiency"] = t1 / (point["cp"] * t) if kind == "strong" else t1 / t
+            rows.append(row)
+    out = pd.DataFrame(rows, columns=columns)
+    return out.drop(columns=["speedup"]) if kind == "weak" and "speedup" in out else out
+
+
+def overlap_comparison(df: pd.DataFrame) -> pd.DataFrame:
+    """Overlap modes side by side per configuration: median time and exposed comm per mode
+    (``time_ms_median[none]``, ...), and ``async_speedup`` = T(none) / T(async) where both were
+    measured. Only configurations measured in two or more modes appear."""
+    points = ok_points(df)
+    shown = [a for a in varying_axes(points) if a != "overlap"] if len(points) else []
+    rows = []
+    key = _group_key(points, ["run", *(a for a in AXES if a != "overlap")])
+    for _, group in points.groupby(key, sort=False):
+        if group["overlap"].nunique() < 2:
+            continue
+        row = {a: group[a].iloc[0] for a in shown}
+        for _, point in group.iterrows():
+            row[f"time_ms_median[{point['overlap']}]"] = point["time_ms_median"]
+            row[f"exposed_comm_ms[{point['overlap']}]"] = point["exposed_comm_ms"]
+        if "time_ms_median[none]" in row and "time_ms_median[async]" in row:
+            row["async_speedup"] = row["time_ms_median[none]"] / row["time_ms_median[async]"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def memory(df: pd.DataFrame) -> pd.DataFrame:
+    """Peak memory per point: allocated (host RSS on CPU) and device-used, max over ranks, in GiB,
+    next to cp and tokens (total and per rank)."""
+    points = ok_points(df)
+    axes = list(dict.fromkeys([*varying_axes(points), "cp", "tokens", "tokens_per_rank"])) if len(points) else []
+    out = points[axes].copy()
+    out["peak_allocated_gib"] = points["peak_allocated_bytes"].map(_max_gib)
+    out["device_used_gib"] = points["device_used_bytes"].map(_max_gib)
+    return out.sort_values([a for a in ("run", "cp", "tokens") if a in out]).reset_index(drop=True)
+
+
+def imbalance(df: pd.DataFrame) -> pd.DataFrame:
+    """Per point, by packing: max/mean of the per-rank median times and the spread in ms."""
+    points = ok_points(df)
+    axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
+    out = points[axes].copy()
+    out["imbalance_max_over_mean"] = pd.to_numeric(points["imbalance_max_over_mean"], errors="coerce")
+    out["rank_spread_ms"] = points["rank_time_ms_median"].map(
+        lambda v: max(v) - min(v) if isinstance(v, list) and v else math.nan)
+    return out.sort_values([a for a in ("run", "packing", "cp") if a in out]).reset_index(drop=True)
+
+
+def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
+    """Per point, by packing: the cost model's imbalance (max / mean over ranks of FLOPs and of the
+    time bound) for the point's packing, beside the measured per-rank time imbalance.
+
+    The model sees the same document lengths the sweep packed (``workloads.packing_lengths`` with the
+    point's seed), so a gap between the columns is the part the FLOP count does not explain."""
+    points = ok_points(df)
+    axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
+    rows = []
+    for _, point in points.iterrows():
+        cp, tokens, ratio = int(point["cp"]), int(point["tokens"]), int(point["ratio"])
+        lengths = packing_lengths(point["packing"], tokens, cp=cp, ratio=ratio, seed=int(point["seed"] or 0))
+        summary = estimate(DSv4Config.preset(point["preset"]), ratio, lengths, cp, total=tokens).summary(point["pass"])
+        rows.append({**{a: point[a] for a in axes}, "model_flops_imbalance": summary.flops_imbalance,
+                     "model_time_imbalance": summary.time_imbalance,
+                     "measured_imbalance": point["imbalance_max_over_mean"]})
+    out = pd.DataFrame(rows, columns=[*axes, "model_flops_imbalance", "model_time_imbalance", "measured_imbalance"])
+    return out.sort_values([a for a in ("run", "packing", "cp") if a in out]).reset_index(drop=True)
+
+
+def measured_vs_bound(df: pd.DataFrame) -> pd.DataFrame:
+    """Per point: measured time against the cost model's lower bound, FLOPs and achieved rates."""
+    points = ok_points(df)
+    axes = varying_axes(points) if len(points) else []
+    out = points[axes].copy()
+    for column in ("time_ms_median", "bound_ms", "measured_over_bound", "tflops_per_gpu", "mfu"):
+        out[column] = pd.to_numeric(points[column], errors="coerce")
+    out["model_tflop"] = pd.to_numeric(points["model_flops"], errors="coerce") / 1e12
+    return out
+
+
+def failures(df: pd.DataFrame) -> pd.DataFrame:
+    """Points that did not measure (oom, error, skipped) with their status."""
+    bad = df[df["status"] != STATUS_OK]
+    return bad[[*varying_axes(df), "status"]].reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------------------ targets
+@dataclass(frozen=True)
+class Target:
+    """One issue-10 target: ``measured <= limit`` on the target configuration."""
+
+    name: str
+    limit: float
+    unit: str
+
+
+TARGET_POINT: dict[str, object] = {
+    "preset": "flash", "ratio": 4, "pass": "fwd+bwd", "dtype": "bf16", "tokens": 65536,
+    "packing": "histogram", "overlap": "async",
+}
+"""The configuration the targets are about: flash C layer, fwd+bwd, bf16, 64K tokens, histogram, async."""
+
+TARGETS: tuple[Target, ...] = (
+    Target("CP=2 time / CP=1 time", 0.55, "x"),
+    Target("CP=2 peak memory / CP=1 peak memory", 0.55, "x"),
+    Target("CP=2 exposed comm / comm time", 0.10, "x"),
+)
+NOT_MEASURED = "not measured in this run"
+
+
+def _target_pair(points: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
+    """The first (CP = 1, CP = 2) pair of target-configuration points agreeing on every other axis."""
+    mask = pd.Series(True, index=points.index)
+    for axis, value in TARGET_POINT.items():
+        mask &= points[axis] == value
+    candidates = points[mask]
+    free = ("cp", "tokens_per_rank")
+    key = _group_key(candidates, [a for a in AXES if a not in free])
+    for _, group in candidates.groupby(key, sort=False):
+        one, two = group[group["cp"] == 1], group[group["cp"] == 2]
+        if len(one) and len(two):
+            return one.iloc[0], two.iloc[0]
+    return None
+
+
+def targets(df: pd.DataFrame) -> pd.DataFrame:
+    """Per run and target: measured value, limit, ``met`` (yes / no / not measured), and by how much
+    it missed (``miss_pct`` = measured / limit - 1, in %, positive when missed)."""
+    points = ok_points(df)
+    rows = []
+    for run in runs_of(df):
+        pair = _target_pair(points[points["run"] == run])
+        measured: list[float] = [math.nan] * len(TARGETS)
+        if pair is not None:
+            one, two = pair
+            measured[0] = float(two["time_ms_median"]) / float(one["time_ms_median"])
+            measured[1] = _max_gib(two["peak_allocated_bytes"]) / _max_gib(one["peak_allocated_bytes"])
+            comm, exposed = two["comm_ms"], two["exposed_comm_ms"]
+            if comm is not None and exposed is not None and not pd.isna(comm) and comm > 0:
+                measured[2] = float(exposed) / float(comm)
+        for target, value in zip(TARGETS, measured):
+            known = not math.isnan(value)
+            rows.append({
+                "run": run, "target": target.name, "measured": value, "limit": target.limit,
+                "met": ("yes" if value <= target.limit else "no") if known else NOT_MEASURED,
+                "miss_pct": 100.0 * (value / target.limit - 1.0) if known and value > target.limit else math.nan,
+            })
+    return pd.DataFrame(rows, columns=["run", "target", "measured", "limit", "met", "miss_pct"])
+
+
+# ------------------------------------------------------------------------------------------ output
+def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Every report table by file name, in the order the summary lists them."""
+    return {
+        "headline": headline(df),
+        "targets": targets(df),
+        "phases": phase_breakdown(df),
+        "strong_scaling": scaling(df, "strong"),
+        "weak_scaling": scaling(df, "weak"),
+        "overlap": overlap_comparison(df),
+        "memory": memory(df),
+        "imbalance": imbalance(df),
+        "model_imbalance": model_imbalance(df),
+        "measured_vs_bound": measured_vs_bound(df),
+        "failures": failures(df),
+    }
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    """A GitHub markdown table: floats to 4 significant digits, NaN as blank, every other value as
+    written (a hex git sha stays text); ``_(empty)_`` for an empty table."""
+    if table.empty:
+        return "_(empty)_\n"
+    shown = table.copy()
+    for column in shown.columns[shown.dtypes == float]:
+        shown[column] = shown[column].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
+    return shown.to_markdown(index=False, disable_numparse=True) + "\n"
+
+
+def write_table(table: pd.DataFrame, directory: str | Path, name: str) -> tuple[Path, Path]:
+    """Write ``name.csv`` and ``name.md`` into ``directory`` (created); returns both paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    csv, md = directory / f"{name}.csv", directory / f"{name}.md"
+    table.to_csv(csv, index=False)
+    md.write_text(to_markdown(table))
+    return csv, md
+

@@ -1,0 +1,205 @@
+"""Measure one point: the layer step of ``profile`` and of every sweep point (DESIGN 5).
+
+:func:`measure_point` is called by every rank of the point's CP group (or by one process without
+torch.distributed for CP = 1). It builds the seeded packing (identical on all ranks), the seeded
+layer and this rank's rows, times the step with :func:`dsv4cp.profiling.timing.benchmark`, measures
+one more step's peak memory, computes the model's FLOPs and bound, and optionally records a Kineto
+trace and its per-phase overlap table, runs steps inside an nsys capture range, and checks parity
+with CP = 1. Timing, tracing and nsys are separate passes: no profiler is attached while timing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from dsv4cp.config import DTYPES, DSv4Config
+from dsv4cp.cp.check import CheckCase, merge_ranks, randomize_, run_rank
+from dsv4cp.cp.layout import split_rows
+from dsv4cp.layer import DSv4Attention
+from dsv4cp.model import Machine, estimate
+from dsv4cp.ops.sparse_attention import resolve_backend
+from dsv4cp.packing import PackedSeqs
+from dsv4cp.profiling.memory import track_memory
+from dsv4cp.profiling.nvtx import capture_range, nvtx_range
+from dsv4cp.profiling.overlap import TOTAL
+from dsv4cp.profiling.timing import benchmark
+from dsv4cp.profiling.trace import capture_trace, kineto_overlap_table
+from dsv4cp.sweeps.spec import Point, RunOptions
+from dsv4cp.workloads import packing_lengths
+
+_PER_STEP_COLUMNS = ("compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms")
+"""Overlap-table columns summed over the traced steps; divided by their number in the record."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What :func:`measure_point` returns on every rank (complete on the group's rank 0)."""
+
+    metrics: dict
+    """``dsv4cp.records.METRICS`` name -> value."""
+    resolved_backends: dict
+    """Which kernels ``kernel_backend`` resolved to on this device, e.g. ``{"sparse_attention": "triton"}``."""
+    overlap: pd.DataFrame | None = None
+    """The per-phase overlap table (per step) when traced, on the group's rank 0."""
+
+
+class _RankClock:
+    """Wraps a step and times every call on this rank alone (CUDA events, else ``perf_counter``):
+    ``benchmark`` keeps only the max over ranks, the imbalance needs each rank's own times."""
+
+    def __init__(self, step, device: torch.device):
+        self.step, self.on_gpu = step, device.type == "cuda"
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.seconds: list[float] = []
+
+    def __call__(self) -> None:
+        if self.on_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.step()
+            end.record()
+            self.events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            self.step()
+            self.seconds.append(time.perf_counter() - t0)
+
+    def last_ms(self, count: int) -> list[float]:
+        """Times of the last ``count`` calls, in milliseconds."""
+        if self.on_gpu:
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) for start, end in self.events[-count:]]
+        return [s * 1e3 for s in self.seconds[-count:]]
+
+
+def point_inputs(point: Point) -> tuple[DSv4Config, list[int]]:
+    """The point's config and document lengths; ``ValueError`` when its shapes cannot run."""
+    if point.partition != "equal":
+        raise ValueError(f"partition: only 'equal' is implemented, got {point.partition!r}")
+    cfg = DSv4Config.preset(point.preset, indexer_loss=point.loss)
+    cfg.check_ratio(point.ratio)
+    split_rows(point.tokens, point.cp, cfg, point.ratio, field="tokens")
+    lengths = packing_lengths(point.packing, point.tokens, cp=point.cp, ratio=point.ratio, seed=point.seed)
+    return cfg, lengths
+
+
+def _gather(value, group: dist.ProcessGroup | None) -> list:
+    if group is None:
+        return [value]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def measure_point(
+    point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
+    machine: Machine | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
+) -> Measurement:
+    """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
+
+    ``machine``: the ceilings of the model bound and MFU (default: the measured H200 ones; MFU is
+    left None off GPU, where that ceiling means nothing). ``trace_dir``: write a Kineto trace per
+    rank under it and fill the overlap metrics. ``nsys``: also run ``run.nsys_steps`` steps inside
+    ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``).
+
+    Raises ``ValueError`` for shapes the point cannot run (before any collective), and whatever
+    the step raises (``torch.OutOfMemoryError``, ...).
+    """
+    cp = dist.get_world_size(group) if group is not None else 1
+    if cp != point.cp:
+        raise ValueError(f"cp: the point needs {point.cp} ranks, the group has {cp}")
+    rank = dist.get_rank(group) if group is not None else 0
+    machine = machine or Machine()
+    cfg, lengths = point_inputs(point)
+    dtype = DTYPES[point.dtype]
+    packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
+    bound = estimate(cfg, point.ratio, packed, cp, machine).summary(point.direction)
+    resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device).name}
+    packed = packed.to(device)
+
+    generator = torch.Generator().manual_seed(point.seed)
+    layer = DSv4Attention(cfg, point.ratio, backend=point.kernel_backend, overlap=point.overlap,
+                          recompute=point.recompute)
+    randomize_(layer, generator)  # the parity check's weights: every parameter non-trivial
+    layer = layer.to(device=device, dtype=dtype)
+    rows = point.tokens // cp
+    inputs = torch.Generator(device=device).manual_seed(point.seed * 65_537 + rank + 1)  # this rank's rows
+    x = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype).requires_grad_(point.backward)
+    upstream = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype)
+
+    def step() -> None:
+        result = layer(x, packed, cp_group=group)
+        if point.backward:
+            loss = (result.out * upstream).sum()
+            if result.indexer_loss is not None:
+                loss = loss + result.indexer_loss
+            loss.backward()
+
+    clock = _RankClock(step, device)
+    timing = benchmark(clock, warmup=run.warmup, reps=run.reps, group=group, l2_flush=run.l2_flush, device=device)
+    rank_median = float(np.median(clock.last_ms(run.reps)))
+    with track_memory(device) as tracker:
+        step()
+    sample = tracker.result
+    peak = sample.peak_allocated_bytes if device.type == "cuda" else sample.host_peak_rss_bytes
+    per_rank = _gather((rank_median, peak, sample.device_used_bytes), group)
+
+    seconds = timing.median_ms / 1e3
+    tflops = bound.model_tflops_per_gpu(seconds)
+    medians = [r[0] for r in per_rank]
+    metrics = {
+        "time_ms_median": timing.median_ms, "time_ms_p20": timing.p20_ms, "time_ms_p80": timing.p80_ms,
+        "rank_time_ms_median": medians, "imbalance_max_over_mean": max(medians) / (sum(medians) / len(medians)),
+        "tokens_per_s": point.tokens / seconds, "tflops_per_gpu": tflops,
+        "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" else None,
+        "model_flops": bound.model_flops, "bound_ms": bound.bound_overlap_s * 1e3,
+        "measured_over_bound": seconds / bound.bound_overlap_s if bound.bound_overlap_s > 0 else None,
+        "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],
+    }
+
+    if nsys:
+        with capture_range():
+            for _ in range(run.nsys_steps):
+                with nvtx_range("step"):
+                    step()
+
+    overlap = None
+    if trace_dir is not None:
+        capture_trace(step, trace_dir, steps=run.trace_steps, warmup=1, rank=rank)
+        if group is not None:
+            dist.barrier(group)  # every rank's file is written before rank 0 reads them
+        if rank == 0:
+            overlap = _per_step(kineto_overlap_table(trace_dir), run.trace_steps)
+            overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
+            total = overlap[(overlap["rank"] == 0) & (overlap["phase"] == TOTAL)].iloc[0]
+            metrics.update(exposed_comm_ms=float(total["exposed_comm_ms"]), comm_ms=float(total["comm_ms"]),
+                           overlap_ratio=_float_or_none(total["overlap_ratio"]),
+                           phases=overlap.to_dict(orient="records"))
+
+    if check and cp > 1:
+        case = CheckCase(preset=point.preset, ratio=point.ratio, lengths=tuple(lengths), total=point.tokens,
+                         dtype=point.dtype, overlap=point.overlap, recompute=point.recompute,
+                         backend=point.kernel_backend, seed=point.seed,
+                         config_overrides={"indexer_loss": point.loss})
+        mine = run_rank(rank, cp, device, case, group)
+        metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
+    return Measurement(metrics, resolved, overlap)
+
+
+def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:
+    table = table.copy()
+    for column in _PER_STEP_COLUMNS:
+        table[column] = table[column] / steps
+    return table
+
+
+def _float_or_none(value) -> float | None:
+    value = float(value)
+    return None if np.isnan(value) else value

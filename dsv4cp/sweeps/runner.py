@@ -1,0 +1,274 @@
+"""Run a sweep: every rank walks the same points in the same order; rank 0 records each one.
+
+Under torchrun the launcher's ranks are used; otherwise :func:`run_sweep` spawns ``nproc`` gloo
+ranks itself (:func:`dsv4cp.cp.launch.spawn`). A point of ``cp`` ranks runs on the first ``cp``
+ranks (a sub-group, created by all ranks in the same order and cached); the other ranks skip it. A
+point needing more ranks than there are is recorded ``skipped: needs cp=N``.
+
+After each point all ranks exchange their status over a separate gloo control group, so every
+rank agrees whether it failed and none is left waiting in a collective its peers abandoned; the
+measuring groups are created with ``point_timeout``, so a rank stuck in a collective of a failed
+point gives up after that long. After a failed point the measuring groups are created afresh (a
+communicator that saw a failure may be unusable). Rank 0 appends one record per point to
+``RUN_DIR/records.jsonl`` as soon as the point is done; with ``resume`` the points already
+recorded are skipped (and so are recorded errors, unless ``retry_errors``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
+from dsv4cp.model import Machine
+from dsv4cp.records import (
+    RECORDS_FILE,
+    STATUS_OK,
+    STATUS_OOM,
+    append_record,
+    drop_partial_line,
+    make_record,
+    read_records,
+    write_meta,
+)
+from dsv4cp.sweeps.measure import measure_point
+from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
+from dsv4cp.sweeps.spec import Point, SweepSpec, expand
+
+INFLIGHT_FILE = "inflight.json"
+"""RUN_DIR file naming the point being measured (and how many runs died measuring it)."""
+
+MAX_ATTEMPTS = 2
+"""A point that was being measured when the run died this many times (a hang past the timeout that
+tore the process down, a crash) is recorded as :data:`CRASHED_STATUS` on the next resume instead of
+being measured again; once could be a kill or a preemption, so it is retried."""
+
+CRASHED_STATUS = (f"error: the run died while measuring this point {MAX_ATTEMPTS} times "
+                  "(crash, kill or collective timeout)")
+
+CONTROL_TIMEOUT_FACTOR = 10
+"""The status exchange waits for the slowest rank's whole point (measuring, tracing, checking):
+its timeout is this many point timeouts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepOptions:
+    """How to run a sweep (the ``dsv4cp sweep`` flags)."""
+
+    out: Path
+    """The run directory: ``records.jsonl``, ``meta.json``, ``traces/<point_id>/``."""
+    resume: bool = False
+    retry_errors: bool = False
+    profile: bool = False
+    nsys: bool = False
+    check: bool = False
+    point_timeout_s: float = 600.0
+    dist_backend: str = "gloo"
+    progress: bool = False
+    machine: Machine = field(default_factory=Machine)
+
+
+@dataclass(frozen=True)
+class SweepSummary:
+    """What rank 0 saw: counts of points by outcome."""
+
+    recorded: int
+    ok: int
+    failed: int
+    skipped: int
+    resumed: int
+    parity_failed: int
+
+
+def recorded_ids(out: Path, retry_errors: bool) -> set[str]:
+    """Point ids already in ``out``'s records that a resumed run skips."""
+    done = set()
+    for record in read_records(out / RECORDS_FILE):
+        if retry_errors and record["status"].startswith("error"):
+            continue
+        done.add(record["point_id"])
+    return done
+
+
+def check_out_dir(out: Path, resume: bool) -> None:
+    """Refuse to mix a new run into a run directory that already holds records (before launching)."""
+    records = out / RECORDS_FILE
+    if not resume and records.exists() and records.stat().st_size > 0:
+        raise ValueError(f"--out: {out} already holds {RECORDS_FILE}; pass --resume to continue it, "
+                         f"or choose another directory")
+
+
+def run_sweep(spec: SweepSpec, options: SweepOptions, nproc: int | None = None) -> SweepSummary:
+    """Run ``spec`` on torchrun's ranks, or on ``nproc`` spawned gloo ranks (default: the largest cp of
+    the points still to measure; none are started when every point is already recorded)."""
+    check_out_dir(options.out, options.resume)
+    if under_torchrun():
+        device = init_from_env(options.dist_backend)
+        try:
+            return sweep_rank(dist.get_rank(), dist.get_world_size(), device, spec, options)
+        finally:
+            dist.destroy_process_group()
+    points = expand(spec)
+    done = recorded_ids(options.out, options.retry_errors) if options.resume else set()
+    pending = [point for point in points if point.point_id not in done]
+    if not pending:  # nothing left to measure: no ranks to start
+        return SweepSummary(recorded=0, ok=0, failed=0, skipped=0, resumed=len(points), parity_failed=0)
+    world = nproc or max(point.cp for point in pending)
+    if world == 1:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return sweep_rank(0, 1, device, spec, options)
+    return spawn(sweep_rank, world, spec, options, backend=options.dist_backend)[0]
+
+
+def _mark_inflight(out: Path, point_id: str) -> None:
+    """Note (atomically) that ``point_id`` is being measured, counting the attempts across resumes."""
+    previous = _read_inflight(out)
+    attempts = previous["attempts"] + 1 if previous and previous["point_id"] == point_id else 1
+    temporary = out / f".{INFLIGHT_FILE}.tmp"
+    temporary.write_text(json.dumps({"point_id": point_id, "attempts": attempts}))
+    os.replace(temporary, out / INFLIGHT_FILE)
+
+
+def _read_inflight(out: Path) -> dict | None:
+    path = out / INFLIGHT_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _crashed_point(out: Path, done: set[str]) -> str | None:
+    """The point a resumed run records as :data:`CRASHED_STATUS` instead of measuring: the one that
+    was being measured when the run died, :data:`MAX_ATTEMPTS` times in a row."""
+    inflight = _read_inflight(out)
+    if inflight and inflight["attempts"] >= MAX_ATTEMPTS and inflight["point_id"] not in done:
+        return inflight["point_id"]
+    return None
+
+
+class _Groups:
+    """Measuring sub-groups by cp, created on first use by every rank in the same order."""
+
+    def __init__(self, world: int, backend: str, timeout: datetime.timedelta):
+        self.world, self.backend, self.timeout = world, backend, timeout
+        self.cache: dict[int, dist.ProcessGroup | None] = {}
+
+    def get(self, cp: int) -> dist.ProcessGroup | None:
+        if self.world == 1:
+            return None
+        if cp not in self.cache:
+            self.cache[cp] = dist.new_group(list(range(cp)), timeout=self.timeout, backend=self.backend)
+        return self.cache[cp]
+
+    def renew(self) -> None:
+        """Forget every group: the next points get fresh communicators."""
+        self.cache.clear()
+
+
+def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, options: SweepOptions) -> SweepSummary:
+    """One rank's part of the sweep (all ranks call it; only rank 0 writes)."""
+    points = expand(spec)
+    distributed = world > 1
+    timeout = datetime.timedelta(seconds=options.point_timeout_s)
+    control = dist.new_group(backend="gloo", timeout=timeout * CONTROL_TIMEOUT_FACTOR) if distributed else None
+    groups = _Groups(world, options.dist_backend, timeout)
+    done: set[str] = set()
+    crashed: str | None = None
+    if rank == 0:
+        options.out.mkdir(parents=True, exist_ok=True)
+        if options.resume:
+            drop_partial_line(options.out / RECORDS_FILE)
+            done = recorded_ids(options.out, options.retry_errors)
+        if not (options.resume and (options.out / "meta.json").exists()):
+            write_meta(options.out, run_meta(world, device, dict(spec.source)))
+        crashed = _crashed_point(options.out, done) if options.resume else None
+    if distributed:
+        shared = [done, crashed]
+        dist.broadcast_object_list(shared, src=0, group=control)
+        done, crashed = shared
+    machine, sha = machine_label(world, device), git_sha() if rank == 0 else None
+    counts = dict(recorded=0, ok=0, failed=0, skipped=0, resumed=0, parity_failed=0)
+    bar = tqdm(total=len(points), disable=not (options.progress and rank == 0), unit="point", file=sys.stderr)
+    for index, point in enumerate(points):
+        bar.set_postfix_str(point.label())
+        if point.point_id in done:
+            counts["resumed"] += 1
+            bar.update()
+            continue
+        if point.cp > world:
+            status, error, metrics, resolved = f"skipped: needs cp={point.cp}", None, {}, None
+        elif point.point_id == crashed:
+            status, error, metrics, resolved = CRASHED_STATUS, None, {}, None
+        else:
+            if rank == 0:
+                _mark_inflight(options.out, point.point_id)
+            status, error, metrics, resolved = _run_point(point, rank, device, groups, control, spec, options)
+        if rank == 0:
+            record = make_record(point.axes(), metrics, sweep=spec.name, status=status, machine=machine,
+                                 git_sha=sha, resolved_backends=resolved, error=error)
+            append_record(options.out / RECORDS_FILE, record)
+            (options.out / INFLIGHT_FILE).unlink(missing_ok=True)
+            counts["recorded"] += 1
+            kind = "ok" if status == STATUS_OK else "skipped" if status.startswith("skipped") else "failed"
+            counts[kind] += 1
+            if any(not row["passed"] for row in metrics.get("parity") or []):
+                counts["parity_failed"] += 1
+            bar.write(_line(index, len(points), point, record))
+        bar.update()
+    bar.close()
+    return SweepSummary(**counts)
+
+
+def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, control, spec: SweepSpec,
+               options: SweepOptions) -> tuple[str, str | None, dict, dict | None]:
+    """Measure ``point`` on the first ``point.cp`` ranks; every rank returns the agreed outcome."""
+    group = groups.get(point.cp)
+    outcome: tuple[str, str | None] = (STATUS_OK, None)
+    metrics: dict = {}
+    resolved = None
+    if rank < point.cp:
+        trace_dir = options.out / "traces" / point.point_id if options.profile else None
+        try:
+            measurement = measure_point(point, group, device, spec.run, machine=options.machine,
+                                        trace_dir=trace_dir, nsys=options.nsys, check=options.check)
+            metrics, resolved = measurement.metrics, measurement.resolved_backends
+        except torch.OutOfMemoryError as err:
+            outcome = (STATUS_OOM, f"rank {rank}: {_first_line(err)}")
+        except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
+            outcome = (f"error: {type(err).__name__}: {_first_line(err)}", f"rank {rank}: {_first_line(err)}")
+        if device.type == "cuda" and outcome[0] != STATUS_OK:
+            torch.cuda.empty_cache()
+    outcomes = [outcome]
+    if control is not None:
+        outcomes = [None] * dist.get_world_size(control)
+        dist.all_gather_object(outcomes, outcome, group=control)
+    failed = [o for o in outcomes[: point.cp] if o[0] != STATUS_OK]
+    if not failed:
+        return STATUS_OK, None, metrics, resolved
+    groups.renew()
+    worst = next((o for o in failed if o[0] == STATUS_OOM), failed[0])
+    return worst[0], "; ".join(o[1] for o in failed), {}, None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+def _line(index: int, total: int, point: Point, record: dict) -> str:
+    """One printed line per recorded point."""
+    status = record["status"]
+    if status == STATUS_OK:
+        status = f"{record['time_ms_median']:.4g} ms (model bound {record['bound_ms']:.3g} ms)"
+    return f"[{index + 1}/{total}] {point.point_id} {point.label()}: {status}"
+
+
+def default_nproc(spec: SweepSpec) -> int:
+    """Ranks to spawn without torchrun for a new run: the largest cp of the spec."""
+    return max(point.cp for point in expand(spec))
+

@@ -1,0 +1,132 @@
+"""Report tables, each checked against figures computed here directly from the records."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+from report_helpers import GIB, SCALING_POINTS, grid, write_run
+
+from dsv4cp.records import point_id, read_records
+from dsv4cp.report import tables
+from dsv4cp.report.load import load_runs
+
+
+def _by_axes(records: list[dict], **axes) -> dict:
+    (match,) = [r for r in records if all(r[k] == v for k, v in axes.items())]
+    return match
+
+
+def test_headline_has_the_point_axes_and_derived_columns(scaling_run):
+    df = load_runs(scaling_run)
+    table = tables.headline(df)
+    assert list(table.columns[:5]) == ["cp", "tokens", "tokens_per_rank", "packing", "overlap"]
+    assert len(table) == len(SCALING_POINTS) and table["status"].tolist()[-1] == "oom"
+    records = read_records(scaling_run)
+    for i in (0, 9, 14):
+        r = records[i]
+        assert table["peak_gib"][i] == pytest.approx(max(r["peak_allocated_bytes"]) / GIB)
+        assert table["time_ms_p20"][i] == r["time_ms_p20"]
+        expected_pct = 100 * r["exposed_comm_ms"] / r["comm_ms"] if r["comm_ms"] else math.nan
+        assert table["exposed_comm_pct"][i] == pytest.approx(expected_pct, nan_ok=True)
+    assert math.isnan(table["time_ms_median"].iloc[-1])  # the OOM point has no time
+
+
+def test_strong_scaling_efficiency_against_the_cp1_point(scaling_run):
+    records = read_records(scaling_run)
+    table = tables.scaling(load_runs(scaling_run), "strong")
+    # 8 configurations measured at cp 1; the OOM one lacks cp 2 -> 7 pairs
+    assert len(table) == 14 and sorted(set(table["cp"])) == [1, 2]
+    for row in table[table["cp"] == 2].itertuples():
+        one = _by_axes(records, cp=1, tokens=row.tokens, packing=row.packing, overlap=row.overlap)
+        two = _by_axes(records, cp=2, tokens=row.tokens, packing=row.packing, overlap=row.overlap)
+        assert row.speedup == pytest.approx(one["time_ms_median"] / two["time_ms_median"])
+        assert row.efficiency == pytest.approx(one["time_ms_median"] / (2 * two["time_ms_median"]))
+    assert tables.scaling(load_runs(scaling_run), "weak").empty  # tokens per rank never repeats across cp
+
+
+def test_weak_scaling_groups_by_tokens_per_rank(tmp_path, seed):
+    points = [p for p in grid(cp=[1, 2], tokens=[4096, 8192]) if p["tokens_per_rank"] == 4096]
+    run = write_run(tmp_path / "weak", points, seed=seed)
+    records = read_records(run)
+    table = tables.scaling(load_runs(run), "weak")
+    assert table["cp"].tolist() == [1, 2] and "speedup" not in table
+    assert table["efficiency"].iloc[1] == pytest.approx(records[0]["time_ms_median"] / records[1]["time_ms_median"])
+    with pytest.raises(ValueError, match="kind"):
+        tables.scaling(load_runs(run), "diagonal")
+
+
+def test_overlap_comparison_pairs_modes(scaling_run):
+    records = read_records(scaling_run)
+    table = tables.overlap_comparison(load_runs(scaling_run))
+    assert len(table) == 7  # 8 configurations, the OOM one measured in one mode only
+    row = table[(table["cp"] == 2) & (table["tokens"] == 16384) & (table["packing"] == "one")].iloc[0]
+    none = _by_axes(records, cp=2, tokens=16384, packing="one", overlap="none")
+    sync = _by_axes(records, cp=2, tokens=16384, packing="one", overlap="async")
+    assert row["async_speedup"] == pytest.approx(none["time_ms_median"] / sync["time_ms_median"])
+    assert row["exposed_comm_ms[none]"] == pytest.approx(none["exposed_comm_ms"])
+
+
+def test_phase_breakdown_memory_imbalance_and_bound(scaling_run):
+    df = load_runs(scaling_run)
+    records = read_records(scaling_run)
+    phases = tables.phase_breakdown(df)
+    assert len(phases) == sum(len(r["phases"]) for r in records if r["status"] == "ok")
+    first = records[0]["phases"][0]
+    assert phases["busy_ms"].iloc[0] == pytest.approx(first["compute_ms"] + first["exposed_comm_ms"])
+
+    memory = tables.memory(df)
+    assert memory["peak_allocated_gib"].iloc[0] == pytest.approx(max(records[0]["peak_allocated_bytes"]) / GIB)
+    imbalance = tables.imbalance(df)
+    row = imbalance[(imbalance["cp"] == 2)].iloc[0]
+    assert row["imbalance_max_over_mean"] > 1.0 and row["rank_spread_ms"] > 0
+    bound = tables.measured_vs_bound(df)
+    assert (bound["time_ms_median"] / bound["bound_ms"]).tolist() == pytest.approx(bound["measured_over_bound"].tolist())
+    assert tables.failures(df)["status"].tolist() == ["oom"]
+
+
+def test_targets_measured_met_and_missed(tmp_path, seed):
+    points = grid(cp=[1, 2], tokens=[65536], packing=["histogram"], overlap=["async"])
+    met = write_run(tmp_path / "met", points, seed=seed)
+    slow_cp2 = {point_id(points[1]): 1.3}  # CP=2 ~0.53x of CP=1 -> ~0.69x
+    missed = write_run(tmp_path / "missed", points, seed=seed, slowdown=slow_cp2)
+    table = tables.targets(load_runs([met, missed]))
+    assert len(table) == 6
+    for run, path in (("met", met), ("missed", missed)):
+        one, two = read_records(path)
+        rows = table[table["run"] == run].set_index("target")
+        time_ratio = two["time_ms_median"] / one["time_ms_median"]
+        assert rows.loc["CP=2 time / CP=1 time", "measured"] == pytest.approx(time_ratio)
+        assert rows.loc["CP=2 time / CP=1 time", "met"] == ("yes" if time_ratio <= 0.55 else "no")
+        memory_ratio = max(two["peak_allocated_bytes"]) / max(one["peak_allocated_bytes"])
+        assert rows.loc["CP=2 peak memory / CP=1 peak memory", "measured"] == pytest.approx(memory_ratio)
+        assert rows.loc["CP=2 exposed comm / comm time", "measured"] == pytest.approx(
+            two["exposed_comm_ms"] / two["comm_ms"])
+    miss = table[(table["run"] == "missed") & (table["target"] == "CP=2 time / CP=1 time")].iloc[0]
+    assert miss["met"] == "no" and miss["miss_pct"] == pytest.approx(100 * (miss["measured"] / 0.55 - 1))
+
+
+def test_targets_not_measured_without_the_target_point_or_a_profile(tmp_path, seed):
+    unprofiled = write_run(tmp_path / "u", grid(cp=[1, 2], tokens=[65536], packing=["histogram"], overlap=["async"]),
+                           seed=seed, profiled=False)
+    other = write_run(tmp_path / "o", grid(cp=[1, 2], tokens=[1024]), seed=seed)
+    table = tables.targets(load_runs([unprofiled, other])).set_index(["run", "target"])
+    assert table.loc[("u", "CP=2 time / CP=1 time"), "met"] in ("yes", "no")
+    assert table.loc[("u", "CP=2 exposed comm / comm time"), "met"] == tables.NOT_MEASURED
+    assert (table.loc["o", "met"] == tables.NOT_MEASURED).all()
+
+
+def test_two_runs_are_told_apart_and_tables_are_written(tmp_path, seed):
+    points = grid(cp=[1, 2], tokens=[1024])
+    df = load_runs([write_run(tmp_path / "base", points, seed=seed), write_run(tmp_path / "new", points, seed=seed + 1)])
+    assert tables.varying_axes(df)[0] == "run"
+    assert tables.point_labels(df, ["run", "cp", "tokens", "tokens_per_rank"]).iloc[0] == "base cp=1 tokens=1024"
+    headline = tables.headline(df)
+    csv, md = tables.write_table(headline, tmp_path / "out", "headline")
+    back = pd.read_csv(csv)
+    assert list(back.columns) == list(headline.columns)
+    assert back["time_ms_median"].tolist() == pytest.approx(headline["time_ms_median"].tolist())
+    text = md.read_text()
+    assert text.startswith("| run ") and f"{headline['time_ms_median'].iloc[0]:.4g}" in text
+    assert tables.to_markdown(pd.DataFrame()) == "_(empty)_\n"

@@ -1,0 +1,140 @@
+"""Sweep specs: expansion (product, zip, exclude, tokens per rank) and every validation error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsv4cp.records import AXES
+from dsv4cp.sweeps.spec import Point, RunOptions, expand, load_spec, make_point, parse_spec
+
+SWEEPS = Path(__file__).resolve().parents[2] / "sweeps"
+
+
+def _spec(**parts) -> dict:
+    spec = {"name": "t", "base": {"tokens": 256}}
+    spec.update(parts)
+    return spec
+
+
+def test_product_in_written_order_with_base_values():
+    points = expand(parse_spec(_spec(base={"tokens": 256, "preset": "tiny", "dtype": "fp64"},
+                                     axes={"cp": [1, 2], "ratio": [0, 4, 8]})))
+    assert [(p.cp, p.ratio) for p in points] == [(1, 0), (1, 4), (1, 8), (2, 0), (2, 4), (2, 8)]
+    assert {p.dtype for p in points} == {"fp64"}
+    assert {p.tokens for p in points} == {256}
+    assert [p.tokens_per_rank for p in points] == [256] * 3 + [128] * 3
+
+
+def test_zip_varies_axes_together_and_exclude_drops_matches():
+    spec = parse_spec(_spec(
+        base={},
+        axes={"tokens": [128, 256, 512], "packing": ["one", "fixed:64", "histogram"], "cp": [1, 2]},
+        zip=[["tokens", "packing"]],
+        exclude=[{"cp": 2, "packing": "fixed:64"}, {"cp": 1, "tokens": 512}],
+    ))
+    got = [(p.tokens, p.packing, p.cp) for p in expand(spec)]
+    assert got == [(128, "one", 1), (128, "one", 2), (256, "fixed:64", 1), (512, "histogram", 2)]
+
+
+def test_tokens_per_rank_scales_with_cp_and_dedupes_equal_points():
+    spec = parse_spec(_spec(base={"tokens_per_rank": 128}, axes={"cp": [1, 2, 4]}))
+    assert [(p.cp, p.tokens, p.tokens_per_rank) for p in expand(spec)] == [(1, 128, 128), (2, 256, 128), (4, 512, 128)]
+    # the same measurement reached twice (here: by a repeated value) is kept once
+    twice = parse_spec(_spec(axes={"cp": [2, 2], "ratio": [4]}))
+    assert len(expand(twice)) == 1
+
+
+def test_point_axes_cover_every_record_axis_and_ids_are_stable():
+    point = make_point({"tokens": 256, "cp": 2, "pass": "fwd"})
+    axes = point.axes()
+    assert tuple(axes) == AXES and axes["pass"] == "fwd" and axes["tokens_per_rank"] == 128
+    assert point.point_id == make_point({"cp": 2, "pass": "fwd", "tokens": 256}).point_id
+    assert point.point_id != make_point({"tokens": 256, "cp": 2}).point_id  # pass differs
+    # tokens not divisible by cp: no tokens_per_rank (the point fails when run, not here)
+    assert make_point({"tokens": 255, "cp": 2}).tokens_per_rank is None
+
+
+BAD_SPECS = [
+    ({"name": "t", "axes": {"cp": [1]}, "bases": {}}, "spec: unknown key 'bases'"),
+    (_spec(axes={"cpu": [1]}), "axes: unknown axis 'cpu'"),
+    (_spec(base={"tokens": 256, "colour": 1}), "base: unknown axis 'colour'"),
+    (_spec(axes={"preset": ["tiny", "huge"]}), "axes.preset[1]: unknown value 'huge'"),
+    (_spec(axes={"overlap": ["sometimes"]}), "axes.overlap[0]: unknown value 'sometimes'; allowed: ['none', 'async']"),
+    (_spec(axes={"loss": ["sparse", "l2"]}), "axes.loss[1]: unknown value 'l2'"),
+    (_spec(axes={"pass": ["bwd"]}), "axes.pass[0]: unknown value 'bwd'"),
+    (_spec(axes={"dtype": ["float16"]}), "axes.dtype[0]: unknown value 'float16'"),
+    (_spec(axes={"partition": ["balanced"]}), "axes.partition[0]: unknown value 'balanced'"),
+    (_spec(axes={"packing": ["fixed"]}), "axes.packing[0]: unknown packing 'fixed'"),
+    (_spec(axes={"packing": ["fixed:0"]}), "axes.packing[0]: unknown packing 'fixed:0'"),
+    (_spec(axes={"packing": ["zigzag"]}), "allowed: one, fixed:<len>, histogram"),
+    (_spec(axes={"kernel_backend": ["cuda"]}), "axes.kernel_backend[0]: unknown sparse-attention backend 'cuda'"),
+    (_spec(axes={"cp": [0]}), "axes.cp[0]: must be an int >= 1, got 0"),
+    (_spec(axes={"cp": [True]}), "axes.cp[0]: must be an int >= 1, got True"),
+    (_spec(axes={"ratio": [-4]}), "axes.ratio[0]: must be an int >= 0"),
+    (_spec(axes={"recompute": ["yes"]}), "axes.recompute[0]: must be true or false"),
+    (_spec(axes={"seed": [1.5]}), "axes.seed[0]: must be an int >= 0"),
+    (_spec(axes={"cp": []}), "axes.cp: must be a non-empty list"),
+    (_spec(axes={"cp": 2}), "axes.cp: must be a non-empty list"),
+    (_spec(axes={"tokens": [256]}), "axes.tokens: also set in base"),
+    (_spec(axes={"ratio": [128]}), "ratio: 128 with preset 'tiny'"),
+    ({"name": "t", "axes": {"cp": [1, 2]}}, "tokens: give exactly one of tokens and tokens_per_rank"),
+    (_spec(base={"tokens": 256, "tokens_per_rank": 128}), "tokens: give exactly one"),
+    (_spec(axes={"cp": [1], "ratio": [4]}, zip=[["cp", "ratio", "seed"]]),
+     "zip[0]: 'seed' is not one of the varied axes"),
+    (_spec(axes={"cp": [1, 2], "ratio": [4]}, zip=[["cp", "ratio"]]), "zip[0]: zipped axes need lists of equal length"),
+    (_spec(axes={"cp": [1]}, zip=[["cp"]]), "zip[0]: must list at least two axis names"),
+    (_spec(axes={"cp": [1], "ratio": [4], "seed": [0]}, zip=[["cp", "ratio"], ["ratio", "seed"]]),
+     "zip[1]: axis 'ratio' is already in another zip group"),
+    (_spec(exclude=[{}]), "exclude[0]: an empty rule"),
+    (_spec(exclude=[{"cp": "two"}]), "exclude[0].cp: must be an int >= 1"),
+    (_spec(exclude=[{"gpu": 1}]), "exclude[0]: unknown axis 'gpu'"),
+    (_spec(axes={"cp": [1]}, exclude=[{"cp": 1}]), "no point left after the exclude rules"),
+    (_spec(run={"reps": 0}), "run.reps: must be an int >= 1, got 0"),
+    (_spec(run={"warmup": -1}), "run.warmup: must be an int >= 0"),
+    (_spec(run={"repeats": 3}), "run: unknown option 'repeats'"),
+    (_spec(name=""), "name: must be a non-empty string"),
+    ([1, 2], "spec: must be a mapping"),
+]
+BAD_IDS = [f"{i}-{message.split(':')[0]}" for i, (_, message) in enumerate(BAD_SPECS)]
+
+
+@pytest.mark.parametrize("data,message", BAD_SPECS, ids=BAD_IDS)
+def test_validation_errors_name_the_field_and_value(data, message):
+    with pytest.raises(ValueError) as err:
+        parse_spec(data)
+    assert message in str(err.value)
+
+
+def test_load_spec_reads_yaml_and_rejects_bad_files(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: {tokens: 64}\naxes:\n  cp: [1, 2]\nrun: {reps: 2}\n")
+    spec = load_spec(path)
+    assert spec.name == "mine" and spec.run == RunOptions(reps=2)  # the file's stem names an unnamed spec
+    assert [p.cp for p in expand(spec)] == [1, 2]
+    with pytest.raises(ValueError, match="is not a file"):
+        load_spec(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("axes: [cp: 1\n")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        load_spec(broken)
+
+
+@pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_specs_load_and_expand(path):
+    spec = load_spec(path)
+    points = expand(spec)
+    assert spec.name == path.stem and points
+    assert all(isinstance(p, Point) for p in points)
+    if spec.name != "smoke":  # the GPU specs: bf16, few repetitions (the GPU time budget is small)
+        assert {p.dtype for p in points} == {"bf16"} and spec.run.reps <= 6
+
+
+def test_smoke_spec_covers_w_c_h_both_passes_and_two_cp():
+    points = expand(load_spec(SWEEPS / "smoke.yaml"))
+    assert {p.ratio for p in points} == {0, 4, 8}
+    assert {p.direction for p in points} == {"fwd", "fwd+bwd"}
+    assert {p.cp for p in points} == {1, 2}
+    assert {p.preset for p in points} == {"tiny"}
+    assert len({p.packing for p in points}) >= 3
