@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from bench.common import HAS_CUDA
+from bench.common import HAS_CUDA, device_label
 
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -92,6 +92,7 @@ def measure(benchmark):
         median = statistics.median(timed)
         seconds = median * 1e-3
         benchmark.extra_info.update(
+            device=device_label(device),
             timer="cuda_events" if on_cuda else "perf_counter",
             l2_flush=flush,
             rounds=len(timed),

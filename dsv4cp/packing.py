@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -46,6 +47,8 @@ class PackedSeqs:
         """
         if not isinstance(pad_to_multiple, int) or isinstance(pad_to_multiple, bool) or pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple: must be a positive int, got {pad_to_multiple!r}")
+        if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
+            raise ValueError(f"lengths: must be a sequence of ints, got {lengths!r}")
         lengths = [_as_length(i, n) for i, n in enumerate(lengths)]
         padded = [-(-n // pad_to_multiple) * pad_to_multiple for n in lengths]
         cu = _cumsum(lengths)
@@ -106,9 +109,10 @@ class PackedSeqs:
 
 
 def _as_length(i: int, n) -> int:
-    if isinstance(n, torch.Tensor):
+    """A document length: an integral, non-negative number (int, numpy int, integral float, 0-d tensor)."""
+    if isinstance(n, torch.Tensor) and n.numel() == 1:
         n = n.item()
-    if isinstance(n, bool) or not float(n).is_integer() or n < 0:
+    if isinstance(n, bool) or not isinstance(n, numbers.Real) or not float(n).is_integer() or n < 0:
         raise ValueError(f"lengths[{i}]: must be a non-negative int, got {n!r}")
     return int(n)
 

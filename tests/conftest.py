@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 import zlib
 
 import hypothesis
+import numpy
 import pytest
 import torch
 
@@ -88,6 +90,16 @@ def seed(request) -> int:
     value = seed_of(request.node.nodeid)
     request.node.stash[_SEED_KEY] = value
     return value
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_generators(request) -> None:
+    """Seed torch's, Python's and numpy's global generators from the test's node id, so a test that
+    draws from them (``torch.randn`` without a generator) sees the same values alone as in the suite."""
+    value = seed_of("global generators", request.node.nodeid)
+    torch.manual_seed(value)
+    random.seed(value)
+    numpy.random.seed(value)
 
 
 def pytest_report_header(config) -> str:

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from conftest import seed_of
-from reference import reference_sparse_attention
-
 from dsv4cp.ops.sparse_attention import resolve_backend, sparse_attention
+from reference import reference_sparse_attention
 
 T, H, D, N, KT = 10, 4, 32, 24, 12
 NO_KEY_ROWS = (1, 4, 9)

@@ -25,7 +25,7 @@ from dsv4cp.cli.common import (
     positive_int, resolve_dist_backend,
 )
 from dsv4cp.config import DTYPES
-from dsv4cp.cp.check import COSINE_TOLERANCE, REL_TOLERANCE, CheckCase, merge_ranks, run_rank
+from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank, tolerance_summary
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.cp.layout import split_rows
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         case = build_case(args, world, device)
         gathered = spawn(run_rank, world, case, backend=backend)
     results = merge_ranks(gathered)
-    tol = f"cosine > 1 - {COSINE_TOLERANCE:g}" if case.dtype == "bf16" else f"rel <= {REL_TOLERANCE[case.dtype]:g}"
+    tol = tolerance_summary(case.dtype)
     print(f"check-cp preset={case.preset} ratio={case.ratio} cp={world} docs={len(case.lengths)} "
           f"tokens={case.total} dtype={case.dtype} overlap={case.overlap} recompute={case.recompute} "
           f"loss={args.loss} ({tol})")

@@ -9,8 +9,11 @@ API (used by ``cli/*.py``):
 
 * :class:`HelpFormatter`: defaults shown, descriptions and epilogs kept as written.
 * Exit codes :data:`EXIT_OK` 0, :data:`EXIT_FAILED` 1 (a check failed), :data:`EXIT_USAGE` 2 (bad
-  input, like argparse), :data:`EXIT_OOM` 3 (out of memory, or refused because the estimate does
-  not fit); :data:`EXIT_CODES_HELP` documents them; :func:`run_command` maps exceptions to them.
+  input, like argparse), :data:`EXIT_OOM` 3 (out of memory, or :class:`WouldNotFitError`: refused
+  because the estimate does not fit); :data:`EXIT_CODES_HELP` documents them; :func:`run_command`
+  maps exceptions to them (``ValueError``, ``OSError``, ``sqlite3.DatabaseError`` -> 2 with one
+  ``dsv4cp <cmd>: error: ...`` line; ``torch.OutOfMemoryError`` -> 3; anything else is a bug and keeps
+  its traceback). Under torchrun the line starts with ``[rank R]``.
 * argparse types: :func:`positive_int`, :func:`non_negative_int`, :func:`positive_float`,
   :func:`int_list` (comma-separated positive ints).
 * :func:`flag_message`: rewrites ``total: ...`` (a config/packing field) to ``--tokens: ...``
@@ -25,8 +28,10 @@ API (used by ``cli/*.py``):
 * Resolvers (raise ``ValueError`` naming the flag): :func:`parse_lengths`, :func:`layer_inputs`
   (config + document lengths + packed offsets from the layer options), :func:`resolve_dtype`,
   :func:`parse_device`, :func:`resolve_dist_backend`, :func:`machine_from_args`,
-  :func:`check_output_file`, :func:`check_output_dir`, :func:`check_memory` (estimate vs free
-  memory), :func:`progress_enabled`, :func:`check_args_agree` (all ranks run the same arguments).
+  :func:`check_output_file`, :func:`check_output_dir`, :func:`check_memory` (estimate vs
+  :func:`free_bytes`), :func:`progress_enabled` (then :func:`dsv4cp.profiling.progress.step_progress`
+  gives ``benchmark``'s ``on_step``), :func:`check_args_agree` (all ranks parsed the same options:
+  call once after ``init_process_group``, before the first real collective).
 """
 
 from __future__ import annotations
@@ -122,8 +127,10 @@ _USER_INPUT_ERRORS = (ValueError, OSError, sqlite3.DatabaseError, json.JSONDecod
 def _is_out_of_memory(err: BaseException) -> bool:
     if isinstance(err, torch.OutOfMemoryError):
         return True
-    # the CPU allocator raises a plain RuntimeError
-    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+    # the CPU allocator raises a plain RuntimeError; a spawned rank's OOM arrives as the spawner's
+    # RuntimeError quoting it
+    return isinstance(err, RuntimeError) and any(
+        mark in str(err) for mark in ("can't allocate memory", "OutOfMemoryError"))
 
 
 def _rank_prefix() -> str:

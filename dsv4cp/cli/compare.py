@@ -15,15 +15,18 @@ import argparse
 import json
 from pathlib import Path
 
+from dsv4cp.cli.common import check_output_file
+
 HELP = "compare a new run (or pytest-benchmark JSON) against a baseline; exit 1 on a regression"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("baseline", type=Path, metavar="BASELINE")
-    parser.add_argument("new", type=Path, metavar="NEW")
-    parser.add_argument("--metric", default="time_ms_median", help="record metric to compare (default: time_ms_median)")
+    parser.add_argument("baseline", type=Path, metavar="BASELINE", help="the reference run")
+    parser.add_argument("new", type=Path, metavar="NEW", help="the run compared against BASELINE")
+    parser.add_argument("--metric", default="time_ms_median",
+                        help="record metric to compare (pytest-benchmark JSON: time_ms_median, _mean or _min)")
     parser.add_argument("--max-regression", default="5%", metavar="PCT",
-                        help="allowed slowdown before a point counts as a regression: 5%% or 0.05 (default 5%%)")
+                        help="allowed slowdown before a point counts as a regression: 5%% or 0.05")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT",
                         help="also write NEW's values in github-action-benchmark's custom JSON format")
     parser.add_argument("--allow-different-hardware", action="store_true",
@@ -34,13 +37,11 @@ def run(args: argparse.Namespace) -> int:
     from dsv4cp.report.compare import benchmark_action_json, compare, load_side, parse_threshold, render
 
     threshold = parse_threshold(args.max_regression)
-    if args.json is not None and args.json.is_dir():
-        raise ValueError(f"--json: {args.json} is a directory")
+    check_output_file(args.json, "--json")
     baseline, new = load_side(args.baseline, args.metric), load_side(args.new, args.metric)
     comparison = compare(baseline, new, args.metric, threshold=threshold,
                          allow_different_hardware=args.allow_different_hardware)
     print(render(comparison, baseline, new))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(benchmark_action_json(comparison), indent=2) + "\n")
     return 1 if len(comparison.regressions) else 0

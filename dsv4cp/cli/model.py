@@ -65,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = DSv4Config.preset(args.preset, indexer_loss=args.loss)
     cfg.check_ratio(args.ratio)
     machine = machine_from_args(args)
-    _print_machine(machine)
     if args.extrapolate:
         return _run_extrapolate(args, cfg, machine)
 
@@ -75,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         lengths = pack_lengths(args.tokens, args.packing, doc_len=args.doc_len, seed=args.seed)
     est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens)
     c = est.counts
+    _print_machine(machine)  # only once the inputs proved valid: an error prints nothing else
     print(f"layer: preset={args.preset} ratio={args.ratio} kind={est.kind} tokens={c.total} cp={c.cp} "
           f"rows/rank={c.rows} docs={c.n_docs} halo={c.halo} capacity={c.capacity} "
           f"packing={'lengths' if args.lengths else args.packing}")
@@ -154,6 +154,7 @@ def _run_extrapolate(args, cfg, machine) -> int:
     if table.empty:
         raise ValueError("--extrapolate: no feasible (cp, tokens) point (tokens must divide by cp and "
                          "leave at least the halo per rank)")
+    _print_machine(machine)
     shown = pd.DataFrame({
         "cp": table["cp"], "tokens": table["tokens"], "tok/rank": table["tokens_per_rank"], "docs": table["docs"],
         "attn_ms": (table["attention_s"] * 1e3).round(3), "compute_ms": (table["compute_s"] * 1e3).round(3),

@@ -28,10 +28,12 @@ from dsv4cp.cli.common import (
     non_negative_int,
     parse_lengths,
     positive_int,
+    progress_enabled,
     resolve_dist_backend,
 )
 from dsv4cp.config import DTYPES, default_dtype
 from dsv4cp.cp.launch import init_from_env, under_torchrun
+from dsv4cp.profiling.progress import step_progress
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
 from dsv4cp.sweeps.measure import measure_point
 from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
@@ -92,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
         device, group, cp, rank = torch.device("cuda" if torch.cuda.is_available() else "cpu"), None, 1, 0
     point = point_from_args(args, cp, device)
 
-    measurement = measure_point(point, group, device, run_options, machine=machine, trace_dir=trace_dir,
-                                nsys=args.nsys_steps > 0)
+    with step_progress(args.warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:
+        measurement = measure_point(point, group, device, run_options, machine=machine, trace_dir=trace_dir,
+                                    nsys=args.nsys_steps > 0, on_step=on_step)
     if rank == 0:
         record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
                              machine=machine_label(cp, device), git_sha=git_sha(),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dsv4cp.cli.common import check_output_dir
+
 HELP = "summary.md, tables and plots of one or more sweep runs"
 
 
@@ -23,13 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dsv4cp.report import load_runs, write_report
 
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"--out: {args.out} exists and is not a directory")
-    runs = load_runs(args.runs)  # validates every path before anything is written
+    runs = load_runs(args.runs)  # validates every input before anything is written
     out = args.out
     if out is None:
         if len(args.runs) != 1 or not args.runs[0].is_dir():
-            raise ValueError(f"--out: required with several runs or a .jsonl file, got runs={[str(r) for r in args.runs]}")
+            given = [str(r) for r in args.runs]
+            raise ValueError(f"--out: required with several runs or a .jsonl file, got runs={given}")
         out = args.runs[0] / "report"
-    print(write_report(runs, out))
+    print(write_report(runs, check_output_dir(out, "--out")))
     return 0

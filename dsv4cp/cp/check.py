@@ -28,6 +28,13 @@ the result's norm must stay within this."""
 QUANTITIES = ("out", "x_grad", "indexer_loss", "param_grads")
 
 
+def tolerance_summary(dtype: str) -> str:
+    """One line stating how :func:`_compare` judges results at ``dtype`` (for reports)."""
+    tensors = f"cosine > 1 - {COSINE_TOLERANCE:g}" if dtype == "bf16" else f"rel <= {REL_TOLERANCE[dtype]:g}"
+    return (f"tensors {tensors}; scalars rel <= {SCALAR_REL_TOLERANCE[dtype]:g}; "
+            f"zero references |result| <= {ZERO_ABS_TOLERANCE[dtype]:g}")
+
+
 @dataclass(frozen=True)
 class CheckCase:
     """One parity check: which layer, which batch, which CP settings."""

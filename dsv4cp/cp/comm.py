@@ -4,8 +4,10 @@
   halo's gradient and adds it into the sender's rows.
 * :func:`all_gather_rows`: forward all-gathers row blocks rank-major; backward reduce-scatters.
   In ``overlap="async"`` mode the forward collective is only LAUNCHED by this call and completed by
-  :meth:`PendingGather.wait`, and the backward reduce-scatter is launched as soon as its gradient
-  exists while the wait is deferred to the point where the local producer's backward needs it.
+  :meth:`PendingGather.wait`; in backward the reduce-scatter is launched as soon as its gradient is
+  complete, and its wait is held back (:func:`hold_backward_waits`) until the query path's backward
+  has run, just before the local producer's backward needs the scattered rows. Graph edges, not the
+  engine's choice among ready nodes, fix that order; both modes build the same graph.
 
 Every rank issues the same collectives in the same order; with one rank they are identities.
 """
@@ -20,7 +22,6 @@ import torch.distributed as dist
 from dsv4cp.profiling.nvtx import nvtx_range
 
 OVERLAP_MODES = ("none", "async")
-
 
 
 def _all_gather_tensor(*args, **kwargs):

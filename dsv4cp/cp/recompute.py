@@ -15,7 +15,7 @@ reduce-scatter there), then the query backward, which runs while the reduce-scat
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -66,7 +66,8 @@ class _RecomputedAttention(torch.autograd.Function):
         latent, q_weight, kv_ext, compressed, idx, sink, out, lse = ctx.saved_tensors
         with nvtx_range("kv_rebuild.bwd"):
             keys = _key_buffer(kv_ext, compressed)  # KV reconstruction
-            with torch.enable_grad():  # built once: its values feed the attention backward, its graph the query backward
+            # Built once: its values feed the attention backward, its graph the query backward.
+            with torch.enable_grad():
                 latent_in = latent.detach().requires_grad_()
                 weight_in = q_weight.detach().requires_grad_()
                 q = ctx.query_fn(latent_in, weight_in, slice(None))

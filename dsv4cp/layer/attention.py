@@ -41,7 +41,7 @@ class DSv4Attention(PrecisionPinned):
         compress_ratio: the layer's compression ratio.
         backend: sparse-attention backend ("auto", "torch", "triton", ...).
         overlap: "none" (synchronous collectives) or "async" (all-gathers overlapped with the query
-            projections, reduce-scatters with the compressor backward).
+            projections, backward reduce-scatters with the query-path backward).
         recompute: selective recompute; keep neither the query up-projection nor the key buffer for
             backward, rebuild them there from the saved parts (DESIGN 3.6). Same results.
 
@@ -158,7 +158,8 @@ class DSv4Attention(PrecisionPinned):
             backend = resolve_backend(self.backend, x.device)
             out, lse, q, key_buffer = recomputed_attention(
                 latent, self.wq_b.weight, queries, kv_ext, compressed_all, idx, self.attn_sink,
-                cfg.softmax_scale, backend, on_compressed_grad=compressed.launch_backward if compressed else None,
+                cfg.softmax_scale, backend,
+                on_compressed_grad=compressed.launch_backward if compressed is not None else None,
             )
         else:
             key_buffer = kv_ext if compressed_all is None else torch.cat((kv_ext, compressed_all), dim=0)

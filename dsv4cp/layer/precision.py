@@ -16,7 +16,8 @@ precision", and fp64 tests need every tensor in fp64.
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn

@@ -26,11 +26,13 @@ Terms (``b`` = bytes of the dtype; widths per row; C/H/W = layer kinds):
 the peak, so the fwd+bwd peak does not change (as measured: 15.62 vs 15.69 GiB below).
 
 Accuracy: calibrated on the committed 2 x H200 records (flash C layer, one 65536-token document,
-fwd+bwd, bf16: measured allocator peak 27.71 GiB at CP = 1, 15.62 GiB per rank at CP = 2; estimate
-28.1 and 15.7 GiB) and on CPU fp32 runs of the tiny and flash presets (process peak RSS minus the
-baseline; see ``tests/model/test_memory_estimate.py``): within about 25 % on every point measured. The
-torch (CPU) path keeps fp32 copies in the norms that the fused GPU path does not, so CPU runs come out
-up to 25 % above the estimate; a refusal therefore errs on the side of running.
+fwd+bwd, bf16: measured allocator peak 27.71 GiB at CP = 1 and 15.62 / 15.69 GiB per rank at CP = 2
+without / with recompute; estimate 30.1 and 15.6 GiB: +9 % and 0 %) and on CPU fp32 runs (process
+peak RSS above the baseline; ``tests/model/test_memory_estimate.py``): flash C 1024 and 2048 tokens
+fwd+bwd measured 1.21 and 1.12 x the estimate, flash W 2048 1.08 x, flash C 2048 fwd 0.88 x, tiny C
+65536 fwd+bwd 1.33 x. So: within 10 % on the GPU path, within about a third on CPU, where the torch
+path keeps fp32 copies in the norms that the fused GPU path does not. Small batches (parameters and
+allocator overhead dominate) and other layer kinds on GPU are not calibrated.
 """
 
 from __future__ import annotations

@@ -239,12 +239,19 @@ def compare(baseline: Side, new: Side, metric: str, *, threshold: float,
     )
 
 
+def _short_names(names: pd.Series) -> pd.Series:
+    """Names without the ``axis=value`` words every matched point shares (the table's varying part)."""
+    words = [name.split(" ") for name in names]
+    shared = set.intersection(*map(set, words)) if words else set()
+    return pd.Series([" ".join(w for w in ws if w not in shared) or " ".join(ws) for ws in words], index=names.index)
+
+
 def render(comparison: Comparison, baseline: Side, new: Side) -> str:
     """The printed report: the ratio table with both bands, then the verdict lines."""
     unit = unit_of(comparison.metric)
     t = comparison.table
     shown = pd.DataFrame({
-        "point": t["name"],
+        "point": _short_names(t["name"]),
         f"baseline ({unit})": t["baseline"].map("{:.4g}".format),
         "baseline band": [f"{lo:.4g}..{hi:.4g}" for lo, hi in zip(t["baseline_low"], t["baseline_high"])],
         f"new ({unit})": t["new"].map("{:.4g}".format),
@@ -267,8 +274,8 @@ def render(comparison: Comparison, baseline: Side, new: Side) -> str:
         lines.append(f"IMPROVEMENT: {row.name}: {row.ratio:.3f}x")
     for row in comparison.regressions.itertuples(index=False):
         if row.verdict == "regression":
-            lines.append(f"REGRESSION: {row.name}: {row.ratio:.3f}x (bands {row.baseline_low:.4g}..{row.baseline_high:.4g}"
-                         f" vs {row.new_low:.4g}..{row.new_high:.4g} {unit})")
+            lines.append(f"REGRESSION: {row.name}: {row.ratio:.3f}x (bands {row.baseline_low:.4g}.."
+                         f"{row.baseline_high:.4g} vs {row.new_low:.4g}..{row.new_high:.4g} {unit})")
         else:
             lines.append(f"REGRESSION: {row.name}: {row.verdict} (measured in the baseline)")
     lines.append(f"{len(t)} matched, {len(comparison.regressions)} regressed, {len(comparison.improvements)} improved")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from dsv4cp.profiling.overlap import TOTAL, KernelRecord, RangeRecord
@@ -23,6 +24,9 @@ from dsv4cp.report import tables
 
 MAX_PHASES = 10
 """Phases drawn by name in the stacked phase plot; the rest are summed as ``other``."""
+
+PALETTE = (*colormaps["tab20"].colors, *colormaps["tab20b"].colors)
+"""40 distinct colours, one per phase (a layer has about 30 ranges)."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,10 @@ def weak_scaling(df: pd.DataFrame) -> Plot:
     """Efficiency T(1)/T(cp) against cp at fixed tokens per rank, with the ideal (1.0)."""
     table = tables.scaling(df, "weak")
     if table.empty:
-        return Plot(None, "weak scaling: no configuration measured at CP = 1 and another CP with the same tokens per rank")
-    fig, ax = _figure("Weak scaling (fixed tokens per rank)", _caption(df, "efficiency = T(1) / T(cp), median step time"))
+        return Plot(None, "weak scaling: no configuration measured at CP = 1 and another CP "
+                          "with the same tokens per rank")
+    fig, ax = _figure("Weak scaling (fixed tokens per rank)",
+                      _caption(df, "efficiency = T(1) / T(cp), median step time"))
     labels = _config_labels(table, ["cp", "tokens"])
     for label, group in table.groupby(labels, sort=False):
         ax.plot(group["cp"], group["efficiency"], marker="o", label=label)
@@ -133,9 +139,10 @@ def phase_times(df: pd.DataFrame) -> Plot:
     fig, ax = _figure("Where the step time goes (rank 0)", _caption(df, "busy = compute + exposed communication"),
                       width=9.0, height=1.5 + 0.4 * len(wide))
     left = np.zeros(len(wide))
-    for phase in wide.columns:
+    for i, phase in enumerate(wide.columns):
         values = wide[phase].fillna(0.0).to_numpy()
-        ax.barh(wide.index, values, left=left, label=str(phase).removeprefix("dsv4cp."))
+        color = "lightgray" if phase == "other" else PALETTE[i % len(PALETTE)]
+        ax.barh(wide.index, values, left=left, label=str(phase).removeprefix("dsv4cp."), color=color)
         left += values
     ax.set_xlabel("time per step (ms)")
     ax.tick_params(axis="y", labelsize=7)
@@ -145,25 +152,24 @@ def phase_times(df: pd.DataFrame) -> Plot:
 
 
 def overlap_per_phase(df: pd.DataFrame) -> Plot:
-    """Overlap ratio (hidden / total communication) of each communicating phase, one bar per point."""
+    """Overlap ratio (hidden / total communication) of each communicating phase of each profiled
+    point, as a heat map (points x phases; blank: the phase did not communicate)."""
     table = tables.phase_breakdown(df)
     table = table[(table["comm_ms"] > 0) & (table["phase"] != TOTAL)]
     if table.empty:
         return Plot(None, "overlap per phase: no profiled point with communication (profile a CP > 1 point)")
     axes = [a for a in table.columns if a in ("run", *AXES)]
     table = table.assign(point=tables.point_labels(table, axes) if axes else "point")
-    wide = table.pivot_table(index="phase", columns="point", values="overlap_ratio", aggfunc="mean")
+    wide = table.pivot_table(index="point", columns="phase", values="overlap_ratio", aggfunc="mean", sort=False)
     fig, ax = _figure("Communication hidden behind compute, per phase (rank 0)",
-                      _caption(df, "overlap ratio = overlapped comm / comm time"), width=8.0)
-    width = 0.8 / len(wide.columns)
-    positions = np.arange(len(wide))
-    for i, point in enumerate(wide.columns):
-        ax.bar(positions + i * width, wide[point].to_numpy(), width=width, label=point)
-    ax.set_xticks(positions + 0.4 - width / 2, [p.removeprefix("dsv4cp.") for p in wide.index],
-                  rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("overlap ratio")
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=6)
+                      _caption(df, "overlap ratio = overlapped comm / comm time; blank: no communication"),
+                      width=3.0 + 0.6 * len(wide.columns) + 0.07 * max(map(len, wide.index)),
+                      height=2.5 + 0.3 * len(wide))
+    image = ax.imshow(wide.to_numpy(dtype=float), vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(wide.columns)), [p.removeprefix("dsv4cp.") for p in wide.columns],
+                  rotation=40, ha="right", fontsize=7)
+    ax.set_yticks(range(len(wide)), wide.index, fontsize=7)
+    fig.colorbar(image, ax=ax, label="overlap ratio")
     return Plot(fig)
 
 
@@ -248,9 +254,9 @@ def phase_timeline(kernels: list[KernelRecord], ranges: list[RangeRecord], *, ti
     origin = min([k.start_ns for k in kernels] + [r.start_ns for r in ranges])
     ranks = sorted({k.rank for k in kernels} | {r.rank for r in ranges})
     phases = list(dict.fromkeys(r.name for r in sorted(ranges, key=lambda r: r.start_ns)))
-    colors = {name: f"C{i % 10}" for i, name in enumerate(phases)}
-    fig, ax = _figure(title, caption or "lanes per rank: host ranges, compute kernels, communication kernels",
-                      width=10.0, height=1.2 + 1.2 * len(ranks))
+    colors = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(phases)}
+    fig, ax = _figure(title, caption or "lanes per rank: host ranges (launch side), compute kernels, "
+                      "communication kernels (device)", width=11.0, height=max(4.0, 1.2 + 1.2 * len(ranks)))
     ticks, tick_labels = [], []
     for i, rank in enumerate(ranks):
         base = 3 * (len(ranks) - 1 - i)
@@ -270,9 +276,9 @@ def phase_timeline(kernels: list[KernelRecord], ranges: list[RangeRecord], *, ti
         tick_labels += [f"rank {rank} ranges", f"rank {rank} compute", f"rank {rank} comm"]
     ax.set_yticks(ticks, tick_labels, fontsize=7)
     ax.set_xlabel("time (ms)")
-    for name in phases[:MAX_PHASES * 2]:
+    for name in phases:
         ax.plot([], [], color=colors[name], linewidth=6, label=name.removeprefix("dsv4cp."))
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=1 + len(phases) // 16)
     return Plot(fig)
 
 

@@ -32,7 +32,25 @@ def _runs_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _targets_section(targets: pd.DataFrame) -> list[str]:
+def _why(df: pd.DataFrame, point_id: str, run: str) -> str:
+    """Where the CP = 2 target point's time and exposed communication go (its profiled phases)."""
+    matches = df[(df["run"] == run) & (df["point_id"] == point_id)]["phases"]
+    phases = matches.iloc[-1] if len(matches) else None
+    if not isinstance(phases, list):
+        return "the point was not profiled (sweep --profile tells why)"
+    rows = pd.DataFrame([p for p in phases if p.get("phase") != TOTAL])
+    rows["busy_ms"] = rows["compute_ms"] + rows["exposed_comm_ms"]
+    busiest = rows.nlargest(TOP_PHASES, "busy_ms")
+    exposed = rows[rows["exposed_comm_ms"] > 0].nlargest(TOP_PHASES, "exposed_comm_ms")
+    parts = ["busiest phases " + ", ".join(f"{p.removeprefix('dsv4cp.')} {t:.3g} ms"
+                                           for p, t in zip(busiest["phase"], busiest["busy_ms"]))]
+    if len(exposed):
+        parts.append("exposed communication in " + ", ".join(
+            f"{p.removeprefix('dsv4cp.')} {t:.3g} ms" for p, t in zip(exposed["phase"], exposed["exposed_comm_ms"])))
+    return "; ".join(parts)
+
+
+def _targets_section(df: pd.DataFrame, targets: pd.DataFrame) -> list[str]:
     target_text = ", ".join(f"{k}={v}" for k, v in tables_module.TARGET_POINT.items())
     lines = ["## Targets", "", f"Issue 10 targets, on the configuration {target_text}:", ""]
     for row in targets.itertuples(index=False):
@@ -41,7 +59,8 @@ def _targets_section(targets: pd.DataFrame) -> list[str]:
         elif row.met == "yes":
             verdict = f"**{row.measured:.3f}** (target <= {row.limit:g}): met"
         else:
-            verdict = f"**{row.measured:.3f}** (target <= {row.limit:g}): MISSED by {row.miss_pct:.1f}%"
+            verdict = (f"**{row.measured:.3f}** (target <= {row.limit:g}): MISSED by {row.miss_pct:.1f}%; "
+                       f"CP = 2 point {row.cp2_point_id}: {_why(df, row.cp2_point_id, row.run)}")
         lines.append(f"- {row.run}: {row.target}: {verdict}")
     return lines + [""]
 
@@ -76,7 +95,7 @@ def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dic
              "GPU, MFU, measured / model bound, peak memory per rank (GiB, max over ranks), exposed "
              "communication as % of communication time (profiled points only).", "",
              tables_module.to_markdown(tables["headline"])]
-    lines += _targets_section(tables["targets"])
+    lines += _targets_section(df, tables["targets"])
     lines += _time_section(tables["phases"])
     if not tables["failures"].empty:
         lines += ["## Points that did not measure", "", tables_module.to_markdown(tables["failures"])]
@@ -86,7 +105,8 @@ def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dic
         lines.append(f"- [{name}]({table_dir}/{name}.md) ([csv]({table_dir}/{name}.csv)): {state}")
     lines += ["", "## Plots", ""]
     for name, plot in plots.items():
-        lines.append(f"![{name}]({plot_dir}/{name}.png)" if plot.figure is not None else f"- {name}: skipped ({plot.note})")
+        drawn = plot.figure is not None
+        lines.append(f"![{name}]({plot_dir}/{name}.png)" if drawn else f"- {name}: skipped ({plot.note})")
         lines.append("")
     return "\n".join(lines)
 

@@ -135,23 +135,23 @@ def scaling(df: pd.DataFrame, kind: str) -> pd.DataFrame:
         raise ValueError(f"kind: must be 'strong' or 'weak', got {kind!r}")
     points = ok_points(df)
     free = {"cp", "tokens_per_rank"} if kind == "strong" else {"cp", "tokens"}
-    key_axes = ["run", *(a for a in AXES if a not in free)]
-    columns = [*varying_axes(points), "time_ms_median", "t1_ms", "speedup", "efficiency"] if len(points) else []
+    axes = varying_axes(points) if len(points) else []
+    ratios = ["speedup", "efficiency"] if kind == "strong" else ["efficiency"]
     rows = []
-    for _, group in points.groupby(_group_key(points, key_axes), sort=False):
+    for _, group in points.groupby(_group_key(points, ["run", *(a for a in AXES if a not in free)]), sort=False):
         base = group[group["cp"] == 1]
         if base.empty or group["cp"].nunique() < 2:
             continue
         t1 = float(base["time_ms_median"].iloc[0])
         for _, point in group.sort_values("cp").iterrows():
-            t = float(point["time_ms_median"])
-            row = {c: point[c] for c in columns[:-3]}
-            row["t1_ms"] = t1
-            row["speedup"] = t1 / t if kind == "strong" else math.nan
-            row["efficiency"] = t1 / (point["cp"] * t) if kind == "strong" else t1 / t
+            t, cp = float(point["time_ms_median"]), int(point["cp"])
+            row = {**{a: point[a] for a in axes}, "time_ms_median": t, "t1_ms": t1}
+            if kind == "strong":
+                row.update(speedup=t1 / t, efficiency=t1 / (cp * t))
+            else:
+                row.update(efficiency=t1 / t)
             rows.append(row)
-    out = pd.DataFrame(rows, columns=columns)
-    return out.drop(columns=["speedup"]) if kind == "weak" and "speedup" in out else out
+    return pd.DataFrame(rows, columns=[*axes, "time_ms_median", "t1_ms", *ratios])
 
 
 def overlap_comparison(df: pd.DataFrame) -> pd.DataFrame:
@@ -197,13 +197,18 @@ def imbalance(df: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values([a for a in ("run", "packing", "cp") if a in out]).reset_index(drop=True)
 
 
+MODEL_AXES: tuple[str, ...] = ("preset", "ratio", "cp", "tokens", "packing", "pass")
+"""Axes the cost model needs to rebuild a point's batch."""
+
+
 def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
     """Per point, by packing: the cost model's imbalance (max / mean over ranks of FLOPs and of the
     time bound) for the point's packing, beside the measured per-rank time imbalance.
 
     The model sees the same document lengths the sweep packed (``workloads.packing_lengths`` with the
-    point's seed), so a gap between the columns is the part the FLOP count does not explain."""
-    points = ok_points(df)
+    point's seed), so a gap between the columns is the part the FLOP count does not explain. Points
+    missing an axis the model needs are left out."""
+    points = ok_points(df).dropna(subset=list(MODEL_AXES))
     axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
     rows = []
     for _, point in points.iterrows():
@@ -274,13 +279,15 @@ def _target_pair(points: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
 
 
 def targets(df: pd.DataFrame) -> pd.DataFrame:
-    """Per run and target: measured value, limit, ``met`` (yes / no / not measured), and by how much
-    it missed (``miss_pct`` = measured / limit - 1, in %, positive when missed)."""
+    """Per run and target: measured value, limit, ``met`` (yes / no / not measured), by how much it
+    missed (``miss_pct`` = measured / limit - 1, in %, positive when missed) and the CP = 2 point's
+    ``point_id`` (where its profile says why)."""
     points = ok_points(df)
     rows = []
     for run in runs_of(df):
         pair = _target_pair(points[points["run"] == run])
         measured: list[float] = [math.nan] * len(TARGETS)
+        cp2_point = pair[1]["point_id"] if pair is not None else None
         if pair is not None:
             one, two = pair
             measured[0] = float(two["time_ms_median"]) / float(one["time_ms_median"])
@@ -294,8 +301,9 @@ def targets(df: pd.DataFrame) -> pd.DataFrame:
                 "run": run, "target": target.name, "measured": value, "limit": target.limit,
                 "met": ("yes" if value <= target.limit else "no") if known else NOT_MEASURED,
                 "miss_pct": 100.0 * (value / target.limit - 1.0) if known and value > target.limit else math.nan,
+                "cp2_point_id": cp2_point,
             })
-    return pd.DataFrame(rows, columns=["run", "target", "measured", "limit", "met", "miss_pct"])
+    return pd.DataFrame(rows, columns=["run", "target", "measured", "limit", "met", "miss_pct", "cp2_point_id"])
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -322,7 +330,7 @@ def to_markdown(table: pd.DataFrame) -> str:
     if table.empty:
         return "_(empty)_\n"
     shown = table.copy()
-    for column in shown.columns[shown.dtypes == float]:
+    for column in shown.select_dtypes("float").columns:
         shown[column] = shown[column].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
     return shown.to_markdown(index=False, disable_numparse=True) + "\n"
 

@@ -11,6 +11,7 @@ with CP = 1. Timing, tracing and nsys are separate passes: no profiler is attach
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -101,13 +102,15 @@ def _gather(value, group: dist.ProcessGroup | None) -> list:
 def measure_point(
     point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
     machine: Machine | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
+    on_step: Callable[[str], object] | None = None,
 ) -> Measurement:
     """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
 
     ``machine``: the ceilings of the model bound and MFU (default: the measured H200 ones; MFU is
     left None off GPU, where that ceiling means nothing). ``trace_dir``: write a Kineto trace per
     rank under it and fill the overlap metrics. ``nsys``: also run ``run.nsys_steps`` steps inside
-    ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``).
+    ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``). ``on_step``: called
+    after each warm-up and timed step (a progress bar, :mod:`dsv4cp.profiling.progress`).
 
     Raises ``ValueError`` for shapes the point cannot run (before any collective), and whatever
     the step raises (``torch.OutOfMemoryError``, ...).
@@ -122,6 +125,8 @@ def measure_point(
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
     bound = estimate(cfg, point.ratio, packed, cp, machine).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device).name}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
     packed = packed.to(device)
 
     generator = torch.Generator().manual_seed(point.seed)
@@ -143,7 +148,8 @@ def measure_point(
             loss.backward()
 
     clock = _RankClock(step, device)
-    timing = benchmark(clock, warmup=run.warmup, reps=run.reps, group=group, l2_flush=run.l2_flush, device=device)
+    timing = benchmark(clock, warmup=run.warmup, reps=run.reps, group=group, l2_flush=run.l2_flush, device=device,
+                       on_step=on_step)
     rank_median = float(np.median(clock.last_ms(run.reps)))
     with track_memory(device) as tracker:
         step()

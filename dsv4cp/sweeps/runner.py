@@ -11,7 +11,9 @@ measuring groups are created with ``point_timeout``, so a rank stuck in a collec
 point gives up after that long. After a failed point the measuring groups are created afresh (a
 communicator that saw a failure may be unusable). Rank 0 appends one record per point to
 ``RUN_DIR/records.jsonl`` as soon as the point is done; with ``resume`` the points already
-recorded are skipped (and so are recorded errors, unless ``retry_errors``).
+recorded are skipped (and so are recorded errors, unless ``retry_errors``). A point that was being
+measured when the run died is measured again on resume; if the run died there twice, it is recorded
+as an error instead (see :data:`MAX_ATTEMPTS`).
 """
 
 from __future__ import annotations
@@ -237,10 +239,9 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
             measurement = measure_point(point, group, device, spec.run, machine=options.machine,
                                         trace_dir=trace_dir, nsys=options.nsys, check=options.check)
             metrics, resolved = measurement.metrics, measurement.resolved_backends
-        except torch.OutOfMemoryError as err:
-            outcome = (STATUS_OOM, f"rank {rank}: {_first_line(err)}")
         except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
-            outcome = (f"error: {type(err).__name__}: {_first_line(err)}", f"rank {rank}: {_first_line(err)}")
+            status = STATUS_OOM if _is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"
+            outcome = (status, f"rank {rank}: {_first_line(err)}")
         if device.type == "cuda" and outcome[0] != STATUS_OK:
             torch.cuda.empty_cache()
     outcomes = [outcome]
@@ -251,8 +252,21 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
     if not failed:
         return STATUS_OK, None, metrics, resolved
     groups.renew()
-    worst = next((o for o in failed if o[0] == STATUS_OOM), failed[0])
-    return worst[0], "; ".join(o[1] for o in failed), {}, None
+    return _root_cause(failed)[0], "; ".join(o[1] for o in failed), {}, None
+
+
+def _root_cause(failed: list[tuple[str, str]]) -> tuple[str, str]:
+    """The outcome that names why a point failed: an OOM, else an error other than a collective
+    timeout (a rank that timed out was waiting for the rank that failed), else the first one."""
+    ooms = [o for o in failed if o[0] == STATUS_OOM]
+    causes = [o for o in failed if "timed out" not in o[0].lower() and "timeout" not in o[0].lower()]
+    return (ooms or causes or failed)[0]
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    # the CPU allocator raises a plain RuntimeError
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError)
+                                                       and "can't allocate memory" in str(err))
 
 
 def _first_line(err: BaseException) -> str:

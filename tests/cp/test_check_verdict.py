@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4cp.cp.check import COSINE_TOLERANCE, SCALAR_REL_TOLERANCE, ZERO_ABS_TOLERANCE, _compare
+from dsv4cp.cp.check import (
+    COSINE_TOLERANCE,
+    SCALAR_REL_TOLERANCE,
+    ZERO_ABS_TOLERANCE,
+    _compare,
+    tolerance_summary,
+)
 
 DTYPES = ("bf16", "fp32", "fp64")
 
@@ -58,3 +64,11 @@ def test_bf16_tensor_keeps_the_cosine_criterion(seed):
 def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="out"):
         _compare("out", torch.ones(3), torch.ones(4), "fp32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tolerance_summary_states_every_criterion(dtype):
+    summary = tolerance_summary(dtype)
+    assert f"scalars rel <= {SCALAR_REL_TOLERANCE[dtype]:g}" in summary
+    assert f"zero references |result| <= {ZERO_ABS_TOLERANCE[dtype]:g}" in summary
+    assert ("cosine" in summary) == (dtype == "bf16")

@@ -5,8 +5,8 @@ before the query backward starts."""
 from __future__ import annotations
 
 import torch
-from conftest import randn, seed_of
 
+from conftest import randn, seed_of
 from dsv4cp.cp.recompute import recomputed_attention
 from dsv4cp.ops.sparse_attention import resolve_backend, sparse_attention
 
@@ -55,8 +55,9 @@ def test_backward_builds_queries_once_and_matches_autograd() -> None:
         events.append("compressed grad")
         handed.append(grad.clone())
 
+    backend = resolve_backend("torch", latent.device)
     out, _, _, _ = recomputed_attention(
-        latent, weight, _query_fn(events), kv_ext, compressed, idx, sink, scale, resolve_backend("torch", latent.device),
+        latent, weight, _query_fn(events), kv_ext, compressed, idx, sink, scale, backend,
         on_compressed_grad=on_compressed_grad,
     )
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import seed_of
 
+from conftest import seed_of
 from dsv4cp.profiling import nvtx
 from dsv4cp.profiling.autograd_ranges import BackwardRegion, phase_region
 

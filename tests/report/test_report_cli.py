@@ -6,7 +6,7 @@ import pandas as pd
 from report_helpers import grid, write_run
 
 from dsv4cp.cli.main import main
-from dsv4cp.records import point_id
+from dsv4cp.records import point_id, read_records
 from dsv4cp.report import tables
 
 
@@ -62,3 +62,15 @@ def test_report_input_errors_exit_2_naming_the_problem(tmp_path, seed, capsys):
     (tmp_path / "file").write_text("x")
     assert main(["report", str(a), "--out", str(tmp_path / "file")]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_a_missed_target_names_where_the_cp2_point_spends_its_time(tmp_path, seed, capsys):
+    points = grid(cp=[1, 2], tokens=[65536], packing=["histogram"], overlap=["async"])
+    run = write_run(tmp_path / "slow", points, seed=seed, slowdown={point_id(points[1]): 1.4})
+    main(["report", str(run)])
+    (line,) = [ln for ln in (run / "report" / "summary.md").read_text().splitlines() if "CP=2 time" in ln]
+    phases = [p for p in read_records(run)[1]["phases"] if p["phase"] != "total"]
+    busiest = max(phases, key=lambda p: p["compute_ms"] + p["exposed_comm_ms"])
+    assert f"CP = 2 point {point_id(points[1])}" in line
+    assert f"busiest phases {busiest['phase'].removeprefix('dsv4cp.')}" in line
+    assert "exposed communication in allgather.kv.launch" in line

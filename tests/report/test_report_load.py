@@ -67,3 +67,20 @@ def test_unusable_input_raises_a_value_error_naming_it(tmp_path, case):
         paths, match = [], "at least one"
     with pytest.raises(ValueError, match=match):
         load_runs(paths)
+
+
+def test_load_trace_reads_a_trace_file_or_a_directory_of_ranks(tmp_path):
+    from pathlib import Path
+
+    from dsv4cp.report.load import load_trace
+
+    run = Path(__file__).resolve().parents[2] / "results" / "runs" / "cpu-smoke" / "traces"
+    (directory,) = [p for p in run.iterdir() if p.is_dir()]
+    kernels, ranges = load_trace(directory)
+    assert {k.rank for k in kernels} == {0, 1} and any(k.is_comm for k in kernels)
+    assert all(r.name.startswith("dsv4cp.") for r in ranges)
+    single_kernels, single_ranges = load_trace(directory / "rank1.json.gz")
+    assert {k.rank for k in single_kernels} == {1}  # from the trace's distributedInfo
+    assert len(single_kernels) == sum(k.rank == 1 for k in kernels)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_trace(tmp_path / "none.json")

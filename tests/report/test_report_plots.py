@@ -90,3 +90,10 @@ def test_phase_timeline_and_trace_overlap(seed):
     assert plots.phase_timeline([], []).figure is None
     assert plots.trace_overlap(pd.DataFrame({"rank": [0], "phase": ["total"], "comm_ms": [0.0],
                                              "overlap_ms": [0.0], "exposed_comm_ms": [0.0]})).figure is None
+
+
+def test_plots_display_in_notebooks(scaling_run):
+    drawn = plots.strong_scaling(load_runs(scaling_run))
+    assert drawn._repr_png_()[:8] == PNG_MAGIC and drawn._repr_markdown_() is None
+    skipped = plots.weak_scaling(load_runs(scaling_run))
+    assert skipped._repr_png_() is None and skipped.note in skipped._repr_markdown_()

@@ -82,7 +82,8 @@ def test_phase_breakdown_memory_imbalance_and_bound(scaling_run):
     row = imbalance[(imbalance["cp"] == 2)].iloc[0]
     assert row["imbalance_max_over_mean"] > 1.0 and row["rank_spread_ms"] > 0
     bound = tables.measured_vs_bound(df)
-    assert (bound["time_ms_median"] / bound["bound_ms"]).tolist() == pytest.approx(bound["measured_over_bound"].tolist())
+    ratio = bound["time_ms_median"] / bound["bound_ms"]
+    assert ratio.tolist() == pytest.approx(bound["measured_over_bound"].tolist())
     assert tables.failures(df)["status"].tolist() == ["oom"]
 
 
@@ -119,7 +120,8 @@ def test_targets_not_measured_without_the_target_point_or_a_profile(tmp_path, se
 
 def test_two_runs_are_told_apart_and_tables_are_written(tmp_path, seed):
     points = grid(cp=[1, 2], tokens=[1024])
-    df = load_runs([write_run(tmp_path / "base", points, seed=seed), write_run(tmp_path / "new", points, seed=seed + 1)])
+    base = write_run(tmp_path / "base", points, seed=seed)
+    df = load_runs([base, write_run(tmp_path / "new", points, seed=seed + 1)])
     assert tables.varying_axes(df)[0] == "run"
     assert tables.point_labels(df, ["run", "cp", "tokens", "tokens_per_rank"]).iloc[0] == "base cp=1 tokens=1024"
     headline = tables.headline(df)
@@ -130,3 +132,18 @@ def test_two_runs_are_told_apart_and_tables_are_written(tmp_path, seed):
     text = md.read_text()
     assert text.startswith("| run ") and f"{headline['time_ms_median'].iloc[0]:.4g}" in text
     assert tables.to_markdown(pd.DataFrame()) == "_(empty)_\n"
+
+
+def test_model_imbalance_is_the_cost_model_on_the_points_packing(tmp_path, seed):
+    from dsv4cp.config import DSv4Config
+    from dsv4cp.model import estimate
+    from dsv4cp.workloads import packing_lengths
+
+    points = grid(cp=[1, 2], tokens=[4096], packing=["histogram", "one"], seed=[seed % 1000])
+    table = tables.model_imbalance(load_runs(write_run(tmp_path / "p", points, seed=seed)))
+    assert len(table) == 4 and (table[table["cp"] == 1]["model_flops_imbalance"] == 1.0).all()
+    row = table[(table["cp"] == 2) & (table["packing"] == "histogram")].iloc[0]
+    lengths = packing_lengths("histogram", 4096, cp=2, ratio=4, seed=seed % 1000)
+    expected = estimate(DSv4Config.preset("flash"), 4, lengths, 2, total=4096).summary("fwd+bwd")
+    assert row["model_flops_imbalance"] == pytest.approx(expected.flops_imbalance)
+    assert row["model_flops_imbalance"] > 1.0  # a sampled histogram never splits FLOPs exactly evenly

@@ -11,11 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 import yaml
 
 from dsv4cp.cli.main import main
+from dsv4cp.cp.launch import spawn
 from dsv4cp.records import COLUMNS, read_meta, read_records
-from dsv4cp.sweeps.runner import CRASHED_STATUS, INFLIGHT_FILE, MAX_ATTEMPTS
+from dsv4cp.sweeps import runner
+from dsv4cp.sweeps.measure import measure_point
+from dsv4cp.sweeps.runner import CRASHED_STATUS, INFLIGHT_FILE, MAX_ATTEMPTS, SweepOptions
 from dsv4cp.sweeps.spec import expand, load_spec
 
 SWEEPS = Path(__file__).resolve().parents[2] / "sweeps"
@@ -67,6 +72,33 @@ def test_sweep_records_ok_error_and_skipped_points_then_resumes(tmp_path, capsys
     assert main(["sweep", str(spec), "--out", str(out), "--resume", "--progress", "off"]) == 0
     assert read_records(out) == records  # nothing run twice
     assert "0 points recorded" in capsys.readouterr().out
+
+
+def _measure_failing_on_rank_1(point, group, device, run, **kwargs):
+    """measure_point, except that at seed 1 rank 1 fails while rank 0 waits in a collective for it."""
+    if point.seed == 1:
+        if dist.get_rank(group) == 1:
+            raise RuntimeError("injected failure on rank 1")
+        dist.all_reduce(torch.ones(1), group=group)  # its peer never comes: bounded by --point-timeout
+    return measure_point(point, group, device, run, **kwargs)
+
+
+def _sweep_rank_with_a_failing_rank(rank, world, device, spec, options):
+    runner.measure_point = _measure_failing_on_rank_1  # in this spawned process only
+    return runner.sweep_rank(rank, world, device, spec, options)
+
+
+def test_a_rank_failing_mid_point_neither_hangs_its_peer_nor_stops_the_sweep(tmp_path):
+    spec = load_spec(_write_spec(tmp_path / "flaky.yaml", base={"tokens": 32, "ratio": 0, "pass": "fwd", "cp": 2},
+                                 axes={"seed": [0, 1, 2]}))
+    options = SweepOptions(out=tmp_path / "run", point_timeout_s=3.0)
+    spawn(_sweep_rank_with_a_failing_rank, 2, spec, options)
+    records = read_records(options.out)
+    assert [r["seed"] for r in records] == [0, 1, 2]
+    assert records[1]["status"] == "error: RuntimeError: injected failure on rank 1"
+    assert "rank 0:" in records[1]["error"]  # rank 0's collective gave up instead of hanging
+    _check_ok(records[0])
+    _check_ok(records[2])  # the next point ran on fresh groups
 
 
 def test_refuses_an_existing_run_without_resume_before_launching(tmp_path, capsys):

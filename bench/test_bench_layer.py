@@ -1,0 +1,116 @@
+"""Whole-layer microbenchmarks (DESIGN 1, 5): one :class:`DSv4Attention` layer per type, W (ratio 0),
+C (ratio 4, indexer top-k and its loss) and H (a larger ratio), forward and forward + backward, at CP = 1.
+
+Each round runs the layer on one packed batch of a single document; ``fwd`` runs without an autograd
+graph, ``fwd_bwd`` back-propagates ``sum(out * upstream) + indexer_loss`` (a fixed random upstream
+gradient, the sweeps' step) into the input and every parameter. Shapes:
+
+* ``flash``: the flash preset, T = 16384 tokens, ratios W 0 / C 4 / H 128, bf16, ``backend="auto"``
+  (GPU only; a one-GPU slice of the DESIGN's 2 x H200 workloads);
+* ``tiny``:  the tiny preset, T = 64 tokens, ratios W 0 / C 4 / H 8, fp32 on CPU with the torch
+  sparse-attention backend (the Triton interpreter would time the interpreter, not the layer).
+
+FLOPs and bytes come from the analytic model (:func:`dsv4cp.model.estimate`, CP = 1, activation bytes
+of the benchmark's dtype): ``flops`` is the model FLOPs of the pass, ``bytes`` its compulsory HBM traffic
+summed over phases, so TFLOP/s and GB/s read against the H200's ceilings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
+from dsv4cp.config import DSv4Config, layer_kind
+from dsv4cp.layer import DSv4Attention
+from dsv4cp.model import BOTH, estimate
+from dsv4cp.packing import PackedSeqs
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    preset: str
+    tokens: int
+    ratios: dict[str, int]
+    """Layer kind ('W', 'C', 'H') -> the compression ratio benchmarked for it."""
+
+
+SHAPES = {
+    "tiny": Shape("tiny", "tiny", 64, {"W": 0, "C": 4, "H": 8}),
+    "flash": Shape("flash", "flash", 16384, {"W": 0, "C": 4, "H": 128}),
+}
+SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("flash", id="flash", marks=GPU_ONLY)]
+PASSES = {"fwd": "fwd", "fwd_bwd": BOTH}
+"""Benchmark phase -> the model's direction label."""
+
+
+def _backend() -> str:
+    return "auto" if HAS_CUDA else "torch"
+
+
+def _rounds() -> tuple[int, int]:
+    return (10, 3) if HAS_CUDA else (3, 1)
+
+
+def _build(shape: Shape, ratio: int):
+    """The seeded layer, its packing, the input rows (a leaf requiring grad) and the upstream gradient."""
+    device, dtype = bench_device(), bench_dtype()
+    cfg = DSv4Config.preset(shape.preset)
+    generator = torch.Generator().manual_seed(1234 + ratio)
+    layer = DSv4Attention(cfg, ratio, backend=_backend())
+    layer.reset_parameters(generator)
+    layer = layer.to(device=device, dtype=dtype)
+    packed = PackedSeqs.from_lengths([shape.tokens], device=device)
+    inputs = torch.Generator(device=device).manual_seed(4321 + ratio)
+    x = torch.randn(shape.tokens, cfg.hidden, generator=inputs, device=device, dtype=dtype).requires_grad_(True)
+    upstream = torch.randn(shape.tokens, cfg.hidden, generator=inputs, device=device, dtype=dtype)
+    return cfg, layer, packed, x, upstream
+
+
+@pytest.mark.parametrize("phase", list(PASSES))
+@pytest.mark.parametrize("kind", ["W", "C", "H"])
+@pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
+def test_layer(benchmark, measure, shape_name, kind, phase):
+    shape = SHAPES[shape_name]
+    ratio = shape.ratios[kind]
+    cfg, layer, packed, x, upstream = _build(shape, ratio)
+    assert layer_kind(ratio) == kind
+    model = estimate(cfg, ratio, packed, 1, act_bytes=x.element_size())
+    direction = PASSES[phase]
+    table = model.records if direction == BOTH else model.table(direction)
+    benchmark.group = f"layer.{kind}.{phase}.{shape.name}"
+    benchmark.extra_info.update(kind=kind, ratio=ratio, phase=phase, shape=shape.name, preset=shape.preset,
+                                tokens=shape.tokens, cp=1, packing="one", backend=layer.backend,
+                                dtype=str(x.dtype))
+
+    if phase == "fwd":
+        def target():
+            with torch.no_grad():
+                return layer(x, packed).out
+    else:
+        def target():
+            result = layer(x, packed)
+            loss = (result.out * upstream).sum()
+            if result.indexer_loss is not None:
+                loss = loss + result.indexer_loss
+            loss.backward()
+            return result.out.detach()
+
+    def setup():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        return ()
+
+    setup()
+    target()  # compile / autotune / first-call costs outside the timing
+    rounds, warmup = _rounds()
+    out = measure(target, setup, flops=model.summary(direction).model_flops,
+                  bytes_moved=float(table["hbm_bytes"].sum()), rounds=rounds, warmup_rounds=warmup,
+                  device=x.device)
+    assert out.shape == x.shape and bool(torch.isfinite(out).all())
+    if phase == "fwd_bwd":
+        assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+        assert layer.wq_a.weight.grad is not None
