@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ class PackedSeqs:
     def from_lengths(
         cls, lengths: Sequence[int], pad_to_multiple: int = 1, total: int | None = None,
         device: torch.device | str | None = None,
-    ) -> "PackedSeqs":
+    ) -> PackedSeqs:
         """Pack documents of the given real lengths, each padded up to a multiple of ``pad_to_multiple``.
 
         ``total`` defaults to the padded end; a larger value adds a tail padding segment.
@@ -59,7 +59,7 @@ class PackedSeqs:
     def from_tensors(
         cls, cu_seqlens: torch.Tensor | Sequence[int], cu_seqlens_padded: torch.Tensor | Sequence[int] | None = None,
         total: int | None = None,
-    ) -> "PackedSeqs":
+    ) -> PackedSeqs:
         """Wrap explicit offsets (as produced by a data loader). Reads them once to validate."""
         device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None
         cu = _host_offsets("cu_seqlens", cu_seqlens)
@@ -69,7 +69,7 @@ class PackedSeqs:
         return cls._checked(cu, cu_padded, total, device)
 
     @classmethod
-    def _checked(cls, cu: list[int], cu_padded: list[int], total: int, device) -> "PackedSeqs":
+    def _checked(cls, cu: list[int], cu_padded: list[int], total: int, device) -> PackedSeqs:
         _validate_offsets(cu, cu_padded, total)
         padded_lengths = [b - a for a, b in zip(cu_padded[:-1], cu_padded[1:])]
         return cls(
@@ -95,7 +95,7 @@ class PackedSeqs:
     def padded_lengths(self) -> list[int]:
         return torch.diff(self.cu_seqlens_padded).tolist()
 
-    def to(self, device: torch.device | str) -> "PackedSeqs":
+    def to(self, device: torch.device | str) -> PackedSeqs:
         return PackedSeqs(
             self.cu_seqlens.to(device), self.cu_seqlens_padded.to(device), self.total, self.max_seqlen_padded,
             self.real_tokens,

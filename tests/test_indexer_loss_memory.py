@@ -121,16 +121,16 @@ def test_variant_and_entries_checked_before_work(variant, entries):
 
 
 def test_dense_layer_step_never_holds_an_entry_matrix(monkeypatch):
-    """A C layer with the dense loss on one 2048-token document (M = 512 entries per query), forward and
-    backward, with every chunk budget small: no tensor reaches twice the size of the queries, while one
-    ``[L, M]`` fp32 matrix is larger than that (the unchunked loss built several, and an int64 one)."""
+    """A C layer with the dense loss on one 1024-token document (M = 256 entries per query), forward and
+    backward, with every chunk budget small: no tensor exceeds twice the size of the queries, while one
+    ``[L, M]`` int64 entry matrix is larger (the unchunked loss took one and built more ``[L, M]`` ones)."""
     budget = 512 * 2**10
     monkeypatch.setattr(loss_module, "DENSE_CHUNK_BYTES", budget)
     monkeypatch.setattr(attention_probs, "CHUNK_ELEMENTS", budget // 4)
     monkeypatch.setattr(indexer, "CHUNK_ELEMENTS", budget // 4)
     monkeypatch.setattr(sparse_attention_torch, "CHUNK_BYTES", budget)
     cfg = cfg_for(4, indexer_loss="dense", index_topk=8)
-    tokens = 2048
+    tokens = 1024
     seed = seed_of("dense-loss-peak")
     layer = make_layer(cfg, 4, seed=seed, dtype=torch.float32)
     pk = packed([tokens])
@@ -138,7 +138,7 @@ def test_dense_layer_step_never_holds_an_entry_matrix(monkeypatch):
 
     rows_bytes = tokens * max(cfg.n_heads * cfg.head_dim, cfg.hidden) * 4
     bound = 2 * rows_bytes
-    entry_matrix_bytes = tokens * (tokens // 4) * 4
+    entry_matrix_bytes = tokens * (tokens // 4) * 8
     assert entry_matrix_bytes > bound, "the case must be large enough for an [L, M] matrix to break the bound"
 
     with LargestTensor() as largest:

@@ -21,8 +21,14 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp.cli.common import (
-    add_dist_backend_option, add_layer_options, add_memory_options, check_args_agree, check_memory, layer_inputs,
-    positive_int, resolve_dist_backend,
+    add_dist_backend_option,
+    add_layer_options,
+    add_memory_options,
+    check_args_agree,
+    check_memory,
+    layer_inputs,
+    positive_int,
+    resolve_dist_backend,
 )
 from dsv4cp.config import DTYPES
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank, tolerance_summary

@@ -245,8 +245,9 @@ def add_layer_options(
                         help="document length of --packing fixed (default: --tokens / 8)")
     parser.add_argument("--pad-to-multiple", type=positive_int, default=1,
                         help="pad every document to a multiple of this many rows")
+    device_default = "" if dtype else " (default: bf16 on GPU, fp32 on CPU)"
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=dtype,
-                        help="parameter and activation dtype" + ("" if dtype else " (default: bf16 on GPU, fp32 on CPU)"))
+                        help=f"parameter and activation dtype{device_default}")
     parser.add_argument("--kernel-backend", default="auto",
                         help=f"sparse-attention kernel backend: one of {', '.join(backend_names())} "
                              "('dsv4cp env' says which are usable here)")

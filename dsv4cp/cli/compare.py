@@ -5,8 +5,9 @@
 
 BASELINE and NEW are run directories (``records.jsonl`` + ``meta.json``), ``.jsonl`` record files, or
 pytest-benchmark JSON files. Exit status: 0 no regression, 1 a matched point regressed beyond
-``--max-regression`` and outside both noise bands (or failed in NEW), 2 unusable input (no matched
-point, different hardware without ``--allow-different-hardware``, a missing metric).
+``--max-regression`` and outside both noise bands (or failed in NEW; with ``--fail-on-missing``, or is
+absent from NEW), 2 unusable input (no matched point, different hardware without
+``--allow-different-hardware``, a missing metric).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write NEW's values in github-action-benchmark's custom JSON format")
     parser.add_argument("--allow-different-hardware", action="store_true",
                         help="compare runs whose machine labels differ")
+    parser.add_argument("--fail-on-missing", action="store_true",
+                        help="also exit 1 when a point of BASELINE is missing from NEW (e.g. a sweep cut short)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,4 +47,7 @@ def run(args: argparse.Namespace) -> int:
     print(render(comparison, baseline, new))
     if args.json is not None:
         args.json.write_text(json.dumps(benchmark_action_json(comparison), indent=2) + "\n")
-    return 1 if len(comparison.regressions) else 0
+    missing = args.fail_on_missing and comparison.baseline_only
+    if missing:
+        print(f"MISSING: {len(comparison.baseline_only)} point(s) of BASELINE not in NEW (--fail-on-missing)")
+    return 1 if len(comparison.regressions) or missing else 0

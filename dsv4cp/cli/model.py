@@ -16,15 +16,21 @@ import pandas as pd
 import torch
 
 from dsv4cp.cli.common import (
-    add_machine_options, add_renamed_option, check_output_file, int_list, machine_from_args, non_negative_int,
-    parse_lengths, positive_int,
+    add_machine_options,
+    add_renamed_option,
+    check_output_file,
+    int_list,
+    machine_from_args,
+    non_negative_int,
+    parse_lengths,
+    positive_int,
 )
 from dsv4cp.config import LOSS_VARIANTS, PRESET_NAMES, DSv4Config
 from dsv4cp.model import BOTH, Machine, estimate, extrapolate
+from dsv4cp.model.extrapolate import DEFAULT_CPS, DEFAULT_TOKENS
 from dsv4cp.model.machine import GB
 from dsv4cp.model.memory import peak_bytes_estimate
 from dsv4cp.packing import PackedSeqs
-from dsv4cp.model.extrapolate import DEFAULT_CPS, DEFAULT_TOKENS
 from dsv4cp.workloads import PACKINGS, pack_lengths
 
 HELP = "analytic per-phase FLOPs, bytes, communication and lower bounds of one layer (no GPU needed)"

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp.config import DTYPES, DSv4Config
+from dsv4cp.cp.partition import POLICIES, RowSplit, partition
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.packing import PackedSeqs
 
@@ -50,9 +51,23 @@ class CheckCase:
     backend: str = "auto"
     seed: int = 0
     config_overrides: dict = field(default_factory=dict)
+    partition: str = "equal"
+    """Row split policy ("equal" or "balanced", see :func:`dsv4cp.cp.partition.partition`)."""
+    split: tuple[int, ...] | None = None
+    """Explicit split points ``0 = b_0 <= ... <= b_cp = T``, overriding ``partition``."""
+
+    def __post_init__(self) -> None:
+        if self.partition not in POLICIES:
+            raise ValueError(f"partition: must be one of {POLICIES}, got {self.partition!r}")
 
     def config(self) -> DSv4Config:
         return DSv4Config.preset(self.preset, **self.config_overrides)
+
+    def row_split(self, cp: int) -> RowSplit:
+        """The ranks' row ranges over ``cp`` ranks (validated by the layer before any collective)."""
+        if self.split is not None:
+            return RowSplit(tuple(self.split))
+        return partition(self.packed(), cp, self.config(), self.ratio, policy=self.partition)
 
     def packed(self, device: torch.device | None = None) -> PackedSeqs:
         return PackedSeqs.from_lengths(self.lengths, self.pad_to_multiple, self.total, device=device)
@@ -133,10 +148,10 @@ def run_rank(rank: int, world: int, device: torch.device, case: CheckCase,
     full = reference(x_full, packed)
     _objective(full.out, weight, full.indexer_loss).backward()
 
-    rows = packed.total // world
-    mine = slice(rank * rows, (rank + 1) * rows)
+    split = case.row_split(world)
+    mine = slice(split.start(rank), split.start(rank) + split.rows(rank))
     x_local = x[mine].clone().requires_grad_()
-    local = layer(x_local, packed, cp_group=group)
+    local = layer(x_local, packed, cp_group=group, split=split)
     _objective(local.out, weight[mine], local.indexer_loss).backward()
 
     comparisons = [

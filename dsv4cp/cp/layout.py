@@ -19,19 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from dsv4cp.config import DSv4Config, layer_kind
+from dsv4cp.cp.partition import RowSplit, as_split, compression_reach, halo_rows
 from dsv4cp.packing import PackedSeqs
 
-
-def compression_reach(compress_ratio: int) -> int:
-    """Rows before an owned group's last row that its entry reads (``d_comp`` of DESIGN 3.2)."""
-    if compress_ratio == 0:
-        return 0
-    return 2 * compress_ratio if layer_kind(compress_ratio) == "C" else compress_ratio
-
-
-def halo_rows(cfg: DSv4Config, compress_ratio: int, cp: int) -> int:
-    """Rows each rank borrows from its predecessor: ``max(W, d_comp)``, none without CP."""
-    return 0 if cp == 1 else max(cfg.window, compression_reach(compress_ratio))
+__all__ = [
+    "RankLayout", "RowSplit", "build_layout", "compression_reach", "entry_capacity", "halo_rows", "split_rows",
+]
 
 
 def split_rows(
@@ -136,13 +129,28 @@ class RankLayout:
         return (self.gathered_doc[None, :] == doc[:, None]) & (self.gathered_j[None, :] < limit[:, None])
 
 
+def layer_split(
+    packed: PackedSeqs, cfg: DSv4Config, compress_ratio: int, cp: int, split: RowSplit | None = None
+) -> tuple[RowSplit, int]:
+    """``(split, halo rows)`` of a layer: ``split`` validated (``None``: equal slices, checked by
+    :func:`split_rows`), every rank holding at least the halo it must send (and at least one row)."""
+    if split is None:
+        rows, halo = split_rows(packed.total, cp, cfg, compress_ratio)
+        return RowSplit.equal(packed.total, cp), halo
+    halo = halo_rows(cfg, compress_ratio, cp)
+    return as_split(split, packed.total, cp, max(halo, 1)), halo
+
+
 def build_layout(
     packed: PackedSeqs, cfg: DSv4Config, compress_ratio: int, rank: int = 0, cp: int = 1,
-    capacity: int | None = None,
+    capacity: int | None = None, split: RowSplit | None = None,
 ) -> RankLayout:
     """Metadata of rank ``rank`` of ``cp`` (see :class:`RankLayout`); validates sizes first.
 
-    ``capacity`` overrides the provable bound ``ceil(rows / r)`` (to save gathered memory); a value
+    ``split``: the ranks' row ranges (None: ``T / cp`` rows each). With unequal slices every rank
+    still gathers ``capacity`` entries (the bound of the LARGEST slice), so the collectives keep one
+    static size on every rank.
+    ``capacity`` overrides the provable bound ``ceil(max rows / r)`` (to save gathered memory); a value
     too small for this batch raises ``ValueError`` (this check reads the device once).
     """
     total = packed.total
@@ -150,8 +158,8 @@ def build_layout(
         raise ValueError(f"cp: must be >= 1, got {cp}")
     if not 0 <= rank < cp:
         raise ValueError(f"rank: must be in [0, {cp}), got {rank}")
-    rows, halo = split_rows(total, cp, cfg, compress_ratio)
-    start = rank * rows
+    split, halo = layer_split(packed, cfg, compress_ratio, cp, split)
+    rows, start = split.rows(rank), split.start(rank)
     device = packed.cu_seqlens_padded.device
     cu_p, cu = packed.cu_seqlens_padded, packed.cu_seqlens
     n_docs = packed.num_docs
@@ -178,7 +186,7 @@ def build_layout(
             empty.view(0, 0), empty, empty.bool(), empty, empty, empty, empty,
         )
 
-    natural_capacity = entry_capacity(rows, r)
+    natural_capacity = entry_capacity(split.max_rows, r)
     cap = natural_capacity if capacity is None else capacity
     n_entries = torch.div(torch.diff(cu_p), r, rounding_mode="floor")
     cum_entries = torch.cumsum(n_entries, 0)
@@ -191,9 +199,10 @@ def build_layout(
     e_j = eid - doc_first_eid[e_doc] if n_docs else eid
     e_first = cu_p[e_doc] + e_j * r if n_docs else eid * r
     e_last = torch.where(e_valid, e_first + r - 1, total)  # invalid entries sort past every rank
-    rank_bounds = torch.arange(cp + 1, device=device) * rows
+    rank_bounds = torch.tensor(split.bounds, dtype=torch.int64, device=device)
     owner_first_eid = torch.searchsorted(e_last, rank_bounds)  # [cp + 1]
-    owner = torch.div(e_last, max(rows, 1), rounding_mode="floor").clamp_max(cp - 1)
+    # owner: the rank whose range [b_rho, b_rho+1) holds the entry's last row
+    owner = torch.searchsorted(rank_bounds[1:], e_last, right=True).clamp_max(cp - 1)
     slot = eid - owner_first_eid[owner]
     entry_row = torch.where(e_valid, owner * cap + slot, -1)
 

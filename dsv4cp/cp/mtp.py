@@ -15,7 +15,8 @@ Fill values (:func:`default_fill`): ``True`` (``1`` in a non-bool dtype) for a f
 labels, loss mask, position ids, ...). A ``fill`` dict passed to :func:`roll_left` overrides the default
 per field name.
 
-Under contiguous CP (rank ``rho`` holds rows ``[rho L, (rho + 1) L)``, ``L = T / cp``) a rank's last
+Under contiguous CP (rank ``rho`` holds rows ``[b_rho, b_{rho+1})``: ``rho L`` with ``L = T / cp`` for
+equal slices, or a :class:`~dsv4cp.cp.partition.RowSplit`'s points) a rank's last
 ``depth`` rows may take their source from the first ``depth`` rows of rank ``rho + 1``. :func:`roll_left`
 fetches those rows for ALL fields in ONE point-to-point exchange (the fields' leading rows are packed into
 one byte buffer); the last rank receives nothing (its trailing rows are fills: the batch ends there).
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from dsv4cp.cp.comm import group_size_and_rank, p2p_shift
+from dsv4cp.cp.partition import RowSplit, as_split
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.nvtx import nvtx_range
 
@@ -54,16 +56,19 @@ def default_fill(name: str) -> bool | int:
     return True if "padding_mask" in name else 0
 
 
-def rolled_source_valid(packed: PackedSeqs, depth: int, rank: int, rows: int, device=None) -> torch.Tensor:
-    """``[rows]`` bool: local row ``j`` of rank ``rank`` (global row ``g = rank * rows + j``) takes its
-    source row ``g + depth``; ``False`` means it gets the fill value.
+def rolled_source_valid(
+    packed: PackedSeqs, depth: int, rank: int, rows: int, device=None, start: int | None = None
+) -> torch.Tensor:
+    """``[rows]`` bool: local row ``j`` of rank ``rank`` (global row ``g = start + j``, ``start``
+    defaulting to ``rank * rows``, the equal split) takes its source row ``g + depth``; ``False`` means
+    it gets the fill value.
 
     ``g + depth`` must lie before the padded end of ``g``'s document; the tail padding segment and the
     rows whose source is past their document's end are ``False``. Computed on ``device`` with torch ops.
     """
     device = packed.cu_seqlens_padded.device if device is None else torch.device(device)
     cu = packed.cu_seqlens_padded.to(device=device, dtype=torch.int64)
-    g = torch.arange(rows, device=device, dtype=torch.int64) + rank * rows
+    g = torch.arange(rows, device=device, dtype=torch.int64) + (rank * rows if start is None else start)
     # index of the first offset > g, i.e. the end of g's document (duplicates = empty documents are skipped);
     # rows of the tail segment clamp to the padded end, which is <= g, so they are never valid.
     end_idx = torch.searchsorted(cu, g, right=True).clamp_max(cu.numel() - 1)
@@ -71,21 +76,23 @@ def rolled_source_valid(packed: PackedSeqs, depth: int, rank: int, rows: int, de
 
 
 # ---------------------------------------------------------------------------- validation
-def _check_depth(depth, rows: int) -> None:
+def _check_depth(depth, split: RowSplit) -> None:
     if not isinstance(depth, int) or isinstance(depth, bool):
         raise ValueError(f"depth: must be an int, got {depth!r}")
     if depth < 1:
         raise ValueError(f"depth: must be >= 1, got {depth}")
+    rows = split.min_rows  # the next rank must hold the depth rows it lends
     if depth > rows:
-        raise ValueError(f"depth: must be <= the rows per rank L = {rows}, got {depth}")
+        per_rank = f"the rows per rank L = {rows}" if split.is_equal else f"the smallest rank's {rows} rows"
+        raise ValueError(f"depth: must be <= {per_rank}, got {depth}")
 
 
-def _rows_per_rank(packed: PackedSeqs, cp: int) -> int:
+def _rank_split(packed: PackedSeqs, cp: int, split: RowSplit | None) -> RowSplit:
     if not isinstance(packed, PackedSeqs):
         raise ValueError(f"packed: must be a PackedSeqs, got {type(packed).__name__}")
-    if packed.total % cp != 0:
+    if split is None and packed.total % cp != 0:
         raise ValueError(f"packed.total: T = {packed.total} is not divisible by cp = {cp}")
-    return packed.total // cp
+    return as_split(split, packed.total, cp)
 
 
 def _check_field(label: str, x, rows: int, device: torch.device | None) -> None:
@@ -147,6 +154,7 @@ def roll_left(
     depth: int,
     cp_group: dist.ProcessGroup | None = None,
     fill: Mapping[str, object] | None = None,
+    split: RowSplit | None = None,
 ) -> dict[str, torch.Tensor]:
     """Shift every field LEFT by ``depth`` rows inside each document (module docstring); not differentiable.
 
@@ -157,6 +165,7 @@ def roll_left(
         depth: rows to shift, ``1 <= depth <= L``.
         cp_group: the CP process group (``None``: one rank holds all ``T`` rows).
         fill: name -> scalar overriding :func:`default_fill` for that field.
+        split: the ranks' row ranges (None: ``T / cp`` rows each); fields hold this rank's rows.
 
     Returns a dict with the same keys: the rolled ``[L, ...]`` slices (new tensors, same dtype/device).
     Under CP the leading rows of the next rank are fetched in one batched exchange for all fields.
@@ -167,8 +176,9 @@ def roll_left(
     fill = {} if fill is None else dict(fill)
     if not isinstance(fields, Mapping) or len(fields) == 0:
         raise ValueError(f"fields: must be a non-empty dict of name -> tensor, got {fields!r}")
-    rows = _rows_per_rank(packed, cp)
-    _check_depth(depth, rows)
+    split = _rank_split(packed, cp, split)
+    rows = split.rows(rank)
+    _check_depth(depth, split)
     names = sorted(fields)  # one buffer layout on every rank whatever the dict's insertion order
     device = None
     for name in names:
@@ -180,7 +190,7 @@ def roll_left(
     fills = {n: _fill_tensor(n, fill.get(n, default_fill(n)), fields[n].dtype, device) for n in names}
 
     with nvtx_range("mtp.roll.fwd"), torch.no_grad():
-        valid = rolled_source_valid(packed, depth, rank, rows, device)
+        valid = rolled_source_valid(packed, depth, rank, rows, device, start=split.start(rank))
         if cp > 1:
             nxt = _exchange_leading_rows(fields, names, depth, cp_group)
         else:
@@ -226,7 +236,8 @@ class _RollHiddenLeft(torch.autograd.Function):
 
 
 def roll_hidden_left(
-    h: torch.Tensor, packed: PackedSeqs, depth: int, cp_group: dist.ProcessGroup | None = None
+    h: torch.Tensor, packed: PackedSeqs, depth: int, cp_group: dist.ProcessGroup | None = None,
+    split: RowSplit | None = None,
 ) -> torch.Tensor:
     """Differentiable left roll of this rank's hidden states ``h [L, ...]`` by ``depth`` rows (fill 0).
 
@@ -235,8 +246,9 @@ def roll_hidden_left(
     first ``depth`` rows (the rest is routed locally); rows that got the fill contribute no gradient.
     """
     cp, rank = group_size_and_rank(cp_group)
-    rows = _rows_per_rank(packed, cp)
-    _check_depth(depth, rows)
+    split = _rank_split(packed, cp, split)
+    rows = split.rows(rank)
+    _check_depth(depth, split)
     _check_field("h", h, rows, None)
-    valid = rolled_source_valid(packed, depth, rank, rows, h.device)
+    valid = rolled_source_valid(packed, depth, rank, rows, h.device, start=split.start(rank))
     return _RollHiddenLeft.apply(h, valid, depth, cp_group)

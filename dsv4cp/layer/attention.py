@@ -10,7 +10,7 @@ from torch import nn
 
 from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank, hold_backward_waits
-from dsv4cp.cp.layout import build_layout
+from dsv4cp.cp.layout import RowSplit, build_layout, layer_split
 from dsv4cp.cp.recompute import recomputed_attention
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.indexer import Indexer
@@ -86,19 +86,22 @@ class DSv4Attention(PrecisionPinned):
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self, x: torch.Tensor, packed: PackedSeqs, cp_group: dist.ProcessGroup | None = None
+        self, x: torch.Tensor, packed: PackedSeqs, cp_group: dist.ProcessGroup | None = None,
+        split: RowSplit | None = None,
     ) -> AttentionOutput:
         """Run the layer on this rank's rows.
 
         Args:
-            x: ``[T / cp, hidden]``, this rank's contiguous slice of the packed layer input
-                (rank ``rho`` holds rows ``[rho T/cp, (rho + 1) T/cp)``), in the parameters' dtype.
+            x: ``[b_{rho+1} - b_rho, hidden]``, this rank's contiguous slice ``[b_rho, b_{rho+1})`` of
+                the packed layer input, in the parameters' dtype.
             packed: the WHOLE batch's document offsets (identical on every rank).
             cp_group: the context-parallel process group; None means one rank.
+            split: the ranks' split points ``b`` (identical on every rank, e.g. from
+                :func:`dsv4cp.cp.partition.partition`); None means equal slices of ``T / cp`` rows.
         """
         cp, rank = group_size_and_rank(cp_group)
-        self._check_inputs(x, packed, cp)
-        layout = build_layout(packed, self.cfg, self.compress_ratio, rank, cp)
+        split = self._check_inputs(x, packed, cp, rank, split)
+        layout = build_layout(packed, self.cfg, self.compress_ratio, rank, cp, split=split)
         freqs, cfg = self.rope_freqs, self.cfg
         h, d = cfg.n_heads, cfg.head_dim
         positions = layout.local_pos
@@ -191,8 +194,11 @@ class DSv4Attention(PrecisionPinned):
         latent = torch.einsum("lgi,goi->lgo", groups, wo_a).flatten(1)
         return self.wo_b(latent)
 
-    def _check_inputs(self, x: torch.Tensor, packed: PackedSeqs, cp: int) -> None:
-        """Reject bad input on every rank before any collective is issued (no rank may hang)."""
+    def _check_inputs(
+        self, x: torch.Tensor, packed: PackedSeqs, cp: int, rank: int, split: RowSplit | None
+    ) -> RowSplit:
+        """Reject bad input on every rank before any collective is issued (no rank may hang); returns
+        the validated split."""
         if not isinstance(packed, PackedSeqs):
             raise ValueError(f"packed: must be a PackedSeqs, got {type(packed).__name__}")
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.cfg.hidden:
@@ -204,14 +210,16 @@ class DSv4Attention(PrecisionPinned):
             raise ValueError(f"x: must be on the parameters' device {self.wq_a.weight.device}, got {x.device}")
         if packed.cu_seqlens_padded.device != x.device:
             raise ValueError(f"packed: offsets must be on x's device {x.device}, got {packed.cu_seqlens_padded.device}")
-        if packed.total % cp:
+        if split is None and packed.total % cp:
             raise ValueError(f"packed.total: {packed.total} rows are not divisible by cp={cp}")
+        split, _ = layer_split(packed, self.cfg, self.compress_ratio, cp, split)
         resolve_backend(self.backend, x.device)  # an unusable backend fails here, not after the gathers
-        if x.shape[0] * cp != packed.total:
+        if x.shape[0] != split.rows(rank):
             raise ValueError(
-                f"x: holds {x.shape[0]} rows but packed.total={packed.total} over cp={cp} ranks "
-                f"means {packed.total // cp} rows per rank"
+                f"x: holds {x.shape[0]} rows but rank {rank} of the split {split.bounds} of "
+                f"packed.total={packed.total} over cp={cp} ranks holds {split.rows(rank)} rows"
             )
+        return split
 
     def extra_repr(self) -> str:
         return (

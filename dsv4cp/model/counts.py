@@ -197,8 +197,8 @@ def rank_counts(cfg: DSv4Config, ratio: int, docs: DocsLike, cp: int, total: int
         # entry j of a document ends at row a + (j + 1) r - 1: those ending before x number
         # clip((x - a) // r, 0, n // r); the rank owns the ones ending in [s, e).
         full = n // ratio
-        ending_before = lambda x: np.clip((x - a) // ratio, 0, full)  # noqa: E731
-        out["owned_entries"][rho] = int((ending_before(e) - ending_before(s)).sum())
+        ending_before_e, ending_before_s = (np.clip((x - a) // ratio, 0, full) for x in (e, s))
+        out["owned_entries"][rho] = int((ending_before_e - ending_before_s).sum())
 
     ranks = np.arange(cp, dtype=np.int64)
     recv = np.where(ranks > 0, halo, 0).astype(np.int64)

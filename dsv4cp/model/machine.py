@@ -37,7 +37,7 @@ class Machine:
                 raise ValueError(f"{field}: must be a positive number, got {value!r}")
 
     @classmethod
-    def preset(cls, name: str = "h200x2", bandwidth: float | None = None) -> "Machine":
+    def preset(cls, name: str = "h200x2", bandwidth: float | None = None) -> Machine:
         """``h200x2`` (two NVLinked H200, the measured ceilings), ``internode`` (same GPUs, every
         collective and the halo limited to ``bandwidth`` B/s per GPU, default 40e9) or ``cpu`` (this
         host's ceilings, measured now by :func:`measure_host`).
@@ -54,7 +54,7 @@ class Machine:
         return machine
 
     @classmethod
-    def from_dict(cls, values: object, source: str = "machine") -> "Machine":
+    def from_dict(cls, values: object, source: str = "machine") -> Machine:
         """A machine from a mapping of its fields (a ``--machine-file`` JSON); every ceiling required."""
         if not isinstance(values, dict):
             raise ValueError(f"{source}: must be a JSON object of ceilings, got {type(values).__name__}")
@@ -67,7 +67,7 @@ class Machine:
             raise ValueError(f"{source}: missing ceiling(s) {missing}")
         return cls(**{"name": "file", **values})
 
-    def with_bandwidth(self, bandwidth: float, name: str | None = None) -> "Machine":
+    def with_bandwidth(self, bandwidth: float, name: str | None = None) -> Machine:
         """The same GPU with all-gather bus bandwidth and P2P bandwidth both set to ``bandwidth`` B/s."""
         if not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
             raise ValueError(f"bandwidth: must be a positive number of bytes/s, got {bandwidth!r}")

@@ -118,22 +118,24 @@ def _bench_side(path: Path, metric: str) -> Side:
     if metric not in BENCH_METRICS:
         raise UnusableInputError(f"--metric: {metric!r} is not available in pytest-benchmark JSON {path}; "
                                  f"choose one of {tuple(BENCH_METRICS)}")
+    rows, own_timer = [], 0
     try:
         data = json.loads(path.read_text())
         benchmarks = data["benchmarks"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise UnusableInputError(f"path: {path} is not a pytest-benchmark JSON file ({err})") from None
-    rows, own_timer = [], 0
-    for bench in benchmarks:
-        stats, extra = bench["stats"], bench.get("extra_info") or {}
-        if metric == "time_ms_median" and {"median_ms", "p20_ms", "p80_ms"} <= set(extra):
-            own_timer += 1
-            value, low, high = extra["median_ms"], extra["p20_ms"], extra["p80_ms"]
-        else:
-            value = stats[BENCH_METRICS[metric]] * 1e3
-            low, high = stats["q1"] * 1e3, stats["q3"] * 1e3
-        rows.append({"key": bench["fullname"], "name": bench["fullname"], "status": STATUS_OK,
-                     "value": float(value), "low": float(low), "high": float(high)})
+        for bench in benchmarks:
+            extra = bench.get("extra_info") or {}
+            if metric == "time_ms_median" and {"median_ms", "p20_ms", "p80_ms"} <= set(extra):
+                own_timer += 1
+                value, low, high = extra["median_ms"], extra["p20_ms"], extra["p80_ms"]
+            else:
+                stats = bench["stats"]
+                value = stats[BENCH_METRICS[metric]] * 1e3
+                low, high = stats["q1"] * 1e3, stats["q3"] * 1e3
+            rows.append({"key": bench["fullname"], "name": bench["fullname"], "status": STATUS_OK,
+                         "value": float(value), "low": float(low), "high": float(high)})
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise UnusableInputError(f"path: {path} is not a pytest-benchmark JSON file "
+                                 f"({type(err).__name__}: {err})") from None
     if own_timer == len(rows):
         band = "p20..p80 of the bench harness's timer (extra_info)"
     elif own_timer == 0:

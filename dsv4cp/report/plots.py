@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from dsv4cp.profiling.overlap import TOTAL, KernelRecord, RangeRecord
@@ -58,7 +59,7 @@ class Plot:
         return None if self.figure is not None else f"*skipped: {self.note}*"
 
 
-def _figure(title: str, caption: str, width: float = 7.0, height: float = 4.5):
+def _figure(title: str, caption: str, width: float = 7.0, height: float = 4.5) -> tuple[Figure, Axes]:
     """A one-axes figure with ``title`` above and ``caption`` (hardware, notes) below."""
     fig = Figure(figsize=(width, height), layout="constrained")
     ax = fig.subplots()

@@ -1,7 +1,7 @@
 """The report a person reads first: ``summary.md`` plus every table (CSV + markdown) and plot (PNG).
 
 :func:`write_report` is what ``dsv4cp report`` calls; :func:`render_summary` builds the markdown from
-already computed tables and plots so a notebook can show it too.
+already computed tables and plots (it computes nothing itself).
 """
 
 from __future__ import annotations

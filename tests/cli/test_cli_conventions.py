@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from dsv4cp.cli.common import (
-    EXIT_OOM, EXIT_USAGE, check_output_dir, check_output_file, flag_message, free_bytes, progress_enabled,
+    EXIT_OOM,
+    EXIT_USAGE,
+    check_output_dir,
+    check_output_file,
+    flag_message,
+    free_bytes,
+    progress_enabled,
     run_command,
 )
 from dsv4cp.cli.main import COMMANDS, build_parser, main
@@ -72,8 +78,10 @@ def test_defaults_agree_across_the_measuring_commands():
 
 
 def test_field_names_become_the_flags_users_typed():
-    assert flag_message("total: must be >= the padded end 110, got 100") == "--tokens: must be >= the padded end 110, got 100"
-    assert flag_message("lengths[2]: must be a non-negative int, got -1") == "--lengths[2]: must be a non-negative int, got -1"
+    assert flag_message("total: must be >= the padded end 110, got 100") == (
+        "--tokens: must be >= the padded end 110, got 100")
+    assert flag_message("lengths[2]: must be a non-negative int, got -1") == (
+        "--lengths[2]: must be a non-negative int, got -1")
     assert flag_message("backend: unknown") == "--kernel-backend: unknown"
     assert flag_message("window: stays as it is") == "window: stays as it is"
 

@@ -149,3 +149,18 @@ def test_parse_threshold(text, value):
 def test_parse_threshold_rejects_ambiguous_or_bad_values(text):
     with pytest.raises(ValueError, match="--max-regression"):
         parse_threshold(text)
+
+
+def test_a_malformed_benchmark_json_exits_2(tmp_path, capsys):
+    (tmp_path / "a.json").write_text(json.dumps({"benchmarks": [{"fullname": "x", "extra_info": {}}]}))
+    assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 2
+    assert "not a pytest-benchmark JSON file (KeyError: 'stats')" in capsys.readouterr().err
+
+
+def test_points_missing_from_new_fail_only_with_fail_on_missing(tmp_path, seed, capsys):
+    base = write_run(tmp_path / "base", POINTS, seed=seed)
+    new = write_run(tmp_path / "new", POINTS[:-2], seed=seed)
+    assert main(["compare", str(base), str(new)]) == 0
+    assert "only in BASELINE (2)" in capsys.readouterr().out
+    assert main(["compare", str(base), str(new), "--fail-on-missing"]) == 1
+    assert "MISSING: 2 point(s)" in capsys.readouterr().out

@@ -1,0 +1,362 @@
+"""Row partitions of the contiguous CP layout: equal slices or cost-balanced ones (DESIGN 3.1).
+
+A :class:`RowSplit` is the list of split points ``0 = b_0 <= ... <= b_cp = T``; rank ``rho`` holds
+the rows ``[b_rho, b_{rho+1})``. The ``equal`` policy gives every rank ``T / cp`` rows. The
+``balanced`` policy keeps the slices contiguous but moves their boundaries so that no rank's modelled
+work exceeds the others': a query's indexer scoring and compressed attention grow with its position in
+its document, so with equal slices the rank holding the end of a long document is the slowest.
+
+The balanced split minimises the maximum over ranks of the summed per-row cost (:class:`RowCosts`),
+subject to every slice holding at least ``min_rows`` rows (the halo it must send) and every inner
+boundary lying on a multiple of ``align``. It is computed on the host from the document extents alone
+(no device read beyond the offsets' one copy), deterministically, so every rank derives the same
+split: prefix sums of the per-row cost (``O(T)``), then a bisection on the largest slice cost whose
+feasibility test is a greedy sweep with binary searches (``O(cp log T)`` per test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsv4cp.config import DSv4Config, layer_kind
+from dsv4cp.packing import PackedSeqs
+
+POLICIES = ("equal", "balanced")
+
+_BISECTION_STEPS = 100
+"""Enough halvings to bring the bracket on the largest slice cost to float64 resolution."""
+
+
+class InfeasibleSplitError(ValueError):
+    """No split of the rows gives every rank ``min_rows`` rows (too many ranks for the batch)."""
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """Split points of ``T`` rows over ``cp`` ranks: rank ``rho`` holds ``[bounds[rho], bounds[rho + 1])``."""
+
+    bounds: tuple[int, ...]
+
+    @classmethod
+    def equal(cls, total: int, cp: int) -> "RowSplit":
+        """``T / cp`` rows per rank; ``ValueError`` naming ``packed.total`` when ``cp`` does not divide ``T``."""
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise ValueError(f"cp: must be a positive int, got {cp!r}")
+        if total % cp:
+            raise ValueError(f"packed.total: {total} rows are not divisible by cp={cp}")
+        rows = total // cp
+        return cls(tuple(rho * rows for rho in range(cp + 1)))
+
+    @property
+    def cp(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def total(self) -> int:
+        return self.bounds[-1]
+
+    def start(self, rank: int) -> int:
+        return self.bounds[rank]
+
+    def rows(self, rank: int) -> int:
+        return self.bounds[rank + 1] - self.bounds[rank]
+
+    @property
+    def rank_rows(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.bounds[:-1], self.bounds[1:]))
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.rank_rows)
+
+    @property
+    def min_rows(self) -> int:
+        return min(self.rank_rows)
+
+    @property
+    def is_equal(self) -> bool:
+        return len(set(self.rank_rows)) == 1
+
+    def validate(self, total: int, cp: int, min_rows: int = 1, field: str = "split") -> "RowSplit":
+        """``self`` when it splits ``total`` rows over ``cp`` ranks, each holding ``>= min_rows`` rows;
+        otherwise ``ValueError`` naming ``field`` (call it before any collective, on every rank)."""
+        bounds = self.bounds
+        if not isinstance(bounds, tuple) or not all(
+            isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in bounds
+        ):
+            raise ValueError(f"{field}.bounds: must be a tuple of ints, got {bounds!r}")
+        if len(bounds) != cp + 1:
+            raise ValueError(f"{field}.bounds: must hold cp + 1 = {cp + 1} split points, got {len(bounds)}")
+        if bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(f"{field}.bounds: must run from 0 to packed.total={total}, got {bounds[0]}..{bounds[-1]}")
+        rows = self.rank_rows
+        if any(n < 0 for n in rows):
+            raise ValueError(f"{field}.bounds: must be non-decreasing, got {bounds}")
+        smallest = min(rows)
+        if smallest < min_rows:
+            rank = rows.index(smallest)
+            raise ValueError(
+                f"{field}: rank {rank} holds {smallest} rows, fewer than the {min_rows} it needs "
+                f"(the halo of max(window, compression reach) rows, at least 1); bounds={bounds}"
+            )
+        return self
+
+
+def as_split(split: RowSplit | Sequence[int] | None, total: int, cp: int, min_rows: int = 1,
+             field: str = "split") -> RowSplit:
+    """A validated :class:`RowSplit`: ``None`` means equal slices; a sequence is taken as the bounds."""
+    if split is None:
+        split = RowSplit.equal(total, cp)
+    elif not isinstance(split, RowSplit):
+        if isinstance(split, (str, bytes)) or not hasattr(split, "__iter__"):
+            raise ValueError(f"{field}: must be a RowSplit or a sequence of split points, got {split!r}")
+        split = RowSplit(tuple(split))
+    return split.validate(total, cp, min_rows, field)
+
+
+def compression_reach(compress_ratio: int) -> int:
+    """Rows before an owned group's last row that its entry reads (``d_comp`` of DESIGN 3.2)."""
+    if compress_ratio == 0:
+        return 0
+    return 2 * compress_ratio if layer_kind(compress_ratio) == "C" else compress_ratio
+
+
+def halo_rows(cfg: DSv4Config, compress_ratio: int, cp: int) -> int:
+    """Rows each rank borrows from its predecessor: ``max(W, d_comp)``, none without CP."""
+    return 0 if cp == 1 else max(cfg.window, compression_reach(compress_ratio))
+
+
+# ---------------------------------------------------------------------------------- per-row cost
+@dataclass(frozen=True)
+class RowCosts:
+    """Forward + backward cost of one row (a query) as a linear function of its work counts.
+
+    A row at document position ``t`` costs ``per_row + per_window_key * min(t + 1, W)
+    + per_visible_entry * ((t + 1) // r) + per_compressed_key * keys_c(t)`` with ``keys_c`` the
+    compressed keys its attention reads (``min(K, visible)`` for C layers, ``visible`` for H). Rows of
+    the tail padding segment cost ``per_row`` only (they are projected but see no key). Units are
+    whatever the builder chose (FLOPs, or seconds from a machine's ceilings); only ratios matter.
+    """
+
+    per_row: float
+    per_window_key: float = 0.0
+    per_visible_entry: float = 0.0
+    per_compressed_key: float = 0.0
+
+    @classmethod
+    def for_layer(cls, cfg: DSv4Config, ratio: int, machine=None) -> "RowCosts":
+        """The cost model's accounting (DESIGN 4.3, :mod:`dsv4cp.model.costs`) per row, forward + backward.
+
+        Without ``machine`` the unit is one FLOP and memory-bound work (the top-k's score reads) is not
+        counted; with a machine (any object with ``peak_flops`` and ``hbm_bandwidth``, e.g.
+        :class:`dsv4cp.model.Machine`) the unit is one second at its ceilings and the top-k's bytes count.
+        Halo rows and the gathered buffers cost every rank the same and do not move the optimum: omitted.
+        """
+        cfg.check_ratio(ratio)
+        kind = layer_kind(ratio)
+        h, d, hidden, ql = cfg.n_heads, cfg.head_dim, cfg.hidden, cfg.q_lora_rank
+        hi, di, og, olr = cfg.index_n_heads, cfg.index_head_dim, cfg.o_groups, cfg.o_lora_rank
+        # matrix products: forward 2 MACs, backward 2x that with an input gradient, 1x on detached inputs
+        full, weight_only = 3 * 2, 2 * 2
+        per_row = full * (hidden * ql + ql * h * d)  # query projections
+        per_row += full * hidden * d  # window KV projection of the own row
+        per_row += full * (h * d * olr + og * olr * hidden)  # grouped wo_a, then wo_b
+        visible = compressed = 0.0
+        if kind != "W":
+            overlap = 2 if kind == "C" else 1
+            per_row += full * hidden * 2 * overlap * d  # compressor values and gates
+            per_row += 6 * overlap * ratio * d / ratio  # pooling, per owned entry (one per r rows)
+            compressed = 3.5 * 4 * d * h  # sparse attention, fwd + 2.5x bwd
+        if kind == "C":
+            per_row += weight_only * hidden * 4 * di  # indexer compressor (detached input)
+            per_row += 6 * 2 * ratio * di / ratio + (2 * 2 * di * di / ratio if cfg.hadamard else 0)
+            per_row += weight_only * (ql * hi * di + hidden * hi)  # indexer queries and head weights
+            per_row += 2 * 2 * hi * di * di if cfg.hadamard else 0  # rotation of the indexer queries
+            visible = 2 * hi * di  # indexer scoring (forward only)
+            loss_scores = 2 * hi * di + 2 * 2 * hi * di  # loss forward + backward of the scores
+            loss_logits = 2 * d * h  # the loss recomputes attention logits, forward only
+            if cfg.indexer_loss == "dense":  # scores every visible entry; logits over window keys too
+                visible += loss_scores + loss_logits
+                window_loss = loss_logits
+            else:  # scores the selected entries only
+                compressed += loss_scores + loss_logits
+                window_loss = 0.0
+        else:
+            window_loss = 0.0
+        per_window_key = 3.5 * 4 * d * h + window_loss
+        if machine is None:
+            return cls(float(per_row), float(per_window_key), float(visible), float(compressed))
+        second = 1.0 / machine.peak_flops
+        topk_read = 4.0 / machine.hbm_bandwidth if kind == "C" else 0.0  # fp32 score per visible entry
+        return cls(per_row * second, per_window_key * second, visible * second + topk_read, compressed * second)
+
+
+def row_costs(costs: RowCosts, cu_padded: np.ndarray, total: int, cfg: DSv4Config, ratio: int) -> np.ndarray:
+    """``[total]`` float64 cost of every row of a batch with padded document offsets ``cu_padded``."""
+    rows = np.arange(total, dtype=np.int64)
+    inside = rows < cu_padded[-1]
+    doc = np.searchsorted(cu_padded, rows, side="right") - 1
+    pos = rows - cu_padded[np.clip(doc, 0, max(cu_padded.size - 2, 0))]
+    u = pos + 1
+    cost = costs.per_row + costs.per_window_key * np.minimum(u, cfg.window)
+    if ratio:
+        visible = u // ratio
+        keys = np.minimum(visible, cfg.index_topk) if layer_kind(ratio) == "C" else visible
+        cost = cost + costs.per_visible_entry * visible + costs.per_compressed_key * keys
+    return np.where(inside, cost, costs.per_row)
+
+
+def slice_costs(prefix: np.ndarray, split: RowSplit) -> np.ndarray:
+    """``[cp]`` summed cost of each rank's rows, from ``prefix = [0, cumsum(row costs)]``."""
+    b = np.asarray(split.bounds)
+    return prefix[b[1:]] - prefix[b[:-1]]
+
+
+# ---------------------------------------------------------------------------------- balanced split
+def balanced_split(prefix: np.ndarray, cp: int, min_rows: int = 1, align: int = 1) -> RowSplit:
+    """The split minimising the largest slice cost (``prefix = [0, cumsum(row costs)]``, costs >= 0),
+    each slice holding ``>= min_rows`` rows, each inner boundary a multiple of ``align``.
+
+    Bisection on the largest slice cost ``c``; ``c`` is feasible when :func:`_greedy` (each rank takes
+    as many rows as ``c`` allows while leaving enough for the ranks after it) reaches ``T``, which is
+    exact (any feasible split's boundaries lie at or before the greedy ones) unless a slice would be
+    cut below ``min_rows``; only then the exact reachability test :func:`_exact_split` decides.
+    """
+    total = prefix.size - 1
+    if total < cp * min_rows:
+        raise InfeasibleSplitError(
+            f"cp: {cp} ranks of at least {min_rows} rows each need {cp * min_rows} rows, the batch has {total}"
+        )
+    grid = np.arange(0, total + 1, align, dtype=np.int64)  # where inner boundaries may lie
+    if not _fits(grid, total, cp, min_rows):
+        raise InfeasibleSplitError(
+            f"align: no split of {total} rows over cp={cp} ranks with boundaries on multiples of {align} "
+            f"gives every rank {min_rows} rows"
+        )
+    lo, hi = 0.0, float(prefix[-1])
+    best = _split_within(prefix, grid, cp, min_rows, hi)  # the whole cost always fits
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)
+        if not lo < mid < hi:
+            break
+        found = _split_within(prefix, grid, cp, min_rows, mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    return RowSplit(tuple(int(b) for b in best))
+
+
+def _split_within(prefix, grid, cp, min_rows, cap):
+    """A split whose every slice costs at most ``cap``, or None when none exists."""
+    bounds, clamped = _greedy(prefix, grid, cp, min_rows, cap)
+    if bounds is None and clamped:
+        return _exact_split(prefix, grid, cp, min_rows, cap)
+    return bounds
+
+
+def _fits(grid: np.ndarray, total: int, cp: int, min_rows: int) -> bool:
+    """Whether any split gives every rank ``min_rows`` rows: place each inner boundary at the first
+    grid point ``min_rows`` past the previous one (the earliest choice leaves the most rows after it)."""
+    start = 0
+    for _ in range(cp - 1):
+        at = int(np.searchsorted(grid, start + min_rows, side="left"))
+        if at == grid.size:
+            return False
+        start = int(grid[at])
+    return total - start >= min_rows
+
+
+def _greedy(prefix, grid, cp, min_rows, cap):
+    """Greedy boundaries under largest cost ``cap``: ``(bounds or None, whether a slice came out
+    below min_rows)``; a failure without that is proof that no split fits under ``cap``."""
+    total = prefix.size - 1
+    bounds, start = [0], 0
+    for rank in range(cp - 1):
+        after = cp - 1 - rank  # ranks still to come after this one
+        # the furthest grid point whose slice costs at most cap (prefix is non-decreasing)
+        end = int(grid[np.searchsorted(grid, np.searchsorted(prefix, prefix[start] + cap, side="right") - 1,
+                                       side="right") - 1])
+        end = min(end, int(grid[np.searchsorted(grid, total - after * min_rows, side="right") - 1]))
+        if end < start + min_rows:
+            return None, True
+        bounds.append(end)
+        start = end
+    if total - start < min_rows:
+        return None, True
+    if prefix[total] - prefix[start] > cap:
+        return None, False
+    bounds.append(total)
+    return bounds, False
+
+
+def _exact_split(prefix, grid, cp, min_rows, cap):
+    """A split with every slice ``>= min_rows`` rows and cost ``<= cap``, or None: forward reachability
+    of boundary positions (one boolean per grid point and rank, ``O(cp T / align)``), then a walk back."""
+    total = prefix.size - 1
+    points = np.unique(np.append(grid, total))
+    n = points.size
+    pp = prefix[points]
+    reach = [np.zeros(n, dtype=bool)]
+    reach[0][0] = True
+    index = np.arange(n)
+    for _ in range(cp):
+        prev = reach[-1]
+        # from start i, ends j with points[j] >= points[i] + min_rows and pp[j] - pp[i] <= cap
+        first = np.searchsorted(points, points + min_rows, side="left")
+        last = np.searchsorted(pp, pp + cap, side="right") - 1
+        ok = prev & (first <= last)
+        opened = np.bincount(first[ok], minlength=n + 1) - np.bincount(last[ok] + 1, minlength=n + 1)
+        reach.append(np.cumsum(opened[:n]) > 0)
+    if not reach[cp][n - 1]:
+        return None
+    bounds, j = [total], n - 1
+    for rank in range(cp, 0, -1):
+        starts = index[reach[rank - 1] & (points <= points[j] - min_rows) & (pp >= pp[j] - cap)]
+        j = int(starts[0])
+        bounds.append(int(points[j]))
+    return bounds[::-1]
+
+
+# ---------------------------------------------------------------------------------- entry point
+def partition(
+    packed: PackedSeqs | Sequence[int], cp: int, cfg: DSv4Config, ratio: int, *, policy: str = "equal",
+    machine=None, align: int = 1, min_rows: int | None = None, costs: RowCosts | None = None,
+) -> RowSplit:
+    """The row split of ``packed`` (or plain document lengths) over ``cp`` ranks under ``policy``.
+
+    Args:
+        policy: ``"equal"`` (``T / cp`` rows each, today's layout) or ``"balanced"`` (the largest
+            per-rank cost of :class:`RowCosts` minimised).
+        machine: ceilings turning FLOPs and bytes into seconds (see :meth:`RowCosts.for_layer`).
+        align: inner boundaries on multiples of this (e.g. the compression ratio, or 8 rows).
+        min_rows: the fewest rows a rank may hold; default the layer's halo (at least 1).
+        costs: per-row costs overriding the ones derived from ``cfg``, ``ratio`` and ``machine``.
+
+    Identical inputs give the identical split on every rank (host arithmetic only).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy: must be one of {POLICIES}, got {policy!r}")
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp: must be a positive int, got {cp!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align: must be a positive int, got {align!r}")
+    cfg.check_ratio(ratio)
+    if isinstance(packed, PackedSeqs):
+        cu = np.asarray(packed.cu_seqlens_padded.cpu().tolist(), dtype=np.int64)
+        total = packed.total
+    else:
+        lengths = np.asarray(list(packed), dtype=np.int64)
+        if lengths.ndim != 1 or (lengths < 0).any():
+            raise ValueError(f"packed: document lengths must be non-negative ints, got {list(packed)[:5]!r}")
+        cu = np.concatenate(([0], np.cumsum(lengths)))
+        total = int(cu[-1])
+    floor_rows = max(halo_rows(cfg, ratio, cp), 1) if min_rows is None else min_rows
+    if policy == "equal":
+        return RowSplit.equal(total, cp).validate(total, cp, floor_rows, field="packed.total")
+    costs = costs or RowCosts.for_layer(cfg, ratio, machine)
+    prefix = np.concatenate(([0.0], np.cumsum(row_costs(costs, cu, total, cfg, ratio))))
+    return balanced_split(prefix, cp, floor_rows, align)
