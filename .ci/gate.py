@@ -82,7 +82,7 @@ def _one_thread_env() -> dict[str, str]:
 
 
 def run_sweep_cli(spec: Path, out: Path, resume: bool) -> None:
-    command = ["dsv4cp", "sweep", str(spec), "--out", str(out), "--progress", "off"]
+    command = [sys.executable, "-m", "dsv4cp", "sweep", str(spec), "--out", str(out), "--progress", "off"]
     done = subprocess.run(command + (["--resume"] if resume else []), cwd=ROOT, env=_one_thread_env())
     if done.returncode != 0:
         raise GateFailure(f"sweep: `{' '.join(command)}` exited with {done.returncode}")
@@ -111,6 +111,8 @@ def regressed_keys(comparison: Comparison, thresholds: Thresholds, factor: float
     failed = table["verdict"].str.startswith("failed")
     slower = ((table["verdict"] == "regression") & (table["ratio"] / factor > 1 + thresholds.max_regression)
               & (table["new"] - table["baseline"] > thresholds.min_slowdown_ms))
+    for name, ratio, verdict in table.loc[failed | slower, ["name", "ratio", "verdict"]].itertuples(index=False):
+        print(f"gate: regressed: {name}: {verdict}, {ratio:.3f}x ({ratio / factor:.3f}x of the machine factor)")
     return table.loc[failed | slower, "key"].tolist()
 
 
@@ -174,7 +176,7 @@ def gate_sweep(spec: Path, baseline: Path, work: Path, thresholds: Thresholds,
     _check_sweep_records(rerun)
     again = regressed_keys(_compare(baseline, rerun, thresholds, keys=suspects), thresholds, factor)
     if again:
-        raise GateFailure(f"sweep: {len(again)} points regressed twice (see REGRESSION lines above)")
+        raise GateFailure(f"sweep: {len(again)} points regressed twice (the `gate: regressed:` lines above)")
 
 
 def gate_bench(baseline: Path, work: Path, thresholds: Thresholds, run_bench: BenchRunner = run_bench_cli) -> None:
@@ -194,7 +196,7 @@ def gate_bench(baseline: Path, work: Path, thresholds: Thresholds, run_bench: Be
     run_bench(rerun, suspects)
     again = regressed_keys(_compare(baseline, rerun, thresholds, keys=suspects), thresholds, factor)
     if again:
-        raise GateFailure(f"bench: {len(again)} benchmarks regressed twice (see REGRESSION lines above)")
+        raise GateFailure(f"bench: {len(again)} benchmarks regressed twice (the `gate: regressed:` lines above)")
 
 
 def refresh(spec: Path, sweep_baseline: Path, bench_baseline: Path, skip_sweep: bool, skip_bench: bool,

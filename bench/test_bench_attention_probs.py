@@ -26,7 +26,6 @@ from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.ops.attention_probs import head_summed_probs_torch
 
 
-
 @dataclass(frozen=True)
 class Shape:
     name: str

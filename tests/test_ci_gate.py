@@ -50,7 +50,7 @@ def spec(tmp_path, seed) -> Path:
     path.write_text(
         "name: ci_gate_test\n"
         "run: {warmup: 1, reps: 3}\n"
-        f"base: {{preset: tiny, tokens: 64, dtype: fp32, kernel_backend: torch, overlap: none, seed: {seed}}}\n"
+        f"base: {{preset: tiny, dtype: fp32, kernel_backend: torch, overlap: none, seed: {seed}}}\n"
         "axes: {cp: [1], ratio: [0, 8], tokens: [32, 64, 96], pass: [fwd], packing: [one]}\n"
         "exclude: [{ratio: 8, tokens: 32}, {ratio: 8, tokens: 96}]\n"  # 3 W points, 1 H point
     )
@@ -99,7 +99,7 @@ def test_gate_fails_on_a_delayed_op(spec, baseline, tmp_path, monkeypatch, capsy
         gate.gate_sweep(spec, baseline, work, _thresholds(), run_sweep=_run_sweep)
     assert calls, "the patched op never ran"
     out = capsys.readouterr().out
-    regressions = [line for line in out.splitlines() if line.startswith("REGRESSION:")]
+    regressions = [line for line in out.splitlines() if line.startswith("gate: regressed:")]
     assert len(regressions) == 2 and all("ratio=8" in line for line in regressions)  # the run and its repeat
     rerun = [json.loads(line) for line in (work / "ci_gate_test-rerun" / "records.jsonl").read_text().splitlines()]
     assert [r["ratio"] for r in rerun] == [0, 0, 0, 8]  # the W points kept, the H point measured again
@@ -181,6 +181,18 @@ def test_bench_gate_fails_on_a_lost_benchmark(tmp_path):
     with pytest.raises(gate.GateFailure, match="missing from the new run: bench/test_x.py::test_b"):
         gate.gate_bench(baseline, tmp_path / "work", gate.Thresholds(2.0, 20.0),
                         run_bench=lambda out, ids: _bench_json(out, kept))
+
+
+def test_refresh_replaces_the_baselines(spec, baseline, tmp_path):
+    bench = tmp_path / "baselines" / "bench.json"
+    stale = baseline / "stale.txt"
+    stale.write_text("from an older baseline")
+    assert gate.refresh(spec, baseline, bench, False, False, run_sweep=_run_sweep,
+                        run_bench=lambda out, ids: _bench_json(out, BASE)) == 0
+    assert not stale.exists()
+    assert len((baseline / "records.jsonl").read_text().splitlines()) == 4
+    assert gate.load_side(bench, gate.METRIC).points["value"].to_dict() == {
+        f"bench/test_x.py::{name}": ms for name, ms in BASE.items()}
 
 
 def test_gate_main_rejects_a_missing_baseline(tmp_path, capsys):

@@ -34,6 +34,7 @@ from dsv4cp.config import DTYPES
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank, tolerance_summary
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.cp.layout import split_rows
+from dsv4cp.cp.partition import POLICIES
 
 HELP = "compare a CP run against CP = 1 (output, gradients, indexer loss)"
 
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"local ranks to spawn (default: {DEFAULT_CP}); under torchrun the world size is used")
     # fp32 on every device: CP must reproduce CP = 1 to 1e-5 there; bf16 is judged by cosine only
     add_layer_options(parser, tokens=300, dtype="fp32")
+    parser.add_argument("--partition", choices=POLICIES, default="equal",
+                        help="row split over the ranks: equal (T / cp rows each) or balanced (contiguous "
+                             "slices sized so every rank's modelled fwd+bwd time is the same)")
     add_dist_backend_option(parser)
     add_memory_options(parser)
 
@@ -52,14 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_case(args: argparse.Namespace, cp: int, device: torch.device) -> CheckCase:
     """Validate everything on the host, before any process or collective starts."""
     inputs = layer_inputs(args)
-    split_rows(inputs.packed.total, cp, inputs.cfg, args.ratio, field="--tokens")
+    if args.partition == "equal":
+        split_rows(inputs.packed.total, cp, inputs.cfg, args.ratio, field="--tokens")
     check_memory(inputs, args.ratio, 1, backward=True, dtype=DTYPES[args.dtype], recompute=args.recompute,
                  device=device, force=args.force)  # each rank also runs the whole-batch reference
-    return CheckCase(
+    case = CheckCase(
         preset=args.preset, ratio=args.ratio, lengths=tuple(inputs.lengths), total=inputs.packed.total,
         pad_to_multiple=args.pad_to_multiple, dtype=args.dtype, overlap=args.overlap, recompute=args.recompute,
         backend=args.kernel_backend, seed=args.seed, config_overrides={"indexer_loss": args.loss},
+        partition=args.partition,
     )
+    case.row_split(cp)  # a balanced split that cannot give every rank its halo fails here, not in the ranks
+    return case
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     tol = tolerance_summary(case.dtype)
     print(f"check-cp preset={case.preset} ratio={case.ratio} cp={world} docs={len(case.lengths)} "
           f"tokens={case.total} dtype={case.dtype} overlap={case.overlap} recompute={case.recompute} "
-          f"loss={args.loss} ({tol})")
+          f"loss={args.loss} partition={case.partition} split={case.row_split(world).bounds} ({tol})")
     print(f"{'quantity':<14}{'max_rel_error':>15}{'cosine':>14}  result")
     for c in results:
         worst = f"  (worst: {c.worst})" if c.worst and c.worst != c.quantity else ""

@@ -73,6 +73,7 @@ in closed form and defaults to ``flash``, the checkpoint whose cost it is meant 
 
 FIELD_FLAGS: dict[str, str] = {
     "total": "--tokens",
+    "packed.total": "--tokens",
     "tokens": "--tokens",
     "lengths": "--lengths",
     "cu_seqlens": "--lengths",
@@ -93,7 +94,7 @@ FIELD_FLAGS: dict[str, str] = {
 }
 """Library field names (config, packing, workloads, model) -> the flag a user typed for them."""
 
-_FIELD_PREFIX = re.compile(r"^([a-z_]+)(\[\d+\])?: ")
+_FIELD_PREFIX = re.compile(r"^([a-z_.]+)(\[\d+\])?: ")
 
 
 def flag_message(message: str) -> str:
@@ -156,7 +157,8 @@ def run_command(command: str, fn: Callable[[], int | None]) -> int:
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not _is_out_of_memory(err):
             raise
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        first = next((line.strip() for line in lines if "memory" in line), lines[0])
         print(f"{prog}: error: {_rank_prefix()}out of memory ({first}); try more ranks (--cp / "
               "--nproc-per-node), --recompute, fewer --tokens or a smaller --preset", file=sys.stderr)
         return EXIT_OOM

@@ -6,6 +6,7 @@ Examples:
   dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 2
   dsv4cp model --preset flash --ratio 4 --tokens 262144 --cp 64 --machine internode --bandwidth 40
   dsv4cp model --preset flash --ratio 4 --packing histogram --extrapolate --machine internode
+  dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 8 --partition balanced --align 8
 """
 
 from __future__ import annotations
@@ -26,16 +27,21 @@ from dsv4cp.cli.common import (
     positive_int,
 )
 from dsv4cp.config import LOSS_VARIANTS, PRESET_NAMES, DSv4Config
+from dsv4cp.cp.partition import POLICIES, RowSplit
 from dsv4cp.model import BOTH, Machine, estimate, extrapolate
 from dsv4cp.model.extrapolate import DEFAULT_CPS, DEFAULT_TOKENS
 from dsv4cp.model.machine import GB
 from dsv4cp.model.memory import peak_bytes_estimate
+from dsv4cp.model.partition import compare_policies
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.workloads import PACKINGS, pack_lengths
 
 HELP = "analytic per-phase FLOPs, bytes, communication and lower bounds of one layer (no GPU needed)"
 
 MiB = float(1 << 20)
+POLICY_MAX_ROWS = 1 << 27
+"""Above this many rows the split policies are not compared: the balanced split needs per-row cost
+arrays (8 bytes x T each), while the equal split's model is closed-form over documents."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", choices=LOSS_VARIANTS, default="sparse", help="indexer loss variant (C layers)")
     add_renamed_option(parser, "--indexer-loss", "--loss")
     add_machine_options(parser)
+    parser.add_argument("--partition", choices=POLICIES, default="equal",
+                        help="row split over the ranks: equal (T / cp rows each) or balanced (contiguous slices "
+                             "sized so every rank's modelled fwd+bwd time is the same); both are compared")
+    parser.add_argument("--align", type=positive_int, default=1,
+                        help="balanced split points on multiples of this many rows (e.g. 8 or the ratio)")
     parser.add_argument("--per-rank", action="store_true", help="print every (rank, phase, direction) record")
     parser.add_argument("--csv", default=None, help="write the records (or the extrapolation) to this CSV")
     parser.add_argument("--extrapolate", action="store_true",
@@ -78,12 +89,24 @@ def run(args: argparse.Namespace) -> int:
         lengths = parse_lengths(args.lengths)
     else:
         lengths = pack_lengths(args.tokens, args.packing, doc_len=args.doc_len, seed=args.seed)
-    est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens)
+    policies = None
+    if args.partition != "equal" or args.tokens <= POLICY_MAX_ROWS:
+        if args.tokens > POLICY_MAX_ROWS:
+            raise ValueError(f"--partition: balanced needs per-row costs, at most {POLICY_MAX_ROWS} rows, "
+                             f"got --tokens {args.tokens}")
+        policies = compare_policies(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens, align=args.align)
+        split = RowSplit(policies.set_index("policy").loc[args.partition]["split"])
+    else:  # closed form over documents only: exact at any size
+        split = None
+    est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens, split=split)
     c = est.counts
     _print_machine(machine)  # only once the inputs proved valid: an error prints nothing else
+    rows = f"rows/rank={c.rows}" if args.partition == "equal" else f"rows/rank={','.join(map(str, c.rank_rows))}"
     print(f"layer: preset={args.preset} ratio={args.ratio} kind={est.kind} tokens={c.total} cp={c.cp} "
-          f"rows/rank={c.rows} docs={c.n_docs} halo={c.halo} capacity={c.capacity} "
-          f"packing={'lengths' if args.lengths else args.packing}")
+          f"{rows} docs={c.n_docs} halo={c.halo} capacity={c.capacity} "
+          f"packing={'lengths' if args.lengths else args.packing} partition={args.partition}")
+    if args.partition != "equal":
+        print(f"split points: {', '.join(map(str, split.bounds))}")
     with pd.option_context("display.width", 200, "display.max_rows", 10_000, "display.max_columns", 50):
         if args.per_rank:
             print(_per_rank(est).to_string(index=False))
@@ -100,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
               f"{s.comm_s * 1e3:.3f}, attention {s.attention_s * 1e3:.3f}), time imbalance {s.time_imbalance:.3f}, "
               f"{s.model_tflops_per_gpu(s.bound_overlap_s) if s.bound_overlap_s > 0 else float('nan'):.0f} "
               f"TFLOP/s/GPU at the bound")
+    if policies is not None:
+        print()
+        print(_policies(policies).to_string(index=False))
     packed = PackedSeqs.from_lengths(lengths, total=args.tokens)
     peaks = {d: peak_bytes_estimate(cfg, args.ratio, packed, args.cp, d, torch.bfloat16) / 2**30 for d in ("fwd", BOTH)}
     print(f" memory: estimated peak per rank in bf16: fwd {peaks['fwd']:.2f} GiB, fwd+bwd {peaks[BOTH]:.2f} GiB "
@@ -124,6 +150,17 @@ def _per_phase(est) -> pd.DataFrame:
         "HBM_MiB(max)": (t["max_rank_hbm_bytes"] / MiB).round(2),
         "comm_MiB(max)": (t["max_rank_comm_bytes"] / MiB).round(3),
         "bound_us(max)": (t["max_rank_bound_s"] * 1e6).round(1),
+    })
+
+
+def _policies(table: pd.DataFrame) -> pd.DataFrame:
+    """Predicted per-rank fwd+bwd compute bound under each split policy (max over ranks and max / mean)."""
+    return pd.DataFrame({
+        "partition": table["policy"], "min_rows": table["min_rows"], "max_rows": table["max_rows"],
+        "max_compute_ms": (table["max_compute_s"] * 1e3).round(3),
+        "mean_compute_ms": (table["mean_compute_s"] * 1e3).round(3),
+        "max/mean": table["compute_imbalance"].round(3),
+        "bound_overlap_ms": (table["max_bound_overlap_s"] * 1e3).round(3),
     })
 
 

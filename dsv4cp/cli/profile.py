@@ -21,9 +21,12 @@ from dsv4cp.cli.common import (
     add_dist_backend_option,
     add_layer_options,
     add_machine_options,
+    add_memory_options,
     add_timing_options,
     check_args_agree,
+    check_memory,
     check_output_dir,
+    layer_inputs,
     machine_from_args,
     non_negative_int,
     parse_lengths,
@@ -33,6 +36,7 @@ from dsv4cp.cli.common import (
 )
 from dsv4cp.config import DTYPES, default_dtype
 from dsv4cp.cp.launch import init_from_env, under_torchrun
+from dsv4cp.cp.partition import POLICIES
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
 from dsv4cp.sweeps.measure import measure_point
@@ -44,10 +48,14 @@ HELP = "time, memory and (optionally) a per-phase overlap profile of one layer s
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layer_options(parser, cp=True)
+    parser.add_argument("--partition", choices=POLICIES, default="equal",
+                        help="row split over the ranks: equal (T / cp rows each) or balanced (contiguous "
+                             "slices sized so every rank's modelled time of the timed pass is the same)")
     parser.add_argument("--backward", action="store_true", help="time forward + backward (default: forward)")
     add_timing_options(parser)
     add_dist_backend_option(parser)
     add_machine_options(parser)
+    add_memory_options(parser)
     parser.add_argument("--trace-dir", default=None, help="also capture a Kineto trace per rank here")
     parser.add_argument("--trace-steps", type=positive_int, default=2, help="steps recorded in the Kineto trace")
     parser.add_argument("--nsys-steps", type=non_negative_int, default=0,
@@ -74,7 +82,7 @@ def point_from_args(args: argparse.Namespace, cp: int, device: torch.device) -> 
         "preset": args.preset, "ratio": args.ratio, "cp": cp, "tokens": tokens, "packing": packing,
         "loss": args.loss, "overlap": args.overlap, "kernel_backend": args.kernel_backend,
         "recompute": args.recompute, "pass": "fwd+bwd" if args.backward else "fwd", "dtype": dtype,
-        "seed": args.seed,
+        "seed": args.seed, "partition": args.partition,
     })
 
 
@@ -93,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         device, group, cp, rank = torch.device("cuda" if torch.cuda.is_available() else "cpu"), None, 1, 0
     point = point_from_args(args, cp, device)
+    check_memory(layer_inputs(args), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
+                 recompute=args.recompute, device=device, force=args.force)
 
     with step_progress(args.warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:
         measurement = measure_point(point, group, device, run_options, machine=machine, trace_dir=trace_dir,
@@ -101,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
                              machine=machine_label(cp, device), git_sha=git_sha(),
                              resolved_backends=measurement.resolved_backends)
-        _report(point, record, measurement.overlap)
+        _report(point, record, measurement.overlap, machine.name)
         if out is not None:
             if not (out / "meta.json").exists():
                 options = {name: value for name, value in vars(args).items() if not name.startswith("_")}
@@ -113,14 +123,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(point: Point, record: dict, table) -> None:
+def _report(point: Point, record: dict, table, bound_machine: str) -> None:
     print(f"profile {point.label()} (point {record['point_id']}, {record['machine']})")
     print(f"time: median {record['time_ms_median']:.3f} ms (p20 {record['time_ms_p20']:.3f}, "
           f"p80 {record['time_ms_p80']:.3f}, max over ranks); per rank "
           + ", ".join(f"{t:.3f}" for t in record["rank_time_ms_median"])
           + f" ms (imbalance {record['imbalance_max_over_mean']:.2f})")
     ratio = record["measured_over_bound"]
-    print(f"model: bound {record['bound_ms']:.3g} ms; measured/bound "
+    print(f"model (bound for machine {bound_machine}): bound {record['bound_ms']:.3g} ms; measured/bound "
           + (f"{ratio:.2f}" if ratio is not None else "n/a")
           + f"; {record['tflops_per_gpu']:.3g} model TFLOP/s per GPU; {record['tokens_per_s']:.0f} tokens/s")
     for rank, (peak, used) in enumerate(zip(record["peak_allocated_bytes"], record["device_used_bytes"])):

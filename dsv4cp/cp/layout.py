@@ -199,7 +199,9 @@ def build_layout(
     e_j = eid - doc_first_eid[e_doc] if n_docs else eid
     e_first = cu_p[e_doc] + e_j * r if n_docs else eid * r
     e_last = torch.where(e_valid, e_first + r - 1, total)  # invalid entries sort past every rank
-    rank_bounds = torch.tensor(split.bounds, dtype=torch.int64, device=device)
+    # Filled on the device, one scalar each: a host list copied with torch.tensor would synchronise
+    # the host and break CUDA-graph capture.
+    rank_bounds = torch.stack([torch.full((), b, dtype=torch.int64, device=device) for b in split.bounds])
     owner_first_eid = torch.searchsorted(e_last, rank_bounds)  # [cp + 1]
     # owner: the rank whose range [b_rho, b_rho+1) holds the entry's last row
     owner = torch.searchsorted(rank_bounds[1:], e_last, right=True).clamp_max(cp - 1)

@@ -25,6 +25,8 @@ from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.packing import PackedSeqs
 
 POLICIES = ("equal", "balanced")
+DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
+"""What the balanced split equalises: a training step (``fwd+bwd``) or one pass."""
 
 _BISECTION_STEPS = 100
 """Enough halvings to bring the bracket on the largest slice cost to float64 resolution."""
@@ -41,12 +43,12 @@ class RowSplit:
     bounds: tuple[int, ...]
 
     @classmethod
-    def equal(cls, total: int, cp: int) -> "RowSplit":
-        """``T / cp`` rows per rank; ``ValueError`` naming ``packed.total`` when ``cp`` does not divide ``T``."""
+    def equal(cls, total: int, cp: int, field: str = "packed.total") -> RowSplit:
+        """``T / cp`` rows per rank; ``ValueError`` naming ``field`` when ``cp`` does not divide ``T``."""
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
             raise ValueError(f"cp: must be a positive int, got {cp!r}")
         if total % cp:
-            raise ValueError(f"packed.total: {total} rows are not divisible by cp={cp}")
+            raise ValueError(f"{field}: {total} rows are not divisible by cp={cp}")
         rows = total // cp
         return cls(tuple(rho * rows for rho in range(cp + 1)))
 
@@ -80,7 +82,7 @@ class RowSplit:
     def is_equal(self) -> bool:
         return len(set(self.rank_rows)) == 1
 
-    def validate(self, total: int, cp: int, min_rows: int = 1, field: str = "split") -> "RowSplit":
+    def validate(self, total: int, cp: int, min_rows: int = 1, field: str = "split") -> RowSplit:
         """``self`` when it splits ``total`` rows over ``cp`` ranks, each holding ``>= min_rows`` rows;
         otherwise ``ValueError`` naming ``field`` (call it before any collective, on every rank)."""
         bounds = self.bounds
@@ -147,66 +149,70 @@ class RowCosts:
     per_compressed_key: float = 0.0
 
     @classmethod
-    def for_layer(cls, cfg: DSv4Config, ratio: int, machine=None) -> "RowCosts":
-        """The cost model's accounting (DESIGN 4.3, :mod:`dsv4cp.model.costs`) per row, forward + backward.
+    def for_layer(cls, cfg: DSv4Config, ratio: int, machine=None, direction: str = "fwd+bwd") -> RowCosts:
+        """The cost model's accounting (DESIGN 4.3, :mod:`dsv4cp.model.costs`) per row in ``direction``
+        (``fwd``, ``bwd`` or ``fwd+bwd``: a training step, the default).
 
         Without ``machine`` the unit is one FLOP and memory-bound work (the top-k's score reads) is not
         counted; with a machine (any object with ``peak_flops`` and ``hbm_bandwidth``, e.g.
         :class:`dsv4cp.model.Machine`) the unit is one second at its ceilings and the top-k's bytes count.
         Halo rows and the gathered buffers cost every rank the same and do not move the optimum: omitted.
         """
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction: must be one of {DIRECTIONS}, got {direction!r}")
         cfg.check_ratio(ratio)
         kind = layer_kind(ratio)
+        fwd, bwd = float(direction != "bwd"), float(direction != "fwd")
         h, d, hidden, ql = cfg.n_heads, cfg.head_dim, cfg.hidden, cfg.q_lora_rank
         hi, di, og, olr = cfg.index_n_heads, cfg.index_head_dim, cfg.o_groups, cfg.o_lora_rank
-        # matrix products: forward 2 MACs, backward 2x that with an input gradient, 1x on detached inputs
-        full, weight_only = 3 * 2, 2 * 2
+        # matrix products of m MACs: forward 2 m FLOPs; backward 4 m with an input gradient, 2 m for
+        # only one of the two gradients (a detached input, or a rotation without weight)
+        full, single = 2 * fwd + 4 * bwd, 2 * fwd + 2 * bwd
+        attention = 4 * d * h * (fwd + 2.5 * bwd)  # per (query, valid key), backward 2.5x
         per_row = full * (hidden * ql + ql * h * d)  # query projections
         per_row += full * hidden * d  # window KV projection of the own row
         per_row += full * (h * d * olr + og * olr * hidden)  # grouped wo_a, then wo_b
-        visible = compressed = 0.0
+        visible = compressed = window_loss = 0.0
         if kind != "W":
             overlap = 2 if kind == "C" else 1
             per_row += full * hidden * 2 * overlap * d  # compressor values and gates
-            per_row += 6 * overlap * ratio * d / ratio  # pooling, per owned entry (one per r rows)
-            compressed = 3.5 * 4 * d * h  # sparse attention, fwd + 2.5x bwd
+            # pooling of an owned entry (one per r rows): 2 FLOPs per (slot, channel), backward 2x
+            per_row += (2 * fwd + 4 * bwd) * overlap * ratio * d / ratio
+            compressed = attention
         if kind == "C":
-            per_row += weight_only * hidden * 4 * di  # indexer compressor (detached input)
-            per_row += 6 * 2 * ratio * di / ratio + (2 * 2 * di * di / ratio if cfg.hadamard else 0)
-            per_row += weight_only * (ql * hi * di + hidden * hi)  # indexer queries and head weights
-            per_row += 2 * 2 * hi * di * di if cfg.hadamard else 0  # rotation of the indexer queries
-            visible = 2 * hi * di  # indexer scoring (forward only)
-            loss_scores = 2 * hi * di + 2 * 2 * hi * di  # loss forward + backward of the scores
-            loss_logits = 2 * d * h  # the loss recomputes attention logits, forward only
+            per_row += single * hidden * 4 * di  # indexer compressor (detached input)
+            per_row += (2 * fwd + 4 * bwd) * 2 * ratio * di / ratio + (single * di * di / ratio if cfg.hadamard else 0)
+            per_row += single * (ql * hi * di + hidden * hi)  # indexer queries and head weights (detached)
+            per_row += single * hi * di * di if cfg.hadamard else 0  # rotation of the indexer queries
+            visible = 2 * hi * di * fwd  # indexer scoring (forward only)
+            loss_scores = 2 * hi * di * (fwd + 2 * bwd)  # the loss's scores, differentiated (2x)
+            loss_logits = 2 * d * h * fwd  # the loss recomputes attention logits (target: no backward)
             if cfg.indexer_loss == "dense":  # scores every visible entry; logits over window keys too
                 visible += loss_scores + loss_logits
                 window_loss = loss_logits
             else:  # scores the selected entries only
                 compressed += loss_scores + loss_logits
-                window_loss = 0.0
-        else:
-            window_loss = 0.0
-        per_window_key = 3.5 * 4 * d * h + window_loss
+        per_window_key = attention + window_loss
         if machine is None:
             return cls(float(per_row), float(per_window_key), float(visible), float(compressed))
         second = 1.0 / machine.peak_flops
-        topk_read = 4.0 / machine.hbm_bandwidth if kind == "C" else 0.0  # fp32 score per visible entry
+        topk_read = 4.0 * fwd / machine.hbm_bandwidth if kind == "C" else 0.0  # fp32 score per visible entry
         return cls(per_row * second, per_window_key * second, visible * second + topk_read, compressed * second)
 
 
 def row_costs(costs: RowCosts, cu_padded: np.ndarray, total: int, cfg: DSv4Config, ratio: int) -> np.ndarray:
     """``[total]`` float64 cost of every row of a batch with padded document offsets ``cu_padded``."""
-    rows = np.arange(total, dtype=np.int64)
-    inside = rows < cu_padded[-1]
-    doc = np.searchsorted(cu_padded, rows, side="right") - 1
-    pos = rows - cu_padded[np.clip(doc, 0, max(cu_padded.size - 2, 0))]
-    u = pos + 1
-    cost = costs.per_row + costs.per_window_key * np.minimum(u, cfg.window)
+    end = int(cu_padded[-1])
+    lengths = np.diff(cu_padded)
+    u = np.arange(1, end + 1, dtype=np.int64) - np.repeat(cu_padded[:-1], lengths)  # position + 1
+    cost = np.full(total, costs.per_row)  # the tail padding rows are projected and see nothing
+    inside = cost[:end]
+    inside += costs.per_window_key * np.minimum(u, cfg.window)
     if ratio:
         visible = u // ratio
         keys = np.minimum(visible, cfg.index_topk) if layer_kind(ratio) == "C" else visible
-        cost = cost + costs.per_visible_entry * visible + costs.per_compressed_key * keys
-    return np.where(inside, cost, costs.per_row)
+        inside += costs.per_visible_entry * visible + costs.per_compressed_key * keys
+    return cost
 
 
 def slice_costs(prefix: np.ndarray, split: RowSplit) -> np.ndarray:
@@ -287,7 +293,7 @@ def _greedy(prefix, grid, cp, min_rows, cap):
         start = end
     if total - start < min_rows:
         return None, True
-    if prefix[total] - prefix[start] > cap:
+    if prefix[total] > prefix[start] + cap:  # the same comparison as every other slice's
         return None, False
     bounds.append(total)
     return bounds, False
@@ -303,19 +309,19 @@ def _exact_split(prefix, grid, cp, min_rows, cap):
     reach = [np.zeros(n, dtype=bool)]
     reach[0][0] = True
     index = np.arange(n)
+    # a slice from point i may end at points j in [first[i], last[i]]: points[j] >= points[i] + min_rows
+    # and pp[j] <= pp[i] + cap
+    first = np.searchsorted(points, points + min_rows, side="left")
+    last = np.searchsorted(pp, pp + cap, side="right") - 1
     for _ in range(cp):
-        prev = reach[-1]
-        # from start i, ends j with points[j] >= points[i] + min_rows and pp[j] - pp[i] <= cap
-        first = np.searchsorted(points, points + min_rows, side="left")
-        last = np.searchsorted(pp, pp + cap, side="right") - 1
-        ok = prev & (first <= last)
+        ok = reach[-1] & (first <= last)
         opened = np.bincount(first[ok], minlength=n + 1) - np.bincount(last[ok] + 1, minlength=n + 1)
         reach.append(np.cumsum(opened[:n]) > 0)
     if not reach[cp][n - 1]:
         return None
     bounds, j = [total], n - 1
     for rank in range(cp, 0, -1):
-        starts = index[reach[rank - 1] & (points <= points[j] - min_rows) & (pp >= pp[j] - cap)]
+        starts = index[reach[rank - 1] & (first <= j) & (j <= last)]
         j = int(starts[0])
         bounds.append(int(points[j]))
     return bounds[::-1]
@@ -325,6 +331,7 @@ def _exact_split(prefix, grid, cp, min_rows, cap):
 def partition(
     packed: PackedSeqs | Sequence[int], cp: int, cfg: DSv4Config, ratio: int, *, policy: str = "equal",
     machine=None, align: int = 1, min_rows: int | None = None, costs: RowCosts | None = None,
+    total: int | None = None, direction: str = "fwd+bwd",
 ) -> RowSplit:
     """The row split of ``packed`` (or plain document lengths) over ``cp`` ranks under ``policy``.
 
@@ -335,16 +342,24 @@ def partition(
         align: inner boundaries on multiples of this (e.g. the compression ratio, or 8 rows).
         min_rows: the fewest rows a rank may hold; default the layer's halo (at least 1).
         costs: per-row costs overriding the ones derived from ``cfg``, ``ratio`` and ``machine``.
+        total: rows of the batch when ``packed`` is a list of lengths (default their sum; more rows
+            form a tail padding segment).
+        direction: the work to equalise: ``fwd+bwd`` (a training step; default), ``fwd`` or ``bwd``.
+            Equal step times leave each pass unequal: the indexer scores only in forward, so the rank
+            holding a document's end is slower in forward and faster in backward.
 
     Identical inputs give the identical split on every rank (host arithmetic only).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy: must be one of {POLICIES}, got {policy!r}")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction: must be one of {DIRECTIONS}, got {direction!r}")
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp: must be a positive int, got {cp!r}")
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise ValueError(f"align: must be a positive int, got {align!r}")
     cfg.check_ratio(ratio)
+    field = "packed.total" if isinstance(packed, PackedSeqs) else "total"
     if isinstance(packed, PackedSeqs):
         cu = np.asarray(packed.cu_seqlens_padded.cpu().tolist(), dtype=np.int64)
         total = packed.total
@@ -353,10 +368,13 @@ def partition(
         if lengths.ndim != 1 or (lengths < 0).any():
             raise ValueError(f"packed: document lengths must be non-negative ints, got {list(packed)[:5]!r}")
         cu = np.concatenate(([0], np.cumsum(lengths)))
-        total = int(cu[-1])
+        total = int(cu[-1]) if total is None else total
+        if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < cu[-1]:
+            raise ValueError(f"total: must be an int >= the documents' {int(cu[-1])} rows, got {total!r}")
+        total = int(total)
     floor_rows = max(halo_rows(cfg, ratio, cp), 1) if min_rows is None else min_rows
     if policy == "equal":
-        return RowSplit.equal(total, cp).validate(total, cp, floor_rows, field="packed.total")
-    costs = costs or RowCosts.for_layer(cfg, ratio, machine)
+        return RowSplit.equal(total, cp, field).validate(total, cp, floor_rows, field=field)
+    costs = costs or RowCosts.for_layer(cfg, ratio, machine, direction)
     prefix = np.concatenate(([0.0], np.cumsum(row_costs(costs, cu, total, cfg, ratio))))
     return balanced_split(prefix, cp, floor_rows, align)

@@ -3,8 +3,15 @@
 Library call (``flash_mla/flash_mla_interface.py`` and ``tests/ref.py`` of deepseek-ai/FlashMLA)::
 
     flash_mla.flash_mla_sparse_fwd(q [T, Hl, D] bf16, kv [N, 1, D] bf16, indices [T, 1, Kl] int32, sm_scale,
-                                   d_v=512, attn_sink=[Hl] fp32 | None, topk_length=[T] int32 | None)
+                                   d_v=512, attn_sink=[Hl] fp32 | None, topk_length=[T] int32 | None
+                                   [, use_legacy=False])
         -> (out [T, Hl, 512] bf16, max_logits [T, Hl] fp32, lse [T, Hl] fp32)
+
+Two packagings provide it: an upstream source build, and the wheel ``sgl-flash-mla`` (SGLang's packaging;
+``pip install --no-deps sgl-flash-mla==1.0.0``: its metadata asks for a newer torch than the abi3 build
+needs). The wheel's function takes ``use_legacy``: its default path is SM100-only ("only supported on
+SM100f") and its SM90 sparse-prefill kernels run with ``use_legacy=True``. The adapter reads the
+function's signature once per function and passes ``use_legacy=True`` on SM90 when it is accepted.
 
 * an index ``< 0`` (or ``>= N``) is an empty slot; with ``topk_length`` query ``t`` reads its first
   ``topk_length[t]`` slots only;
@@ -30,7 +37,9 @@ The forward is deterministic (no atomics). Importing this module never imports `
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +54,9 @@ from dsv4cp.kernels._library import (
 
 NAME = "flashmla"
 MISSING_HINT = (
-    "the 'flashmla' backend needs the FlashMLA package (import name 'flash_mla', built from source from "
-    "https://github.com/deepseek-ai/FlashMLA at a revision with the SM90 sparse-prefill kernels; no wheel "
-    "matches torch 2.11) and an SM90+ CUDA device"
+    "the 'flashmla' backend needs the FlashMLA package (import name 'flash_mla'): the wheel "
+    "'pip install --no-deps sgl-flash-mla==1.0.0', or a source build of https://github.com/deepseek-ai/FlashMLA "
+    "with the SM90 sparse-prefill kernels; and an SM90+ CUDA device"
 )
 SUPPORTED_HEAD_DIMS = (512,)
 VALUE_DIM = 512
@@ -84,6 +93,31 @@ def _library():
                        lambda: importlib.import_module("flash_mla").flash_mla_sparse_fwd)
 
 
+@functools.lru_cache(maxsize=8)
+def accepts_use_legacy(sparse_fwd) -> bool:
+    """Whether ``sparse_fwd`` takes a ``use_legacy`` argument (the ``sgl-flash-mla`` wheel does, an upstream
+    build may not). Read from its signature once per function object; a signature that cannot be read
+    (a bare C extension) counts as no."""
+    try:
+        parameters = inspect.signature(sparse_fwd).parameters
+    except (TypeError, ValueError):
+        return False
+    return "use_legacy" in parameters
+
+
+def call_options(sparse_fwd, device: torch.device) -> dict:
+    """Extra keyword arguments for ``sparse_fwd`` on ``device``: ``use_legacy=True`` on SM90 when accepted
+    (the wheel's non-legacy path is SM100-only), none otherwise (SM100 takes the default path)."""
+    if compute_capability_major(device) == 9 and accepts_use_legacy(sparse_fwd):
+        return {"use_legacy": True}
+    return {}
+
+
+def compute_capability_major(device: torch.device) -> int | None:
+    """The SM major version of a CUDA ``device`` (9 for Hopper), None for any other device."""
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+
+
 # ------------------------------------------------------------------------------------------ adapter
 def padded_slots(kt: int) -> int:
     """The slot count handed to the library for ``kt`` slots."""
@@ -110,6 +144,7 @@ def sparse_attention_forward(q, kv, idx, sink, scale, topk_length=None):
         return (torch.zeros(t, h, d, dtype=q.dtype, device=q.device),
                 torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device))
     sparse_fwd = _library()
+    options = call_options(sparse_fwd, q.device)
 
     kv_lib = kv.to(torch.bfloat16).contiguous().unsqueeze(1)  # [N, 1, D]: one kv head
     idx_lib = idx.to(torch.int32)
@@ -127,7 +162,7 @@ def sparse_attention_forward(q, kv, idx, sink, scale, topk_length=None):
             q_g = F.pad(q_g, (0, 0, 0, hp - (h1 - h0)))  # zero queries
             sink_g = F.pad(sink_g, (0, hp - (h1 - h0)), value=float("-inf"))
         result = sparse_fwd(q_g.contiguous(), kv_lib, idx_lib, float(scale), d_v=VALUE_DIM,
-                            attn_sink=sink_g.contiguous(), topk_length=length)
+                            attn_sink=sink_g.contiguous(), topk_length=length, **options)
         outs.append(result[0][:, : h1 - h0])
         lses.append(result[2][:, : h1 - h0])
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv4cp.config import DSv4Config, layer_kind
+from dsv4cp.cp.agreement import check_ranks_agree
 from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank, hold_backward_waits
 from dsv4cp.cp.layout import RowSplit, build_layout, layer_split
 from dsv4cp.cp.recompute import recomputed_attention
@@ -44,6 +45,9 @@ class DSv4Attention(PrecisionPinned):
             projections, backward reduce-scatters with the query-path backward).
         recompute: selective recompute; keep neither the query up-projection nor the key buffer for
             backward, rebuild them there from the saved parts (DESIGN 3.6). Same results.
+        check_ranks: before each step, check with one tiny collective that every rank of ``cp_group``
+            got the same ``packed`` offsets, split and dtype (a mismatch otherwise returns garbage
+            silently); all ranks raise the same ``ValueError``. Off by default: it costs a host sync.
 
     Parameters carry DeepSeek's checkpoint names (``wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
     attn_sink, compressor.*, indexer.*``); linear weights are ``[out, in]``. Module casts keep
@@ -54,7 +58,7 @@ class DSv4Attention(PrecisionPinned):
 
     def __init__(
         self, cfg: DSv4Config, compress_ratio: int, *, backend: str = "auto", overlap: str = "none",
-        recompute: bool = False,
+        recompute: bool = False, check_ranks: bool = False,
     ):
         super().__init__()
         cfg.check_ratio(compress_ratio)
@@ -63,6 +67,7 @@ class DSv4Attention(PrecisionPinned):
             raise ValueError(f"overlap: must be one of {OVERLAP_MODES}, got {overlap!r}")
         self.cfg, self.compress_ratio, self.kind = cfg, compress_ratio, layer_kind(compress_ratio)
         self.backend, self.overlap, self.recompute = backend, overlap, recompute
+        self.check_ranks = check_ranks
         h, d = cfg.n_heads, cfg.head_dim
         self.wq_a = nn.Linear(cfg.hidden, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps)
@@ -101,6 +106,8 @@ class DSv4Attention(PrecisionPinned):
         """
         cp, rank = group_size_and_rank(cp_group)
         split = self._check_inputs(x, packed, cp, rank, split)
+        if self.check_ranks:  # one tiny collective per step: ranks given different batches fail together
+            check_ranks_agree({"packed": packed, "split": split, "x.dtype": str(x.dtype)}, cp_group)
         layout = build_layout(packed, self.cfg, self.compress_ratio, rank, cp, split=split)
         freqs, cfg = self.rope_freqs, self.cfg
         h, d = cfg.n_heads, cfg.head_dim

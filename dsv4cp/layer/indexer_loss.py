@@ -79,7 +79,7 @@ class _ChunkedKL(torch.autograd.Function):
             rows = slice(s, min(s + step, index_q.shape[0]))
             leaves = (index_q[rows].detach().requires_grad_(needs[0]),
                       index_w[rows].detach().requires_grad_(needs[1]), index_keys.detach().requires_grad_(needs[2]))
-            with torch.enable_grad():
+            with torch.set_grad_enabled(any(needs)):  # forward runs without grad: the chunk's graph needs it
                 loss = chunk_loss(rows, *leaves)
             if any(needs):
                 wanted = [leaf for leaf, need in zip(leaves, needs) if need]

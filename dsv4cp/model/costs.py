@@ -64,6 +64,7 @@ import numpy as np
 import pandas as pd
 
 from dsv4cp.config import DSv4Config
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.counts import DocsLike, RankCounts, rank_counts
 from dsv4cp.model.machine import Machine
 
@@ -179,7 +180,9 @@ class _Acc:
 
 def _phase_costs(cfg: DSv4Config, n: RankCounts, machine: Machine, act_bytes: int) -> dict[str, _Acc]:
     cp, b = n.cp, act_bytes
-    L, E, Hw = float(n.rows), float(n.ext_rows), float(n.halo)
+    Hw = float(n.halo)
+    L = n.rank_rows.astype(float)  # [cp]: slices may differ (a balanced split)
+    E = L + Hw
     H, D, hidden, ql = cfg.n_heads, cfg.head_dim, cfg.hidden, cfg.q_lora_rank
     Hi, Di, K, W = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.window
     G = float(n.gathered_rows)
@@ -487,7 +490,7 @@ def _check_direction(direction: str, both: bool) -> str:
 
 def estimate(
     cfg: DSv4Config, ratio: int, packed_or_lengths: DocsLike, cp: int, machine: Machine | None = None,
-    total: int | None = None, *, act_bytes: int = ACT_BYTES,
+    total: int | None = None, *, act_bytes: int = ACT_BYTES, split: RowSplit | None = None,
 ) -> LayerEstimate:
     """The analytic cost of one ``ratio`` layer of ``cfg`` on a packed batch split over ``cp`` ranks.
 
@@ -498,9 +501,10 @@ def estimate(
         total: rows of the batch (default ``packed.total`` or the sum of the lengths); extra rows
             form a tail padding segment. Must be divisible by ``cp``.
         act_bytes: bytes per activation/weight element (2 = bf16).
+        split: the ranks' row ranges (e.g. :func:`dsv4cp.cp.partition.partition`); None: equal slices.
     """
     machine = machine or Machine()
-    counts = rank_counts(cfg, ratio, packed_or_lengths, cp, total)
+    counts = rank_counts(cfg, ratio, packed_or_lengths, cp, total, split)
     costs = _phase_costs(cfg, counts, machine, act_bytes)
     rows = []
     for phase in layer_phases(counts.kind):

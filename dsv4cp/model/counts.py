@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsv4cp.config import DSv4Config, layer_kind
-from dsv4cp.cp.layout import entry_capacity, split_rows
+from dsv4cp.cp.layout import entry_capacity, halo_rows, split_rows
+from dsv4cp.cp.partition import RowSplit, as_split
 from dsv4cp.packing import PackedSeqs
 
 DocsLike = PackedSeqs | Sequence[int] | np.ndarray
@@ -105,10 +106,11 @@ class RankCounts:
 
     Attributes:
         kind, ratio, cp, total: the layer and the batch.
-        rows: ``L = total / cp`` own rows per rank.
+        rows: own rows of the largest rank (``L = total / cp`` with equal slices).
+        rank_rows: ``[cp]`` int64 own rows of each rank (the split's slice sizes).
         halo: ``Hw`` borrowed rows per rank (0 at cp = 1); every rank projects ``halo + rows`` rows
             (rank 0 projects zero rows in place of a halo, exactly as the layer does).
-        capacity: gathered slots per rank, ``ceil(L / r)`` (0 for W layers).
+        capacity: gathered slots per rank, ``ceil(rows / r)`` of the largest rank (0 for W layers).
         n_docs: documents with at least one row.
         max_entries_per_doc: ``max padded length // r`` (sets the H layers' static key width).
         halo_recv_rows / halo_send_rows: rows received from rank - 1 / sent to rank + 1 (forward).
@@ -129,6 +131,7 @@ class RankCounts:
     capacity: int
     n_docs: int
     max_entries_per_doc: int
+    rank_rows: np.ndarray
     halo_recv_rows: np.ndarray
     halo_send_rows: np.ndarray
     query_rows: np.ndarray
@@ -153,18 +156,27 @@ class RankCounts:
         return self.window_keys + self.compressed_keys
 
 
-def rank_counts(cfg: DSv4Config, ratio: int, docs: DocsLike, cp: int, total: int | None = None) -> RankCounts:
-    """Closed-form :class:`RankCounts` of a ``ratio`` layer on ``docs`` split over ``cp`` ranks.
+def rank_counts(
+    cfg: DSv4Config, ratio: int, docs: DocsLike, cp: int, total: int | None = None,
+    split: RowSplit | None = None,
+) -> RankCounts:
+    """Closed-form :class:`RankCounts` of a ``ratio`` layer on ``docs`` split over ``cp`` ranks
+    (``split``: the ranks' row ranges; None: equal slices).
 
     Raises ``ValueError`` (naming the field) for the inputs :func:`build_layout` rejects: a bad ratio,
-    ``cp < 1``, ``total`` not divisible by ``cp``, fewer rows per rank than the halo.
+    ``cp < 1``, ``total`` not divisible by ``cp`` (equal slices), fewer rows on a rank than the halo.
     """
     cfg.check_ratio(ratio)
     if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1:
         raise ValueError(f"cp: must be a positive int, got {cp!r}")
     cp = int(cp)
     cu, total = document_extents(docs, total)
-    rows, halo = split_rows(total, cp, cfg, ratio, field="total")
+    if split is None:
+        rows, halo = split_rows(total, cp, cfg, ratio, field="total")
+        split = RowSplit.equal(total, cp)
+    else:
+        halo = halo_rows(cfg, ratio, cp)
+        split = as_split(split, total, cp, max(halo, 1))
     kind = layer_kind(ratio)
     starts_all, ends_all = cu[:-1], cu[1:]
     nonempty = ends_all > starts_all
@@ -174,7 +186,7 @@ def rank_counts(cfg: DSv4Config, ratio: int, docs: DocsLike, cp: int, total: int
     fields = ("query_rows", "window_keys", "visible_entries", "compressed_keys", "owned_entries")
     out = {name: np.zeros(cp, dtype=object) for name in fields}
     for rho in range(cp):
-        s, e = rho * rows, (rho + 1) * rows
+        s, e = split.bounds[rho], split.bounds[rho + 1]
         lo = int(np.searchsorted(ends, s, side="right"))  # first document ending after s
         hi = int(np.searchsorted(starts, e, side="left"))  # documents starting before e
         if hi <= lo:
@@ -205,8 +217,8 @@ def rank_counts(cfg: DSv4Config, ratio: int, docs: DocsLike, cp: int, total: int
     send = np.where(ranks < cp - 1, halo, 0).astype(np.int64)
     max_len = int(lengths.max()) if lengths.size else 0
     return RankCounts(
-        kind=kind, ratio=ratio, cp=cp, total=total, rows=rows, halo=halo,
-        capacity=entry_capacity(rows, ratio), n_docs=int(nonempty.sum()),
-        max_entries_per_doc=max_len // ratio if ratio else 0,
+        kind=kind, ratio=ratio, cp=cp, total=total, rows=split.max_rows, halo=halo,
+        capacity=entry_capacity(split.max_rows, ratio), n_docs=int(nonempty.sum()),
+        max_entries_per_doc=max_len // ratio if ratio else 0, rank_rows=np.asarray(split.rank_rows, dtype=np.int64),
         halo_recv_rows=recv, halo_send_rows=send, **out,
     )

@@ -1,4 +1,12 @@
-"""Kernels' functional interface: one op per file, backends registered by name."""
+"""Functional ops, each with its torch reference beside it; every kernel is reached through one of them.
+
+* :mod:`.sparse_attention`: the attention op and its backend registry (torch, triton, flashmla, cudnn);
+* :mod:`.indexer`: the lightning indexer's top-k selection and differentiable scores;
+* :mod:`.attention_probs`: the attention's probabilities at given keys (the indexer loss's target);
+* :mod:`.norm_rope`: RMS norm and RoPE, fused on CUDA for the attention's queries and outputs.
+
+``dsv4cp.ops`` imports ``dsv4cp.kernels`` and chooses among them; kernels never import ops.
+"""
 
 from dsv4cp.ops.sparse_attention import backend_names, register_backend, resolve_backend, sparse_attention
 

@@ -14,24 +14,27 @@ from collections.abc import Callable, Iterator
 from tqdm import tqdm
 
 StepCallback = Callable[[str], None]
-"""Called once after every step with the phase it belonged to: ``"warmup"`` or ``"timed"``."""
+"""Called once after every step with the phase it belonged to (``"warmup"``, ``"timed"``, or any
+label a command gives its extra steps, e.g. ``"memory"``)."""
 
 
 @contextlib.contextmanager
-def step_progress(warmup: int, reps: int, *, enabled: bool, desc: str = "steps") -> Iterator[StepCallback | None]:
-    """Yield a :data:`StepCallback` advancing one bar over ``warmup + reps`` steps, or None when disabled.
+def step_progress(
+    warmup: int, reps: int, *, enabled: bool, desc: str = "steps", extra: int = 0,
+) -> Iterator[StepCallback | None]:
+    """Yield a :data:`StepCallback` advancing one bar over ``warmup + reps + extra`` steps (``extra``:
+    steps a command runs after timing, e.g. one for the peak memory), or None when disabled.
 
-    The postfix says which phase runs; the ETA comes from the steps done so far (warm-up steps are
-    usually slower, so the ETA improves once timing starts).
+    The postfix names the phase of the step just done; the ETA comes from the steps done so far
+    (warm-up steps are usually slower, so the ETA improves once timing starts).
     """
     if not enabled:
         yield None
         return
-    with tqdm(total=warmup + reps, desc=desc, unit="step", dynamic_ncols=True, leave=False) as bar:
-        bar.set_postfix_str("warm-up" if warmup else "timed")
+    with tqdm(total=warmup + reps + extra, desc=desc, unit="step", dynamic_ncols=True, leave=False) as bar:
 
         def advance(phase: str) -> None:
+            bar.set_postfix_str(phase, refresh=False)
             bar.update(1)
-            bar.set_postfix_str("warm-up" if phase == "warmup" and bar.n < warmup else "timed", refresh=False)
 
         yield advance

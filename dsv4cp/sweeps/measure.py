@@ -23,8 +23,10 @@ import torch.distributed as dist
 from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.cp.check import CheckCase, merge_ranks, randomize_, run_rank
 from dsv4cp.cp.layout import split_rows
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.model import Machine, estimate
+from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import track_memory
@@ -82,13 +84,19 @@ class _RankClock:
 
 def point_inputs(point: Point) -> tuple[DSv4Config, list[int]]:
     """The point's config and document lengths; ``ValueError`` when its shapes cannot run."""
-    if point.partition != "equal":
-        raise ValueError(f"partition: only 'equal' is implemented, got {point.partition!r}")
     cfg = DSv4Config.preset(point.preset, indexer_loss=point.loss)
     cfg.check_ratio(point.ratio)
-    split_rows(point.tokens, point.cp, cfg, point.ratio, field="tokens")
+    if point.partition == "equal":
+        split_rows(point.tokens, point.cp, cfg, point.ratio, field="tokens")
     lengths = packing_lengths(point.packing, point.tokens, cp=point.cp, ratio=point.ratio, seed=point.seed)
     return cfg, lengths
+
+
+def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Machine | None = None) -> RowSplit:
+    """The ranks' row ranges under the point's ``partition`` policy (the balanced one equalises the
+    model's per-rank times of the point's pass at ``machine``'s ceilings); identical on every rank."""
+    return policy_split(cfg, point.ratio, lengths, point.cp, point.partition, machine, total=point.tokens,
+                        direction=point.direction)
 
 
 def _gather(value, group: dist.ProcessGroup | None) -> list:
@@ -123,7 +131,8 @@ def measure_point(
     cfg, lengths = point_inputs(point)
     dtype = DTYPES[point.dtype]
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
-    bound = estimate(cfg, point.ratio, packed, cp, machine).summary(point.direction)
+    split = point_split(point, cfg, lengths, machine)
+    bound = estimate(cfg, point.ratio, packed, cp, machine, split=split).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device).name}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
@@ -134,13 +143,13 @@ def measure_point(
                           recompute=point.recompute)
     randomize_(layer, generator)  # the parity check's weights: every parameter non-trivial
     layer = layer.to(device=device, dtype=dtype)
-    rows = point.tokens // cp
+    rows = split.rows(rank)
     inputs = torch.Generator(device=device).manual_seed(point.seed * 65_537 + rank + 1)  # this rank's rows
     x = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype).requires_grad_(point.backward)
     upstream = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype)
 
     def step() -> None:
-        result = layer(x, packed, cp_group=group)
+        result = layer(x, packed, cp_group=group, split=split)
         if point.backward:
             loss = (result.out * upstream).sum()
             if result.indexer_loss is not None:
@@ -193,7 +202,7 @@ def measure_point(
         case = CheckCase(preset=point.preset, ratio=point.ratio, lengths=tuple(lengths), total=point.tokens,
                          dtype=point.dtype, overlap=point.overlap, recompute=point.recompute,
                          backend=point.kernel_backend, seed=point.seed,
-                         config_overrides={"indexer_loss": point.loss})
+                         config_overrides={"indexer_loss": point.loss}, split=split.bounds)
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
     return Measurement(metrics, resolved, overlap)

@@ -34,12 +34,13 @@ import yaml
 
 from dsv4cp.config import DTYPES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config
 from dsv4cp.cp.comm import OVERLAP_MODES
+from dsv4cp.cp.partition import POLICIES
 from dsv4cp.ops.sparse_attention import check_backend_name
 from dsv4cp.records import AXES, point_id
 from dsv4cp.workloads import parse_packing
 
 PASSES = ("fwd", "fwd+bwd")
-PARTITIONS = ("equal",)
+PARTITIONS = POLICIES
 SPEC_KEYS = ("name", "description", "run", "base", "axes", "zip", "exclude")
 
 
@@ -106,7 +107,8 @@ class Point:
         """A short human-readable name for progress bars and logs."""
         tokens = f"{self.tokens // 1024}K" if self.tokens % 1024 == 0 else str(self.tokens)
         return (f"{self.preset} r{self.ratio} cp{self.cp} {tokens} {self.packing} {self.direction} {self.dtype} "
-                f"{self.overlap}{' recompute' if self.recompute else ''} {self.kernel_backend}")
+                f"{self.overlap}{' recompute' if self.recompute else ''} {self.kernel_backend}"
+                f"{'' if self.partition == 'equal' else ' ' + self.partition}")
 
 
 @dataclass(frozen=True, kw_only=True)

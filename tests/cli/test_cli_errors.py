@@ -93,6 +93,8 @@ CLI_CASES = [
     ("model-machine-file-partial", ["model", "--machine-file", "{partial_machine}"], 2,
      r"dsv4cp model: error: --machine-file .*partial.json: missing ceiling\(s\) "
      r"\['allgather_busbw', 'hbm_bandwidth', 'p2p_bandwidth'\]$", False),
+    ("model-balanced-split-too-large", ["model", "--partition", "balanced", "--tokens", "1000000000000"], 2,
+     r"dsv4cp model: error: --partition: balanced needs per-row costs, at most 134217728 rows", False),
     ("model-tokens-not-divisible", ["model", "--preset", "tiny", "--tokens", "100", "--cp", "3"], 2,
      r"dsv4cp model: error: --tokens: ", False),
 ]
@@ -209,3 +211,32 @@ def test_no_traceback_reaches_the_user(argv, code, files):
     assert done.stdout == ""
     errors = [line for line in done.stderr.splitlines() if "Warning" not in line]
     assert len(errors) == 1 and errors[0].startswith(f"dsv4cp {argv[0]}: error: "), done.stderr
+
+
+# ------------------------------------------------------------------------------------------ GPU
+_CUDA_BAD_INDEX = """
+import torch
+from dsv4cp.ops import sparse_attention
+q, kv, sink = torch.randn(3, 2, 64, device="cuda"), torch.randn(5, 64, device="cuda"), torch.zeros(2, device="cuda")
+idx = torch.tensor([[0, 5], [1, -1], [2, 3]], dtype=torch.int32, device="cuda")
+sparse_attention(q, kv, idx, sink, 0.125, backend="torch")
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_index_checks_cost_no_sync_and_stop_a_bad_run(seed):
+    from dsv4cp.ops.sparse_attention import _check_index_values  # the op's own check, apart from any backend
+
+    _, kv, idx, _, _, lengths = (t.cuda() if isinstance(t, torch.Tensor) else t
+                                 for t in _attention_inputs(seed, [[0, 4], [1, -1], [-1, -1]], [2, 1, 0]))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _check_index_values(kv.shape[0], idx, lengths)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()  # an assertion that fired on valid input would surface here
+    done = subprocess.run([sys.executable, "-c", _CUDA_BAD_INDEX], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "idx: entries must be" in done.stderr or "device-side assert" in done.stderr, done.stderr[-2000:]

@@ -12,8 +12,10 @@ import io
 import torch
 
 from dsv4cp.cli.main import main
+from dsv4cp.config import DSv4Config
 from dsv4cp.cp.agreement import check_ranks_agree, fingerprint
 from dsv4cp.cp.launch import spawn
+from dsv4cp.layer import DSv4Attention
 from dsv4cp.packing import PackedSeqs
 
 LENGTHS = {0: [100, 156], 1: [200, 56]}
@@ -36,6 +38,15 @@ def _scenarios(rank: int, world: int, device: torch.device) -> dict[str, object]
         "different": message({"tokens": 256, "packed": PackedSeqs.from_lengths(LENGTHS[rank])}),
         "same": message(same),
     }
+    # The layer's per-step check (DSv4Attention(check_ranks=True)): both ranks raise before any collective.
+    layer = DSv4Attention(DSv4Config.preset("tiny"), 0, check_ranks=True)
+    x = torch.randn(128, layer.cfg.hidden, generator=torch.Generator().manual_seed(rank))
+    try:
+        layer(x, PackedSeqs.from_lengths(LENGTHS[rank]), cp_group=dist.group.WORLD)
+        results["layer"] = ""
+    except ValueError as err:
+        results["layer"] = str(err)
+    results["layer-same"] = layer(x, PackedSeqs.from_lengths(LENGTHS[0]), cp_group=dist.group.WORLD).out.shape
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         code = main(["check-cp", "--lengths", ",".join(map(str, LENGTHS[rank])), "--ratio", "0",
@@ -51,6 +62,9 @@ def test_ranks_given_different_inputs_fail_together():
         "packed: ranks disagree (rank 0: lengths [100, 156] total 256; rank 1: lengths [200, 56] total 256); "
         "every rank must be given the same value")
     assert ranks[0]["same"] == ranks[1]["same"] == ""
+    assert ranks[0]["layer"] == ranks[1]["layer"] != ""
+    assert ranks[0]["layer"].startswith("packed: ranks disagree"), ranks[0]["layer"]
+    assert ranks[0]["layer-same"] == ranks[1]["layer-same"] == (128, 64)
     # CLI: exit code 2 and one line naming the flag the user typed, on every rank
     for rank, (code, err) in enumerate(r["check-cp"] for r in ranks):
         assert code == 2

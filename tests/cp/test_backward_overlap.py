@@ -105,7 +105,7 @@ def test_reduce_scatters_overlap_compute(recorded, case: int) -> None:
     for rank, per_case in enumerate(recorded):
         phases = per_case[case]["phases"]
         for gather in GATHERS[ratio]:
-            launch_start, launch_end = _only(phases, f"reducescatter.{gather}.launch")
+            _, launch_end = _only(phases, f"reducescatter.{gather}.launch")
             wait_start, _ = _only(phases, f"reducescatter.{gather}.wait")
             between = [n for s, e, n in phases
                        if s >= launch_end and e <= wait_start and not n.endswith((".launch", ".wait"))]

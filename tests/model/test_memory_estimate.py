@@ -72,3 +72,28 @@ def test_estimate_within_a_third_of_a_cpu_run():
     measured = int(done.stdout.split()[-1])
     estimate = peak_bytes_estimate(DSv4Config.preset("flash"), 4, [1024], 1, "fwd+bwd", torch.float32)
     assert 0.8 <= measured / estimate <= 1.35, (measured / 2**20, estimate / 2**20)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("ratio", "tokens"), [(4, 16384), (4, 65536), (0, 65536), (128, 65536)])
+def test_estimate_within_fifteen_percent_of_the_gpu_allocator_peak(ratio, tokens):
+    """Calibration beyond the committed C-layer records: W and H layers and a smaller batch, bf16, CP = 1."""
+    from dsv4cp.layer import DSv4Attention
+
+    cfg = DSv4Config.preset("flash")
+    device = torch.device("cuda")
+    packed = PackedSeqs.from_lengths([tokens], device=device)
+    torch.manual_seed(0)
+    layer = DSv4Attention(cfg, ratio).to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, cfg.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    result = layer(x, packed)
+    loss = result.out.float().square().mean() + (result.indexer_loss if result.indexer_loss is not None else 0)
+    loss.backward()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    estimate = peak_bytes_estimate(cfg, ratio, packed, 1, "fwd+bwd", torch.bfloat16)
+    print(f"ratio {ratio} tokens {tokens}: measured {measured / 2**30:.2f} GiB, estimate {estimate / 2**30:.2f} GiB")
+    assert 0.85 <= measured / estimate <= 1.15
