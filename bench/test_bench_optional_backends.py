@@ -65,9 +65,12 @@ def test_flashmla_forward(benchmark, measure, shape_name, path):
         sparse_fwd = importlib.import_module("flash_mla").flash_mla_sparse_fwd
         assert shape.heads in flashmla.HEAD_GROUP_SIZES and shape.kt % flashmla.TOPK_MULTIPLE == 0
         kv_lib, idx_lib = kv.unsqueeze(1), idx.unsqueeze(1)
+        options = flashmla.call_options(sparse_fwd, q.device)  # use_legacy=True: the wheel on SM90
+        benchmark.extra_info.update(library_options=options)
 
         def call():
-            return sparse_fwd(q, kv_lib, idx_lib, scale, d_v=flashmla.VALUE_DIM, attn_sink=sink, topk_length=None)
+            return sparse_fwd(q, kv_lib, idx_lib, scale, d_v=flashmla.VALUE_DIM, attn_sink=sink, topk_length=None,
+                              **options)
 
     call()  # first-call costs (kernel load, scheduler metadata) outside the timing
     rounds, warmup = _rounds()

@@ -9,8 +9,10 @@ Shapes (kv rows N = T + T/4: T raw rows then T/4 compressed rows; ``idx`` per qu
 
 FLOPs (DESIGN 4.3): forward ``4 D`` per (query, head, valid key); backward 2.5x forward. Bytes are the
 op's logical traffic with each gathered kv row read once per query (see ``_bytes``). bf16 on GPU, fp32
-on CPU. Backends "cudnn" (backward only) and "flashmla" (forward only) run when registered (by
-``dsv4cp.kernels.optional``) and available; a direction a backend lacks is skipped.
+on CPU. Every backend runs in the same session, so one ``--benchmark-json`` holds FlashMLA's forward beside
+Triton's, cuDNN's DSA backward beside Triton's, and torch's: the one-sided libraries "flashmla" (forward
+only) and "cudnn" (backward only) are timed alone, each where it is available (SM90+ and its package) and
+at the head dims it supports (not ``tiny``); a direction a backend lacks is skipped.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import pytest
 import torch
 
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
-from dsv4cp.ops.sparse_attention import backend_names, resolve_backend
+from dsv4cp.kernels import cudnn_dsa, flashmla
+from dsv4cp.ops.sparse_attention import available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
+LIBRARY_HEAD_DIMS = {flashmla.NAME: flashmla.SUPPORTED_HEAD_DIMS, cudnn_dsa.NAME: cudnn_dsa.SUPPORTED_HEAD_DIMS}
 
 
 @dataclass(frozen=True)
@@ -56,13 +60,15 @@ SHAPE_PARAMS = [
 ]
 
 
-
-
-def _backend(name: str):
+def _backend(name: str, shape: Shape):
+    """The registered backend ``name`` as it is (a one-sided library included), or a skip naming why it
+    cannot run here or at ``shape``."""
     if name not in backend_names():
         pytest.skip(f"backend {name!r} is not registered")
+    if shape.dim not in LIBRARY_HEAD_DIMS.get(name, (shape.dim,)):
+        pytest.skip(f"{name}: head dim {shape.dim} is not in {LIBRARY_HEAD_DIMS[name]}")
     try:
-        return resolve_backend(name, bench_device())
+        return available_backend(name, bench_device())
     except ValueError as exc:
         pytest.skip(str(exc))
 
@@ -133,7 +139,7 @@ def _rounds() -> tuple[int, int]:
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
 def test_sparse_attention_forward(benchmark, measure, shape_name, backend):
     shape = SHAPES[shape_name]
-    impl = _backend(backend)
+    impl = _backend(backend, shape)
     entry = _inputs(shape)
     q, kv, idx, sink, scale = entry["args"]
     benchmark.group = f"sparse_attention.fwd.{shape.name}"
@@ -156,7 +162,7 @@ def test_sparse_attention_forward(benchmark, measure, shape_name, backend):
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
 def test_sparse_attention_backward(benchmark, measure, shape_name, backend):
     shape = SHAPES[shape_name]
-    impl = _backend(backend)
+    impl = _backend(backend, shape)
     entry = _inputs(shape)
     q, kv, idx, sink, scale = entry["args"]
     out, lse, dout = _backward_inputs(shape, entry)

@@ -1,4 +1,4 @@
-"""Layer configuration: one dataclass with the public presets (DESIGN 1.1)."""
+"""Layer configuration: one dataclass with the public presets (docs/design.md §1.1)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def layer_kind(compress_ratio: int) -> str:
 class DSv4Config:
     """Every shape and hyper-parameter of one DeepSeek-V4 attention layer.
 
-    Field names follow DESIGN.md's notation where one exists (H = n_heads, D = head_dim,
+    Field names follow docs/design.md's notation where one exists (H = n_heads, D = head_dim,
     P = rope_dim, W = window, K = index_topk, Hi = index_n_heads, Di = index_head_dim).
     Construction validates the values and raises ``ValueError`` naming the offending field.
     """

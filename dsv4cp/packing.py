@@ -1,4 +1,4 @@
-"""Packed THD batches: documents concatenated along one token axis (DESIGN 2)."""
+"""Packed THD batches: documents concatenated along one token axis (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Packed batches to measure on: fixed lengths, one long document, real-data length histograms
-packed sequentially (shuffle, concatenate, cut) or best-fit (DESIGN 5, Packing), or an adversarial
+packed sequentially (shuffle, concatenate, cut) or best-fit (docs/design.md §5, Packing), or an adversarial
 batch whose short documents and compressed groups straddle every CP rank boundary.
 
 A packing is named by one string (the ``packing`` axis of sweeps and records): ``one``,

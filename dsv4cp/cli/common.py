@@ -267,7 +267,7 @@ def add_layer_options(
 
 
 def add_timing_options(parser: argparse.ArgumentParser, *, warmup: int = 3, reps: int = 10) -> None:
-    """``--warmup``, ``--reps``, ``--l2-flush``, ``--progress`` (DESIGN 5 timing protocol)."""
+    """``--warmup``, ``--reps``, ``--l2-flush``, ``--progress`` (docs/design.md §5 timing protocol)."""
     parser.add_argument("--warmup", type=non_negative_int, default=warmup, help="untimed steps before timing")
     parser.add_argument("--reps", type=positive_int, default=reps, help="timed steps (median, p20, p80 reported)")
     parser.add_argument("--l2-flush", action="store_true", help="zero a 256 MiB buffer before each step (GPU)")

@@ -1,5 +1,6 @@
-"""Print versions, devices, and every sparse-attention kernel backend with whether it can run here
-and, when it cannot, why (the package is missing, no CUDA device, Triton's CPU interpreter off).
+"""Print versions, devices, what the sparse-attention backend "auto" resolves to per direction, and every
+backend with whether it can run here and, when it cannot, why (the package is missing, no CUDA device,
+Triton's CPU interpreter off).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     for key, value in environment().items():
         print(f"{key:>12}: {value}")
-    print(f"{'backends':>12}: on {device}; 'auto' -> {resolve_backend('auto', device).name}")
+    forward, backward = resolve_backend("auto", device).direction_names
+    print(f"{'backends':>12}: on {device}; 'auto' -> forward {forward}, backward {backward}")
     for name in backend_names():
         print(f"{name:>22}: {backend_status(name, device)}")
     return 0

@@ -1,4 +1,4 @@
-"""Compute/communication breakdown and overlap per rank and phase, from a profiled run (DESIGN 5).
+"""Compute/communication breakdown and overlap per rank and phase, from a profiled run (docs/design.md §5).
 
 PATH is either a directory of Kineto (torch.profiler) Chrome-trace files, one per rank
 (``rank{R}.json``, as written by ``dsv4cp.profiling.trace.capture_trace``), or an Nsight Systems

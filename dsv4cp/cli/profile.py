@@ -1,4 +1,4 @@
-"""Measure one layer step under CP: time (DESIGN 5 protocol), per-rank times, peak memory, model bound,
+"""Measure one layer step under CP: time (docs/design.md §5 protocol), per-rank times, peak memory, model bound,
 and optionally a Kineto trace per rank with its per-phase overlap table. One sweep point, measured by
 the same code as ``dsv4cp sweep`` and recorded in the same schema.
 

@@ -1,4 +1,4 @@
-"""CP parity check: every rank's results under CP equal the CP = 1 layer's (DESIGN 3.8).
+"""CP parity check: every rank's results under CP equal the CP = 1 layer's (docs/design.md §3.8).
 
 Each rank builds the same layer (same seed), runs the full batch at CP = 1 and its own slice under
 CP, back-propagates the same random output weighting plus the indexer loss, sums parameter gradients

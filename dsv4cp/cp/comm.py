@@ -1,4 +1,4 @@
-"""Differentiable CP collectives (DESIGN 3.2, 3.4, 3.5).
+"""Differentiable CP collectives (docs/design.md §3.2, 3.4, 3.5).
 
 * :func:`exchange_halo`: forward sends each rank's last rows to the next rank; backward returns the
   halo's gradient and adds it into the sender's rows.
@@ -130,7 +130,7 @@ class _GatherState:
 class PendingGather:
     """One gathered tensor: the launched forward all-gather and, in backward, its reduce-scatter.
 
-    Backward order (DESIGN 3.5) is fixed by graph edges, not by the order in which the autograd
+    Backward order (docs/design.md §3.5) is fixed by graph edges, not by the order in which the autograd
     engine happens to pick ready nodes (it prefers the most recently created one):
 
     * the reduce-scatter is launched by the backward of :meth:`wait`'s node, which autograd runs as
@@ -155,7 +155,7 @@ class PendingGather:
         """The gathered tensor, once its forward all-gather has completed (differentiable).
 
         ``ahead_of``: a tensor computed before this call whose producer's backward must start only
-        after this gather's reduce-scatter is launched (the query path, DESIGN 3.5).
+        after this gather's reduce-scatter is launched (the query path, docs/design.md §3.5).
         """
         if self._state is None:
             return self.gathered
@@ -201,7 +201,7 @@ class _HoldBackwardWaits(torch.autograd.Function):
 def hold_backward_waits(x: torch.Tensor, *gathers: PendingGather | None) -> torch.Tensor:
     """``x``, unchanged, with the backward waits of ``gathers``' reduce-scatters held until x's
     gradient is complete: everything computed from the result is back-propagated while the
-    reduce-scatters fly (DESIGN 3.5). Call it before the gathers' rows are waited for in forward."""
+    reduce-scatters fly (docs/design.md §3.5). Call it before the gathers' rows are waited for in forward."""
     tokens = [g.wait_token for g in gathers if g is not None and g.wait_token is not None]
     if not tokens or not x.requires_grad:
         return x

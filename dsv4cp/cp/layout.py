@@ -1,4 +1,4 @@
-"""Per-rank metadata of the contiguous CP layout (DESIGN 3.1-3.3); CP = 1 is the one-rank case.
+"""Per-rank metadata of the contiguous CP layout (docs/design.md §3.1-3.3); CP = 1 is the one-rank case.
 
 Everything is derived on the device from ``cu_seqlens_padded`` with static sizes (no host reads),
 so the metadata of a step can be built inside a CUDA graph. Terms used throughout:
@@ -148,8 +148,9 @@ def build_layout(
     """Metadata of rank ``rank`` of ``cp`` (see :class:`RankLayout`); validates sizes first.
 
     ``split``: the ranks' row ranges (None: ``T / cp`` rows each). With unequal slices every rank
-    still gathers ``capacity`` entries (the bound of the LARGEST slice), so the collectives keep one
-    static size on every rank.
+    still contributes ``capacity`` entries (the bound of the LARGEST slice, padded with empty slots)
+    rather than a variable count: equal-size all-gathers and reduce-scatters need no size exchange,
+    and static shapes keep the step capturable in a CUDA graph.
     ``capacity`` overrides the provable bound ``ceil(max rows / r)`` (to save gathered memory); a value
     too small for this batch raises ``ValueError`` (this check reads the device once).
     """

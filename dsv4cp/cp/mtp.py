@@ -1,10 +1,10 @@
-"""Multi-token-prediction rolls under contiguous CP (DESIGN 3.7).
+"""Multi-token-prediction rolls under contiguous CP (docs/design.md §3.7).
 
 MTP depth ``k`` trains on the batch shifted LEFT by ``k`` rows: row ``i`` takes row ``i + k``. The shift
 never crosses a document end. With ``cu_seqlens_padded`` giving document ``d`` the rows ``[s_d, e_d)``:
 
 * a row ``i`` of document ``d`` takes row ``i + depth`` when ``i + depth < e_d`` (the PADDED end: padded
-  rows behave as later tokens of their document, DESIGN 2);
+  rows behave as later tokens of their document, docs/design.md §2);
 * otherwise (its source lies at or past the end of its document) it gets the field's fill value;
 * every row of the tail padding segment (``i >= cu_seqlens_padded[-1]``) gets the fill value too, so the
   tail never borrows anything and stays "padding";

@@ -1,4 +1,4 @@
-"""Row partitions of the contiguous CP layout: equal slices or cost-balanced ones (DESIGN 3.1).
+"""Row partitions of the contiguous CP layout: equal slices or cost-balanced ones (docs/design.md §3.1).
 
 A :class:`RowSplit` is the list of split points ``0 = b_0 <= ... <= b_cp = T``; rank ``rho`` holds
 the rows ``[b_rho, b_{rho+1})``. The ``equal`` policy gives every rank ``T / cp`` rows. The
@@ -120,7 +120,7 @@ def as_split(split: RowSplit | Sequence[int] | None, total: int, cp: int, min_ro
 
 
 def compression_reach(compress_ratio: int) -> int:
-    """Rows before an owned group's last row that its entry reads (``d_comp`` of DESIGN 3.2)."""
+    """Rows before an owned group's last row that its entry reads (``d`` of docs/design.md §3.2)."""
     if compress_ratio == 0:
         return 0
     return 2 * compress_ratio if layer_kind(compress_ratio) == "C" else compress_ratio
@@ -150,7 +150,7 @@ class RowCosts:
 
     @classmethod
     def for_layer(cls, cfg: DSv4Config, ratio: int, machine=None, direction: str = "fwd+bwd") -> RowCosts:
-        """The cost model's accounting (DESIGN 4.3, :mod:`dsv4cp.model.costs`) per row in ``direction``
+        """The cost model's accounting (docs/design.md §4.3, :mod:`dsv4cp.model.costs`) per row in ``direction``
         (``fwd``, ``bwd`` or ``fwd+bwd``: a training step, the default).
 
         Without ``machine`` the unit is one FLOP and memory-bound work (the top-k's score reads) is not

@@ -1,4 +1,4 @@
-"""Selective recompute with KV reconstruction (DESIGN 3.6).
+"""Selective recompute with KV reconstruction (docs/design.md §3.6).
 
 The attention core normally keeps, for backward, the query up-projection ``q [L, H, D]`` with its
 intermediates and the concatenated key buffer ``[halo kv | local kv | gathered compressed kv]``.
@@ -8,7 +8,7 @@ saved parts again, the queries by re-running their projection once, with autogra
 graph serves the attention backward (its values) and the query backward (its gradient). The
 attention itself is not recomputed: its output and lse are saved as usual.
 
-Backward order inside the node (DESIGN 3.5): KV reconstruction, attention backward, then, the
+Backward order inside the node (docs/design.md §3.5): KV reconstruction, attention backward, then, the
 gathered keys' gradient being complete, ``on_compressed_grad`` (the CP layer launches its
 reduce-scatter there), then the query backward, which runs while the reduce-scatter flies.
 """

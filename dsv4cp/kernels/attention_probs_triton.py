@@ -1,4 +1,4 @@
-"""Triton kernels for the indexer loss's attention target (DESIGN 1.6): no-grad head-summed probabilities.
+"""Triton kernels for the indexer loss's attention target (docs/design.md §1.5): no-grad head-summed probabilities.
 
 With the attention's logits ``l[t, h, k] = scale * <q[t, h], keys[idx[t, k]]>`` over the slots ``k`` of
 query ``t`` (a slot is valid when ``0 <= idx < N``; ``-1`` marks an empty one):

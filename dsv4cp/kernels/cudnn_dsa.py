@@ -1,4 +1,4 @@
-"""cuDNN frontend's DeepSeek-sparse-attention backward as the backward-only backend "cudnn" (DESIGN 4.2).
+"""cuDNN frontend's DeepSeek-sparse-attention backward as the backward-only backend "cudnn" (docs/design.md §4.2).
 
 Library call (``python/cudnn/deepseek_sparse_attention/sparse_attention_backward/{api,op,_interface_sm90,
 dsa_bwd_sm90}.py`` of NVIDIA/cudnn-frontend; wheel ``nvidia-cudnn-frontend`` 1.32 with CuTe DSL)::
@@ -52,7 +52,7 @@ PACKAGE = "nvidia-cudnn-frontend"
 MISSING_HINT = (
     f"the 'cudnn' backend needs the '{PACKAGE}' package (1.32, import name 'cudnn', whose DSA kernels need "
     "CuTe DSL 'nvidia-cutlass-dsl'; on a CUDA-13 driver use the CUDA-12 flavour "
-    "'nvidia-cutlass-dsl-libs-cu12' 4.8.1, see ../shared/gpu/README.md) and an SM90+ CUDA device"
+    "'nvidia-cutlass-dsl-libs-cu12' 4.8.1, see README.md, 'Kernel backends') and an SM90+ CUDA device"
 )
 SUPPORTED_HEAD_DIMS = (512,)
 HEAD_MULTIPLE = 64

@@ -1,4 +1,4 @@
-"""FlashMLA's sparse-prefill forward as the forward-only sparse-attention backend "flashmla" (DESIGN 4.2).
+"""FlashMLA's sparse-prefill forward as the forward-only sparse-attention backend "flashmla" (docs/design.md §4.2).
 
 Library call (``flash_mla/flash_mla_interface.py`` and ``tests/ref.py`` of deepseek-ai/FlashMLA)::
 

@@ -1,4 +1,4 @@
-"""Triton kernels for the lightning indexer (DESIGN 1.6, 3.4 step 4, 4.2).
+"""Triton kernels for the lightning indexer (docs/design.md §1.5, 3.4 step 4, 4.2).
 
 The indexer score of query t and compressed entry (key row) g is::
 

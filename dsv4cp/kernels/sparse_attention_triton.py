@@ -1,4 +1,4 @@
-"""Triton kernels for the sparse multi-query attention op with a sink (DESIGN 4.1, 4.2).
+"""Triton kernels for the sparse multi-query attention op with a sink (docs/design.md §4.1, 4.2).
 
 The op (see :func:`dsv4cp.ops.sparse_attention`)::
 

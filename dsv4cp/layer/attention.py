@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 hybrid attention layer on packed THD input, with static CP (DESIGN 1-3)."""
+"""The DeepSeek-V4 hybrid attention layer on packed THD input, with static CP (docs/design.md §1-3)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class DSv4Attention(PrecisionPinned):
         overlap: "none" (synchronous collectives) or "async" (all-gathers overlapped with the query
             projections, backward reduce-scatters with the query-path backward).
         recompute: selective recompute; keep neither the query up-projection nor the key buffer for
-            backward, rebuild them there from the saved parts (DESIGN 3.6). Same results.
+            backward, rebuild them there from the saved parts (docs/design.md §3.6). Same results.
         check_ranks: before each step, check with one tiny collective that every rank of ``cp_group``
             got the same ``packed`` offsets, split and dtype (a mismatch otherwise returns garbage
             silently); all ranks raise the same ``ValueError``. Off by default: it costs a host sync.
@@ -129,7 +129,7 @@ class DSv4Attention(PrecisionPinned):
             q = nn.functional.linear(latent, weight).view(latent.shape[0], h, d)
             return head_norm_rope(q, positions[sl], freqs, cfg.rms_eps)
 
-        # Backward order (DESIGN 3.5), fixed by graph edges: each reduce-scatter is launched once its
+        # Backward order (docs/design.md §3.5), fixed by graph edges: each reduce-scatter is launched once its
         # gradient is complete and before the query path's backward starts (``ahead_of``); its wait
         # is held until the query path's backward has reached x (``hold_backward_waits``), and the
         # compressor backward that consumes the scattered rows runs after the wait.

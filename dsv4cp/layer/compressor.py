@@ -1,4 +1,4 @@
-"""The token compressor of C and H layers (DESIGN 1.5): gated per-channel pooling of r-token groups."""
+"""The token compressor of C and H layers (docs/design.md §1.4): gated per-channel pooling of r-token groups."""
 
 from __future__ import annotations
 

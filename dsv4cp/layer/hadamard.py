@@ -1,4 +1,4 @@
-"""The orthonormal Hadamard rotation of the lightning indexer (DESIGN 1.6)."""
+"""The orthonormal Hadamard rotation of the lightning indexer (docs/design.md §1.5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The lightning indexer of C layers (DESIGN 1.6): its own queries, keys and head weights."""
+"""The lightning indexer of C layers (docs/design.md §1.5): its own queries, keys and head weights."""
 
 from __future__ import annotations
 

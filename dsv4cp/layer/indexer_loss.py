@@ -1,4 +1,4 @@
-"""The indexer's KL distillation loss (DESIGN 1.6), sparse and dense variants.
+"""The indexer's KL distillation loss (docs/design.md §1.5), sparse and dense variants.
 
 Target: the attention's own probabilities of the scored compressed entries, summed over heads and
 L1-normalised over the scored set (no gradient), from :mod:`dsv4cp.ops.attention_probs`. Prediction:

@@ -1,8 +1,8 @@
 """Tables the model keeps in high precision whatever dtype the rest of the module is cast to.
 
 DeepSeek-V4 keeps a few small tensors above the activation precision: the RoPE frequencies (fp64
-here, built so), the per-head attention sink (fp32, DESIGN 1.2) and the compressor's position bias
-``ape`` (fp32, DESIGN 1.5). A plain ``module.to(torch.bfloat16)`` (or ``.half()``, ``.bfloat16()``,
+here, built so), the per-head attention sink (fp32, docs/design.md §1.2) and the compressor's position bias
+``ape`` (fp32, docs/design.md §1.4). A plain ``module.to(torch.bfloat16)`` (or ``.half()``, ``.bfloat16()``,
 ``.to(device, dtype)``) would round them too: in bf16 the RoPE frequencies are off by up to 0.4%,
 tens of radians of angle between a query and a compressed key 64K tokens away.
 

@@ -1,4 +1,4 @@
-"""The frequencies of the partial, interleaved rotary embedding, with optional YaRN (DESIGN 1.3); the
+"""The frequencies of the partial, interleaved rotary embedding, with optional YaRN (docs/design.md §1.3); the
 rotation itself is the op :func:`dsv4cp.ops.norm_rope.apply_rope`."""
 
 from __future__ import annotations

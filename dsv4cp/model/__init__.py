@@ -1,4 +1,4 @@
-"""Analytic cost model of the CP DSv4 attention layer (DESIGN 4.3, 6b, 7).
+"""Analytic cost model of the CP DSv4 attention layer (docs/design.md §4.3, 5).
 
 Per layer type, per rank, per phase and direction: FLOPs, HBM bytes, communication bytes and
 roofline lower bounds from a :class:`Machine`'s ceilings, computed in closed form over documents

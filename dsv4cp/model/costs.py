@@ -5,7 +5,7 @@
 those of the profiling NVTX ranges (:func:`nvtx_ranges` maps them), so a measured breakdown lines up
 with its bound.
 
-FLOP accounting (DESIGN 4.3)
+FLOP accounting (docs/design.md §4.3)
 ----------------------------
 * ``sparse_attn``: ``2 (D_qk + D_v) = 4 D`` per (query, head, valid key); valid keys per query
   ``min(pos + 1, W)`` plus ``min(K, visible)`` (C) or ``visible`` (H), visible = ``(pos + 1) // r``.
@@ -22,7 +22,7 @@ FLOP accounting (DESIGN 4.3)
   Norms, RoPE, softmax exponentials and gates are not counted as FLOPs.
 * Backward of a matrix product = 2 x forward (input and weight gradients), EXCEPT where the input is
   detached and only the weight gradient exists (1 x): the indexer's query projection, head-weight
-  projection and compressor run on detached inputs (DESIGN 1.6), so their backward computes weight
+  projection and compressor run on detached inputs (docs/design.md §1.5), so their backward computes weight
   gradients only; the Hadamard rotation has no weight, only an input gradient.
 * ``indexer.loss``: forward recomputes the attention logits ``q . k`` (``2 D`` per (query, head,
   key)) over the scored compressed keys (sparse: the selected ``min(K, visible)``; dense: all visible
@@ -346,7 +346,7 @@ class DirectionSummary:
         return _imbalance(self.rank_bound_overlap_s)
 
     def model_tflops_per_gpu(self, seconds: float) -> float:
-        """DESIGN 4.3: model FLOPs / (max-over-ranks time x cp), in TFLOP/s, for a layer time."""
+        """docs/design.md §4.3: model FLOPs / (max-over-ranks time x cp), in TFLOP/s, for a layer time."""
         if not seconds > 0:
             raise ValueError(f"seconds: must be positive, got {seconds!r}")
         return self.model_flops / (seconds * self.cp) / 1e12

@@ -1,4 +1,4 @@
-"""Closed-form per-rank work counts of one layer under the contiguous CP layout (DESIGN 3).
+"""Closed-form per-rank work counts of one layer under the contiguous CP layout (docs/design.md §3).
 
 Everything here is EXACT integer arithmetic over DOCUMENTS, never over tokens: for every rank the documents
 overlapping its slice are found by binary search, and the sums over the rank's rows of per-query key
@@ -10,8 +10,8 @@ row, what :func:`dsv4cp.cp.layout.build_layout` produces (the tests count brute 
 
 Per query at document position ``t`` (padded documents; rows of the tail padding segment see nothing):
 
-* window keys ``min(t + 1, W)`` (DESIGN 1.4);
-* visible compressed entries ``(t + 1) // r`` (DESIGN 1.5 causality);
+* window keys ``min(t + 1, W)`` (docs/design.md §1.1);
+* visible compressed entries ``(t + 1) // r`` (docs/design.md §1.4 causality);
 * compressed keys used by the attention: all visible entries for H layers, ``min(K, visible)`` for C
   layers (the indexer's top-K, padded with -1 when fewer are visible).
 

@@ -39,7 +39,7 @@ def extrapolate(
 
     Columns :data:`EXTRAPOLATE_COLUMNS`; times are lower bounds in seconds of the slowest rank
     (compute and comm maxima may come from different ranks). ``comm_over_attention`` compares the
-    communication bound with the sparse-attention bound alone (DESIGN 6b's comparison),
+    communication bound with the sparse-attention bound alone (the comparison of where CP time goes),
     ``comm_over_compute`` with the rank's whole compute bound.
     """
     machine = machine or Machine()
@@ -85,7 +85,7 @@ def measured_vs_bound(
 
     ``measured`` may be:
 
-    * a layer time in seconds (the max over ranks, as DESIGN 5 times a repetition) or a sequence of
+    * a layer time in seconds (the max over ranks, as docs/design.md §5 times a repetition) or a sequence of
       per-rank times: returns a dict with the bounds, ``efficiency`` = bound with overlap / measured
       (<= 1 when the model holds), the gap to the serial bound, model TFLOPs/GPU at the measured time
       and, for per-rank input, the measured time imbalance beside the modelled one;

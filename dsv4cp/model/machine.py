@@ -1,4 +1,4 @@
-"""Hardware ceilings for the roofline lower bounds (DESIGN 6: measured on the H200 machines here)."""
+"""Hardware ceilings for the roofline lower bounds (measured on H200 machines)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 GB = 1e9
-"""Bandwidths are quoted in decimal GB/s, as NCCL's tests and the DESIGN figures do."""
+"""Bandwidths are quoted in decimal GB/s, as NCCL's tests do."""
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class Machine:
 
     Attributes:
         name: a label carried into tables.
-        peak_flops: dense bf16 matrix throughput (FLOP/s); DESIGN 6 measured 784e12 on H200.
+        peak_flops: dense bf16 matrix throughput (FLOP/s); 784e12 measured on an H200.
         hbm_bandwidth: device-memory bandwidth (B/s); a device copy ran at 4.26e12.
         allgather_busbw: collective BUS bandwidth (B/s) in NCCL's convention, used for all-gathers and
             reduce-scatters alike: a collective whose full (gathered) buffer is ``S`` bytes over ``n``
@@ -82,7 +82,7 @@ class Machine:
 
 
 INTERNODE_BANDWIDTH = 40 * GB
-"""Default per-GPU inter-node bandwidth of the ``internode`` preset (DESIGN 6b's example)."""
+"""Default per-GPU inter-node bandwidth of the ``internode`` preset (an example figure)."""
 
 MACHINE_PRESETS = ("h200x2", "internode", "cpu")
 

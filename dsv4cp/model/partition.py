@@ -1,4 +1,4 @@
-"""Predicted per-rank balance of the row-split policies (DESIGN 3.1): equal slices against the
+"""Predicted per-rank balance of the row-split policies (docs/design.md §3.1): equal slices against the
 cost-balanced split, from the analytic cost model.
 
 :func:`compare_policies` splits a batch under each policy (the balanced one with the model's per-row

@@ -1,4 +1,4 @@
-"""The attention's own probabilities at given key rows: the indexer loss's target (DESIGN 1.6).
+"""The attention's own probabilities at given key rows: the indexer loss's target (docs/design.md §1.5).
 
 Two no-grad ops over queries ``q [T, H, D]``, a key buffer ``keys [N, D]`` and per-query key rows
 ``idx [T, K]`` (``-1`` = empty slot), logits ``l[t, h, k] = scale * <q[t, h], keys[idx[t, k]]>``:

@@ -1,4 +1,4 @@
-"""Lightning-indexer scoring (DESIGN 1.6, 4.2): ``I[t, j] = sum_h w[t, h] relu(<q[t, h], k[j]>)``.
+"""Lightning-indexer scoring (docs/design.md §1.5, 4.2): ``I[t, j] = sum_h w[t, h] relu(<q[t, h], k[j]>)``.
 
 Two ops, both chunked over queries so neither the per-head score tensor nor the full
 ``[T, entries]`` fp32 matrix exists beyond a bounded block:

@@ -1,4 +1,4 @@
-"""RMS normalisation and partial rotary embedding (DESIGN 1.3): the torch references and the fused ops.
+"""RMS normalisation and partial rotary embedding (docs/design.md §1.3): the torch references and the fused ops.
 
 * :func:`rms_norm`, :func:`apply_rope`: the torch references (any device, any float dtype).
 * :func:`head_norm_rope`: ``apply_rope(rms_norm(x, eps), positions, freqs)`` on the attention queries;

@@ -1,4 +1,4 @@
-"""``sparse_attention``: the one attention op of the layer (DESIGN 4.1), with pluggable backends.
+"""``sparse_attention``: the one attention op of the layer (docs/design.md §4.1), with pluggable backends.
 
 Every key, window or compressed, reaches attention through this op; backends register a forward and
 a backward implementing the same contract, and ``torch`` is the oracle the others are tested against.
@@ -25,7 +25,8 @@ class SparseAttentionBackend:
 
     Either may be None for a one-sided library (FlashMLA has only a forward, cuDNN's DSA only a
     backward on Hopper); such backends are used in a pair named ``"forward+backward"``, e.g.
-    ``"flashmla+cudnn"`` or ``"triton+cudnn"``.
+    ``"flashmla+cudnn"`` or ``"triton+cudnn"``. A resolved backend's ``name`` is that of its one backend
+    (``"triton"``) or the pair of its two (``"flashmla+cudnn"``): what records store.
     """
 
     name: str
@@ -33,17 +34,33 @@ class SparseAttentionBackend:
     backward: Callable | None
     available: Callable[[torch.device], bool]
 
+    @property
+    def direction_names(self) -> tuple[str, str]:
+        """``(forward, backward)`` backend names: ``"flashmla+cudnn"`` -> ``("flashmla", "cudnn")``,
+        ``"triton"`` -> ``("triton", "triton")``."""
+        forward, plus, backward = self.name.partition("+")
+        return (forward, backward) if plus else (forward, forward)
+
 
 _BACKENDS: dict[str, SparseAttentionBackend] = {}
-# Preference order of "auto": fastest first; the first available on the device wins.
-AUTO_ORDER: list[str] = []
+# What "auto" tries per direction, fastest first; the first available on a CUDA device wins (measured on
+# H200, issue 11: forward FlashMLA 569 TFLOP/s vs Triton 246; backward cuDNN DSA 279 vs Triton 136). On
+# any other device "auto" is the oracle "torch": Triton's CPU interpreter is for kernel tests only.
+AUTO_FORWARD_ORDER: list[str] = ["flashmla", "triton"]
+AUTO_BACKWARD_ORDER: list[str] = ["cudnn", "triton"]
+AUTO_NONDETERMINISTIC: set[str] = {"cudnn"}
+"""Backwards "auto" passes over while deterministic mode is on (cuDNN's DSA backward adds with fp32 atomics
+and refuses that mode; "triton" then reduces without atomics)."""
+FALLBACK = "torch"
+_AUTO_RESOLVED: dict[tuple[str, bool], SparseAttentionBackend] = {}
+""""auto" resolved per (device, deterministic mode): availability checks import libraries, once is enough."""
 
 
-def register_backend(backend: SparseAttentionBackend, *, auto_rank: int | None = None) -> None:
-    """Add a backend; ``auto_rank`` places it in the order "auto" tries (0 = first)."""
+def register_backend(backend: SparseAttentionBackend) -> None:
+    """Add (or replace) a backend; "auto" tries it only if its name is in ``AUTO_FORWARD_ORDER`` /
+    ``AUTO_BACKWARD_ORDER``."""
     _BACKENDS[backend.name] = backend
-    if auto_rank is not None:
-        AUTO_ORDER.insert(auto_rank, backend.name)
+    _AUTO_RESOLVED.clear()  # a new backend may change what "auto" picks
 
 
 def backend_names() -> list[str]:
@@ -60,31 +77,55 @@ def check_backend_name(name: str) -> None:
 
 
 def resolve_backend(name: str, device: torch.device) -> SparseAttentionBackend:
-    """The backend called ``name`` (or the fastest available for "auto") on ``device``.
+    """The backend called ``name`` on ``device``; ``"auto"`` takes the fastest available forward and,
+    independently, the fastest available backward (resolved once per device).
 
-    ``"A+B"`` pairs the forward of backend A with the backward of backend B.
+    ``"A+B"`` pairs the forward of backend A with the backward of backend B; an explicit name wins over
+    "auto"'s preferences and fails with ``ValueError`` when that backend cannot run on ``device``.
     """
     if name == "auto":
-        for candidate in AUTO_ORDER:
-            if _BACKENDS[candidate].available(device):
-                return _BACKENDS[candidate]
-        return _BACKENDS["torch"]
+        deterministic = kernels.is_deterministic()
+        key = (str(torch.device(device)), deterministic)
+        if key not in _AUTO_RESOLVED:
+            backward_order = [n for n in AUTO_BACKWARD_ORDER if not (deterministic and n in AUTO_NONDETERMINISTIC)]
+            _AUTO_RESOLVED[key] = _pair(_auto_choice(AUTO_FORWARD_ORDER, "forward", device),
+                                        _auto_choice(backward_order, "backward", device))
+        return _AUTO_RESOLVED[key]
     if "+" in name:
         fwd_name, _, bwd_name = name.partition("+")
-        fwd, bwd = _available(fwd_name, device), _available(bwd_name, device)
+        fwd, bwd = available_backend(fwd_name, device), available_backend(bwd_name, device)
         if fwd.forward is None:
             raise ValueError(f"backend: {fwd_name!r} has no forward; it cannot come first in {name!r}")
         if bwd.backward is None:
             raise ValueError(f"backend: {bwd_name!r} has no backward; it cannot come second in {name!r}")
-        return SparseAttentionBackend(name, fwd.forward, bwd.backward, lambda d: True)
-    backend = _available(name, device)
+        return _pair(fwd, bwd)
+    backend = available_backend(name, device)
     if backend.forward is None or backend.backward is None:
         side = "forward" if backend.forward is None else "backward"
         raise ValueError(f"backend: {name!r} has no {side}; pair it, e.g. 'flashmla+cudnn' or 'triton+cudnn'")
     return backend
 
 
-def _available(name: str, device: torch.device) -> SparseAttentionBackend:
+def _auto_choice(order: list[str], side: str, device: torch.device) -> SparseAttentionBackend:
+    """The first backend of ``order`` that has ``side`` and is available on CUDA ``device``, else "torch"."""
+    if torch.device(device).type == "cuda":
+        for candidate in order:
+            backend = _BACKENDS.get(candidate)
+            if backend is not None and getattr(backend, side) is not None and backend.available(device):
+                return backend
+    return _BACKENDS[FALLBACK]
+
+
+def _pair(fwd: SparseAttentionBackend, bwd: SparseAttentionBackend) -> SparseAttentionBackend:
+    """``fwd``'s forward with ``bwd``'s backward, named ``"fwd+bwd"`` (or ``fwd`` itself when the same)."""
+    if fwd is bwd:
+        return fwd
+    return SparseAttentionBackend(f"{fwd.name}+{bwd.name}", fwd.forward, bwd.backward, lambda d: True)
+
+
+def available_backend(name: str, device: torch.device) -> SparseAttentionBackend:
+    """The registered backend ``name`` as it is, one-sided or not (benchmarks time each side alone);
+    ``ValueError`` when it is unknown or cannot run on ``device``."""
     if name not in _BACKENDS:
         raise ValueError(f"backend: unknown sparse-attention backend {name!r}; choose from {['auto', *_BACKENDS]}")
     backend = _BACKENDS[name]
@@ -96,8 +137,8 @@ def _available(name: str, device: torch.device) -> SparseAttentionBackend:
 
 # ------------------------------------------------------------------------------------------ backends
 # The op chooses its kernels: this module imports dsv4cp.kernels (never the reverse) and registers
-# "torch" (the oracle), "triton" and "triton-deterministic" (own kernels, DESIGN 4.2) and the one-sided
-# library adapters "flashmla" (forward) and "cudnn" (backward), which enter "auto" never. Importing
+# "torch" (the oracle), "triton" and "triton-deterministic" (own kernels, docs/design.md §4.2) and the one-sided
+# library adapters "flashmla" (forward) and "cudnn" (backward), which "auto" prefers where available. Importing
 # triton or a library waits for first use: on CPU, Triton's interpreter needs TRITON_INTERPRET=1 set
 # before triton's first import.
 
@@ -124,17 +165,11 @@ def _triton_backward(deterministic: bool | None) -> Callable:
     return backward
 
 
-register_backend(
-    SparseAttentionBackend(
-        "torch", sparse_attention_torch.sparse_attention_forward,
-        sparse_attention_torch.sparse_attention_backward, available=lambda device: True,
-    ),
-    auto_rank=0,
-)
-# "auto" tries "triton" first only when CUDA is present at import, so CPU runs of "auto" keep the oracle
-# even when the interpreter is enabled for the kernel tests.
-register_backend(SparseAttentionBackend("triton", _triton_forward, _triton_backward(None), kernels.triton_available),
-                 auto_rank=0 if kernels.HAS_TRITON and torch.cuda.is_available() else None)
+register_backend(SparseAttentionBackend(
+    "torch", sparse_attention_torch.sparse_attention_forward, sparse_attention_torch.sparse_attention_backward,
+    available=lambda device: True,
+))
+register_backend(SparseAttentionBackend("triton", _triton_forward, _triton_backward(None), kernels.triton_available))
 register_backend(SparseAttentionBackend("triton-deterministic", _triton_forward, _triton_backward(True),
                                         kernels.triton_available))
 register_backend(SparseAttentionBackend(flashmla.NAME, flashmla.sparse_attention_forward, None, flashmla.available))

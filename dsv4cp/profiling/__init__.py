@@ -1,4 +1,4 @@
-"""Measurement (DESIGN 5): phase ranges, the timing protocol, memory points and the overlap analysis.
+"""Measurement (docs/design.md §5): phase ranges, the timing protocol, memory points and the overlap analysis.
 
 * ``nvtx``: the ``dsv4cp`` range table, ``nvtx_range``/``ranged`` and ``capture_range``.
 * ``timing``: ``benchmark`` (warm-up, barrier per repetition, max over ranks).

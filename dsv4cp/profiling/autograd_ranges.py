@@ -1,4 +1,4 @@
-"""Backward-pass phase ranges for regions that autograd builds itself (DESIGN 5, NVTX).
+"""Backward-pass phase ranges for regions that autograd builds itself (docs/design.md §5, NVTX).
 
 Custom autograd functions wrap their own backward in ``nvtx_range``. For a region of ordinary ops
 (a projection, the compressor) ``BackwardRegion`` puts identity nodes on its boundary: the one on

@@ -1,4 +1,4 @@
-"""Memory per measured point (DESIGN 5): allocator peak, device-level use and host RSS.
+"""Memory per measured point (docs/design.md §5): allocator peak, device-level use and host RSS.
 
 The caching allocator's peak (``max_memory_allocated`` after ``reset_peak_memory_stats``) misses
 memory allocated outside it, notably NCCL's buffers; ``torch.cuda.mem_get_info`` (total - free)

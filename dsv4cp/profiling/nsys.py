@@ -1,4 +1,4 @@
-"""Nsight Systems SQLite exports (``nsys export --type sqlite``) into overlap records (DESIGN 5).
+"""Nsight Systems SQLite exports (``nsys export --type sqlite``) into overlap records (docs/design.md §5).
 
 Tables and columns read (names as in NVIDIA's export schema; all times in ns on one clock):
 

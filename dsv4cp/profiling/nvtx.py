@@ -1,4 +1,4 @@
-"""Named phase ranges: NVTX (domain ``dsv4cp``) plus ``torch.profiler.record_function`` (DESIGN 5).
+"""Named phase ranges: NVTX (domain ``dsv4cp``) plus ``torch.profiler.record_function`` (docs/design.md §5).
 
 Layer code marks a phase with ``with nvtx_range("sparse_attn.fwd"):`` (or the ``ranged`` decorator).
 Names come from the fixed table ``PHASES``; an unknown name raises ``ValueError`` at once, so a typo
@@ -31,7 +31,7 @@ import torch
 
 try:
     import nvtx as _nvtx_lib
-except ImportError:  # the GPU image lacks the package (DESIGN 6); record_function ranges still work
+except ImportError:  # some GPU images lack the package; record_function ranges still work
     _nvtx_lib = None
 
 DOMAIN = "dsv4cp"

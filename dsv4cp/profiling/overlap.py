@@ -1,4 +1,4 @@
-"""Interval math of the breakdown and overlap table (DESIGN 5), shared by the Kineto and nsys loaders.
+"""Interval math of the breakdown and overlap table (docs/design.md §5), shared by the Kineto and nsys loaders.
 
 Inputs are plain records: kernels (GPU kernels, or CPU ops for a CPU-only trace) and named ranges,
 all on one clock in nanoseconds. Output is one row per (rank, phase) plus a ``total`` row per rank:
@@ -63,7 +63,7 @@ _NS_PER_MS = 1e6
 
 
 def is_comm_kernel(name: str) -> bool:
-    """DESIGN 5: kernels whose names start with ``nccl`` (case-insensitive) are communication."""
+    """docs/design.md §5: kernels whose names start with ``nccl`` (case-insensitive) are communication."""
     return name.lower().startswith("nccl")
 
 

@@ -1,4 +1,4 @@
-"""Timing protocol of DESIGN 5: warm up, barrier before each repetition, max over ranks.
+"""Timing protocol of docs/design.md §5: warm up, barrier before each repetition, max over ranks.
 
 ``benchmark(fn)`` runs ``fn`` ``warmup`` times untimed, then ``reps`` timed repetitions. Before each
 repetition every rank of the group meets at a barrier (so all ranks start together) and, when asked,
@@ -95,7 +95,7 @@ def benchmark(
     cuda_graph: bool = False,
     on_step: Callable[[str], object] | None = None,
 ) -> TimingResult:
-    """Time ``fn()`` following DESIGN 5 and return the max-over-ranks summary.
+    """Time ``fn()`` following docs/design.md §5 and return the max-over-ranks summary.
 
     Args:
         fn: the region to time; called with no arguments.
@@ -119,7 +119,7 @@ def benchmark(
     if cuda_graph and not on_gpu:
         raise ValueError(f"cuda_graph=True needs a CUDA device, got device={device}")
     if torch.autograd._profiler_enabled():
-        raise RuntimeError("benchmark() must not run while torch.profiler records (DESIGN 5)")
+        raise RuntimeError("benchmark() must not run while torch.profiler records (docs/design.md §5)")
     group = _resolve_group(group)
 
     with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():

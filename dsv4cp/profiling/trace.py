@@ -1,4 +1,4 @@
-"""Kineto (torch.profiler) traces: capture one per rank, and read them into overlap records (DESIGN 5).
+"""Kineto (torch.profiler) traces: capture one per rank, and read them into overlap records (docs/design.md §5).
 
 Capture: ``capture_trace(step_fn, out_dir)`` runs ``warmup`` profiled-but-discarded steps and
 ``steps`` recorded ones, each inside the ``dsv4cp.step`` range, and writes ``out_dir/rank{R}.json``.

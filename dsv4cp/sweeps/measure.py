@@ -1,4 +1,4 @@
-"""Measure one point: the layer step of ``profile`` and of every sweep point (DESIGN 5).
+"""Measure one point: the layer step of ``profile`` and of every sweep point (docs/design.md §5).
 
 :func:`measure_point` is called by every rank of the point's CP group (or by one process without
 torch.distributed for CP = 1). It builds the seeded packing (identical on all ranks), the seeded

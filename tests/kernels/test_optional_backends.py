@@ -8,13 +8,21 @@ query with no key, no ``-1`` inside ``topk_length`` for cuDNN). The adapters' pa
 un-padding are then checked against the oracle on random inputs with H = 3, 64 and 130, Kt = 70, 128
 and 200, empty (-1) slots, duplicated indices, a row with no valid key and topk_length (0 and > Kt).
 
+FlashMLA's two packagings: the ``sgl-flash-mla`` wheel's function takes ``use_legacy`` (its SM90 kernels
+need ``use_legacy=True``), an upstream build's may not; both fakes are exercised on a faked SM90 and SM100.
+
+"auto" per direction: fake backends (availability switched per test) check the preference order of each
+direction, the CPU rule (always "torch"), deterministic mode (no cuDNN backward) and the per-device cache.
+
 GPU (marked ``gpu``; each runs only where its real package imports): the real adapter against the
-oracle at T = 1024, H = 64, D = 512, Kt = 640 in bf16 (relative Frobenius error < 1e-2).
+oracle at T = 1024, H = 64, D = 512, Kt = 640 in bf16 (relative Frobenius error < 1e-2); the FlashMLA test
+also checks, through a spy, that the wheel gets ``use_legacy=True`` on SM90.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import subprocess
 import sys
@@ -80,10 +88,22 @@ def oracle_forward(q, kv, idx, sink, scale, topk_length):
 
 # ------------------------------------------------------------------------------------------ fakes
 class FakeFlashMLA:
-    """``flash_mla.flash_mla_sparse_fwd`` per FlashMLA's tests/ref.py, with the SM90 kernels' checks."""
+    """``flash_mla.flash_mla_sparse_fwd`` per FlashMLA's tests/ref.py, with the SM90 kernels' checks.
 
-    def __init__(self):
+    ``flash_mla_sparse_fwd`` is an upstream build's signature (no ``use_legacy``); ``wheel_sparse_fwd``
+    that of the ``sgl-flash-mla`` wheel, which on the SM it is told it runs on (``sm``) refuses SM90 unless
+    ``use_legacy=True``, as the real wheel does."""
+
+    def __init__(self, sm: int = 9):
         self.calls: list[dict] = []
+        self.sm = sm
+
+    def wheel_sparse_fwd(self, q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
+                         use_legacy=False):
+        if self.sm == 9 and not use_legacy:
+            raise RuntimeError("only supported on SM100f")
+        self.calls.append({"use_legacy": use_legacy})
+        return self.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
 
     def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
                              indexer_topk=0):
@@ -410,8 +430,136 @@ def test_registered_one_sided():
     backends = sa._BACKENDS
     assert backends["flashmla"].backward is None and backends["flashmla"].forward is not None
     assert backends["cudnn"].forward is None and backends["cudnn"].backward is not None
-    assert "flashmla" not in sa.AUTO_ORDER and "cudnn" not in sa.AUTO_ORDER
+    assert sa.AUTO_FORWARD_ORDER == ["flashmla", "triton"] and sa.AUTO_BACKWARD_ORDER == ["cudnn", "triton"]
     assert backends["cudnn"].available.missing_hint == cudnn_dsa.MISSING_HINT
+
+
+# ------------------------------------------------------------------------------------------ flashmla: use_legacy
+@pytest.fixture
+def fresh_signature_cache():
+    flashmla.accepts_use_legacy.cache_clear()
+    yield
+    flashmla.accepts_use_legacy.cache_clear()
+
+
+def test_use_legacy_read_from_the_signature(fresh_signature_cache):
+    fake = FakeFlashMLA()
+
+    class Unreadable:  # a C function whose signature inspect cannot read
+        __signature__ = "not a signature"
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    assert flashmla.accepts_use_legacy(fake.wheel_sparse_fwd)
+    assert not flashmla.accepts_use_legacy(fake.flash_mla_sparse_fwd)
+    assert not flashmla.accepts_use_legacy(Unreadable())
+    assert flashmla.accepts_use_legacy(functools.partial(fake.wheel_sparse_fwd))
+
+
+@pytest.mark.parametrize("packaging", ["wheel", "upstream"])
+@pytest.mark.parametrize("sm", [9, 10])
+def test_use_legacy_passed_on_sm90_when_accepted(monkeypatch, fresh_signature_cache, packaging, sm):
+    """The adapter on a faked SM90 / SM100 with either packaging: the wheel gets ``use_legacy=True`` on SM90
+    only (without it the fake refuses SM90, like the real wheel); an upstream build never sees the keyword
+    (it would raise TypeError). The signature is read once, not per call."""
+    fake = FakeFlashMLA(sm=sm)
+    module = types.ModuleType("flash_mla")
+    module.flash_mla_sparse_fwd = fake.wheel_sparse_fwd if packaging == "wheel" else fake.flash_mla_sparse_fwd
+    monkeypatch.setitem(sys.modules, "flash_mla", module)
+    monkeypatch.setattr(flashmla, "compute_capability_major", lambda device: sm)
+    reads = []
+    real_signature = flashmla.inspect.signature
+    monkeypatch.setattr(flashmla.inspect, "signature", lambda f: reads.append(f) or real_signature(f))
+
+    q, kv, idx, sink, scale, tl = make_case(17 + sm, 9, 130, 50, 70, topk=True)  # two head groups: two calls
+    for _ in range(2):
+        out, _lse = flashmla.sparse_attention_forward(q, kv, idx, sink, scale, tl)
+    ref_out, _ = oracle_forward(q, kv, idx, sink, scale, tl)
+    assert rel_fro(out, ref_out) < 1e-2
+    legacy = [call["use_legacy"] for call in fake.calls if "use_legacy" in call]
+    if packaging == "wheel":
+        assert legacy == [sm == 9] * 4
+    else:
+        assert legacy == [] and len(fake.calls) == 4
+    assert len(reads) == (1 if sm == 9 else 0)  # read once, and only where it matters
+
+
+def test_no_use_legacy_off_cuda(fresh_signature_cache):
+    assert flashmla.call_options(FakeFlashMLA().wheel_sparse_fwd, torch.device("cpu")) == {}
+
+
+# ------------------------------------------------------------------------------------------ "auto" per direction
+@pytest.fixture
+def fake_registry(monkeypatch):
+    """The real registry with "triton" (and "triton-deterministic"), "flashmla" and "cudnn" replaced by copies
+    whose availability is ``usable[name]`` (all True to start; a test switches them), and an empty "auto"
+    cache."""
+    usable = {"triton": True, "flashmla": True, "cudnn": True}
+    backends = dict(sa._BACKENDS)
+    for name in (*usable, "triton-deterministic"):
+        switch = name.partition("-")[0]
+        backends[name] = dataclasses.replace(backends[name], available=lambda d, switch=switch: usable[switch])
+    monkeypatch.setattr(sa, "_BACKENDS", backends)
+    monkeypatch.setattr(sa, "_AUTO_RESOLVED", {})
+    return usable
+
+
+CUDA = torch.device("cuda")  # never touched: the fake availability answers without asking CUDA
+
+
+@pytest.mark.parametrize("missing,expected", [
+    ((), "flashmla+cudnn"),
+    (("flashmla",), "triton+cudnn"),
+    (("cudnn",), "flashmla+triton"),
+    (("flashmla", "cudnn"), "triton"),
+    (("triton", "cudnn"), "flashmla+torch"),
+    (("triton", "flashmla", "cudnn"), "torch"),
+])
+def test_auto_takes_the_fastest_available_per_direction(fake_registry, missing, expected):
+    for name in missing:
+        fake_registry[name] = False
+    chosen = sa.resolve_backend("auto", CUDA)
+    assert chosen.name == expected
+    forward, backward = chosen.direction_names
+    assert chosen.forward is sa._BACKENDS[forward].forward
+    assert chosen.backward is sa._BACKENDS[backward].backward
+
+
+def test_auto_is_torch_off_cuda(fake_registry):
+    assert sa.resolve_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_auto_backward_avoids_cudnn_in_deterministic_mode(fake_registry, deterministic):
+    assert sa.resolve_backend("auto", CUDA).name == "flashmla+cudnn"
+    torch.use_deterministic_algorithms(True)
+    assert sa.resolve_backend("auto", CUDA).name == "flashmla+triton"
+
+
+def test_auto_is_resolved_once_per_device(fake_registry, monkeypatch):
+    asked = []
+    flash = sa._BACKENDS["flashmla"]
+    sa._BACKENDS["flashmla"] = dataclasses.replace(flash, available=lambda d: asked.append(d) or True)
+    first = sa.resolve_backend("auto", CUDA)
+    assert sa.resolve_backend("auto", CUDA) is first and len(asked) == 1
+    fake_registry["cudnn"] = False  # a later change is not seen until the registry changes
+    assert sa.resolve_backend("auto", CUDA).name == "flashmla+cudnn"
+    sa.register_backend(sa._BACKENDS["cudnn"])  # registering clears the cache
+    assert sa.resolve_backend("auto", CUDA).name == "flashmla+triton"
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("triton", "triton"), ("torch", "torch"), ("triton+cudnn", "triton+cudnn"), ("torch+torch", "torch"),
+    ("flashmla+triton-deterministic", "flashmla+triton-deterministic"),
+])
+def test_explicit_names_win_over_auto(fake_registry, name, expected):
+    assert sa.resolve_backend(name, CUDA).name == expected
+
+
+def test_direction_names():
+    make = functools.partial(sa.SparseAttentionBackend, forward=None, backward=None, available=lambda d: True)
+    assert make("flashmla+cudnn").direction_names == ("flashmla", "cudnn")
+    assert make("triton").direction_names == ("triton", "triton")
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine where the backend is unavailable")
@@ -447,15 +595,30 @@ def _gpu_case(seed, topk=False):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk", [False, True], ids=["full", "topk_length"])
-def test_real_flashmla_matches_oracle(topk):
+def test_real_flashmla_matches_oracle(monkeypatch, topk):
+    """The installed FlashMLA (wheel or source build) against the oracle; a spy with the real function's
+    signature records the keywords the adapter passes: ``use_legacy=True`` on SM90 when it is accepted."""
     problem = _real_problem(flashmla)
     if problem:
         pytest.skip(problem)
+    library = importlib.import_module("flash_mla")
+    real = library.flash_mla_sparse_fwd
+    seen = []
+
+    @functools.wraps(real)  # keeps the signature visible to inspect (through __wrapped__)
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_legacy"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(library, "flash_mla_sparse_fwd", spy)
+    flashmla.accepts_use_legacy.cache_clear()
     q, kv, idx, sink, scale, tl = _gpu_case(21, topk)
     out, lse = flashmla.sparse_attention_forward(q, kv, idx, sink, scale, tl)
     ref_out, ref_lse = oracle_forward(q, kv, idx, sink, scale, tl)
     assert rel_fro(out, ref_out) < 1e-2
     check_lse(lse, ref_lse, 1e-2)
+    on_sm90 = torch.cuda.get_device_capability()[0] == 9
+    assert seen == [True if on_sm90 and flashmla.accepts_use_legacy(real) else None]
 
 
 @pytest.mark.gpu

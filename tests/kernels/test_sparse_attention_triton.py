@@ -282,7 +282,7 @@ def test_registered_backend_serves_fp64_through_the_oracle(seed):
 def test_auto_order_torch_on_cpu_triton_on_cuda():
     assert resolve_backend("auto", torch.device("cpu")).name == "torch"
     if HAS_CUDA:
-        assert resolve_backend("auto", torch.device("cuda")).name == "triton"
+        assert "torch" not in resolve_backend("auto", torch.device("cuda")).direction_names  # triton or a library
 
 
 def test_set_deterministic_round_trip():

@@ -208,7 +208,7 @@ def test_profile_out_writes_the_same_record_schema(tmp_path, capsys):
     meta = read_meta(out)
     assert meta["spec"]["command"] == "profile" and meta["spec"]["tokens"] == 64 and meta["spec"]["backward"] is True
     assert (tmp_path / "trace" / "overlap.csv").exists()
-    assert "model: bound" in capsys.readouterr().out
+    assert "model (bound for machine " in capsys.readouterr().out
 
 
 @pytest.mark.slow
