@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dsv4cp.cli.main import build_parser
+from dsv4cp.sweeps.spec import expand, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -93,6 +95,16 @@ def test_every_shown_command_parses(doc):
                                               "sweep", "report", "compare"}
 
 
+def test_readme_spec_example_is_a_valid_spec():
+    """The README's sweep-spec example loads and expands: 3 ratios x 2 cp x 2 zipped (tokens, packing),
+    less the 3 points with cp 1 and histogram packing."""
+    blocks = [body for language, body in FENCED_BLOCK.findall(README.read_text()) if language == "yaml"]
+    assert len(blocks) == 1
+    points = expand(parse_spec(yaml.safe_load(blocks[0])))
+    assert len(points) == 9
+    assert not any(point.cp == 1 and point.packing == "histogram" for point in points)
+
+
 def test_a_renamed_flag_is_caught():
     """The check above can fail: a flag renamed today is rejected by the parser."""
     argv = _cli_argv(shlex.split("dsv4cp check-cp --backend nccl"))
@@ -100,15 +112,30 @@ def test_a_renamed_flag_is_caught():
         build_parser().parse_args(argv)
 
 
-def test_readme_links_resolve_and_nothing_points_outside():
-    text = README.read_text()
-    assert "../shared" not in text
-    assert not re.search(r"DESIGN(\.md| \d)", text), "refer to docs/design.md sections instead"
-    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+UNSHIPPED_REFERENCE = re.compile(r"\.\./shared|DESIGN(\.md| \d)")
+"""The design notes the project grew from are not shipped: users get ``docs/design.md §n`` instead."""
+
+
+def test_readme_points_only_at_shipped_docs():
+    assert not UNSHIPPED_REFERENCE.search(README.read_text()), "refer to docs/design.md sections instead"
+
+
+def test_package_messages_point_only_at_shipped_docs():
+    """Error messages and docstrings a user meets (``help()``, tracebacks) name only shipped files."""
+    offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                 for path in sorted((ROOT / "dsv4cp").rglob("*.py"))
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if UNSHIPPED_REFERENCE.search(line)]
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "results/README.md"])
+def test_doc_links_resolve(doc):
+    for target in re.findall(r"\]\(([^)\s]+)\)", (ROOT / doc).read_text()):
         if re.match(r"[a-z]+://", target):
             continue
         path = target.split("#", 1)[0]
-        assert (ROOT / path).exists(), f"README.md links to {target}, which does not exist"
+        assert ((ROOT / doc).parent / path).exists(), f"{doc} links to {target}, which does not exist"
 
 
 def test_example_file_is_the_readme_block():
