@@ -84,6 +84,16 @@ def _time_section(phases: pd.DataFrame) -> list[str]:
     return lines + [""]
 
 
+def _measured(headline: pd.DataFrame) -> pd.DataFrame:
+    """The headline's measured points (the others are listed under "Points that did not measure")."""
+    return headline[headline["status"] == "ok"].drop(columns="status").reset_index(drop=True)
+
+
+def _short_status(status: str, limit: int = 100) -> str:
+    """A status cut to ``limit`` characters: a library's install hint would make the table unreadable."""
+    return status if len(status) <= limit else status[: limit - 3] + "..."
+
+
 def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dict[str, Plot],
                    table_dir: str = "tables", plot_dir: str = "plots") -> str:
     """``summary.md``'s text: runs, headline table, targets, where the time goes, failed points, and
@@ -94,11 +104,12 @@ def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dic
              "Per point: median step time [p20, p80] in ms (max over ranks per repetition), tokens/s, TFLOP/s per "
              "GPU, MFU, measured / model bound, peak memory per rank (GiB, max over ranks), exposed "
              "communication as % of communication time (profiled points only).", "",
-             tables_module.to_markdown(tables["headline"])]
+             tables_module.to_markdown(_measured(tables["headline"]))]
     lines += _targets_section(df, tables["targets"])
     lines += _time_section(tables["phases"])
     if not tables["failures"].empty:
-        lines += ["## Points that did not measure", "", tables_module.to_markdown(tables["failures"])]
+        failed = tables["failures"].assign(status=tables["failures"]["status"].map(_short_status))
+        lines += ["## Points that did not measure", "", tables_module.to_markdown(failed)]
     lines += ["## Tables", ""]
     for name, table in tables.items():
         state = f"{len(table)} rows" if not table.empty else "empty: the runs lack the points it needs"

@@ -226,6 +226,8 @@ def measured_vs_bound(df: pd.DataFrame) -> pd.DataFrame:
     """Per point: measured time against the cost model's lower bound, FLOPs and achieved rates."""
     points = ok_points(df)
     axes = varying_axes(points) if len(points) else []
+    if "cp" in points and "cp" not in axes:  # the plot colours points by cp even when all share one
+        axes.append("cp")
     out = points[axes].copy()
     for column in ("time_ms_median", "bound_ms", "measured_over_bound", "tflops_per_gpu", "mfu"):
         out[column] = pd.to_numeric(points[column], errors="coerce")

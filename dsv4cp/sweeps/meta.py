@@ -1,9 +1,10 @@
 """What ``meta.json`` records about a run: code version, host, hardware and library versions.
 
-``git_sha`` comes from ``git rev-parse HEAD`` run in the repository the package was imported from,
-else from the environment variable ``DSV4CP_GIT_SHA`` (set it where the code was copied without
-its ``.git``, e.g. into a container). ``git_dirty`` says whether tracked files differ from that
-commit (None when git cannot tell).
+``git_sha`` comes from the environment variable ``DSV4CP_GIT_SHA`` when it is set (set it where the
+code was copied, e.g. onto a GPU machine: the copy may carry no ``.git``, or a stale one), else from
+``git rev-parse HEAD`` run in the repository the package was imported from. ``git_dirty`` says
+whether tracked files differ from that commit (None when git cannot tell, or the sha came from the
+variable).
 """
 
 from __future__ import annotations
@@ -37,11 +38,14 @@ def _git(*args: str) -> str | None:
 
 def git_sha() -> str | None:
     """The commit of the code being run (see the module docstring)."""
-    return _git("rev-parse", "HEAD") or os.environ.get(GIT_SHA_ENV) or None
+    # The variable wins: a copy of the tree (a GPU machine's) may carry a stale .git of another commit.
+    return os.environ.get(GIT_SHA_ENV) or _git("rev-parse", "HEAD") or None
 
 
 def git_dirty() -> bool | None:
     """Whether tracked files differ from HEAD; None when git cannot tell."""
+    if os.environ.get(GIT_SHA_ENV):
+        return None
     status = _git("status", "--porcelain", "--untracked-files=no")
     return None if status is None else bool(status)
 
