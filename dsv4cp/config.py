@@ -73,7 +73,7 @@ class DSv4Config:
 
     # ------------------------------------------------------------------ presets
     @classmethod
-    def preset(cls, name: str, **overrides) -> "DSv4Config":
+    def preset(cls, name: str, **overrides) -> DSv4Config:
         """``flash``, ``pro`` (the public checkpoints) or ``tiny`` (CPU tests); fields can be overridden."""
         if name not in _PRESETS:
             raise ValueError(f"preset: unknown preset {name!r}; choose one of {sorted(_PRESETS)}")
@@ -82,7 +82,7 @@ class DSv4Config:
         values.setdefault("name", name)
         return cls(**values)
 
-    def replace(self, **changes) -> "DSv4Config":
+    def replace(self, **changes) -> DSv4Config:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ derived

@@ -23,7 +23,8 @@ AXES: tuple[str, ...] = (
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
-``equal`` | ``balanced`` (rank row ranges, :func:`dsv4cp.cp.partition.partition`); ``dtype``: a ``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...)."""
+``equal`` | ``balanced`` (rank row ranges, :func:`dsv4cp.cp.partition.partition`); ``dtype``: a
+``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...)."""
 
 METRICS: tuple[str, ...] = (
     "time_ms_median", "time_ms_p20", "time_ms_p80",  # max over ranks per repetition, then the statistic

@@ -8,8 +8,17 @@ import torch
 from torch.func import functional_call
 
 from conftest import (
-    INDEXER_PREFIX, MICRO, assert_close_rel, assert_margin, cfg_for, make_layer, packed, param_state,
-    randn, run_reference, seed_of,
+    INDEXER_PREFIX,
+    MICRO,
+    assert_close_rel,
+    assert_margin,
+    cfg_for,
+    make_layer,
+    packed,
+    param_state,
+    randn,
+    run_reference,
+    seed_of,
 )
 
 # ratio -> (lengths, pad_to_multiple, tail)
@@ -27,7 +36,7 @@ def _is_zero_grad(g) -> bool:
     return g is None or bool(torch.all(g == 0))
 
 
-@pytest.mark.parametrize("r,loss", GRAD_PARAMS, ids=[f"r{r}-{l}" for r, l in GRAD_PARAMS])
+@pytest.mark.parametrize("r,loss", GRAD_PARAMS, ids=[f"r{r}-{loss}" for r, loss in GRAD_PARAMS])
 def test_gradients_match_reference(r, loss):
     lengths, pad, tail = GRAD_CASES[r]
     cfg = cfg_for(r, indexer_loss=loss)

@@ -14,8 +14,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import (
-    TINY, assert_close_rel, assert_margin, cfg_for, make_layer, packed, param_state, random_state,
-    randn, run_reference, seed_of,
+    TINY,
+    assert_close_rel,
+    assert_margin,
+    cfg_for,
+    make_layer,
+    packed,
+    param_state,
+    randn,
+    random_state,
+    run_reference,
+    seed_of,
 )
 from reference import hadamard_matrix, reference_forward, rope_frequencies
 
@@ -102,12 +111,12 @@ FP64_PARAMS = _with_losses(CASES)
 FP32_PARAMS = _with_losses([(r, n) for r, names in FP32_CASES.items() for n in names])
 
 
-@pytest.mark.parametrize("r,name,loss", FP64_PARAMS, ids=[f"r{r}-{n}-{l}" for r, n, l in FP64_PARAMS])
+@pytest.mark.parametrize("r,name,loss", FP64_PARAMS, ids=[f"r{r}-{n}-{loss}" for r, n, loss in FP64_PARAMS])
 def test_layer_matches_reference_fp64(r, name, loss):
     _compare_case(r, name, loss, torch.float64, 1e-10)
 
 
-@pytest.mark.parametrize("r,name,loss", FP32_PARAMS, ids=[f"r{r}-{n}-{l}" for r, n, l in FP32_PARAMS])
+@pytest.mark.parametrize("r,name,loss", FP32_PARAMS, ids=[f"r{r}-{n}-{loss}" for r, n, loss in FP32_PARAMS])
 def test_layer_fp32_matches_fp64_reference(r, name, loss):
     _compare_case(r, name, loss, torch.float32, 1e-5)
 

@@ -37,7 +37,8 @@ without a GPU (``triton.compile`` + cuobjdump; registers, shared memory, spills 
 * forward ``BLOCK_H=64, BLOCK_K=64, 8 warps, 2 stages``: 192 KB shared (q 64 KB + 2 x 64 KB of
   gathered rows, cp.async-pipelined), wgmma for both products, 255 registers, ~35 local-memory
   accesses per 64-key step. Triton lays the ``[64, BLOCK_K]`` logits out over warps [8, 1], so both
-  warpgroups compute the same q @ kv^T (the price of splitting the accumulator's columns). (``BLOCK_K=32, 3 stages``: 128 KB, no spill in the loop, more steps.)
+  warpgroups compute the same q @ kv^T (the price of splitting the accumulator's columns).
+  (``BLOCK_K=32, 3 stages``: 128 KB, no spill in the loop, more steps.)
 * dq kernel ``BLOCK_H=32, BLOCK_K=64, 8 warps, 2 stages``: 132 KB, mma.sync, 173 registers, no spill.
   With 64 heads (wgmma) it fits in 196 KB but spills ~200 registers per step.
 * dkv kernel ``BLOCK_K=64`` slots x 256 columns (128 when H > 64), 8 warps, 2 stages: 160 KB,

@@ -196,7 +196,8 @@ class DSv4Attention(PrecisionPinned):
         """Undo the query rotation on each head's output, then the grouped low-rank projection."""
         cfg = self.cfg
         out = rope_tail(out, positions, self.rope_freqs, inverse=True)
-        groups = out.reshape(out.shape[0], cfg.o_groups, cfg.n_heads // cfg.o_groups * cfg.head_dim)  # heads of a group are consecutive
+        # the heads of a group are consecutive
+        groups = out.reshape(out.shape[0], cfg.o_groups, cfg.n_heads // cfg.o_groups * cfg.head_dim)
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
         latent = torch.einsum("lgi,goi->lgo", groups, wo_a).flatten(1)
         return self.wo_b(latent)

@@ -11,12 +11,22 @@ roofline lower bounds from a :class:`Machine`'s ceilings, computed in closed for
 """
 
 from dsv4cp.model.costs import (
-    BOTH, COLUMNS, COMM_PHASES, DIRECTIONS, PHASES, DirectionSummary, LayerEstimate, estimate, layer_phases,
-    nvtx_ranges, phase_directions, range_to_phase,
+    BOTH,
+    COLUMNS,
+    COMM_PHASES,
+    DIRECTIONS,
+    PHASES,
+    DirectionSummary,
+    LayerEstimate,
+    estimate,
+    layer_phases,
+    nvtx_ranges,
+    phase_directions,
+    range_to_phase,
 )
 from dsv4cp.model.counts import RankCounts, document_extents, rank_counts
-from dsv4cp.model.machine import MACHINE_PRESETS, Machine
 from dsv4cp.model.extrapolate import EXTRAPOLATE_COLUMNS, extrapolate, measured_vs_bound
+from dsv4cp.model.machine import MACHINE_PRESETS, Machine
 
 __all__ = [
     "BOTH", "COLUMNS", "COMM_PHASES", "DIRECTIONS", "EXTRAPOLATE_COLUMNS", "MACHINE_PRESETS", "PHASES",

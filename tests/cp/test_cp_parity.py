@@ -36,7 +36,7 @@ def packings(cp: int) -> dict[str, tuple[tuple[int, ...], int | None, int]]:
 
 def cases_for(cp: int) -> list[CheckCase]:
     cases = []
-    for i, ((ratio, loss), (name, (lengths, total, pad))) in enumerate(
+    for i, ((ratio, loss), (_name, (lengths, total, pad))) in enumerate(
         itertools.product(LAYER_TYPES, packings(cp).items())
     ):
         overlap, recompute = MODES[i % len(MODES)]

@@ -247,7 +247,7 @@ def _body(rank: int, world: int, device) -> dict[int, tuple[int, dict]]:
     return mine
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run_all() -> dict[int, list[dict]]:
     per_rank = spawn(_body, WORLD)
     by_cp: dict[int, dict[int, dict]] = {cp: {} for cp in CPS}
@@ -290,7 +290,7 @@ def test_hidden_roll_gradcheck():
     packed = PackedSeqs.from_lengths((3, 0, 1, 5), pad_to_multiple=2, total=14)
     h = torch.randn(14, 3, dtype=torch.float64, requires_grad=True)
     for depth in (1, 2, 3):
-        assert torch.autograd.gradcheck(lambda x: roll_hidden_left(x, packed, depth), (h,))
+        assert torch.autograd.gradcheck(lambda x, depth=depth: roll_hidden_left(x, packed, depth), (h,))
 
 
 def test_default_fill_rule():

@@ -11,7 +11,14 @@ import pytest
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import halo_rows
 from dsv4cp.model import (
-    COLUMNS, EXTRAPOLATE_COLUMNS, Machine, estimate, extrapolate, measured_vs_bound, nvtx_ranges, range_to_phase,
+    COLUMNS,
+    EXTRAPOLATE_COLUMNS,
+    Machine,
+    estimate,
+    extrapolate,
+    measured_vs_bound,
+    nvtx_ranges,
+    range_to_phase,
 )
 from dsv4cp.model.costs import PHASES, layer_phases, phase_directions
 
