@@ -125,7 +125,7 @@ def weak_scaling(df: pd.DataFrame) -> Plot:
 def phase_times(df: pd.DataFrame) -> Plot:
     """Stacked per-phase busy time (compute + exposed comm, rank 0) per profiled point, ordered by cp."""
     table = tables.phase_breakdown(df)
-    table = table[table["phase"] != TOTAL]
+    table = table[(table["phase"] != TOTAL) & (table["rank"] == 0)]
     if table.empty:
         return Plot(None, "phase times: no profiled point (run the sweep with --profile)")
     axes = [a for a in table.columns if a in ("run", *AXES)]
@@ -156,7 +156,7 @@ def overlap_per_phase(df: pd.DataFrame) -> Plot:
     """Overlap ratio (hidden / total communication) of each communicating phase of each profiled
     point, as a heat map (points x phases; blank: the phase did not communicate)."""
     table = tables.phase_breakdown(df)
-    table = table[(table["comm_ms"] > 0) & (table["phase"] != TOTAL)]
+    table = table[(table["comm_ms"] > 0) & (table["phase"] != TOTAL) & (table["rank"] == 0)]
     if table.empty:
         return Plot(None, "overlap per phase: no profiled point with communication (profile a CP > 1 point)")
     axes = [a for a in table.columns if a in ("run", *AXES)]

@@ -70,9 +70,9 @@ def _time_section(phases: pd.DataFrame) -> list[str]:
     phases = phases[phases["phase"] != TOTAL] if len(phases) else phases
     if phases.empty:
         return lines + ["No profiled point (run the sweep with `--profile` for per-phase times).", ""]
-    axes = [c for c in phases.columns if c not in ("phase", *tables_module.PHASE_METRICS, "busy_ms")]
+    axes = [c for c in phases.columns if c not in ("rank", "phase", *tables_module.PHASE_METRICS, "busy_ms")]
     phases = phases.assign(point=tables_module.point_labels(phases, axes) if axes else "point")
-    for point, group in phases.groupby("point", sort=False):
+    for (point, rank), group in phases.groupby(["point", "rank"], sort=False):
         busy = group["busy_ms"].sum()
         top = group.sort_values("busy_ms", ascending=False).head(TOP_PHASES)
         parts = [f"{p.removeprefix('dsv4cp.')} {t:.3g} ms ({100 * t / busy:.0f}%)"
@@ -80,7 +80,7 @@ def _time_section(phases: pd.DataFrame) -> list[str]:
         comm, exposed = group["comm_ms"].sum(), group["exposed_comm_ms"].sum()
         comm_text = (f"; communication {comm:.3g} ms, {exposed:.3g} ms exposed ({100 * exposed / comm:.0f}%)"
                      if comm > 0 else "; no communication")
-        lines.append(f"- {point}: busy {busy:.3g} ms: " + ", ".join(parts) + comm_text)
+        lines.append(f"- {point}, rank {rank}: busy {busy:.3g} ms: " + ", ".join(parts) + comm_text)
     return lines + [""]
 
 

@@ -105,8 +105,8 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def phase_breakdown(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (profiled point, phase) of rank 0's overlap table, plus ``busy_ms`` = compute +
-    exposed comm (the phase's share of the step). Points without ``phases`` are left out."""
+    """One row per (profiled point, rank, phase) of the points' overlap tables, plus ``busy_ms`` =
+    compute + exposed comm (the phase's share of the rank's step). Points without ``phases`` are left out."""
     points = ok_points(df)
     axes = varying_axes(points) if len(points) else []
     rows = []
@@ -115,10 +115,11 @@ def phase_breakdown(df: pd.DataFrame) -> pd.DataFrame:
             continue
         for phase in point["phases"]:
             row = {a: point[a] for a in axes}
+            row["rank"] = phase.get("rank", 0)
             row["phase"] = phase.get("phase")
             row.update({m: phase.get(m) for m in PHASE_METRICS})
             rows.append(row)
-    out = pd.DataFrame(rows, columns=[*axes, "phase", *PHASE_METRICS])
+    out = pd.DataFrame(rows, columns=[*axes, "rank", "phase", *PHASE_METRICS])
     out[list(PHASE_METRICS)] = out[list(PHASE_METRICS)].apply(pd.to_numeric, errors="coerce")
     out["busy_ms"] = out["compute_ms"] + out["exposed_comm_ms"]
     return out
