@@ -271,3 +271,15 @@ def assert_margin(info: dict, tol: float) -> None:
     """The reference's top-k had no (near-)tie, so the selection is unambiguous at this precision."""
     m = info.get("topk_margin", math.inf)
     assert m > tol, f"top-k near-tie (relative margin {m:.2e}): the test's seed makes the selection ambiguous"
+
+
+def assert_parity_passes(cases, per_rank: list[list[list[dict]]]) -> None:
+    """Every quantity of every ``dsv4cp.cp.check`` case passed on all ranks (``per_rank[rank][case]``)."""
+    from dsv4cp.cp.check import merge_ranks
+
+    failures = []
+    for i, case in enumerate(cases):
+        for c in merge_ranks([rank_results[i] for rank_results in per_rank]):
+            if not c.passed:
+                failures.append(f"{case}: {c.quantity} rel error {c.max_rel_error:.2e}")
+    assert not failures, "\n".join(failures)

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsv4cp.cp.check import CheckCase, merge_ranks, run_cases
+from conftest import assert_parity_passes
+from dsv4cp.cp.check import CheckCase, run_cases
 from dsv4cp.cp.launch import spawn
 
 # (ratio, indexer-loss variant): W, C sparse, C dense, H (tiny preset: window 8 covers ratio 8).
@@ -51,25 +52,16 @@ def cases_for(cp: int) -> list[CheckCase]:
     return cases
 
 
-def _assert_all_pass(cases: list[CheckCase], per_rank: list[list[list[dict]]]) -> None:
-    failures = []
-    for i, case in enumerate(cases):
-        for c in merge_ranks([rank_results[i] for rank_results in per_rank]):
-            if not c.passed:
-                failures.append(f"{case}: {c.quantity} rel error {c.max_rel_error:.2e}")
-    assert not failures, "\n".join(failures)
-
-
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_cp_matches_cp1(cp: int) -> None:
     cases = cases_for(cp)
-    _assert_all_pass(cases, spawn(run_cases, cp, cases))
+    assert_parity_passes(cases, spawn(run_cases, cp, cases))
 
 
 @pytest.mark.slow
 def test_cp8_matches_cp1() -> None:
     cases = cases_for(8)[: len(LAYER_TYPES) * 3]
-    _assert_all_pass(cases, spawn(run_cases, 8, cases))
+    assert_parity_passes(cases, spawn(run_cases, 8, cases))
 
 
 def test_fp64_parity_is_tight() -> None:
@@ -77,7 +69,7 @@ def test_fp64_parity_is_tight() -> None:
     cases = [CheckCase(ratio=r, lengths=(5, 70, 0, 41), total=120, dtype="fp64", overlap=overlap,
                        recompute=recompute, config_overrides={"indexer_loss": loss})
              for r, loss in LAYER_TYPES for overlap, recompute in MODES]
-    _assert_all_pass(cases, spawn(run_cases, 3, cases))
+    assert_parity_passes(cases, spawn(run_cases, 3, cases))
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -91,4 +83,4 @@ def test_random_packings_match_cp1(cp: int, lengths: list[int], extra: int, rati
     padded_end = sum(lengths) + extra
     total = max(-(-padded_end // cp) * cp, 8 * cp)
     case = CheckCase(ratio=ratio, lengths=tuple(lengths), total=total, overlap="async")
-    _assert_all_pass([case], spawn(run_cases, cp, [case]))
+    assert_parity_passes([case], spawn(run_cases, cp, [case]))

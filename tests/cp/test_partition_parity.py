@@ -12,8 +12,9 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import assert_parity_passes
 from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
-from dsv4cp.cp.check import CheckCase, merge_ranks, run_cases
+from dsv4cp.cp.check import CheckCase, run_cases
 from dsv4cp.cp.launch import spawn
 from dsv4cp.cp.mtp import roll_hidden_left, roll_left
 from dsv4cp.cp.partition import RowSplit, halo_rows, partition
@@ -23,15 +24,6 @@ LAYER_TYPES = [(0, "sparse"), (4, "sparse"), (4, "dense"), (8, "sparse")]
 MODES = list(itertools.product(("none", "async"), (False, True)))  # (overlap, recompute)
 HALO = halo_rows(DSv4Config.preset("tiny"), 4, 2)
 """8 rows: the tiny preset's halo for every layer type (window 8; ratio 4 reaches 2 x 4, ratio 8 reaches 8)."""
-
-
-def _assert_all_pass(cases: list[CheckCase], per_rank) -> None:
-    failures = []
-    for i, case in enumerate(cases):
-        for c in merge_ranks([rank_results[i] for rank_results in per_rank]):
-            if not c.passed:
-                failures.append(f"{case}: {c.quantity} rel error {c.max_rel_error:.2e}")
-    assert not failures, "\n".join(failures)
 
 
 def _packings(cp: int) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -88,7 +80,7 @@ def test_unequal_slices_on_three_ranks() -> None:
     cases = straddling_cases()[:4] + [balanced[i] for i in (0, 5, 10, 15)]  # each layer type, packing, mode
     assert all(not c.row_split(3).is_equal for c in cases)  # unequal slices, or this proves nothing new
     per_rank = spawn(_cp3_checks, 3, cases)
-    _assert_all_pass(cases, [r["parity"] for r in per_rank])
+    assert_parity_passes(cases, [r["parity"] for r in per_rank])
     for rank, result in enumerate(per_rank):
         for (bounds, depth), checks in zip(ROLL_SPLITS, result["rolls"]):
             assert all(checks), (rank, bounds, depth, checks)
@@ -102,13 +94,13 @@ def test_unequal_slices_on_three_ranks() -> None:
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_balanced_split_matches_cp1(cp: int) -> None:
     cases = balanced_cases(cp) + (straddling_cases()[4:] if cp == 3 else [])
-    _assert_all_pass(cases, spawn(run_cases, cp, cases))
+    assert_parity_passes(cases, spawn(run_cases, cp, cases))
 
 
 @pytest.mark.slow
 def test_balanced_split_cp8_matches_cp1() -> None:
     cases = balanced_cases(8)[::4]  # one case per layer type
-    _assert_all_pass(cases, spawn(run_cases, 8, cases))
+    assert_parity_passes(cases, spawn(run_cases, 8, cases))
 
 
 @st.composite
@@ -128,7 +120,7 @@ def _split_cases(draw) -> CheckCase:
 @given(st.lists(_split_cases(), min_size=4, max_size=4))
 def test_random_splits_match_cp1(cases: list[CheckCase]) -> None:
     """Random documents (empty ones included) cut at a random point: one spawn runs all four."""
-    _assert_all_pass(cases, spawn(run_cases, 2, cases))
+    assert_parity_passes(cases, spawn(run_cases, 2, cases))
 
 
 # ---------------------------------------------------------------------------------- MTP rolls
