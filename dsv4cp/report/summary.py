@@ -34,19 +34,26 @@ def _runs_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _why(df: pd.DataFrame, point_id: str, run: str) -> str:
     """Where the CP = 2 target point's time and exposed communication go (its profiled phases)."""
-    matches = df[(df["run"] == run) & (df["point_id"] == point_id)]["phases"]
-    phases = matches.iloc[-1] if len(matches) else None
+    in_scope = df["point_id"] == point_id
+    if run != tables_module.ALL_RUNS:
+        in_scope &= df["run"] == run
+    profiled = [p for p in df[in_scope]["phases"] if isinstance(p, list)]
+    phases = profiled[-1] if profiled else None
     if not isinstance(phases, list):
         return "the point was not profiled (sweep --profile tells why)"
     rows = pd.DataFrame([p for p in phases if p.get("phase") != TOTAL])
     rows["busy_ms"] = rows["compute_ms"] + rows["exposed_comm_ms"]
     busiest = rows.nlargest(TOP_PHASES, "busy_ms")
     exposed = rows[rows["exposed_comm_ms"] > 0].nlargest(TOP_PHASES, "exposed_comm_ms")
-    parts = ["busiest phases " + ", ".join(f"{p.removeprefix('dsv4cp.')} {t:.3g} ms"
-                                           for p, t in zip(busiest["phase"], busiest["busy_ms"]))]
+    ranks = rows["rank"] if "rank" in rows else pd.Series(0, index=rows.index)
+
+    def named(table: pd.DataFrame, column: str) -> str:
+        return ", ".join(f"{p.removeprefix('dsv4cp.')} (rank {r}) {t:.3g} ms"
+                         for p, r, t in zip(table["phase"], ranks[table.index], table[column]))
+
+    parts = ["busiest phases " + named(busiest, "busy_ms")]
     if len(exposed):
-        parts.append("exposed communication in " + ", ".join(
-            f"{p.removeprefix('dsv4cp.')} {t:.3g} ms" for p, t in zip(exposed["phase"], exposed["exposed_comm_ms"])))
+        parts.append("exposed communication in " + named(exposed, "exposed_comm_ms"))
     return "; ".join(parts)
 
 

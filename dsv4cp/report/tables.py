@@ -266,6 +266,10 @@ TARGETS: tuple[Target, ...] = (
 NOT_MEASURED = "not measured in this run"
 
 
+ALL_RUNS = "all runs"
+"""The ``run`` of :func:`targets`' rows that pair points across runs."""
+
+
 def _target_pair(points: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
     """The first (CP = 1, CP = 2) pair of target-configuration points agreeing on every other axis."""
     mask = pd.Series(True, index=points.index)
@@ -284,11 +288,17 @@ def _target_pair(points: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
 def targets(df: pd.DataFrame) -> pd.DataFrame:
     """Per run and target: measured value, limit, ``met`` (yes / no / not measured), by how much it
     missed (``miss_pct`` = measured / limit - 1, in %, positive when missed) and the CP = 2 point's
-    ``point_id`` (where its profile says why)."""
+    ``point_id`` (where its profile says why). With several runs a last scope, ``all runs``, pairs
+    points across runs (a CP = 1 point of one sweep, a profiled CP = 2 point of another), preferring
+    profiled points, so a target no single run covers is still judged."""
     points = ok_points(df)
+    scopes = [(run, points[points["run"] == run]) for run in runs_of(df)]
+    if len(scopes) > 1:
+        profiled_first = points.assign(_profiled=points["comm_ms"].notna())
+        scopes.append((ALL_RUNS, profiled_first.sort_values("_profiled", ascending=False, kind="stable")))
     rows = []
-    for run in runs_of(df):
-        pair = _target_pair(points[points["run"] == run])
+    for run, scope in scopes:
+        pair = _target_pair(scope)
         measured: list[float] = [math.nan] * len(TARGETS)
         cp2_point = pair[1]["point_id"] if pair is not None else None
         if pair is not None:

@@ -93,7 +93,7 @@ def test_targets_measured_met_and_missed(tmp_path, seed):
     slow_cp2 = {point_id(points[1]): 1.3}  # CP=2 ~0.53x of CP=1 -> ~0.69x
     missed = write_run(tmp_path / "missed", points, seed=seed, slowdown=slow_cp2)
     table = tables.targets(load_runs([met, missed]))
-    assert len(table) == 6
+    assert len(table) == 9 and set(table["run"]) == {"met", "missed", tables.ALL_RUNS}
     for run, path in (("met", met), ("missed", missed)):
         one, two = read_records(path)
         rows = table[table["run"] == run].set_index("target")
@@ -106,6 +106,21 @@ def test_targets_measured_met_and_missed(tmp_path, seed):
             two["exposed_comm_ms"] / two["comm_ms"])
     miss = table[(table["run"] == "missed") & (table["target"] == "CP=2 time / CP=1 time")].iloc[0]
     assert miss["met"] == "no" and miss["miss_pct"] == pytest.approx(100 * (miss["measured"] / 0.55 - 1))
+
+
+def test_targets_pair_points_across_runs(tmp_path, seed):
+    """CP = 1 measured by one sweep, the profiled CP = 2 point by another: only "all runs" judges them."""
+    one, two = grid(cp=[1, 2], tokens=[65536], packing=["histogram"], overlap=["async"])
+    cp1_run = write_run(tmp_path / "cp1", [one], seed=seed)
+    cp2_run = write_run(tmp_path / "cp2", [two], seed=seed + 1)
+    table = tables.targets(load_runs([cp1_run, cp2_run])).set_index(["run", "target"])
+    assert (table.loc["cp1", "met"] == tables.NOT_MEASURED).all()
+    assert (table.loc["cp2", "met"] == tables.NOT_MEASURED).all()
+    (r1,), (r2,) = read_records(cp1_run), read_records(cp2_run)
+    both = table.loc[tables.ALL_RUNS]
+    assert both.loc["CP=2 time / CP=1 time", "measured"] == pytest.approx(r2["time_ms_median"] / r1["time_ms_median"])
+    assert both.loc["CP=2 exposed comm / comm time", "measured"] == pytest.approx(
+        r2["exposed_comm_ms"] / r2["comm_ms"])
 
 
 def test_targets_not_measured_without_the_target_point_or_a_profile(tmp_path, seed):
