@@ -99,8 +99,12 @@ def test_dense_loss_in_chunks_equals_materialised(monkeypatch):
         err = (g - e).abs().max() / e.abs().max()
         assert err <= 1e-12, f"seed={seed}: {name} gradient relative error {err:.3e}"
 
+    grad_calls = []
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: grad_calls.append(1) or real_grad(*a, **k))
     with torch.no_grad():  # no gradient wanted: the same value, no gradient work
         assert abs(_chunked_loss(cfg, pk, layout, t) - expected) <= 1e-12 * abs(expected), f"seed={seed}"
+    assert not grad_calls, f"{len(grad_calls)} chunk gradients computed under no_grad"
 
 
 @pytest.mark.parametrize("variant,entries", [("dense", "tensor"), ("sparse", "callable"), ("full", "tensor")])

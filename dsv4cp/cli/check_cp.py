@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_case(args: argparse.Namespace, cp: int, device: torch.device) -> CheckCase:
     """Validate everything on the host, before any process or collective starts."""
-    inputs = layer_inputs(args)
+    inputs = layer_inputs(args, cp)
     if args.partition == "equal":
         split_rows(inputs.packed.total, cp, inputs.cfg, args.ratio, field="--tokens")
     check_memory(inputs, args.ratio, 1, backward=True, dtype=DTYPES[args.dtype], recompute=args.recompute,

@@ -340,8 +340,9 @@ class LayerInputs:
     """``lengths`` when --lengths was given, else the --packing name."""
 
 
-def layer_inputs(args: argparse.Namespace) -> LayerInputs:
-    """Resolve :func:`add_layer_options`' values; every error names its flag."""
+def layer_inputs(args: argparse.Namespace, cp: int = 1) -> LayerInputs:
+    """Resolve :func:`add_layer_options`' values for ``cp`` ranks (the adversarial packing straddles
+    their boundaries); every error names its flag."""
     from dsv4cp.workloads import pack_lengths
 
     cfg = DSv4Config.preset(args.preset, indexer_loss=args.loss)
@@ -355,8 +356,10 @@ def layer_inputs(args: argparse.Namespace) -> LayerInputs:
     else:
         packing = args.packing
         tokens = args.tokens if args.tokens is not None else args._tokens_default
-        doc_len = args.doc_len if args.doc_len is not None else max(1, tokens // 8)
-        lengths = pack_lengths(tokens, args.packing, doc_len=doc_len, seed=args.seed)
+        doc_len = args.doc_len
+        if doc_len is None and args.packing == "fixed":
+            doc_len = max(1, tokens // 8)
+        lengths = pack_lengths(tokens, args.packing, doc_len=doc_len, seed=args.seed, cp=cp, ratio=args.ratio)
     try:
         packed = PackedSeqs.from_lengths(lengths, pad_to_multiple=args.pad_to_multiple, total=tokens)
     except ValueError as err:

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         device, group, cp, rank = torch.device("cuda" if torch.cuda.is_available() else "cpu"), None, 1, 0
     point = point_from_args(args, cp, device)
-    check_memory(layer_inputs(args), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
+    check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
                  recompute=args.recompute, device=device, force=args.force)
 
     with step_progress(args.warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     options = SweepOptions(
         out=out, resume=args.resume, retry_errors=args.retry_errors, profile=args.profile, nsys=args.nsys,
         check=args.check, point_timeout_s=args.point_timeout,
-        dist_backend=resolve_dist_backend(args, distributed=distributed) if distributed else "gloo",
+        dist_backend=resolve_dist_backend(args, distributed=distributed),  # refuses a flag a 1-rank run ignores
         progress=progress_enabled(args.progress, rank), machine=machine_from_args(args),
     )
     summary = run_sweep(spec, options, nproc=args.nproc)

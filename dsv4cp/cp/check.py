@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp.config import DTYPES, DSv4Config
-from dsv4cp.cp.partition import POLICIES, RowSplit, partition
+from dsv4cp.cp.partition import POLICIES, RowSplit, as_split, partition
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.packing import PackedSeqs
 
@@ -64,9 +64,11 @@ class CheckCase:
         return DSv4Config.preset(self.preset, **self.config_overrides)
 
     def row_split(self, cp: int) -> RowSplit:
-        """The ranks' row ranges over ``cp`` ranks (validated by the layer before any collective)."""
+        """The ranks' row ranges over ``cp`` ranks; an explicit ``split`` is checked here (cp + 1 points from 0
+        to T, ascending) so a malformed one raises ``ValueError`` before a rank slices its rows with it, and
+        the layer checks the halo before any collective."""
         if self.split is not None:
-            return RowSplit(tuple(self.split))
+            return as_split(self.split, self.packed().total, cp)
         return partition(self.packed(), cp, self.config(), self.ratio, policy=self.partition)
 
     def packed(self, device: torch.device | None = None) -> PackedSeqs:

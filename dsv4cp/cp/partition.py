@@ -358,6 +358,8 @@ def partition(
         raise ValueError(f"cp: must be a positive int, got {cp!r}")
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise ValueError(f"align: must be a positive int, got {align!r}")
+    if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
+        raise ValueError(f"min_rows: must be a positive int, got {min_rows!r}")
     cfg.check_ratio(ratio)
     field = "packed.total" if isinstance(packed, PackedSeqs) else "total"
     if isinstance(packed, PackedSeqs):

@@ -65,11 +65,12 @@ def dense_chunk_rows(entries: int, heads: int, head_dim: int, index_heads: int, 
 class _ChunkedKL(torch.autograd.Function):
     """``sum`` over row chunks of ``chunk_loss(rows, q_rows, w_rows, keys)``, differentiable in
     ``index_q [L, Hi, Di]``, ``index_w [L, Hi]`` and ``index_keys [G, Di]``; gradients are computed chunk by
-    chunk in the forward and saved (the output is a scalar)."""
+    chunk in the forward and saved (the output is a scalar), only when ``grad_enabled`` (the caller's grad
+    mode: ``needs_input_grad`` ignores it, so under ``no_grad`` the gradients would be computed for nothing)."""
 
     @staticmethod
-    def forward(ctx, index_q, index_w, index_keys, chunk_loss: Callable, step: int):
-        needs = ctx.needs_input_grad[:3]
+    def forward(ctx, index_q, index_w, index_keys, chunk_loss: Callable, step: int, grad_enabled: bool):
+        needs = tuple(need and grad_enabled for need in ctx.needs_input_grad[:3])
         work = torch.promote_types(index_q.dtype, torch.float32)
         total = torch.zeros((), dtype=work, device=index_q.device)
         dq = torch.zeros_like(index_q) if needs[0] else None
@@ -102,7 +103,7 @@ class _ChunkedKL(torch.autograd.Function):
             dq = None if dq is None else grad.to(dq.dtype) * dq
             dw = None if dw is None else grad.to(dw.dtype) * dw
             dkeys = None if dkeys is None else (grad * dkeys).to(ctx.key_dtype)
-            return dq, dw, dkeys, None, None
+            return dq, dw, dkeys, None, None, None
 
 
 def indexer_loss(
@@ -165,7 +166,7 @@ def indexer_loss(
 
     m = scored_entries(slice(0, 0)).shape[1]  # M from a call on no rows
     step = dense_chunk_rows(m, q.shape[1], q.shape[2], index_q.shape[1], index_q.shape[2])
-    total = _ChunkedKL.apply(index_q, index_w, index_keys, chunk_loss, step)
+    total = _ChunkedKL.apply(index_q, index_w, index_keys, chunk_loss, step, torch.is_grad_enabled())
     return total * (coeff / max(global_real_tokens, 1))
 
 

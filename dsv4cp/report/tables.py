@@ -15,6 +15,7 @@ import pandas as pd
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.model import estimate
+from dsv4cp.model.partition import policy_split
 from dsv4cp.profiling.overlap import COLUMNS as OVERLAP_COLUMNS
 from dsv4cp.records import AXES, STATUS_OK
 from dsv4cp.workloads import packing_lengths
@@ -207,15 +208,20 @@ def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
     time bound) for the point's packing, beside the measured per-rank time imbalance.
 
     The model sees the same document lengths the sweep packed (``workloads.packing_lengths`` with the
-    point's seed), so a gap between the columns is the part the FLOP count does not explain. Points
-    missing an axis the model needs are left out."""
+    point's seed) and the same row split (the point's ``partition``), so a gap between the columns is the
+    part the FLOP count does not explain. Points missing an axis the model needs are left out."""
     points = ok_points(df).dropna(subset=list(MODEL_AXES))
     axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
     rows = []
     for _, point in points.iterrows():
         cp, tokens, ratio = int(point["cp"]), int(point["tokens"]), int(point["ratio"])
         lengths = packing_lengths(point["packing"], tokens, cp=cp, ratio=ratio, seed=int(point["seed"] or 0))
-        summary = estimate(DSv4Config.preset(point["preset"]), ratio, lengths, cp, total=tokens).summary(point["pass"])
+        loss, policy = point["loss"], point["partition"]
+        cfg = DSv4Config.preset(point["preset"], **({"indexer_loss": loss} if isinstance(loss, str) else {}))
+        # the rows each rank measured; a balanced split as the sweep computes it at its default --machine
+        split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal", total=tokens,
+                             direction=point["pass"])
+        summary = estimate(cfg, ratio, lengths, cp, total=tokens, split=split).summary(point["pass"])
         rows.append({**{a: point[a] for a in axes}, "model_flops_imbalance": summary.flops_imbalance,
                      "model_time_imbalance": summary.time_imbalance,
                      "measured_imbalance": point["imbalance_max_over_mean"]})
@@ -237,8 +243,10 @@ def measured_vs_bound(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def failures(df: pd.DataFrame) -> pd.DataFrame:
-    """Points that did not measure (oom, error, skipped) with their status."""
-    bad = df[df["status"] != STATUS_OK]
+    """Points that did not measure (oom, error, skipped) with their status. Only a point's latest record
+    in its run counts: an error that ``sweep --resume --retry-errors`` measured again is not listed."""
+    latest = ~df.duplicated(["run", "point_id"], keep="last")
+    bad = df[(df["status"] != STATUS_OK) & latest]
     return bad[[*varying_axes(df), "status"]].reset_index(drop=True)
 
 

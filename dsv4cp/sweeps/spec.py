@@ -304,15 +304,22 @@ def expand(spec: SweepSpec) -> list[Point]:
         values = dict(spec.base)
         for part in combo:
             values.update(part)
-        if any(all(values.get(k) == v for k, v in rule.items()) for rule in spec.exclude):
+        if _excluded(values, spec.exclude):  # before make_point: a rule may drop a combination it rejects
             continue
         point = make_point(values)
+        if _excluded(point.axes(), spec.exclude):  # rules naming a default or a derived axis (tokens_per_rank)
+            continue
         if point.point_id not in seen:
             seen.add(point.point_id)
             points.append(point)
     if not points:
         raise ValueError(f"spec {spec.name!r}: no point left after the exclude rules")
     return points
+
+
+def _excluded(values: Mapping[str, Any], rules: tuple[Mapping[str, Any], ...]) -> bool:
+    """Whether every key of some exclude rule matches ``values`` (record axis names)."""
+    return any(all(k in values and values[k] == v for k, v in rule.items()) for rule in rules)
 
 
 def make_point(values: Mapping[str, Any]) -> Point:

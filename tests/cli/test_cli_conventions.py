@@ -168,3 +168,15 @@ def test_run_command_maps_errors_to_one_line_and_an_exit_code(capsys):
     assert capsys.readouterr().err == "dsv4cp layer: error: --tokens: must be positive, got 0\n"
     with pytest.raises(KeyError):  # a bug keeps its traceback
         run_command("layer", _raise(KeyError("bug")))
+
+
+def test_adversarial_packing_is_built_for_the_commands_ranks(seed):
+    """--packing adversarial needs the rank count: check-cp and profile pass theirs, as the sweeps do."""
+    from dsv4cp.cli.common import layer_inputs
+    from dsv4cp.workloads import packing_lengths
+
+    args = _subparsers()["check-cp"].parse_args(["--tokens", "64", "--packing", "adversarial", "--ratio", "4",
+                                                 "--seed", str(seed % 1000)])
+    inputs = layer_inputs(args, 2)
+    assert inputs.lengths == packing_lengths("adversarial", 64, cp=2, ratio=4, seed=seed % 1000)
+    assert inputs.packed.total == 64 and len(inputs.lengths) > 2

@@ -162,6 +162,9 @@ def test_partition_rejects_bad_arguments() -> None:
         partition([64], 0, TINY, 4)
     with pytest.raises(ValueError, match="direction: must be one of"):
         partition([64], 2, TINY, 4, direction="both")
+    for bad in (0, -8, 2.5, True):
+        with pytest.raises(ValueError, match="^min_rows: must be a positive int"):
+            partition([64], 2, TINY, 4, policy="balanced", min_rows=bad)
     with pytest.raises(ValueError, match="^total: 63 rows are not divisible by cp=2"):
         partition([63], 2, TINY, 4)
     with pytest.raises(ValueError, match="^packed.total: 63 rows are not divisible by cp=2"):
@@ -171,6 +174,16 @@ def test_partition_rejects_bad_arguments() -> None:
         partition([4 * halo - 1], 4, TINY, 4, policy="balanced")
     with pytest.raises(InfeasibleSplitError, match="align"):
         partition([40], 2, TINY, 4, policy="balanced", align=36)  # only 0 and 36 are boundaries: 4 rows left
+
+
+def test_check_case_rejects_a_malformed_split_before_slicing() -> None:
+    """check-cp's ranks slice their rows with the case's split: a malformed one is a ValueError first."""
+    from dsv4cp.cp.check import CheckCase
+
+    case = CheckCase(ratio=4, lengths=(60,), total=60, split=(0, 60))
+    with pytest.raises(ValueError, match="^split.bounds: must hold cp \\+ 1 = 3"):
+        case.row_split(2)
+    assert CheckCase(ratio=4, lengths=(60,), total=60, split=(0, 20, 60)).row_split(2).bounds == (0, 20, 60)
 
 
 def test_split_accessors() -> None:

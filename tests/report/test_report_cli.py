@@ -15,7 +15,7 @@ def test_report_of_one_run_writes_summary_tables_and_plots(scaling_run, capsys):
     out = scaling_run / "report"
     assert capsys.readouterr().out.strip() == str(out / "summary.md")
     names = ["headline", "targets", "phases", "strong_scaling", "weak_scaling", "overlap", "memory", "imbalance",
-             "measured_vs_bound", "failures"]
+             "model_imbalance", "measured_vs_bound", "failures"]
     for name in names:
         assert (out / "tables" / f"{name}.csv").is_file() and (out / "tables" / f"{name}.md").is_file(), name
     headline = pd.read_csv(out / "tables" / "headline.csv")

@@ -87,6 +87,15 @@ def test_phase_breakdown_memory_imbalance_and_bound(scaling_run):
     assert tables.failures(df)["status"].tolist() == ["oom"]
 
 
+def test_failures_list_only_a_points_latest_record(tmp_path, seed):
+    # a sweep resumed with --retry-errors appends the point again: its first error is superseded
+    points = grid(cp=[1, 2], tokens=[4096])
+    run = write_run(tmp_path / "run", points, seed=seed, statuses={0: "error: RuntimeError: flaky", 1: "oom"})
+    write_run(run, points[:1], seed=seed)  # point 0 measured again, ok; point 1 left as it was
+    failed = tables.failures(load_runs(run))
+    assert failed["status"].tolist() == ["oom"]
+
+
 def test_targets_measured_met_and_missed(tmp_path, seed):
     points = grid(cp=[1, 2], tokens=[65536], packing=["histogram"], overlap=["async"])
     met = write_run(tmp_path / "met", points, seed=seed)
@@ -162,3 +171,21 @@ def test_model_imbalance_is_the_cost_model_on_the_points_packing(tmp_path, seed)
     expected = estimate(DSv4Config.preset("flash"), 4, lengths, 2, total=4096).summary("fwd+bwd")
     assert row["model_flops_imbalance"] == pytest.approx(expected.flops_imbalance)
     assert row["model_flops_imbalance"] > 1.0  # a sampled histogram never splits FLOPs exactly evenly
+
+
+def test_model_imbalance_of_a_balanced_point_uses_its_balanced_split(tmp_path, seed):
+    from dsv4cp.config import DSv4Config
+    from dsv4cp.model import estimate
+    from dsv4cp.model.partition import policy_split
+    from dsv4cp.workloads import packing_lengths
+
+    points = grid(cp=[2], tokens=[16384], packing=["histogram"], partition=["equal", "balanced"],
+                  seed=[seed % 1000])
+    table = tables.model_imbalance(load_runs(write_run(tmp_path / "p", points, seed=seed)))
+    equal, balanced = (table[table["partition"] == p].iloc[0] for p in ("equal", "balanced"))
+    cfg = DSv4Config.preset("flash")
+    lengths = packing_lengths("histogram", 16384, cp=2, ratio=4, seed=seed % 1000)
+    split = policy_split(cfg, 4, lengths, 2, "balanced", total=16384)
+    expected = estimate(cfg, 4, lengths, 2, total=16384, split=split).summary("fwd+bwd")
+    assert balanced["model_time_imbalance"] == pytest.approx(expected.time_imbalance)
+    assert balanced["model_time_imbalance"] < equal["model_time_imbalance"]  # what balancing is for

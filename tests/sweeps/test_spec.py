@@ -38,6 +38,14 @@ def test_zip_varies_axes_together_and_exclude_drops_matches():
     assert got == [(128, "one", 1), (128, "one", 2), (256, "fixed:64", 1), (512, "histogram", 2)]
 
 
+def test_exclude_matches_default_and_derived_axis_values():
+    # cp is left at its default 1, and tokens_per_rank follows from tokens and cp: rules still match them
+    defaulted = parse_spec(_spec(axes={"ratio": [0, 4]}, exclude=[{"cp": 1, "ratio": 4}]))
+    assert [p.ratio for p in expand(defaulted)] == [0]
+    derived = parse_spec(_spec(axes={"cp": [1, 2]}, exclude=[{"tokens_per_rank": 128}]))
+    assert [(p.cp, p.tokens_per_rank) for p in expand(derived)] == [(1, 256)]
+
+
 def test_tokens_per_rank_scales_with_cp_and_dedupes_equal_points():
     spec = parse_spec(_spec(base={"tokens_per_rank": 128}, axes={"cp": [1, 2, 4]}))
     assert [(p.cp, p.tokens, p.tokens_per_rank) for p in expand(spec)] == [(1, 128, 128), (2, 256, 128), (4, 512, 128)]

@@ -111,6 +111,14 @@ def test_refuses_an_existing_run_without_resume_before_launching(tmp_path, capsy
     assert len(read_records(out)) == 1
 
 
+def test_dist_backend_on_a_one_rank_sweep_is_refused_before_launching(tmp_path, capsys):
+    spec = _write_spec(tmp_path / "one.yaml", base={"tokens": 32, "cp": 1, "ratio": 0, "pass": "fwd"})
+    out = tmp_path / "run"
+    assert main(["sweep", str(spec), "--out", str(out), "--dist-backend", "gloo", "--progress", "off"]) == 2
+    assert "--dist-backend: gloo has no effect on a single-process run" in capsys.readouterr().err
+    assert not (out / "records.jsonl").exists()
+
+
 def test_one_rank_skips_larger_cp_and_retries_errors_on_request(tmp_path, capsys):
     # the second point's documents (20 tokens) overflow its 16 tokens: valid in the spec, fails when run
     spec = _write_spec(tmp_path / "small.yaml", base={"ratio": 0, "pass": "fwd"},
