@@ -3,8 +3,9 @@
 The caching allocator's peak (``max_memory_allocated`` after ``reset_peak_memory_stats``) misses
 memory allocated outside it, notably NCCL's buffers; ``torch.cuda.mem_get_info`` (total - free)
 sees the whole device, including other processes. On CPU the process resident set is reported:
-the peak from ``getrusage`` (process lifetime, it cannot be reset) and the current value from
-``/proc/self/statm`` where that exists. Every field is in bytes; a field that cannot be measured
+the peak since the tracked region began (Linux: ``VmHWM``, reset on entry through
+``/proc/self/clear_refs``; elsewhere ``getrusage``'s peak over the process's life) and the current
+value from ``/proc/self/statm`` where that exists. Every field is in bytes; a field that cannot be measured
 on this device or platform is None.
 
     with track_memory() as mem:
@@ -41,7 +42,7 @@ class MemorySample:
     """Device total minus free at the end of the region: includes NCCL buffers and other processes."""
     device_total_bytes: int | None
     host_peak_rss_bytes: int | None
-    """Peak resident set of this process over its whole life (not resettable)."""
+    """Peak resident set of this process since the region began (Linux), else over its whole life."""
     host_rss_bytes: int | None
     """Resident set of this process at the end of the region."""
 
@@ -49,8 +50,27 @@ class MemorySample:
         return asdict(self)
 
 
+def reset_host_peak_rss() -> bool:
+    """Lower this process's peak-RSS mark (``VmHWM``) to its current RSS (Linux >= 4.0), so that a
+    sweep's later, smaller point does not report an earlier point's peak; False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def host_peak_rss_bytes() -> int | None:
-    """Peak RSS of this process; ``ru_maxrss`` is KiB on Linux and bytes on macOS."""
+    """Peak RSS of this process: ``VmHWM`` of ``/proc/self/status`` (resettable, see
+    :func:`reset_host_peak_rss`), else ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     if resource is None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -117,6 +137,7 @@ def track_memory(device: torch.device | str | None = None) -> Iterator[MemoryTra
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    reset_host_peak_rss()
     tracker = MemoryTracker()
     yield tracker
     tracker.result = sample_memory(device)

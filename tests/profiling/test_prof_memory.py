@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4cp.profiling.memory import MemorySample, sample_memory, track_memory
+from dsv4cp.profiling.memory import MemorySample, reset_host_peak_rss, sample_memory, track_memory
 
 
 def test_track_memory_on_cpu_reports_host_rss():
@@ -21,6 +21,22 @@ def test_track_memory_on_cpu_reports_host_rss():
         "device", "peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes", "device_total_bytes",
         "host_peak_rss_bytes", "host_rss_bytes",
     }
+
+
+def test_each_tracked_region_reports_its_own_host_peak():
+    """A sweep measures many points in one process: a small point after a large one must not report
+    the large one's peak (it did while the peak was getrusage's lifetime maximum)."""
+    if not reset_host_peak_rss():
+        pytest.skip("this platform cannot reset the peak RSS (/proc/self/clear_refs)")
+    big = 256 * 2**20
+    with track_memory("cpu") as large:
+        block = torch.ones(big, dtype=torch.uint8)
+        del block
+    with track_memory("cpu") as small:
+        block = torch.ones(2**20, dtype=torch.uint8)
+    assert block.sum() == 2**20  # the small block was really touched
+    assert large.result.host_peak_rss_bytes - small.result.host_peak_rss_bytes > big // 2
+    assert small.result.host_peak_rss_bytes >= small.result.host_rss_bytes
 
 
 def test_sample_memory_rejects_other_devices():
