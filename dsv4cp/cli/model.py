@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     for direction in ("fwd", "bwd", BOTH):
         s = est.summary(direction)
-        print(f"{direction:>7}: model {s.model_flops / 1e12:.3f} TFLOP (+{(s.total_flops - s.model_flops) / 1e9:.2f}"
+        print(f"{direction:>7}: model {s.model_flops / 1e12:.3f} TFLOP (+{s.halo_flops / 1e9:.2f}"
               f" GFLOP halo), flops imbalance {s.flops_imbalance:.3f}, bound {s.bound_overlap_s * 1e3:.3f} ms "
               f"overlapped / {s.bound_serial_s * 1e3:.3f} ms serial (compute {s.compute_s * 1e3:.3f}, comm "
               f"{s.comm_s * 1e3:.3f}, attention {s.attention_s * 1e3:.3f}), time imbalance {s.time_imbalance:.3f}, "

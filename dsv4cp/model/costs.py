@@ -295,8 +295,9 @@ def _phase_costs(cfg: DSv4Config, n: RankCounts, machine: Machine, act_bytes: in
 class DirectionSummary:
     """Whole-layer numbers of one direction (``fwd``, ``bwd`` or ``fwd+bwd``); times in seconds.
 
-    ``rank_*`` tuples are indexed by rank. ``model_flops`` = ``total_flops`` minus the halo
-    redundancy, i.e. the CP = 1 FLOPs (what TFLOPs/GPU divides). Imbalances are max / mean
+    ``rank_*`` tuples are indexed by rank. ``model_flops`` = ``total_flops`` minus ``halo_flops`` (the
+    redundant work on halo rows, summed on its own: a difference of two large sums would lose it to
+    rounding at 1e12 tokens), i.e. the CP = 1 FLOPs (what TFLOPs/GPU divides). Imbalances are max / mean
     (1.0 when everything is zero). ``attention_s`` is the slowest rank's sparse-attention bound.
     """
 
@@ -304,6 +305,7 @@ class DirectionSummary:
     cp: int
     total_flops: float
     model_flops: float
+    halo_flops: float
     rank_flops: tuple[float, ...]
     rank_compute_s: tuple[float, ...]
     rank_comm_s: tuple[float, ...]
@@ -355,6 +357,7 @@ class DirectionSummary:
         """Flat scalar fields (for sweep tables)."""
         return {
             "direction": self.direction, "total_flops": self.total_flops, "model_flops": self.model_flops,
+            "halo_flops": self.halo_flops,
             "max_rank_flops": max(self.rank_flops), "flops_imbalance": self.flops_imbalance,
             "compute_s": self.compute_s, "comm_s": self.comm_s, "attention_s": self.attention_s,
             "comm_bytes_per_rank": max(self.rank_comm_bytes),
@@ -429,6 +432,7 @@ class LayerEstimate:
             direction=direction, cp=self.cp,
             total_flops=float(table["flops"].sum()),
             model_flops=float(table["flops"].sum() - table["redundant_flops"].sum()),
+            halo_flops=float(table["redundant_flops"].sum()),
             rank_flops=tuple(flops.tolist()),
             rank_compute_s=tuple(compute.reindex(ranks, fill_value=0.0).tolist()),
             rank_comm_s=tuple(comm.reindex(ranks, fill_value=0.0).tolist()),

@@ -61,3 +61,12 @@ def test_model_command_prints_no_negative_figure(capsys):
     assert len(lines) == 3
     for line in lines:
         assert " -" not in line and "model -" not in line, line
+
+
+def test_halo_flops_survive_huge_token_counts():
+    """The halo's redundant work (a fixed 128 rows per rank boundary for one document) is summed on its
+    own: taken as total - model FLOPs it vanished in float64 rounding at 10^12 tokens (printed +0.00)."""
+    small = estimate(FLASH, R, [2**20], 2).summary("fwd+bwd").halo_flops
+    huge = estimate(FLASH, R, [2**40], 2).summary("fwd+bwd").halo_flops
+    assert small > 0
+    assert huge == pytest.approx(small, rel=1e-9)
