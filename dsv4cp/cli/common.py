@@ -50,6 +50,7 @@ import torch
 
 from dsv4cp.config import DTYPES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config, default_dtype
 from dsv4cp.packing import PackedSeqs
+from dsv4cp.profiling.memory import proc_field_bytes
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -513,14 +514,7 @@ def free_bytes(device: torch.device) -> int | None:
     (None where that file does not exist: the check is then skipped)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return proc_field_bytes("/proc/meminfo", "MemAvailable")
 
 
 def progress_enabled(mode: str, rank: int = 0) -> bool:

@@ -61,16 +61,25 @@ def reset_host_peak_rss() -> bool:
     return True
 
 
+def proc_field_bytes(path: str, field: str) -> int | None:
+    """``field`` of a Linux ``/proc`` table in kB lines (``VmHWM:  13612 kB``), in bytes; None where the
+    file or the field does not exist."""
+    try:
+        with open(path) as table:
+            for line in table:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def host_peak_rss_bytes() -> int | None:
     """Peak RSS of this process: ``VmHWM`` of ``/proc/self/status`` (resettable, see
     :func:`reset_host_peak_rss`), else ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = proc_field_bytes("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     if resource is None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
