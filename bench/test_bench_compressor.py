@@ -16,6 +16,14 @@ its backward computes weight gradients only (as the model counts it). Shapes:
 
 FLOPs and bytes: the analytic model's ``compress`` / ``indexer.compress`` phase of the layer at CP = 1
 (:func:`dsv4cp.model.estimate`, activation bytes of the benchmark's dtype).
+
+``test_compress_pool``: the pooling op alone (:func:`dsv4cp.ops.compress_pool.compress_pool`, between the
+projections and the norm), ``triton`` against ``torch``, forward and forward + backward (the backward's
+time is the difference), GPU only, at the flash 64K shapes: the C layer's KV compressor (ratio 4,
+overlapping halves, W = 2 x 512) and the H layer's (ratio 128, W = 512), bf16 projections. Memory-bound:
+the bytes are the least traffic (forward: values and gates read, pooled and log-sum-exp written in fp32;
+backward: values and gates read, their gradients written, pooled, log-sum-exp and the upstream gradient
+read), no FLOPs recorded.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from dsv4cp.cp.layout import build_layout
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.rope import rope_frequencies
 from dsv4cp.model import DIRECTIONS, estimate
+from dsv4cp.ops.compress_pool import compress_pool
 from dsv4cp.packing import PackedSeqs
 
 
@@ -122,3 +131,58 @@ def test_compressor(benchmark, measure, shape_name, which, phase):
     if phase == "fwd_bwd":
         assert module.wkv.weight.grad is not None and bool(torch.isfinite(module.wkv.weight.grad).all())
         assert (x.grad is None) == (which == "index_k")
+
+
+POOL_TOKENS = 65536
+POOL_RATIOS = {"kv_c": 4, "kv_h": 128}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="flash-size pooling needs CUDA")
+@pytest.mark.parametrize("phase", ["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("which", list(POOL_RATIOS))
+def test_compress_pool(benchmark, measure, which, backend, phase):
+    cfg = DSv4Config.preset("flash")
+    ratio, device, dtype = POOL_RATIOS[which], torch.device("cuda"), torch.bfloat16
+    packed = PackedSeqs.from_lengths([POOL_TOKENS], device=device)
+    layout = build_layout(packed, cfg, ratio)
+    halves = layout.group_rows.shape[1] // ratio
+    width = halves * cfg.head_dim
+    generator = torch.Generator(device=device).manual_seed(2024 + ratio)
+    values = torch.randn(layout.ext_rows, width, generator=generator, device=device, dtype=dtype)
+    gates = torch.randn(layout.ext_rows, width, generator=generator, device=device, dtype=dtype)
+    ape = torch.randn(ratio, width, generator=generator, device=device) * 0.1
+    upstream = torch.randn(layout.capacity, cfg.head_dim, generator=generator, device=device)
+    leaves = [t.requires_grad_(phase == "fwd_bwd") for t in (values, gates, ape)]
+    args = (*leaves, layout.group_rows, layout.group_valid)
+
+    io_bytes = 2 * values.numel() * values.element_size()
+    entry_bytes = layout.capacity * cfg.head_dim * 4
+    bytes_moved = io_bytes + 2 * entry_bytes + (2 * io_bytes + 3 * entry_bytes if phase == "fwd_bwd" else 0)
+    benchmark.group = f"compress_pool.{which}.{phase}"
+    benchmark.extra_info.update(which=which, ratio=ratio, backend=backend, phase=phase, rows=layout.ext_rows,
+                                width=width, entries=layout.capacity, dtype=str(dtype))
+
+    if phase == "fwd":
+        def target():
+            with torch.no_grad():
+                return compress_pool(*args, backend=backend)
+    else:
+        def target():
+            pooled = compress_pool(*args, backend=backend)
+            pooled.backward(upstream)
+            return pooled.detach()
+
+    def setup():
+        for leaf in leaves:
+            leaf.grad = None
+        return ()
+
+    setup()
+    target()  # compilation outside the timing
+    out = measure(target, setup, flops=0.0, bytes_moved=float(bytes_moved), rounds=10, warmup_rounds=3,
+                  device=device)
+    assert out.shape == (layout.capacity, cfg.head_dim) and bool(torch.isfinite(out).all())
+    if phase == "fwd_bwd":
+        assert all(leaf.grad is not None and bool(torch.isfinite(leaf.grad).all()) for leaf in leaves)

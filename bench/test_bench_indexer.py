@@ -10,13 +10,18 @@ Backends:
 
 * ``torch``: :func:`dsv4cp.ops.indexer.indexer_topk` (the oracle: per-head scores of a query chunk
   against ALL keys, masked, then ``_select_top``);
-* ``triton``: :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` (fused head-sum score kernel
-  per query chunk + the same ``_select_top``);
+* ``triton``: :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` as the layer calls it (its
+  default path: ``DSV4CP_TOPK_IMPL``, else the streaming kernel);
+* ``triton-chunked``: the same with ``impl="chunked"`` (fused head-sum score kernel per query chunk
+  into a score buffer + the same ``_select_top``);
+* ``triton-stream``: the same with ``impl="stream"``
+  (:mod:`dsv4cp.kernels.indexer_topk_triton`: scoring and a running top-k in one pass, no buffer);
 * ``triton-score``: the Triton path's scoring alone (every chunk scored, nothing selected): the score
   kernel's own throughput.
 
 Also (GPU only) ``test_indexer_score_config``: the score kernel alone at T = 32K under each launch
-configuration of the ladder (pinned), to pick the default on the machine; and
+configuration of the ladder (pinned), to pick the default on the machine;
+``test_indexer_topk_stream_config``: the same for the streaming top-k's tiles; and
 ``test_indexer_scores_fwd_bwd``: the differentiable scores at K = 512 given entries per query (the
 indexer loss's prediction), forward + backward, torch vs Triton (FLOPs ``3 * 2 * Hi * Di`` per valid
 slot: the forward, and the backward's ``dq`` and ``dkeys`` products).
@@ -39,7 +44,7 @@ import torch
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.ops.indexer import indexer_topk
 
-BACKENDS = ["torch", "triton", "triton-score"]
+BACKENDS = ["torch", "triton", "triton-chunked", "triton-stream", "triton-score"]
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,11 @@ def _runner(backend: str, shape: Shape, entry: dict):
 
     lo, hi = it.key_ranges(*vis_args)
     info = {"chunks": len(it.plan_chunks(lo, hi, it.TOPK_BUDGET_BYTES)), "budget_bytes": it.TOPK_BUDGET_BYTES}
-    if backend == "triton":
-        return (lambda: it.indexer_topk_triton(q, w, keys, *vis_args, shape.topk)), info
+    if backend in ("triton", "triton-chunked", "triton-stream"):
+        impl = {"triton": None, "triton-chunked": "chunked", "triton-stream": "stream"}[backend]
+        if impl == "stream":
+            info = {}  # one kernel pass: no chunks, no budget
+        return (lambda: it.indexer_topk_triton(q, w, keys, *vis_args, shape.topk, impl=impl)), info
 
     def score_only():
         last = None
@@ -217,6 +225,38 @@ def test_indexer_score_config(benchmark, measure, cfg):
                                 Di=shape.dim, G=shape.n_keys, visible_pairs=entry["visible_pairs"])
     rounds, warmup = _rounds(shape)
     measure(score_only, None, flops=2.0 * shape.heads * shape.dim * entry["visible_pairs"],
+            bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup, device=q.device)
+
+
+STREAM_CONFIGS = [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 2), (64, 64, 8, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="config sweep needs CUDA")
+@pytest.mark.parametrize("cfg", STREAM_CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_indexer_topk_stream_config(benchmark, measure, cfg):
+    """The streaming top-k at T = 32K under each pinned tile (``block_m, block_n, warps, stages``)."""
+    from dsv4cp.kernels import indexer_triton as it
+    from dsv4cp.kernels.indexer_topk_triton import indexer_topk_stream
+
+    shape = SHAPES["32k"]
+    entry = _inputs(shape)
+    q, w, keys = entry["q"], entry["w"], entry["keys"]
+    vis_args = (entry["query_doc"], entry["query_limit"], entry["key_doc"], entry["key_j"])
+    config = it.IndexerConfig(*cfg)
+
+    def run():
+        return indexer_topk_stream(q, w, keys, *vis_args, shape.topk, config=config)
+
+    try:
+        run()
+    except it.OutOfResources as exc:
+        pytest.skip(f"{cfg}: does not fit ({exc})")
+    benchmark.group = "indexer.topk.stream.config.32k"
+    benchmark.extra_info.update(backend="triton-stream", config=list(cfg), T=shape.tokens, Hi=shape.heads,
+                                Di=shape.dim, G=shape.n_keys, K=shape.topk, visible_pairs=entry["visible_pairs"])
+    rounds, warmup = _rounds(shape)
+    measure(run, None, flops=2.0 * shape.heads * shape.dim * entry["visible_pairs"],
             bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup, device=q.device)
 
 

@@ -13,6 +13,8 @@ on CPU. Every backend runs in the same session, so one ``--benchmark-json`` hold
 Triton's, cuDNN's DSA backward beside Triton's, and torch's: the one-sided libraries "flashmla" (forward
 only) and "cudnn" (backward only) are timed alone, each where it is available (SM90+ and its package) and
 at the head dims it supports (not ``tiny``); a direction a backend lacks is skipped.
+``triton-dq-in-dkv`` (backward only) is the triton backend with dq accumulated by the dkv kernel
+(``DSV4CP_TRITON_DQ_IN_DKV=1``); ``bench/sweep_sparse_attention_configs.py`` sweeps all launch configurations.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
+DQ_IN_DKV_VARIANT = "triton-dq-in-dkv"
+"""Benchmarked beside the backends: the triton backward with its dq accumulated by the dkv kernel."""
 LIBRARY_HEAD_DIMS = {flashmla.NAME: flashmla.SUPPORTED_HEAD_DIMS, cudnn_dsa.NAME: cudnn_dsa.SUPPORTED_HEAD_DIMS}
 
 
@@ -158,11 +162,17 @@ def test_sparse_attention_forward(benchmark, measure, shape_name, backend):
     assert out.shape == q.shape and lse.shape == q.shape[:2]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, DQ_IN_DKV_VARIANT])
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
-def test_sparse_attention_backward(benchmark, measure, shape_name, backend):
+def test_sparse_attention_backward(benchmark, measure, monkeypatch, shape_name, backend):
     shape = SHAPES[shape_name]
-    impl = _backend(backend, shape)
+    if backend == DQ_IN_DKV_VARIANT:
+        impl = _backend("triton", shape)
+        from dsv4cp.kernels.sparse_attention_triton import DQ_IN_DKV_ENV
+
+        monkeypatch.setenv(DQ_IN_DKV_ENV, "1")
+    else:
+        impl = _backend(backend, shape)
     entry = _inputs(shape)
     q, kv, idx, sink, scale = entry["args"]
     out, lse, dout = _backward_inputs(shape, entry)

@@ -19,12 +19,19 @@ SCHEMA_VERSION: int = 1
 
 AXES: tuple[str, ...] = (
     "preset", "ratio", "cp", "tokens", "tokens_per_rank", "packing", "loss", "overlap", "kernel_backend",
-    "recompute", "pass", "dtype", "seed", "partition",
+    "recompute", "pass", "dtype", "seed", "partition", "emulated_rank",
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
 ``equal`` | ``balanced`` (rank row ranges, :func:`dsv4cp.cp.partition.partition`); ``dtype``: a
-``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...)."""
+``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...); ``emulated_rank``: None for
+a real run, else the one rank of the ``cp`` that a single process measured alone with its collectives
+replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no communication; its per-rank
+lists hold None at every other rank)."""
+
+_ADDED_AXES: tuple[str, ...] = ("emulated_rank",)
+"""Axes added after records were first committed: left out of :func:`point_id` while None, so the
+ids of earlier records (and of every real run) do not change."""
 
 METRICS: tuple[str, ...] = (
     "time_ms_median", "time_ms_p20", "time_ms_p80",  # max over ranks per repetition, then the statistic
@@ -37,6 +44,9 @@ METRICS: tuple[str, ...] = (
     "exposed_comm_ms", "comm_ms", "overlap_ratio",  # totals of rank 0's overlap table; None unless profiled
     "phases",  # list[dict]: the per-phase overlap rows of every rank, per step; None unless profiled
     "parity",  # list[dict]: the CP = 1 parity check per quantity (check.Comparison); None unless checked
+    "memory_phases",  # list[dict]: per rank and phase, allocated bytes at entry/exit and peak; None unless asked
+    "split",  # list[int]: the ranks' row split points (0 = b_0 <= ... <= b_cp = tokens)
+    "calibration",  # str: the calibration the balanced split was computed with; None: the model's bounds
 )
 """What was measured about it; a metric that was not measured is None."""
 
@@ -62,9 +72,12 @@ META_FILE = "meta.json"
 def point_id(axes: dict) -> str:
     """A stable 12-hex-digit id of a point: the sha1 of the sorted JSON of its :data:`AXES` values.
 
-    Keys outside :data:`AXES` are ignored; a missing axis counts as None.
+    Keys outside :data:`AXES` are ignored; a missing axis counts as None (an axis of
+    :data:`_ADDED_AXES` that is None is left out).
     """
-    canonical = json.dumps({name: axes.get(name) for name in AXES}, sort_keys=True, separators=(",", ":"))
+    values = {name: axes.get(name) for name in AXES}
+    values = {name: value for name, value in values.items() if value is not None or name not in _ADDED_AXES}
+    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(canonical.encode()).hexdigest()[:12]
 
 

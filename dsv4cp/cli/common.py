@@ -50,7 +50,7 @@ import torch
 
 from dsv4cp.config import DTYPES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config, default_dtype
 from dsv4cp.packing import PackedSeqs
-from dsv4cp.profiling.memory import proc_field_bytes
+from dsv4cp.profiling.memory import is_out_of_memory, proc_field_bytes
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -126,15 +126,6 @@ class WouldNotFitError(RuntimeError):
 _USER_INPUT_ERRORS = (ValueError, OSError, sqlite3.DatabaseError, json.JSONDecodeError)
 
 
-def _is_out_of_memory(err: BaseException) -> bool:
-    if isinstance(err, torch.OutOfMemoryError):
-        return True
-    # the CPU allocator raises a plain RuntimeError; a spawned rank's OOM arrives as the spawner's
-    # RuntimeError quoting it
-    return isinstance(err, RuntimeError) and any(
-        mark in str(err) for mark in ("can't allocate memory", "OutOfMemoryError"))
-
-
 def _rank_prefix() -> str:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
@@ -156,7 +147,7 @@ def run_command(command: str, fn: Callable[[], int | None]) -> int:
         print(f"{prog}: error: {_rank_prefix()}{_describe(err)}", file=sys.stderr)
         return EXIT_USAGE
     except (torch.OutOfMemoryError, RuntimeError) as err:
-        if not _is_out_of_memory(err):
+        if not is_out_of_memory(err):
             raise
         lines = str(err).strip().splitlines() or [type(err).__name__]
         first = next((line.strip() for line in lines if "memory" in line), lines[0])

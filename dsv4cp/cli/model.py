@@ -7,6 +7,8 @@ Examples:
   dsv4cp model --preset flash --ratio 4 --tokens 262144 --cp 64 --machine internode --bandwidth 40
   dsv4cp model --preset flash --ratio 4 --packing histogram --extrapolate --machine internode
   dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 8 --partition balanced --align 8
+  dsv4cp model --cp 1 --calibrate results/2026-12-01-h200/trace --indexer-scan prefix --calibration-out cal.json
+  dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 2 --partition balanced --calibration cal.json
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from dsv4cp.cli.common import (
     positive_int,
 )
 from dsv4cp.config import LOSS_VARIANTS, PRESET_NAMES, DSv4Config
-from dsv4cp.cp.partition import POLICIES, RowSplit
+from dsv4cp.cp.partition import INDEXER_SCANS, POLICIES, RowSplit
 from dsv4cp.model import BOTH, Machine, estimate, extrapolate
+from dsv4cp.model.calibration import Calibration, class_times, fit, model_class_times, read_phase_table
 from dsv4cp.model.extrapolate import DEFAULT_CPS, DEFAULT_TOKENS
 from dsv4cp.model.machine import GB
 from dsv4cp.model.memory import peak_bytes_estimate
@@ -65,6 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sized so every rank's modelled fwd+bwd time is the same); both are compared")
     parser.add_argument("--align", type=positive_int, default=1,
                         help="balanced split points on multiples of this many rows (e.g. 8 or the ratio)")
+    parser.add_argument("--calibration", default=None,
+                        help="JSON of measured/bound factors per phase class (from --calibrate): the balanced "
+                             "split and the policy table use calibrated (measured-like) phase times")
+    parser.add_argument("--calibrate", default=None, metavar="PROFILE",
+                        help="fit a calibration from a profile's per-phase times (overlap.csv, records.jsonl or "
+                             "their directory) measured at this command's point (--preset ... --cp); "
+                             "prints the factors and writes them to --calibration-out")
+    parser.add_argument("--calibration-out", default=None, help="JSON file that --calibrate writes")
+    parser.add_argument("--indexer-scan", choices=INDEXER_SCANS, default="visible",
+                        help="entries the profiled indexer top-k scanned per query (--calibrate): visible (its "
+                             "document's, the model's count), prefix (the batch's before it: the Triton kernel's "
+                             "static plan) or all (the batch's: the torch reference)")
     parser.add_argument("--per-rank", action="store_true", help="print every (rank, phase, direction) record")
     parser.add_argument("--csv", default=None, help="write the records (or the extrapolation) to this CSV")
     parser.add_argument("--extrapolate", action="store_true",
@@ -79,9 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_output_file(args.csv, "--csv")
+    check_output_file(args.calibration_out, "--calibration-out")
+    if (args.calibrate is None) != (args.calibration_out is None):
+        raise ValueError("--calibrate: needs --calibration-out (and --calibration-out needs --calibrate)")
     cfg = DSv4Config.preset(args.preset, indexer_loss=args.loss)
     cfg.check_ratio(args.ratio)
     machine = machine_from_args(args)
+    calibration = None if args.calibration is None else Calibration.load(args.calibration)
     if args.extrapolate:
         return _run_extrapolate(args, cfg, machine)
 
@@ -89,12 +108,15 @@ def run(args: argparse.Namespace) -> int:
         lengths = parse_lengths(args.lengths)
     else:
         lengths = pack_lengths(args.tokens, args.packing, doc_len=args.doc_len, seed=args.seed)
+    if args.calibrate is not None:
+        return _run_calibrate(args, cfg, machine, lengths)
     policies = None
     if args.partition != "equal" or args.tokens <= POLICY_MAX_ROWS:
         if args.tokens > POLICY_MAX_ROWS:
             raise ValueError(f"--partition: balanced needs per-row costs, at most {POLICY_MAX_ROWS} rows, "
                              f"got --tokens {args.tokens}")
-        policies = compare_policies(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens, align=args.align)
+        policies = compare_policies(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens, align=args.align,
+                                    calibration=calibration)
         split = RowSplit(policies.set_index("policy").loc[args.partition]["split"])
     else:  # closed form over documents only: exact at any size
         split = None
@@ -125,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
               f"TFLOP/s/GPU at the bound")
     if policies is not None:
         print()
+        if calibration is not None:
+            print(f"policies on calibrated phase times ({calibration.label}):")
         print(_policies(policies).to_string(index=False))
     packed = PackedSeqs.from_lengths(lengths, total=args.tokens)
     peaks = {d: peak_bytes_estimate(cfg, args.ratio, packed, args.cp, d, torch.bfloat16) / 2**30 for d in ("fwd", BOTH)}
@@ -133,6 +157,28 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         est.table().to_csv(args.csv, index=False)
         print(f"records written to {args.csv}")
+    return 0
+
+
+def _run_calibrate(args, cfg, machine, lengths) -> int:
+    """Fit, print and save a calibration from the profile at ``--calibrate`` (measured at this point)."""
+    if args.partition != "equal":
+        raise ValueError("--calibrate: fits profiles of equal splits; drop --partition balanced")
+    measured = read_phase_table(args.calibrate, cp=args.cp, tokens=args.tokens)
+    est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens)
+    source = (f"{args.calibrate} (preset={args.preset} ratio={args.ratio} tokens={args.tokens} cp={args.cp} "
+              f"packing={'lengths' if args.lengths else args.packing} loss={args.loss} "
+              f"indexer_scan={args.indexer_scan})")
+    calibration = fit(measured, est, source=source, indexer_scan=args.indexer_scan)
+    _print_machine(machine)
+    keys = ["rank", "phase_class", "direction"]
+    both = class_times(measured).merge(model_class_times(est, args.indexer_scan), on=keys)
+    table = both.groupby(["phase_class", "direction"], as_index=False)[["measured_ms", "bound_ms"]].sum()
+    table["factor"] = [calibration.factor(c, d) for c, d in zip(table["phase_class"], table["direction"])]
+    with pd.option_context("display.width", 200):
+        print(table.round(3).to_string(index=False))
+    calibration.save(args.calibration_out)
+    print(f"calibration written to {args.calibration_out}")
     return 0
 
 

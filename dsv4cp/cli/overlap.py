@@ -3,7 +3,8 @@
 PATH is either a directory of Kineto (torch.profiler) Chrome-trace files, one per rank
 (``rank{R}.json``, as written by ``dsv4cp.profiling.trace.capture_trace``), or an Nsight Systems
 SQLite export (``nsys export --type sqlite``), or a directory of per-rank exports. Prints one row
-per (rank, phase) and a ``total`` row per rank; times in milliseconds. Example:
+per (rank, phase) and a ``total`` row per rank, then one line per rank with the step's time in no
+phase and with no kernel running, against issue 11's targets; times in milliseconds. Example:
 
   dsv4cp overlap traces/ --csv overlap.csv
 """
@@ -13,9 +14,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import pandas as pd
-
 from dsv4cp.cli.common import check_output_file
+from dsv4cp.profiling.nvtx import full_name
+from dsv4cp.profiling.overlap import KernelRecord, RangeRecord, attribution_lines, attribution_table, overlap_table
 
 HELP = "compute/comm overlap per rank and phase from Kineto traces or an nsys SQLite export"
 
@@ -25,10 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--csv", type=Path, metavar="OUT", help="also write the table to this CSV file")
 
 
-def load_table(path: Path) -> pd.DataFrame:
-    """The overlap table of PATH, choosing the reader by what PATH holds."""
-    from dsv4cp.profiling.nsys import nsys_overlap_table
-    from dsv4cp.profiling.trace import TRACE_SUFFIXES, kineto_overlap_table
+def load_records(path: Path) -> tuple[list[KernelRecord], list[RangeRecord]]:
+    """The kernels and ranges of PATH, choosing the reader by what PATH holds."""
+    from dsv4cp.profiling.nsys import load_nsys_files
+    from dsv4cp.profiling.trace import TRACE_SUFFIXES, load_kineto_dir
 
     if not path.exists():
         raise ValueError(f"PATH: {path} does not exist")
@@ -37,19 +38,21 @@ def load_table(path: Path) -> pd.DataFrame:
             raise ValueError(
                 f"PATH: {path} is a file but not an nsys .sqlite export (give a directory of Kineto traces)"
             )
-        return nsys_overlap_table(path)
+        return load_nsys_files(path)
     names = [p.name for p in path.iterdir() if p.is_file()]
     if any(name.endswith(TRACE_SUFFIXES) for name in names):
-        return kineto_overlap_table(path)
+        return load_kineto_dir(path)
     if any(name.endswith(".sqlite") for name in names):
-        return nsys_overlap_table(path)
+        return load_nsys_files(path)
     raise ValueError(f"PATH: {path} holds neither Kineto traces (*.json, *.json.gz) nor nsys exports (*.sqlite)")
 
 
 def run(args: argparse.Namespace) -> int:
     check_output_file(args.csv, "--csv")  # before reading: a bad --csv must not cost the table
-    table = load_table(args.path)
+    kernels, ranges = load_records(args.path)
+    table = overlap_table(kernels, ranges)
     print(table.to_string(index=False))
+    print("\n".join(attribution_lines(attribution_table(kernels, ranges, full_name("step")))))
     if args.csv is not None:
         table.to_csv(args.csv, index=False)
     return 0

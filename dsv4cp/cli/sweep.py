@@ -32,6 +32,7 @@ from dsv4cp.cli.common import (
     resolve_dist_backend,
 )
 from dsv4cp.cp.launch import under_torchrun
+from dsv4cp.model.calibration import Calibration
 from dsv4cp.sweeps.runner import SweepOptions, check_out_dir, default_nproc, run_sweep
 from dsv4cp.sweeps.spec import expand, load_spec
 
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="progress bar with ETA on stderr, rank 0 only; auto: only when stderr is a terminal")
     add_dist_backend_option(parser)
     add_machine_options(parser)
+    parser.add_argument("--calibration", default=None,
+                        help="JSON of measured/bound phase factors (dsv4cp model --calibrate): the balanced "
+                             "points' split equalises calibrated times; recorded in each record")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         check=args.check, point_timeout_s=args.point_timeout,
         dist_backend=resolve_dist_backend(args, distributed=distributed),  # refuses a flag a 1-rank run ignores
         progress=progress_enabled(args.progress, rank), machine=machine_from_args(args),
+        calibration=None if args.calibration is None else Calibration.load(args.calibration),
     )
     summary = run_sweep(spec, options, nproc=args.nproc)
     if rank == 0:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dsv4cp.cp.emulate import emulated_shift, fill_all_gather, fill_reduce_scatter, is_emulated
 from dsv4cp.profiling.nvtx import nvtx_range
 
 OVERLAP_MODES = ("none", "async")
@@ -61,6 +62,8 @@ class _HaloExchange(torch.autograd.Function):
 def p2p_shift(send: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
     """Send ``send`` to rank + step and receive the same shape from rank - step (zeros at the edges)."""
     size, rank = group_size_and_rank(group)
+    if is_emulated(group):  # one process alone: its neighbours' rows are drawn, not received
+        return emulated_shift(send, group, step)
     received = torch.zeros_like(send)
     ops = []
     if 0 <= rank + step < size:
@@ -114,6 +117,7 @@ class _GatherState:
         with nvtx_range(f"reducescatter.{self.name}.launch"):
             local = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
             work = _reduce_scatter_tensor(local, grad.contiguous(), group=self.group, async_op=self.async_op)
+            fill_reduce_scatter(local, grad, self.group)  # an emulated rank's rows (dsv4cp.cp.emulate)
         self.grad_local, self.scattered = local, grad
         self.backward_work = work if self.async_op else None
 
@@ -220,6 +224,7 @@ class _LaunchGather(torch.autograd.Function):
         with nvtx_range(f"allgather.{state.name}.launch"):
             out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
             work = _all_gather_tensor(out, local.contiguous(), group=state.group, async_op=state.async_op)
+            fill_all_gather(out, local, state.group)  # an emulated rank's peers' rows (dsv4cp.cp.emulate)
         state.forward_work = work if state.async_op else None
         return out, local.new_zeros(())
 

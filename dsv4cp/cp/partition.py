@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -132,72 +133,127 @@ def halo_rows(cfg: DSv4Config, compress_ratio: int, cp: int) -> int:
 
 
 # ---------------------------------------------------------------------------------- per-row cost
+PHASE_CLASSES: tuple[str, ...] = ("indexer", "attention", "projections", "compressors", "loss")
+"""Groups of layer phases that a calibration scales by one measured factor per direction: the
+indexer's scoring + top-k selection, sparse (window + compressed) attention, the matrix projections
+(queries, window KV, output, indexer queries and head weights), both compressors, the indexer loss."""
+
+
+INDEXER_SCANS: tuple[str, ...] = ("visible", "prefix", "all")
+"""Which entries the indexer's top-k pays for per query: ``visible`` (the entries of its own document
+before it: the cost model's count), ``prefix`` (every entry of the batch before it, other documents'
+included: the Triton kernel's static chunk plan, whose columns start at key row 0) or ``all`` (every
+entry of the batch: the torch reference scores the whole gathered buffer and masks)."""
+
+
+class PhaseFactors(Protocol):
+    """Measured time over modelled bound per phase class and direction (e.g. a
+    :class:`dsv4cp.model.calibration.Calibration`), and the indexer scan its factor was fitted on."""
+
+    indexer_scan: str
+
+    def factor(self, phase_class: str, direction: str) -> float: ...
+
+
 @dataclass(frozen=True)
 class RowCosts:
     """Forward + backward cost of one row (a query) as a linear function of its work counts.
 
     A row at document position ``t`` costs ``per_row + per_window_key * min(t + 1, W)
     + per_visible_entry * ((t + 1) // r) + per_compressed_key * keys_c(t)`` with ``keys_c`` the
-    compressed keys its attention reads (``min(K, visible)`` for C layers, ``visible`` for H). Rows of
-    the tail padding segment cost ``per_row`` only (they are projected but see no key). Units are
-    whatever the builder chose (FLOPs, or seconds from a machine's ceilings); only ratios matter.
+    compressed keys its attention reads (``min(K, visible)`` for C layers, ``visible`` for H). Rows of the
+    tail padding segment cost ``per_row`` only (they are projected but see no key), plus on C layers,
+    for every row ``g`` of the batch, ``per_prefix_entry * (g // r + 1)`` and ``per_batch_entry * (T // r)``
+    (the indexer scans of :data:`INDEXER_SCANS`: the gathered slots a query's top-k scans, as with equal
+    slices; unequal ones pad every rank's slots to the largest, which the model's evaluation counts and
+    this per-row cost cannot). Units are whatever the builder chose (FLOPs, or seconds from a machine's
+    ceilings); only ratios matter.
     """
 
     per_row: float
     per_window_key: float = 0.0
     per_visible_entry: float = 0.0
     per_compressed_key: float = 0.0
+    per_prefix_entry: float = 0.0
+    per_batch_entry: float = 0.0
 
     @classmethod
-    def for_layer(cls, cfg: DSv4Config, ratio: int, machine=None, direction: str = "fwd+bwd") -> RowCosts:
+    def for_layer(cls, cfg: DSv4Config, ratio: int, machine=None, direction: str = "fwd+bwd",
+                  calibration: PhaseFactors | None = None) -> RowCosts:
         """The cost model's accounting (docs/design.md §4.3, :mod:`dsv4cp.model.costs`) per row in ``direction``
         (``fwd``, ``bwd`` or ``fwd+bwd``: a training step, the default).
 
         Without ``machine`` the unit is one FLOP and memory-bound work (the top-k's score reads) is not
         counted; with a machine (any object with ``peak_flops`` and ``hbm_bandwidth``, e.g.
         :class:`dsv4cp.model.Machine`) the unit is one second at its ceilings and the top-k's bytes count.
+        ``calibration`` (needs ``machine``) multiplies each phase class's seconds in each direction by
+        its measured factor, so the costs follow the measured phase times rather than the bounds, and
+        charges the indexer on the entries its ``indexer_scan`` says the kernel scans.
         Halo rows and the gathered buffers cost every rank the same and do not move the optimum: omitted.
         """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction: must be one of {DIRECTIONS}, got {direction!r}")
+        if calibration is not None and machine is None:
+            raise ValueError("machine: a calibration scales seconds at a machine's ceilings; pass the machine "
+                             "its factors were fitted against")
         cfg.check_ratio(ratio)
-        kind = layer_kind(ratio)
-        fwd, bwd = float(direction != "bwd"), float(direction != "fwd")
-        h, d, hidden, ql = cfg.n_heads, cfg.head_dim, cfg.hidden, cfg.q_lora_rank
-        hi, di, og, olr = cfg.index_n_heads, cfg.index_head_dim, cfg.o_groups, cfg.o_lora_rank
-        # matrix products of m MACs: forward 2 m FLOPs; backward 4 m with an input gradient, 2 m for
-        # only one of the two gradients (a detached input, or a rotation without weight)
-        full, single = 2 * fwd + 4 * bwd, 2 * fwd + 2 * bwd
-        attention = 4 * d * h * (fwd + 2.5 * bwd)  # per (query, valid key), backward 2.5x
-        per_row = full * (hidden * ql + ql * h * d)  # query projections
-        per_row += full * hidden * d  # window KV projection of the own row
-        per_row += full * (h * d * olr + og * olr * hidden)  # grouped wo_a, then wo_b
-        visible = compressed = window_loss = 0.0
-        if kind != "W":
-            overlap = 2 if kind == "C" else 1
-            per_row += full * hidden * 2 * overlap * d  # compressor values and gates
-            # pooling of an owned entry (one per r rows): 2 FLOPs per (slot, channel), backward 2x
-            per_row += (2 * fwd + 4 * bwd) * overlap * ratio * d / ratio
-            compressed = attention
+        scan = "visible" if calibration is None else calibration.indexer_scan
+        if scan not in INDEXER_SCANS:
+            raise ValueError(f"calibration.indexer_scan: must be one of {INDEXER_SCANS}, got {scan!r}")
+        total = np.zeros(6)
+        for pass_, (fwd, bwd) in (("fwd", (1.0, 0.0)), ("bwd", (0.0, 1.0))):
+            if direction not in (pass_, "fwd+bwd"):
+                continue
+            for phase_class, terms in _class_terms(cfg, ratio, fwd, bwd, machine).items():
+                terms = np.append(terms, [0.0, 0.0])
+                if phase_class == "indexer" and scan != "visible":  # the same per-entry price, other entries
+                    terms[4 if scan == "prefix" else 5], terms[2] = terms[2], 0.0
+                total += terms * (1.0 if calibration is None else calibration.factor(phase_class, pass_))
+        return cls(*(float(v) for v in total))
+
+
+def _class_terms(cfg: DSv4Config, ratio: int, fwd: float, bwd: float, machine) -> dict[str, np.ndarray]:
+    """Per phase class, the ``[per_row, per_window_key, per_visible_entry, per_compressed_key]`` cost of
+    one pass (``fwd``/``bwd`` are 1.0 or 0.0): FLOPs, or seconds at ``machine``'s ceilings."""
+    kind = layer_kind(ratio)
+    h, d, hidden, ql = cfg.n_heads, cfg.head_dim, cfg.hidden, cfg.q_lora_rank
+    hi, di, og, olr = cfg.index_n_heads, cfg.index_head_dim, cfg.o_groups, cfg.o_lora_rank
+    # matrix products of m MACs: forward 2 m FLOPs; backward 4 m with an input gradient, 2 m for
+    # only one of the two gradients (a detached input, or a rotation without weight)
+    full, single = 2 * fwd + 4 * bwd, 2 * fwd + 2 * bwd
+    attention = 4 * d * h * (fwd + 2.5 * bwd)  # per (query, valid key), backward 2.5x
+    terms = {name: np.zeros(4) for name in PHASE_CLASSES}
+    projections, compressors = terms["projections"], terms["compressors"]
+    projections[0] += full * (hidden * ql + ql * h * d)  # query projections
+    projections[0] += full * hidden * d  # window KV projection of the own row
+    projections[0] += full * (h * d * olr + og * olr * hidden)  # grouped wo_a, then wo_b
+    terms["attention"][1] = attention
+    if kind != "W":
+        overlap = 2 if kind == "C" else 1
+        compressors[0] += full * hidden * 2 * overlap * d  # compressor values and gates
+        # pooling of an owned entry (one per r rows): 2 FLOPs per (slot, channel), backward 2x
+        compressors[0] += (2 * fwd + 4 * bwd) * overlap * ratio * d / ratio
+        terms["attention"][3] = attention
+    if kind == "C":
+        compressors[0] += single * hidden * 4 * di  # indexer compressor (detached input)
+        compressors[0] += (2 * fwd + 4 * bwd) * 2 * ratio * di / ratio
+        compressors[0] += single * di * di / ratio if cfg.hadamard else 0
+        projections[0] += single * (ql * hi * di + hidden * hi)  # indexer queries and head weights (detached)
+        projections[0] += single * hi * di * di if cfg.hadamard else 0  # rotation of the indexer queries
+        terms["indexer"][2] = 2 * hi * di * fwd  # indexer scoring (forward only)
+        loss_scores = 2 * hi * di * (fwd + 2 * bwd)  # the loss's scores, differentiated (2x)
+        loss_logits = 2 * d * h * fwd  # the loss recomputes attention logits (target: no backward)
+        if cfg.indexer_loss == "dense":  # scores every visible entry; logits over window keys too
+            terms["loss"][2] = loss_scores + loss_logits
+            terms["loss"][1] = loss_logits
+        else:  # scores the selected entries only
+            terms["loss"][3] = loss_scores + loss_logits
+    if machine is not None:
+        for name in PHASE_CLASSES:
+            terms[name] = terms[name] / machine.peak_flops
         if kind == "C":
-            per_row += single * hidden * 4 * di  # indexer compressor (detached input)
-            per_row += (2 * fwd + 4 * bwd) * 2 * ratio * di / ratio + (single * di * di / ratio if cfg.hadamard else 0)
-            per_row += single * (ql * hi * di + hidden * hi)  # indexer queries and head weights (detached)
-            per_row += single * hi * di * di if cfg.hadamard else 0  # rotation of the indexer queries
-            visible = 2 * hi * di * fwd  # indexer scoring (forward only)
-            loss_scores = 2 * hi * di * (fwd + 2 * bwd)  # the loss's scores, differentiated (2x)
-            loss_logits = 2 * d * h * fwd  # the loss recomputes attention logits (target: no backward)
-            if cfg.indexer_loss == "dense":  # scores every visible entry; logits over window keys too
-                visible += loss_scores + loss_logits
-                window_loss = loss_logits
-            else:  # scores the selected entries only
-                compressed += loss_scores + loss_logits
-        per_window_key = attention + window_loss
-        if machine is None:
-            return cls(float(per_row), float(per_window_key), float(visible), float(compressed))
-        second = 1.0 / machine.peak_flops
-        topk_read = 4.0 * fwd / machine.hbm_bandwidth if kind == "C" else 0.0  # fp32 score per visible entry
-        return cls(per_row * second, per_window_key * second, visible * second + topk_read, compressed * second)
+            terms["indexer"][2] += 4.0 * fwd / machine.hbm_bandwidth  # the top-k reads an fp32 score per entry
+    return terms
 
 
 def row_costs(costs: RowCosts, cu_padded: np.ndarray, total: int, cfg: DSv4Config, ratio: int) -> np.ndarray:
@@ -212,7 +268,19 @@ def row_costs(costs: RowCosts, cu_padded: np.ndarray, total: int, cfg: DSv4Confi
         visible = u // ratio
         keys = np.minimum(visible, cfg.index_topk) if layer_kind(ratio) == "C" else visible
         inside += costs.per_visible_entry * visible + costs.per_compressed_key * keys
+        if layer_kind(ratio) == "C":
+            cost += costs.per_prefix_entry * (np.arange(total) // ratio + 1)
+            cost += costs.per_batch_entry * (total // ratio)
     return cost
+
+
+def scanned_slots(rows: np.ndarray | int, ratio: int) -> np.ndarray:
+    """``sum_{t=0}^{n-1} (t // ratio + 1)`` for each ``n`` in ``rows``: the gathered slots that the
+    ``prefix`` indexer scan reads for a rank's first ``n`` rows (the bound ``t // r + 1`` of
+    ``RankLayout.key_row_limit``), in closed form, exact in int64."""
+    n = np.asarray(rows, dtype=np.int64)
+    q, rem = n // ratio, n % ratio
+    return ratio * q * (q + 1) // 2 + rem * (q + 1)
 
 
 def slice_costs(prefix: np.ndarray, split: RowSplit) -> np.ndarray:
@@ -331,7 +399,7 @@ def _exact_split(prefix, grid, cp, min_rows, cap):
 def partition(
     packed: PackedSeqs | Sequence[int], cp: int, cfg: DSv4Config, ratio: int, *, policy: str = "equal",
     machine=None, align: int = 1, min_rows: int | None = None, costs: RowCosts | None = None,
-    total: int | None = None, direction: str = "fwd+bwd",
+    total: int | None = None, direction: str = "fwd+bwd", calibration: PhaseFactors | None = None,
 ) -> RowSplit:
     """The row split of ``packed`` (or plain document lengths) over ``cp`` ranks under ``policy``.
 
@@ -347,6 +415,8 @@ def partition(
         direction: the work to equalise: ``fwd+bwd`` (a training step; default), ``fwd`` or ``bwd``.
             Equal step times leave each pass unequal: the indexer scores only in forward, so the rank
             holding a document's end is slower in forward and faster in backward.
+        calibration: measured-over-bound factors per phase class (needs ``machine``): the balanced split
+            then equalises measured-like per-rank times (see :meth:`RowCosts.for_layer`).
 
     Identical inputs give the identical split on every rank (host arithmetic only).
     """
@@ -377,6 +447,6 @@ def partition(
     floor_rows = max(halo_rows(cfg, ratio, cp), 1) if min_rows is None else min_rows
     if policy == "equal":
         return RowSplit.equal(total, cp, field).validate(total, cp, floor_rows, field=field)
-    costs = costs or RowCosts.for_layer(cfg, ratio, machine, direction)
+    costs = costs or RowCosts.for_layer(cfg, ratio, machine, direction, calibration)
     prefix = np.concatenate(([0.0], np.cumsum(row_costs(costs, cu, total, cfg, ratio))))
     return balanced_split(prefix, cp, floor_rows, align)

@@ -8,6 +8,8 @@ Public API (the kernel wrappers load triton lazily on attribute access):
 
 * :func:`sparse_attention_fwd`, :func:`sparse_attention_bwd`, :class:`KernelConfig`, :class:`DkvConfig`
   (``dsv4cp.kernels.sparse_attention_triton``);
+* ``dsv4cp.kernels.compress_pool_triton``: the compressor's pooling (forward and an atomic-free backward,
+  deterministic), used by :func:`dsv4cp.ops.compress_pool.compress_pool`;
 * :func:`set_deterministic`, :func:`is_deterministic`, :func:`triton_available`,
   :func:`triton_interpreting`, :func:`triton_serves`.
 

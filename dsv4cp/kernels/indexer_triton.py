@@ -13,7 +13,9 @@ contiguous (rank-major gathered blocks with capacity padding) but are in increas
 Public API:
 
 * :func:`indexer_topk_triton` (no grad): the ``k`` best visible key rows per query, same contract and
-  tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` (it reuses ``_select_top``).
+  tie rule as :func:`dsv4cp.ops.indexer.indexer_topk`. By default (``DSV4CP_TOPK_IMPL=stream``) it runs
+  the one-pass streaming kernel of :mod:`dsv4cp.kernels.indexer_topk_triton`; ``chunked`` selects the
+  path described below (score buffers + ``_select_top``).
 * :func:`indexer_score_matrix` (no grad): the masked fp32 scores of a block of key rows (``-inf``
   where invisible), the kernel the top-k wrapper runs per chunk; exposed for tests and benchmarks.
 * :func:`iter_score_chunks`: the top-k wrapper's scoring half (chunks of masked scores, no selection).
@@ -95,6 +97,7 @@ import). Configurations: keyword arguments or ``DSV4CP_TRITON_INDEXER_CONFIG``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -117,6 +120,7 @@ __all__ = [
     "MAX_INDEX_DIM",
     "TOPK_BUDGET_BYTES",
     "TOPK_BYTES_PER_SCORE",
+    "TOPK_IMPL_ENV",
     "GatherConfig",
     "IndexerConfig",
     "indexer_score_matrix",
@@ -132,6 +136,9 @@ __all__ = [
 TOPK_BUDGET_BYTES = 2**30
 """Default byte budget of one top-k chunk: the ``[rows, width]`` score buffer and ``_select_top``'s
 temporaries (``rows * width * TOPK_BYTES_PER_SCORE``)."""
+
+TOPK_IMPL_ENV = "DSV4CP_TOPK_IMPL"
+"""Selects :func:`indexer_topk_triton`'s path: ``stream`` (default) or ``chunked``."""
 
 TOPK_BYTES_PER_SCORE = 32
 """Bytes per ``[rows, width]`` element held while a chunk is selected: 4 (fp32 score) + 8 (int64
@@ -716,6 +723,7 @@ def indexer_topk_triton(
     budget_bytes: int | None = None,
     config: IndexerConfig | None = None,
     key_row_limit: tuple[int, int] | None = None,
+    impl: str | None = None,
 ) -> torch.Tensor:
     """Rows of ``keys`` with the ``k`` highest indexer scores among those visible, per query (Triton).
 
@@ -735,6 +743,11 @@ def indexer_topk_triton(
             Given, the chunks are planned from sizes alone (:func:`plan_static_chunks`): no device
             read, CUDA-graph safe. Without it they are planned from the exact visible ranges
             (:func:`key_ranges`, :func:`plan_chunks`), which reads the device once per call.
+        impl: ``"stream"`` (one pass, no score buffer:
+            :func:`dsv4cp.kernels.indexer_topk_triton.indexer_topk_stream`; ``chunk`` and
+            ``budget_bytes`` do not apply, ``config`` pins its tiles; ``k`` above its
+            ``MAX_STREAM_K`` runs chunked) or ``"chunked"`` (score buffers + ``_select_top``, described
+            above); default ``DSV4CP_TOPK_IMPL``, else ``"stream"``.
 
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are visible;
     the same contract and tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` with
@@ -742,6 +755,13 @@ def indexer_topk_triton(
     at the cut the lower key rows win.
     """
     k = _check_k(k)
+    _check_chunking(chunk, budget_bytes)
+    if _topk_impl(impl) == "stream":
+        from dsv4cp.kernels import indexer_topk_triton as stream  # lazy: it imports this module
+
+        if k <= stream.MAX_STREAM_K:  # larger running lists do not fit on chip
+            return stream.indexer_topk_stream(q, w, keys, query_doc, query_limit, key_doc, key_j, k,
+                                              config=config, key_row_limit=key_row_limit)
     chunks = iter_score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk,
                                budget_bytes=budget_bytes, config=config,
                                key_row_limit=key_row_limit)  # validates the inputs
@@ -751,6 +771,25 @@ def indexer_topk_triton(
         chosen = _select_top(scores, keep)
         out[s:e, :keep] = torch.where(chosen >= 0, chosen + col0, -1)
     return out
+
+
+def _topk_impl(impl: str | None) -> str:
+    """The requested top-k path: ``impl``, else ``DSV4CP_TOPK_IMPL``, else ``"stream"``; checked."""
+    source = "impl" if impl is not None else TOPK_IMPL_ENV
+    chosen = impl if impl is not None else (os.environ.get(TOPK_IMPL_ENV) or "stream")
+    if chosen not in ("stream", "chunked"):
+        raise ValueError(f"{source}: must be 'stream' or 'chunked', got {chosen!r}")
+    return chosen
+
+
+def _check_chunking(chunk: int | None, budget_bytes: int | None) -> int:
+    """Validate the chunked path's row cap and byte budget; return the budget in bytes."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk: must be a positive int (query rows per chunk), got {chunk!r}")
+    budget = TOPK_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
+    if budget <= 0:
+        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
+    return budget
 
 
 def iter_score_chunks(
@@ -775,11 +814,7 @@ def iter_score_chunks(
     :func:`indexer_topk_triton`."""
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk: must be a positive int (query rows per chunk), got {chunk!r}")
-    budget = TOPK_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
-    if budget <= 0:
-        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
+    budget = _check_chunking(chunk, budget_bytes)
     _check_key_row_limit(key_row_limit)
     return _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, _pinned(config),
                          key_row_limit)

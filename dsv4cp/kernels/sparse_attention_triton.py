@@ -26,23 +26,33 @@ Kernels, in the style of Triton's tutorials (kernel bodies, then their Python wr
       (K = V: both roles add), then either fp32 ``tl.atomic_add`` into the kv rows (fast default) or, in
       deterministic mode, a store into a per-(query, slot) contribution buffer that
       ``_dkv_reduce_kernel`` sums per kv row in a fixed order given by an inverted index (stable
-      ``torch.sort`` of the flattened ``idx``): bitwise reproducible.
+      ``torch.sort`` of the flattened ``idx``): bitwise reproducible. The D chunks of one query are
+      neighbouring programs, so its p / ds scratch is read from HBM once and then from L2.
+  "dq in dkv" placement (``dq_in_dkv=True`` or ``DSV4CP_TRITON_DQ_IN_DKV=1``; off by default until
+  measured): (b) only writes p and ds, holding no ``[BLOCK_H, D]`` accumulator, so 64 heads fit one
+  program on wgmma (one gather of each kv row per query at H = 64, not two), and (c) also accumulates
+  its D chunk of ``dq = ds @ kv`` (gathering that chunk of the kv rows; ds is already loaded).
 
 How ``D = 512`` fits an sm_90 SM (227 KB of shared memory per block, 64K 32-bit registers). The head dim
 is one tile (``BLOCK_D = next_pow2(D)``: one ``tl.dot`` reduces over all of it); a ``[64, 512]`` fp32
 accumulator takes 128 registers per thread over ``num_warps = 8`` (two warpgroups, each owning 256 of
-the 512 columns). Default bf16 configurations at D = 512, checked by compiling for sm_90 with Triton 3.9
-without a GPU (``triton.compile`` + cuobjdump; registers, shared memory, spills in the main loop):
+the 512 columns; 16 warps would cap registers at 128 per thread and do not compile at 128 heads). bf16
+configurations at D = 512, compiled for sm_90a with Triton 3.6 (the H200 machine's) without a GPU
+(``triton.compile`` for target ``cuda 90`` with the launch's 16-byte divisibility of pointers and
+strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from spills, shared memory):
 
-* forward ``BLOCK_H=64, BLOCK_K=64, 8 warps, 2 stages``: 192 KB shared (q 64 KB + 2 x 64 KB of
-  gathered rows, cp.async-pipelined), wgmma for both products, 255 registers, ~35 local-memory
-  accesses per 64-key step. Triton lays the ``[64, BLOCK_K]`` logits out over warps [8, 1], so both
-  warpgroups compute the same q @ kv^T (the price of splitting the accumulator's columns).
-  (``BLOCK_K=32, 3 stages``: 128 KB, no spill in the loop, more steps.)
-* dq kernel ``BLOCK_H=32, BLOCK_K=64, 8 warps, 2 stages``: 132 KB, mma.sync, 173 registers, no spill.
-  With 64 heads (wgmma) it fits in 196 KB but spills ~200 registers per step.
-* dkv kernel ``BLOCK_K=64`` slots x 256 columns (128 when H > 64), 8 warps, 2 stages: 160 KB,
-  wgmma, 181 registers, no spill; atomics compile to vectorised ``RED.ADD.F32`` (4 floats).
+* forward ``BLOCK_H=64, BLOCK_K=64, 8 warps, 2 stages`` (default): 192 KB (q 64 KB + 2 x 64 KB of
+  gathered rows), wgmma for both products, 255 registers, no spill. Triton lays the ``[64, BLOCK_K]``
+  logits out over warps [8, 1], so both warpgroups compute the same q @ kv^T (the price of splitting the
+  accumulator's columns; computing ``kv @ q^T`` instead keeps the [8, 1] layout). ``BLOCK_K=32,
+  3 stages``: 128 KB, 40 B of stack; ``BLOCK_K=128``: over the shared memory.
+* dq kernel ``BLOCK_H=32, BLOCK_K=64, 8 warps, 2 stages`` (default): 132 KB, mma.sync, 225 registers, no
+  spill (``BLOCK_K=32``: 98 KB, 185 registers). With 64 heads (wgmma) it spills 712 B.
+  Without its dq accumulator ("dq in dkv"): ``BLOCK_H=64, BLOCK_K=32, 8 warps, 2 stages``: wgmma,
+  196 KB, 140 registers, no spill (``BLOCK_K=64``: 1 stage, 192 KB, 162 registers).
+* dkv kernel ``BLOCK_K=64`` slots x 256 columns (128 when H > 64), 8 warps, 2 stages: wgmma, 160 KB,
+  183 (122) registers, no spill; atomics compile to vectorised ``RED.ADD.F32`` (4 floats). With dq: the
+  same columns, 224 KB and 252 registers at H = 64, 192 KB and 224 registers at H = 128, no spill.
 
 A single fused backward (dq and dkv in one loop) needs two [*, 512] fp32 accumulators and a second copy
 of q and dO in shared memory (~300 KB): it does not fit, hence (b) + (c) at the price of writing p and
@@ -60,6 +70,7 @@ package ``dsv4cp.kernels`` registers the backends without importing this module 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +85,7 @@ from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inp
 
 __all__ = [
     "BWD_SCRATCH_BYTES",
+    "DQ_IN_DKV_ENV",
     "MAX_HEAD_DIM",
     "DkvConfig",
     "KernelConfig",
@@ -88,6 +100,20 @@ MAX_HEAD_DIM = 512
 BWD_SCRATCH_BYTES = 2 * 2**30
 """Budget of the backward's scratch per query chunk: p and ds ``[chunk, Kt, H]`` (q's dtype) and, in
 deterministic mode, the fp32 kv-gradient contributions ``[chunk, Kt, D]``."""
+BWD_SCRATCH_MIN_CHUNKS = 5
+"""The default backward splits its queries into at least this many chunks (of at least
+:data:`BWD_SCRATCH_MIN_CHUNK_ROWS` rows), so the scratch is at most a fifth of the whole p / ds and
+shrinks with the rank's rows under CP instead of sitting at the fixed byte cap on every rank (a fixed
+2 GiB kept CP = 2's peak memory at 0.556x of CP = 1's); a few more launches of large kernels."""
+BWD_SCRATCH_MIN_CHUNK_ROWS = 1024
+"""Smallest query chunk the :data:`BWD_SCRATCH_MIN_CHUNKS` rule makes (small inputs stay one launch)."""
+
+DQ_IN_DKV_ENV = "DSV4CP_TRITON_DQ_IN_DKV"
+"""Environment switch of the backward's dq placement (``1``: dq accumulated by the dkv kernel); the
+``dq_in_dkv`` keyword of :func:`sparse_attention_bwd` wins over it."""
+DQ_IN_DKV_DEFAULT = False
+"""The placement when neither the keyword nor the environment says (dq kernel until H200 timings of
+``bench/sweep_sparse_attention_configs.py`` show the other faster)."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -216,14 +242,16 @@ def _bwd_dq_kernel(
     H, N, KT, N_HB, T0,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh, stride_dqt, stride_dqh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_TOPK: tl.constexpr, ACC_DQ: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """dq of one (query token t = T0 + pid // N_HB, head block), and its p / ds scratch.
 
     Q, DOUT ``[T, H, D]``, KV ``[N, D]``, IDX ``[T, KT]``, TOPK ``[T]`` (iff HAS_TOPK), LSE, DELTA
-    ``[T, H]`` fp32, SINK ``[H]`` fp32. Writes DQ ``[T, H, D]`` (Q's dtype) and, for the slots below
-    the query's length, PBUF / DSBUF ``[chunk, KT, H]`` (Q's dtype) at ``(t - T0, slot, head)``:
-    p = e^{l - logaddexp(lse, sink)} and ds = p (<dO, kv> - delta) scale (0 on empty slots).
+    ``[T, H]`` fp32, SINK ``[H]`` fp32. Writes, for the slots below the query's length, PBUF / DSBUF
+    ``[chunk, KT, H]`` (Q's dtype) at ``(t - T0, slot, head)``: p = e^{l - logaddexp(lse, sink)} and
+    ds = p (<dO, kv> - delta) scale (0 on empty slots); with ACC_DQ also DQ ``[T, H, D]`` (Q's dtype).
+    Without ACC_DQ (dq left to ``_bwd_dkv_kernel``) no ``[BLOCK_H, D]`` accumulator lives in registers,
+    so 64 heads fit one program on wgmma.
     """
     pid = tl.program_id(0)
     t_local = (pid // N_HB).to(tl.int64)
@@ -254,7 +282,8 @@ def _bwd_dq_kernel(
     if HAS_TOPK:
         kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
 
-    dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if ACC_DQ:
+        dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         in_len = slots < kt_len
@@ -272,33 +301,43 @@ def _bwd_dq_kernel(
         p = tl.where(valid[None, :], p, 0.0)  # [BLOCK_H, BLOCK_K] probabilities (sink in denominator)
         dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
         ds = (p * (dp - delta[:, None]) * scale).to(kv.dtype)  # d loss / d (q.k), scale folded in
-        dq = tl.dot(ds, kv, dq, input_precision=PRECISION)
+        if ACC_DQ:
+            dq = tl.dot(ds, kv, dq, input_precision=PRECISION)
         scratch = (t_local * KT + slots)[None, :] * H + heads[:, None]
         smask = hmask[:, None] & in_len[None, :]
         tl.store(PBUF + scratch, p.to(PBUF.dtype.element_ty), mask=smask)
         tl.store(DSBUF + scratch, ds.to(DSBUF.dtype.element_ty), mask=smask)
-    tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=qd_mask)
+    if ACC_DQ:
+        tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=qd_mask)
 
 
 def _bwd_dkv_kernel(
-    Q, DOUT, IDX, TOPK, PBUF, DSBUF, DKV,
+    Q, DOUT, KV, IDX, TOPK, PBUF, DSBUF, DKV, DQ,
     H, N, KT, T0,
-    stride_qt, stride_qh, stride_it, stride_dt, stride_dh,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh, stride_dqt, stride_dqh,
     D: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_TOPK: tl.constexpr, DETERMINISTIC: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_TOPK: tl.constexpr, DETERMINISTIC: tl.constexpr, ACC_DQ: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    """kv-row gradients of one query token t = T0 + program_id(0), head-dim columns
-    ``[program_id(1) * BLOCK_DC, +BLOCK_DC)``: ``g[slot] = ds[:, slot]^T q + p[:, slot]^T dO`` summed over
-    all H heads (BLOCK_HK >= H, padded heads masked).
+    """kv-row gradients of one query token t = T0 + pid // cdiv(D, BLOCK_DC), head-dim columns
+    ``[(pid % cdiv(D, BLOCK_DC)) * BLOCK_DC, +BLOCK_DC)``: ``g[slot] = ds[:, slot]^T q + p[:, slot]^T dO``
+    summed over all H heads (BLOCK_HK >= H, padded heads masked); with ACC_DQ also the same columns of
+    ``dq = ds @ kv`` (the ``_bwd_dq_kernel`` launched without ACC_DQ left them), gathering those columns
+    of the query's kv rows.
 
-    Q, DOUT ``[T, H, D]``; PBUF, DSBUF ``[chunk, KT, H]`` from ``_bwd_dq_kernel``. DKV is an fp32 ``[N, D]``
-    buffer receiving atomic adds, or with DETERMINISTIC an fp32 ``[chunk, KT, D]`` contribution buffer
-    written at ``(t - T0, slot)`` for the valid slots.
+    Q, DOUT ``[T, H, D]``, KV ``[N, D]`` (read iff ACC_DQ); PBUF, DSBUF ``[chunk, KT, H]`` from
+    ``_bwd_dq_kernel``. DKV is an fp32 ``[N, D]`` buffer receiving atomic adds, or with DETERMINISTIC an
+    fp32 ``[chunk, KT, D]`` contribution buffer written at ``(t - T0, slot)`` for the valid slots. DQ
+    ``[T, H, D]`` (Q's dtype) is written iff ACC_DQ.
     """
-    t_local = tl.program_id(0).to(tl.int64)
+    # The column blocks of one query are neighbouring programs: they run together, so the query's p / ds
+    # scratch (read by each of them) comes from L2 after the first.
+    n_db: tl.constexpr = (D + BLOCK_DC - 1) // BLOCK_DC
+    pid = tl.program_id(0)
+    t_local = (pid // n_db).to(tl.int64)
     t = T0 + t_local
-    d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    d = (pid % n_db) * BLOCK_DC + tl.arange(0, BLOCK_DC)
     dmask = d < D
     heads = tl.arange(0, BLOCK_HK)
     hmask = heads < H
@@ -312,6 +351,8 @@ def _bwd_dkv_kernel(
     kt_len = KT
     if HAS_TOPK:
         kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    if ACC_DQ:
+        dq = tl.zeros([BLOCK_HK, BLOCK_DC], dtype=tl.float32)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         in_len = slots < kt_len
@@ -327,10 +368,18 @@ def _bwd_dkv_kernel(
         g = tl.dot(ds_t, q, input_precision=PRECISION)
         g = tl.dot(p_t, do, g, input_precision=PRECISION)  # [BLOCK_K, BLOCK_DC] fp32
         gmask = valid[:, None] & dmask[None, :]
+        if ACC_DQ:  # ds is 0 on empty slots, so their (masked, zero) kv columns add nothing
+            kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :], mask=gmask, other=0.0)
+            if DOT_F32:
+                kv = kv.to(tl.float32)
+            dq = tl.dot(tl.trans(ds_t), kv, dq, input_precision=PRECISION)
         if DETERMINISTIC:
             tl.store(DKV + (t_local * KT + slots)[:, None] * D + d[None, :], g, mask=gmask)
         else:
             tl.atomic_add(DKV + rows[:, None] * D + d[None, :], g, mask=gmask, sem="relaxed")
+    if ACC_DQ:
+        tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=qd_mask)
 
 
 def _dkv_reduce_kernel(
@@ -398,6 +447,47 @@ def _dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfi
     else:
         ladder = [(bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
     return [KernelConfig(*c) for c in ladder]
+
+
+def _scores_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
+    """The dq kernel without its dq accumulator (dq in the dkv kernel): only the [BLOCK_H, BLOCK_K]
+    logits live in registers, so 64 heads go on wgmma; q and dO [64, 512] take 128 KB of shared memory,
+    leaving room for two stages of 32 gathered rows (or one of 64)."""
+    bh = _block_h(heads)
+    if block_d >= 256:
+        ladder = [(bh, 32, 8, 2), (bh, 64, 8, 1), (bh, 32, 8, 1), (min(bh, 32), 32, 8, 2), (16, 16, 4, 1)]
+        if dtype == torch.float32:
+            ladder = [(min(bh, 32), 16, 8, 1), (16, 16, 8, 1), (16, 16, 4, 1)]
+    else:
+        ladder = [(bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
+    return [KernelConfig(*c) for c in ladder]
+
+
+def _dkv_dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]:
+    """The dkv kernel also accumulating dq: a second [H, block_d] fp32 tile and a [block_k, block_d]
+    gather of kv columns; at D = 512 the same columns per program as :func:`_dkv_ladder` still fit."""
+    if block_d >= 256:
+        if triton.next_power_of_2(heads) >= 128:
+            ladder = [(64, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
+        else:
+            ladder = [(64, 256, 8, 2), (64, 128, 8, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
+        if dtype == torch.float32:
+            ladder = [(32, 64, 4, 2), (16, 64, 4, 1), (16, 32, 4, 1)]
+    else:
+        wide = min(block_d, 128)
+        ladder = [(64, wide, 4, 2), (32, wide, 4, 1), (16, min(wide, 32), 4, 1)]
+    return [DkvConfig(*c) for c in ladder]
+
+
+def _dq_in_dkv(explicit: bool | None) -> bool:
+    """Where the backward accumulates dq: the keyword argument, else ``DSV4CP_TRITON_DQ_IN_DKV``
+    (``0``: in the dq kernel; ``1``: in the dkv kernel), else :data:`DQ_IN_DKV_DEFAULT`."""
+    if explicit is not None:
+        return bool(explicit)
+    text = os.environ.get(DQ_IN_DKV_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{DQ_IN_DKV_ENV}: expected 0 or 1, got {text!r}")
+    return DQ_IN_DKV_DEFAULT if text == "" else text == "1"
 
 
 def _dkv_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]:
@@ -537,6 +627,7 @@ def sparse_attention_bwd(
     num_stages: int | None = None,
     dkv_config: DkvConfig | None = None,
     scratch_bytes: int | None = None,
+    dq_in_dkv: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`sparse_attention_fwd` (Triton).
 
@@ -549,6 +640,10 @@ def sparse_attention_bwd(
         block_h, block_k, num_warps, num_stages: pin the dq kernel's configuration;
         dkv_config: pin the dkv kernel's configuration.
         scratch_bytes: scratch budget per query chunk (default :data:`BWD_SCRATCH_BYTES`).
+        dq_in_dkv: ``True``: the dq kernel only writes p / ds (64 heads per program on wgmma) and the
+            dkv kernel accumulates dq by column block beside the kv gradients; ``False``: the dq kernel
+            accumulates dq (mma.sync, 32 heads per program at D = 512); ``None``: :data:`DQ_IN_DKV_ENV`,
+            else :data:`DQ_IN_DKV_DEFAULT`. block_h..num_stages pin the first kernel, dkv_config the second.
 
     Returns:
         ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
@@ -567,6 +662,7 @@ def sparse_attention_bwd(
             raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
     if deterministic is None:
         deterministic = is_deterministic()
+    acc_dq_in_dkv = _dq_in_dkv(dq_in_dkv)
     sink_dtype = sink.dtype
     q, kv, idx, dout, out = q.contiguous(), kv.contiguous(), idx.contiguous(), dout.contiguous(), out.contiguous()
     sink = sink.to(torch.float32).contiguous()
@@ -594,16 +690,18 @@ def sparse_attention_bwd(
     dsink = dsink_part.sum(0)
 
     # (b) dq + p/ds scratch and (c) kv gradients, chunk by chunk of queries.
-    dq_ladder = _dq_ladder(block_d, h, q.dtype)
+    dq_ladder = (_scores_ladder if acc_dq_in_dkv else _dq_ladder)(block_d, h, q.dtype)
     dq_pinned = _pinned("DSV4CP_TRITON_BWD_CONFIG", KernelConfig, dq_ladder[0], block_h=block_h,
                         block_k=block_k, num_warps=num_warps, num_stages=num_stages)
-    dkv_ladder = _dkv_ladder(block_d, h, q.dtype)
+    dkv_ladder = (_dkv_dq_ladder if acc_dq_in_dkv else _dkv_ladder)(block_d, h, q.dtype)
     dkv_pinned = _pinned("DSV4CP_TRITON_DKV_CONFIG", DkvConfig, dkv_ladder[0],
                          **({} if dkv_config is None else vars(dkv_config)))
     dq_kernel, dkv_kernel = _build("_bwd_dq_kernel", dev), _build("_bwd_dkv_kernel", dev)
     budget = BWD_SCRATCH_BYTES if scratch_bytes is None else int(scratch_bytes)
     per_query = 2 * kt * h * q.element_size() + (kt * d * 4 if deterministic else 0)
     chunk = max(1, min(t, budget // per_query))
+    if scratch_bytes is None:  # at least BWD_SCRATCH_MIN_CHUNKS chunks: the scratch shrinks with the rank's rows
+        chunk = min(chunk, max(BWD_SCRATCH_MIN_CHUNK_ROWS, -(-t // BWD_SCRATCH_MIN_CHUNKS)))
     pbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
     dsbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
     contrib = torch.empty(chunk * kt, d, dtype=torch.float32, device=dev) if deterministic else None
@@ -622,22 +720,25 @@ def sparse_attention_bwd(
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
                 dq.stride(0), dq.stride(1),
                 D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-                HAS_TOPK=has_topk, PRECISION=precision, DOT_F32=dot_f32,
+                HAS_TOPK=has_topk, ACC_DQ=not acc_dq_in_dkv, PRECISION=precision, DOT_F32=dot_f32,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
         def launch_dkv(cfg: DkvConfig, t0: int = t0, rows: int = rows) -> None:
-            dkv_kernel[(rows, triton.cdiv(d, cfg.block_d))](
-                q, dout, idx, topk, pbuf, dsbuf, contrib if deterministic else dkv,
+            dkv_kernel[(rows * triton.cdiv(d, cfg.block_d),)](
+                q, dout, kv, idx, topk, pbuf, dsbuf, contrib if deterministic else dkv, dq,
                 h, n, kt, t0,
-                q.stride(0), q.stride(1), idx.stride(0), dout.stride(0), dout.stride(1),
+                q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
+                dq.stride(0), dq.stride(1),
                 D=d, BLOCK_DC=cfg.block_d, BLOCK_HK=block_hk, BLOCK_K=cfg.block_k,
-                HAS_TOPK=has_topk, DETERMINISTIC=deterministic, PRECISION=precision, DOT_F32=dot_f32,
+                HAS_TOPK=has_topk, DETERMINISTIC=deterministic, ACC_DQ=acc_dq_in_dkv, PRECISION=precision,
+                DOT_F32=dot_f32,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        _launch("bwd_dq", key, dq_ladder, dq_pinned, launch_dq)
-        _launch("bwd_dkv", key, dkv_ladder, dkv_pinned, launch_dkv)
+        mode = "_dq_in_dkv" if acc_dq_in_dkv else ""  # the two placements fit different configurations
+        _launch("bwd_dq" + mode, key, dq_ladder, dq_pinned, launch_dq)
+        _launch("bwd_dkv" + mode, key, dkv_ladder, dkv_pinned, launch_dkv)
         if deterministic:
             _reduce_contributions(contrib, idx[t0:t0 + rows], None if topk_length is None else
                                   topk_length[t0:t0 + rows], dkv)

@@ -47,7 +47,10 @@ class DSv4Attention(PrecisionPinned):
             backward, rebuild them there from the saved parts (docs/design.md §3.6). Same results.
         check_ranks: before each step, check with one tiny collective that every rank of ``cp_group``
             got the same ``packed`` offsets, split and dtype (a mismatch otherwise returns garbage
-            silently); all ranks raise the same ``ValueError``. Off by default: it costs a host sync.
+            silently) and that no rank rejected its own input (e.g. ``x`` with the wrong rows on one
+            rank); all ranks raise a ``ValueError``. Off by default: it costs a host sync. Without it,
+            input that differs between ranks raises only on the ranks that see the fault, and their
+            peers wait in the first collective until the launcher stops them.
 
     Parameters carry DeepSeek's checkpoint names (``wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
     attn_sink, compressor.*, indexer.*``); linear weights are ``[out, in]``. Module casts keep
@@ -105,10 +108,17 @@ class DSv4Attention(PrecisionPinned):
                 :func:`dsv4cp.cp.partition.partition`); None means equal slices of ``T / cp`` rows.
         """
         cp, rank = group_size_and_rank(cp_group)
-        split = self._check_inputs(x, packed, cp, rank, split)
-        if self.check_ranks:  # one tiny collective per step: ranks given different batches fail together
-            check_ranks_agree({"packed": packed, "split": split, "x.dtype": str(x.dtype)}, cp_group)
-        layout = build_layout(packed, self.cfg, self.compress_ratio, rank, cp, split=split)
+        if not self.check_ranks:
+            split = self._check_inputs(x, packed, cp, rank, split)
+        else:  # one tiny collective per step: a batch or input rejected on any rank fails on all of them
+            try:
+                split, rejected = self._check_inputs(x, packed, cp, rank, split), None
+            except ValueError as err:
+                rejected = err
+            check_ranks_agree({"packed": packed, "split": split, "x.dtype": str(getattr(x, "dtype", x))},
+                              cp_group, local_error=rejected)
+        with nvtx_range("layout.fwd"):
+            layout = build_layout(packed, self.cfg, self.compress_ratio, rank, cp, split=split)
         freqs, cfg = self.rope_freqs, self.cfg
         h, d = cfg.n_heads, cfg.head_dim
         positions = layout.local_pos
@@ -161,9 +171,10 @@ class DSv4Attention(PrecisionPinned):
         idx, compressed_all = layout.window_idx, None
         if compressed is not None:
             compressed_all = compressed.wait(ahead_of=q_path_end)
-            entries = selected if self.indexer is not None else layout.all_visible_idx()
-            lowered = torch.where(entries >= 0, entries + layout.ext_rows, -1).to(torch.int32)
-            idx = torch.cat((idx, lowered), dim=1)
+            with nvtx_range("layout.fwd"):  # the selected entries as key-buffer rows
+                entries = selected if self.indexer is not None else layout.all_visible_idx()
+                lowered = torch.where(entries >= 0, entries + layout.ext_rows, -1).to(torch.int32)
+                idx = torch.cat((idx, lowered), dim=1)
         if self.recompute:
             backend = resolve_backend(self.backend, x.device)
             out, lse, q, key_buffer = recomputed_attention(
@@ -172,7 +183,8 @@ class DSv4Attention(PrecisionPinned):
                 on_compressed_grad=compressed.launch_backward if compressed is not None else None,
             )
         else:
-            key_buffer = kv_ext if compressed_all is None else torch.cat((kv_ext, compressed_all), dim=0)
+            with nvtx_range("layout.fwd"):
+                key_buffer = kv_ext if compressed_all is None else torch.cat((kv_ext, compressed_all), dim=0)
             out, lse = sparse_attention(q, key_buffer, idx, self.attn_sink, cfg.softmax_scale, backend=self.backend)
 
         loss = None

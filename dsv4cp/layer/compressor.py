@@ -10,6 +10,7 @@ from dsv4cp.cp.layout import RankLayout
 from dsv4cp.layer.hadamard import hadamard_rotate
 from dsv4cp.layer.norm import RMSNorm
 from dsv4cp.layer.precision import PrecisionPinned
+from dsv4cp.ops.compress_pool import compress_pool
 from dsv4cp.ops.norm_rope import apply_rope
 
 
@@ -19,7 +20,8 @@ class Compressor(PrecisionPinned):
     Ratio 4 overlaps: every projection has two halves (A, B) and entry j pools the A halves of group
     j-1 with the B halves of group j under one softmax per channel. Parameters: ``wkv``, ``wgate``
     (``hidden -> coff * dim``), ``ape`` (fp32 ``[ratio, coff * dim]``, a bias by position in the
-    group) and ``norm``. The indexer's compressor also applies the Hadamard rotation. ``ape`` stays
+    group) and ``norm``; the pooling is the op :func:`dsv4cp.ops.compress_pool.compress_pool` (a fused
+    Triton kernel on CUDA). The indexer's compressor also applies the Hadamard rotation. ``ape`` stays
     fp32 (or finer) under module casts, see :mod:`dsv4cp.layer.precision`.
     """
 
@@ -38,21 +40,10 @@ class Compressor(PrecisionPinned):
     def forward(self, x_ext: torch.Tensor, layout: RankLayout, freqs: torch.Tensor) -> torch.Tensor:
         """``x_ext [E, hidden]`` (halo + own rows) -> this rank's owned entries ``[capacity, dim]``
         (zero rows in unused slots), normalised and rotated at each group's first position."""
-        work = torch.promote_types(x_ext.dtype, torch.float32)  # pooling runs in fp32
-        values = self.wkv(x_ext).to(work)
-        gates = self.wgate(x_ext).to(work) + self.ape.to(work)[layout.ext_pos % self.ratio]
-        rows = layout.group_rows  # [capacity, S]
-        present = rows >= 0
-        flat = rows.clamp_min(0).flatten()  # index_select: its backward is an index_add, not a sort
-        values = values.index_select(0, flat).view(*rows.shape, values.shape[-1])
-        gates = gates.index_select(0, flat).view(*rows.shape, gates.shape[-1])
-        if self.overlap:  # slots [0, r) take half A of group j-1, slots [r, 2r) half B of group j
-            r, d = self.ratio, self.dim
-            values = torch.cat((values[:, :r, :d], values[:, r:, d:]), dim=1)
-            gates = torch.cat((gates[:, :r, :d], gates[:, r:, d:]), dim=1)
-        gates = gates.masked_fill(~present[..., None], float("-inf"))
-        gates = gates.masked_fill(~layout.group_valid[:, None, None], 0.0)  # keep empty slots finite
-        pooled = (torch.softmax(gates, dim=1) * values).sum(1)
+        # The pooling runs in fp32 inside the op; its result is fp32 (fp64 for fp64 rows). Every group
+        # starts at a document position that is a multiple of r, so the bias by slot equals the bias by
+        # position ``ext_pos % r``.
+        pooled = compress_pool(self.wkv(x_ext), self.wgate(x_ext), self.ape, layout.group_rows, layout.group_valid)
         entries = apply_rope(self.norm(pooled), layout.group_pos, freqs).to(x_ext.dtype)
         if self.rotate:
             entries = hadamard_rotate(entries)

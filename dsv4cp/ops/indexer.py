@@ -15,6 +15,7 @@ import torch
 
 from dsv4cp.kernels import triton_serves
 from dsv4cp.kernels.contracts import select_top
+from dsv4cp.profiling.autograd_ranges import BackwardRegion
 from dsv4cp.profiling.nvtx import nvtx_range
 
 CHUNK_ELEMENTS = 32 * 2**20
@@ -128,6 +129,9 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
     if triton_serves(q):
         from dsv4cp.kernels.indexer_triton import indexer_scores_triton  # lazy: imports triton
 
+        # the kernels' autograd function opens no range of its own: mark its backward here
+        region = BackwardRegion("indexer.score.bwd")
+        q, w, keys = (region.input(t) for t in (q, w, keys))
         with nvtx_range("indexer.score.fwd"):
-            return indexer_scores_triton(q, w, keys, idx)
+            return region.output(indexer_scores_triton(q, w, keys, idx))
     return _IndexerScores.apply(q, w, keys, idx)

@@ -248,7 +248,8 @@ def sparse_attention(
     synchronisation): a violation stops the run with a device-side assertion naming the argument.
     """
     _check_inputs(q, kv, idx, sink, topk_length)
-    _check_index_values(kv.shape[0], idx, topk_length)
+    with nvtx_range("sparse_attn.fwd"):  # on CUDA the checks are kernels: the attention's own time
+        _check_index_values(kv.shape[0], idx, topk_length)
     chosen = resolve_backend(backend, q.device)
     out, lse = _SparseAttention.apply(q, kv, idx, sink, float(scale), topk_length, chosen)
     return out, lse

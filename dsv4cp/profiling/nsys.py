@@ -4,6 +4,8 @@ Tables and columns read (names as in NVIDIA's export schema; all times in ns on 
 
 * ``CUPTI_ACTIVITY_KIND_KERNEL``: ``start``, ``end``, ``deviceId``, ``streamId``, ``correlationId``,
   ``shortName`` (-> ``StringIds.id``), and ``globalPid`` where present.
+* ``CUPTI_ACTIVITY_KIND_MEMCPY`` / ``CUPTI_ACTIVITY_KIND_MEMSET`` (when present): the same columns
+  but the name; device work like kernels (named ``Memcpy`` / ``Memset``), as the Kineto reader does.
 * ``CUPTI_ACTIVITY_KIND_RUNTIME``: ``correlationId``, ``start`` (the launch time), ``globalTid``.
 * ``NVTX_EVENTS``: ``start``, ``end``, ``eventType`` (59 push/pop range, 60 start/end range),
   ``text`` or ``textId`` (-> ``StringIds``; the ``nvtx`` package registers its messages, so
@@ -40,6 +42,7 @@ NVTX_START_END = 60
 RANGE_PREFIX = f"{DOMAIN}."
 _PID = "(({col} >> 24) & 16777215)"  # process id inside a serialised globalPid / globalTid
 _RANK_IN_NAME = re.compile(r"rank(\d+)")
+_DEVICE_WORK_TABLES = (("CUPTI_ACTIVITY_KIND_MEMCPY", "Memcpy"), ("CUPTI_ACTIVITY_KIND_MEMSET", "Memset"))
 
 
 def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
@@ -62,6 +65,13 @@ def load_nsys(path: str | Path, *, rank: int | None = None) -> tuple[list[Kernel
             f"SELECT k.start, k.end, k.deviceId, k.streamId, k.correlationId, {kernel_pid}, s.value "
             f"FROM CUPTI_ACTIVITY_KIND_KERNEL AS k LEFT JOIN StringIds AS s ON s.id = k.{name_col}"
         ).fetchall()
+        for table, name in _DEVICE_WORK_TABLES:
+            cols = _columns(conn, table)
+            if cols:
+                pid = _PID.format(col="globalPid") if "globalPid" in cols else "NULL"
+                kernel_rows += conn.execute(
+                    f"SELECT start, end, deviceId, streamId, correlationId, {pid}, ? FROM {table}", (name,)
+                ).fetchall()
         launch_rows = []
         if _columns(conn, "CUPTI_ACTIVITY_KIND_RUNTIME"):
             launch_rows = conn.execute(

@@ -14,6 +14,10 @@ The NVTX calls reuse one cached domain and one cached ``EventAttributes`` per na
 attached the ``nvtx`` package hands out a dummy domain whose calls do nothing; with ranges switched
 off (``DSV4CP_NVTX=0`` or ``set_enabled(False)``) ``nvtx_range`` returns a shared null context.
 
+A phase listener (:func:`set_phase_listener`; the per-phase memory recorder of
+:mod:`dsv4cp.profiling.memory`) is told of every phase entry and exit, also with ranges switched off;
+with none installed (the default) ranges cost nothing more.
+
 ``capture_range()`` brackets the measured steps with cudaProfilerStart/Stop, for
 ``nsys profile --capture-range=cudaProfilerApi -t cuda,nvtx,nccl``.
 """
@@ -25,7 +29,7 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -42,6 +46,8 @@ ENV_VAR = "DSV4CP_NVTX"
 
 PHASES: tuple[str, ...] = (
     "step",
+    # 2 / 3.1 per-step layout: the rank's metadata, the selected entries lowered to key-buffer rows, the key buffer
+    "layout.fwd",
     # 3.2 left halo of hidden states (forward send, backward gradient return)
     "halo.fwd", "halo.bwd",
     # projections
@@ -113,12 +119,13 @@ _DOMAIN_HANDLE: Any = _nvtx_lib.get_domain(DOMAIN) if _nvtx_lib is not None else
 
 @dataclass(frozen=True)
 class _RangeSpec:
+    phase: str
     full_name: str
     attributes: Any  # nvtx EventAttributes, created once; None for a dummy domain
 
 
 _SPECS: dict[str, _RangeSpec] = {
-    phase: _RangeSpec(full, _DOMAIN_HANDLE.get_event_attributes(message=full, color=_color(phase)))
+    phase: _RangeSpec(phase, full, _DOMAIN_HANDLE.get_event_attributes(message=full, color=_color(phase)))
     for phase, full in zip(PHASES, RANGE_NAMES)
 }
 
@@ -130,6 +137,25 @@ def _parse_switch(value: str) -> bool:
 
 
 _enabled: bool = _parse_switch(os.environ.get(ENV_VAR, "1"))
+
+
+class PhaseListener(Protocol):
+    """Told of phase entries and exits (``phase`` without the prefix), on the thread that runs them
+    (autograd's device threads for backward spans)."""
+
+    def enter(self, phase: str) -> None: ...
+
+    def exit(self, phase: str) -> None: ...
+
+
+_listener: PhaseListener | None = None
+
+
+def set_phase_listener(listener: PhaseListener | None) -> PhaseListener | None:
+    """Install ``listener`` (None: remove it) for every range entered from now on; returns the previous one."""
+    global _listener
+    previous, _listener = _listener, listener
+    return previous
 
 
 def set_enabled(enabled: bool) -> None:
@@ -175,6 +201,27 @@ class _ActiveRange:
         _DOMAIN_HANDLE.pop_range()
 
 
+class _ListenedRange:
+    """A range whose entry and exit are also told to a phase listener (outside the NVTX range, so the
+    listener's own host time is not charged to the phase)."""
+
+    __slots__ = ("_phase", "_listener", "_inner")
+
+    def __init__(self, spec: _RangeSpec, listener: PhaseListener) -> None:
+        self._phase, self._listener = spec.phase, listener
+        self._inner = _ActiveRange(spec) if _enabled else None
+
+    def __enter__(self) -> None:
+        self._listener.enter(self._phase)
+        if self._inner is not None:
+            self._inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._inner is not None:
+            self._inner.__exit__(*exc)
+        self._listener.exit(self._phase)
+
+
 _NULL_RANGE = contextlib.nullcontext()  # stateless, so one instance serves every disabled call
 
 
@@ -184,6 +231,8 @@ def nvtx_range(phase: str) -> contextlib.AbstractContextManager[None]:
     The name is checked even when ranges are switched off, so typos fail in every configuration.
     """
     spec = _spec(phase)
+    if _listener is not None:
+        return _ListenedRange(spec, _listener)
     return _ActiveRange(spec) if _enabled else _NULL_RANGE
 
 
@@ -192,29 +241,38 @@ class Span:
 
     Unlike ``nvtx_range`` it need not nest with other ranges: backward phases open when autograd
     reaches a region's output and close when it has finished the region's input, while other
-    autograd nodes may run in between. ``close`` without ``open``, or twice, does nothing.
+    autograd nodes may run in between. ``close`` without ``open``, or twice, does nothing. The phase
+    listener that saw the ``open`` is the one told of the ``close``.
     """
 
-    __slots__ = ("_spec", "_range_id", "_record")
+    __slots__ = ("_spec", "_range_id", "_record", "_listener")
 
     def __init__(self, phase: str) -> None:
         self._spec = _spec(phase)
         self._range_id: Any = None
         self._record: Any = None
+        self._listener: PhaseListener | None = None
 
     def open(self) -> None:
-        if not _enabled or self._record is not None:
+        if self._record is not None or self._listener is not None:
+            return
+        if _listener is not None:
+            self._listener = _listener
+            _listener.enter(self._spec.phase)
+        if not _enabled:
             return
         self._range_id = _DOMAIN_HANDLE.start_range(self._spec.attributes)
         self._record = torch.profiler.record_function(self._spec.full_name)
         self._record.__enter__()
 
     def close(self) -> None:
-        if self._record is None:
-            return
-        self._record.__exit__(None, None, None)
-        _DOMAIN_HANDLE.end_range(self._range_id)
-        self._record = self._range_id = None
+        if self._record is not None:
+            self._record.__exit__(None, None, None)
+            _DOMAIN_HANDLE.end_range(self._range_id)
+            self._record = self._range_id = None
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.exit(self._spec.phase)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -1,7 +1,7 @@
 """Interval math of the breakdown and overlap table (docs/design.md §5), shared by the Kineto and nsys loaders.
 
-Inputs are plain records: kernels (GPU kernels, or CPU ops for a CPU-only trace) and named ranges,
-all on one clock in nanoseconds. Output is one row per (rank, phase) plus a ``total`` row per rank:
+Inputs are plain records: kernels (GPU kernels, copies and memsets, or CPU ops for a CPU-only trace)
+and named ranges, all on one clock in nanoseconds. Output is one row per (rank, phase) plus a ``total`` row per rank:
 
     rank, phase, compute_ms, comm_ms, overlap_ms, overlap_ratio, exposed_comm_ms, idle_ms
 
@@ -34,6 +34,19 @@ Attribution rules (the ``total`` row needs none):
    when nothing launched inside it carries launch information, the range itself. A phase's window
    is the union of its instances' windows. The ``total`` window is the capture window when given,
    else first kernel start to last kernel end.
+
+``attribution_table`` sums up, per rank, how much of the step the phases account for (issue 11's
+targets: at most 5% of the step unattributed, at most 3% idle):
+
+    rank, step_ms, busy_ms, unattributed_ms, unattributed_pct, idle_ms, idle_pct
+
+* ``step_ms``: the step range's window (rule 3: its instances' windows, united); without a step
+  range, the capture window when given, else first kernel start to last kernel end.
+* ``busy_ms``: the part of that window during which some kernel of the rank runs.
+* ``unattributed_ms``: the part during which only kernels of no phase run (attributed to the step
+  range itself or to no range): work that runs beside a phase's kernel is not unattributed time (in
+  a CPU-only trace an op enclosing a phase's range then counts only outside its children).
+* ``idle_ms``: step_ms - busy_ms. Percentages are of ``step_ms``.
 """
 
 from __future__ import annotations
@@ -55,6 +68,17 @@ KERNEL_COLUMNS: tuple[str, ...] = ("rank", "phase", "kernel", "is_comm", "count"
 
 TOTAL = "total"
 """Phase name of the per-rank row over the whole captured window."""
+
+ATTRIBUTION_COLUMNS: tuple[str, ...] = (
+    "rank", "step_ms", "busy_ms", "unattributed_ms", "unattributed_pct", "idle_ms", "idle_pct",
+)
+"""Columns of ``attribution_table``, in order."""
+
+UNATTRIBUTED_TARGET_PCT = 5.0
+"""Issue 11: at most this share of the step may run in no phase."""
+
+IDLE_TARGET_PCT = 3.0
+"""Issue 11: at most this share of the step may pass with no kernel running."""
 
 UNATTRIBUTED = "(unattributed)"
 """Phase name, in ``kernel_table`` only, of kernels outside every range."""
@@ -275,17 +299,9 @@ def overlap_table(
         names = np.array([p or "" for p in att.phase], dtype=object)  # "" never names a range
         for phase, instance_windows in att.windows.items():
             mask = names == phase
-            window = (np.array([w[0] for w in instance_windows], np.int64),
-                      np.array([w[1] for w in instance_windows], np.int64))
             rows.append(_row(rank, phase, _select(att.phase_intervals, mask), att.is_comm[mask],
-                             all_compute, att.intervals, window))
-        starts, ends = att.intervals
-        if rank in windows:
-            total_window = (np.array([windows[rank][0]], np.int64), np.array([windows[rank][1]], np.int64))
-        elif starts.size:
-            total_window = (np.array([starts.min()]), np.array([ends.max()]))
-        else:
-            total_window = _EMPTY
+                             all_compute, att.intervals, _as_intervals(instance_windows)))
+        total_window = _capture_window(rank, windows, att.intervals)
         rows.append(_row(rank, TOTAL, att.intervals, att.is_comm, all_compute, att.intervals, total_window))
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
@@ -311,3 +327,70 @@ def kernel_table(kernels: Iterable[KernelRecord], ranges: Iterable[RangeRecord])
                          "count": count, "time_ms": ns / _NS_PER_MS})
     table = pd.DataFrame(rows, columns=list(KERNEL_COLUMNS))
     return table.sort_values(["rank", "phase", "time_ms"], ascending=[True, True, False], ignore_index=True)
+
+
+def attribution_table(
+    kernels: Iterable[KernelRecord],
+    ranges: Iterable[RangeRecord],
+    step_range: str,
+    windows: Mapping[int, tuple[int, int]] | None = None,
+) -> pd.DataFrame:
+    """Per rank: the step's busy, unattributed and idle time (columns ``ATTRIBUTION_COLUMNS``; times in
+    ms, shares in percent of ``step_ms``; see the module docstring).
+
+    ``step_range``: the full name of the range around each step (``dsv4cp.step``); its instances
+    nest every phase, so a kernel whose innermost range is the step itself is in no phase.
+    ``windows``: each rank's capture window, used only for a rank without the step range.
+    """
+    kernels_of, ranges_of = _group_by_rank(kernels, ranges)
+    windows = dict(windows or {})
+    rows: list[dict[str, object]] = []
+    for rank in sorted(set(kernels_of) | set(ranges_of) | set(windows)):
+        att = _attribute(kernels_of[rank], ranges_of[rank])
+        if step_range in att.windows:
+            step_windows = _as_intervals(att.windows[step_range])
+        else:
+            step_windows = _capture_window(rank, windows, att.intervals)
+        outside = np.array([phase is None or phase == step_range for phase in att.phase], dtype=bool)
+        step = _length(step_windows)
+        busy = _intersection_length(step_windows, att.intervals)
+        in_phases = _intersection_length(step_windows, _select(att.intervals, ~outside))
+        unattributed = busy - in_phases
+        rows.append({
+            "rank": rank,
+            "step_ms": step / _NS_PER_MS,
+            "busy_ms": busy / _NS_PER_MS,
+            "unattributed_ms": unattributed / _NS_PER_MS,
+            "unattributed_pct": 100.0 * unattributed / step if step > 0 else float("nan"),
+            "idle_ms": (step - busy) / _NS_PER_MS,
+            "idle_pct": 100.0 * (step - busy) / step if step > 0 else float("nan"),
+        })
+    return pd.DataFrame(rows, columns=list(ATTRIBUTION_COLUMNS))
+
+
+def _as_intervals(spans: list[tuple[int, int]]) -> _Intervals:
+    return np.array([s for s, _ in spans], np.int64), np.array([e for _, e in spans], np.int64)
+
+
+def _capture_window(rank: int, windows: Mapping[int, tuple[int, int]], kernels: _Intervals) -> _Intervals:
+    """The rank's capture window when given, else first kernel start to last kernel end (none: empty)."""
+    if rank in windows:
+        return _as_intervals([windows[rank]])
+    starts, ends = kernels
+    return _as_intervals([(int(starts.min()), int(ends.max()))]) if starts.size else _EMPTY
+
+
+def attribution_lines(table: pd.DataFrame) -> list[str]:
+    """One line per rank of an ``attribution_table``: unattributed and idle time, in ms and percent of
+    the step, each against its target (``UNATTRIBUTED_TARGET_PCT``, ``IDLE_TARGET_PCT``)."""
+
+    def share(ms: float, pct: float, target: float) -> str:
+        verdict = "n/a" if np.isnan(pct) else ("met" if pct <= target else "missed")
+        return f"{ms:.3f} ms ({pct:.1f}% of the step; target <= {target:g}%: {verdict})"
+
+    return [
+        f"rank {int(r.rank)}: step {r.step_ms:.3f} ms, unattributed "
+        f"{share(r.unattributed_ms, r.unattributed_pct, UNATTRIBUTED_TARGET_PCT)}, idle "
+        f"{share(r.idle_ms, r.idle_pct, IDLE_TARGET_PCT)}"
+        for r in table.itertuples(index=False)
+    ]

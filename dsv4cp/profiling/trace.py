@@ -14,7 +14,10 @@ category ``cat``:
 * ``user_annotation``: a ``record_function`` range on the host (our ``dsv4cp.*`` ranges);
   ``gpu_user_annotation`` is Kineto's projection of some of them onto a device stream.
 * ``cpu_op``: an ATen operator on a host thread.
-* ``gpu_memcpy`` / ``gpu_memset``: copy-engine and memset work; not counted as kernels.
+* ``gpu_memcpy`` / ``gpu_memset``: copies (e.g. the clone inside a non-inplace ``masked_fill``) and
+  memsets, with ``args.stream`` and ``args.correlation`` like kernels and launched by
+  ``cudaMemcpyAsync`` / ``cudaMemsetAsync``: device work of the phase that launched them, read as
+  compute records (the device is not idle while they run).
 
 Ranges are the ``user_annotation`` events named ``dsv4cp.*`` and kernels are attributed by launch
 (overlap.py, rule 1). Only if no kernel of a file has a matching launch event are the
@@ -47,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from dsv4cp.profiling.nvtx import DOMAIN, nvtx_range
-from dsv4cp.profiling.overlap import KernelRecord, RangeRecord, is_comm_kernel, overlap_table
+from dsv4cp.profiling.nvtx import DOMAIN, full_name, nvtx_range
+from dsv4cp.profiling.overlap import KernelRecord, RangeRecord, attribution_table, is_comm_kernel, overlap_table
 
 RANGE_PREFIX = f"{DOMAIN}."
 """Only ranges whose names start with this are phases."""
@@ -60,6 +63,7 @@ COMM_OP_TOKENS: tuple[str, ...] = (
 """Substrings (lower case) marking a host op as communication in a CPU-only trace."""
 
 _LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+_DEVICE_WORK_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _RANK_IN_NAME = re.compile(r"rank(\d+)")
 TRACE_SUFFIXES = (".json", ".json.gz")
 
@@ -158,7 +162,7 @@ def _gpu_records(events: list[dict[str, Any]], rank: int) -> tuple[list[KernelRe
     }
     kernels = []
     for e in events:
-        if e.get("cat") != "kernel":
+        if e.get("cat") not in _DEVICE_WORK_CATEGORIES:
             continue
         args = e.get("args", {})
         kernels.append(KernelRecord(
@@ -274,3 +278,14 @@ def load_kineto_dir(directory: str | Path) -> tuple[list[KernelRecord], list[Ran
 def kineto_overlap_table(directory: str | Path) -> pd.DataFrame:
     """The overlap table (overlap.COLUMNS) of a directory of per-rank Kineto traces."""
     return overlap_table(*load_kineto_dir(directory))
+
+
+def kineto_attribution_table(directory: str | Path, steps: int = 1) -> pd.DataFrame:
+    """The attribution table (overlap.ATTRIBUTION_COLUMNS) of a directory of per-rank Kineto traces of
+    ``steps`` steps, each in a ``dsv4cp.step`` range; times per step."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    table = attribution_table(*load_kineto_dir(directory), step_range=full_name("step"))
+    for column in ("step_ms", "busy_ms", "unattributed_ms", "idle_ms"):
+        table[column] = table[column] / steps
+    return table

@@ -83,6 +83,14 @@ def _max_gib(values: object) -> float:
     return max(known) / GIB if known else math.nan
 
 
+def _spread(values: object) -> float:
+    """Largest minus smallest per-rank time of a list metric; NaN unless every rank was measured (an
+    emulated rank's record holds None for the others)."""
+    if not isinstance(values, list) or not values or any(v is None for v in values):
+        return math.nan
+    return max(values) - min(values)
+
+
 def _group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
     """One hashable key per row over ``axes`` (strings, so None, bools and ints group safely)."""
     keys = ["|".join(map(str, values)) for values in df[axes].itertuples(index=False)]
@@ -194,8 +202,7 @@ def imbalance(df: pd.DataFrame) -> pd.DataFrame:
     axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
     out = points[axes].copy()
     out["imbalance_max_over_mean"] = pd.to_numeric(points["imbalance_max_over_mean"], errors="coerce")
-    out["rank_spread_ms"] = points["rank_time_ms_median"].map(
-        lambda v: max(v) - min(v) if isinstance(v, list) and v else math.nan)
+    out["rank_spread_ms"] = points["rank_time_ms_median"].map(_spread)
     return out.sort_values([a for a in ("run", "packing", "cp") if a in out]).reset_index(drop=True)
 
 

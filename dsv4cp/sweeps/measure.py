@@ -22,18 +22,20 @@ import torch.distributed as dist
 
 from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.cp.check import CheckCase, merge_ranks, randomize_, run_rank
+from dsv4cp.cp.emulate import emulated_rank
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.model import Machine, estimate
+from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.packing import PackedSeqs
-from dsv4cp.profiling.memory import track_memory
+from dsv4cp.profiling.memory import record_phase_memory, track_memory
 from dsv4cp.profiling.nvtx import capture_range, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL
 from dsv4cp.profiling.timing import benchmark
-from dsv4cp.profiling.trace import capture_trace, kineto_overlap_table
+from dsv4cp.profiling.trace import capture_trace, kineto_attribution_table, kineto_overlap_table
 from dsv4cp.sweeps.spec import Point, RunOptions
 from dsv4cp.workloads import packing_lengths
 
@@ -51,6 +53,8 @@ class Measurement:
     """Which kernels ``kernel_backend`` resolved to on this device, e.g. ``{"sparse_attention": "triton"}``."""
     overlap: pd.DataFrame | None = None
     """The per-phase overlap table (per step) when traced, on the group's rank 0."""
+    attribution: pd.DataFrame | None = None
+    """Per rank, the step's unattributed and idle time (per step) when traced, on the group's rank 0."""
 
 
 class _RankClock:
@@ -92,16 +96,23 @@ def point_inputs(point: Point) -> tuple[DSv4Config, list[int]]:
     return cfg, lengths
 
 
-def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Machine | None = None) -> RowSplit:
+def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Machine | None = None,
+                calibration: Calibration | None = None) -> RowSplit:
     """The ranks' row ranges under the point's ``partition`` policy (the balanced one equalises the
-    model's per-rank times of the point's pass at ``machine``'s ceilings); identical on every rank."""
+    model's per-rank times of the point's pass at ``machine``'s ceilings, scaled by ``calibration``
+    when given); identical on every rank."""
     return policy_split(cfg, point.ratio, lengths, point.cp, point.partition, machine, total=point.tokens,
-                        direction=point.direction)
+                        direction=point.direction, calibration=calibration)
 
 
 def _gather(value, group: dist.ProcessGroup | None) -> list:
+    """Every rank's ``value``, rank-major; an emulated rank knows only its own (None elsewhere)."""
     if group is None:
         return [value]
+    if emulated_rank(group) is not None:
+        out = [None] * group.size()
+        out[group.rank()] = value
+        return out
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
@@ -110,7 +121,8 @@ def _gather(value, group: dist.ProcessGroup | None) -> list:
 def measure_point(
     point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
     machine: Machine | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
-    on_step: Callable[[str], object] | None = None,
+    on_step: Callable[[str], object] | None = None, memory_phases: bool = False,
+    calibration: Calibration | None = None,
 ) -> Measurement:
     """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
 
@@ -119,6 +131,8 @@ def measure_point(
     rank under it and fill the overlap metrics. ``nsys``: also run ``run.nsys_steps`` steps inside
     ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``). ``on_step``: called
     after each warm-up and timed step (a progress bar, :mod:`dsv4cp.profiling.progress`).
+    ``memory_phases``: one more step recording each phase's memory (metric ``memory_phases``).
+    ``calibration``: measured-over-bound phase factors the balanced split uses (metric ``calibration``).
 
     Raises ``ValueError`` for shapes the point cannot run (before any collective), and whatever
     the step raises (``torch.OutOfMemoryError``, ...).
@@ -127,11 +141,17 @@ def measure_point(
     if cp != point.cp:
         raise ValueError(f"cp: the point needs {point.cp} ranks, the group has {cp}")
     rank = dist.get_rank(group) if group is not None else 0
+    emulated = emulated_rank(group)
+    if point.emulated_rank != emulated:
+        raise ValueError(f"emulated_rank: the point has {point.emulated_rank}, the group "
+                         + ("is a real one" if emulated is None else f"emulates rank {emulated}"))
+    if check and emulated is not None:
+        raise ValueError("check: the CP = 1 parity check needs every real rank, not one emulated rank")
     machine = machine or Machine()
     cfg, lengths = point_inputs(point)
     dtype = DTYPES[point.dtype]
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
-    split = point_split(point, cfg, lengths, machine)
+    split = point_split(point, cfg, lengths, machine, calibration)
     bound = estimate(cfg, point.ratio, packed, cp, machine, split=split).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device).name}
     if device.type == "cuda":
@@ -151,10 +171,11 @@ def measure_point(
     def step() -> None:
         result = layer(x, packed, cp_group=group, split=split)
         if point.backward:
-            loss = (result.out * upstream).sum()
+            # the gradients of sum(out * upstream) + indexer_loss, seeded directly: no loss kernels in the step
+            outputs, seeds = [result.out], [upstream]
             if result.indexer_loss is not None:
-                loss = loss + result.indexer_loss
-            loss.backward()
+                outputs, seeds = outputs + [result.indexer_loss], seeds + [None]  # None: d/d(loss) = 1
+            torch.autograd.backward(outputs, seeds)
 
     clock = _RankClock(step, device)
     timing = benchmark(clock, warmup=run.warmup, reps=run.reps, group=group, l2_flush=run.l2_flush, device=device,
@@ -168,16 +189,28 @@ def measure_point(
 
     seconds = timing.median_ms / 1e3
     tflops = bound.model_tflops_per_gpu(seconds)
-    medians = [r[0] for r in per_rank]
+    medians = [r[0] for r in per_rank if r is not None]
+    per_rank = [r or (None, None, None) for r in per_rank]  # an emulated rank: its peers unmeasured
     metrics = {
         "time_ms_median": timing.median_ms, "time_ms_p20": timing.p20_ms, "time_ms_p80": timing.p80_ms,
-        "rank_time_ms_median": medians, "imbalance_max_over_mean": max(medians) / (sum(medians) / len(medians)),
+        "rank_time_ms_median": [r[0] for r in per_rank],
+        "imbalance_max_over_mean": max(medians) / (sum(medians) / len(medians)) if emulated is None else None,
         "tokens_per_s": point.tokens / seconds, "tflops_per_gpu": tflops,
         "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" else None,
+        "split": list(split.bounds),
+        "calibration": calibration.label if calibration is not None and point.partition == "balanced" else None,
         "model_flops": bound.model_flops, "bound_ms": bound.bound_overlap_s * 1e3,
         "measured_over_bound": seconds / bound.bound_overlap_s if bound.bound_overlap_s > 0 else None,
         "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],
     }
+
+    if memory_phases:  # a step of its own: the recorder resets the allocator peak at every phase edge
+        with record_phase_memory(device) as recorder:
+            step()
+        mine = None if recorder is None else {
+            "rows": [row.to_dict() for row in recorder.rows], "peak_bytes": recorder.step_peak_bytes,
+            "peak_stack": list(recorder.peak_stack)}
+        metrics["memory_phases"] = _gather(mine, group)
 
     if nsys:
         with capture_range():
@@ -185,18 +218,22 @@ def measure_point(
                 with nvtx_range("step"):
                     step()
 
-    overlap = None
+    overlap = attribution = None
     if trace_dir is not None:
         capture_trace(step, trace_dir, steps=run.trace_steps, warmup=1, rank=rank)
         if group is not None:
             dist.barrier(group)  # every rank's file is written before rank 0 reads them
-        if rank == 0:
+        reader = emulated if emulated is not None else 0  # an emulated rank wrote the only trace
+        if rank == reader:
             overlap = _per_step(kineto_overlap_table(trace_dir), run.trace_steps)
             overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
-            total = overlap[(overlap["rank"] == 0) & (overlap["phase"] == TOTAL)].iloc[0]
-            metrics.update(exposed_comm_ms=float(total["exposed_comm_ms"]), comm_ms=float(total["comm_ms"]),
-                           overlap_ratio=_float_or_none(total["overlap_ratio"]),
-                           phases=overlap.to_dict(orient="records"))
+            attribution = kineto_attribution_table(trace_dir, run.trace_steps)
+            attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
+            metrics["phases"] = overlap.to_dict(orient="records")
+            if emulated is None:  # an emulated rank's collectives move nothing: no communication to report
+                total = overlap[(overlap["rank"] == 0) & (overlap["phase"] == TOTAL)].iloc[0]
+                metrics.update(exposed_comm_ms=float(total["exposed_comm_ms"]), comm_ms=float(total["comm_ms"]),
+                               overlap_ratio=_float_or_none(total["overlap_ratio"]))
 
     if check and cp > 1:
         case = CheckCase(preset=point.preset, ratio=point.ratio, lengths=tuple(lengths), total=point.tokens,
@@ -205,7 +242,7 @@ def measure_point(
                          config_overrides={"indexer_loss": point.loss}, split=split.bounds)
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
-    return Measurement(metrics, resolved, overlap)
+    return Measurement(metrics, resolved, overlap, attribution)
 
 
 def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:

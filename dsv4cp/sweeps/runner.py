@@ -31,6 +31,8 @@ from tqdm import tqdm
 
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.model import Machine
+from dsv4cp.model.calibration import Calibration
+from dsv4cp.profiling.memory import is_out_of_memory
 from dsv4cp.records import (
     RECORDS_FILE,
     STATUS_OK,
@@ -76,6 +78,8 @@ class SweepOptions:
     dist_backend: str = "gloo"
     progress: bool = False
     machine: Machine = field(default_factory=Machine)
+    calibration: Calibration | None = None
+    """Phase factors the ``balanced`` points' split uses (``--calibration``); None: the model's bounds."""
 
 
 @dataclass(frozen=True)
@@ -237,10 +241,11 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
         trace_dir = options.out / "traces" / point.point_id if options.profile else None
         try:
             measurement = measure_point(point, group, device, spec.run, machine=options.machine,
-                                        trace_dir=trace_dir, nsys=options.nsys, check=options.check)
+                                        trace_dir=trace_dir, nsys=options.nsys, check=options.check,
+                                        calibration=options.calibration)
             metrics, resolved = measurement.metrics, measurement.resolved_backends
         except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
-            status = STATUS_OOM if _is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"
+            status = STATUS_OOM if is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"
             outcome = (status, f"rank {rank}: {_first_line(err)}")
         if device.type == "cuda" and outcome[0] != STATUS_OK:
             torch.cuda.empty_cache()
@@ -261,12 +266,6 @@ def _root_cause(failed: list[tuple[str, str]]) -> tuple[str, str]:
     ooms = [o for o in failed if o[0] == STATUS_OOM]
     causes = [o for o in failed if "timed out" not in o[0].lower() and "timeout" not in o[0].lower()]
     return (ooms or causes or failed)[0]
-
-
-def _is_out_of_memory(err: BaseException) -> bool:
-    # the CPU allocator raises a plain RuntimeError
-    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError)
-                                                       and "can't allocate memory" in str(err))
 
 
 def _first_line(err: BaseException) -> str:

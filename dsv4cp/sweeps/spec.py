@@ -88,6 +88,8 @@ class Point:
     dtype: str = "fp32"
     seed: int = 0
     partition: str = "equal"
+    emulated_rank: int | None = None
+    """The one rank a single process measures alone (``dsv4cp profile --emulate-rank``); None: real ranks."""
 
     @property
     def backward(self) -> bool:
@@ -108,7 +110,8 @@ class Point:
         tokens = f"{self.tokens // 1024}K" if self.tokens % 1024 == 0 else str(self.tokens)
         return (f"{self.preset} r{self.ratio} cp{self.cp} {tokens} {self.packing} {self.direction} {self.dtype} "
                 f"{self.overlap}{' recompute' if self.recompute else ''} {self.kernel_backend}"
-                f"{'' if self.partition == 'equal' else ' ' + self.partition}")
+                f"{'' if self.partition == 'equal' else ' ' + self.partition}"
+                f"{'' if self.emulated_rank is None else f' emulated rank {self.emulated_rank}'}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +160,12 @@ def _packing(where: str, value: Any) -> None:
         raise ValueError(f"{where}: {str(err).removeprefix('packing: ')}") from None
 
 
+def _real_ranks_only(where: str, value: Any) -> None:
+    if value is not None:
+        raise ValueError(f"{where}: a sweep measures its real ranks; emulate one rank with "
+                         f"'dsv4cp profile --cp N --emulate-rank R', got {value!r}")
+
+
 def _kernel_backend(where: str, value: Any) -> None:
     try:
         check_backend_name(value)
@@ -179,6 +188,7 @@ _CHECKS = {
     "dtype": _choice(tuple(DTYPES)),
     "seed": _int_at_least(0),
     "partition": _choice(PARTITIONS),
+    "emulated_rank": _real_ranks_only,
 }
 assert set(_CHECKS) == set(AXES), "every record axis needs a check"
 

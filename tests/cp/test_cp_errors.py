@@ -76,3 +76,23 @@ def test_bad_input_raises_on_every_rank_before_any_collective() -> None:
         for case, (message, issued) in zip(cases[:-1], rank_results):
             assert BAD_CASES[case] in message, (case, message)
             assert issued == [], f"{case}: collectives issued before the error: {issued}"
+
+
+def _one_rank_bad_rows(rank: int, world: int, device: torch.device) -> str:
+    """Rank 1 alone passes an ``x`` with two extra rows; with ``check_ranks`` every rank must raise."""
+    cfg = DSv4Config.preset("tiny")
+    layer = DSv4Attention(cfg, 4, check_ranks=True)
+    packed = PackedSeqs.from_lengths([40], total=40)
+    rows = packed.total // world + (2 if rank == 1 else 0)
+    try:
+        layer(torch.randn(rows, cfg.hidden), packed, dist.group.WORLD)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_input_rejected_on_one_rank_raises_on_every_rank() -> None:
+    """A fault only rank 1 can see (its own rows) must not leave rank 0 waiting in the halo exchange."""
+    messages = spawn(_one_rank_bad_rows, 2)
+    assert messages[1].startswith("x: holds 22 rows"), messages
+    assert messages[0].startswith("rank 1 rejected its input: x: holds 22 rows"), messages

@@ -153,7 +153,7 @@ def test_static_plan_selects_what_the_exact_plan_and_the_torch_op_select(lengths
             assert torch.equal(exact, ref), f"seed={seed} rank={rank}/{cp} k={k}: exact plan"
             for chunk, budget in ((None, None), (5, None), (None, TOPK_BYTES_PER_SCORE * 16 * 3)):
                 static = indexer_topk_triton(**case, k=k, chunk=chunk, budget_bytes=budget,
-                                             key_row_limit=lay.key_row_limit)
+                                             key_row_limit=lay.key_row_limit, impl="chunked")
                 assert torch.equal(static, ref), f"seed={seed} rank={rank}/{cp} k={k} chunk={chunk} budget={budget}"
 
 
@@ -183,10 +183,10 @@ def test_static_plan_reads_nothing_on_the_host_the_exact_plan_does(seed):
     lay = build_layout(PackedSeqs.from_lengths([9, 13, 2], total=24), CFG, 4, 1, 2)
     case = layout_case(lay, gen, integer=True)
     with HostReads() as static:
-        got = indexer_topk_triton(**case, k=3, key_row_limit=lay.key_row_limit)
+        got = indexer_topk_triton(**case, k=3, key_row_limit=lay.key_row_limit, impl="chunked")
     assert not static.events, static.report()
     with HostReads() as exact:  # the layer's path before: key ranges read to plan the chunks
-        want = indexer_topk_triton(**case, k=3)
+        want = indexer_topk_triton(**case, k=3, impl="chunked")
     assert exact.events, "control: the exact plan reads the key ranges on the host"
     assert torch.equal(got, want)
 

@@ -237,7 +237,7 @@ def test_topk_chunking_and_budget_do_not_change_the_selection(seed):
     ref = reference_topk(case, k)
     assert torch.equal(triton_topk(case, k), ref), f"seed={seed}"
     for chunk, budget in ((1, None), (5, None), (7, 4 * 32 * 6), (None, 1)):
-        got = triton_topk(case, k, chunk=chunk, budget_bytes=budget)
+        got = triton_topk(case, k, chunk=chunk, budget_bytes=budget, impl="chunked")
         assert torch.equal(got, ref), f"seed={seed} chunk={chunk} budget={budget}"
     got = triton_topk(case, k, config=IndexerConfig(16, 16, 4, 1))
     assert torch.equal(got, ref), f"seed={seed}: pinned 16x16 tiles"
@@ -483,11 +483,11 @@ def chunked_scores(case, step: int = 256) -> torch.Tensor:
 def test_gpu_topk_bf16_full_size(docs, seed):
     case = gpu_case(seed, 8192, docs)
     k = 512
-    got = triton_topk(case, k)
+    got = triton_topk(case, k, impl="chunked")
     ref = reference_topk(case, k)
     scores = chunked_scores(case)
     assert_equivalent_selection(got, ref, scores, 1e-3, f"seed={seed}", min_identical=0.5)
-    small = triton_topk(case, k, budget_bytes=64 * 2**20)  # many chunks: the same selection
+    small = triton_topk(case, k, budget_bytes=64 * 2**20, impl="chunked")  # many chunks: the same selection
     assert torch.equal(small, got), f"seed={seed}: chunking changed the selection"
 
 

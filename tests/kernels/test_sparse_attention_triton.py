@@ -125,6 +125,48 @@ def test_backward_matches_torch_fp32(case, topk, deterministic, seed):
     assert got[0][1].abs().max().item() == 0.0, f"{msg}: row without key must get dq = 0"
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", CPU_CASES[:3], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
+def test_backward_dq_in_dkv_matches_torch_fp32(case, deterministic, seed):
+    """dq accumulated by the dkv kernel (the first kernel writes p / ds only)."""
+    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=True)
+    out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=deterministic,
+                               dq_in_dkv=True)
+    ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
+    msg = f"seed={seed} case={case} deterministic={deterministic}"
+    for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{msg}: {name} {a.dtype} {a.shape}"
+        assert rel_fro(a, b) < 1e-4, f"{msg}: {name} rel err {rel_fro(a, b):.2e}"
+    assert got[0][1].abs().max().item() == 0.0, f"{msg}: row without key must get dq = 0"
+    assert got[0][2].abs().max().item() == 0.0, f"{msg}: topk_length 0 must get dq = 0"
+
+
+def test_dq_in_dkv_environment_switch(seed, monkeypatch):
+    """DSV4CP_TRITON_DQ_IN_DKV=1 selects the placement (its own cached configurations), the keyword
+    wins over it, and a value other than 0 / 1 is refused before any kernel runs."""
+    from dsv4cp.kernels import sparse_attention_triton as sat
+
+    q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
+    out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
+    for pinning in ("DSV4CP_TRITON_BWD_CONFIG", "DSV4CP_TRITON_DKV_CONFIG"):  # a pinned launch caches nothing
+        monkeypatch.delenv(pinning, raising=False)
+    monkeypatch.setenv(sat.DQ_IN_DKV_ENV, "1")
+    sat._CHOSEN.clear()
+    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_)
+    kinds = {key[0] for key in sat._CHOSEN}
+    assert {"bwd_dq_dq_in_dkv", "bwd_dkv_dq_in_dkv"} <= kinds and "bwd_dq" not in kinds, kinds
+    assert all(rel_fro(a, b) < 1e-4 for a, b in zip(got, ref)), f"seed={seed}"
+    sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, dq_in_dkv=False)
+    assert "bwd_dq" in {key[0] for key in sat._CHOSEN}
+    monkeypatch.setenv(sat.DQ_IN_DKV_ENV, "yes")
+    with pytest.raises(ValueError, match=f"^{sat.DQ_IN_DKV_ENV}: .*'yes'"):
+        sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_)
+
+
 def test_multiple_head_and_slot_blocks(seed):
     """H = 20 over head blocks of 16 (the second one 4/16 full), slots in blocks of 16, the kv gradient
     in two 16-column blocks of D, the backward in chunks of 2 queries."""
@@ -135,13 +177,13 @@ def test_multiple_head_and_slot_blocks(seed):
     check_lse(lse, ref_lse, 1e-4, f"seed={seed}")
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
     ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
-    for det in (False, True):
+    for det, dq_in_dkv in ((False, False), (True, False), (False, True)):
         two_queries = 2 * (2 * 37 * 20 * 4 + 37 * 32 * 4)  # scratch of 2 queries: several chunks
         got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, deterministic=det,
-                                   block_h=16, block_k=16, scratch_bytes=two_queries,
+                                   block_h=16, block_k=16, scratch_bytes=two_queries, dq_in_dkv=dq_in_dkv,
                                    dkv_config=DkvConfig(block_k=16, block_d=16, num_warps=4, num_stages=1))
         for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
-            assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det}: {name}"
+            assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det} dq_in_dkv={dq_in_dkv}: {name}"
 
 
 def test_deterministic_backward_is_bitwise_reproducible(seed):
@@ -185,9 +227,10 @@ def test_bf16_through_interpreter_vs_fp32_reference(seed):
     check_lse(lse, ref_lse, 1e-2, f"seed={seed}")
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
     ref = torch_backward(dout.float(), q.float(), kv.float(), idx, sink, scale, out.float(), ref_lse, tl_)
-    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_)
-    for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
-        assert rel_fro(a, b) < 1e-2, f"seed={seed}: {name}"
+    for dq_in_dkv in (False, True):
+        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, dq_in_dkv=dq_in_dkv)
+        for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+            assert rel_fro(a, b) < 1e-2, f"seed={seed} dq_in_dkv={dq_in_dkv}: {name}"
 
 
 def test_int64_indices_and_topk(seed):
@@ -344,6 +387,24 @@ def test_gpu_full_size_bf16(heads, n_selected, deterministic, seed):
             assert torch.equal(a, b), f"{msg}: {name} not bitwise reproducible"
 
 
+@pytest.mark.parametrize("heads, n_selected", [(64, 512), (128, 1024), (3, 64)], ids=["flash", "pro", "H3"])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_full_size_bf16_dq_in_dkv(heads, n_selected, seed):
+    """The backward with dq accumulated by the dkv kernel (its own default configurations at D = 512)."""
+    t = 2048 if heads <= 64 else 1024
+    q, kv, idx, sink, scale = gpu_case(seed, t, heads, 512, 128, n_selected, torch.bfloat16)
+    q32, kv32 = q.float(), kv.float()
+    ref_out, ref_lse = torch_forward(q32, kv32, idx, sink, scale)
+    out = ref_out.bfloat16()
+    dout = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    got = sparse_attention_bwd(dout.bfloat16(), q, kv, idx, sink, scale, out, ref_lse, deterministic=False,
+                               dq_in_dkv=True)
+    ref = torch_backward(dout.bfloat16().float(), q32, kv32, idx, sink, scale, ref_out, ref_lse)
+    for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+        assert rel_fro(a, b) < 1e-2, f"seed={seed} H={heads}: {name} {rel_fro(a, b):.2e}"
+
+
 @pytest.mark.parametrize(
     "case", CPU_CASES + [(64, 7, 512, 300, 200)], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c)
 )
@@ -357,8 +418,9 @@ def test_gpu_fp32_matches_torch(case, seed):
     check_lse(lse, ref_lse, 1e-4, f"seed={seed}")
     dout = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
     ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
-    for det in (False, True):
-        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=det)
+    for det, dq_in_dkv in ((False, False), (True, False), (False, True)):
+        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=det,
+                                   dq_in_dkv=dq_in_dkv)
         for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
-            assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det}: {name} {rel_fro(a, b):.2e}"
+            assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det} dq_in_dkv={dq_in_dkv}: {name} {rel_fro(a, b):.2e}"
 

@@ -32,7 +32,10 @@ def test_kineto_directory_to_csv(tmp_path, capsys):
     assert main(["overlap", str(traces), "--csv", str(out)]) == 0
     table = _check_csv(out)
     assert len(table) == 6
-    assert "dsv4cp.allgather.kv.launch" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "dsv4cp.allgather.kv.launch" in printed
+    # no step range: the step is first kernel start to last kernel end, [20, 120) us on rank 0
+    assert "rank 0: step 0.100 ms, unattributed 0.000 ms (0.0% of the step; target <= 5%: met)" in printed
 
 
 def test_nsys_sqlite_to_csv(tmp_path):

@@ -40,7 +40,7 @@ def test_layer_profile_has_the_documented_phases(tmp_path) -> None:
         "indexer.score.bwd", "indexer.loss.fwd", "indexer.loss.bwd", "q_proj.fwd", "q_proj.bwd",
         "allgather.kv.launch", "allgather.kv.wait", "allgather.index_k.launch", "allgather.index_k.wait",
         "sparse_attn.fwd", "sparse_attn.bwd", "reducescatter.kv.launch", "reducescatter.kv.wait",
-        "out_proj.fwd", "out_proj.bwd", "step")}
+        "out_proj.fwd", "out_proj.bwd", "layout.fwd", "step")}
     for rank in (0, 1):
         phases = set(table[table["rank"] == rank]["phase"])
         assert expected <= phases, sorted(expected - phases)
