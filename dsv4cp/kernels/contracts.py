@@ -48,15 +48,34 @@ def check_sparse_attention_inputs(
             raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
 
 
+_LOW_BITS = 0xFFFFFFFF
+
+
+def _ordered_bits(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys of fp32 ``scores`` that sort as the floats do (-0.0 folded into +0.0 so that zeros tie,
+    as torch.topk ranks them; -inf lowest)."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+
+
+_NEG_INF_KEY = int(_ordered_bits(torch.tensor([float("-inf")]))[0])
+
+
 def select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
     """The ``keep`` best finite columns of each row of ``scores [rows, columns]``, ties at the cut going
     to the lowest columns (ReLU makes exact-zero scores common, and the rule must not depend on the CP
-    layout). Returns ``[rows, keep]`` int64 columns in increasing order, ``-1`` past a row's finite ones."""
-    cut = torch.topk(scores, keep, dim=1).values[:, -1:]
-    above = scores > cut
-    at_cut = scores == cut
-    room = keep - above.sum(1, keepdim=True)
-    chosen = (above | (at_cut & (at_cut.cumsum(1) <= room))) & torch.isfinite(scores)
-    columns = torch.arange(scores.shape[1], 0, -1, device=scores.device)  # lower column = larger key
-    where = torch.topk(chosen * columns, keep, dim=1).indices
-    return torch.where(chosen.gather(1, where), where, -1)
+    layout). Returns ``[rows, keep]`` int64 columns in increasing order, ``-1`` past a row's finite ones.
+
+    One ``torch.topk`` over int64 keys that hold the score's order-preserving bits in the high half and
+    ``2^32 - 1 - column`` in the low half: a single comparison then IS the rule (higher score, then lower
+    column), so no cut value, tie count or second selection is needed (8 bytes per score, one pass).
+    fp32 scores (other float dtypes are compared after a cast to fp32)."""
+    if scores.shape[1] >= _LOW_BITS:
+        raise ValueError(f"scores: at most {_LOW_BITS - 1} columns, got {scores.shape[1]}")
+    columns = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
+    keys = (_ordered_bits(scores) << 32) | (_LOW_BITS - columns)
+    top = torch.topk(keys, keep, dim=1, sorted=False).values
+    finite = (top >> 32) > _NEG_INF_KEY
+    chosen = torch.where(finite, _LOW_BITS - (top & _LOW_BITS), scores.shape[1])  # invalid ones sort last
+    chosen = chosen.sort(dim=1).values
+    return torch.where(chosen < scores.shape[1], chosen, -1)

@@ -13,9 +13,10 @@ contiguous (rank-major gathered blocks with capacity padding) but are in increas
 Public API:
 
 * :func:`indexer_topk_triton` (no grad): the ``k`` best visible key rows per query, same contract and
-  tie rule as :func:`dsv4cp.ops.indexer.indexer_topk`. By default (``DSV4CP_TOPK_IMPL=stream``) it runs
-  the one-pass streaming kernel of :mod:`dsv4cp.kernels.indexer_topk_triton`; ``chunked`` selects the
-  path described below (score buffers + ``_select_top``).
+  tie rule as :func:`dsv4cp.ops.indexer.indexer_topk`. By default (``DSV4CP_TOPK_IMPL=chunked``) it
+  runs the path described below (score buffers + ``_select_top``); ``stream`` selects the one-pass
+  streaming kernel of :mod:`dsv4cp.kernels.indexer_topk_triton` (no score buffer, but 3.2x slower on
+  an H200: see :data:`TOPK_IMPL_ENV`).
 * :func:`indexer_score_matrix` (no grad): the masked fp32 scores of a block of key rows (``-inf``
   where invisible), the kernel the top-k wrapper runs per chunk; exposed for tests and benchmarks.
 * :func:`iter_score_chunks`: the top-k wrapper's scoring half (chunks of masked scores, no selection).
@@ -70,9 +71,10 @@ narrows every query chunk to a key-row range holding every key its queries can s
 
 Top-k wrapper (:func:`indexer_topk_triton`): queries are processed in chunks; for each chunk the kernel
 fills a ``[rows, width]`` fp32 buffer (``width`` = the chunk's visible key-row range, never the full
-``[T, G]`` matrix), then ``_select_top`` (the torch tie rule: ties at the cut go to the lowest key rows)
+``[T, G]`` matrix), then ``_select_top`` (the torch tie rule: ties at the cut go to the lowest key rows;
+one ``torch.topk`` over int64 keys packing the score's order-preserving bits above the inverted column)
 picks the top ``k``. Chunks are planned (:func:`plan_chunks`) so ``rows * width * TOPK_BYTES_PER_SCORE``
-stays below a byte budget (default :data:`TOPK_BUDGET_BYTES` = 1 GiB): ``TOPK_BYTES_PER_SCORE = 32``
+stays below a byte budget (default :data:`TOPK_BUDGET_BYTES` = 1 GiB): ``TOPK_BYTES_PER_SCORE = 24``
 counts the fp32 score, the bool masks and the two int64 ``[rows, width]`` temporaries of
 ``_select_top`` (the cumulative tie count and the column ranks). A chunk's column range is widened to
 a multiple of 16 key rows (aligned buffer rows, vector stores). Peak memory beyond inputs and outputs
@@ -138,11 +140,13 @@ TOPK_BUDGET_BYTES = 2**30
 temporaries (``rows * width * TOPK_BYTES_PER_SCORE``)."""
 
 TOPK_IMPL_ENV = "DSV4CP_TOPK_IMPL"
-"""Selects :func:`indexer_topk_triton`'s path: ``stream`` (default) or ``chunked``."""
+"""Selects :func:`indexer_topk_triton`'s path: ``chunked`` (default) or ``stream``. Measured on an H200
+(flash shapes, 64K tokens, ``results/2026-12-01-h200-speed``): chunked 73.9 ms, stream 236.9 ms (its
+per-tile sort-and-merge on the CUDA cores costs 12x the scoring), scoring alone 18.9 ms."""
 
-TOPK_BYTES_PER_SCORE = 32
-"""Bytes per ``[rows, width]`` element held while a chunk is selected: 4 (fp32 score) + 8 (int64
-cumulative tie count) + 8 (int64 column ranks) + ~5 (bool masks), rounded up for topk's workspace."""
+TOPK_BYTES_PER_SCORE = 24
+"""Bytes per ``[rows, width]`` element held while a chunk is selected: 4 (fp32 score) + 8 (the int64
+packed key of ``_select_top``) + 8 (one int64 temporary while the key is built) + topk's workspace."""
 
 BWD_SCRATCH_BYTES = 2**30
 """Budget of the deterministic backward's per-chunk ``[rows, K, Di]`` fp32 key-gradient contributions."""
@@ -747,7 +751,7 @@ def indexer_topk_triton(
             :func:`dsv4cp.kernels.indexer_topk_triton.indexer_topk_stream`; ``chunk`` and
             ``budget_bytes`` do not apply, ``config`` pins its tiles; ``k`` above its
             ``MAX_STREAM_K`` runs chunked) or ``"chunked"`` (score buffers + ``_select_top``, described
-            above); default ``DSV4CP_TOPK_IMPL``, else ``"stream"``.
+            above); default ``DSV4CP_TOPK_IMPL``, else ``"chunked"`` (the faster on an H200).
 
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are visible;
     the same contract and tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` with
@@ -774,9 +778,9 @@ def indexer_topk_triton(
 
 
 def _topk_impl(impl: str | None) -> str:
-    """The requested top-k path: ``impl``, else ``DSV4CP_TOPK_IMPL``, else ``"stream"``; checked."""
+    """The requested top-k path: ``impl``, else ``DSV4CP_TOPK_IMPL``, else ``"chunked"``; checked."""
     source = "impl" if impl is not None else TOPK_IMPL_ENV
-    chosen = impl if impl is not None else (os.environ.get(TOPK_IMPL_ENV) or "stream")
+    chosen = impl if impl is not None else (os.environ.get(TOPK_IMPL_ENV) or "chunked")
     if chosen not in ("stream", "chunked"):
         raise ValueError(f"{source}: must be 'stream' or 'chunked', got {chosen!r}")
     return chosen

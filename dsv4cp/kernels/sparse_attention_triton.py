@@ -28,8 +28,8 @@ Kernels, in the style of Triton's tutorials (kernel bodies, then their Python wr
       ``_dkv_reduce_kernel`` sums per kv row in a fixed order given by an inverted index (stable
       ``torch.sort`` of the flattened ``idx``): bitwise reproducible. The D chunks of one query are
       neighbouring programs, so its p / ds scratch is read from HBM once and then from L2.
-  "dq in dkv" placement (``dq_in_dkv=True`` or ``DSV4CP_TRITON_DQ_IN_DKV=1``; off by default until
-  measured): (b) only writes p and ds, holding no ``[BLOCK_H, D]`` accumulator, so 64 heads fit one
+  "dq in dkv" placement (the default since measured 1.25x faster on an H200, :data:`DQ_IN_DKV_DEFAULT`;
+  ``dq_in_dkv=False`` or ``DSV4CP_TRITON_DQ_IN_DKV=0`` selects the one above): (b) only writes p and ds, holding no ``[BLOCK_H, D]`` accumulator, so 64 heads fit one
   program on wgmma (one gather of each kv row per query at H = 64, not two), and (c) also accumulates
   its D chunk of ``dq = ds @ kv`` (gathering that chunk of the kv rows; ds is already loaded).
 
@@ -111,9 +111,11 @@ BWD_SCRATCH_MIN_CHUNK_ROWS = 1024
 DQ_IN_DKV_ENV = "DSV4CP_TRITON_DQ_IN_DKV"
 """Environment switch of the backward's dq placement (``1``: dq accumulated by the dkv kernel); the
 ``dq_in_dkv`` keyword of :func:`sparse_attention_bwd` wins over it."""
-DQ_IN_DKV_DEFAULT = False
-"""The placement when neither the keyword nor the environment says (dq kernel until H200 timings of
-``bench/sweep_sparse_attention_configs.py`` show the other faster)."""
+DQ_IN_DKV_DEFAULT = True
+"""The placement when neither the keyword nor the environment says: in the dkv kernel, the faster on an
+H200 (``bench/sweep_sparse_attention_configs.py``, flash shapes, ``results/2026-12-01-h200-speed``):
+20.0 ms = 171 TFLOP/s with scores ``64,64,8,1`` + dkv ``64,256,8,2``, against 25.0 ms = 138 TFLOP/s
+for the dq kernel's best (``32,64,8,2``)."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -455,7 +457,8 @@ def _scores_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelC
     leaving room for two stages of 32 gathered rows (or one of 64)."""
     bh = _block_h(heads)
     if block_d >= 256:
-        ladder = [(bh, 32, 8, 2), (bh, 64, 8, 1), (bh, 32, 8, 1), (min(bh, 32), 32, 8, 2), (16, 16, 4, 1)]
+        # (bh, 64, 8, 1) first: 20.0 ms vs 21.8 ms for (bh, 32, 8, 2) at the flash shapes on an H200
+        ladder = [(bh, 64, 8, 1), (bh, 32, 8, 2), (bh, 32, 8, 1), (min(bh, 32), 32, 8, 2), (16, 16, 4, 1)]
         if dtype == torch.float32:
             ladder = [(min(bh, 32), 16, 8, 1), (16, 16, 8, 1), (16, 16, 4, 1)]
     else:
