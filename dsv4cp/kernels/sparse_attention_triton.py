@@ -29,7 +29,8 @@ Kernels, in the style of Triton's tutorials (kernel bodies, then their Python wr
       ``torch.sort`` of the flattened ``idx``): bitwise reproducible. The D chunks of one query are
       neighbouring programs, so its p / ds scratch is read from HBM once and then from L2.
   "dq in dkv" placement (the default since measured 1.25x faster on an H200, :data:`DQ_IN_DKV_DEFAULT`;
-  ``dq_in_dkv=False`` or ``DSV4CP_TRITON_DQ_IN_DKV=0`` selects the one above): (b) only writes p and ds, holding no ``[BLOCK_H, D]`` accumulator, so 64 heads fit one
+  ``dq_in_dkv=False`` or ``DSV4CP_TRITON_DQ_IN_DKV=0`` selects the one above): (b) only writes p and
+  ds, holding no ``[BLOCK_H, D]`` accumulator, so 64 heads fit one
   program on wgmma (one gather of each kv row per query at H = 64, not two), and (c) also accumulates
   its D chunk of ``dq = ds @ kv`` (gathering that chunk of the kv rows; ds is already loaded).
 
