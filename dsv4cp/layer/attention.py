@@ -176,7 +176,7 @@ class DSv4Attention(PrecisionPinned):
                 lowered = torch.where(entries >= 0, entries + layout.ext_rows, -1).to(torch.int32)
                 idx = torch.cat((idx, lowered), dim=1)
         if self.recompute:
-            backend = resolve_backend(self.backend, x.device)
+            backend = resolve_backend(self.backend, x.device, head_dim=cfg.head_dim)
             out, lse, q, key_buffer = recomputed_attention(
                 latent, self.wq_b.weight, queries, kv_ext, compressed_all, idx, self.attn_sink,
                 cfg.softmax_scale, backend,
@@ -233,7 +233,7 @@ class DSv4Attention(PrecisionPinned):
         if split is None and packed.total % cp:
             raise ValueError(f"packed.total: {packed.total} rows are not divisible by cp={cp}")
         split, _ = layer_split(packed, self.cfg, self.compress_ratio, cp, split)
-        resolve_backend(self.backend, x.device)  # an unusable backend fails here, not after the gathers
+        resolve_backend(self.backend, x.device, head_dim=self.cfg.head_dim)  # fails here, not after the gathers
         if x.shape[0] != split.rows(rank):
             raise ValueError(
                 f"x: holds {x.shape[0]} rows but rank {rank} of the split {split.bounds} of "

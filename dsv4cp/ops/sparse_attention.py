@@ -33,6 +33,12 @@ class SparseAttentionBackend:
     forward: Callable | None
     backward: Callable | None
     available: Callable[[torch.device], bool]
+    head_dims: tuple[int, ...] | None = None
+    """The head dims D the backend runs (None: any); "auto" passes over it for others (FlashMLA and
+    cuDNN's DSA kernels exist for D = 512 only)."""
+
+    def runs_head_dim(self, head_dim: int | None) -> bool:
+        return head_dim is None or self.head_dims is None or head_dim in self.head_dims
 
     @property
     def direction_names(self) -> tuple[str, str]:
@@ -52,8 +58,9 @@ AUTO_NONDETERMINISTIC: set[str] = {"cudnn"}
 """Backwards "auto" passes over while deterministic mode is on (cuDNN's DSA backward adds with fp32 atomics
 and refuses that mode; "triton" then reduces without atomics)."""
 FALLBACK = "torch"
-_AUTO_RESOLVED: dict[tuple[str, bool], SparseAttentionBackend] = {}
-""""auto" resolved per (device, deterministic mode): availability checks import libraries, once is enough."""
+_AUTO_RESOLVED: dict[tuple[str, bool, int | None], SparseAttentionBackend] = {}
+""""auto" resolved per (device, deterministic mode, head dim): availability checks import libraries, once
+is enough."""
 
 
 def register_backend(backend: SparseAttentionBackend) -> None:
@@ -76,20 +83,21 @@ def check_backend_name(name: str) -> None:
                          f"or a pair 'forward+backward'")
 
 
-def resolve_backend(name: str, device: torch.device) -> SparseAttentionBackend:
+def resolve_backend(name: str, device: torch.device, head_dim: int | None = None) -> SparseAttentionBackend:
     """The backend called ``name`` on ``device``; ``"auto"`` takes the fastest available forward and,
-    independently, the fastest available backward (resolved once per device).
+    independently, the fastest available backward that run ``head_dim`` (resolved once per device and
+    head dim; None: the choice for head dims every backend runs).
 
     ``"A+B"`` pairs the forward of backend A with the backward of backend B; an explicit name wins over
     "auto"'s preferences and fails with ``ValueError`` when that backend cannot run on ``device``.
     """
     if name == "auto":
         deterministic = kernels.is_deterministic()
-        key = (str(torch.device(device)), deterministic)
+        key = (str(torch.device(device)), deterministic, head_dim)
         if key not in _AUTO_RESOLVED:
             backward_order = [n for n in AUTO_BACKWARD_ORDER if not (deterministic and n in AUTO_NONDETERMINISTIC)]
-            _AUTO_RESOLVED[key] = _pair(_auto_choice(AUTO_FORWARD_ORDER, "forward", device),
-                                        _auto_choice(backward_order, "backward", device))
+            _AUTO_RESOLVED[key] = _pair(_auto_choice(AUTO_FORWARD_ORDER, "forward", device, head_dim),
+                                        _auto_choice(backward_order, "backward", device, head_dim))
         return _AUTO_RESOLVED[key]
     if "+" in name:
         fwd_name, _, bwd_name = name.partition("+")
@@ -106,12 +114,14 @@ def resolve_backend(name: str, device: torch.device) -> SparseAttentionBackend:
     return backend
 
 
-def _auto_choice(order: list[str], side: str, device: torch.device) -> SparseAttentionBackend:
-    """The first backend of ``order`` that has ``side`` and is available on CUDA ``device``, else "torch"."""
+def _auto_choice(order: list[str], side: str, device: torch.device, head_dim: int | None) -> SparseAttentionBackend:
+    """The first backend of ``order`` that has ``side``, runs ``head_dim`` and is available on CUDA
+    ``device``, else "torch"."""
     if torch.device(device).type == "cuda":
         for candidate in order:
             backend = _BACKENDS.get(candidate)
-            if backend is not None and getattr(backend, side) is not None and backend.available(device):
+            if (backend is not None and getattr(backend, side) is not None and backend.runs_head_dim(head_dim)
+                    and backend.available(device)):
                 return backend
     return _BACKENDS[FALLBACK]
 
@@ -172,9 +182,10 @@ register_backend(SparseAttentionBackend(
 register_backend(SparseAttentionBackend("triton", _triton_forward, _triton_backward(None), kernels.triton_available))
 register_backend(SparseAttentionBackend("triton-deterministic", _triton_forward, _triton_backward(True),
                                         kernels.triton_available))
-register_backend(SparseAttentionBackend(flashmla.NAME, flashmla.sparse_attention_forward, None, flashmla.available))
+register_backend(SparseAttentionBackend(flashmla.NAME, flashmla.sparse_attention_forward, None, flashmla.available,
+                                        head_dims=flashmla.SUPPORTED_HEAD_DIMS))
 register_backend(SparseAttentionBackend(cudnn_dsa.NAME, None, cudnn_dsa.sparse_attention_backward,
-                                        cudnn_dsa.available))
+                                        cudnn_dsa.available, head_dims=cudnn_dsa.SUPPORTED_HEAD_DIMS))
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -250,6 +261,6 @@ def sparse_attention(
     _check_inputs(q, kv, idx, sink, topk_length)
     with nvtx_range("sparse_attn.fwd"):  # on CUDA the checks are kernels: the attention's own time
         _check_index_values(kv.shape[0], idx, topk_length)
-    chosen = resolve_backend(backend, q.device)
+    chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
     out, lse = _SparseAttention.apply(q, kv, idx, sink, float(scale), topk_length, chosen)
     return out, lse

@@ -153,7 +153,7 @@ def measure_point(
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
     split = point_split(point, cfg, lengths, machine, calibration)
     bound = estimate(cfg, point.ratio, packed, cp, machine, split=split).summary(point.direction)
-    resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device).name}
+    resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device, head_dim=cfg.head_dim).name}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
     packed = packed.to(device)

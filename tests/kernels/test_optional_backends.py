@@ -526,6 +526,14 @@ def test_auto_takes_the_fastest_available_per_direction(fake_registry, missing, 
     assert chosen.backward is sa._BACKENDS[backward].backward
 
 
+@pytest.mark.parametrize("head_dim,expected", [(512, "flashmla+cudnn"), (None, "flashmla+cudnn"), (32, "triton")])
+def test_auto_passes_over_libraries_without_the_head_dim(fake_registry, head_dim, expected):
+    """FlashMLA and cuDNN's DSA run D = 512 only: "auto" on another head dim takes Triton for both
+    directions instead of failing in the library's input check (seen on an H200 with a tiny layer)."""
+    assert sa._BACKENDS["flashmla"].head_dims == sa._BACKENDS["cudnn"].head_dims == (512,)
+    assert sa.resolve_backend("auto", CUDA, head_dim=head_dim).name == expected
+
+
 def test_auto_is_torch_off_cuda(fake_registry):
     assert sa.resolve_backend("auto", torch.device("cpu")).name == "torch"
 
