@@ -9,6 +9,9 @@
 # (.whl/.whl2 from `../shared/gpu/fetch_wheels.sh nvtx cudnn flashmla`; .whl3 holds the two wheels moved
 # out of .whl2 to keep every call under the 64 MiB carry limit.) Outputs under this folder and
 # ../2026-12-01-h200-emulated, packed into $OUT/<part>.tar.gz; unpack from the repository root.
+# Afterwards, in a fresh warm-up of the same three calls (call 3 replaced by this one), the sparse-attention
+# backends side by side in one run (FlashMLA, cuDNN, Triton with both dq placements, torch; flash and pro):
+#   bash results/2026-12-01-h200-speed2/run.sh sparse $OUT
 set -uo pipefail
 part=$1; out=${2:-.}
 day=results/2026-12-01-h200-speed2
@@ -45,6 +48,10 @@ case $part in
     gzip -f "$day"/trace/*.json 2>/dev/null; save
     DSV4CP_CALIBRATE_FROM=$day/trace timeout 300 bash results/2026-12-01-h200-emulated/run.sh "$out" > "$day/emulated.log" 2>&1
     save results/2026-12-01-h200-emulated ;;
+  sparse)
+    timeout 400 python3 -m pytest bench/test_bench_sparse_attention.py -m gpu -q -p no:cacheprovider \
+      --benchmark-columns=median,min,max --benchmark-group-by=group --benchmark-json="$day/bench_sparse_attention.json" \
+      2>&1 | quiet > "$day/bench_sparse_attention.txt"; tail -3 "$day/bench_sparse_attention.txt"; save ;;
   tests)
     timeout ${GPU_TEST_TIMEOUT:-420} python3 -m pytest -m gpu tests -q -p no:cacheprovider -rfE > "$day/gpu_tests.txt" 2>&1
     tail -5 "$day/gpu_tests.txt"; save ;;
