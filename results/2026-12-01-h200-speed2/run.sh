@@ -12,6 +12,8 @@
 # Afterwards, in a fresh warm-up of the same three calls (call 3 replaced by this one), the sparse-attention
 # backends side by side in one run (FlashMLA, cuDNN, Triton with both dq placements, torch; flash and pro):
 #   bash results/2026-12-01-h200-speed2/run.sh sparse $OUT
+# Pass DSV4CP_GIT_SHA=<the commit, from your checkout> in the command: the device's copy of the repository
+# has a stale .git, so `git rev-parse HEAD` there names an older commit.
 set -uo pipefail
 part=$1; out=${2:-.}
 day=results/2026-12-01-h200-speed2
