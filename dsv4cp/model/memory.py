@@ -26,8 +26,10 @@ Terms (``b`` = bytes of the dtype; widths per row; C/H/W = layer kinds):
 * the key buffer ``(E + G) D`` and, C, the gathered indexer keys ``G Di``; backward: the fp32 key
   gradient ``4 (E + G) D``;
 * backward: the Triton sparse-attention backward's p and ds scratch, ``2 L Kt H b`` (``Kt = W + K``
-  slots) capped at :data:`SPARSE_BWD_SCRATCH_BYTES` (the kernel's ``BWD_SCRATCH_BYTES``): at 64K
-  tokens the cap binds at CP = 1 and CP = 2 alike, so 2 GiB of each rank's peak does not shrink;
+  slots) in query chunks of at most :data:`SPARSE_BWD_SCRATCH_BYTES` (the kernel's ``BWD_SCRATCH_BYTES``)
+  and at most a :data:`SPARSE_BWD_MIN_CHUNKS`-th of the rank's rows: at 64K tokens the byte cap binds at
+  CP = 1 (2 GiB) and the chunk rule at CP = 2 (1 GiB), so the scratch shrinks with CP (it did not
+  before the chunk rule: 2 GiB on every rank, 0.556x instead of 0.520x peak at CP = 2);
 * chunked temporaries of the torch paths and allocator slack, bounded by :data:`TEMPORARY_BYTES`.
 
 ``recompute`` drops one query copy from what the forward keeps, but the backward rebuilds it before
