@@ -133,7 +133,21 @@ def run(args: argparse.Namespace) -> int:
                  recompute=args.recompute, device=device, force=args.force)
     if emulated:
         group = init_emulated_group(cp, rank, seed=args.seed)
+    try:
+        _measure_and_report(args, point, group, device, rank, cp, emulated, run_options, machine, trace_dir,
+                            calibration, out)
+    finally:  # also on an error: the fake group must not outlive this command in the process
+        if emulated:
+            destroy_emulated_group(group)
+    if not emulated and group is not None:
+        dist.barrier(group)
+        dist.destroy_process_group()
+    return 0
 
+
+def _measure_and_report(args, point, group, device, rank, cp, emulated, run_options, machine, trace_dir,
+                        calibration, out) -> None:
+    """Measure the point and print / write its record (rank 0, or the emulated rank)."""
     with step_progress(args.warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:
         measurement = measure_point(point, group, device, run_options, machine=machine, trace_dir=trace_dir,
                                     nsys=args.nsys_steps > 0, on_step=on_step,
@@ -152,12 +166,6 @@ def run(args: argparse.Namespace) -> int:
                 options = {name: value for name, value in vars(args).items() if not name.startswith("_")}
                 write_meta(out, run_meta(1 if emulated else cp, device, {"command": "profile", **options}))
             append_record(out / RECORDS_FILE, record)
-    if emulated:
-        destroy_emulated_group(group)
-    elif group is not None:
-        dist.barrier(group)
-        dist.destroy_process_group()
-    return 0
 
 
 def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:

@@ -72,8 +72,15 @@ def destroy_emulated_group(group: dist.ProcessGroup) -> None:
 
 
 def is_emulated(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` was made by :func:`init_emulated_group` (its collectives move no data)."""
-    return group is not None and group.group_name in _SEEDS
+    """Whether ``group`` was made by :func:`init_emulated_group` (its collectives move no data): a fake
+    group this module registered. The backend is checked too, because group names are reused: a real
+    group created later in the same process (after an emulated run ended in an error) is named "0" again."""
+    if group is None or group.group_name not in _SEEDS:
+        return False
+    try:
+        return dist.get_backend(group) == FAKE_BACKEND
+    except (RuntimeError, ValueError):  # a destroyed group
+        return False
 
 
 def emulated_rank(group: dist.ProcessGroup | None) -> int | None:
@@ -101,7 +108,9 @@ def _rows_like(reference: torch.Tensor, rows: int, generator: torch.Generator) -
     sample = torch.randn(shape, generator=generator, device=reference.device, dtype=torch.float32)
     if reference.shape[0] > 0:
         flat = reference.detach().float()
-        sample = sample * flat.std(dim=0, correction=0) + flat.mean(dim=0)
+        # a floor on the spread: one local row (std 0) must not make exact copies, i.e. indexer ties
+        spread = flat.std(dim=0, correction=0).clamp_min(1e-3 * flat.abs().mean().item() + 1e-6)
+        sample = sample * spread + flat.mean(dim=0)
     return sample.to(reference.dtype)
 
 

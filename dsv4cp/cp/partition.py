@@ -196,6 +196,10 @@ class RowCosts:
         if calibration is not None and machine is None:
             raise ValueError("machine: a calibration scales seconds at a machine's ceilings; pass the machine "
                              "its factors were fitted against")
+        fitted_on = getattr(calibration, "machine", "")
+        if calibration is not None and fitted_on and fitted_on != machine.name:
+            raise ValueError(f"calibration.machine: fitted against the ceilings of {fitted_on!r}, applied with "
+                             f"machine {machine.name!r}; refit it for that machine (dsv4cp model --calibrate)")
         cfg.check_ratio(ratio)
         scan = "visible" if calibration is None else calibration.indexer_scan
         if scan not in INDEXER_SCANS:

@@ -274,7 +274,7 @@ class _CompressPool(torch.autograd.Function):
     def forward(ctx, values, gates, ape, group_rows, group_valid, r):
         values, gates = _unit_columns(values), _unit_columns(gates)
         ape32 = ape.to(torch.float32).contiguous()
-        valid = group_valid.view(torch.uint8)  # triton has no bool pointers
+        valid = group_valid.contiguous().view(torch.uint8)  # triton has no bool pointers; read with stride 1
         rows = group_rows.contiguous()
         out, lse = _pool_fwd(values, gates, ape32, rows, valid, r)
         ctx.save_for_backward(values, gates, ape32, rows, valid, out, lse)

@@ -69,9 +69,19 @@ def select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
     One ``torch.topk`` over int64 keys that hold the score's order-preserving bits in the high half and
     ``2^32 - 1 - column`` in the low half: a single comparison then IS the rule (higher score, then lower
     column), so no cut value, tie count or second selection is needed (8 bytes per score, one pass).
-    fp32 scores (other float dtypes are compared after a cast to fp32)."""
+    fp32, bf16 and fp16 scores are exact in fp32 keys; fp64 scores (the fp64 reference path) are ranked by
+    a stable descending sort instead, which sends ties to the lowest column just the same. Non-finite
+    scores (-inf: invisible; +inf and NaN: never produced by a ReLU-weighted sum) are never chosen."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= scores.shape[1]:
+        raise ValueError(f"keep: must be an int in [0, {scores.shape[1]}] (the columns), got {keep!r}")
     if scores.shape[1] >= _LOW_BITS:
         raise ValueError(f"scores: at most {_LOW_BITS - 1} columns, got {scores.shape[1]}")
+    scores = scores.masked_fill(~torch.isfinite(scores), float("-inf"))
+    if scores.dtype == torch.float64:
+        order = torch.sort(scores + 0.0, dim=1, descending=True, stable=True)  # + 0.0: -0.0 ties +0.0
+        best = order.indices[:, :keep]
+        chosen = torch.where(torch.isfinite(order.values[:, :keep]), best, scores.shape[1]).sort(dim=1).values
+        return torch.where(chosen < scores.shape[1], chosen, -1)
     columns = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
     keys = (_ordered_bits(scores) << 32) | (_LOW_BITS - columns)
     top = torch.topk(keys, keep, dim=1, sorted=False).values

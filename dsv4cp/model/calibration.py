@@ -94,8 +94,14 @@ class Calibration:
             if key not in keys:
                 raise ValueError(f"calibration.factors: unknown key {key!r}; keys are <class>.<fwd|bwd> with "
                                  f"class one of {PHASE_CLASSES}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value <= 0:
+            try:
+                number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            except OverflowError:  # an int beyond any float
+                number = None
+            if number is None or not np.isfinite(number) or number <= 0:
                 raise ValueError(f"calibration.factors[{key!r}]: must be a positive finite number, got {value!r}")
+        if not isinstance(self.fitted, dict):
+            raise ValueError(f"calibration.fitted: must be a mapping, got {type(self.fitted).__name__}")
 
     def factor(self, phase_class: str, direction: str) -> float:
         """The factor of ``phase_class`` in ``direction`` (``fwd`` or ``bwd``); 1.0 when not fitted."""
@@ -140,9 +146,12 @@ class Calibration:
         factors = values["factors"]
         if not isinstance(factors, dict):
             raise ValueError(f"{source}: 'factors' must be an object, got {type(factors).__name__}")
+        fitted = values.get("fitted", {})
+        if not isinstance(fitted, dict):
+            raise ValueError(f"{source}: 'fitted' must be an object, got {type(fitted).__name__}")
         return cls(factors=dict(factors), machine=str(values.get("machine", "")),
                    source=str(values.get("source", "")), indexer_scan=values.get("indexer_scan", "visible"),
-                   fitted=dict(values.get("fitted", {})))
+                   fitted=dict(fitted))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

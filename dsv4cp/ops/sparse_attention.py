@@ -106,12 +106,22 @@ def resolve_backend(name: str, device: torch.device, head_dim: int | None = None
             raise ValueError(f"backend: {fwd_name!r} has no forward; it cannot come first in {name!r}")
         if bwd.backward is None:
             raise ValueError(f"backend: {bwd_name!r} has no backward; it cannot come second in {name!r}")
+        for part in (fwd, bwd):
+            _check_head_dim(part, head_dim)
         return _pair(fwd, bwd)
     backend = available_backend(name, device)
+    _check_head_dim(backend, head_dim)
     if backend.forward is None or backend.backward is None:
         side = "forward" if backend.forward is None else "backward"
         raise ValueError(f"backend: {name!r} has no {side}; pair it, e.g. 'flashmla+cudnn' or 'triton+cudnn'")
     return backend
+
+
+def _check_head_dim(backend: SparseAttentionBackend, head_dim: int | None) -> None:
+    """An explicitly named backend that cannot run ``head_dim`` fails here, before any collective."""
+    if not backend.runs_head_dim(head_dim):
+        raise ValueError(f"backend: {backend.name!r} runs head dim D in {backend.head_dims}, not {head_dim}; "
+                         "use 'auto', 'triton' or 'torch'")
 
 
 def _auto_choice(order: list[str], side: str, device: torch.device, head_dim: int | None) -> SparseAttentionBackend:

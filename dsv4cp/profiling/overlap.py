@@ -336,11 +336,12 @@ def attribution_table(
     windows: Mapping[int, tuple[int, int]] | None = None,
 ) -> pd.DataFrame:
     """Per rank: the step's busy, unattributed and idle time (columns ``ATTRIBUTION_COLUMNS``; times in
-    ms, shares in percent of ``step_ms``; see the module docstring).
+    ms per step, averaged over the rank's ``step_range`` instances; shares in percent of ``step_ms``;
+    see the module docstring).
 
     ``step_range``: the full name of the range around each step (``dsv4cp.step``); its instances
     nest every phase, so a kernel whose innermost range is the step itself is in no phase.
-    ``windows``: each rank's capture window, used only for a rank without the step range.
+    ``windows``: each rank's capture window, used only for a rank without the step range (one "step").
     """
     kernels_of, ranges_of = _group_by_rank(kernels, ranges)
     windows = dict(windows or {})
@@ -356,13 +357,14 @@ def attribution_table(
         busy = _intersection_length(step_windows, att.intervals)
         in_phases = _intersection_length(step_windows, _select(att.intervals, ~outside))
         unattributed = busy - in_phases
+        per_step = _NS_PER_MS * max(1, len(step_windows[0]))  # the steps this rank's trace holds
         rows.append({
             "rank": rank,
-            "step_ms": step / _NS_PER_MS,
-            "busy_ms": busy / _NS_PER_MS,
-            "unattributed_ms": unattributed / _NS_PER_MS,
+            "step_ms": step / per_step,
+            "busy_ms": busy / per_step,
+            "unattributed_ms": unattributed / per_step,
             "unattributed_pct": 100.0 * unattributed / step if step > 0 else float("nan"),
-            "idle_ms": (step - busy) / _NS_PER_MS,
+            "idle_ms": (step - busy) / per_step,
             "idle_pct": 100.0 * (step - busy) / step if step > 0 else float("nan"),
         })
     return pd.DataFrame(rows, columns=list(ATTRIBUTION_COLUMNS))

@@ -280,12 +280,7 @@ def kineto_overlap_table(directory: str | Path) -> pd.DataFrame:
     return overlap_table(*load_kineto_dir(directory))
 
 
-def kineto_attribution_table(directory: str | Path, steps: int = 1) -> pd.DataFrame:
-    """The attribution table (overlap.ATTRIBUTION_COLUMNS) of a directory of per-rank Kineto traces of
-    ``steps`` steps, each in a ``dsv4cp.step`` range; times per step."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    table = attribution_table(*load_kineto_dir(directory), step_range=full_name("step"))
-    for column in ("step_ms", "busy_ms", "unattributed_ms", "idle_ms"):
-        table[column] = table[column] / steps
-    return table
+def kineto_attribution_table(directory: str | Path) -> pd.DataFrame:
+    """The attribution table (overlap.ATTRIBUTION_COLUMNS) of a directory of per-rank Kineto traces, times
+    per step: averaged over the ``dsv4cp.step`` ranges each rank's trace holds."""
+    return attribution_table(*load_kineto_dir(directory), step_range=full_name("step"))

@@ -227,7 +227,7 @@ def measure_point(
         if rank == reader:
             overlap = _per_step(kineto_overlap_table(trace_dir), run.trace_steps)
             overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
-            attribution = kineto_attribution_table(trace_dir, run.trace_steps)
+            attribution = kineto_attribution_table(trace_dir)
             attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
             metrics["phases"] = overlap.to_dict(orient="records")
             if emulated is None:  # an emulated rank's collectives move nothing: no communication to report

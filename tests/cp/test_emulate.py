@@ -207,3 +207,21 @@ def test_emulated_ranks_on_the_gpu(monkeypatch):
     cosine = torch.nn.functional.cosine_similarity(steps[0]["out"].float().flatten(),
                                                    whole["out"][:rows].float().flatten(), dim=0)
     assert cosine > 0.999, f"rank 0 output differs from CP = 1: cosine {float(cosine):.5f}"
+
+
+def test_a_real_group_after_an_emulated_one_is_real():
+    """Group names are reused ("0" for every default group): a real group created in the same process
+    after an emulated run must not be taken for the fake one (its data would be replaced by fills)."""
+    fake = init_emulated_group(2, 1, seed=3)
+    assert is_emulated(fake)
+    dist.destroy_process_group()  # as an error path that skipped destroy_emulated_group would leave it
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        real = dist.group.WORLD
+        assert not is_emulated(real) and emulated_rank(real) is None
+        out, local = torch.zeros(2, 3), torch.ones(2, 3)
+        fill_all_gather(out, local, real)
+        assert bool((out == 0).all())  # untouched: fills only act on fake groups
+    finally:
+        dist.destroy_process_group()

@@ -169,6 +169,17 @@ def test_absent_slots_empty_and_invalid_groups(overlap, seed):
             assert bool((grads[0][rows[3, s], cols] == 0).all()), f"{msg}: an invalid group's element got gradient"
 
 
+def test_strided_group_valid_is_read_by_element(seed):
+    """A non-contiguous ``group_valid`` (a view of every other element) must mean what it holds."""
+    rows, valid, r = hand_case(True)
+    values, gates, ape = random_inputs(seed, 40, 2 * 3, r)
+    strided = torch.stack((valid, ~valid), dim=1)[:, 0]  # same values, stride 2
+    assert not strided.is_contiguous() and torch.equal(strided, valid)
+    want = compress_pool(values.float(), gates.float(), ape.float(), rows, valid, backend="triton")
+    got = compress_pool(values.float(), gates.float(), ape.float(), rows, strided, backend="triton")
+    assert torch.equal(got, want), f"seed={seed}"
+
+
 def test_torch_reference_gradcheck(seed):
     rows, valid, r = hand_case(True)
     values, gates, ape = random_inputs(seed, 28, 4, r)  # the hand case reads rows < 28

@@ -534,6 +534,14 @@ def test_auto_passes_over_libraries_without_the_head_dim(fake_registry, head_dim
     assert sa.resolve_backend("auto", CUDA, head_dim=head_dim).name == expected
 
 
+@pytest.mark.parametrize("name", ["flashmla+cudnn", "flashmla+triton", "triton+cudnn"])
+def test_an_explicit_library_that_cannot_run_the_head_dim_is_refused(fake_registry, name):
+    """Named explicitly, a D = 512-only library fails at resolution (before the layer's collectives)."""
+    assert sa.resolve_backend(name, CUDA, head_dim=512).name == name
+    with pytest.raises(ValueError, match="head dim"):
+        sa.resolve_backend(name, CUDA, head_dim=64)
+
+
 def test_auto_is_torch_off_cuda(fake_registry):
     assert sa.resolve_backend("auto", torch.device("cpu")).name == "torch"
 

@@ -38,3 +38,23 @@ def test_negative_scores_rank_below_zero_and_above_minus_inf(seed):
     scores = torch.tensor([[-3.0, float("-inf"), -0.5, 0.0, -1e-30, 2.0]])
     assert select_top(scores, 4).tolist() == [[2, 3, 4, 5]]
     assert select_top(scores, 6).tolist() == [[0, 2, 3, 4, 5, -1]]
+
+
+def test_fp64_scores_are_ranked_exactly():
+    """fp64 (the reference path) must not round to fp32: 1 + 1e-10 beats 1."""
+    scores = torch.tensor([[1.0, 1.0 + 1e-10, 1.0, -0.0, 0.0]], dtype=torch.float64)
+    assert select_top(scores, 1).tolist() == [[1]]
+    assert select_top(scores, 4).tolist() == [[0, 1, 2, 3]]  # -0.0 ties +0.0: the lower column wins
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_non_finite_scores_are_never_chosen(dtype):
+    scores = torch.tensor([[1.0, float("inf"), 2.0, float("nan"), 0.5, -float("nan")]], dtype=dtype)
+    assert select_top(scores, 3).tolist() == [[0, 2, 4]]
+    assert select_top(scores, 5).tolist() == [[0, 2, 4, -1, -1]]
+
+
+@pytest.mark.parametrize("keep", [-1, 7, 2.0, True])
+def test_bad_keep_is_named(keep):
+    with pytest.raises(ValueError, match="keep"):
+        select_top(torch.zeros(2, 6), keep)

@@ -106,7 +106,8 @@ def test_json_round_trip_and_bad_files(tmp_path, seed: int) -> None:
     assert Calibration(factors={}).factor("indexer", "fwd") == 1.0  # not fitted: the bound as is
     bad_files = (({"factors": {"indexer.fwd": -1.0}}, "positive"), ({"factors": {"topk.fwd": 2.0}}, "unknown key"),
                  ({"factors": {"indexer.fwd": float("nan")}}, "finite"), ([1, 2], "JSON object"),
-                 ({"schema": 9, "factors": {}}, "schema"))
+                 ({"schema": 9, "factors": {}}, "schema"), ({"factors": {"loss.fwd": 10**400}}, "finite"),
+                 ({"factors": {}, "fitted": 5}, "fitted"))
     for bad, match in bad_files:
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=match):
@@ -275,3 +276,11 @@ def test_sweep_point_split_uses_the_calibration() -> None:
     equal = Point(preset="flash", ratio=4, cp=2, tokens=65536)
     assert point_split(equal, cfg, lengths, Machine(), cal) == RowSplit.equal(65536, 2)
     assert {"split", "calibration"} <= set(METRICS)
+
+
+def test_a_calibration_applies_only_with_its_machine() -> None:
+    """Factors are measured over one machine's bounds: balancing on another machine's is refused."""
+    cal = Calibration(factors={"indexer.fwd": 3.0}, machine="h200x2")
+    RowCosts.for_layer(TINY, 4, Machine(), "fwd", cal)  # the default machine is h200x2
+    with pytest.raises(ValueError, match="calibration.machine"):
+        RowCosts.for_layer(TINY, 4, Machine(name="other"), "fwd", cal)

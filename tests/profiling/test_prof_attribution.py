@@ -48,7 +48,7 @@ def _one_step(offset: float) -> tuple[list[K], list[R]]:
 def test_attribution_of_known_steps(tmp_path) -> None:
     first, second = _one_step(0.0), _one_step(2000.0)
     directory = write_kineto(tmp_path, first[0] + second[0], first[1] + second[1])
-    table = kineto_attribution_table(directory, steps=2)
+    table = kineto_attribution_table(directory)  # two steps: per-step figures
     assert list(table.columns) == list(ATTRIBUTION_COLUMNS)
     row = table.iloc[0].to_dict()
     expected = {"rank": 0, "step_ms": 0.47, "busy_ms": 0.37, "unattributed_ms": 0.04, "idle_ms": 0.1,
@@ -142,9 +142,12 @@ def test_attribution_lines_give_the_verdicts() -> None:
     assert "unattributed 0.000 ms (0.0% of the step; target <= 5%: met)" in lines[1]
 
 
-def test_bad_step_count(tmp_path) -> None:
-    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
-        kineto_attribution_table(write_kineto(tmp_path, *_one_step(0.0)), steps=0)
+def test_per_step_figures_follow_the_steps_in_the_trace(tmp_path) -> None:
+    """One step or two identical ones: the same per-step figures (the count comes from the trace)."""
+    one = kineto_attribution_table(write_kineto(tmp_path / "one", *_one_step(0.0))).iloc[0]
+    first, second = _one_step(0.0), _one_step(2000.0)
+    two = kineto_attribution_table(write_kineto(tmp_path / "two", first[0] + second[0], first[1] + second[1])).iloc[0]
+    assert two.to_dict() == pytest.approx(one.to_dict(), abs=1e-9)
 
 
 # ------------------------------------------------------------------------- ranges in the layer's code
