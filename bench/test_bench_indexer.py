@@ -13,18 +13,22 @@ Backends:
 * ``triton``: :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` as the layer calls it (its
   default path: ``DSV4CP_TOPK_IMPL``, else the streaming kernel);
 * ``triton-chunked``: the same with ``impl="chunked"`` (fused head-sum score kernel per query chunk
-  into a score buffer + the same ``_select_top``);
+  whose epilogue writes int64 selection keys into the buffer, then one ``torch.topk`` over them:
+  ``select_top_packed``; ``DSV4CP_TOPK_KEYS=packed``, the default);
+* ``triton-chunked-scores``: the same with ``DSV4CP_TOPK_KEYS=scores`` (the kernel writes fp32 scores,
+  ``_select_top`` builds the int64 keys in torch: the path before the packed epilogue);
 * ``triton-stream``: the same with ``impl="stream"``
   (:mod:`dsv4cp.kernels.indexer_topk_triton`: scoring and a running top-k in one pass, no buffer);
 * ``triton-score``: the Triton path's scoring alone (every chunk scored, nothing selected): the score
-  kernel's own throughput.
+  kernel's own throughput (fp32 scores); ``triton-score-packed``: the same writing packed int64 keys.
 
 Also (GPU only) ``test_indexer_score_config``: the score kernel alone at T = 32K under each launch
 configuration of the ladder (pinned), to pick the default on the machine;
 ``test_indexer_topk_stream_config``: the same for the streaming top-k's tiles; and
 ``test_indexer_scores_fwd_bwd``: the differentiable scores at K = 512 given entries per query (the
-indexer loss's prediction), forward + backward, torch vs Triton (FLOPs ``3 * 2 * Hi * Di`` per valid
-slot: the forward, and the backward's ``dq`` and ``dkeys`` products).
+indexer loss's prediction), forward + backward, torch vs Triton: the default, the original backward
+(acq_rel atomics), the deterministic one and (GPU only) the backward pinned to each ladder tile (FLOPs
+``3 * 2 * Hi * Di`` per valid slot: the forward, and the backward's ``dq`` and ``dkeys`` products).
 
 ``benchmark.extra_info``: FLOPs ``2 * Hi * Di`` per (query, VISIBLE entry) (DESIGN 4.3: causally
 invisible pairs are not counted, whatever a backend computes) and the TFLOP/s of the median;
@@ -44,7 +48,8 @@ import torch
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.ops.indexer import indexer_topk
 
-BACKENDS = ["torch", "triton", "triton-chunked", "triton-stream", "triton-score"]
+BACKENDS = ["torch", "triton", "triton-chunked", "triton-chunked-scores", "triton-stream", "triton-score",
+            "triton-score-packed"]
 
 
 @dataclass(frozen=True)
@@ -125,16 +130,21 @@ def _runner(backend: str, shape: Shape, entry: dict):
     from dsv4cp.kernels import indexer_triton as it
 
     lo, hi = it.key_ranges(*vis_args)
-    info = {"chunks": len(it.plan_chunks(lo, hi, it.TOPK_BUDGET_BYTES)), "budget_bytes": it.TOPK_BUDGET_BYTES}
-    if backend in ("triton", "triton-chunked", "triton-stream"):
-        impl = {"triton": None, "triton-chunked": "chunked", "triton-stream": "stream"}[backend]
+    # the fp32-score buffers are planned at more bytes per score than the packed keys (more chunks)
+    fp32 = backend in ("triton-chunked-scores", "triton-score")
+    per_score = it.TOPK_SCORES_BYTES_PER_SCORE if fp32 else it.TOPK_BYTES_PER_SCORE
+    info = {"chunks": len(it.plan_chunks(lo, hi, it.TOPK_BUDGET_BYTES, bytes_per_score=per_score)),
+            "budget_bytes": it.TOPK_BUDGET_BYTES, "budget_bytes_per_score": per_score}
+    if backend in ("triton", "triton-chunked", "triton-chunked-scores", "triton-stream"):
+        impl = {"triton": None, "triton-chunked": "chunked", "triton-chunked-scores": "chunked",
+                "triton-stream": "stream"}[backend]
         if impl == "stream":
             info = {}  # one kernel pass: no chunks, no budget
         return (lambda: it.indexer_topk_triton(q, w, keys, *vis_args, shape.topk, impl=impl)), info
 
     def score_only():
         last = None
-        for _, _, _, scores in it.iter_score_chunks(q, w, keys, *vis_args):
+        for _, _, _, scores in it.iter_score_chunks(q, w, keys, *vis_args, packed=not fp32):
             last = scores
         return last
 
@@ -174,7 +184,14 @@ def _bytes(shape: Shape, entry: dict) -> float:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
-def test_indexer_topk(benchmark, measure, shape_name, backend):
+def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
+    from dsv4cp.kernels.indexer_triton import TOPK_KEYS_ENV
+
+    # the chunked path's buffer: fp32 scores for the old path, else the default (packed keys)
+    if backend == "triton-chunked-scores":
+        monkeypatch.setenv(TOPK_KEYS_ENV, "scores")
+    else:
+        monkeypatch.delenv(TOPK_KEYS_ENV, raising=False)
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
     fn, info = _runner(backend, shape, entry)
@@ -190,7 +207,7 @@ def test_indexer_topk(benchmark, measure, shape_name, backend):
     rounds, warmup = _rounds(shape)
     out = measure(fn, None, flops=flops, bytes_moved=_bytes(shape, entry), rounds=rounds,
                   warmup_rounds=warmup, device=entry["q"].device)
-    if backend != "triton-score":
+    if not backend.startswith("triton-score"):
         assert out.shape == (shape.tokens, shape.topk) and out.dtype == torch.int64
         assert ((out >= -1) & (out < shape.n_keys)).all()
 
@@ -264,18 +281,37 @@ _SCORES_PARAMS = [pytest.param("tiny", id="tiny")] + [
     pytest.param(name, id=name, marks=GPU_ONLY) for name in ("8k", "32k", "64k")
 ]
 
+try:
+    from dsv4cp.kernels.indexer_triton import GATHER_BWD_CONFIGS as _BWD_TILES
+except ImportError:  # pragma: no cover - no triton: only the torch backend runs
+    _BWD_TILES = []
+_BWD_PINS = {"triton-acqrel": "64,8,2,0"} | {
+    "triton-bwd-" + "x".join(map(str, tile)): ",".join(map(str, tile)) + ",1" for tile in _BWD_TILES
+}
+"""Backward pins (:data:`dsv4cp.kernels.indexer_triton.BWD_CONFIG_ENV`): the original kernel
+(acq_rel atomics, its 64 x 8 x 2 tile) and every tile of the ladder with relaxed atomics."""
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "triton-deterministic"])
+_SCORES_BACKENDS = ["torch", "triton", "triton-deterministic", "triton-acqrel"] + [
+    pytest.param(name, marks=GPU_ONLY) for name in _BWD_PINS if name != "triton-acqrel"
+]
+
+
+@pytest.mark.parametrize("backend", _SCORES_BACKENDS)
 @pytest.mark.parametrize("shape_name", _SCORES_PARAMS)
 def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeypatch):
-    """``triton`` adds the key gradients with fp32 atomics; ``triton-deterministic`` stores per-slot
-    contributions and sums them per key row after a stable sort (no atomics): side by side, which is
-    faster at the layer's sizes."""
+    """``triton`` (the ladder's default: relaxed fp32 atomics for the key gradients) against
+    ``triton-acqrel`` (the original kernel: acq_rel atomics) and ``triton-deterministic`` (per-slot
+    contributions summed per key row after a stable sort, no atomics); ``triton-bwd-KxWxS``: the backward
+    pinned to each ladder tile (GPU only). One forward + backward each, side by side."""
     from dsv4cp import kernels
     from dsv4cp.ops.indexer import indexer_scores
 
     if backend == "triton-deterministic":
         monkeypatch.setattr(kernels, "_DETERMINISTIC", True)
+    if backend in _BWD_PINS:
+        from dsv4cp.kernels.indexer_triton import BWD_CONFIG_ENV
+
+        monkeypatch.setenv(BWD_CONFIG_ENV, _BWD_PINS[backend])
 
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
@@ -309,6 +345,7 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
     peak = _peak_extra_bytes(step)
     benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, Hi=shape.heads,
                                 Di=shape.dim, K=shape.topk, valid_slots=valid, dtype=str(q.dtype),
+                                bwd_config=_BWD_PINS.get(backend),
                                 peak_extra_bytes=peak, peak_extra_gib=None if peak is None else peak / 2**30)
     rounds, warmup = _rounds(shape)
     out = measure(step, None, flops=3 * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),

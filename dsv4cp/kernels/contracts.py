@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_sparse_attention_inputs", "select_top"]
+__all__ = ["check_sparse_attention_inputs", "pack_selection_keys", "select_top", "select_top_packed"]
 
 
 def check_sparse_attention_inputs(
@@ -61,31 +61,61 @@ def _ordered_bits(scores: torch.Tensor) -> torch.Tensor:
 _NEG_INF_KEY = int(_ordered_bits(torch.tensor([float("-inf")]))[0])
 
 
+def pack_selection_keys(scores: torch.Tensor) -> torch.Tensor:
+    """``[rows, columns]`` int64 selection keys of ``scores [rows, columns]`` (fp32, bf16 or fp16): the
+    fp32 score's order-preserving bits in the high 32 bits (``-0.0`` folded into ``+0.0``, non-finite
+    scores mapped to ``-inf``, the lowest) and ``2^32 - 1 - column`` in the low 32 bits. A larger key is
+    a better entry under the tie rule of :func:`select_top`; the layout that
+    :func:`select_top_packed` decodes and the Triton score kernel's packed epilogue writes."""
+    if scores.shape[1] >= _LOW_BITS:
+        raise ValueError(f"scores: at most {_LOW_BITS - 1} columns, got {scores.shape[1]}")
+    scores = scores.masked_fill(~torch.isfinite(scores), float("-inf"))
+    columns = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
+    return (_ordered_bits(scores) << 32) | (_LOW_BITS - columns)
+
+
 def select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
     """The ``keep`` best finite columns of each row of ``scores [rows, columns]``, ties at the cut going
     to the lowest columns (ReLU makes exact-zero scores common, and the rule must not depend on the CP
     layout). Returns ``[rows, keep]`` int64 columns in increasing order, ``-1`` past a row's finite ones.
 
     One ``torch.topk`` over int64 keys that hold the score's order-preserving bits in the high half and
-    ``2^32 - 1 - column`` in the low half: a single comparison then IS the rule (higher score, then lower
-    column), so no cut value, tie count or second selection is needed (8 bytes per score, one pass).
+    ``2^32 - 1 - column`` in the low half (:func:`pack_selection_keys`, :func:`select_top_packed`): a
+    single comparison then IS the rule (higher score, then lower column), so no cut value, tie count or
+    second selection is needed (8 bytes per score, one pass).
     fp32, bf16 and fp16 scores are exact in fp32 keys; fp64 scores (the fp64 reference path) are ranked by
     a stable descending sort instead, which sends ties to the lowest column just the same. Non-finite
     scores (-inf: invisible; +inf and NaN: never produced by a ReLU-weighted sum) are never chosen."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= scores.shape[1]:
-        raise ValueError(f"keep: must be an int in [0, {scores.shape[1]}] (the columns), got {keep!r}")
-    if scores.shape[1] >= _LOW_BITS:
-        raise ValueError(f"scores: at most {_LOW_BITS - 1} columns, got {scores.shape[1]}")
-    scores = scores.masked_fill(~torch.isfinite(scores), float("-inf"))
+    _check_keep(keep, scores.shape[1])
     if scores.dtype == torch.float64:
+        scores = scores.masked_fill(~torch.isfinite(scores), float("-inf"))
         order = torch.sort(scores + 0.0, dim=1, descending=True, stable=True)  # + 0.0: -0.0 ties +0.0
         best = order.indices[:, :keep]
         chosen = torch.where(torch.isfinite(order.values[:, :keep]), best, scores.shape[1]).sort(dim=1).values
         return torch.where(chosen < scores.shape[1], chosen, -1)
-    columns = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
-    keys = (_ordered_bits(scores) << 32) | (_LOW_BITS - columns)
+    return select_top_packed(pack_selection_keys(scores), keep, scores.shape[1])
+
+
+def select_top_packed(keys: torch.Tensor, keep: int, columns: int) -> torch.Tensor:
+    """:func:`select_top` of already packed ``keys [rows, columns]`` int64 (the layout of
+    :func:`pack_selection_keys`; ``columns`` is the width they were packed over and must be
+    ``keys.shape[1]``): one ``torch.topk`` over the keys, then the decode. Returns ``[rows, keep]`` int64
+    columns in increasing order, ``-1`` past a row's finite ones (keys whose high half is ``-inf``'s are
+    never chosen)."""
+    if keys.dim() != 2 or keys.dtype != torch.int64:
+        raise ValueError(f"keys: must be a [rows, columns] int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
+    if isinstance(columns, bool) or not isinstance(columns, int) or columns != keys.shape[1]:
+        raise ValueError(f"columns: must be keys' width {keys.shape[1]}, got {columns!r}")
+    if columns >= _LOW_BITS:
+        raise ValueError(f"columns: at most {_LOW_BITS - 1}, got {columns}")
+    _check_keep(keep, columns)
     top = torch.topk(keys, keep, dim=1, sorted=False).values
     finite = (top >> 32) > _NEG_INF_KEY
-    chosen = torch.where(finite, _LOW_BITS - (top & _LOW_BITS), scores.shape[1])  # invalid ones sort last
+    chosen = torch.where(finite, _LOW_BITS - (top & _LOW_BITS), columns)  # invalid ones sort last
     chosen = chosen.sort(dim=1).values
-    return torch.where(chosen < scores.shape[1], chosen, -1)
+    return torch.where(chosen < columns, chosen, -1)
+
+
+def _check_keep(keep: int, columns: int) -> None:
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= columns:
+        raise ValueError(f"keep: must be an int in [0, {columns}] (the columns), got {keep!r}")

@@ -26,7 +26,7 @@ Public API:
 * :func:`indexer_scores_triton` (autograd): the scores at given key rows ``idx [T, K]`` (the indexer
   loss's prediction), Triton forward and backward; same contract as
   :func:`dsv4cp.ops.indexer.indexer_scores`.
-* :class:`IndexerConfig`, :class:`GatherConfig`: launch configurations.
+* :class:`IndexerConfig`, :class:`GatherConfig`, :class:`GatherBwdConfig`: launch configurations.
 
 Score kernel design (``_score_kernel``). One program per (block of ``BLOCK_M`` queries, block of
 ``BLOCK_N`` key rows). The key tile ``[BLOCK_N, Di]`` is loaded once and stays on chip (shared memory,
@@ -70,13 +70,15 @@ narrows every query chunk to a key-row range holding every key its queries can s
   documents' keys.
 
 Top-k wrapper (:func:`indexer_topk_triton`): queries are processed in chunks; for each chunk the kernel
-fills a ``[rows, width]`` fp32 buffer (``width`` = the chunk's visible key-row range, never the full
-``[T, G]`` matrix), then ``_select_top`` (the torch tie rule: ties at the cut go to the lowest key rows;
-one ``torch.topk`` over int64 keys packing the score's order-preserving bits above the inverted column)
-picks the top ``k``. Chunks are planned (:func:`plan_chunks`) so ``rows * width * TOPK_BYTES_PER_SCORE``
-stays below a byte budget (default :data:`TOPK_BUDGET_BYTES` = 1 GiB): ``TOPK_BYTES_PER_SCORE = 24``
-counts the fp32 score, the bool masks and the two int64 ``[rows, width]`` temporaries of
-``_select_top`` (the cumulative tie count and the column ranks). A chunk's column range is widened to
+fills a ``[rows, width]`` buffer (``width`` = the chunk's visible key-row range, never the full
+``[T, G]`` matrix) with int64 selection keys: its epilogue packs each score's order-preserving fp32 bits
+above ``2^32 - 1 - column`` (the torch tie rule, ties at the cut to the lowest key rows, in one
+comparison), so ``_select_top_packed`` is one ``torch.topk`` over the buffer and a decode, with no torch
+pass over the scores (``DSV4CP_TOPK_KEYS=scores``: fp32 scores, keys built by ``_select_top``; see
+:data:`TOPK_KEYS_ENV`). Chunks are planned (:func:`plan_chunks`) so ``rows * width * TOPK_BYTES_PER_SCORE``
+stays below a byte budget (default :data:`TOPK_BUDGET_BYTES` = 1 GiB): ``TOPK_BYTES_PER_SCORE = 16``
+counts the int64 key and ``torch.topk``'s outputs and workspace (the fp32 path:
+:data:`TOPK_SCORES_BYTES_PER_SCORE` = 24). A chunk's column range is widened to
 a multiple of 16 key rows (aligned buffer rows, vector stores). Peak memory beyond inputs and outputs
 is therefore about the budget plus ``O(T)`` metadata (per-query ranges, the int32 visibility arrays,
 the fp32 transposed head weights ``[Hi, T]``).
@@ -86,7 +88,13 @@ its heads sit on the matrix-unit M dimension (``Hi = 64`` = one wgmma M), the se
 gathered ``BLOCK_K`` at a time (``[BLOCK_K, Di]``, loaded once per block and used in every product of
 the block). Backward recomputes ``s = q k^T``, accumulates ``dw`` and ``dq = ds k`` per query in
 registers (no atomics) and adds ``dk = ds^T q`` into the fp32 key gradient with ``tl.atomic_add``
-(``ds = [s > 0] w g`` is rounded to q's dtype for the two products, as the attention kernels do); in
+(``ds = [s > 0] w g`` is rounded to q's dtype for the two products, as the attention kernels do). The
+atomics are relaxed: with Triton's default order (acq_rel) every 16-byte vector atomic compiles, on
+sm_90, to a returning ``ATOMG`` wrapped in ``MEMBAR.ALL.GPU`` and an L1 invalidation (``CCTL.IVALL``),
+8 of them per thread and step, each fence waiting for all of the program's outstanding memory traffic;
+relaxed ones are fire-and-forget ``REDG.E.ADD.F32x4`` (read off the SASS of both builds). The sum only
+needs atomicity, and the kernel's end orders it before any reader. The acq_rel build stays selectable
+(:class:`GatherBwdConfig` ``relaxed_atomics=False``, :data:`BWD_CONFIG_ENV`) to measure against. In
 deterministic mode (:func:`dsv4cp.kernels.is_deterministic`) it stores per-(query, slot) contributions
 instead, which ``_contrib_reduce_kernel`` sums per key row in the fixed order of a stable sort
 (bitwise reproducible).
@@ -99,6 +107,7 @@ import). Configurations: keyword arguments or ``DSV4CP_TRITON_INDEXER_CONFIG``
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,13 +125,19 @@ from dsv4cp.kernels._triton_launch import (
 )
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels.contracts import select_top as _select_top
+from dsv4cp.kernels.contracts import select_top_packed as _select_top_packed
 
 __all__ = [
+    "BWD_CONFIG_ENV",
     "BWD_SCRATCH_BYTES",
+    "GATHER_BWD_CONFIGS",
     "MAX_INDEX_DIM",
     "TOPK_BUDGET_BYTES",
     "TOPK_BYTES_PER_SCORE",
     "TOPK_IMPL_ENV",
+    "TOPK_KEYS_ENV",
+    "TOPK_SCORES_BYTES_PER_SCORE",
+    "GatherBwdConfig",
     "GatherConfig",
     "IndexerConfig",
     "indexer_score_matrix",
@@ -144,9 +159,26 @@ TOPK_IMPL_ENV = "DSV4CP_TOPK_IMPL"
 (flash shapes, 64K tokens, ``results/2026-12-01-h200-speed``): chunked 73.9 ms, stream 236.9 ms (its
 per-tile sort-and-merge on the CUDA cores costs 12x the scoring), scoring alone 18.9 ms."""
 
-TOPK_BYTES_PER_SCORE = 24
-"""Bytes per ``[rows, width]`` element held while a chunk is selected: 4 (fp32 score) + 8 (the int64
-packed key of ``_select_top``) + 8 (one int64 temporary while the key is built) + topk's workspace."""
+TOPK_KEYS_ENV = "DSV4CP_TOPK_KEYS"
+"""What the chunked top-k's score kernel writes: ``packed`` (default: the int64 selection key of each
+score, built in the kernel's epilogue; the selection is one ``torch.topk`` over the buffer) or
+``scores`` (the fp32 scores; ``_select_top`` then builds the keys in torch, several passes over the
+buffer). Kept to compare the two on the GPU (``bench/test_bench_indexer.py::test_indexer_topk``,
+``triton-chunked`` vs ``triton-chunked-scores``); both select identically."""
+
+TOPK_BYTES_PER_SCORE = 16
+"""Bytes per ``[rows, width]`` element held while a chunk is selected on the default (``packed``) path:
+8 (the kernel's int64 key buffer) + 8 for ``torch.topk`` (its ``[rows, keep]`` int64 values and indices
+and its workspace: well under 8 per element while ``keep`` is below half the width, the rule in the
+layer, where chunks span thousands of key rows for ``k = 512``). The planners' default."""
+
+TOPK_SCORES_BYTES_PER_SCORE = 24
+"""The same on the ``scores`` path (:data:`TOPK_KEYS_ENV`): 4 (fp32 score) + 8 (the int64 key that
+``_select_top`` builds) + 8 (one int64 temporary while the key is built) + topk's workspace."""
+
+BWD_CONFIG_ENV = "DSV4CP_TRITON_GATHER_BWD_CONFIG"
+"""Pins the ``indexer_scores`` backward's launch: ``"block_k,num_warps,num_stages,relaxed_atomics"``
+(:class:`GatherBwdConfig`; ``relaxed_atomics`` 0 or 1)."""
 
 BWD_SCRATCH_BYTES = 2**30
 """Budget of the deterministic backward's per-chunk ``[rows, K, Di]`` fp32 key-gradient contributions."""
@@ -183,6 +215,18 @@ class GatherConfig:
     num_stages: int
 
 
+@dataclass(frozen=True)
+class GatherBwdConfig:
+    """``indexer_scores`` backward's launch: selected slots per step, warps, stages, and the memory order
+    of the key-gradient atomics (``relaxed_atomics``; False: Triton's default acq_rel, the original
+    kernel, kept to measure against)."""
+
+    block_k: int
+    num_warps: int
+    num_stages: int
+    relaxed_atomics: bool = True
+
+
 # ---------------------------------------------------------------------------------------------------
 # Kernel bodies. Plain functions; ``_build`` turns each into a ``triton.jit`` kernel (CUDA) or an
 # interpreted one (CPU) on first use.
@@ -194,14 +238,18 @@ def _score_kernel(
     M, NCOL, COL0, N_KB, HI,  # query rows, buffer columns, first key row, key blocks per query block, heads
     stride_qt, stride_qh, stride_wh, stride_kn, stride_ot,
     DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, PACKED: tl.constexpr,
 ):
     """Masked head-summed scores of one (query block, key block) tile.
 
     Q ``[M, HI, DI]`` (rows ``stride_qt`` apart, heads ``stride_qh``), WT ``[HI, M]`` fp32 head weights
     (heads ``stride_wh`` apart: transposed so each head's weights are contiguous), KEYS ``[G, DI]``,
-    QDOC / QLIM ``[M]`` int32, KDOC / KJ ``[G]`` int32. OUT ``[M, NCOL]`` fp32 (rows ``stride_ot``
-    apart): column c holds key row ``COL0 + c``; ``-inf`` where the key is invisible to the query.
+    QDOC / QLIM ``[M]`` int32, KDOC / KJ ``[G]`` int32. OUT ``[M, NCOL]`` (rows ``stride_ot`` apart):
+    column c holds key row ``COL0 + c``. Not PACKED: fp32 scores, ``-inf`` where the key is invisible to
+    the query. PACKED: int64 selection keys of those scores, exactly
+    :func:`dsv4cp.kernels.contracts.pack_selection_keys` (high 32 bits: the fp32 score's order-preserving
+    bits, ``-0.0`` folded into ``+0.0``, invisible and non-finite scores as ``-inf``; low 32 bits:
+    ``2^32 - 1 - c``), so the selection is one ``torch.topk`` with no pass over the scores in torch.
     """
     pid = tl.program_id(0)
     qb = pid // N_KB
@@ -240,8 +288,18 @@ def _score_kernel(
         wh = tl.load(WT + h * stride_wh + rows64, mask=rmask, other=0.0)
         s = tl.dot(qh, kt, input_precision=PRECISION)
         acc += wh[:, None] * tl.maximum(s, 0.0)
-    scores = tl.where(vis, acc, float("-inf"))
-    tl.store(OUT + rows64[:, None] * stride_ot + cols[None, :], scores, mask=rmask[:, None] & cmask[None, :])
+    out_ptrs = OUT + rows64[:, None] * stride_ot + cols[None, :]
+    out_mask = rmask[:, None] & cmask[None, :]
+    if PACKED:
+        # |acc| < inf is false for +-inf and NaN: they rank as invisible, as select_top ranks them
+        scores = tl.where(vis & (tl.abs(acc) < float("inf")), acc, float("-inf"))
+        scores = tl.where(scores == 0.0, 0.0, scores)  # -0.0 -> +0.0 (explicit: x + 0.0 may be folded)
+        bits = scores.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # sign-extends, as in torch
+        low = tl.full([BLOCK_N], 0xFFFFFFFF, tl.int64) - cols.to(tl.int64)
+        tl.store(out_ptrs, (ordered << 32) | low[None, :], mask=out_mask)
+    else:
+        tl.store(out_ptrs, tl.where(vis, acc, float("-inf")), mask=out_mask)
 
 
 def _gather_fwd_kernel(
@@ -285,14 +343,14 @@ def _gather_bwd_kernel(
     HI, G, KSEL, T0,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_gt, stride_dqt, stride_dqh, stride_dkn,
     DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    DETERMINISTIC: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, RELAXED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """Backward of ``_gather_fwd_kernel`` for query t = T0 + program id.
 
     GRAD ``[T, KSEL]`` fp32 (ignored at empty slots). Writes DQ ``[T, HI, DI]`` (Q's dtype) and DW
     ``[T, HI]`` fp32 for t; key gradients ``ds^T q`` either ``tl.atomic_add``-ed into DKEYS ``[G, DI]``
-    fp32, or (DETERMINISTIC) stored to CONTRIB ``[chunk, KSEL, BLOCK_D]`` fp32 at ``(t - T0, slot)``
-    (zero rows for empty slots).
+    fp32 (RELAXED: relaxed memory order; else Triton's default acq_rel), or (DETERMINISTIC) stored to
+    CONTRIB ``[chunk, KSEL, BLOCK_D]`` fp32 at ``(t - T0, slot)`` (zero rows for empty slots).
     """
     t_local = tl.program_id(0).to(tl.int64)
     t = T0 + t_local
@@ -325,7 +383,10 @@ def _gather_bwd_kernel(
         if DETERMINISTIC:
             tl.store(CONTRIB + (t_local * KSEL + slots)[:, None] * BLOCK_D + d[None, :],
                      tl.where(valid[:, None], dk, 0.0), mask=smask[:, None])
-        else:
+        elif RELAXED:  # atomicity is all the sum needs; the kernel's end orders it before any reader
+            tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk,
+                          mask=valid[:, None] & dmask[None, :], sem="relaxed")
+        else:  # acq_rel: a GPU-scope fence and an L1 invalidation around every vector atomic
             tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk,
                           mask=valid[:, None] & dmask[None, :])
     tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + d[None, :], dq.to(DQ.dtype.element_ty),
@@ -387,12 +448,34 @@ def _gather_fwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> l
     return [GatherConfig(*c) for c in ((64, 4, 3), (64, 4, 2), (32, 4, 1), (16, 4, 1))]
 
 
-def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[GatherConfig]:
+GATHER_BWD_CONFIGS = [(64, 8, 2), (64, 8, 3), (32, 4, 2), (32, 8, 2), (16, 4, 2), (64, 8, 1), (32, 8, 1),
+                      (16, 4, 1)]
+"""bf16 / fp16 backward tiles (``block_k, num_warps, num_stages``), first = default. Compiled for sm_90a
+with Triton 3.6 (ptxas, Di = 128, Hi = 64), the first six use 202 / 225 / 240 / 137 / 166 / 183
+registers per thread without spilling: 1, 1, 2, 1, 3, 1 resident programs per SM.
+``bench/test_bench_indexer.py::test_indexer_scores_fwd_bwd`` times them on the GPU."""
+
+
+def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[GatherBwdConfig]:
     if interpreted:
-        return [GatherConfig(16, 4, 1)]
+        return [GatherBwdConfig(16, 4, 1)]
     if dtype == torch.float32 or block_d > 128:
-        return [GatherConfig(*c) for c in ((32, 8, 1), (16, 4, 1))]
-    return [GatherConfig(*c) for c in ((64, 8, 2), (64, 8, 1), (32, 8, 1), (16, 4, 1))]
+        return [GatherBwdConfig(*c) for c in ((32, 8, 1), (16, 4, 1))]
+    return [GatherBwdConfig(*c) for c in GATHER_BWD_CONFIGS]
+
+
+def _gather_bwd_pinned(config: GatherBwdConfig | None) -> GatherBwdConfig | None:
+    """``config``, else the one in :data:`BWD_CONFIG_ENV`, else None (the ladder); checked."""
+    source = "bwd_config" if config is not None else BWD_CONFIG_ENV
+    cfg = config if config is not None else parse_env(BWD_CONFIG_ENV, GatherBwdConfig)
+    if cfg is None:
+        return None
+    check_tiles(cfg, prefix=f"{source}.")
+    if cfg.num_warps < 1 or cfg.num_stages < 1:
+        raise ValueError(f"{source}: num_warps and num_stages must be >= 1, got {cfg}")
+    if cfg.relaxed_atomics not in (0, 1):  # the env gives ints; True / False compare equal to 1 / 0
+        raise ValueError(f"{source}: relaxed_atomics must be 0 or 1, got {cfg.relaxed_atomics!r}")
+    return dataclasses.replace(cfg, relaxed_atomics=bool(cfg.relaxed_atomics))
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -647,8 +730,9 @@ def _pinned(config: IndexerConfig | None) -> IndexerConfig | None:
 
 
 def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pinned) -> None:
-    """Fill ``out [e - s, width]`` (fp32, row stride ``out.stride(0)``) with the masked scores of query
-    rows ``[s, e)`` against key rows ``[col0, col0 + width)``."""
+    """Fill ``out [e - s, width]`` (row stride ``out.stride(0)``) with the masked scores of query rows
+    ``[s, e)`` against key rows ``[col0, col0 + width)``: fp32 scores, or their packed int64 selection
+    keys (columns numbered from 0 at ``col0``) when ``out`` is int64."""
     _, hi, di = q.shape
     block_d = triton.next_power_of_2(di)
     dev = q.device
@@ -656,6 +740,7 @@ def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pi
     kernel = _build("_score_kernel", dev)
     m = e - s
     qs, ws = q[s:e], wt[:, s:e]
+    packed = out.dtype == torch.int64
 
     def launch(cfg: IndexerConfig) -> None:
         n_kb = triton.cdiv(width, cfg.block_n)
@@ -664,11 +749,11 @@ def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pi
             m, width, col0, n_kb, hi,
             qs.stride(0), qs.stride(1), ws.stride(0), keys.stride(0), out.stride(0),
             DI=di, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
+            PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev), PACKED=packed,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch("score", (dev.type, di, q.dtype), ladder, pinned, launch)
+    _launch("score", (dev.type, di, q.dtype, packed), ladder, pinned, launch)
 
 
 @torch.no_grad()
@@ -766,15 +851,24 @@ def indexer_topk_triton(
         if k <= stream.MAX_STREAM_K:  # larger running lists do not fit on chip
             return stream.indexer_topk_stream(q, w, keys, query_doc, query_limit, key_doc, key_j, k,
                                               config=config, key_row_limit=key_row_limit)
+    packed = _topk_keys() == "packed"
     chunks = iter_score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk,
-                               budget_bytes=budget_bytes, config=config,
-                               key_row_limit=key_row_limit)  # validates the inputs
+                               budget_bytes=budget_bytes, config=config, key_row_limit=key_row_limit,
+                               packed=packed)  # validates the inputs
     out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
-    for s, e, col0, scores in chunks:
-        keep = min(k, scores.shape[1])
-        chosen = _select_top(scores, keep)
+    for s, e, col0, block in chunks:
+        keep = min(k, block.shape[1])
+        chosen = _select_top_packed(block, keep, block.shape[1]) if packed else _select_top(block, keep)
         out[s:e, :keep] = torch.where(chosen >= 0, chosen + col0, -1)
     return out
+
+
+def _topk_keys() -> str:
+    """The chunked path's buffer, from ``DSV4CP_TOPK_KEYS`` (default ``"packed"``); checked."""
+    chosen = os.environ.get(TOPK_KEYS_ENV) or "packed"
+    if chosen not in ("packed", "scores"):
+        raise ValueError(f"{TOPK_KEYS_ENV}: must be 'packed' or 'scores', got {chosen!r}")
+    return chosen
 
 
 def _topk_impl(impl: str | None) -> str:
@@ -809,10 +903,14 @@ def iter_score_chunks(
     budget_bytes: int | None = None,
     config: IndexerConfig | None = None,
     key_row_limit: tuple[int, int] | None = None,
+    packed: bool = False,
 ) -> Iterator[tuple[int, int, int, torch.Tensor]]:
     """The scoring half of :func:`indexer_topk_triton`: yields ``(start, stop, col0, scores)`` per
     chunk of queries, ``scores [stop - start, width]`` fp32 holding the masked scores of query rows
-    ``[start, stop)`` against key rows ``[col0, col0 + width)`` (``-inf`` where invisible). With the exact
+    ``[start, stop)`` against key rows ``[col0, col0 + width)`` (``-inf`` where invisible); with
+    ``packed``, int64 selection keys of those scores instead
+    (:func:`dsv4cp.kernels.contracts.pack_selection_keys`, columns numbered from 0 at ``col0``), planned
+    at :data:`TOPK_BYTES_PER_SCORE` (fp32 scores: :data:`TOPK_SCORES_BYTES_PER_SCORE`). With the exact
     plan (no ``key_row_limit``) chunks whose queries see no key are skipped. ``scores`` is a view of ONE
     buffer reused by every chunk: consume it before advancing the iterator. Arguments as in
     :func:`indexer_topk_triton`."""
@@ -821,7 +919,7 @@ def iter_score_chunks(
     budget = _check_chunking(chunk, budget_bytes)
     _check_key_row_limit(key_row_limit)
     return _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, _pinned(config),
-                         key_row_limit)
+                         key_row_limit, packed)
 
 
 def _aligned_columns(col0: int, width: int, g: int) -> tuple[int, int]:
@@ -831,24 +929,26 @@ def _aligned_columns(col0: int, width: int, g: int) -> tuple[int, int]:
     return min(col0, g - padded), padded
 
 
-def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, pinned, key_row_limit):
+def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, pinned, key_row_limit,
+                  packed):
     # Nothing here records autograd history (the kernels write raw buffers; key_ranges and _prepare run
     # under no_grad), so the generator leaves the caller's grad mode alone between chunks.
     t, g = q.shape[0], keys.shape[0]
     if t == 0 or g == 0:
         return
+    per_score = TOPK_BYTES_PER_SCORE if packed else TOPK_SCORES_BYTES_PER_SCORE
     if key_row_limit is not None:
-        plan = plan_static_chunks(t, g, key_row_limit, budget, chunk)
+        plan = plan_static_chunks(t, g, key_row_limit, budget, chunk, per_score)
     else:
-        plan = [c for c in plan_chunks(*key_ranges(query_doc, query_limit, key_doc, key_j), budget, chunk)
-                if c[3] > 0]
+        ranges = key_ranges(query_doc, query_limit, key_doc, key_j)
+        plan = [c for c in plan_chunks(*ranges, budget, chunk, per_score) if c[3] > 0]
     if not plan:
         return
     g = keys.shape[0]
     plan = [(s, e, *_aligned_columns(col0, width, g)) for s, e, col0, width in plan]
     args = _prepare(q, w, keys, query_doc, query_limit, key_doc, key_j)
-    flat = torch.empty(max((e - s) * width for s, e, _, width in plan), dtype=torch.float32,
-                       device=q.device)
+    flat = torch.empty(max((e - s) * width for s, e, _, width in plan),
+                       dtype=torch.int64 if packed else torch.float32, device=q.device)
     for s, e, col0, width in plan:
         scores = flat[: (e - s) * width].view(e - s, width)
         _launch_scores(*args, scores, s, e, col0, width, pinned)
@@ -909,8 +1009,10 @@ def _reduce_contributions(contrib, idx, dkeys) -> None:
     )
 
 
-def _gather_backward(q, w, keys, idx, grad, deterministic: bool, config: GatherConfig | None = None,
+def _gather_backward(q, w, keys, idx, grad, deterministic: bool, config: GatherBwdConfig | None = None,
                      scratch_bytes: int | None = None):
+    """``(dq, dw fp32, dkeys fp32)`` of :func:`indexer_scores_triton` for the upstream fp32 ``grad
+    [T, K]``; ``config``: a checked pin (:func:`_gather_bwd_pinned`) or None (the ladder)."""
     t, hi, di = q.shape
     g, ksel = keys.shape[0], idx.shape[1]
     dev = q.device
@@ -929,13 +1031,13 @@ def _gather_backward(q, w, keys, idx, grad, deterministic: bool, config: GatherC
     for t0 in range(0, t, chunk):
         rows = min(chunk, t - t0)
 
-        def launch(cfg: GatherConfig, rows: int = rows, t0: int = t0) -> None:
+        def launch(cfg: GatherBwdConfig, rows: int = rows, t0: int = t0) -> None:
             kernel[(rows,)](
                 q, w, keys, idx, grad, dq, dw, dkeys, contrib, hi, g, ksel, t0,
                 q.stride(0), q.stride(1), w.stride(0), keys.stride(0), idx.stride(0), grad.stride(0),
                 dq.stride(0), dq.stride(1), dkeys.stride(0),
                 DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k, DETERMINISTIC=deterministic,
-                PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
+                RELAXED=cfg.relaxed_atomics, PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
@@ -947,10 +1049,11 @@ def _gather_backward(q, w, keys, idx, grad, deterministic: bool, config: GatherC
 
 class _TritonIndexerScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, w, keys, idx):
+    def forward(ctx, q, w, keys, idx, bwd_config):
         q_c, w_c, keys_c, idx_c = q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous()
         out = _gather_forward(q_c, w_c, keys_c, idx_c)
         ctx.save_for_backward(q_c, w_c, keys_c, idx_c)
+        ctx.bwd_config = bwd_config
         return out
 
     @staticmethod
@@ -958,19 +1061,21 @@ class _TritonIndexerScores(torch.autograd.Function):
     def backward(ctx, grad):
         q, w, keys, idx = ctx.saved_tensors
         grad = grad.to(torch.float32).contiguous()
-        dq, dw, dkeys = _gather_backward(q, w, keys, idx, grad, is_deterministic())
-        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None
+        dq, dw, dkeys = _gather_backward(q, w, keys, idx, grad, is_deterministic(), ctx.bwd_config)
+        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None, None
 
 
-def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
+                          bwd_config: GatherBwdConfig | None = None) -> torch.Tensor:
     """Differentiable scores ``[T, K]`` fp32 of queries at key rows ``idx [T, K]`` (Triton forward and
     backward); the contract of :func:`dsv4cp.ops.indexer.indexer_scores` for bf16 / fp16 / fp32 inputs.
 
     ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]`` (q's dtype), ``idx`` int32/int64 (``-1`` =
     empty slot: score 0 there, no gradient). Backward: ``dq`` and ``dw`` per query (no atomics), ``dkeys``
     by fp32 atomics, or, when :func:`dsv4cp.kernels.is_deterministic`, by a fixed-order reduction.
-    Gradients are returned in the inputs' dtypes.
+    Gradients are returned in the inputs' dtypes. ``bwd_config`` pins the backward's launch (default:
+    :data:`BWD_CONFIG_ENV`, else the ladder); it is checked here, before any work.
     """
     _check_qwk(q, w, keys)
     _check_idx(q, idx)
-    return _TritonIndexerScores.apply(q, w, keys, idx)
+    return _TritonIndexerScores.apply(q, w, keys, idx, _gather_bwd_pinned(bwd_config))

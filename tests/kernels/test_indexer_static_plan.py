@@ -30,8 +30,11 @@ import torch
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout, entry_capacity, split_rows
 from dsv4cp.kernels import triton_available
+from dsv4cp.kernels.contracts import pack_selection_keys
 from dsv4cp.kernels.indexer_triton import (
     TOPK_BYTES_PER_SCORE,
+    TOPK_KEYS_ENV,
+    TOPK_SCORES_BYTES_PER_SCORE,
     indexer_score_matrix,
     indexer_topk_triton,
     iter_score_chunks,
@@ -138,9 +141,12 @@ def layout_case(lay, gen: torch.Generator, integer: bool):
                 key_j=lay.gathered_j)
 
 
+@pytest.mark.parametrize("keys_mode", ["packed", "scores"])
 @pytest.mark.parametrize("lengths,total", CP_PACKINGS)
 @pytest.mark.parametrize("cp", [1, 2, 3])
-def test_static_plan_selects_what_the_exact_plan_and_the_torch_op_select(lengths, total, cp, seed):
+def test_static_plan_selects_what_the_exact_plan_and_the_torch_op_select(lengths, total, cp, keys_mode, seed,
+                                                                         monkeypatch):
+    monkeypatch.setenv(TOPK_KEYS_ENV, keys_mode)  # the kernel's packed keys or fp32 scores + select_top
     gen = torch.Generator().manual_seed(seed)
     pk = PackedSeqs.from_lengths(lengths, total=total)
     for rank in range(cp):
@@ -157,8 +163,10 @@ def test_static_plan_selects_what_the_exact_plan_and_the_torch_op_select(lengths
                 assert torch.equal(static, ref), f"seed={seed} rank={rank}/{cp} k={k} chunk={chunk} budget={budget}"
 
 
-def test_static_chunk_scores_equal_the_full_score_matrix_bitwise(seed):
-    """Normal inputs, 160 rows over 2 ranks (so several 64-row chunks): same tiles, same bits."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_static_chunk_scores_equal_the_full_score_matrix_bitwise(packed, seed):
+    """Normal inputs, 160 rows over 2 ranks (so several 64-row chunks): same tiles, same bits; packed,
+    the chunks hold exactly ``pack_selection_keys`` of the full matrix's columns."""
     gen = torch.Generator().manual_seed(seed)
     pk = PackedSeqs.from_lengths([37, 90, 3, 30], total=160)
     for rank in range(2):
@@ -166,11 +174,15 @@ def test_static_chunk_scores_equal_the_full_score_matrix_bitwise(seed):
         case = layout_case(lay, gen, integer=False)
         full = indexer_score_matrix(**case)
         base, r = lay.key_row_limit
-        budget = TOPK_BYTES_PER_SCORE * 64 * min(lay.gathered_rows, base + 64 // r)  # exactly the first 64 rows
+        per_score = TOPK_BYTES_PER_SCORE if packed else TOPK_SCORES_BYTES_PER_SCORE
+        budget = per_score * 64 * min(lay.gathered_rows, base + 64 // r)  # exactly the first 64 rows
         chunks = 0
-        for s, e, col0, scores in iter_score_chunks(**case, budget_bytes=budget, key_row_limit=lay.key_row_limit):
+        for s, e, col0, scores in iter_score_chunks(**case, budget_bytes=budget, key_row_limit=lay.key_row_limit,
+                                                    packed=packed):
             assert col0 == 0 and s % 64 == 0, (s, col0)
-            assert torch.equal(scores, full[s:e, : scores.shape[1]]), f"seed={seed} rank={rank} rows [{s}, {e})"
+            expect = full[s:e, : scores.shape[1]]
+            expect = pack_selection_keys(expect) if packed else expect
+            assert torch.equal(scores, expect), f"seed={seed} rank={rank} rows [{s}, {e}) packed={packed}"
             hidden = full[s:e, scores.shape[1]:]
             assert torch.isneginf(hidden).all(), f"seed={seed} rank={rank}: a visible key outside the chunk"
             chunks += 1

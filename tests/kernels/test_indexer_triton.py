@@ -28,7 +28,13 @@ import torch
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout
 from dsv4cp.kernels import set_deterministic, triton_available
+from dsv4cp.kernels.contracts import pack_selection_keys
 from dsv4cp.kernels.indexer_triton import (
+    BWD_CONFIG_ENV,
+    GATHER_BWD_CONFIGS,
+    TOPK_BYTES_PER_SCORE,
+    TOPK_KEYS_ENV,
+    GatherBwdConfig,
     IndexerConfig,
     indexer_score_matrix,
     indexer_scores_triton,
@@ -223,6 +229,53 @@ def test_topk_identical_with_exact_scores_and_ties(t, hi, di, entries, cp, k, se
 
 
 @pytest.mark.parametrize("t,hi,di,entries,cp", CPU_CASES)
+def test_packed_and_scores_buffers_select_identically_with_ties(t, hi, di, entries, cp, seed, monkeypatch):
+    """``DSV4CP_TOPK_KEYS``: the score kernel's packed-key epilogue and the fp32 buffer + ``select_top``
+    choose exactly the reference's entries, ties included, also over many small chunks."""
+    case = make_case(seed, t, hi, di, entries, cp, integer=True)
+    for k in (1, 4, 9, 40):
+        ref = reference_topk(case, k)
+        for mode in ("packed", "scores"):
+            monkeypatch.setenv(TOPK_KEYS_ENV, mode)
+            for chunk in (None, 5):
+                got = triton_topk(case, k, chunk=chunk, impl="chunked")
+                assert torch.equal(got, ref), f"seed={seed} k={k} {mode} chunk={chunk}\n{got}\n{ref}"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's inf * 0 in tl.dot
+def test_packed_keys_are_the_packed_score_matrix(seed):
+    """The packed epilogue writes exactly ``pack_selection_keys`` of the fp32 scores of the same chunk
+    (same plan and tiles, so the same bits), also where a key row of +inf entries, seen by a query with
+    positive q, makes the visible score +-inf or NaN (folded to ``-inf``). Normal inputs: every score
+    bit is compared."""
+    case = make_case(seed, 24, 3, 16, [11, 2, 9, 6], 1, integer=False)
+    seen = torch.isfinite(reference_scores(case))
+    row, poisoned = (int(i) for i in seen.nonzero()[0])
+    q, keys = case["q"].clone(), case["keys"].clone()
+    q[row] = q[row].abs()
+    keys[poisoned] = float("inf")
+    case = dict(case, q=q, keys=keys)
+    scores = [(s, e, col0, block.clone()) for s, e, col0, block in iter_score_chunks(**case, chunk=7)]
+    packed = [(s, e, col0, block.clone()) for s, e, col0, block in iter_score_chunks(**case, chunk=7, packed=True)]
+    assert len(packed) == len(scores) >= 3, (len(packed), len(scores))
+    poisoned_packed = False
+    for (s, e, col0, block), (*where, fp32) in zip(packed, scores):
+        assert (s, e, col0) == tuple(where) and block.dtype == torch.int64, (s, e, col0, where, block.dtype)
+        assert torch.equal(block, pack_selection_keys(fp32)), f"seed={seed} rows [{s}, {e}) col0={col0}"
+        if s <= row < e:
+            assert not torch.isfinite(fp32[row - s, poisoned - col0]), f"seed={seed}: the score must be non-finite"
+            poisoned_packed = True
+    assert poisoned_packed, f"seed={seed}: the non-finite score was not in any chunk"
+
+
+def test_bad_topk_keys_env_is_named(seed, monkeypatch):
+    case = make_case(seed, 8, 2, 16, [6], 1, integer=True)
+    monkeypatch.setenv(TOPK_KEYS_ENV, "int64")
+    with pytest.raises(ValueError, match=TOPK_KEYS_ENV):
+        triton_topk(case, 2, impl="chunked")
+
+
+@pytest.mark.parametrize("t,hi,di,entries,cp", CPU_CASES)
 def test_topk_matches_reference_random_normal(t, hi, di, entries, cp, seed):
     case = make_case(seed, t, hi, di, entries, cp, integer=False)
     scores = reference_scores(case)
@@ -314,7 +367,8 @@ def test_plan_chunks_cover_rows_and_respect_the_budget(seed):
         assert plan[0][0] == 0 and plan[-1][1] == t, f"seed={seed}"
         for (s, e, col0, width), nxt in zip(plan, plan[1:] + [(t, t, 0, 0)]):
             assert e == nxt[0] and e > s, f"seed={seed}: chunks must tile the rows"
-            assert (e - s) == 1 or (e - s) * width * 32 <= budget, f"seed={seed}: budget {budget} exceeded"
+            fits = (e - s) * width * TOPK_BYTES_PER_SCORE <= budget
+            assert (e - s) == 1 or fits, f"seed={seed}: budget {budget} exceeded"
             assert cap is None or e - s <= cap, f"seed={seed}"
             live = hi[s:e] > lo[s:e]
             if live.any():
@@ -421,6 +475,74 @@ def test_indexer_scores_forward_and_gradients_match_torch(deterministic, seed):
         assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{msg}: {name}"
 
 
+def scores_case(seed: int, t: int = 12, hi: int = 3, di: int = 32, g: int = 20, kk: int = 21):
+    """Random fp32 ``q, w, keys, idx, grad`` (never zeros): a quarter of the slots empty (-1), one query
+    with no slot at all, and repeated key rows within queries (their key gradients add)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, hi, di, generator=gen)
+    w = torch.randn(t, hi, generator=gen)
+    keys = torch.randn(g, di, generator=gen)
+    idx = torch.randint(0, g, (t, kk), generator=gen)
+    idx[torch.rand(t, kk, generator=gen) < 0.25] = -1
+    idx[2] = -1
+    idx[::3, -1] = idx[::3, 0]
+    grad = torch.randn(t, kk, generator=gen)
+    return q, w, keys, idx, grad
+
+
+def scores_and_grads(fn, q, w, keys, idx, grad, **kw):
+    """``(out, dq, dw, dkeys)`` of ``fn(q, w, keys, idx, **kw)`` under the loss ``sum(out * grad)`` over
+    the valid slots; ``out`` zeroed at the empty ones (the torch op scores them at row -1)."""
+    leaves = [x.clone().requires_grad_(True) for x in (q, w, keys)]
+    out = fn(*leaves, idx, **kw)
+    (out * grad * (idx >= 0)).sum().backward()
+    return (out.detach().masked_fill(idx < 0, 0.0), *(x.grad for x in leaves))
+
+
+@pytest.mark.parametrize("cfg", [GatherBwdConfig(32, 4, 1, False), GatherBwdConfig(16, 8, 2, True),
+                                 GatherBwdConfig(64, 8, 2)], ids=str)
+def test_indexer_scores_pinned_backward_matches_torch(cfg, seed, monkeypatch):
+    """Every backward variant (relaxed or acq_rel atomics, one or several slot blocks per query), pinned
+    by keyword and by the environment, gives torch's gradients."""
+    q, w, keys, idx, grad = scores_case(seed)
+    ref = scores_and_grads(indexer_scores, q, w, keys, idx, grad)
+    got_kw = scores_and_grads(indexer_scores_triton, q, w, keys, idx, grad, bwd_config=cfg)
+    monkeypatch.setenv(BWD_CONFIG_ENV, f"{cfg.block_k},{cfg.num_warps},{cfg.num_stages},{int(cfg.relaxed_atomics)}")
+    got_env = scores_and_grads(indexer_scores_triton, q, w, keys, idx, grad)
+    assert (idx < 0).any() and (indexer_scores_triton(q, w, keys, idx)[idx < 0] == 0).all(), f"seed={seed}"
+    for how, got in (("keyword", got_kw), ("env", got_env)):
+        for name, a, b in zip(("out", "dq", "dw", "dkeys"), got, ref):
+            msg = f"seed={seed} {cfg} {how}: {name}"
+            assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-5), msg
+
+
+def test_indexer_scores_backward_ladder_is_checked():
+    """The default bf16 ladder: valid tiles, relaxed atomics, the default first."""
+    assert GATHER_BWD_CONFIGS[0] == (64, 8, 2)
+    for tile in GATHER_BWD_CONFIGS:
+        cfg = GatherBwdConfig(*tile)
+        assert cfg.relaxed_atomics is True
+        assert cfg.block_k >= 16 and cfg.block_k & (cfg.block_k - 1) == 0, tile
+
+
+@pytest.mark.parametrize("cfg,env,match", [
+    (GatherBwdConfig(24, 4, 1), None, r"^bwd_config\.block_k:"),
+    (GatherBwdConfig(32, 0, 1), None, r"^bwd_config: num_warps"),
+    (GatherBwdConfig(32, 4, 1, 2), None, r"^bwd_config: relaxed_atomics"),
+    (None, "32,4,1", rf"^{BWD_CONFIG_ENV}:"),
+    (None, "32,4,1,3", rf"^{BWD_CONFIG_ENV}: relaxed_atomics"),
+    (None, "8,4,1,1", rf"^{BWD_CONFIG_ENV}\.block_k:"),
+])
+def test_indexer_scores_bad_backward_config_raises_before_work(cfg, env, match, seed, monkeypatch):
+    q, w, keys, idx, _ = scores_case(seed, t=4, kk=5)
+    if env is not None:
+        monkeypatch.setenv(BWD_CONFIG_ENV, env)
+    leaf = q.clone().requires_grad_(True)
+    with pytest.raises(ValueError, match=match):
+        indexer_scores_triton(leaf, w, keys, idx, bwd_config=cfg)  # at the call, not at backward
+    assert leaf.grad is None
+
+
 def test_indexer_scores_deterministic_backward_is_bitwise_reproducible(seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(10, 2, 16, generator=gen)
@@ -493,6 +615,20 @@ def test_gpu_topk_bf16_full_size(docs, seed):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("docs", [[8192], [3000, 100, 5000, 92]], ids=["one-doc", "four-docs"])
+def test_gpu_packed_keys_select_what_the_fp32_scores_select(docs, seed, monkeypatch):
+    """bf16 at full size: the kernel's packed-key epilogue and the fp32 buffer + ``select_top`` choose the
+    same entries bitwise (the same products: only the epilogue and the chunking differ)."""
+    case = gpu_case(seed, 8192, docs)
+    got = {}
+    for mode in ("packed", "scores"):
+        monkeypatch.setenv(TOPK_KEYS_ENV, mode)
+        got[mode] = triton_topk(case, 512, impl="chunked")
+    assert torch.equal(got["packed"], got["scores"]), f"seed={seed}"
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_fp32_exact_ties_match_reference(seed):
     case = make_case(seed, 600, 8, 64, [40, 90, 10], 3, integer=True, device="cuda")
     for k in (1, 16, 64):
@@ -523,3 +659,22 @@ def test_gpu_indexer_scores_bf16(deterministic, seed):
             a, b = a[idx >= 0], b[idx >= 0]
         cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
         assert cos > 1 - 1e-3, f"seed={seed} {name}: cosine {cos}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tile", [(*t, 1) for t in GATHER_BWD_CONFIGS] + [(64, 8, 2, 0)],
+                         ids=lambda t: "x".join(map(str, t)))
+def test_gpu_indexer_scores_backward_tiles_bf16(tile, seed):
+    """Every ladder tile (relaxed atomics) and the original acq_rel kernel, pinned, against the torch op:
+    bf16 at Hi = 64, Di = 128, K = 512 selected entries (repeated key rows across queries)."""
+    case = gpu_case(seed, 2048, [2048])
+    idx = triton_topk(case, 512)
+    grad = torch.randn(idx.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    cfg = GatherBwdConfig(*tile[:3], relaxed_atomics=bool(tile[3]))
+    args = (case["q"], case["w"], case["keys"], idx, grad)
+    got = scores_and_grads(indexer_scores_triton, *args, bwd_config=cfg)
+    ref = scores_and_grads(indexer_scores, *args)
+    for name, a, b in zip(("out", "dq", "dw", "dkeys"), got, ref):
+        cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+        assert cos > 1 - 1e-3, f"seed={seed} {cfg} {name}: cosine {cos}"
