@@ -4,30 +4,12 @@
 # atomics (and its tiles) against the acq_rel kernel, the score kernel writing packed selection keys
 # against the fp32 buffer, their GPU tests, and the flash C layer with `--kernel-backend triton`.
 #   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-speed3/run.sh $OUT
-# Then, with the fastest backward tile made the default, the layer with `auto` (FlashMLA + cuDNN) and
-# `triton` after the three-call wheel stash of ../2026-12-01-h200-speed2/run.sh (.whl, .whl3, then .whl2):
-#   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-speed3/run.sh $OUT layer
 set -uo pipefail
 out=${1:-.}
 day=results/2026-12-01-h200-speed3
-quiet() { grep -v -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:"; }
-common="--preset flash --ratio 4 --tokens 65536 --packing one --backward --dtype bf16 --warmup 2 --reps 6 --progress off"
-if [ "${2:-}" = layer ]; then
-  (cd "$HOME/wheels" && cp "$OLDPWD"/.whl2/* . && for first in *.part.aa; do base=${first%.part.aa}
-     cat "$base".part.* > "$base" && rm -f "$base".part.*; done
-   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ./*.whl)
-  export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1 DSV4CP_GIT_SHA=${DSV4CP_GIT_SHA:-}
-  mkdir -p "$day/layer"
-  for kb in auto triton; do
-    echo "\$ python3 -m dsv4cp.cli.main profile $common --kernel-backend $kb --out $day/layer"
-    timeout 75 python3 -m dsv4cp.cli.main profile $common --kernel-backend $kb --out "$day/layer" 2>&1 | quiet
-    tar czf "$out/layer.tar.gz" "$day/layer" "$day"/layer*.txt 2>/dev/null
-  done 2>&1 | tee "$day/layer.txt"
-  tar czf "$out/layer.tar.gz" "$day/layer" "$day/layer.txt"
-  exit 0
-fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlsmall/*.whl
 export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 DSV4CP_GIT_SHA=${DSV4CP_GIT_SHA:-}
+quiet() { grep -v -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:"; }
 save() { tar czf "$out/speed3.tar.gz" "$day"; }
 mkdir -p "$day"
 table() {  # table JSON: backend, median ms, TFLOP/s per benchmark
@@ -48,6 +30,7 @@ for b in json.load(open(sys.argv[1]))['benchmarks']:
 } 2>&1 | quiet | tee "$day/indexer_topk.txt"; save
 timeout 90 python3 -m pytest tests/kernels/test_indexer_triton.py tests/kernels/test_indexer_static_plan.py \
   tests/kernels/test_select_top.py -m gpu -q -p no:cacheprovider -rfE 2>&1 | quiet | tail -15 > "$day/gpu_tests.txt"; save
+common="--preset flash --ratio 4 --tokens 65536 --packing one --backward --dtype bf16 --warmup 2 --reps 6 --progress off"
 { echo "\$ python3 -m dsv4cp.cli.main profile $common --kernel-backend triton --out $day/profile --trace-dir $day/trace --trace-steps 1"
   timeout 120 python3 -m dsv4cp.cli.main profile $common --kernel-backend triton --out "$day/profile" \
     --trace-dir "$day/trace" --trace-steps 1 2>&1 | quiet
