@@ -229,3 +229,33 @@ def test_gradcheck_op_fp64():
         return op()(qq, kk, idx, sink, 8**-0.5)[0]
 
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_one_forward_range_per_call(seed):
+    """The op opens ``sparse_attn.fwd`` once per call (its index checks included), so per-phase tables
+    count one call per attention, not two."""
+    from dsv4cp.ops import sparse_attention
+    from dsv4cp.profiling import nvtx
+
+    class Count:
+        def __init__(self):
+            self.entered: list[str] = []
+
+        def enter(self, phase: str) -> None:
+            self.entered.append(phase)
+
+        def exit(self, phase: str) -> None:
+            pass
+
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(5, 2, 8, generator=g), torch.randn(7, 8, generator=g)
+    idx = torch.randint(-1, 7, (5, 3), generator=g, dtype=torch.int32)
+    count = Count()
+    before, enabled = nvtx.set_phase_listener(count), nvtx.is_enabled()
+    nvtx.set_enabled(True)
+    try:
+        sparse_attention(q, kv, idx, torch.zeros(2), 0.3, backend="torch")
+    finally:
+        nvtx.set_phase_listener(before)
+        nvtx.set_enabled(enabled)
+    assert count.entered.count("sparse_attn.fwd") == 1, count.entered

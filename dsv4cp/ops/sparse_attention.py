@@ -201,8 +201,7 @@ register_backend(SparseAttentionBackend(cudnn_dsa.NAME, None, cudnn_dsa.sparse_a
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, idx, sink, scale, topk_length, backend):
-        with nvtx_range("sparse_attn.fwd"):
-            out, lse = backend.forward(q, kv, idx, sink, scale, topk_length)
+        out, lse = backend.forward(q, kv, idx, sink, scale, topk_length)  # inside the caller's sparse_attn.fwd
         ctx.save_for_backward(q, kv, idx, sink, out, lse, topk_length)
         ctx.scale, ctx.backend = scale, backend
         ctx.mark_non_differentiable(lse)
@@ -269,8 +268,8 @@ def sparse_attention(
     synchronisation): a violation stops the run with a device-side assertion naming the argument.
     """
     _check_inputs(q, kv, idx, sink, topk_length)
-    with nvtx_range("sparse_attn.fwd"):  # on CUDA the checks are kernels: the attention's own time
-        _check_index_values(kv.shape[0], idx, topk_length)
     chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
-    out, lse = _SparseAttention.apply(q, kv, idx, sink, float(scale), topk_length, chosen)
+    with nvtx_range("sparse_attn.fwd"):  # one range: on CUDA the index checks are kernels of the attention
+        _check_index_values(kv.shape[0], idx, topk_length)
+        out, lse = _SparseAttention.apply(q, kv, idx, sink, float(scale), topk_length, chosen)
     return out, lse
