@@ -152,17 +152,23 @@ def _fail_on_missing(comparison: Comparison, what: str) -> None:
                           + "; ".join(comparison.baseline_only))
 
 
+def _regressed(baseline: Path, new: Path, thresholds: Thresholds, what: str) -> tuple[list[str], float]:
+    """First verdict on ``new`` against ``baseline``: fail on missing points or an implausible machine
+    factor, else return the regressed keys and the machine factor their re-measurement is judged by."""
+    comparison = _compare(baseline, new, thresholds)
+    _fail_on_missing(comparison, what)
+    factor = machine_factor(comparison)
+    _check_machine_factor(factor, thresholds, what)
+    return regressed_keys(comparison, thresholds, factor), factor
+
+
 def gate_sweep(spec: Path, baseline: Path, work: Path, thresholds: Thresholds,
                run_sweep: SweepRunner = run_sweep_cli) -> None:
     """Run the sweep into ``work/<spec stem>``, compare with ``baseline``, re-measure regressed points once."""
     run_dir = work / spec.stem
     run_sweep(spec, run_dir, False)
     _check_sweep_records(run_dir)
-    comparison = _compare(baseline, run_dir, thresholds)
-    _fail_on_missing(comparison, "sweep")
-    factor = machine_factor(comparison)
-    _check_machine_factor(factor, thresholds, "sweep")
-    suspects = regressed_keys(comparison, thresholds, factor)
+    suspects, factor = _regressed(baseline, run_dir, thresholds, "sweep")
     if not suspects:
         return
     print(f"gate: sweep: {len(suspects)} points regressed; measuring them once more")
@@ -184,11 +190,7 @@ def gate_bench(baseline: Path, work: Path, thresholds: Thresholds, run_bench: Be
     work.mkdir(parents=True, exist_ok=True)
     new = work / "bench.json"
     run_bench(new, None)
-    comparison = _compare(baseline, new, thresholds)
-    _fail_on_missing(comparison, "bench")
-    factor = machine_factor(comparison)
-    _check_machine_factor(factor, thresholds, "bench")
-    suspects = regressed_keys(comparison, thresholds, factor)
+    suspects, factor = _regressed(baseline, new, thresholds, "bench")
     if not suspects:
         return
     print(f"gate: bench: {len(suspects)} benchmarks regressed; running them once more")

@@ -107,7 +107,7 @@ def _inputs(shape: Shape) -> dict:
 
 
 def _visible(entry: dict):
-    qdoc, qlim, kdoc, kj = entry["query_doc"], entry["query_limit"], entry["key_doc"], entry["key_j"]
+    qdoc, qlim, kdoc, kj = _vis_args(entry)
 
     def visible(rows: slice) -> torch.Tensor:
         return ((qdoc[rows, None] >= 0) & (kdoc[None, :] == qdoc[rows, None])
@@ -119,7 +119,7 @@ def _visible(entry: dict):
 def _runner(backend: str, shape: Shape, entry: dict):
     """A no-argument callable running ``backend`` once, plus extra info about it."""
     q, w, keys = entry["q"], entry["w"], entry["keys"]
-    vis_args = (entry["query_doc"], entry["query_limit"], entry["key_doc"], entry["key_j"])
+    vis_args = _vis_args(entry)
     if backend == "torch":
         visible = _visible(entry)
         return (lambda: indexer_topk(q, w, keys, visible, shape.topk)), {}
@@ -213,39 +213,52 @@ def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
 
 
 SCORE_CONFIGS = [(64, 256, 8, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 2)]
+STREAM_CONFIGS = [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 2), (64, 64, 8, 2)]
+
+
+def _time_pinned_tile(benchmark, measure, cfg, group: str, backend: str, run_with, **extra) -> None:
+    """Time ``run_with(config)`` at T = 32K under the pinned tile ``cfg`` (skipped when it does not fit),
+    with the scoring FLOPs of the shape; ``extra`` goes into ``extra_info``."""
+    from dsv4cp.kernels import indexer_triton as it
+
+    shape = SHAPES["32k"]
+    entry = _inputs(shape)
+    config = it.IndexerConfig(*cfg)
+
+    def run():
+        return run_with(entry, shape, config)
+
+    try:
+        run()
+    except it.OutOfResources as exc:
+        pytest.skip(f"{cfg}: does not fit ({exc})")
+    benchmark.group = group
+    benchmark.extra_info.update(backend=backend, config=list(cfg), T=shape.tokens, Hi=shape.heads, Di=shape.dim,
+                                G=shape.n_keys, visible_pairs=entry["visible_pairs"], **extra)
+    rounds, warmup = _rounds(shape)
+    measure(run, None, flops=2.0 * shape.heads * shape.dim * entry["visible_pairs"],
+            bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup, device=entry["q"].device)
+
+
+def _vis_args(entry: dict) -> tuple:
+    return entry["query_doc"], entry["query_limit"], entry["key_doc"], entry["key_j"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="config sweep needs CUDA")
 @pytest.mark.parametrize("cfg", SCORE_CONFIGS, ids=lambda c: "x".join(map(str, c)))
 def test_indexer_score_config(benchmark, measure, cfg):
+    """The scoring kernel alone (no selection) at T = 32K under each pinned tile."""
     from dsv4cp.kernels import indexer_triton as it
 
-    shape = SHAPES["32k"]
-    entry = _inputs(shape)
-    q, w, keys = entry["q"], entry["w"], entry["keys"]
-    vis_args = (entry["query_doc"], entry["query_limit"], entry["key_doc"], entry["key_j"])
-    config = it.IndexerConfig(*cfg)
-
-    def score_only():
+    def score_only(entry, shape, config):
         last = None
-        for _, _, _, scores in it.iter_score_chunks(q, w, keys, *vis_args, config=config):
+        for _, _, _, scores in it.iter_score_chunks(entry["q"], entry["w"], entry["keys"], *_vis_args(entry),
+                                                    config=config):
             last = scores
         return last
 
-    try:
-        score_only()
-    except it.OutOfResources as exc:
-        pytest.skip(f"{cfg}: does not fit ({exc})")
-    benchmark.group = "indexer.score.config.32k"
-    benchmark.extra_info.update(backend="triton-score", config=list(cfg), T=shape.tokens, Hi=shape.heads,
-                                Di=shape.dim, G=shape.n_keys, visible_pairs=entry["visible_pairs"])
-    rounds, warmup = _rounds(shape)
-    measure(score_only, None, flops=2.0 * shape.heads * shape.dim * entry["visible_pairs"],
-            bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup, device=q.device)
-
-
-STREAM_CONFIGS = [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 2), (64, 64, 8, 2)]
+    _time_pinned_tile(benchmark, measure, cfg, "indexer.score.config.32k", "triton-score", score_only)
 
 
 @pytest.mark.gpu
@@ -253,28 +266,14 @@ STREAM_CONFIGS = [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 2), (64, 64, 8, 
 @pytest.mark.parametrize("cfg", STREAM_CONFIGS, ids=lambda c: "x".join(map(str, c)))
 def test_indexer_topk_stream_config(benchmark, measure, cfg):
     """The streaming top-k at T = 32K under each pinned tile (``block_m, block_n, warps, stages``)."""
-    from dsv4cp.kernels import indexer_triton as it
     from dsv4cp.kernels.indexer_topk_triton import indexer_topk_stream
 
-    shape = SHAPES["32k"]
-    entry = _inputs(shape)
-    q, w, keys = entry["q"], entry["w"], entry["keys"]
-    vis_args = (entry["query_doc"], entry["query_limit"], entry["key_doc"], entry["key_j"])
-    config = it.IndexerConfig(*cfg)
+    def stream(entry, shape, config):
+        return indexer_topk_stream(entry["q"], entry["w"], entry["keys"], *_vis_args(entry), shape.topk,
+                                   config=config)
 
-    def run():
-        return indexer_topk_stream(q, w, keys, *vis_args, shape.topk, config=config)
-
-    try:
-        run()
-    except it.OutOfResources as exc:
-        pytest.skip(f"{cfg}: does not fit ({exc})")
-    benchmark.group = "indexer.topk.stream.config.32k"
-    benchmark.extra_info.update(backend="triton-stream", config=list(cfg), T=shape.tokens, Hi=shape.heads,
-                                Di=shape.dim, G=shape.n_keys, K=shape.topk, visible_pairs=entry["visible_pairs"])
-    rounds, warmup = _rounds(shape)
-    measure(run, None, flops=2.0 * shape.heads * shape.dim * entry["visible_pairs"],
-            bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup, device=q.device)
+    _time_pinned_tile(benchmark, measure, cfg, "indexer.topk.stream.config.32k", "triton-stream", stream,
+                      K=SHAPES["32k"].topk)
 
 
 _SCORES_PARAMS = [pytest.param("tiny", id="tiny")] + [

@@ -93,19 +93,17 @@ def select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
         best = order.indices[:, :keep]
         chosen = torch.where(torch.isfinite(order.values[:, :keep]), best, scores.shape[1]).sort(dim=1).values
         return torch.where(chosen < scores.shape[1], chosen, -1)
-    return select_top_packed(pack_selection_keys(scores), keep, scores.shape[1])
+    return select_top_packed(pack_selection_keys(scores), keep)
 
 
-def select_top_packed(keys: torch.Tensor, keep: int, columns: int) -> torch.Tensor:
+def select_top_packed(keys: torch.Tensor, keep: int) -> torch.Tensor:
     """:func:`select_top` of already packed ``keys [rows, columns]`` int64 (the layout of
-    :func:`pack_selection_keys`; ``columns`` is the width they were packed over and must be
-    ``keys.shape[1]``): one ``torch.topk`` over the keys, then the decode. Returns ``[rows, keep]`` int64
-    columns in increasing order, ``-1`` past a row's finite ones (keys whose high half is ``-inf``'s are
-    never chosen)."""
+    :func:`pack_selection_keys`, packed over all ``columns``): one ``torch.topk`` over the keys, then the
+    decode. Returns ``[rows, keep]`` int64 columns in increasing order, ``-1`` past a row's finite ones
+    (keys whose high half is ``-inf``'s are never chosen)."""
     if keys.dim() != 2 or keys.dtype != torch.int64:
         raise ValueError(f"keys: must be a [rows, columns] int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
-    if isinstance(columns, bool) or not isinstance(columns, int) or columns != keys.shape[1]:
-        raise ValueError(f"columns: must be keys' width {keys.shape[1]}, got {columns!r}")
+    columns = keys.shape[1]
     if columns >= _LOW_BITS:
         raise ValueError(f"columns: at most {_LOW_BITS - 1}, got {columns}")
     _check_keep(keep, columns)

@@ -860,7 +860,7 @@ def indexer_topk_triton(
     out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
     for s, e, col0, block in chunks:
         keep = min(k, block.shape[1])
-        chosen = _select_top_packed(block, keep, block.shape[1]) if packed else _select_top(block, keep)
+        chosen = _select_top_packed(block, keep) if packed else _select_top(block, keep)
         out[s:e, :keep] = torch.where(chosen >= 0, chosen + col0, -1)
     return out
 

@@ -442,18 +442,10 @@ def test_invalid_arguments_raise(seed):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_indexer_scores_forward_and_gradients_match_torch(deterministic, seed):
-    gen = torch.Generator().manual_seed(seed)
-    t, hi, di, g, kk = 12, 3, 32, 20, 21
-    q = torch.randn(t, hi, di, generator=gen)
-    w = torch.randn(t, hi, generator=gen)
-    keys = torch.randn(g, di, generator=gen)
-    idx = torch.randint(0, g, (t, kk), generator=gen)
-    idx[torch.rand(t, kk, generator=gen) < 0.25] = -1
-    idx[2] = -1
-    idx[::3, -1] = idx[::3, 0]  # repeated rows: their key gradients add
+    q, w, keys, idx, grad = scores_case(seed)
+    t, kk = idx.shape
     if deterministic:
         idx = idx.to(torch.int32)
-    grad = torch.randn(t, kk, generator=gen)
     results = []
     for fn in (indexer_scores_triton, indexer_scores):
         leaves = [x.clone().requires_grad_(True) for x in (q, w, keys)]
