@@ -19,8 +19,9 @@ from dsv4cp.layer.indexer_loss import indexer_loss
 from dsv4cp.layer.norm import RMSNorm
 from dsv4cp.layer.precision import PrecisionPinned
 from dsv4cp.layer.rope import rope_frequencies
+from dsv4cp.ops.grouped_linear import grouped_linear
 from dsv4cp.ops.indexer import indexer_topk
-from dsv4cp.ops.norm_rope import apply_rope, head_norm_rope, rope_tail
+from dsv4cp.ops.norm_rope import head_norm_rope, rope_tail
 from dsv4cp.ops.sparse_attention import check_backend_name, resolve_backend, sparse_attention
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.autograd_ranges import BackwardRegion, phase_region
@@ -202,7 +203,7 @@ class DSv4Attention(PrecisionPinned):
 
     def _kv(self, x_ext: torch.Tensor, ext_positions: torch.Tensor) -> torch.Tensor:
         """The one key/value row per token: ``RoPE(RMSNorm(wkv x))``."""
-        return apply_rope(self.kv_norm(self.wkv(x_ext)), ext_positions, self.rope_freqs)
+        return rope_tail(self.kv_norm(self.wkv(x_ext))[:, None], ext_positions, self.rope_freqs)[:, 0]
 
     def _project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo the query rotation on each head's output, then the grouped low-rank projection."""
@@ -211,7 +212,7 @@ class DSv4Attention(PrecisionPinned):
         # the heads of a group are consecutive
         groups = out.reshape(out.shape[0], cfg.o_groups, cfg.n_heads // cfg.o_groups * cfg.head_dim)
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        latent = torch.einsum("lgi,goi->lgo", groups, wo_a).flatten(1)
+        latent = grouped_linear(groups, wo_a).flatten(1)
         return self.wo_b(latent)
 
     def _check_inputs(

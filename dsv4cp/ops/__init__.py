@@ -4,7 +4,8 @@
 * :mod:`.indexer`: the lightning indexer's top-k selection and differentiable scores;
 * :mod:`.attention_probs`: the attention's probabilities at given keys (the indexer loss's target);
 * :mod:`.norm_rope`: RMS norm and RoPE, fused on CUDA for the attention's queries and outputs;
-* :mod:`.compress_pool`: the compressor's gated pooling of r-token groups (torch reference, Triton on CUDA).
+* :mod:`.compress_pool`: the compressor's gated pooling of r-token groups (torch reference, Triton on CUDA);
+* :mod:`.grouped_linear`: the output projection's per-group map, without the copies a batched einsum makes.
 
 ``dsv4cp.ops`` imports ``dsv4cp.kernels`` and chooses among them; kernels never import ops.
 """

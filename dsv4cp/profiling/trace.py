@@ -51,7 +51,14 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from dsv4cp.profiling.nvtx import DOMAIN, full_name, nvtx_range
-from dsv4cp.profiling.overlap import KernelRecord, RangeRecord, attribution_table, is_comm_kernel, overlap_table
+from dsv4cp.profiling.overlap import (
+    KernelRecord,
+    RangeRecord,
+    attribution_table,
+    is_comm_kernel,
+    kernel_table,
+    overlap_table,
+)
 
 RANGE_PREFIX = f"{DOMAIN}."
 """Only ranges whose names start with this are phases."""
@@ -284,3 +291,9 @@ def kineto_attribution_table(directory: str | Path) -> pd.DataFrame:
     """The attribution table (overlap.ATTRIBUTION_COLUMNS) of a directory of per-rank Kineto traces, times
     per step: averaged over the ``dsv4cp.step`` ranges each rank's trace holds."""
     return attribution_table(*load_kineto_dir(directory), step_range=full_name("step"))
+
+
+def kineto_kernel_table(directory: str | Path) -> pd.DataFrame:
+    """Kernels per phase (overlap.KERNEL_COLUMNS: launch count and summed time over every step the traces
+    hold) of a directory of per-rank Kineto traces: which kernels make up each phase's time."""
+    return kernel_table(*load_kineto_dir(directory))

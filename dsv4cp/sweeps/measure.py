@@ -35,7 +35,7 @@ from dsv4cp.profiling.memory import record_phase_memory, track_memory
 from dsv4cp.profiling.nvtx import capture_range, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL
 from dsv4cp.profiling.timing import benchmark
-from dsv4cp.profiling.trace import capture_trace, kineto_attribution_table, kineto_overlap_table
+from dsv4cp.profiling.trace import capture_trace, kineto_attribution_table, kineto_kernel_table, kineto_overlap_table
 from dsv4cp.sweeps.spec import Point, RunOptions
 from dsv4cp.workloads import packing_lengths
 
@@ -229,6 +229,7 @@ def measure_point(
             overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
             attribution = kineto_attribution_table(trace_dir)
             attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
+            kineto_kernel_table(trace_dir).to_csv(Path(trace_dir) / "kernels.csv", index=False)
             metrics["phases"] = overlap.to_dict(orient="records")
             if emulated is None:  # an emulated rank's collectives move nothing: no communication to report
                 total = overlap[(overlap["rank"] == 0) & (overlap["phase"] == TOTAL)].iloc[0]

@@ -6,7 +6,7 @@
 # `profile` has `--calibration`), against a real CP = 1 profile. About 3 minutes. From the repository
 # root on the GPU machine, with the nvtx and sgl-flash-mla wheels in .whlsmall/ (carried):
 #   bash results/2026-12-01-h200-emulated/run.sh $OUT
-# Everything is written under results/2026-12-01-h200-emulated/ and packed into $OUT/emulated.tar.gz;
+# Everything is written under results/2026-12-01-h200-emulated/ (or DSV4CP_EMULATE_DIR) and packed into $OUT/emulated.tar.gz;
 # unpack from the repository root. summary.txt holds the per-rank table.
 set -uo pipefail
 out=${1:-.}
@@ -16,7 +16,9 @@ if [ -d .whlsmall ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DSV4CP_GIT_SHA=${DSV4CP_GIT_SHA:-}
 quiet() { grep -v -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:"; }
-day=results/2026-12-01-h200-emulated
+here=results/2026-12-01-h200-emulated
+day=${DSV4CP_EMULATE_DIR:-$here}  # where the outputs go (a later run writes beside its own results)
+mkdir -p "$day"
 # DSV4CP_EMULATE_LAYER replaces the layer flags (a CPU smoke run of this script uses a tiny layer)
 layer=${DSV4CP_EMULATE_LAYER:-"--preset flash --ratio 4 --tokens 65536 --packing one --dtype bf16 --kernel-backend auto"}
 common="$layer --backward --warmup 2 --reps 6 --memory-phases --progress off"
@@ -50,6 +52,6 @@ profile() {  # profile OUT_DIR FLAGS...: one profile, its command echoed, append
 } 2>&1 | tee "$day/profile.txt"
 runs=("equal=$day/equal" "balanced=$day/balanced")
 [ -d "$day/balanced-calibrated" ] && runs+=("balanced-calibrated=$day/balanced-calibrated")
-python3 "$day/summarize.py" "$day/cp1" "${runs[@]}" 2>&1 | tee "$day/summary.txt"
+python3 "$here/summarize.py" "$day/cp1" "${runs[@]}" 2>&1 | tee "$day/summary.txt"
 tar czf "$out/emulated.tar.gz" "$day"
 ls -la "$out"

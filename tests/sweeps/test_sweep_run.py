@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ import yaml
 
 from dsv4cp.cli.main import main
 from dsv4cp.cp.launch import spawn
+from dsv4cp.profiling.overlap import KERNEL_COLUMNS
 from dsv4cp.records import COLUMNS, read_meta, read_records
 from dsv4cp.sweeps import runner
 from dsv4cp.sweeps.measure import measure_point
@@ -216,6 +218,9 @@ def test_profile_out_writes_the_same_record_schema(tmp_path, capsys):
     meta = read_meta(out)
     assert meta["spec"]["command"] == "profile" and meta["spec"]["tokens"] == 64 and meta["spec"]["backward"] is True
     assert (tmp_path / "trace" / "overlap.csv").exists()
+    kernels = pd.read_csv(tmp_path / "trace" / "kernels.csv")  # which kernels (host ops on CPU) make each phase
+    assert list(kernels.columns) == list(KERNEL_COLUMNS) and (kernels["time_ms"] > 0).all()
+    assert {"dsv4cp.q_proj.fwd", "dsv4cp.sparse_attn.fwd"} <= set(kernels["phase"])
     assert "model (bound for machine " in capsys.readouterr().out
 
 
