@@ -12,19 +12,32 @@ Backends:
   against ALL keys, masked, then ``_select_top``);
 * ``triton``: :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` as the layer calls it (its
   default path: ``DSV4CP_TOPK_IMPL``, else the streaming kernel);
-* ``triton-chunked``: the same with ``impl="chunked"`` (fused head-sum score kernel per query chunk
-  whose epilogue writes int64 selection keys into the buffer, then one ``torch.topk`` over them:
-  ``select_top_packed``; ``DSV4CP_TOPK_KEYS=packed``, the default);
+* ``triton-chunked``: the same with ``impl="chunked"`` (fused head-sum score kernel per query chunk,
+  then the default selection of ``DSV4CP_TOPK_SELECT``: ``radix`` on CUDA, ``torch`` on the CPU);
+* ``triton-chunked-radix``: the chunked path with ``DSV4CP_TOPK_SELECT=radix`` (fp32 score buffers
+  planned at 4 bytes per score, selected by the Triton radix select of
+  :mod:`dsv4cp.kernels.select_top_triton`);
+* ``triton-chunked-torch``: the same with ``DSV4CP_TOPK_SELECT=torch`` (the kernel's epilogue writes
+  int64 selection keys into the buffer, then one ``torch.topk`` over them: ``select_top_packed``;
+  ``DSV4CP_TOPK_KEYS=packed``: the default before the radix select);
 * ``triton-chunked-scores``: the same with ``DSV4CP_TOPK_KEYS=scores`` (the kernel writes fp32 scores,
   ``_select_top`` builds the int64 keys in torch: the path before the packed epilogue);
 * ``triton-stream``: the same with ``impl="stream"``
   (:mod:`dsv4cp.kernels.indexer_topk_triton`: scoring and a running top-k in one pass, no buffer);
 * ``triton-score``: the Triton path's scoring alone (every chunk scored, nothing selected): the score
-  kernel's own throughput (fp32 scores); ``triton-score-packed``: the same writing packed int64 keys.
+  kernel's own throughput (fp32 scores); ``triton-score-packed``: the same writing packed int64 keys;
+  ``triton-score-radix``: fp32 scores in the radix path's chunks (4 bytes per score: fewer, taller
+  chunks), so ``triton-chunked-radix`` minus it is the radix selection's share.
 
 Also (GPU only) ``test_indexer_score_config``: the score kernel alone at T = 32K under each launch
 configuration of the ladder (pinned), to pick the default on the machine;
-``test_indexer_topk_stream_config``: the same for the streaming top-k's tiles; and
+``test_indexer_topk_stream_config``: the same for the streaming top-k's tiles;
+``test_indexer_select`` (GPU only, 32K and 64K): the selection ALONE over every chunk's buffer, scored
+once beforehand (``radix``: :func:`~dsv4cp.kernels.select_top_triton.select_top_triton` over the fp32
+chunks, also ``radix-static``: the static plan's chunks with their row limits, as the layer runs it;
+``torch``: ``select_top_packed`` over the int64 key chunks; TFLOP/s: the top-k's scoring FLOPs over the
+selection's time, an effective figure to set beside the others); ``test_indexer_select_config``: the
+radix selection alone at 64K under each launch of ``SELECT_SWEEP`` (pinned); and
 ``test_indexer_scores_fwd_bwd``: the differentiable scores at K = 512 given entries per query (the
 indexer loss's prediction), forward + backward, torch vs Triton: the default, the original backward
 (acq_rel atomics), the deterministic one and (GPU only) the backward pinned to each ladder tile (FLOPs
@@ -48,8 +61,11 @@ import torch
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.ops.indexer import indexer_topk
 
-BACKENDS = ["torch", "triton", "triton-chunked", "triton-chunked-scores", "triton-stream", "triton-score",
-            "triton-score-packed"]
+BACKENDS = ["torch", "triton", "triton-chunked", "triton-chunked-radix", "triton-chunked-torch",
+            "triton-chunked-scores", "triton-stream", "triton-score", "triton-score-packed", "triton-score-radix"]
+
+_SELECT = {"triton-chunked-radix": "radix", "triton-chunked-torch": "torch", "triton-chunked-scores": "torch"}
+"""``DSV4CP_TOPK_SELECT`` per backend (the others run the default)."""
 
 
 @dataclass(frozen=True)
@@ -130,25 +146,40 @@ def _runner(backend: str, shape: Shape, entry: dict):
     from dsv4cp.kernels import indexer_triton as it
 
     lo, hi = it.key_ranges(*vis_args)
-    # the fp32-score buffers are planned at more bytes per score than the packed keys (more chunks)
+    # bytes per score of each path's chunk plan: radix fp32 4, packed int64 keys 16, torch fp32 keys 24
+    radix = backend in ("triton-chunked-radix", "triton-score-radix") or (
+        backend in ("triton", "triton-chunked") and _default_select(q.device) == "radix")
     fp32 = backend in ("triton-chunked-scores", "triton-score")
-    per_score = it.TOPK_SCORES_BYTES_PER_SCORE if fp32 else it.TOPK_BYTES_PER_SCORE
+    per_score = (it.TOPK_RADIX_BYTES_PER_SCORE if radix else
+                 it.TOPK_SCORES_BYTES_PER_SCORE if fp32 else it.TOPK_BYTES_PER_SCORE)
     info = {"chunks": len(it.plan_chunks(lo, hi, it.TOPK_BUDGET_BYTES, bytes_per_score=per_score)),
             "budget_bytes": it.TOPK_BUDGET_BYTES, "budget_bytes_per_score": per_score}
-    if backend in ("triton", "triton-chunked", "triton-chunked-scores", "triton-stream"):
-        impl = {"triton": None, "triton-chunked": "chunked", "triton-chunked-scores": "chunked",
-                "triton-stream": "stream"}[backend]
+    if not backend.startswith("triton-score"):
+        impl = "stream" if backend == "triton-stream" else None if backend == "triton" else "chunked"
         if impl == "stream":
             info = {}  # one kernel pass: no chunks, no budget
         return (lambda: it.indexer_topk_triton(q, w, keys, *vis_args, shape.topk, impl=impl)), info
 
     def score_only():
         last = None
-        for _, _, _, scores in it.iter_score_chunks(q, w, keys, *vis_args, packed=not fp32):
+        for _, _, _, scores in it.iter_score_chunks(q, w, keys, *vis_args, packed=not (fp32 or radix),
+                                                    bytes_per_score=per_score):
             last = scores
         return last
 
     return score_only, info
+
+
+def _default_select(device: torch.device) -> str:
+    """The chunked top-k's selection when a backend sets none: ``DSV4CP_TOPK_SELECT``, else radix for
+    compiled kernels (the rule of ``indexer_topk_triton``)."""
+    import os
+
+    from dsv4cp.kernels import triton_interpreting
+    from dsv4cp.kernels.indexer_triton import TOPK_SELECT_ENV
+
+    interpreted = device.type != "cuda" or bool(triton_interpreting())
+    return os.environ.get(TOPK_SELECT_ENV) or ("torch" if interpreted else "radix")
 
 
 def _peak_extra_bytes(fn) -> int | None:
@@ -185,13 +216,18 @@ def _bytes(shape: Shape, entry: dict) -> float:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
 def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
-    from dsv4cp.kernels.indexer_triton import TOPK_KEYS_ENV
+    from dsv4cp.kernels.indexer_triton import TOPK_KEYS_ENV, TOPK_SELECT_ENV
 
-    # the chunked path's buffer: fp32 scores for the old path, else the default (packed keys)
+    # the chunked path's selection and (torch selection) buffer: fp32 scores for the old path, else the
+    # default (packed keys)
     if backend == "triton-chunked-scores":
         monkeypatch.setenv(TOPK_KEYS_ENV, "scores")
     else:
         monkeypatch.delenv(TOPK_KEYS_ENV, raising=False)
+    if backend in _SELECT:
+        monkeypatch.setenv(TOPK_SELECT_ENV, _SELECT[backend])
+    else:
+        monkeypatch.delenv(TOPK_SELECT_ENV, raising=False)
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
     fn, info = _runner(backend, shape, entry)
@@ -274,6 +310,78 @@ def test_indexer_topk_stream_config(benchmark, measure, cfg):
 
     _time_pinned_tile(benchmark, measure, cfg, "indexer.topk.stream.config.32k", "triton-stream", stream,
                       K=SHAPES["32k"].topk)
+
+
+SELECT_BACKENDS = ["radix", "radix-static", "torch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the selection alone is timed on CUDA")
+@pytest.mark.parametrize("backend", SELECT_BACKENDS)
+@pytest.mark.parametrize("shape_name", ["32k", "64k"])
+def test_indexer_select(benchmark, measure, shape_name, backend):
+    """The chunked top-k's selection alone: every chunk of the path's plan is scored once (kept, cloned),
+    then the timed call selects all of them (``radix``: fp32 chunks at 4 bytes per score, exact plan;
+    ``radix-static``: the static plan of ``key_row_limit = (0, 4)`` with each chunk's row limit;
+    ``torch``: int64 packed-key chunks at 16 bytes per score and ``select_top_packed``)."""
+    _time_selection(benchmark, measure, shape_name, backend, None, f"indexer.select.{shape_name}")
+
+
+def _time_selection(benchmark, measure, shape_name: str, backend: str, config, group: str) -> None:
+    """Score every chunk of ``backend``'s plan once, then time selecting all of them (``config``: the
+    radix select's pinned launch, or None)."""
+    from dsv4cp.kernels import indexer_triton as it
+    from dsv4cp.kernels.contracts import select_top_packed
+    from dsv4cp.kernels.select_top_triton import select_top_triton
+
+    shape = SHAPES[shape_name]
+    entry = _inputs(shape)
+    radix = backend != "torch"
+    limit = (0, 4) if backend == "radix-static" else None
+    per_score = it.TOPK_RADIX_BYTES_PER_SCORE if radix else it.TOPK_BYTES_PER_SCORE
+    chunks = [(s, col0, block.clone()) for s, _, col0, block in it.iter_score_chunks(
+        entry["q"], entry["w"], entry["keys"], *_vis_args(entry), packed=not radix, bytes_per_score=per_score,
+        key_row_limit=limit)]
+
+    def select():
+        last = None
+        for s, col0, block in chunks:
+            keep = min(shape.topk, block.shape[1])
+            if radix:
+                row_limit = None if limit is None else (limit[0] - col0, limit[1], s)
+                last = select_top_triton(block, keep, row_limit=row_limit, config=config)
+            else:
+                last = select_top_packed(block, keep)
+        return last
+
+    select()  # compile outside the timing
+    benchmark.group = group
+    buffer_bytes = sum(block.numel() * block.element_size() for _, _, block in chunks)
+    benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, G=shape.n_keys, K=shape.topk,
+                                chunks=len(chunks), buffer_bytes=buffer_bytes,
+                                visible_pairs=entry["visible_pairs"])
+    rounds, warmup = _rounds(shape)
+    measure(select, None, flops=2.0 * shape.heads * shape.dim * entry["visible_pairs"], bytes_moved=buffer_bytes,
+            rounds=rounds, warmup_rounds=warmup, device=entry["q"].device)
+    chunks.clear()  # gigabytes at 64K: free them before the next case
+
+
+SELECT_SWEEP = [(2048, 8, 8, 2), (1024, 8, 4, 2), (512, 8, 4, 1), (4096, 8, 8, 2), (2048, 8, 4, 2),
+                (2048, 10, 8, 2), (2048, 11, 8, 2)]
+"""Radix-select launches timed by ``test_indexer_select_config`` (``block_n, radix_bits, num_warps,
+num_stages``): the ladder (:data:`dsv4cp.kernels.select_top_triton.SELECT_CONFIGS`), wider steps and
+wider digits (3 passes instead of 4)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="config sweep needs CUDA")
+@pytest.mark.parametrize("cfg", SELECT_SWEEP, ids=lambda c: "x".join(map(str, c)))
+def test_indexer_select_config(benchmark, measure, cfg):
+    """The radix selection alone at T = 64K (the exact plan's fp32 chunks) under each pinned launch."""
+    from dsv4cp.kernels.select_top_triton import SelectConfig
+
+    _time_selection(benchmark, measure, "64k", "radix", SelectConfig(*cfg), "indexer.select.config.64k")
+    benchmark.extra_info.update(config=list(cfg))
 
 
 _SCORES_PARAMS = [pytest.param("tiny", id="tiny")] + [

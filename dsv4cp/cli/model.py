@@ -79,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--indexer-scan", choices=INDEXER_SCANS, default="visible",
                         help="entries the profiled indexer top-k scanned per query (--calibrate): visible (its "
                              "document's, the model's count), prefix (the batch's before it: the Triton kernel's "
-                             "static plan) or all (the batch's: the torch reference)")
+                             "and torch top-k's static plans) or all (the batch's: the torch top-k without a row "
+                             "limit)")
     parser.add_argument("--per-rank", action="store_true", help="print every (rank, phase, direction) record")
     parser.add_argument("--csv", default=None, help="write the records (or the extrapolation) to this CSV")
     parser.add_argument("--extrapolate", action="store_true",

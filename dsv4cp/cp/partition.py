@@ -142,8 +142,8 @@ indexer's scoring + top-k selection, sparse (window + compressed) attention, the
 INDEXER_SCANS: tuple[str, ...] = ("visible", "prefix", "all")
 """Which entries the indexer's top-k pays for per query: ``visible`` (the entries of its own document
 before it: the cost model's count), ``prefix`` (every entry of the batch before it, other documents'
-included: the Triton kernel's static chunk plan, whose columns start at key row 0) or ``all`` (every
-entry of the batch: the torch reference scores the whole gathered buffer and masks)."""
+included: the static chunk plans of the Triton and torch top-k under ``key_row_limit``, whose columns
+start at key row 0) or ``all`` (every entry of the batch: the torch top-k without ``key_row_limit``)."""
 
 
 class PhaseFactors(Protocol):

@@ -14,7 +14,7 @@ Public API:
 
 * :func:`indexer_topk_triton` (no grad): the ``k`` best visible key rows per query, same contract and
   tie rule as :func:`dsv4cp.ops.indexer.indexer_topk`. By default (``DSV4CP_TOPK_IMPL=chunked``) it
-  runs the path described below (score buffers + ``_select_top``); ``stream`` selects the one-pass
+  runs the path described below (score buffers + a selection); ``stream`` selects the one-pass
   streaming kernel of :mod:`dsv4cp.kernels.indexer_topk_triton` (no score buffer, but 3.2x slower on
   an H200: see :data:`TOPK_IMPL_ENV`).
 * :func:`indexer_score_matrix` (no grad): the masked fp32 scores of a block of key rows (``-inf``
@@ -71,14 +71,23 @@ narrows every query chunk to a key-row range holding every key its queries can s
 
 Top-k wrapper (:func:`indexer_topk_triton`): queries are processed in chunks; for each chunk the kernel
 fills a ``[rows, width]`` buffer (``width`` = the chunk's visible key-row range, never the full
-``[T, G]`` matrix) with int64 selection keys: its epilogue packs each score's order-preserving fp32 bits
-above ``2^32 - 1 - column`` (the torch tie rule, ties at the cut to the lowest key rows, in one
-comparison), so ``_select_top_packed`` is one ``torch.topk`` over the buffer and a decode, with no torch
-pass over the scores (``DSV4CP_TOPK_KEYS=scores``: fp32 scores, keys built by ``_select_top``; see
-:data:`TOPK_KEYS_ENV`). Chunks are planned (:func:`plan_chunks`) so ``rows * width * TOPK_BYTES_PER_SCORE``
-stays below a byte budget (default :data:`TOPK_BUDGET_BYTES` = 1 GiB): ``TOPK_BYTES_PER_SCORE = 16``
-counts the int64 key and ``torch.topk``'s outputs and workspace (the fp32 path:
-:data:`TOPK_SCORES_BYTES_PER_SCORE` = 24). A chunk's column range is widened to
+``[T, G]`` matrix), and a selection picks each row's best ``k``, by one of two selections
+(:data:`TOPK_SELECT_ENV`):
+
+* ``radix`` (the default on CUDA): the buffer holds fp32 scores and
+  :func:`dsv4cp.kernels.select_top_triton.select_top_triton` selects them in one Triton kernel (radix
+  select, one program per row, the output already in column order; with ``key_row_limit`` each row
+  reads only the columns its causal bound allows). Planned at :data:`TOPK_RADIX_BYTES_PER_SCORE` = 4
+  (the fp32 score; no temporaries).
+* ``torch`` (the default under the interpreter): the kernel's epilogue packs each score's
+  order-preserving fp32 bits above ``2^32 - 1 - column`` (the tie rule, ties at the cut to the lowest key
+  rows, in one comparison) into int64 keys, so ``_select_top_packed`` is one ``torch.topk`` over the
+  buffer and a decode (``DSV4CP_TOPK_KEYS=scores``: fp32 scores, keys built by ``_select_top``; see
+  :data:`TOPK_KEYS_ENV`). Planned at ``TOPK_BYTES_PER_SCORE = 16``: the int64 key and ``torch.topk``'s
+  outputs and workspace (the fp32 path: :data:`TOPK_SCORES_BYTES_PER_SCORE` = 24).
+
+Chunks are planned (:func:`plan_chunks`) so ``rows * width * bytes_per_score`` stays below a byte
+budget (default :data:`TOPK_BUDGET_BYTES` = 1 GiB). A chunk's column range is widened to
 a multiple of 16 key rows (aligned buffer rows, vector stores). Peak memory beyond inputs and outputs
 is therefore about the budget plus ``O(T)`` metadata (per-query ranges, the int32 visibility arrays,
 the fp32 transposed head weights ``[Hi, T]``).
@@ -126,6 +135,7 @@ from dsv4cp.kernels._triton_launch import (
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels.contracts import select_top as _select_top
 from dsv4cp.kernels.contracts import select_top_packed as _select_top_packed
+from dsv4cp.kernels.select_top_triton import select_top_triton
 
 __all__ = [
     "BWD_CONFIG_ENV",
@@ -136,7 +146,9 @@ __all__ = [
     "TOPK_BYTES_PER_SCORE",
     "TOPK_IMPL_ENV",
     "TOPK_KEYS_ENV",
+    "TOPK_RADIX_BYTES_PER_SCORE",
     "TOPK_SCORES_BYTES_PER_SCORE",
+    "TOPK_SELECT_ENV",
     "GatherBwdConfig",
     "GatherConfig",
     "IndexerConfig",
@@ -151,20 +163,27 @@ __all__ = [
 ]
 
 TOPK_BUDGET_BYTES = 2**30
-"""Default byte budget of one top-k chunk: the ``[rows, width]`` score buffer and ``_select_top``'s
-temporaries (``rows * width * TOPK_BYTES_PER_SCORE``)."""
+"""Default byte budget of one top-k chunk: the ``[rows, width]`` score buffer and the selection's
+temporaries (``rows * width * bytes_per_score``)."""
 
 TOPK_IMPL_ENV = "DSV4CP_TOPK_IMPL"
 """Selects :func:`indexer_topk_triton`'s path: ``chunked`` (default) or ``stream``. Measured on an H200
 (flash shapes, 64K tokens, ``results/2026-12-01-h200-speed``): chunked 73.9 ms, stream 236.9 ms (its
 per-tile sort-and-merge on the CUDA cores costs 12x the scoring), scoring alone 18.9 ms."""
 
+TOPK_SELECT_ENV = "DSV4CP_TOPK_SELECT"
+"""The chunked top-k's selection: ``radix`` (fp32 score buffers selected by the Triton radix select,
+:mod:`dsv4cp.kernels.select_top_triton`) or ``torch`` (``torch.topk`` over the buffer, as
+:data:`TOPK_KEYS_ENV` says). Default: ``radix`` on CUDA, ``torch`` under Triton's interpreter (where the
+radix kernel is slow); setting ``radix`` runs it under the interpreter too. Both select identically."""
+
 TOPK_KEYS_ENV = "DSV4CP_TOPK_KEYS"
-"""What the chunked top-k's score kernel writes: ``packed`` (default: the int64 selection key of each
-score, built in the kernel's epilogue; the selection is one ``torch.topk`` over the buffer) or
-``scores`` (the fp32 scores; ``_select_top`` then builds the keys in torch, several passes over the
-buffer). Kept to compare the two on the GPU (``bench/test_bench_indexer.py::test_indexer_topk``,
-``triton-chunked`` vs ``triton-chunked-scores``); both select identically."""
+"""On the ``torch`` selection (:data:`TOPK_SELECT_ENV`), what the chunked top-k's score kernel writes:
+``packed`` (default: the int64 selection key of each score, built in the kernel's epilogue; the
+selection is one ``torch.topk`` over the buffer) or ``scores`` (the fp32 scores; ``_select_top`` then
+builds the keys in torch, several passes over the buffer). Kept to compare the two on the GPU
+(``bench/test_bench_indexer.py::test_indexer_topk``, ``triton-chunked`` vs ``triton-chunked-scores``);
+both select identically."""
 
 TOPK_BYTES_PER_SCORE = 16
 """Bytes per ``[rows, width]`` element held while a chunk is selected on the default (``packed``) path:
@@ -175,6 +194,11 @@ layer, where chunks span thousands of key rows for ``k = 512``). The planners' d
 TOPK_SCORES_BYTES_PER_SCORE = 24
 """The same on the ``scores`` path (:data:`TOPK_KEYS_ENV`): 4 (fp32 score) + 8 (the int64 key that
 ``_select_top`` builds) + 8 (one int64 temporary while the key is built) + topk's workspace."""
+
+TOPK_RADIX_BYTES_PER_SCORE = 4
+"""The same on the ``radix`` selection (:data:`TOPK_SELECT_ENV`): the fp32 score alone (the radix
+kernel keeps its histograms on chip and writes only the ``[rows, k]`` result), so a chunk holds 4x the
+rows of the packed path's."""
 
 BWD_CONFIG_ENV = "DSV4CP_TRITON_GATHER_BWD_CONFIG"
 """Pins the ``indexer_scores`` backward's launch: ``"block_k,num_warps,num_stages,relaxed_atomics"``
@@ -837,8 +861,9 @@ def indexer_topk_triton(
         impl: ``"stream"`` (one pass, no score buffer:
             :func:`dsv4cp.kernels.indexer_topk_triton.indexer_topk_stream`; ``chunk`` and
             ``budget_bytes`` do not apply, ``config`` pins its tiles; ``k`` above its
-            ``MAX_STREAM_K`` runs chunked) or ``"chunked"`` (score buffers + ``_select_top``, described
-            above); default ``DSV4CP_TOPK_IMPL``, else ``"chunked"`` (the faster on an H200).
+            ``MAX_STREAM_K`` runs chunked) or ``"chunked"`` (score buffers + a selection,
+            :data:`TOPK_SELECT_ENV`, described above); default ``DSV4CP_TOPK_IMPL``, else ``"chunked"``
+            (the faster on an H200).
 
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are visible;
     the same contract and tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` with
@@ -853,16 +878,32 @@ def indexer_topk_triton(
         if k <= stream.MAX_STREAM_K:  # larger running lists do not fit on chip
             return stream.indexer_topk_stream(q, w, keys, query_doc, query_limit, key_doc, key_j, k,
                                               config=config, key_row_limit=key_row_limit)
-    packed = _topk_keys() == "packed"
+    radix = _topk_select(q.device) == "radix"
+    packed = _topk_keys() == "packed" and not radix  # both envs checked, whichever path runs
+    per_score = TOPK_RADIX_BYTES_PER_SCORE if radix else None  # None: by `packed`
     chunks = iter_score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk,
                                budget_bytes=budget_bytes, config=config, key_row_limit=key_row_limit,
-                               packed=packed)  # validates the inputs
+                               packed=packed, bytes_per_score=per_score)  # validates the inputs
     out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
     for s, e, col0, block in chunks:
         keep = min(k, block.shape[1])
-        chosen = _select_top_packed(block, keep) if packed else _select_top(block, keep)
+        if radix:
+            # chunk row r is query row s + r, column c key row col0 + c: the causal bound in columns
+            row_limit = None if key_row_limit is None else (key_row_limit[0] - col0, key_row_limit[1], s)
+            chosen = select_top_triton(block, keep, row_limit=row_limit)
+        else:
+            chosen = _select_top_packed(block, keep) if packed else _select_top(block, keep)
         out[s:e, :keep] = torch.where(chosen >= 0, chosen + col0, -1)
     return out
+
+
+def _topk_select(device: torch.device) -> str:
+    """The chunked path's selection, from ``DSV4CP_TOPK_SELECT`` (default: ``"radix"`` for compiled
+    kernels, ``"torch"`` under the interpreter); checked."""
+    chosen = os.environ.get(TOPK_SELECT_ENV) or ("torch" if _interpreted(device) else "radix")
+    if chosen not in ("radix", "torch"):
+        raise ValueError(f"{TOPK_SELECT_ENV}: must be 'radix' or 'torch', got {chosen!r}")
+    return chosen
 
 
 def _topk_keys() -> str:
@@ -906,13 +947,15 @@ def iter_score_chunks(
     config: IndexerConfig | None = None,
     key_row_limit: tuple[int, int] | None = None,
     packed: bool = False,
+    bytes_per_score: int | None = None,
 ) -> Iterator[tuple[int, int, int, torch.Tensor]]:
     """The scoring half of :func:`indexer_topk_triton`: yields ``(start, stop, col0, scores)`` per
     chunk of queries, ``scores [stop - start, width]`` fp32 holding the masked scores of query rows
     ``[start, stop)`` against key rows ``[col0, col0 + width)`` (``-inf`` where invisible); with
     ``packed``, int64 selection keys of those scores instead
     (:func:`dsv4cp.kernels.contracts.pack_selection_keys`, columns numbered from 0 at ``col0``), planned
-    at :data:`TOPK_BYTES_PER_SCORE` (fp32 scores: :data:`TOPK_SCORES_BYTES_PER_SCORE`). With the exact
+    at :data:`TOPK_BYTES_PER_SCORE` (fp32 scores: :data:`TOPK_SCORES_BYTES_PER_SCORE`; ``bytes_per_score``
+    overrides it, e.g. :data:`TOPK_RADIX_BYTES_PER_SCORE` for the radix selection). With the exact
     plan (no ``key_row_limit``) chunks whose queries see no key are skipped. ``scores`` is a view of ONE
     buffer reused by every chunk: consume it before advancing the iterator. Arguments as in
     :func:`indexer_topk_triton`."""
@@ -920,8 +963,12 @@ def iter_score_chunks(
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
     budget = _check_chunking(chunk, budget_bytes)
     _check_key_row_limit(key_row_limit)
+    if bytes_per_score is None:
+        bytes_per_score = TOPK_BYTES_PER_SCORE if packed else TOPK_SCORES_BYTES_PER_SCORE
+    elif isinstance(bytes_per_score, bool) or not isinstance(bytes_per_score, int) or bytes_per_score < 1:
+        raise ValueError(f"bytes_per_score: must be a positive int, got {bytes_per_score!r}")
     return _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, _pinned(config),
-                         key_row_limit, packed)
+                         key_row_limit, packed, bytes_per_score)
 
 
 def _aligned_columns(col0: int, width: int, g: int) -> tuple[int, int]:
@@ -932,13 +979,12 @@ def _aligned_columns(col0: int, width: int, g: int) -> tuple[int, int]:
 
 
 def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, pinned, key_row_limit,
-                  packed):
+                  packed, per_score):
     # Nothing here records autograd history (the kernels write raw buffers; key_ranges and _prepare run
     # under no_grad), so the generator leaves the caller's grad mode alone between chunks.
     t, g = q.shape[0], keys.shape[0]
     if t == 0 or g == 0:
         return
-    per_score = TOPK_BYTES_PER_SCORE if packed else TOPK_SCORES_BYTES_PER_SCORE
     if key_row_limit is not None:
         plan = plan_static_chunks(t, g, key_row_limit, budget, chunk, per_score)
     else:

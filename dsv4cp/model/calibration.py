@@ -21,11 +21,11 @@ inside ``indexer.loss``), while the selection's own scoring of every visible ent
 
 The indexer's selection does not cost what the model counts on every backend: the model charges each
 query its document's earlier entries (``visible``), the Triton top-k's static chunk plan scans every
-entry of the batch before the query (``prefix``: other documents' columns too), the torch reference
-scores the whole gathered buffer (``all``). ``indexer_scan`` names the work the indexer factor is
-fitted on and applied to (:data:`dsv4cp.cp.partition.INDEXER_SCANS`), priced per entry at the model's
-own per-visible-entry bound; on one long document ``visible`` and ``prefix`` coincide, so only a
-multi-document profile tells them apart.
+entry of the batch before the query (``prefix``: other documents' columns too; the torch top-k too, given
+``key_row_limit`` as the layer does), the torch top-k without it the whole gathered buffer (``all``).
+``indexer_scan`` names the work the indexer factor is fitted on and applied to
+(:data:`dsv4cp.cp.partition.INDEXER_SCANS`), priced per entry at the model's own per-visible-entry bound;
+on one long document ``visible`` and ``prefix`` coincide, so only a multi-document profile tells them apart.
 """
 
 from __future__ import annotations

@@ -21,9 +21,24 @@ from dsv4cp.profiling.nvtx import nvtx_range
 CHUNK_ELEMENTS = 32 * 2**20
 """Elements of one chunk's ``[chunk, Hi, keys]`` per-head score block."""
 
+PREFIX_ROWS = 256
+"""Most query rows of one torch top-k chunk under ``key_row_limit``: a chunk scores the key rows its
+last query may see, so short chunks make each row's cost follow its own causal prefix (at ratio 4 a
+chunk of 256 rows scores at most 64 columns a row does not need)."""
+
 
 def _chunk(per_query: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(per_query, 1))
+
+
+def _check_key_row_limit(key_row_limit: tuple[int, int] | None) -> None:
+    """The rule of the Triton planner's check: a tuple ``(base >= 0, ratio >= 1)`` of ints, or None."""
+    if key_row_limit is None:
+        return
+    ok = (isinstance(key_row_limit, tuple) and len(key_row_limit) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in key_row_limit))
+    if not ok or key_row_limit[0] < 0 or key_row_limit[1] < 1:
+        raise ValueError(f"key_row_limit: must be a tuple (base >= 0, ratio >= 1) of ints, got {key_row_limit!r}")
 
 
 @torch.no_grad()
@@ -42,11 +57,17 @@ def indexer_topk(
             query_limit[t]``. With it, CUDA inputs go to the fused Triton kernel.
         key_row_limit: ``(base, ratio)``: query row t sees no key row at or past ``base + t // ratio +
             1`` (``RankLayout.key_row_limit``); lets the Triton kernel plan its chunks without reading
-            the device (see :func:`dsv4cp.kernels.indexer_triton.plan_static_chunks`).
+            the device (see :func:`dsv4cp.kernels.indexer_triton.plan_static_chunks`). The torch path
+            then scores each chunk of at most :data:`PREFIX_ROWS` query rows ``[s, e)`` against key
+            rows ``[0, min(G, base + (e - 1) // ratio + 1))`` only, so its work follows the rows'
+            causal prefix like the Triton plan's; without it every chunk scores all ``G`` rows.
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are
         visible. Among equal scores at the cut the lower key rows win (keys must be in entry order,
         gaps allowed), so every CP layout selects the same entries.
+    Raises:
+        ValueError: ``key_row_limit`` is not None nor a tuple ``(base >= 0, ratio >= 1)`` of ints.
     """
+    _check_key_row_limit(key_row_limit)
     if visibility is not None and triton_serves(q):
         from dsv4cp.kernels.indexer_triton import indexer_topk_triton  # lazy: imports triton
 
@@ -58,14 +79,31 @@ def indexer_topk(
         return out
     work = torch.promote_types(q.dtype, torch.float32)
     keys_w = keys.to(work)
-    keep = min(k, g)
-    step = _chunk(hi * g)
-    for s in range(0, t, step):
-        rows = slice(s, min(s + step, t))
-        dots = torch.einsum("chd,gd->chg", q[rows].to(work), keys_w).relu_()
+    if key_row_limit is None:
+        max_rows = t
+
+        def width(stop: int) -> int:
+            return g
+    else:
+        base, ratio = key_row_limit
+        max_rows = PREFIX_ROWS
+
+        def width(stop: int) -> int:  # key rows [0, width) hold every key visible to the rows before stop
+            return min(g, base + (stop - 1) // ratio + 1)
+    s = 0
+    while s < t:
+        # bound the block by the widest the chunk can get (its longest candidate's width), then take
+        # the width its real end needs: chunks grow narrower in rows as the prefix widens
+        step = min(max_rows, _chunk(hi * width(min(s + max_rows, t))))
+        e = min(s + step, t)
+        cols = width(e)
+        rows = slice(s, e)
+        dots = torch.einsum("chd,gd->chg", q[rows].to(work), keys_w[:cols]).relu_()
         scores = torch.einsum("chg,ch->cg", dots, w[rows].to(work))
-        scores.masked_fill_(~visible(rows), float("-inf"))
+        scores.masked_fill_(~visible(rows)[:, :cols], float("-inf"))
+        keep = min(k, cols)
         out[rows, :keep] = select_top(scores, keep)
+        s = e
     return out
 
 

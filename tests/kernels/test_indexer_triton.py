@@ -34,6 +34,7 @@ from dsv4cp.kernels.indexer_triton import (
     GATHER_BWD_CONFIGS,
     TOPK_BYTES_PER_SCORE,
     TOPK_KEYS_ENV,
+    TOPK_SELECT_ENV,
     GatherBwdConfig,
     IndexerConfig,
     indexer_score_matrix,
@@ -235,6 +236,7 @@ def test_packed_and_scores_buffers_select_identically_with_ties(t, hi, di, entri
     case = make_case(seed, t, hi, di, entries, cp, integer=True)
     for k in (1, 4, 9, 40):
         ref = reference_topk(case, k)
+        monkeypatch.setenv(TOPK_SELECT_ENV, "torch")  # the keys choice applies to the torch selection only
         for mode in ("packed", "scores"):
             monkeypatch.setenv(TOPK_KEYS_ENV, mode)
             for chunk in (None, 5):
@@ -613,6 +615,7 @@ def test_gpu_packed_keys_select_what_the_fp32_scores_select(docs, seed, monkeypa
     """bf16 at full size: the kernel's packed-key epilogue and the fp32 buffer + ``select_top`` choose the
     same entries bitwise (the same products: only the epilogue and the chunking differ)."""
     case = gpu_case(seed, 8192, docs)
+    monkeypatch.setenv(TOPK_SELECT_ENV, "torch")  # the keys choice applies to the torch selection only
     got = {}
     for mode in ("packed", "scores"):
         monkeypatch.setenv(TOPK_KEYS_ENV, mode)

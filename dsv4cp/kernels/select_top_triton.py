@@ -1,0 +1,284 @@
+"""Radix-select top-k of fp32 score rows (Triton): the indexer's selection without ``torch.topk``.
+
+Contract: exactly :func:`dsv4cp.kernels.contracts.select_top` for fp32 ``scores [rows, columns]``: per
+row the ``keep`` best FINITE columns, ties at the cut going to the LOWEST columns (``-0.0`` ties
+``+0.0``), returned in increasing column order, ``-1`` past a row's finite count; ``-inf``, ``+inf`` and
+NaN are never chosen. The chunked top-k of :mod:`dsv4cp.kernels.indexer_triton` runs it on each chunk's
+fp32 score buffer (``DSV4CP_TOPK_SELECT=radix``, the default on CUDA).
+
+Kernel (``_select_kernel``), one program per row:
+
+1. Keys. Each score maps to an order-preserving unsigned 32-bit key: ``-0.0`` first becomes ``+0.0``;
+   then, on the fp32 bits, negative floats flip all bits and non-negative ones flip the sign bit. Finite
+   scores get keys in ``[0x00800000, 0xFF7FFFFF]``; non-finite ones get key 0, which no pass counts and
+   no store selects. Keys are recomputed from the scores on every pass (a few integer ops: cheaper than
+   storing them).
+2. Radix passes, digits of ``radix_bits`` bits from the top (default 8: 4 passes; the last digit takes
+   the bits left when the width does not divide 32). Each pass walks the row in ``BLOCK`` chunks and
+   histograms (``tl.histogram``, ``2^radix_bits`` bins) the digit of the keys whose higher bits equal
+   the prefix found so far (``tl.histogram``'s ``mask``, in Triton since 3.4: the other keys cost no
+   shared-memory atomic; compiled for sm_90a with Triton 3.6, one ``atom.shared.add`` per member
+   element). From the histogram, the largest digit ``d`` with at least ``rem`` keys at or above it
+   (``rem``: how many still to take from the prefix group; ``keep`` at first) extends the prefix, and
+   the keys above ``d`` are taken (``rem`` shrinks by their count). After the last pass the prefix is
+   the exact cut key ``c`` (the ``keep``-th largest key) and ``rem`` how many keys equal to ``c`` to
+   take. Early exits: a row with at most ``keep`` finite scores takes them all after pass 1, and a pass
+   whose chosen digit holds exactly ``rem`` keys takes that whole group (no further pass).
+3. Compaction, in column order: a last pass writes the columns whose key is above the cut, and the
+   FIRST ``rem`` columns whose key equals it (a running count of equal keys), compacted by a prefix sum
+   of the selected flags plus a running offset. The output is thus already in increasing column order
+   (no sort); the rest of the row is padded with ``-1``.
+
+``row_limit = (base, ratio, row0)`` (the causal bound of the indexer's static plan): row ``r`` holds no
+finite score at or past column ``base + (row0 + r) // ratio + 1``, so the kernel never reads those
+columns (an early causal row of a wide chunk scans only its own prefix).
+
+Cost argument (H200, flash shapes at 64K tokens: ``k = 512``, rows up to 16K columns, the causal
+average 8K). A 16K-column row is 64 KB of fp32; with 8-bit digits the kernel reads it at most 5 times
+(4 histogram passes + the compaction) and writes ``keep * 8 = 4 KB``. Summed over the 64K query rows a
+pass reads ~2 GiB (64K rows x 8K columns x 4 bytes). The first pass comes from HBM (the score kernel
+wrote the chunk, up to 1 GiB, far more than the 50 MB L2): ~0.5 ms at ~4 TB/s. The later passes re-read
+a row the same program just read: the rows in flight (132 SMs x 4 resident programs, register-bound at
+64 registers x 256 threads, x 32 KB for the causal average row, 64 KB at most) are 17-34 MB, inside L2,
+so each costs ~0.2-0.3 ms at L2 bandwidth: ~1.5-2 ms for the selection in all if memory-bound, against
+~19 ms for ``torch.topk`` over packed int64 keys (twice the bytes, ~80 radix digit-count launches). Per
+element and pass the kernel spends ~15 integer ops and one shared-memory atomic. The risk is that
+atomic: lanes of a warp adding to the same bin serialise, and in pass 1 the top 8 bits (sign and 7
+exponent bits) of one row's scores fall into a handful of bins. Wider digits (11-12 bits: the sign, the
+exponent and 2-3 mantissa bits) spread pass 1 and need 3 passes instead of 4, but re-initialise and
+read back a 2048-4096-bin histogram every step and hold it in registers (Triton 3.6, sm_90a, 8 warps:
+10 bits 128 registers, 11 bits 182; 12 bits at 16 warps spills 5 KB per thread), so 8 bits stays the
+default on paper; ``bench/test_bench_indexer.py::test_indexer_select_config`` measures them. The torch
+path's 8-byte key buffer and ``torch.topk``'s temporaries are gone: the chunk planner counts 4 bytes per
+score (:data:`dsv4cp.kernels.indexer_triton.TOPK_RADIX_BYTES_PER_SCORE`), so chunks hold 4x the rows.
+
+Launch: :class:`SelectConfig` (``block_n`` columns per step, digit width, warps, pipeline stages);
+keyword ``config`` or ``DSV4CP_TRITON_SELECT_CONFIG="block_n,radix_bits,num_warps,num_stages"`` pins
+it, else the ladder (:func:`select_config_ladder`). CPU tensors run on Triton's interpreter (tiny sizes only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4cp.kernels._triton_launch import Kernels, check_tiles, parse_env
+from dsv4cp.kernels._triton_launch import interpreted as _interpreted
+
+__all__ = ["MAX_RADIX_BITS", "SELECT_CONFIGS", "SELECT_CONFIG_ENV", "SelectConfig", "select_config_ladder",
+           "select_top_triton"]
+
+SELECT_CONFIG_ENV = "DSV4CP_TRITON_SELECT_CONFIG"
+"""Pins the radix select's launch: ``"block_n,radix_bits,num_warps,num_stages"`` (:class:`SelectConfig`)."""
+
+MAX_RADIX_BITS = 12
+"""Widest digit: a ``2^12``-bin histogram (16 KB of shared memory; held in registers too, so it spills:
+see the cost argument above)."""
+
+SELECT_CONFIGS = [(2048, 8, 8, 2), (1024, 8, 4, 2), (512, 8, 4, 1)]
+"""Compiled ladder (``block_n, radix_bits, num_warps, num_stages``), first = default; any of them fits
+(compiled for sm_90a with Triton 3.6, no spills: 64 / 64 / 48 registers, 2 / 1 / 1 KB shared memory).
+``bench/test_bench_indexer.py::test_indexer_select_config`` times these and wider digits on the H200."""
+
+_MAX_COLUMNS = 2**31 - 1
+"""Columns are numbered in int32 inside the kernel."""
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """Radix-select launch: columns per step (a power of two >= 16), digit width in bits (1 to
+    :data:`MAX_RADIX_BITS`: ``ceil(32 / radix_bits)`` histogram passes of ``2^radix_bits`` bins; the last
+    digit takes the bits left), warps, pipeline stages."""
+
+    block_n: int
+    radix_bits: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _radix_keys(x):
+    """Order-preserving unsigned keys (int64 in ``[0, 2^32)``) of fp32 ``x``: ``-0.0`` as ``+0.0``;
+    non-finite scores get 0, below every finite key (``>= 0x00800000``)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 -> +0.0 (x + 0.0 may be folded)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order: negatives flip their magnitude
+    key = ordered.to(tl.int64) + 2147483648  # + 2^31: the same order on [0, 2^32), unsigned
+    return tl.where(tl.abs(x) < float("inf"), key, 0)  # false for +-inf and NaN
+
+
+def _select_kernel(
+    SCORES, OUT,
+    COLUMNS, KEEP, stride_s, stride_o, LIMIT_BASE, LIMIT_RATIO, ROW0,
+    HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr,
+):
+    """Top-``KEEP`` columns of row ``r = program id``.
+
+    SCORES ``[rows, COLUMNS]`` fp32 (rows ``stride_s`` apart, columns contiguous), OUT ``[rows, KEEP]``
+    int64 (rows ``stride_o`` apart; ``1 <= KEEP <= COLUMNS``). Digits of BITS bits (``BINS = 2^BITS``),
+    from the top; the last one takes the bits left. HAS_LIMIT: only columns below
+    ``LIMIT_BASE + (ROW0 + r) // LIMIT_RATIO + 1`` (clamped to ``[0, COLUMNS]``) are read.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    src = SCORES + row * stride_s
+    dst = OUT + row * stride_o
+    if HAS_LIMIT:
+        n = tl.minimum(tl.maximum(LIMIT_BASE + (ROW0 + row) // LIMIT_RATIO + 1, 0), COLUMNS).to(tl.int32)
+    else:
+        n = COLUMNS
+    lanes = tl.arange(0, BLOCK)
+    bins = tl.arange(0, BINS)
+
+    # Radix passes. prefix: the cut's digits found so far (in place, lower bits 0); rem: keys still to
+    # take from the group sharing them. Leaving the loop: take keys >= lo, and the first `need` == cut.
+    # Every loop-carried value is a typed 0-d tensor (a literal or an int argument equal to 1 would be a
+    # constexpr, whose type a loop may not change).
+    prefix = tl.zeros([], tl.int64)
+    rem = tl.zeros([], tl.int32) + KEEP
+    top = tl.zeros([], tl.int32) + 32  # this pass's digit: key bits [shift, top)
+    lo = tl.zeros([], tl.int64) + 1
+    cut = tl.zeros([], tl.int64) - 1
+    need = tl.zeros([], tl.int32)
+    searching = tl.zeros([], tl.int32) == 0
+    while searching:
+        shift = tl.maximum(top - BITS, 0)
+        digit_mask = (tl.full([], 1, tl.int64) << (top - shift)) - 1
+        group_mask = 4294967296 - (tl.full([], 1, tl.int64) << top)  # the bits above this pass's digit
+        hist = tl.zeros([BINS], tl.int32)
+        for c0 in range(0, n, BLOCK):
+            cols = c0 + lanes
+            key = _radix_keys(tl.load(src + cols, mask=cols < n, other=float("-inf")))
+            member = (key != 0) & ((key & group_mask) == prefix)
+            hist += tl.histogram(((key >> shift) & digit_mask).to(tl.int32), BINS, mask=member)
+        total = tl.sum(hist)
+        at_or_above = total - tl.cumsum(hist, 0) + hist  # keys of the group with a digit >= bin
+        d = tl.max(tl.where(at_or_above >= rem, bins, -1))  # >= 0 unless total <= rem
+        above = tl.sum(tl.where(bins > d, hist, 0))
+        in_d = tl.sum(tl.where(bins == d, hist, 0))
+        # pass 1 only (a later group always holds more than rem keys): every finite key is taken
+        take_all = total <= rem
+        prefix = prefix | (tl.maximum(d, 0).to(tl.int64) << shift)
+        rem = rem - above
+        group_done = (in_d == rem) & ~take_all  # the whole group at digit d is taken: no tie to resolve
+        exact = (shift == 0) & ~take_all & ~group_done  # the cut key: the first rem keys equal to it
+        lo = tl.where(take_all, 1, tl.where(group_done, prefix, tl.where(exact, prefix + 1, lo)))
+        cut = tl.where(exact, prefix, cut)
+        need = tl.where(exact, rem, need)
+        searching = ~(take_all | group_done | exact)
+        top = shift
+
+    # Compaction in column order: the selected columns, then -1 padding.
+    written = tl.zeros([], tl.int32)
+    tied = tl.zeros([], tl.int32)
+    for c0 in range(0, n, BLOCK):
+        cols = c0 + lanes
+        key = _radix_keys(tl.load(src + cols, mask=cols < n, other=float("-inf")))
+        tie = (key == cut).to(tl.int32)
+        tie_rank = tied + tl.cumsum(tie, 0) - tie  # equal keys in earlier columns
+        chosen = (key != 0) & ((key >= lo) | ((tie != 0) & (tie_rank < need)))
+        flags = chosen.to(tl.int32)
+        slot = written + tl.cumsum(flags, 0) - 1
+        tl.store(dst + slot, cols.to(tl.int64), mask=chosen)
+        written += tl.sum(flags)
+        tied += tl.sum(tie)
+    for j0 in range(0, KEEP, BLOCK):
+        slot = j0 + lanes
+        tl.store(dst + slot, tl.full([BLOCK], -1, tl.int64), mask=(slot >= written) & (slot < KEEP))
+
+
+_KERNELS = Kernels("select top triton", _select_kernel)
+
+
+def select_config_ladder(interpreted: bool) -> list[SelectConfig]:
+    """Launch configurations tried in order (the first that compiles is kept). Per program: one
+    ``[BLOCK]`` fp32 tile and its int64 keys in registers, a ``2^radix_bits``-bin histogram; any of these fits."""
+    if interpreted:  # numpy runs the steps: small ones keep the CPU tests fast and still multi-step
+        return [SelectConfig(32, 8, 4, 1)]
+    return [SelectConfig(*c) for c in SELECT_CONFIGS]
+
+
+def _pinned(config: SelectConfig | None) -> SelectConfig | None:
+    """``config``, else the one in :data:`SELECT_CONFIG_ENV`, else None (the ladder); checked."""
+    source = "config" if config is not None else SELECT_CONFIG_ENV
+    config = config if config is not None else parse_env(SELECT_CONFIG_ENV, SelectConfig)
+    if config is None:
+        return None
+    if not isinstance(config, SelectConfig):
+        raise ValueError(f"config: must be a SelectConfig, got {type(config).__name__}")
+    check_tiles(config, prefix=f"{source}.")
+    if not 1 <= config.radix_bits <= MAX_RADIX_BITS:
+        raise ValueError(f"{source}.radix_bits: must be in [1, {MAX_RADIX_BITS}], got {config.radix_bits}")
+    if config.num_warps < 1 or config.num_stages < 1:
+        raise ValueError(f"{source}: num_warps and num_stages must be >= 1, got {config}")
+    return config
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_inputs(scores, keep, row_limit) -> None:
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"scores: must be a [rows, columns] tensor, got {shape}")
+    if scores.dtype != torch.float32:
+        raise ValueError(f"scores: dtype must be fp32, got {scores.dtype}")
+    rows, columns = scores.shape
+    if columns > _MAX_COLUMNS:
+        raise ValueError(f"scores: at most {_MAX_COLUMNS} columns, got {columns}")
+    if columns > 1 and rows > 0 and scores.stride(1) != 1:
+        raise ValueError(f"scores: columns must be contiguous (stride 1), got strides {scores.stride()}")
+    if scores.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"scores: device must be cuda (or cpu under the Triton interpreter), got {scores.device}")
+    if not _is_int(keep) or not 0 <= keep <= columns:
+        raise ValueError(f"keep: must be an int in [0, {columns}] (the columns), got {keep!r}")
+    if row_limit is not None:
+        ok = isinstance(row_limit, tuple) and len(row_limit) == 3 and all(_is_int(v) for v in row_limit)
+        if not ok or row_limit[1] < 1 or row_limit[2] < 0:
+            raise ValueError(f"row_limit: must be a tuple (base, ratio >= 1, row0 >= 0) of ints, got {row_limit!r}")
+
+
+@torch.no_grad()
+def select_top_triton(
+    scores: torch.Tensor,
+    keep: int,
+    *,
+    row_limit: tuple[int, int, int] | None = None,
+    config: SelectConfig | None = None,
+) -> torch.Tensor:
+    """The ``keep`` best finite columns of each row of ``scores``, by radix select (one program per row).
+
+    Args:
+        scores: ``[rows, columns]`` fp32, columns contiguous (rows may be any stride apart: a view of a
+            reused buffer), on CUDA (or CPU under Triton's interpreter).
+        keep: columns to keep per row, ``0 <= keep <= columns``.
+        row_limit: ``(base, ratio, row0)``: the caller guarantees that row ``r`` holds no finite score at
+            or past column ``base + (row0 + r) // ratio + 1`` (clamped to ``[0, columns]``); those
+            columns are then never read. None: every column is read.
+        config: pin the launch (default: :data:`SELECT_CONFIG_ENV`, else :func:`select_config_ladder`).
+
+    Returns: ``[rows, keep]`` int64 columns in increasing order, ``-1`` past a row's finite count: the
+    contract of :func:`dsv4cp.kernels.contracts.select_top` (ties at the cut to the lowest columns,
+    ``-0.0`` ties ``+0.0``, non-finite scores never chosen).
+    """
+    _check_inputs(scores, keep, row_limit)
+    pinned = _pinned(config)
+    rows, columns = scores.shape
+    out = torch.empty(rows, keep, dtype=torch.int64, device=scores.device)
+    if rows == 0 or keep == 0:
+        return out
+    base, ratio, row0 = row_limit if row_limit is not None else (0, 1, 0)
+    dev = scores.device
+    kernel = _KERNELS.build("_select_kernel", dev)
+
+    def launch(cfg: SelectConfig) -> None:
+        kernel[(rows,)](
+            scores, out, columns, keep, scores.stride(0), out.stride(0), base, ratio, row0,
+            HAS_LIMIT=row_limit is not None, BLOCK=cfg.block_n, BITS=cfg.radix_bits, BINS=1 << cfg.radix_bits,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _KERNELS.launch("select", (dev.type,), select_config_ladder(_interpreted(dev)), pinned, launch)
+    return out
