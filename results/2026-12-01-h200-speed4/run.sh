@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 11/12 on ONE H200 after the glue fixes of the fourth speed pass: the indexer queries' RoPE fused
+# (was torch cat/stack), the output projection's grouped map without copies (`dsv4cp.ops.grouped_linear`),
+# the radix-select top-k (`dsv4cp.kernels.select_top_triton`, default `DSV4CP_TOPK_SELECT=radix`).
+# Device calls made back to back (the machine stays warm 30 s), wheels as in ../2026-12-01-h200-speed2:
+#   call 1, carrying .whl  : mkdir -p $HOME/wheels && cp .whl/* $HOME/wheels/
+#   call 2, carrying .whl3 : mkdir -p $HOME/wheels && cp .whl3/* $HOME/wheels/
+#   call 3, carrying .whl2 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-speed4/run.sh kernels $OUT
+#   call 4                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-speed4/run.sh layer $OUT
+#   call 5                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-speed4/run.sh emulate $OUT
+# kernels: GPU tests of the changed paths, the top-k benchmark (torch selection vs radix, select tiles).
+# layer: the flash C layer profiled with `auto` (FlashMLA + cuDNN) and with Triton only (traces,
+#    per-phase memory, kernels per phase).
+# emulate: CP = 2 rank emulation (equal / balanced / calibrated) with a calibration refit from the
+#    `auto` trace of `layer`.
+# Outputs under this folder, packed into $OUT/<part>.tar.gz after every step; unpack from the repository
+# root. Pass DSV4CP_GIT_SHA from your checkout: the device's copy has a stale .git.
+set -uo pipefail
+part=$1; out=${2:-.}
+day=results/2026-12-01-h200-speed4
+wheels=$HOME/wheels
+if [ ! -d /tmp/site/cudnn ]; then  # install once per warm machine: join the split wheel, then install all
+  mkdir -p "$wheels"; [ -d .whl2 ] && cp .whl2/* "$wheels"/
+  (cd "$wheels" && for first in *.part.aa; do [ -e "$first" ] || continue; base=${first%.part.aa}
+     [ -e "$base.part.ab" ] && cat "$base".part.* > "$base" && rm -f "$base".part.*; done
+   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ./*.whl)
+fi
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export DSV4CP_GIT_SHA=${DSV4CP_GIT_SHA:-}
+quiet() { grep -v -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:"; }
+save() { tar czf "$out/$part.tar.gz" "$day"; }
+table() {  # table JSON: name, median ms, TFLOP/s per benchmark
+  python3 -c "import json,sys
+for b in json.load(open(sys.argv[1]))['benchmarks']:
+    e = b['extra_info']; print(f\"{b['name']:60s} {e['median_ms']:9.2f} ms {e.get('tflops', float('nan')):7.1f} TFLOP/s\")" "$1"
+}
+mkdir -p "$day"
+topk_k="test_indexer_select or (test_indexer_topk and not config and 64k and (chunked-radix or chunked-torch or score-radix))"
+common="--preset flash --ratio 4 --tokens 65536 --packing one --backward --dtype bf16 --warmup 2 --reps 6 --progress off"
+case $part in
+  kernels)
+    python3 -m dsv4cp.cli.main env --device cuda > "$day/env.txt" 2>&1
+    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/kernels/test_select_top_triton.py \
+      tests/kernels/test_indexer_triton.py tests/kernels/test_indexer_static_plan.py tests/kernels/test_select_top.py \
+      tests/kernels/test_norm_rope_triton.py tests/kernels/test_layer_backends.py 2>&1 | quiet | tail -15 > "$day/gpu_tests.txt"
+    tail -2 "$day/gpu_tests.txt"; save
+    { echo "\$ pytest bench/test_bench_indexer.py -m gpu -k '$topk_k'"
+      timeout 120 python3 -m pytest bench/test_bench_indexer.py -m gpu -q -p no:cacheprovider -k "$topk_k" \
+        --benchmark-json="$day/indexer_topk.json" 2>&1 | tail -3
+      table "$day/indexer_topk.json"
+    } 2>&1 | quiet | tee "$day/indexer_topk.txt"; save ;;
+  layer)
+    for kb in auto triton; do
+      { echo "\$ python3 -m dsv4cp.cli.main profile $common --kernel-backend $kb --memory-phases --out $day/profile-$kb --trace-dir $day/trace-$kb --trace-steps 1"
+        timeout 150 python3 -m dsv4cp.cli.main profile $common --kernel-backend $kb --memory-phases --out "$day/profile-$kb" \
+          --trace-dir "$day/trace-$kb" --trace-steps 1 2>&1 | quiet
+      } 2>&1 | tee "$day/profile-$kb.txt"
+      gzip -f "$day"/trace-$kb/*.json 2>/dev/null; save
+    done ;;
+  emulate)
+    DSV4CP_EMULATE_DIR=$day/emulated DSV4CP_CALIBRATE_FROM=$day/trace-auto timeout 560 \
+      bash results/2026-12-01-h200-emulated/run.sh "$out" > "$day/emulated.log" 2>&1
+    tail -8 "$day/emulated.log"; save ;;
+esac
+ls -la "$out"
