@@ -366,11 +366,14 @@ def _time_selection(benchmark, measure, shape_name: str, backend: str, config, g
     chunks.clear()  # gigabytes at 64K: free them before the next case
 
 
-SELECT_SWEEP = [(2048, 8, 8, 2), (1024, 8, 4, 2), (512, 8, 4, 1), (4096, 8, 8, 2), (2048, 8, 4, 2),
-                (2048, 10, 8, 2), (2048, 11, 8, 2)]
+SELECT_SWEEP = [(2048, 8, 8, 2), (2048, 8, 4, 2), (1024, 8, 4, 2), (2048, 10, 8, 2),
+                (2048, 6, 4, 2), (2048, 5, 4, 2), (2048, 4, 4, 2), (2048, 3, 4, 2), (1024, 4, 4, 2),
+                (4096, 4, 8, 2), (2048, 4, 8, 2), (1024, 4, 2, 2)]
 """Radix-select launches timed by ``test_indexer_select_config`` (``block_n, radix_bits, num_warps,
-num_stages``): the ladder (:data:`dsv4cp.kernels.select_top_triton.SELECT_CONFIGS`), wider steps and
-wider digits (3 passes instead of 4)."""
+num_stages``): the ladder (:data:`dsv4cp.kernels.select_top_triton.SELECT_CONFIGS`), other steps and
+warps, and other digit widths: a first H200 run (results/2026-12-01-h200-speed4) timed the selection at
+~(passes x bins) (8 bits 14.3 ms, 10 bits 35.1, 11 bits 80.3 at 64K), so narrower digits (more passes
+over an L2-resident row, far fewer bins) are swept too."""
 
 
 @pytest.mark.gpu

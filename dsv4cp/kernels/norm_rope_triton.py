@@ -13,6 +13,9 @@ pairs ``(D-P+2i, D-P+2i+1)``, angle ``positions[r] * freqs[i]``, exactly as
   ``dx = rstd * (g - y * mean(g * y))`` with y recomputed from x and rstd, in fp32; dx in x's dtype.
 * :func:`rope_tail`: the first ``D - P`` dims copied, the tail rotated by ``+-pos * freq``; backward
   rotates the gradient's tail by the opposite angle. Autograd saves the positions and frequencies only.
+* :func:`rotate_tail_`: the tail rotated IN PLACE (not differentiable), reading and writing only the last
+  ``P`` dims: for a buffer its caller owns, e.g. the output projection's input gradient
+  (:func:`dsv4cp.ops.grouped_linear.head_group_projection`).
 
 Why: the torch composition upcasts the whole ``[L, H, D]`` tensor to fp32 (and autograd keeps several
 fp32 copies) and rebuilds it with ``torch.cat`` to rotate 64 of its 512 dims. At the flash shape
@@ -66,7 +69,7 @@ from torch.autograd.function import once_differentiable
 
 from dsv4cp.kernels import HAS_TRITON
 
-__all__ = ["SUPPORTED_DTYPES", "head_norm_rope", "rope_table", "rope_tail", "use_fused"]
+__all__ = ["SUPPORTED_DTYPES", "head_norm_rope", "rope_table", "rope_tail", "rotate_tail_", "use_fused"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CONFIG_ENV = "DSV4CP_TRITON_NORM_ROPE_CONFIG"
@@ -82,15 +85,16 @@ _KERNELS = None
 
 def _rope_fwd_kernel(
     X, COS, SIN, OUT, RSTD,  # pointers
-    H, stride_xr, stride_xh, eps,
+    H, stride_xr, stride_xh, stride_or, stride_oh, eps,
     D: tl.constexpr, HALF_NOPE: tl.constexpr, HALF_P: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr,
 ):
     """One (row r, head block): OUT[r, h] = rotate(norm(X[r, h])) for the block's heads.
 
     X ``[rows, H, D]`` (last dim contiguous), COS / SIN ``[rows, HALF_P]`` fp32, OUT ``[rows, H, D]``
-    contiguous, RSTD ``[rows, H]`` fp32 (written iff NORM). Pair j = dims (2j, 2j+1) of the tile is rotated
-    by table entry ``j - HALF_NOPE`` when that is in ``[0, HALF_P)``, by minus the angle if INVERSE."""
+    (last dim contiguous; OUT may be X: each program loads its tile before storing it), RSTD ``[rows, H]``
+    fp32 (written iff NORM). Pair j = dims (2j, 2j+1) of the tile is rotated by table entry
+    ``j - HALF_NOPE`` when that is in ``[0, HALF_P)``, by minus the angle if INVERSE."""
     r = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -113,7 +117,7 @@ def _rope_fwd_kernel(
     rot_even = tl.where(tail[None, :], even * c - odd * s, even)  # where: the first D-P dims pass exactly
     rot_odd = tl.where(tail[None, :], even * s + odd * c, odd)
     y = tl.reshape(tl.join(rot_even, rot_odd), (BLOCK_H, BLOCK_D))
-    tl.store(OUT + r * H * D + heads[:, None] * D + d[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + r * stride_or + heads[:, None] * stride_oh + d[None, :], y.to(OUT.dtype.element_ty), mask=mask)
 
 
 def _norm_rope_bwd_kernel(
@@ -245,11 +249,13 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(2) == 1 or t.shape[2] == 1 else t.contiguous()
 
 
-def _rope_fwd(x, cos, sin, *, norm: bool, inverse: bool, eps: float = 0.0):
-    """``(out, rstd or None)``: the forward kernel (also rope_tail's backward, with inverse flipped)."""
+def _rope_fwd(x, cos, sin, *, norm: bool, inverse: bool, eps: float = 0.0, out: torch.Tensor | None = None):
+    """``(out, rstd or None)``: the forward kernel (also rope_tail's backward, with inverse flipped).
+    ``out``: where to write (x itself rotates in place; last dim contiguous); default a new tensor."""
     x = _last_contiguous(x)
     rows, h, d = x.shape
-    out = torch.empty(rows, h, d, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(rows, h, d, dtype=x.dtype, device=x.device)
     rstd = torch.empty(rows, h, dtype=torch.float32, device=x.device) if norm else None
     if out.numel() == 0:
         return out, rstd
@@ -258,7 +264,7 @@ def _rope_fwd(x, cos, sin, *, norm: bool, inverse: bool, eps: float = 0.0):
     kernel = _kernels().build("_rope_fwd_kernel", x.device)
     kernel[(rows, -(-h // block_h))](
         x, cos, sin, out, rstd if norm else cos,  # dummy RSTD pointer when not normalising
-        h, x.stride(0), x.stride(1), float(eps),
+        h, x.stride(0), x.stride(1), out.stride(0), out.stride(1), float(eps),
         D=d, HALF_NOPE=(d - 2 * half_p) // 2, HALF_P=half_p, BLOCK_D=block_d, BLOCK_H=block_h,
         NORM=norm, INVERSE=inverse, num_warps=num_warps,
     )
@@ -352,3 +358,20 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inv
     Args and result as :func:`head_norm_rope` (without eps)."""
     _check(x, positions, freqs)
     return _RopeTail.apply(x, positions, freqs.detach(), bool(inverse))
+
+
+def rotate_tail_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """In place, not differentiable: rotate the last ``P`` dims of ``x [rows, H, D]`` by ``+positions *
+    freqs`` (``-`` when ``inverse``), as :func:`rope_tail` does, reading and writing only those dims (the
+    first ``D - P`` are not touched: ``P / D`` of the traffic of a rotating copy). Returns ``x``.
+
+    ``x``: bf16 / fp16 / fp32 with its last dim contiguous (e.g. a gradient buffer its caller owns)."""
+    _check(x, positions, freqs)
+    if x.stride(2) != 1 and x.shape[2] > 1:
+        raise ValueError(f"x: the last dim must be contiguous to rotate in place, got strides {x.stride()}")
+    if x.numel() == 0:
+        return x
+    cos, sin = rope_table(positions, freqs)
+    tail = x[..., x.shape[2] - 2 * freqs.numel():]
+    _rope_fwd(tail, cos, sin, norm=False, inverse=inverse, out=tail)
+    return x

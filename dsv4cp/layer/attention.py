@@ -19,7 +19,7 @@ from dsv4cp.layer.indexer_loss import indexer_loss
 from dsv4cp.layer.norm import RMSNorm
 from dsv4cp.layer.precision import PrecisionPinned
 from dsv4cp.layer.rope import rope_frequencies
-from dsv4cp.ops.grouped_linear import grouped_linear
+from dsv4cp.ops.grouped_linear import head_group_projection
 from dsv4cp.ops.indexer import indexer_topk
 from dsv4cp.ops.norm_rope import head_norm_rope, rope_tail
 from dsv4cp.ops.sparse_attention import check_backend_name, resolve_backend, sparse_attention
@@ -208,11 +208,8 @@ class DSv4Attention(PrecisionPinned):
     def _project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo the query rotation on each head's output, then the grouped low-rank projection."""
         cfg = self.cfg
-        out = rope_tail(out, positions, self.rope_freqs, inverse=True)
-        # the heads of a group are consecutive
-        groups = out.reshape(out.shape[0], cfg.o_groups, cfg.n_heads // cfg.o_groups * cfg.head_dim)
-        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        latent = grouped_linear(groups, wo_a).flatten(1)
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)  # the heads of a group are consecutive
+        latent = head_group_projection(out, wo_a, positions, self.rope_freqs).flatten(1)
         return self.wo_b(latent)
 
     def _check_inputs(

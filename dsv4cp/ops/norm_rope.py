@@ -2,7 +2,8 @@
 
 * :func:`rms_norm`, :func:`apply_rope`: the torch references (any device, any float dtype).
 * :func:`head_norm_rope`: ``apply_rope(rms_norm(x, eps), positions, freqs)`` on the attention queries;
-* :func:`rope_tail`: ``apply_rope(x, positions, freqs, inverse)`` on the attention outputs.
+* :func:`rope_tail`: ``apply_rope(x, positions, freqs, inverse)`` on the attention outputs;
+* :func:`rotate_tail_`: the same rotation in place, not differentiable (on a buffer the caller owns).
 
 The last two run the fused Triton kernels of :mod:`dsv4cp.kernels.norm_rope_triton` where they serve
 the input (:func:`use_fused`: CUDA, bf16 / fp16 / fp32, D a multiple of 16) and the references otherwise.
@@ -15,7 +16,7 @@ import torch
 from dsv4cp.kernels import norm_rope_triton
 from dsv4cp.kernels.norm_rope_triton import use_fused
 
-__all__ = ["apply_rope", "head_norm_rope", "rms_norm", "rope_tail", "use_fused"]
+__all__ = ["apply_rope", "head_norm_rope", "rms_norm", "rope_tail", "rotate_tail_", "use_fused"]
 
 
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,3 +65,13 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inv
     if use_fused(x, freqs):
         return norm_rope_triton.rope_tail(x, positions, freqs, inverse=inverse)
     return apply_rope(x, positions, freqs, inverse=inverse)
+
+
+def rotate_tail_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``x[..., -P:] = apply_rope(x[..., -P:], positions, freqs, inverse)`` in place on ``x [rows, H, D]``
+    (not differentiable; returns x). Fused on CUDA: only the last ``P`` dims are read and written."""
+    if use_fused(x, freqs) and x.stride(2) == 1:
+        return norm_rope_triton.rotate_tail_(x, positions, freqs, inverse=inverse)
+    tail = x[..., x.shape[-1] - 2 * freqs.numel():]
+    tail.copy_(apply_rope(tail, positions, freqs, inverse=inverse))
+    return x

@@ -26,6 +26,7 @@ from dsv4cp.kernels.norm_rope_triton import (
     head_norm_rope,
     rope_table,
     rope_tail,
+    rotate_tail_,
     use_fused,
 )
 from dsv4cp.layer.norm import rms_norm
@@ -106,6 +107,30 @@ def test_rope_tail_matches_torch(rows, h, d, p, inverse, seed):
     assert rel_fro(out, ref) < 1e-5, f"{msg}: forward rel err {rel_fro(out, ref):.2e}"
     assert rel_fro(dx, dx_ref) < 1e-5, f"{msg}: dx rel err {rel_fro(dx, dx_ref):.2e}"
     assert torch.equal(out[..., : d - p], x[..., : d - p]), f"{msg}: the first D - P dims are not copied"
+
+
+@pytest.mark.parametrize("rows,h,d,p", CPU_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotate_tail_in_place_matches_torch(rows, h, d, p, inverse, seed):
+    """In place on the tail only: equal to apply_rope, the first D - P dims bitwise untouched, also on a view
+    whose rows are farther apart than H * D (the tail's rows then are too)."""
+    msg = f"seed={seed} rows={rows} H={h} D={d} P={p} inverse={inverse}"
+    x, positions, freqs = make_case(seed, rows, h, d, p)
+    ref = apply_rope(x, positions, freqs, inverse=inverse)
+    wide = torch.randn(rows, h + 1, d, generator=torch.Generator().manual_seed(seed + 2))
+    for target in (x.clone(), wide[:, 1:]):
+        target.copy_(x)
+        before = target.clone()
+        assert rotate_tail_(target, positions, freqs, inverse=inverse) is target, msg
+        assert rel_fro(target, ref) < 1e-5, f"{msg}: rel err {rel_fro(target, ref):.2e}"
+        assert torch.equal(target[..., : d - p], before[..., : d - p]), f"{msg}: the first D - P dims changed"
+    assert torch.equal(wide[:, 0], torch.randn(rows, h + 1, d, generator=torch.Generator().manual_seed(seed + 2))[:, 0])
+
+
+def test_rotate_tail_rejects_a_strided_last_dim(seed):
+    x, positions, freqs = make_case(seed, 4, 2, 16, 4)
+    with pytest.raises(ValueError, match="x: the last dim must be contiguous"):
+        rotate_tail_(x.transpose(1, 2).contiguous().transpose(1, 2), positions, freqs)
 
 
 def test_rope_tail_inverse_undoes_forward(seed):
@@ -297,3 +322,15 @@ def test_gpu_flash_rope_tail(inverse, seed):
     ref, dx_ref = fwd_bwd(lambda t: apply_rope(t, positions, freqs, inverse=inverse), x.float(), grad.float())
     assert rel_fro(out, ref) < 1e-2 and rel_fro(dx, dx_ref) < 1e-2, f"seed={seed}"
     assert torch.equal(out[..., :448], x[..., :448])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_flash_rotate_tail_in_place(seed):
+    rows, h, d = 4096, 64, 512
+    freqs = _flash_freqs()
+    x, positions, _ = make_case(seed, rows, h, d, 64, max_pos=2**20, device="cuda", dtype=torch.bfloat16)
+    ref = apply_rope(x.float(), positions, freqs, inverse=True)
+    got = rotate_tail_(x.clone(), positions, freqs, inverse=True)
+    assert rel_fro(got, ref) < 1e-2, f"seed={seed}"
+    assert torch.equal(got[..., :448], x[..., :448])
