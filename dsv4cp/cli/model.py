@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_machine_options(parser)
     parser.add_argument("--partition", choices=POLICIES, default="equal",
                         help="row split over the ranks: equal (T / cp rows each) or balanced (contiguous slices "
-                             "sized so every rank's modelled fwd+bwd time is the same); both are compared")
+                             "sized so every rank's modelled fwd+bwd time is the same, refined on the model's "
+                             "per-rank evaluation); both are compared, with the unrefined per-row split")
     parser.add_argument("--align", type=positive_int, default=1,
                         help="balanced split points on multiples of this many rows (e.g. 8 or the ratio)")
     parser.add_argument("--calibration", default=None,

@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layer_options(parser, cp=True)
     parser.add_argument("--partition", choices=POLICIES, default="equal",
                         help="row split over the ranks: equal (T / cp rows each) or balanced (contiguous "
-                             "slices sized so every rank's modelled time of the timed pass is the same)")
+                             "slices sized so every rank's modelled time of the timed pass is the same, refined on the "
+                             "model's per-rank evaluation)")
     parser.add_argument("--backward", action="store_true", help="time forward + backward (default: forward)")
     parser.add_argument("--cp", type=positive_int, default=None,
                         help="with --emulate-rank: the number of CP ranks to emulate (a real run has one per "

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from dsv4cp.config import DSv4Config
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import estimate
 from dsv4cp.model.partition import policy_split
 from dsv4cp.profiling.overlap import COLUMNS as OVERLAP_COLUMNS
@@ -225,9 +226,14 @@ def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
         lengths = packing_lengths(point["packing"], tokens, cp=cp, ratio=ratio, seed=int(point["seed"] or 0))
         loss, policy = point["loss"], point["partition"]
         cfg = DSv4Config.preset(point["preset"], **({"indexer_loss": loss} if isinstance(loss, str) else {}))
-        # the rows each rank measured; a balanced split as the sweep computes it at its default --machine
-        split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal", total=tokens,
-                             direction=point["pass"])
+        # the rows each rank measured: the record's split, else (older records) the policy's split as the
+        # sweep computes it at its default --machine
+        recorded = point.get("split")
+        if isinstance(recorded, (list, tuple)) and len(recorded) == cp + 1:
+            split = RowSplit(tuple(int(b) for b in recorded)).validate(tokens, cp, field="split")
+        else:
+            split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
+                                 total=tokens, direction=point["pass"])
         summary = estimate(cfg, ratio, lengths, cp, total=tokens, split=split).summary(point["pass"])
         rows.append({**{a: point[a] for a in axes}, "model_flops_imbalance": summary.flops_imbalance,
                      "model_time_imbalance": summary.time_imbalance,

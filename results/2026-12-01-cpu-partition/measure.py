@@ -171,7 +171,7 @@ def main() -> None:
             lengths = packing_lengths(packing, args.tokens, cp=cp, ratio=ratio, seed=args.seed)
             for label, cal in policies:
                 split = policy_split(cfg, ratio, lengths, cp, label.split(":")[0], machine, total=args.tokens,
-                                     calibration=cal)
+                                     calibration=cal, refine=False)
                 cases.append((lengths, split))
                 keys.append((packing, label, lengths))
         measured = spawn(worker, cp, cases, cfg, ratio, args.tokens, args.warmup, args.reps, args.seed)

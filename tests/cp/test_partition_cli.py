@@ -39,7 +39,7 @@ def test_sweep_partition_axis_runs_balanced_points(tmp_path) -> None:
     spec.write_text(yaml.safe_dump({
         "name": "partition", "run": {"warmup": 0, "reps": 1},
         "base": {"preset": "tiny", "dtype": "fp32", "kernel_backend": "torch", "overlap": "async", "cp": 2,
-                 "tokens": 96, "ratio": 4, "pass": "fwd+bwd", "packing": "one"},
+                 "tokens": 192, "ratio": 4, "pass": "fwd+bwd", "packing": "one"},
         "axes": {"partition": ["equal", "balanced"]},
     }))
     out = tmp_path / "run"

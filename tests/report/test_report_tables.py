@@ -189,3 +189,26 @@ def test_model_imbalance_of_a_balanced_point_uses_its_balanced_split(tmp_path, s
     expected = estimate(cfg, 4, lengths, 2, total=16384, split=split).summary("fwd+bwd")
     assert balanced["model_time_imbalance"] == pytest.approx(expected.time_imbalance)
     assert balanced["model_time_imbalance"] < equal["model_time_imbalance"]  # what balancing is for
+
+
+def test_model_imbalance_uses_the_split_a_record_carries(tmp_path, seed):
+    """Records carry the split each rank measured; the model is evaluated on it (not on a split recomputed
+    from the policy, which a later partitioner may choose differently)."""
+    from dsv4cp.config import DSv4Config
+    from dsv4cp.cp.partition import RowSplit
+    from dsv4cp.model import estimate
+    from dsv4cp.workloads import packing_lengths
+
+    points = grid(cp=[2], tokens=[16384], packing=["histogram"], partition=["balanced"], seed=[seed % 1000])
+    df = load_runs(write_run(tmp_path / "p", points, seed=seed))
+    recorded = [0, 9000, 16384]
+    df["split"] = [recorded]
+    row = tables.model_imbalance(df).iloc[0]
+    lengths = packing_lengths("histogram", 16384, cp=2, ratio=4, seed=seed % 1000)
+    expected = estimate(DSv4Config.preset("flash"), 4, lengths, 2, total=16384,
+                        split=RowSplit(tuple(recorded))).summary("fwd+bwd")
+    assert row["model_time_imbalance"] == pytest.approx(expected.time_imbalance)
+    df["split"] = [[0, 8192, 16384]]  # equal slices recorded: equal slices evaluated
+    equal = estimate(DSv4Config.preset("flash"), 4, lengths, 2, total=16384).summary("fwd+bwd")
+    assert tables.model_imbalance(df).iloc[0]["model_time_imbalance"] == pytest.approx(equal.time_imbalance)
+    assert expected.time_imbalance != pytest.approx(equal.time_imbalance)
