@@ -13,6 +13,11 @@
 #    per-phase memory, kernels per phase).
 # emulate: CP = 2 rank emulation (equal / balanced / calibrated) with a calibration refit from the
 #    `auto` trace of `layer`.
+# final, final-layer (later, at the final commit, after the wheel calls again): the whole GPU test suite;
+#    the `auto` layer once more with every default, and traces of the two emulated CP = 2 ranks (equal).
+# The kernels/layer/emulate calls above ran at commit 4fe3447 with DSV4CP_TRITON_SELECT_CONFIG=2048,8,4,2
+# exported for layer and emulate (the select sweep of `kernels` had just found it fastest; the default
+# since d81b296), and with dsv4cp/model/partition.py as committed (.pin: a change in progress was not sent).
 # Outputs under this folder, packed into $OUT/<part>.tar.gz after every step; unpack from the repository
 # root. Pass DSV4CP_GIT_SHA from your checkout: the device's copy has a stale .git.
 set -uo pipefail
@@ -34,7 +39,7 @@ table() {  # table JSON: name, median ms, TFLOP/s per benchmark
 for b in json.load(open(sys.argv[1]))['benchmarks']:
     e = b['extra_info']; print(f\"{b['name']:60s} {e['median_ms']:9.2f} ms {e.get('tflops', float('nan')):7.1f} TFLOP/s\")" "$1"
 }
-mkdir -p "$day"
+mkdir -p "$day" "$day/final"
 topk_k="test_indexer_select or (test_indexer_topk and not config and 64k and (chunked-radix or chunked-torch or score-radix))"
 common="--preset flash --ratio 4 --tokens 65536 --packing one --backward --dtype bf16 --warmup 2 --reps 6 --progress off"
 case $part in
@@ -57,6 +62,19 @@ case $part in
       } 2>&1 | tee "$day/profile-$kb.txt"
       gzip -f "$day"/trace-$kb/*.json 2>/dev/null; save
     done ;;
+  final)
+    timeout 330 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rfE > "$day/gpu_tests_final.txt" 2>&1
+    tail -3 "$day/gpu_tests_final.txt"; save ;;
+  final-layer)
+    { echo "\$ python3 -m dsv4cp.cli.main profile $common --kernel-backend auto --out $day/final/profile"
+      timeout 100 python3 -m dsv4cp.cli.main profile $common --kernel-backend auto --out "$day/final/profile" 2>&1 | quiet
+      for rank in 0 1; do
+        echo "\$ python3 -m dsv4cp.cli.main profile $common --kernel-backend auto --cp 2 --emulate-rank $rank --partition equal --out $day/final/emulated --trace-dir $day/final/trace-rank$rank --trace-steps 1"
+        timeout 100 python3 -m dsv4cp.cli.main profile $common --kernel-backend auto --cp 2 --emulate-rank $rank \
+          --partition equal --out "$day/final/emulated" --trace-dir "$day/final/trace-rank$rank" --trace-steps 1 2>&1 | quiet
+      done
+    } 2>&1 | tee "$day/final/profile.txt"
+    gzip -f "$day"/final/trace-rank*/*.json 2>/dev/null; save ;;
   emulate)
     DSV4CP_EMULATE_DIR=$day/emulated DSV4CP_CALIBRATE_FROM=$day/trace-auto timeout 560 \
       bash results/2026-12-01-h200-emulated/run.sh "$out" > "$day/emulated.log" 2>&1
