@@ -143,3 +143,24 @@ def test_head_summed_probs_config(benchmark, measure, config):
     rounds, warmup = _rounds()
     measure(lambda: fn(q, keys, idx, scale, lden, **kw), None, flops=_flops(shape, entry["valid"]),
             bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup, device=q.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")
+@pytest.mark.parametrize("slots_on_m", ["0", "1"], ids=["heads-on-m", "slots-on-m"])
+def test_head_summed_probs_layout(benchmark, measure, slots_on_m, monkeypatch):
+    """The Triton kernel at the flash shape with its default tile, logits as ``q @ keys^T`` (heads on the
+    matrix unit's M: the head sum crosses warps) or ``keys @ q^T`` (``DSV4CP_TRITON_PROBS_SLOTS_ON_M=1``)."""
+    from dsv4cp.kernels.attention_probs_triton import SLOTS_ON_M_ENV
+
+    monkeypatch.setenv(SLOTS_ON_M_ENV, slots_on_m)
+    fn = _triton()
+    shape = SHAPES["flash"]
+    entry = _inputs(shape)
+    q, keys, idx, scale, lden = entry["args"]
+    benchmark.group = "indexer_loss.head_summed_probs.flash.layout"
+    benchmark.extra_info.update(backend="triton", shape=shape.name, slots_on_m=slots_on_m == "1", dtype=str(q.dtype))
+    fn(q, keys, idx, scale, lden)
+    rounds, warmup = _rounds()
+    measure(lambda: fn(q, keys, idx, scale, lden), None, flops=_flops(shape, entry["valid"]),
+            bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup, device=q.device)

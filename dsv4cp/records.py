@@ -19,7 +19,7 @@ SCHEMA_VERSION: int = 1
 
 AXES: tuple[str, ...] = (
     "preset", "ratio", "cp", "tokens", "tokens_per_rank", "packing", "loss", "overlap", "kernel_backend",
-    "recompute", "pass", "dtype", "seed", "partition", "emulated_rank",
+    "recompute", "pass", "dtype", "seed", "partition", "emulated_rank", "cuda_graph",
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
@@ -27,11 +27,18 @@ AXES: tuple[str, ...] = (
 ``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...); ``emulated_rank``: None for
 a real run, else the one rank of the ``cp`` that a single process measured alone with its collectives
 replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no communication; its per-rank
-lists hold None at every other rank)."""
+lists hold None at every other rank); ``cuda_graph``: whether the timed steps were replays of one
+captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager)."""
 
-_ADDED_AXES: tuple[str, ...] = ("emulated_rank",)
-"""Axes added after records were first committed: left out of :func:`point_id` while None, so the
-ids of earlier records (and of every real run) do not change."""
+_ADDED_AXES: tuple[str, ...] = ("emulated_rank", "cuda_graph")
+"""Axes added after records were first committed: left out of :func:`point_id` while None (or False,
+what a boolean axis meant before it existed), so the ids of earlier records (and of every real,
+eager run) do not change."""
+
+_ADDED_AXIS_DEFAULTS: dict[str, object] = {"cuda_graph": False}
+"""What an added axis that has a value other than None meant before it existed: :func:`make_record`
+and :func:`read_records` fill it in where a record lacks it, so an old run and a new one agree on it
+(a report would otherwise see ``None`` and ``False`` as two values of the axis)."""
 
 METRICS: tuple[str, ...] = (
     "time_ms_median", "time_ms_p20", "time_ms_p80",  # max over ranks per repetition, then the statistic
@@ -73,10 +80,12 @@ def point_id(axes: dict) -> str:
     """A stable 12-hex-digit id of a point: the sha1 of the sorted JSON of its :data:`AXES` values.
 
     Keys outside :data:`AXES` are ignored; a missing axis counts as None (an axis of
-    :data:`_ADDED_AXES` that is None is left out).
+    :data:`_ADDED_AXES` that is None or False is left out).
     """
     values = {name: axes.get(name) for name in AXES}
-    values = {name: value for name, value in values.items() if value is not None or name not in _ADDED_AXES}
+    # ``is False``, not ``not value``: an emulated rank 0 is a value, a boolean axis left off is not
+    values = {name: value for name, value in values.items()
+              if name not in _ADDED_AXES or not (value is None or value is False)}
     canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(canonical.encode()).hexdigest()[:12]
 
@@ -110,6 +119,7 @@ def make_record(
         "time_utc": time_utc or utc_now(), "git_sha": git_sha, "machine": machine,
     }
     record.update({name: axes.get(name) for name in AXES})
+    record.update(_added_axis_defaults(record))
     record.update({name: metrics.get(name) for name in METRICS})
     record["resolved_backends"] = resolved_backends
     record["error"] = error
@@ -169,8 +179,14 @@ def read_records(path: str | os.PathLike) -> list[dict]:
         schema = record.get("schema") if isinstance(record, dict) else None
         if schema != SCHEMA_VERSION:
             raise ValueError(f"{path}:{number}: schema: expected {SCHEMA_VERSION}, got {schema!r}")
+        record.update(_added_axis_defaults(record))
         records.append(record)
     return records
+
+
+def _added_axis_defaults(record: dict) -> dict:
+    """The :data:`_ADDED_AXIS_DEFAULTS` of the added axes ``record`` lacks or holds as None."""
+    return {name: value for name, value in _ADDED_AXIS_DEFAULTS.items() if record.get(name) is None}
 
 
 def drop_partial_line(path: str | os.PathLike) -> bool:

@@ -91,6 +91,7 @@ FIELD_FLAGS: dict[str, str] = {
     "bandwidth": "--bandwidth",
     "warmup": "--warmup",
     "reps": "--reps",
+    "cuda_graph": "--cuda-graph",
     "path": "PATH",
 }
 """Library field names (config, packing, workloads, model) -> the flag a user typed for them."""

@@ -7,7 +7,9 @@ Run as one process (CP = 1) or under torchrun (CP = the number of processes):
     torchrun --nproc-per-node 2 -m dsv4cp profile --dist-backend nccl --preset flash --ratio 4 \\
         --tokens 65536 --overlap async --backward --trace-dir traces/ --out runs/profile
 
-Timing and tracing are separate passes: the profiler is never attached while timing.
+Timing and tracing are separate passes: the profiler is never attached while timing. With
+``--cuda-graph`` (CUDA, CP = 1) the timed steps are replays of the step captured once in a CUDA graph,
+the kernels' time without Python and launch overhead; memory and traced steps stay eager.
 
 With fewer devices than ranks, ``--cp N --emulate-rank R`` measures rank R of a CP = N run alone in one
 process (:mod:`dsv4cp.cp.emulate`): its compute time and peak memory, NOT its communication time
@@ -48,7 +50,7 @@ from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
-from dsv4cp.sweeps.measure import measure_point
+from dsv4cp.sweeps.measure import check_cuda_graph, measure_point
 from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
 from dsv4cp.sweeps.spec import Point, RunOptions, make_point
 
@@ -69,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure rank R of --cp ranks alone in this one process, collectives replaced by "
                              "no-ops: compute time and memory only, communication NOT measured")
     add_timing_options(parser)
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time the step as CUDA-graph replays (no host overhead; traces and memory stay "
+                             "eager); CUDA only")
     add_dist_backend_option(parser)
     add_machine_options(parser)
     add_memory_options(parser)
@@ -104,7 +109,7 @@ def point_from_args(args: argparse.Namespace, cp: int, device: torch.device) -> 
         "preset": args.preset, "ratio": args.ratio, "cp": cp, "tokens": tokens, "packing": packing,
         "loss": args.loss, "overlap": args.overlap, "kernel_backend": args.kernel_backend,
         "recompute": args.recompute, "pass": "fwd+bwd" if args.backward else "fwd", "dtype": dtype,
-        "seed": args.seed, "partition": args.partition,
+        "seed": args.seed, "partition": args.partition, "cuda_graph": args.cuda_graph,
     })
 
 
@@ -130,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     point = point_from_args(args, cp, device)
     if emulated:
         point = dataclasses.replace(point, emulated_rank=rank)
+    check_cuda_graph(point, device)
     check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
                  recompute=args.recompute, device=device, force=args.force)
     if emulated:
@@ -149,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
 def _measure_and_report(args, point, group, device, rank, cp, emulated, run_options, machine, trace_dir,
                         calibration, out) -> None:
     """Measure the point and print / write its record (rank 0, or the emulated rank)."""
-    with step_progress(args.warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:
+    # a graph point warms up eagerly (at least once) before its capture, then with untimed replays
+    warmup = max(args.warmup, 1) + args.warmup if point.cuda_graph else args.warmup
+    with step_progress(warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:
         measurement = measure_point(point, group, device, run_options, machine=machine, trace_dir=trace_dir,
                                     nsys=args.nsys_steps > 0, on_step=on_step,
                                     memory_phases=args.memory_phases, calibration=calibration)
@@ -200,6 +208,8 @@ def _report(point: Point, record: dict, table, bound_machine: str) -> None:
               f"p80 {record['time_ms_p80']:.3f}, max over ranks); per rank "
               + ", ".join(f"{t:.3f}" for t in record["rank_time_ms_median"])
               + f" ms (imbalance {record['imbalance_max_over_mean']:.2f})")
+    if record["cuda_graph"]:
+        print("time: CUDA-graph replays (no host overhead); peak memory, memory phases and traced steps are eager")
     ratio = record["measured_over_bound"]
     print(f"model (bound for machine {bound_machine}): bound {record['bound_ms']:.3g} ms; measured/bound "
           + (f"{ratio:.2f}" if ratio is not None else "n/a")

@@ -9,7 +9,9 @@ On GPUs (the launcher's ranks; a point with a smaller cp runs on the first cp ra
     torchrun --nproc-per-node 2 -m dsv4cp sweep sweeps/cp_scaling.yaml --out runs/cp_scaling
 
 A killed sweep continues with --resume; an OOM or error at one point is recorded and the sweep goes
-on. With --nsys, run under ``nsys profile --capture-range=cudaProfilerApi --capture-range-end=repeat``.
+on. A spec axis ``cuda_graph: [false, true]`` times each point eagerly and as CUDA-graph replays (CUDA,
+CP = 1; elsewhere such a point is recorded as an error).
+With --nsys, run under ``nsys profile --capture-range=cudaProfilerApi --capture-range-end=repeat``.
 """
 
 from __future__ import annotations

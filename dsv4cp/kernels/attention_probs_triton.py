@@ -59,6 +59,8 @@ sizes only), as for the attention kernels.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -78,7 +80,10 @@ from dsv4cp.kernels.sparse_attention_triton import (
     _precision,
 )
 
-__all__ = ["MAX_HEAD_DIM", "KernelConfig", "head_summed_probs_triton", "logsumexp_over_triton"]
+__all__ = ["MAX_HEAD_DIM", "SLOTS_ON_M_ENV", "KernelConfig", "head_summed_probs_triton", "logsumexp_over_triton"]
+
+SLOTS_ON_M_ENV = "DSV4CP_TRITON_PROBS_SLOTS_ON_M"
+"""Which operand order the probabilities kernel's logits use with one head block (see :func:`_slots_on_m`)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,7 +97,7 @@ def _head_probs_kernel(
     H, N, KT,  # heads, key rows, slots per query
     stride_qt, stride_qh, stride_kn, stride_it, stride_lt, stride_lh, stride_ot,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    ONE_HEAD_BLOCK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ONE_HEAD_BLOCK: tl.constexpr, SLOTS_ON_M: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """Head-summed probabilities of query token t = program_id(0).
 
@@ -124,7 +129,10 @@ def _head_probs_kernel(
         keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=k_mask, other=0.0)
         if DOT_F32:
             keys = keys.to(tl.float32)
-        if ONE_HEAD_BLOCK:
+        if ONE_HEAD_BLOCK and SLOTS_ON_M:  # logits transposed: the head sum runs along each thread's row
+            s = tl.dot(keys, tl.trans(q), input_precision=PRECISION) * qk_scale2
+            acc = tl.sum(tl.math.exp2(s - lden2[None, :]), 1)
+        elif ONE_HEAD_BLOCK:
             s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale2
             acc = tl.sum(tl.math.exp2(s - lden2[:, None]), 0)
         else:
@@ -212,6 +220,16 @@ def _ladder(block_d: int, heads: int, dtype: torch.dtype, head_loop: bool = Fals
     else:
         ladder = [(bh, 64, 4, 2), (bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
     return [KernelConfig(*c) for c in ladder]
+
+
+def _slots_on_m() -> bool:
+    """``DSV4CP_TRITON_PROBS_SLOTS_ON_M`` (``0`` default, ``1``): with one head block, compute the logits as
+    ``keys @ q^T`` (slots on the matrix unit's M, heads on N) so the head sum reduces along each thread's
+    registers and a lane quad instead of across the warps through shared memory; checked."""
+    text = os.environ.get(SLOTS_ON_M_ENV, "0")
+    if text not in ("0", "1"):
+        raise ValueError(f"{SLOTS_ON_M_ENV}: must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -361,7 +379,7 @@ def head_summed_probs_triton(
             q.stride(0), q.stride(1), keys.stride(0), idx.stride(0), lden.stride(0), lden.stride(1),
             out.stride(0),
             D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, ONE_HEAD_BLOCK=h <= cfg.block_h,
-            PRECISION=_precision(q), DOT_F32=_dot_f32(q),
+            SLOTS_ON_M=_slots_on_m(), PRECISION=_precision(q), DOT_F32=_dot_f32(q),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -70,13 +70,25 @@ def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:
         dist.barrier(group=group)
 
 
-def _graph_replay(fn: Callable[[], object], warmup: int) -> Callable[[], object]:
-    """Capture ``fn`` into a CUDA graph (after eager warm-up on a side stream) and return its replay."""
+def graph_replay(
+    fn: Callable[[], object], warmup: int, on_step: Callable[[str], object] | None = None,
+) -> Callable[[], object]:
+    """Capture ``fn`` into a CUDA graph on the current CUDA device and return its replay.
+
+    ``fn`` first runs ``max(warmup, 1)`` times eagerly on a side stream (torch's capture rule: lazy
+    initialisation, autotuning and allocator warm-up must not happen inside the capture), calling
+    ``on_step("warmup")`` after each. The graph keeps its memory pool while the returned callable
+    lives: drop it (and empty the allocator cache) before measuring memory. Each replay does the
+    captured work on the captured tensors: inputs change by copying into them, and gradients
+    accumulate into the ``.grad`` tensors that existed at capture, as in eager steps.
+    """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(max(warmup, 1)):  # capture needs one eager run for lazy initialisation
             fn()
+            if on_step is not None:
+                on_step("warmup")
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -106,7 +118,8 @@ def benchmark(
         l2_flush: zero a 256 MiB buffer before each repetition (GPU only; ignored on CPU, whose
             caches are not what the suite measures).
         device: where ``fn`` runs; default: the current CUDA device, else CPU.
-        cuda_graph: capture ``fn`` once into a CUDA graph and time its replays (GPU only).
+        cuda_graph: capture ``fn`` once into a CUDA graph (after ``warmup`` eager calls,
+            :func:`graph_replay`) and time its replays, after ``warmup`` untimed ones (GPU only).
         on_step: called after each step with ``"warmup"`` or ``"timed"`` (e.g. a progress bar,
             :mod:`dsv4cp.profiling.progress`); outside the timed region.
     """
@@ -123,7 +136,7 @@ def benchmark(
     group = _resolve_group(group)
 
     with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
-        run = _graph_replay(fn, warmup) if cuda_graph else fn
+        run = graph_replay(fn, warmup) if cuda_graph else fn
         for _ in range(warmup):
             run()
             if on_step is not None:

@@ -6,6 +6,10 @@ layer and this rank's rows, times the step with :func:`dsv4cp.profiling.timing.b
 one more step's peak memory, computes the model's FLOPs and bound, and optionally records a Kineto
 trace and its per-phase overlap table, runs steps inside an nsys capture range, and checks parity
 with CP = 1. Timing, tracing and nsys are separate passes: no profiler is attached while timing.
+
+A ``cuda_graph`` point times replays of the step captured once in a CUDA graph: the kernels' time
+without Python and launch overhead. Only the timing changes: the peak memory, memory phases, traces
+and nsys steps are eager steps, measured after the graph (and its memory pool) is released.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import record_phase_memory, track_memory
 from dsv4cp.profiling.nvtx import capture_range, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL
-from dsv4cp.profiling.timing import benchmark
+from dsv4cp.profiling.timing import benchmark, graph_replay
 from dsv4cp.profiling.trace import capture_trace, kineto_attribution_table, kineto_kernel_table, kineto_overlap_table
 from dsv4cp.sweeps.spec import Point, RunOptions
 from dsv4cp.workloads import packing_lengths
@@ -59,7 +63,8 @@ class Measurement:
 
 class _RankClock:
     """Wraps a step and times every call on this rank alone (CUDA events, else ``perf_counter``):
-    ``benchmark`` keeps only the max over ranks, the imbalance needs each rank's own times."""
+    ``benchmark`` keeps only the max over ranks, the imbalance needs each rank's own times. For a
+    CUDA-graph point it wraps the graph's replay, so its events are recorded outside the capture."""
 
     def __init__(self, step, device: torch.device):
         self.step, self.on_gpu = step, device.type == "cuda"
@@ -84,6 +89,26 @@ class _RankClock:
             torch.cuda.synchronize()
             return [start.elapsed_time(end) for start, end in self.events[-count:]]
         return [s * 1e3 for s in self.seconds[-count:]]
+
+
+def check_cuda_graph(point: Point, device: torch.device) -> None:
+    """``ValueError`` naming ``cuda_graph`` when ``point`` asks for graph replays ``device`` cannot
+    give; called before any work (by :func:`measure_point`, and by ``profile`` before its checks)."""
+    if not point.cuda_graph:
+        return
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graph: CUDA-graph replays need a CUDA device, got {device}; "
+                         "time this point eagerly (cuda_graph false)")
+    if point.emulated_rank is not None:
+        # its peers' rows are drawn with a host read of their spread and a generator of its own,
+        # neither of which a capture accepts (dsv4cp.cp.emulate)
+        raise ValueError(f"cuda_graph: an emulated rank (emulated_rank {point.emulated_rank}) cannot be "
+                         "captured; time it eagerly")
+    if point.cp > 1:
+        # NCCL collectives inside a capture are not exercised by any test of this suite: a failed
+        # capture on one rank would leave its peers waiting in a collective
+        raise ValueError(f"cuda_graph: only CP = 1 steps are captured, got cp {point.cp}; "
+                         "time CP > 1 eagerly")
 
 
 def point_inputs(point: Point) -> tuple[DSv4Config, list[int]]:
@@ -134,8 +159,13 @@ def measure_point(
     ``memory_phases``: one more step recording each phase's memory (metric ``memory_phases``).
     ``calibration``: measured-over-bound phase factors the balanced split uses (metric ``calibration``).
 
-    Raises ``ValueError`` for shapes the point cannot run (before any collective), and whatever
-    the step raises (``torch.OutOfMemoryError``, ...).
+    With ``point.cuda_graph`` the step runs ``run.warmup`` times eagerly (at least once), is captured
+    once, then ``run.warmup`` untimed and ``run.reps`` timed replays follow (``on_step`` after each);
+    gradients accumulate across replays as across eager steps. The graph is released before the
+    peak-memory step: memory, memory phases, traces and nsys steps are eager steps.
+
+    Raises ``ValueError`` for shapes the point cannot run and for a ``cuda_graph`` it cannot replay
+    (before any collective), and whatever the step raises (``torch.OutOfMemoryError``, ...).
     """
     cp = dist.get_world_size(group) if group is not None else 1
     if cp != point.cp:
@@ -147,6 +177,7 @@ def measure_point(
                          + ("is a real one" if emulated is None else f"emulates rank {emulated}"))
     if check and emulated is not None:
         raise ValueError("check: the CP = 1 parity check needs every real rank, not one emulated rank")
+    check_cuda_graph(point, device)
     machine = machine or Machine()
     cfg, lengths = point_inputs(point)
     dtype = DTYPES[point.dtype]
@@ -177,10 +208,17 @@ def measure_point(
                 outputs, seeds = outputs + [result.indexer_loss], seeds + [None]  # None: d/d(loss) = 1
             torch.autograd.backward(outputs, seeds)
 
-    clock = _RankClock(step, device)
+    timed = step
+    if point.cuda_graph:
+        with torch.cuda.device(device):
+            timed = graph_replay(step, run.warmup, on_step=on_step)  # the eager warm-up steps, then the capture
+    clock = _RankClock(timed, device)
     timing = benchmark(clock, warmup=run.warmup, reps=run.reps, group=group, l2_flush=run.l2_flush, device=device,
                        on_step=on_step)
     rank_median = float(np.median(clock.last_ms(run.reps)))
+    if point.cuda_graph:
+        del clock, timed  # the last references to the graph: its memory pool is released ...
+        torch.cuda.empty_cache()  # ... and handed back, so the eager steps below measure their own memory
     with track_memory(device) as tracker:
         step()
     sample = tracker.result

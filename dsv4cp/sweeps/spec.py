@@ -18,8 +18,9 @@ A spec names the axes of :data:`dsv4cp.records.AXES`:
 
 Every name and value is checked when the spec is loaded, before anything is launched: an unknown
 axis or value raises ``ValueError`` naming it and what is allowed. Whether a point's shapes work
-(tokens divisible by cp, enough rows per rank for the halo) is only known when it runs; such a point
-is recorded with an ``error`` status and the sweep goes on.
+(tokens divisible by cp, enough rows per rank for the halo), or whether it can be timed as CUDA-graph
+replays (``cuda_graph: [false, true]``: a CUDA device, CP = 1), is only known when it runs; such a
+point is recorded with an ``error`` status and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ class Point:
     partition: str = "equal"
     emulated_rank: int | None = None
     """The one rank a single process measures alone (``dsv4cp profile --emulate-rank``); None: real ranks."""
+    cuda_graph: bool = False
+    """Time the step as replays of one captured CUDA graph (no host overhead; CUDA, CP = 1 only:
+    :func:`dsv4cp.sweeps.measure.check_cuda_graph`); peak memory and traces stay eager steps."""
 
     @property
     def backward(self) -> bool:
@@ -111,7 +115,8 @@ class Point:
         return (f"{self.preset} r{self.ratio} cp{self.cp} {tokens} {self.packing} {self.direction} {self.dtype} "
                 f"{self.overlap}{' recompute' if self.recompute else ''} {self.kernel_backend}"
                 f"{'' if self.partition == 'equal' else ' ' + self.partition}"
-                f"{'' if self.emulated_rank is None else f' emulated rank {self.emulated_rank}'}")
+                f"{'' if self.emulated_rank is None else f' emulated rank {self.emulated_rank}'}"
+                f"{' cuda-graph' if self.cuda_graph else ''}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +194,7 @@ _CHECKS = {
     "seed": _int_at_least(0),
     "partition": _choice(PARTITIONS),
     "emulated_rank": _real_ranks_only,
+    "cuda_graph": _boolean,  # whether the point's device can replay a graph is known when it runs
 }
 assert set(_CHECKS) == set(AXES), "every record axis needs a check"
 

@@ -15,6 +15,8 @@
 #    `auto` trace of `layer`.
 # final, final-layer (later, at the final commit, after the wheel calls again): the whole GPU test suite;
 #    the `auto` layer once more with every default, and traces of the two emulated CP = 2 ranks (equal).
+# graph (after those): the probabilities kernel's two logit layouts, the GPU tests of the CUDA-graph
+#    timing, and the `auto` layer eager, as CUDA-graph replays (--cuda-graph) and with the other layout.
 # The kernels/layer/emulate calls above ran at commit 4fe3447 with DSV4CP_TRITON_SELECT_CONFIG=2048,8,4,2
 # exported for layer and emulate (the select sweep of `kernels` had just found it fastest; the default
 # since d81b296), and with dsv4cp/model/partition.py as committed (.pin: a change in progress was not sent).
@@ -39,7 +41,7 @@ table() {  # table JSON: name, median ms, TFLOP/s per benchmark
 for b in json.load(open(sys.argv[1]))['benchmarks']:
     e = b['extra_info']; print(f\"{b['name']:60s} {e['median_ms']:9.2f} ms {e.get('tflops', float('nan')):7.1f} TFLOP/s\")" "$1"
 }
-mkdir -p "$day" "$day/final"
+mkdir -p "$day" "$day/final" "$day/graph"
 topk_k="test_indexer_select or (test_indexer_topk and not config and 64k and (chunked-radix or chunked-torch or score-radix))"
 common="--preset flash --ratio 4 --tokens 65536 --packing one --backward --dtype bf16 --warmup 2 --reps 6 --progress off"
 case $part in
@@ -75,6 +77,21 @@ case $part in
       done
     } 2>&1 | tee "$day/final/profile.txt"
     gzip -f "$day"/final/trace-rank*/*.json 2>/dev/null; save ;;
+  graph)
+    { echo "\$ pytest bench/test_bench_attention_probs.py -m gpu -k layout"
+      timeout 90 python3 -m pytest bench/test_bench_attention_probs.py -m gpu -q -p no:cacheprovider -k layout \
+        --benchmark-json="$day/graph/probs_layout.json" 2>&1 | tail -2
+      table "$day/graph/probs_layout.json"
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/kernels/test_attention_probs_triton.py tests/profiling/test_prof_cuda_graph.py \
+        2>&1 | tail -3
+      for variant in "" "--cuda-graph"; do
+        echo "\$ python3 -m dsv4cp.cli.main profile $common --kernel-backend auto $variant --out $day/graph/profile"
+        timeout 100 python3 -m dsv4cp.cli.main profile $common --kernel-backend auto $variant --out "$day/graph/profile" 2>&1 | quiet
+      done
+      echo "\$ DSV4CP_TRITON_PROBS_SLOTS_ON_M=1 python3 -m dsv4cp.cli.main profile $common --kernel-backend auto --out $day/graph/profile"
+      DSV4CP_TRITON_PROBS_SLOTS_ON_M=1 timeout 100 python3 -m dsv4cp.cli.main profile $common --kernel-backend auto \
+        --out "$day/graph/profile" 2>&1 | quiet
+    } 2>&1 | tee "$day/graph/run.txt"; save ;;
   emulate)
     DSV4CP_EMULATE_DIR=$day/emulated DSV4CP_CALIBRATE_FROM=$day/trace-auto timeout 560 \
       bash results/2026-12-01-h200-emulated/run.sh "$out" > "$day/emulated.log" 2>&1

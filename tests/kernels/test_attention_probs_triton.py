@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 import torch
 
 from dsv4cp.kernels import triton_available
-from dsv4cp.kernels.attention_probs_triton import head_summed_probs_triton, logsumexp_over_triton
+from dsv4cp.kernels.attention_probs_triton import SLOTS_ON_M_ENV, head_summed_probs_triton, logsumexp_over_triton
 from dsv4cp.ops import attention_probs as il
 
 HAS_CUDA = torch.cuda.is_available()
@@ -90,6 +90,19 @@ def test_matches_torch_fp32(h, d, k, seed):
     p = head_summed_probs_triton(q, keys, idx, scale, lden)
     check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, msg)
     assert p[1].abs().max().item() == 0.0, f"{msg}: a query without slots has zero mass"
+
+
+@pytest.mark.parametrize("h", [1, 5, 8])
+def test_slots_on_m_layout_matches_torch(h, seed, monkeypatch):
+    """``DSV4CP_TRITON_PROBS_SLOTS_ON_M=1``: the transposed logits (slots on M, heads on N) give the same
+    head-summed probabilities, also with padded heads and several slot blocks; a bad value is refused."""
+    q, keys, idx, scale, lden = make_case(seed, 6, h, 32, 60, 40)
+    monkeypatch.setenv(SLOTS_ON_M_ENV, "1")
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, block_k=16, num_warps=4, num_stages=1)
+    check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, f"seed={seed} H={h}")
+    monkeypatch.setenv(SLOTS_ON_M_ENV, "yes")
+    with pytest.raises(ValueError, match=SLOTS_ON_M_ENV):
+        head_summed_probs_triton(q, keys, idx, scale, lden)
 
 
 def test_head_loop_and_slot_blocks(seed):
@@ -221,8 +234,10 @@ def _gpu_case(seed: int, t: int, h: int, d: int, k: int, dtype: torch.dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("slots_on_m", ["0", "1"])
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
-def test_gpu_flash_shape_bf16(idx_dtype, seed):
+def test_gpu_flash_shape_bf16(idx_dtype, slots_on_m, seed, monkeypatch):
+    monkeypatch.setenv(SLOTS_ON_M_ENV, slots_on_m)
     q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 2048, 64, 512, 512, torch.bfloat16)
     idx = idx.to(idx_dtype)
     msg = f"seed={seed}"
