@@ -18,13 +18,16 @@ bf16 work around) rather than repeats; pinned configurations come from :mod:`._t
 Kernels:
 
 * ``_head_probs_kernel``: one program per query token. The query's slots are visited in blocks of
-  ``BLOCK_K``: the gathered key rows ``[BLOCK_K, D]`` are loaded once per block; the heads sit on the
-  matrix-unit M dimension (``s = q @ keys^T`` in fp32 accumulation, ``scale * log2 e`` folded in, so
-  ``p = 2^(s - log_denominator * log2 e)``), and ``p`` is summed over heads (the M axis) in registers.
-  With ``H <= BLOCK_H`` (one head block: H = 64 in the flash preset) q and the denominators are loaded
-  once, before the slot loop; otherwise the program loops over the head blocks inside each slot block
-  (the keys stay loaded, q re-read from L2), accumulating the head sum in a fixed order: no atomics,
-  deterministic.
+  ``BLOCK_K``: the gathered key rows ``[BLOCK_K, D]`` are loaded once per block, the logits formed in
+  fp32 accumulation with ``scale * log2 e`` folded in (``p = 2^(s - log_denominator * log2 e)``) and ``p``
+  summed over heads. With ``H <= BLOCK_H`` (one head block: H = 64 in the flash preset) q and the
+  denominators are loaded once, before the slot loop, and by default the logits are ``keys @ q^T``:
+  slots on the matrix unit's M, heads on N, so the head sum runs along each thread's registers and a
+  lane quad (``DSV4CP_TRITON_PROBS_SLOTS_ON_M=0``: ``q @ keys^T``, heads on M, whose sum crosses the
+  warps through shared memory: 5.65 against 4.63 ms at T = 32K on an H200,
+  results/2026-12-01-h200-speed4/graph). Otherwise the program loops over the head blocks inside each
+  slot block (the keys stay loaded, q re-read from L2, heads on M), accumulating the head sum in a fixed
+  order: no atomics, deterministic.
 * ``_lse_kernel``: one program per (query token, block of ``BLOCK_H`` heads), the sparse-attention
   forward without the value product: online max / sum over slot blocks in fp32 with ``exp2``.
 
@@ -223,10 +226,10 @@ def _ladder(block_d: int, heads: int, dtype: torch.dtype, head_loop: bool = Fals
 
 
 def _slots_on_m() -> bool:
-    """``DSV4CP_TRITON_PROBS_SLOTS_ON_M`` (``0`` default, ``1``): with one head block, compute the logits as
+    """``DSV4CP_TRITON_PROBS_SLOTS_ON_M`` (``1`` default, ``0``): with one head block, compute the logits as
     ``keys @ q^T`` (slots on the matrix unit's M, heads on N) so the head sum reduces along each thread's
     registers and a lane quad instead of across the warps through shared memory; checked."""
-    text = os.environ.get(SLOTS_ON_M_ENV, "0")
+    text = os.environ.get(SLOTS_ON_M_ENV, "1")
     if text not in ("0", "1"):
         raise ValueError(f"{SLOTS_ON_M_ENV}: must be 0 or 1, got {text!r}")
     return text == "1"

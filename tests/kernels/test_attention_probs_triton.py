@@ -93,11 +93,12 @@ def test_matches_torch_fp32(h, d, k, seed):
 
 
 @pytest.mark.parametrize("h", [1, 5, 8])
-def test_slots_on_m_layout_matches_torch(h, seed, monkeypatch):
-    """``DSV4CP_TRITON_PROBS_SLOTS_ON_M=1``: the transposed logits (slots on M, heads on N) give the same
-    head-summed probabilities, also with padded heads and several slot blocks; a bad value is refused."""
+def test_heads_on_m_layout_matches_torch(h, seed, monkeypatch):
+    """``DSV4CP_TRITON_PROBS_SLOTS_ON_M=0``: the other logit layout (heads on M; the default has slots on M)
+    gives the same head-summed probabilities, also with padded heads and several slot blocks; a bad value
+    is refused."""
     q, keys, idx, scale, lden = make_case(seed, 6, h, 32, 60, 40)
-    monkeypatch.setenv(SLOTS_ON_M_ENV, "1")
+    monkeypatch.setenv(SLOTS_ON_M_ENV, "0")
     p = head_summed_probs_triton(q, keys, idx, scale, lden, block_k=16, num_warps=4, num_stages=1)
     check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, f"seed={seed} H={h}")
     monkeypatch.setenv(SLOTS_ON_M_ENV, "yes")
