@@ -10,6 +10,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here}
 tokens=${TOKENS:-8192}
 mkdir -p "$out"
-python "$here/measure.py" --calibration "$here/calibration-cpu-prefix.json" --machine-file "$here/machine-cpu.json" \
+python "$here/../2026-12-01-cpu-partition/measure.py" --calibration "$here/calibration-cpu-prefix.json" --machine-file "$here/machine-cpu.json" \
   --policies equal,balanced,refined --tokens "$tokens" --cps 4,8 --reps 2 --out "$out/refined-cpu.csv" \
   | tee "$out/refined-cpu.txt"

@@ -13,7 +13,7 @@ mkdir -p "$out"
 # fixed CPU ceilings for every step (the cpu preset re-measures on each call)
 python -c "import dataclasses, json; from dsv4cp.model.machine import measure_host; \
 m = dataclasses.asdict(measure_host()); m.pop('name'); print(json.dumps(m))" > "$out/machine-cpu.json"
-python "$here/measure.py" --phases-out "$out/phases-cp1.csv" --tokens "$tokens" --reps 2 > "$out/phases-cp1.txt"
+python "$here/../2026-12-01-cpu-partition/measure.py" --phases-out "$out/phases-cp1.csv" --tokens "$tokens" --reps 2 > "$out/phases-cp1.txt"
 # two fits of the same phases: the model's indexer count (visible) and what the torch reference
 # top-k now scans on CPU (prefix: the gathered slots below its rows' key_row_limit, the Triton plan's)
 for scan in visible prefix; do
@@ -21,6 +21,6 @@ for scan in visible prefix; do
     --machine-file "$out/machine-cpu.json" --calibrate "$out/phases-cp1.csv" --indexer-scan $scan \
     --calibration-out "$out/calibration-cpu-$scan.json" | tee "$out/calibration-cpu-$scan.txt"
 done
-python "$here/measure.py" --calibration "$out/calibration-cpu-visible.json" --calibration "$out/calibration-cpu-prefix.json" \
+python "$here/../2026-12-01-cpu-partition/measure.py" --calibration "$out/calibration-cpu-visible.json" --calibration "$out/calibration-cpu-prefix.json" \
   --machine-file "$out/machine-cpu.json" --tokens "$tokens" --cps 4,8 --reps 2 --out "$out/partition-cpu.csv" \
   | tee "$out/partition-cpu.txt"

@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--cps", default="4,8")
     parser.add_argument("--packings", default="one,histogram")
+    parser.add_argument("--policies", default="equal,balanced",
+                        help="equal, balanced (the per-row split) and refined (refined on the model's "
+                             "per-rank evaluation, refined.sh); balanced and refined once per calibration")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -162,8 +165,16 @@ def main() -> None:
         with pd.option_context("display.width", 250, "display.max_columns", 20):
             print(table.round(3).to_string(index=False))
         return
-    # equal, then balanced on each calibration (named by the indexer scan it was fitted on)
-    policies = [("equal", None)] + [(f"balanced:{scan}", cal) for scan, cal in calibrations.items()]
+    # equal, then balanced (per-row, or refined) on each calibration (named by the indexer scan it was fitted on)
+    policies = []
+    for name in args.policies.split(","):
+        if name not in ("equal", "balanced", "refined"):
+            parser.error(f"--policies: unknown policy {name!r} (equal, balanced, refined)")
+        if name == "equal":
+            policies.append(("equal", None))
+        else:
+            suffix = {"balanced": "", "refined": "-refined"}[name]
+            policies += [(f"balanced:{scan}{suffix}", cal) for scan, cal in calibrations.items()]
     rows = []
     for cp in (int(c) for c in args.cps.split(",")):
         cases, keys = [], []
@@ -171,7 +182,7 @@ def main() -> None:
             lengths = packing_lengths(packing, args.tokens, cp=cp, ratio=ratio, seed=args.seed)
             for label, cal in policies:
                 split = policy_split(cfg, ratio, lengths, cp, label.split(":")[0], machine, total=args.tokens,
-                                     calibration=cal, refine=False)
+                                     calibration=cal, refine=label.endswith("-refined"))
                 cases.append((lengths, split))
                 keys.append((packing, label, lengths))
         measured = spawn(worker, cp, cases, cfg, ratio, args.tokens, args.warmup, args.reps, args.seed)
