@@ -132,3 +132,15 @@ def test_head_group_projection_rejects_bad_arguments(w_shape, positions, pairs, 
     with pytest.raises(ValueError, match=match):
         head_group_projection(heads, torch.ones(w_shape, dtype=torch.float64), torch.zeros(positions, dtype=torch.long),
                               freqs)
+
+
+def test_zero_rows(seed):
+    """A rank may hold no rows: an empty result and empty gradients, not a reshape error."""
+    x, w, _, positions, freqs = _heads_case(seed, torch.float64)
+    heads = x[:0].clone().requires_grad_()
+    weight = w.clone().requires_grad_()
+    y = head_group_projection(heads, weight, positions[:0], freqs)
+    assert y.shape == (0, w.shape[0], w.shape[1])
+    y.sum().backward()
+    assert heads.grad.shape == heads.shape and torch.equal(weight.grad, torch.zeros_like(w))
+    assert grouped_linear(x[:0].reshape(0, w.shape[0], w.shape[2]), w).shape == (0, 3, 5)

@@ -33,7 +33,7 @@ class _GroupedLinear(torch.autograd.Function):
         rows, groups = x.shape[0], weight.shape[0]
         if positions is not None:
             x = rope_tail(x, positions, freqs, inverse=True)  # autograd is off here: a plain rotated copy
-        grouped = x.view(rows, groups, -1)
+        grouped = x.view(rows, groups, weight.shape[2])  # explicit width: zero rows are legal
         y = x.new_empty(rows, groups, weight.shape[1])
         for g in range(groups):
             torch.mm(grouped[:, g], weight[g].t(), out=y[:, g])
