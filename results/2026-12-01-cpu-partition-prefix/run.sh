@@ -1,26 +1,10 @@
 #!/usr/bin/env bash
 # CPU gloo check of the balanced split (issue 12), re-run after the torch top-k learnt to score only
-# each chunk's causal prefix (key_row_limit): per-rank CPU time of a tiny C layer (ratio 4, 8K tokens,
-# fwd+bwd, fp32) at cp 4 and 8, one document and histogram packing, equal vs balanced, beside the
-# model's predicted max/mean. The balanced split uses a CPU calibration fitted from the per-phase CPU
-# times of a CP = 1 run of the same layer and batch (one document).
+# each chunk's causal prefix (key_row_limit): the run of ../2026-12-01-cpu-partition (tiny C layer,
+# ratio 4, 8K tokens, fwd+bwd, fp32, cp 4 and 8, one document and histogram packing, equal vs balanced
+# beside the model's predicted max/mean), with the second calibration fitted on the prefix scan the
+# torch top-k now does instead of the whole buffer.
 #   bash results/2026-12-01-cpu-partition-prefix/run.sh [OUT_DIR]     (about 5-10 minutes on 2 cores)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-out=${1:-$here}
-tokens=${TOKENS:-8192}
-mkdir -p "$out"
-# fixed CPU ceilings for every step (the cpu preset re-measures on each call)
-python -c "import dataclasses, json; from dsv4cp.model.machine import measure_host; \
-m = dataclasses.asdict(measure_host()); m.pop('name'); print(json.dumps(m))" > "$out/machine-cpu.json"
-python "$here/../2026-12-01-cpu-partition/measure.py" --phases-out "$out/phases-cp1.csv" --tokens "$tokens" --reps 2 > "$out/phases-cp1.txt"
-# two fits of the same phases: the model's indexer count (visible) and what the torch reference
-# top-k now scans on CPU (prefix: the gathered slots below its rows' key_row_limit, the Triton plan's)
-for scan in visible prefix; do
-  python -m dsv4cp.cli.main model --preset tiny --ratio 4 --tokens "$tokens" --cp 1 \
-    --machine-file "$out/machine-cpu.json" --calibrate "$out/phases-cp1.csv" --indexer-scan $scan \
-    --calibration-out "$out/calibration-cpu-$scan.json" | tee "$out/calibration-cpu-$scan.txt"
-done
-python "$here/../2026-12-01-cpu-partition/measure.py" --calibration "$out/calibration-cpu-visible.json" --calibration "$out/calibration-cpu-prefix.json" \
-  --machine-file "$out/machine-cpu.json" --tokens "$tokens" --cps 4,8 --reps 2 --out "$out/partition-cpu.csv" \
-  | tee "$out/partition-cpu.txt"
+SCANS="visible prefix" bash "$here/../2026-12-01-cpu-partition/run.sh" "${1:-$here}"
