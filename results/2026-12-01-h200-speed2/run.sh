@@ -17,16 +17,7 @@
 set -uo pipefail
 part=$1; out=${2:-.}
 day=results/2026-12-01-h200-speed2
-wheels=$HOME/wheels
-if [ ! -d /tmp/site/cudnn ]; then  # install once per warm machine: join the split wheel, then install all
-  mkdir -p "$wheels"; [ -d .whl2 ] && cp .whl2/* "$wheels"/
-  (cd "$wheels" && for first in *.part.aa; do [ -e "$first" ] || continue; base=${first%.part.aa}
-     [ -e "$base.part.ab" ] && cat "$base".part.* > "$base" && rm -f "$base".part.*; done
-   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ./*.whl)
-fi
-export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export DSV4CP_GIT_SHA=${DSV4CP_GIT_SHA:-}
-quiet() { grep -v -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:"; }
+source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
 save() { tar czf "$out/$part.tar.gz" "$day" "$@"; }  # after every step: a call cut at its time limit keeps what ran
 mkdir -p "$day"
 case $part in
