@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import torch
 
 # The benchmark module's shapes, inputs and FLOP count, so the figures compare with its records.
 from bench.test_bench_sparse_attention import SHAPES, _flops_forward, _inputs
+from dsv4cp.profiling.timing import benchmark  # the suite's timer: CUDA events, a sync before each call
 
 BACKWARD_FLOP_FACTOR = 2.5  # DESIGN 4.3, as bench/test_bench_sparse_attention.py
 TOLERANCE = 1e-2  # relative Frobenius error of bf16 against fp32 (tests/kernels GPU tests)
@@ -109,26 +109,6 @@ def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a64 - b64).norm().item() / den if den > 0 else (a64 - b64).norm().item()
 
 
-def time_ms(fn, reps: int, warmup: int) -> list[float]:
-    """CUDA-event times (ms) of ``reps`` calls of ``fn`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def quantile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=10, method="inclusive")[round(q * 10) - 1]
-
-
 def fwd_call(cand: Candidate, q, kv, idx, sink, scale):
     from dsv4cp.kernels.sparse_attention_triton import sparse_attention_fwd
 
@@ -169,19 +149,20 @@ def run_candidate(cand: Candidate, shape, entry, fwd_out, dout, ref, reps: int, 
             out, lse = fwd_call(cand, q, kv, idx, sink, scale)
             row.rel_err = {"out": rel_fro(out[-check_tokens:], ref[0]),
                            "lse": rel_fro(lse[-check_tokens:], ref[1])}
-            times = time_ms(lambda: fwd_call(cand, q, kv, idx, sink, scale), reps, warmup)
+            timing = benchmark(lambda: fwd_call(cand, q, kv, idx, sink, scale), warmup=warmup, reps=reps,
+                               device=q.device)
         else:
             flops *= BACKWARD_FLOP_FACTOR
             out, lse = fwd_out
             tail = slice(q.shape[0] - check_tokens, None)
             small = bwd_call(cand, dout[tail], q[tail], kv, idx[tail], sink, scale, out[tail], lse[tail])
             row.rel_err = {name: rel_fro(a.float(), b) for name, a, b in zip(("dq", "dkv", "dsink"), small, ref[2])}
-            times = time_ms(lambda: bwd_call(cand, dout, q, kv, idx, sink, scale, out, lse), reps, warmup)
+            timing = benchmark(lambda: bwd_call(cand, dout, q, kv, idx, sink, scale, out, lse), warmup=warmup,
+                               reps=reps, device=q.device)
     except Exception as exc:  # noqa: BLE001 - one failing candidate (OutOfResources, a bug) must not end the sweep
         row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         return row
-    row.median_ms = statistics.median(times)
-    row.p20_ms, row.p80_ms = quantile(times, 0.2), quantile(times, 0.8)
+    row.median_ms, row.p20_ms, row.p80_ms = timing.median_ms, timing.p20_ms, timing.p80_ms
     row.tflops = flops / (row.median_ms * 1e-3) / 1e12
     row.ok = all(err < TOLERANCE for err in row.rel_err.values())
     return row

@@ -11,7 +11,7 @@ Backends:
 * ``torch``: :func:`dsv4cp.ops.indexer.indexer_topk` (the oracle: per-head scores of a query chunk
   against ALL keys, masked, then ``_select_top``);
 * ``triton``: :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` as the layer calls it (its
-  default path: ``DSV4CP_TOPK_IMPL``, else the streaming kernel);
+  default path: ``DSV4CP_TOPK_IMPL``, else the chunked path);
 * ``triton-chunked``: the same with ``impl="chunked"`` (fused head-sum score kernel per query chunk,
   then the default selection of ``DSV4CP_TOPK_SELECT``: ``radix`` on CUDA, ``torch`` on the CPU);
 * ``triton-chunked-radix``: the chunked path with ``DSV4CP_TOPK_SELECT=radix`` (fp32 score buffers
@@ -148,7 +148,7 @@ def _runner(backend: str, shape: Shape, entry: dict):
     lo, hi = it.key_ranges(*vis_args)
     # bytes per score of each path's chunk plan: radix fp32 4, packed int64 keys 16, torch fp32 keys 24
     radix = backend in ("triton-chunked-radix", "triton-score-radix") or (
-        backend in ("triton", "triton-chunked") and _default_select(q.device) == "radix")
+        backend in ("triton", "triton-chunked") and it._topk_select(q.device) == "radix")  # the wrapper's rule
     fp32 = backend in ("triton-chunked-scores", "triton-score")
     per_score = (it.TOPK_RADIX_BYTES_PER_SCORE if radix else
                  it.TOPK_SCORES_BYTES_PER_SCORE if fp32 else it.TOPK_BYTES_PER_SCORE)
@@ -168,18 +168,6 @@ def _runner(backend: str, shape: Shape, entry: dict):
         return last
 
     return score_only, info
-
-
-def _default_select(device: torch.device) -> str:
-    """The chunked top-k's selection when a backend sets none: ``DSV4CP_TOPK_SELECT``, else radix for
-    compiled kernels (the rule of ``indexer_topk_triton``)."""
-    import os
-
-    from dsv4cp.kernels import triton_interpreting
-    from dsv4cp.kernels.indexer_triton import TOPK_SELECT_ENV
-
-    interpreted = device.type != "cuda" or bool(triton_interpreting())
-    return os.environ.get(TOPK_SELECT_ENV) or ("torch" if interpreted else "radix")
 
 
 def _peak_extra_bytes(fn) -> int | None:

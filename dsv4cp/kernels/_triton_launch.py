@@ -1,13 +1,16 @@
 """Build and launch machinery shared by the Triton kernel modules (:mod:`.sparse_attention_triton`,
-:mod:`.indexer_triton`, :mod:`.attention_probs_triton`).
+:mod:`.indexer_triton`, :mod:`.indexer_topk_triton`, :mod:`.select_top_triton`,
+:mod:`.attention_probs_triton`, :mod:`.norm_rope_triton`, :mod:`.compress_pool_triton`).
 
 * :class:`Kernels`: one module's kernel bodies (plain functions), built lazily per execution mode: a
   compiled ``triton.jit`` kernel for CUDA tensors, an interpreted one for CPU tensors (and for every
   tensor when triton itself was imported under ``TRITON_INTERPRET=1``: its language library is then
   interpreted); and launches that try a ladder of configurations, moving on when compilation raises
   ``OutOfResources``, and cache the one that fits per shape class.
-* :func:`parse_env`, :func:`check_tiles`, :func:`pinned`: launch configurations pinned by keyword
-  arguments or an environment variable (``"a,b,c,d"``: the four integer fields of a config dataclass).
+* :func:`parse_env`, :func:`check_tiles`, :func:`pinned`, :func:`pinned_config`: launch configurations
+  pinned by keyword arguments (or a config object) or an environment variable (``"a,b,c,d"``: the four
+  integer fields of a config dataclass).
+* :func:`env_choice`: a kernel variant chosen by an environment variable (one of a few words), checked.
 
 Imports triton: only the kernel modules, themselves imported lazily, import this module.
 """
@@ -91,6 +94,15 @@ class Kernels:
         raise RuntimeError(f"{self.label} {kind}: no configuration fits this device: {error}") from error
 
 
+def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
+    """The environment variable ``var`` (``default`` when unset or blank), which must be one of
+    ``choices``; the error names ``var``."""
+    text = os.environ.get(var, "").strip() or default
+    if text not in choices:
+        raise ValueError(f"{var}: must be one of {', '.join(map(repr, choices))}, got {text!r}")
+    return text
+
+
 def parse_env(var: str, cls):
     """The ``cls`` configuration written in the environment variable ``var`` (4 integers), or None."""
     text = os.environ.get(var)
@@ -113,6 +125,20 @@ def check_tiles(cfg, prefix: str = "") -> None:
         value = getattr(cfg, name)
         if name.startswith("block_") and (value < 16 or value & (value - 1)):
             raise ValueError(f"{prefix}{name}: must be a power of two >= 16 (matrix-unit tile), got {value}")
+
+
+def pinned_config(config, env_var: str, cls, name: str = "config"):
+    """``config`` (the keyword argument ``name``), else the ``cls`` configuration in ``env_var``, else None
+    (the ladder); checked: ``block_*`` tiles (:func:`check_tiles`), ``num_warps`` and ``num_stages`` >= 1.
+    Errors start with where the configuration came from (``name`` or ``env_var``)."""
+    source = name if config is not None else env_var
+    cfg = config if config is not None else parse_env(env_var, cls)
+    if cfg is None:
+        return None
+    check_tiles(cfg, prefix=f"{source}.")
+    if cfg.num_warps < 1 or cfg.num_stages < 1:
+        raise ValueError(f"{source}: num_warps and num_stages must be >= 1, got {cfg}")
+    return cfg
 
 
 def pinned(env_var: str, cls, default, **overrides):

@@ -62,12 +62,11 @@ sizes only), as for the attention kernels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from dsv4cp.kernels._triton_launch import env_choice
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels.sparse_attention_triton import (
     _KERNELS,
@@ -229,10 +228,7 @@ def _slots_on_m() -> bool:
     """``DSV4CP_TRITON_PROBS_SLOTS_ON_M`` (``1`` default, ``0``): with one head block, compute the logits as
     ``keys @ q^T`` (slots on the matrix unit's M, heads on N) so the head sum reduces along each thread's
     registers and a lane quad instead of across the warps through shared memory; checked."""
-    text = os.environ.get(SLOTS_ON_M_ENV, "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"{SLOTS_ON_M_ENV}: must be 0 or 1, got {text!r}")
-    return text == "1"
+    return env_choice(SLOTS_ON_M_ENV, ("0", "1"), "1") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """What every implementation of an op must agree on, shared by the torch references in :mod:`dsv4cp.ops`
-and the kernels here: the sparse-attention input checks and the indexer's top-k tie rule.
+and the kernels here: the sparse-attention input checks, the indexer's top-k tie rule and its
+``key_row_limit`` check.
 
 A leaf module (torch only): ``dsv4cp.ops`` imports the kernels, never the reverse, so a rule both sides
 apply lives below both.
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_sparse_attention_inputs", "pack_selection_keys", "select_top", "select_top_packed"]
+__all__ = ["check_key_row_limit", "check_sparse_attention_inputs", "pack_selection_keys", "select_top",
+           "select_top_packed"]
 
 
 def check_sparse_attention_inputs(
@@ -46,6 +48,19 @@ def check_sparse_attention_inputs(
     for name, tensor in (("kv", kv), ("idx", idx), ("sink", sink), ("topk_length", topk_length)):
         if tensor is not None and tensor.device != q.device:
             raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
+
+
+def check_key_row_limit(key_row_limit) -> tuple[int, int]:
+    """The indexer top-k's ``key_row_limit`` checked: a tuple ``(base >= 0, ratio >= 1)`` of ints (query
+    row t sees no key row at or past ``base + t // ratio + 1``), returned; None gives ``(0, 0)`` (no
+    bound). Shared by the torch op and the Triton kernels."""
+    if key_row_limit is None:
+        return 0, 0
+    ok = (isinstance(key_row_limit, tuple) and len(key_row_limit) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in key_row_limit))
+    if not ok or key_row_limit[0] < 0 or key_row_limit[1] < 1:
+        raise ValueError(f"key_row_limit: must be a tuple (base >= 0, ratio >= 1) of ints, got {key_row_limit!r}")
+    return key_row_limit
 
 
 _LOW_BITS = 0xFFFFFFFF

@@ -4,16 +4,17 @@ Same contract as :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` (and 
 :func:`dsv4cp.ops.indexer.indexer_topk`): per query, the ``k`` visible key rows with the highest score
 ``sum_h w[t, h] relu(<q[t, h], keys[g]>)``, ties at the cut going to the LOWEST key rows, returned as
 ``[T, k]`` int64 key rows in increasing order with ``-1`` past a row's visible count. The chunked path
-writes every chunk's ``[rows, width]`` fp32 scores to memory and then selects with ``torch.topk`` plus
-the tie rule (several passes over the buffer: 72% of its time at 32K tokens on the H200); this kernel
-never stores a score.
+writes every chunk's ``[rows, width]`` scores (or packed keys) to memory and then selects from that
+buffer in a second pass; this kernel never stores a score. Measured slower than the chunked path (see
+the cost argument's end): kept as an option (``DSV4CP_TOPK_IMPL=stream``), not the default.
 
 Kernel (``_stream_topk_kernel``). One program per block of ``BLOCK_M`` query rows. It walks the key
-rows its queries can see in tiles of ``BLOCK_N``; each tile's masked scores are computed exactly as
-``_score_kernel`` does (key tile on chip, loop over heads, ``acc += w_h relu(q_h k^T)`` in one fp32
-register tile: the same arithmetic, though another tile shape may sum a product in another order
-inside the matrix unit, so scores can differ from the chunked path's in the last bits). Each score is
-then packed with its key row into ONE int64 sort key:
+rows its queries can see in tiles of ``BLOCK_N``; each tile's masked scores are computed by the device
+function ``_score_kernel`` calls (``_head_sum``: key tile on chip, loop over heads, ``acc += w_h
+relu(q_h k^T)`` in one fp32 register tile: the same arithmetic, though another tile shape may sum a
+product in another order inside the matrix unit, so scores can differ from the chunked path's in the
+last bits). Each score is then packed with its key row into ONE int64 sort key (``_pack_keys``, the
+score kernel's packed layout):
 
 * high 32 bits: the fp32 score's bits made order-preserving as a signed integer (non-negative floats
   keep their bits, negative ones flip their magnitude bits; ``-0.0`` is first turned into ``+0.0`` so
@@ -39,9 +40,9 @@ At the end the top ``k`` keys give their rows, sorted ascending (one more ``tl.s
 
 Cost argument (flash shapes: Hi = 64, Di = 128, k = 512, ``BLOCK_N = 128``, ``KP = 512``). Scoring a
 (query, key) pair costs ``2 Hi Di = 16384`` matrix FLOPs (~17 ps of an H200's ~990 TFLOP/s) plus ~128
-CUDA-core ops of the head epilogue. The chunked path then stores the fp32 score and runs ``torch.topk``
-and the tie rule's passes over ``[rows, width]`` buffers (fp32, bool and int64 temporaries: tens of
-bytes of HBM traffic per pair; 72% of its time at 32K tokens). Here a pair below its row's threshold
+CUDA-core ops of the head epilogue. The chunked path as it was then stored the fp32 score and ran
+``torch.topk`` and the tie rule's passes over ``[rows, width]`` buffers (fp32, bool and int64
+temporaries: tens of bytes of HBM traffic per pair). Here a pair below its row's threshold
 costs ~3 integer ops and no traffic. A tile with survivors costs, per candidate, the tile sort
 (``log2 BLOCK_N (log2 BLOCK_N + 1) / 2 = 28`` compare-exchange steps), the tail merge (7) and the
 ``KP``-wide re-sort amortised over the tile (``9 KP / BLOCK_N = 36``): ~70 steps of ~5 ops, i.e.
@@ -53,7 +54,10 @@ and no second pass. A block skips a tile only when none of its rows has a surviv
 ``BLOCK_M`` stays at 16 rows (also: the ``[BLOCK_M, KP]`` int64 lists live in registers). Nothing of
 size ``[T, G]`` or ``[rows, width]`` exists: the extra memory is the ``[T, k]`` output and ``O(T)``
 metadata. Which tile is fastest on the H200 is what ``bench/test_bench_indexer.py`` measures
-(``test_indexer_topk_stream_config``).
+(``test_indexer_topk_stream_config``). Measured on an H200 (flash shapes, results/2026-12-01-h200-speed):
+62.97 ms at 32K tokens and 236.90 ms at 64K, against 5.84 / 18.92 ms for the scoring alone and
+24.01 / 73.94 ms for the chunked path of then: the estimate above was wrong, the merges cost ~12x the
+scoring and 16-row tiles run the scoring on mma.sync, not wgmma.
 
 Key ranges. Each program scans only the key rows its queries can see: with ``key_row_limit = (base,
 ratio)`` (a CP layout's static causal bound, :func:`~dsv4cp.kernels.indexer_triton.plan_static_chunks`),
@@ -74,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels._triton_launch import Kernels, check_tiles, parse_env
+from dsv4cp.kernels._triton_launch import Kernels, pinned_config
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels.indexer_triton import (
     IndexerConfig,
@@ -83,6 +87,8 @@ from dsv4cp.kernels.indexer_triton import (
     _check_qwk,
     _check_visibility,
     _dot_f32,
+    _head_sum,
+    _pack_keys,
     _precision,
     _prepare,
     key_ranges,
@@ -146,7 +152,6 @@ def _stream_topk_kernel(
     q_mask = rmask[:, None] & dmask[None, :]
     slot = tl.arange(0, KP)
     part = tl.arange(0, KP // BLOCK_N)
-    low = tl.full([BLOCK_N], _LOW_MASK, tl.int64)  # the low half of a packed key is low - key row
     best = tl.full([BLOCK_M, KP], _EMPTY, tl.int64)  # descending
     thr = tl.full([BLOCK_M], _EMPTY, tl.int64)  # the k-th best key so far
     for n0 in range(start, stop, BLOCK_N):
@@ -160,20 +165,10 @@ def _stream_topk_kernel(
                         mask=cmask[:, None] & dmask[None, :], other=0.0)
             if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: use fp32 products there
                 k = k.to(tl.float32)
-            kt = tl.trans(k)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for h in range(HEADS):
-                qh = tl.load(q_ptrs + h * stride_qh, mask=q_mask, other=0.0)
-                if DOT_F32:
-                    qh = qh.to(tl.float32)
-                wh = tl.load(WT + h * stride_wh + rows64, mask=rmask, other=0.0)
-                s = tl.dot(qh, kt, input_precision=PRECISION)
-                acc += wh[:, None] * tl.maximum(s, 0.0)
-            # order-preserving int of the score (-0.0 -> +0.0 first: the zeros must tie) ...
-            bits = tl.where(acc == 0.0, 0.0, acc).to(tl.int32, bitcast=True)
-            ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            # ... above the inverted key row: one comparison decides score, then the lower row
-            packed = (ordered.to(tl.int64) << 32) | (low - cols.to(tl.int64))[None, :]
+            acc = _head_sum(q_ptrs, q_mask, WT + rows64, rmask, tl.trans(k), HEADS, stride_qh, stride_wh,
+                            BLOCK_M, BLOCK_N, PRECISION, DOT_F32)  # the score kernel's arithmetic
+            # one comparison of the packed keys decides score, then the lower key row
+            packed = _pack_keys(acc, cols, BLOCK_N)
             cand = tl.where(vis & (packed > thr[:, None]), packed, _EMPTY)
             if tl.max(cand) > _EMPTY:
                 if NATIVE_SORT:
@@ -263,15 +258,6 @@ def stream_config_ladder(block_d: int, dtype: torch.dtype, kp: int, interpreted:
     return [IndexerConfig(*c) for c in ladder]
 
 
-def _pinned_stream(config: IndexerConfig | None) -> IndexerConfig | None:
-    cfg = config if config is not None else parse_env(STREAM_CONFIG_ENV, IndexerConfig)
-    if cfg is not None:
-        check_tiles(cfg, prefix="config.")
-        if cfg.num_warps < 1 or cfg.num_stages < 1:
-            raise ValueError(f"config: num_warps and num_stages must be >= 1, got {cfg}")
-    return cfg
-
-
 @torch.no_grad()
 def indexer_topk_stream(
     q: torch.Tensor,
@@ -304,7 +290,7 @@ def indexer_topk_stream(
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
     base, ratio = _check_key_row_limit(key_row_limit)
-    pinned = _pinned_stream(config)
+    pinned = pinned_config(config, STREAM_CONFIG_ENV, IndexerConfig)
     t, hi, di = q.shape
     g = keys.shape[0]
     out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)

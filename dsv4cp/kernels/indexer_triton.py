@@ -15,8 +15,8 @@ Public API:
 * :func:`indexer_topk_triton` (no grad): the ``k`` best visible key rows per query, same contract and
   tie rule as :func:`dsv4cp.ops.indexer.indexer_topk`. By default (``DSV4CP_TOPK_IMPL=chunked``) it
   runs the path described below (score buffers + a selection); ``stream`` selects the one-pass
-  streaming kernel of :mod:`dsv4cp.kernels.indexer_topk_triton` (no score buffer, but 3.2x slower on
-  an H200: see :data:`TOPK_IMPL_ENV`).
+  streaming kernel of :mod:`dsv4cp.kernels.indexer_topk_triton` (no score buffer, but several times
+  slower on an H200: see :data:`TOPK_IMPL_ENV`).
 * :func:`indexer_score_matrix` (no grad): the masked fp32 scores of a block of key rows (``-inf``
   where invisible), the kernel the top-k wrapper runs per chunk; exposed for tests and benchmarks.
 * :func:`iter_score_chunks`: the top-k wrapper's scoring half (chunks of masked scores, no selection).
@@ -117,7 +117,6 @@ import). Configurations: keyword arguments or ``DSV4CP_TRITON_INDEXER_CONFIG``
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -129,13 +128,14 @@ from dsv4cp.kernels import is_deterministic
 from dsv4cp.kernels._triton_launch import (
     Kernels,
     OutOfResources,  # noqa: F401  (re-exported: callers catch indexer_triton.OutOfResources)
-    check_tiles,
-    parse_env,
+    env_choice,
+    pinned_config,
 )
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
+from dsv4cp.kernels.contracts import check_key_row_limit as _check_key_row_limit
 from dsv4cp.kernels.contracts import select_top as _select_top
 from dsv4cp.kernels.contracts import select_top_packed as _select_top_packed
-from dsv4cp.kernels.select_top_triton import select_top_triton
+from dsv4cp.kernels.select_top_triton import _ordered_bits, select_top_triton
 
 __all__ = [
     "BWD_CONFIG_ENV",
@@ -168,8 +168,9 @@ temporaries (``rows * width * bytes_per_score``)."""
 
 TOPK_IMPL_ENV = "DSV4CP_TOPK_IMPL"
 """Selects :func:`indexer_topk_triton`'s path: ``chunked`` (default) or ``stream``. Measured on an H200
-(flash shapes, 64K tokens, ``results/2026-12-01-h200-speed``): chunked 73.9 ms, stream 236.9 ms (its
-per-tile sort-and-merge on the CUDA cores costs 12x the scoring), scoring alone 18.9 ms."""
+(flash shapes, 64K tokens, ``results/2026-12-01-h200-speed``): chunked 73.9 ms (its selection then
+``select_top`` in torch; with the radix select, exact plan: 34.6 ms, ``results/2026-12-01-h200-speed4``), stream
+236.9 ms (its per-tile sort-and-merge on the CUDA cores costs 12x the scoring), scoring alone 18.9 ms."""
 
 TOPK_SELECT_ENV = "DSV4CP_TOPK_SELECT"
 """The chunked top-k's selection: ``radix`` (fp32 score buffers selected by the Triton radix select,
@@ -253,8 +254,37 @@ class GatherBwdConfig:
 
 # ---------------------------------------------------------------------------------------------------
 # Kernel bodies. Plain functions; ``_build`` turns each into a ``triton.jit`` kernel (CUDA) or an
-# interpreted one (CPU) on first use.
+# interpreted one (CPU) on first use. The device helpers they share are ``triton.jit`` functions: inlined
+# into compiled kernels, interpreted with interpreted ones.
 # ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _head_sum(q_ptrs, q_mask, w_ptrs, rmask, kt, n_heads, stride_qh, stride_wh, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` fp32 ``sum_h w_h relu(q_h @ kt)`` over heads ``h < n_heads``: ``q_ptrs``
+    / ``q_mask`` address head 0's query tile (heads ``stride_qh`` apart), ``w_ptrs`` / ``rmask`` head
+    0's weights (``stride_wh`` apart), ``kt [BLOCK_D, BLOCK_N]`` the key tile, on chip for every head.
+    The scoring arithmetic of ``_score_kernel`` and the streaming top-k's ``_stream_topk_kernel``."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for h in range(n_heads):
+        qh = tl.load(q_ptrs + h * stride_qh, mask=q_mask, other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: use fp32 products there
+            qh = qh.to(tl.float32)
+        wh = tl.load(w_ptrs + h * stride_wh, mask=rmask, other=0.0)
+        s = tl.dot(qh, kt, input_precision=PRECISION)
+        acc += wh[:, None] * tl.maximum(s, 0.0)
+    return acc
+
+
+@triton.jit
+def _pack_keys(scores, cols, BLOCK_N: tl.constexpr):
+    """int64 selection keys of fp32 ``scores [M, BLOCK_N]`` at buffer columns ``cols [BLOCK_N]``: the layout of
+    :func:`dsv4cp.kernels.contracts.pack_selection_keys` (high 32 bits: the score's order-preserving
+    bits, ``-0.0`` folded into ``+0.0``; low 32 bits: ``2^32 - 1 - column``, so one comparison ranks
+    by score, then lower column). Scores are packed as they are: callers map the ones to rank last."""
+    low = tl.full([BLOCK_N], 0xFFFFFFFF, tl.int64) - cols.to(tl.int64)
+    return (_ordered_bits(scores).to(tl.int64) << 32) | low[None, :]  # .to sign-extends, as in torch
 
 
 def _score_kernel(
@@ -304,24 +334,14 @@ def _score_kernel(
     kt = tl.trans(k)  # [BLOCK_D, BLOCK_N]
     q_ptrs = Q + rows64[:, None] * stride_qt + d[None, :]
     q_mask = rmask[:, None] & dmask[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for h in range(n_heads):
-        qh = tl.load(q_ptrs + h * stride_qh, mask=q_mask, other=0.0)
-        if DOT_F32:
-            qh = qh.to(tl.float32)
-        wh = tl.load(WT + h * stride_wh + rows64, mask=rmask, other=0.0)
-        s = tl.dot(qh, kt, input_precision=PRECISION)
-        acc += wh[:, None] * tl.maximum(s, 0.0)
+    acc = _head_sum(q_ptrs, q_mask, WT + rows64, rmask, kt, n_heads, stride_qh, stride_wh, BLOCK_M, BLOCK_N,
+                    PRECISION, DOT_F32)
     out_ptrs = OUT + rows64[:, None] * stride_ot + cols[None, :]
     out_mask = rmask[:, None] & cmask[None, :]
     if PACKED:
         # |acc| < inf is false for +-inf and NaN: they rank as invisible, as select_top ranks them
         scores = tl.where(vis & (tl.abs(acc) < float("inf")), acc, float("-inf"))
-        scores = tl.where(scores == 0.0, 0.0, scores)  # -0.0 -> +0.0 (explicit: x + 0.0 may be folded)
-        bits = scores.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # sign-extends, as in torch
-        low = tl.full([BLOCK_N], 0xFFFFFFFF, tl.int64) - cols.to(tl.int64)
-        tl.store(out_ptrs, (ordered << 32) | low[None, :], mask=out_mask)
+        tl.store(out_ptrs, _pack_keys(scores, cols, BLOCK_N), mask=out_mask)
     else:
         tl.store(out_ptrs, tl.where(vis, acc, float("-inf")), mask=out_mask)
 
@@ -492,13 +512,10 @@ def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> l
 
 def _gather_bwd_pinned(config: GatherBwdConfig | None) -> GatherBwdConfig | None:
     """``config``, else the one in :data:`BWD_CONFIG_ENV`, else None (the ladder); checked."""
-    source = "bwd_config" if config is not None else BWD_CONFIG_ENV
-    cfg = config if config is not None else parse_env(BWD_CONFIG_ENV, GatherBwdConfig)
+    cfg = pinned_config(config, BWD_CONFIG_ENV, GatherBwdConfig, name="bwd_config")
     if cfg is None:
         return None
-    check_tiles(cfg, prefix=f"{source}.")
-    if cfg.num_warps < 1 or cfg.num_stages < 1:
-        raise ValueError(f"{source}: num_warps and num_stages must be >= 1, got {cfg}")
+    source = "bwd_config" if config is not None else BWD_CONFIG_ENV
     if cfg.relaxed_atomics not in (0, 1):  # the env gives ints; True / False compare equal to 1 / 0
         raise ValueError(f"{source}: relaxed_atomics must be 0 or 1, got {cfg.relaxed_atomics!r}")
     return dataclasses.replace(cfg, relaxed_atomics=bool(cfg.relaxed_atomics))
@@ -699,17 +716,6 @@ def _check_plan(budget_bytes: int, max_rows: int | None) -> int:
     return _PLAN_ROWS if max_rows is None else max(1, min(_PLAN_ROWS, max_rows))
 
 
-def _check_key_row_limit(key_row_limit) -> tuple[int, int]:
-    """``(base, ratio)`` checked; ``(0, 0)`` (no bound) for None."""
-    if key_row_limit is None:
-        return 0, 0
-    ok = (isinstance(key_row_limit, tuple) and len(key_row_limit) == 2
-          and all(isinstance(v, int) and not isinstance(v, bool) for v in key_row_limit))
-    if not ok or key_row_limit[0] < 0 or key_row_limit[1] < 1:
-        raise ValueError(f"key_row_limit: must be a tuple (base >= 0, ratio >= 1) of ints, got {key_row_limit!r}")
-    return key_row_limit
-
-
 def _greedy_chunks(t, gran, bounds, split, budget, max_rows, bytes_per_score) -> list[tuple[int, int, int, int]]:
     """Greedy chunking shared by both planners. ``bounds``: host ``(lo, hi)`` key-row bounds of each group
     of ``gran`` query rows (``lo = _NO_KEY, hi = 0``: no key); ``split(start, stop, per)``: the pieces of
@@ -747,12 +753,7 @@ def _greedy_chunks(t, gran, bounds, split, budget, max_rows, bytes_per_score) ->
 
 def _pinned(config: IndexerConfig | None) -> IndexerConfig | None:
     """``config``, else the one in ``DSV4CP_TRITON_INDEXER_CONFIG``, else None (the ladder); checked."""
-    cfg = config if config is not None else parse_env("DSV4CP_TRITON_INDEXER_CONFIG", IndexerConfig)
-    if cfg is not None:
-        check_tiles(cfg, prefix="config.")
-        if cfg.num_warps < 1 or cfg.num_stages < 1:
-            raise ValueError(f"config: num_warps and num_stages must be >= 1, got {cfg}")
-    return cfg
+    return pinned_config(config, "DSV4CP_TRITON_INDEXER_CONFIG", IndexerConfig)
 
 
 def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pinned) -> None:
@@ -900,27 +901,21 @@ def indexer_topk_triton(
 def _topk_select(device: torch.device) -> str:
     """The chunked path's selection, from ``DSV4CP_TOPK_SELECT`` (default: ``"radix"`` for compiled
     kernels, ``"torch"`` under the interpreter); checked."""
-    chosen = os.environ.get(TOPK_SELECT_ENV) or ("torch" if _interpreted(device) else "radix")
-    if chosen not in ("radix", "torch"):
-        raise ValueError(f"{TOPK_SELECT_ENV}: must be 'radix' or 'torch', got {chosen!r}")
-    return chosen
+    return env_choice(TOPK_SELECT_ENV, ("radix", "torch"), "torch" if _interpreted(device) else "radix")
 
 
 def _topk_keys() -> str:
     """The chunked path's buffer, from ``DSV4CP_TOPK_KEYS`` (default ``"packed"``); checked."""
-    chosen = os.environ.get(TOPK_KEYS_ENV) or "packed"
-    if chosen not in ("packed", "scores"):
-        raise ValueError(f"{TOPK_KEYS_ENV}: must be 'packed' or 'scores', got {chosen!r}")
-    return chosen
+    return env_choice(TOPK_KEYS_ENV, ("packed", "scores"), "packed")
 
 
 def _topk_impl(impl: str | None) -> str:
     """The requested top-k path: ``impl``, else ``DSV4CP_TOPK_IMPL``, else ``"chunked"``; checked."""
-    source = "impl" if impl is not None else TOPK_IMPL_ENV
-    chosen = impl if impl is not None else (os.environ.get(TOPK_IMPL_ENV) or "chunked")
-    if chosen not in ("stream", "chunked"):
-        raise ValueError(f"{source}: must be 'stream' or 'chunked', got {chosen!r}")
-    return chosen
+    if impl is None:
+        return env_choice(TOPK_IMPL_ENV, ("stream", "chunked"), "chunked")
+    if impl not in ("stream", "chunked"):
+        raise ValueError(f"impl: must be 'stream' or 'chunked', got {impl!r}")
+    return impl
 
 
 def _check_chunking(chunk: int | None, budget_bytes: int | None) -> int:
@@ -992,7 +987,6 @@ def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, bud
         plan = [c for c in plan_chunks(*ranges, budget, chunk, per_score) if c[3] > 0]
     if not plan:
         return
-    g = keys.shape[0]
     plan = [(s, e, *_aligned_columns(col0, width, g)) for s, e, col0, width in plan]
     args = _prepare(q, w, keys, query_doc, query_limit, key_doc, key_j)
     flat = torch.empty(max((e - s) * width for s, e, _, width in plan),

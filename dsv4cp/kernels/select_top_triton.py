@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels._triton_launch import Kernels, check_tiles, parse_env
+from dsv4cp.kernels._triton_launch import Kernels, pinned_config
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 
 __all__ = ["MAX_RADIX_BITS", "SELECT_CONFIGS", "SELECT_CONFIG_ENV", "SelectConfig", "select_config_ladder",
@@ -101,12 +101,19 @@ class SelectConfig:
 
 
 @triton.jit
+def _ordered_bits(x):
+    """int32 of fp32 ``x`` that compare as signed integers as the floats do, ``-0.0`` tying ``+0.0``
+    (the high half of :func:`dsv4cp.kernels.contracts.pack_selection_keys`; also used by the indexer's
+    score and streaming top-k kernels)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 -> +0.0 (x + 0.0 may be folded)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negatives flip their magnitude bits
+
+
+@triton.jit
 def _radix_keys(x):
     """Order-preserving unsigned keys (int64 in ``[0, 2^32)``) of fp32 ``x``: ``-0.0`` as ``+0.0``;
     non-finite scores get 0, below every finite key (``>= 0x00800000``)."""
-    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 -> +0.0 (x + 0.0 may be folded)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order: negatives flip their magnitude
-    key = ordered.to(tl.int64) + 2147483648  # + 2^31: the same order on [0, 2^32), unsigned
+    key = _ordered_bits(x).to(tl.int64) + 2147483648  # + 2^31: the same order on [0, 2^32), unsigned
     return tl.where(tl.abs(x) < float("inf"), key, 0)  # false for +-inf and NaN
 
 
@@ -202,17 +209,12 @@ def select_config_ladder(interpreted: bool) -> list[SelectConfig]:
 
 def _pinned(config: SelectConfig | None) -> SelectConfig | None:
     """``config``, else the one in :data:`SELECT_CONFIG_ENV`, else None (the ladder); checked."""
-    source = "config" if config is not None else SELECT_CONFIG_ENV
-    config = config if config is not None else parse_env(SELECT_CONFIG_ENV, SelectConfig)
-    if config is None:
-        return None
-    if not isinstance(config, SelectConfig):
+    if config is not None and not isinstance(config, SelectConfig):
         raise ValueError(f"config: must be a SelectConfig, got {type(config).__name__}")
-    check_tiles(config, prefix=f"{source}.")
-    if not 1 <= config.radix_bits <= MAX_RADIX_BITS:
+    source = "config" if config is not None else SELECT_CONFIG_ENV
+    config = pinned_config(config, SELECT_CONFIG_ENV, SelectConfig)
+    if config is not None and not 1 <= config.radix_bits <= MAX_RADIX_BITS:
         raise ValueError(f"{source}.radix_bits: must be in [1, {MAX_RADIX_BITS}], got {config.radix_bits}")
-    if config.num_warps < 1 or config.num_stages < 1:
-        raise ValueError(f"{source}: num_warps and num_stages must be >= 1, got {config}")
     return config
 
 

@@ -71,7 +71,6 @@ package ``dsv4cp.kernels`` registers the backends without importing this module 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +78,7 @@ import triton
 import triton.language as tl
 
 from dsv4cp.kernels import is_deterministic
-from dsv4cp.kernels._triton_launch import Kernels, OutOfResources  # noqa: F401  (OutOfResources: re-exported)
+from dsv4cp.kernels._triton_launch import Kernels, OutOfResources, env_choice  # noqa: F401  (OutOfResources: re-exported)
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
@@ -488,10 +487,7 @@ def _dq_in_dkv(explicit: bool | None) -> bool:
     (``0``: in the dq kernel; ``1``: in the dkv kernel), else :data:`DQ_IN_DKV_DEFAULT`."""
     if explicit is not None:
         return bool(explicit)
-    text = os.environ.get(DQ_IN_DKV_ENV, "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{DQ_IN_DKV_ENV}: expected 0 or 1, got {text!r}")
-    return DQ_IN_DKV_DEFAULT if text == "" else text == "1"
+    return env_choice(DQ_IN_DKV_ENV, ("0", "1"), "1" if DQ_IN_DKV_DEFAULT else "0") == "1"
 
 
 def _dkv_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]:

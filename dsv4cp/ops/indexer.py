@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from dsv4cp.kernels import triton_serves
-from dsv4cp.kernels.contracts import select_top
+from dsv4cp.kernels.contracts import check_key_row_limit, select_top
 from dsv4cp.profiling.autograd_ranges import BackwardRegion
 from dsv4cp.profiling.nvtx import nvtx_range
 
@@ -29,16 +29,6 @@ chunk of 256 rows scores at most 64 columns a row does not need)."""
 
 def _chunk(per_query: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(per_query, 1))
-
-
-def _check_key_row_limit(key_row_limit: tuple[int, int] | None) -> None:
-    """The rule of the Triton planner's check: a tuple ``(base >= 0, ratio >= 1)`` of ints, or None."""
-    if key_row_limit is None:
-        return
-    ok = (isinstance(key_row_limit, tuple) and len(key_row_limit) == 2
-          and all(isinstance(v, int) and not isinstance(v, bool) for v in key_row_limit))
-    if not ok or key_row_limit[0] < 0 or key_row_limit[1] < 1:
-        raise ValueError(f"key_row_limit: must be a tuple (base >= 0, ratio >= 1) of ints, got {key_row_limit!r}")
 
 
 @torch.no_grad()
@@ -67,7 +57,7 @@ def indexer_topk(
     Raises:
         ValueError: ``key_row_limit`` is not None nor a tuple ``(base >= 0, ratio >= 1)`` of ints.
     """
-    _check_key_row_limit(key_row_limit)
+    check_key_row_limit(key_row_limit)
     if visibility is not None and triton_serves(q):
         from dsv4cp.kernels.indexer_triton import indexer_topk_triton  # lazy: imports triton
 

@@ -43,6 +43,7 @@ from kernels.test_indexer_triton import (
     reference_scores,
     reference_topk,
 )
+from test_indexer_topk_prefix import layout_inputs
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -139,11 +140,7 @@ CP_PACKINGS = [([9, 13, 2], 24), ([5, 0, 18, 1], 24), ([24], 24), ([1, 2, 3, 1, 
 
 def layout_case(lay, gen: torch.Generator) -> dict:
     """Integer-valued inputs on a CP rank's layout (exact scores: identical selections required)."""
-    hi, di = 3, 16
-    values = torch.tensor([-2.0, -1.0, 1.0, 2.0])
-    q = values[torch.randint(0, 4, (lay.rows, hi, di), generator=gen)]
-    keys = values[torch.randint(0, 4, (lay.gathered_rows, di), generator=gen)]
-    w = torch.tensor([-0.5, 0.5, 1.0])[torch.randint(0, 3, (lay.rows, hi), generator=gen)]
+    q, w, keys = layout_inputs(lay, gen)
     doc, pos = lay.local_doc, lay.local_pos
     return dict(q=q, w=w, keys=keys, query_doc=doc, query_limit=query_limits(doc, pos),
                 key_doc=lay.gathered_doc, key_j=lay.gathered_j)

@@ -144,8 +144,9 @@ def test_backward_dq_in_dkv_matches_torch_fp32(case, deterministic, seed):
 
 
 def test_dq_in_dkv_environment_switch(seed, monkeypatch):
-    """DSV4CP_TRITON_DQ_IN_DKV=1 selects the placement (its own cached configurations), the keyword
-    wins over it, and a value other than 0 / 1 is refused before any kernel runs."""
+    """DSV4CP_TRITON_DQ_IN_DKV selects the placement (its own cached configurations) both ways (1 is also
+    the default, so 0 is what shows the variable is read), the keyword wins over it, and a value other
+    than 0 / 1 is refused before any kernel runs."""
     from dsv4cp.kernels import sparse_attention_triton as sat
 
     q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
@@ -154,14 +155,15 @@ def test_dq_in_dkv_environment_switch(seed, monkeypatch):
     ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
     for pinning in ("DSV4CP_TRITON_BWD_CONFIG", "DSV4CP_TRITON_DKV_CONFIG"):  # a pinned launch caches nothing
         monkeypatch.delenv(pinning, raising=False)
-    monkeypatch.setenv(sat.DQ_IN_DKV_ENV, "1")
-    sat._CHOSEN.clear()
-    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_)
-    kinds = {key[0] for key in sat._CHOSEN}
-    assert {"bwd_dq_dq_in_dkv", "bwd_dkv_dq_in_dkv"} <= kinds and "bwd_dq" not in kinds, kinds
-    assert all(rel_fro(a, b) < 1e-4 for a, b in zip(got, ref)), f"seed={seed}"
-    sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, dq_in_dkv=False)
-    assert "bwd_dq" in {key[0] for key in sat._CHOSEN}
+    in_dkv, in_dq = {"bwd_dq_dq_in_dkv", "bwd_dkv_dq_in_dkv"}, {"bwd_dq", "bwd_dkv"}
+    for env, keyword, expected in (("1", None, in_dkv), ("0", None, in_dq), ("1", False, in_dq), ("0", True, in_dkv)):
+        monkeypatch.setenv(sat.DQ_IN_DKV_ENV, env)
+        sat._CHOSEN.clear()
+        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, dq_in_dkv=keyword)
+        kinds = {key[0] for key in sat._CHOSEN}
+        msg = f"seed={seed} env={env} keyword={keyword}"
+        assert expected <= kinds and not ((in_dkv | in_dq) - expected) & kinds, f"{msg}: {kinds}"
+        assert all(rel_fro(a, b) < 1e-4 for a, b in zip(got, ref)), msg
     monkeypatch.setenv(sat.DQ_IN_DKV_ENV, "yes")
     with pytest.raises(ValueError, match=f"^{sat.DQ_IN_DKV_ENV}: .*'yes'"):
         sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_)
