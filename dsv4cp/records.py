@@ -30,15 +30,12 @@ replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no commun
 lists hold None at every other rank); ``cuda_graph``: whether the timed steps were replays of one
 captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager)."""
 
-_ADDED_AXES: tuple[str, ...] = ("emulated_rank", "cuda_graph")
-"""Axes added after records were first committed: left out of :func:`point_id` while None (or False,
-what a boolean axis meant before it existed), so the ids of earlier records (and of every real,
-eager run) do not change."""
-
-_ADDED_AXIS_DEFAULTS: dict[str, object] = {"cuda_graph": False}
-"""What an added axis that has a value other than None meant before it existed: :func:`make_record`
-and :func:`read_records` fill it in where a record lacks it, so an old run and a new one agree on it
-(a report would otherwise see ``None`` and ``False`` as two values of the axis)."""
+_ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False}
+"""Axes added after records were first committed -> what a record meant before the axis existed (a
+real run; eager steps). An added axis at that value (or None) is left out of :func:`point_id`, so the
+ids of earlier records (and of every real, eager run) do not change; :func:`make_record` and
+:func:`read_records` fill a value other than None in where a record lacks it, so an old run and a new
+one agree on it (a report would otherwise see ``None`` and ``False`` as two values of the axis)."""
 
 METRICS: tuple[str, ...] = (
     "time_ms_median", "time_ms_p20", "time_ms_p80",  # max over ranks per repetition, then the statistic
@@ -80,12 +77,12 @@ def point_id(axes: dict) -> str:
     """A stable 12-hex-digit id of a point: the sha1 of the sorted JSON of its :data:`AXES` values.
 
     Keys outside :data:`AXES` are ignored; a missing axis counts as None (an axis of
-    :data:`_ADDED_AXES` that is None or False is left out).
+    :data:`_ADDED_AXES` that is None or at its value from before it existed is left out).
     """
     values = {name: axes.get(name) for name in AXES}
-    # ``is False``, not ``not value``: an emulated rank 0 is a value, a boolean axis left off is not
+    # ``is``, not ``==``: only the old value itself is left out, never a number equal to it (0 == False)
     values = {name: value for name, value in values.items()
-              if name not in _ADDED_AXES or not (value is None or value is False)}
+              if name not in _ADDED_AXES or not (value is None or value is _ADDED_AXES[name])}
     canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(canonical.encode()).hexdigest()[:12]
 
@@ -185,8 +182,8 @@ def read_records(path: str | os.PathLike) -> list[dict]:
 
 
 def _added_axis_defaults(record: dict) -> dict:
-    """The :data:`_ADDED_AXIS_DEFAULTS` of the added axes ``record`` lacks or holds as None."""
-    return {name: value for name, value in _ADDED_AXIS_DEFAULTS.items() if record.get(name) is None}
+    """The values other than None of :data:`_ADDED_AXES` that ``record`` lacks or holds as None."""
+    return {name: value for name, value in _ADDED_AXES.items() if value is not None and record.get(name) is None}
 
 
 def drop_partial_line(path: str | os.PathLike) -> bool:

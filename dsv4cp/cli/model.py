@@ -109,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     if args.lengths is not None:
         lengths = parse_lengths(args.lengths)
     else:
-        lengths = pack_lengths(args.tokens, args.packing, doc_len=args.doc_len, seed=args.seed)
+        # --doc-len is the fixed packing's; adversarial is built for this --cp and --ratio, as the sweeps build it
+        lengths = pack_lengths(args.tokens, args.packing, doc_len=args.doc_len if args.packing == "fixed" else None,
+                               seed=args.seed, cp=args.cp, ratio=args.ratio)
     if args.calibrate is not None:
         return _run_calibrate(args, cfg, machine, lengths)
     policies = None

@@ -141,8 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if emulated:
         group = init_emulated_group(cp, rank, seed=args.seed)
     try:
-        _measure_and_report(args, point, group, device, rank, cp, emulated, run_options, machine, trace_dir,
-                            calibration, out)
+        _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out)
     finally:  # also on an error: the fake group must not outlive this command in the process
         if emulated:
             destroy_emulated_group(group)
@@ -152,9 +151,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_and_report(args, point, group, device, rank, cp, emulated, run_options, machine, trace_dir,
-                        calibration, out) -> None:
+def _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out) -> None:
     """Measure the point and print / write its record (rank 0, or the emulated rank)."""
+    emulated = point.emulated_rank is not None
+    processes = 1 if emulated else point.cp  # what the machine label and meta describe
     # a graph point warms up eagerly (at least once) before its capture, then with untimed replays
     warmup = max(args.warmup, 1) + args.warmup if point.cuda_graph else args.warmup
     with step_progress(warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:
@@ -163,7 +163,7 @@ def _measure_and_report(args, point, group, device, rank, cp, emulated, run_opti
                                     memory_phases=args.memory_phases, calibration=calibration)
     if rank == 0 or emulated:
         record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
-                             machine=machine_label(1 if emulated else cp, device), git_sha=git_sha(),
+                             machine=machine_label(processes, device), git_sha=git_sha(),
                              resolved_backends=measurement.resolved_backends)
         _report(point, record, measurement.overlap, machine.name)
         if measurement.attribution is not None:
@@ -173,7 +173,7 @@ def _measure_and_report(args, point, group, device, rank, cp, emulated, run_opti
         if out is not None:
             if not (out / "meta.json").exists():
                 options = {name: value for name, value in vars(args).items() if not name.startswith("_")}
-                write_meta(out, run_meta(1 if emulated else cp, device, {"command": "profile", **options}))
+                write_meta(out, run_meta(processes, device, {"command": "profile", **options}))
             append_record(out / RECORDS_FILE, record)
 
 

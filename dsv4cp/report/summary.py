@@ -38,18 +38,16 @@ def _why(df: pd.DataFrame, point_id: str, run: str) -> str:
     if run != tables_module.ALL_RUNS:
         in_scope &= df["run"] == run
     profiled = [p for p in df[in_scope]["phases"] if isinstance(p, list)]
-    phases = profiled[-1] if profiled else None
-    if not isinstance(phases, list):
+    if not profiled:
         return "the point was not profiled (sweep --profile tells why)"
-    rows = pd.DataFrame([p for p in phases if p.get("phase") != TOTAL])
+    rows = pd.DataFrame([p for p in profiled[-1] if p.get("phase") != TOTAL])
     rows["busy_ms"] = rows["compute_ms"] + rows["exposed_comm_ms"]
     busiest = rows.nlargest(TOP_PHASES, "busy_ms")
     exposed = rows[rows["exposed_comm_ms"] > 0].nlargest(TOP_PHASES, "exposed_comm_ms")
-    ranks = rows["rank"] if "rank" in rows else pd.Series(0, index=rows.index)
 
-    def named(table: pd.DataFrame, column: str) -> str:
+    def named(table: pd.DataFrame, column: str) -> str:  # every overlap row names its rank
         return ", ".join(f"{p.removeprefix('dsv4cp.')} (rank {r}) {t:.3g} ms"
-                         for p, r, t in zip(table["phase"], ranks[table.index], table[column]))
+                         for p, r, t in zip(table["phase"], table["rank"], table[column]))
 
     parts = ["busiest phases " + named(busiest, "busy_ms")]
     if len(exposed):

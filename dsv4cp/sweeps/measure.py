@@ -36,10 +36,10 @@ from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import record_phase_memory, track_memory
-from dsv4cp.profiling.nvtx import capture_range, nvtx_range
-from dsv4cp.profiling.overlap import TOTAL
+from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
+from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
 from dsv4cp.profiling.timing import benchmark, graph_replay
-from dsv4cp.profiling.trace import capture_trace, kineto_attribution_table, kineto_kernel_table, kineto_overlap_table
+from dsv4cp.profiling.trace import capture_trace, load_kineto_dir
 from dsv4cp.sweeps.spec import Point, RunOptions
 from dsv4cp.workloads import packing_lengths
 
@@ -263,11 +263,12 @@ def measure_point(
             dist.barrier(group)  # every rank's file is written before rank 0 reads them
         reader = emulated if emulated is not None else 0  # an emulated rank wrote the only trace
         if rank == reader:
-            overlap = _per_step(kineto_overlap_table(trace_dir), run.trace_steps)
+            kernels, ranges = load_kineto_dir(trace_dir)  # parsed once for the three tables
+            overlap = _per_step(overlap_table(kernels, ranges), run.trace_steps)
             overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
-            attribution = kineto_attribution_table(trace_dir)
+            attribution = attribution_table(kernels, ranges, step_range=full_name("step"))
             attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
-            kineto_kernel_table(trace_dir).to_csv(Path(trace_dir) / "kernels.csv", index=False)
+            kernel_table(kernels, ranges).to_csv(Path(trace_dir) / "kernels.csv", index=False)
             metrics["phases"] = overlap.to_dict(orient="records")
             if emulated is None:  # an emulated rank's collectives move nothing: no communication to report
                 total = overlap[(overlap["rank"] == 0) & (overlap["phase"] == TOTAL)].iloc[0]

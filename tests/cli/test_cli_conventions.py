@@ -180,3 +180,15 @@ def test_adversarial_packing_is_built_for_the_commands_ranks(seed):
     inputs = layer_inputs(args, 2)
     assert inputs.lengths == packing_lengths("adversarial", 64, cp=2, ratio=4, seed=seed % 1000)
     assert inputs.packed.total == 64 and len(inputs.lengths) > 2
+
+
+def test_model_builds_the_adversarial_packing_for_its_cp_and_ratio(capsys, seed):
+    """``model --packing adversarial`` models the batch the sweeps and profile measure (not a refusal for
+    want of a rank count, nor documents up to the fixed packing's --doc-len)."""
+    from dsv4cp.workloads import packing_lengths
+
+    argv = ["model", "--preset", "tiny", "--packing", "adversarial", "--tokens", "256", "--ratio", "4", "--cp", "2",
+            "--seed", str(seed % 1000)]
+    assert main(argv) == 0
+    docs = len(packing_lengths("adversarial", 256, cp=2, ratio=4, seed=seed % 1000))
+    assert f" docs={docs} " in capsys.readouterr().out

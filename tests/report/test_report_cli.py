@@ -72,5 +72,5 @@ def test_a_missed_target_names_where_the_cp2_point_spends_its_time(tmp_path, see
     phases = [p for p in read_records(run)[1]["phases"] if p["phase"] != "total"]
     busiest = max(phases, key=lambda p: p["compute_ms"] + p["exposed_comm_ms"])
     assert f"CP = 2 point {point_id(points[1])}" in line
-    assert f"busiest phases {busiest['phase'].removeprefix('dsv4cp.')}" in line
-    assert "exposed communication in allgather.kv.launch" in line
+    assert f"busiest phases {busiest['phase'].removeprefix('dsv4cp.')} (rank 0) " in line
+    assert "exposed communication in allgather.kv.launch (rank 0) " in line

@@ -8,9 +8,14 @@ import pandas as pd
 import pytest
 from report_helpers import GIB, SCALING_POINTS, grid, write_run
 
+from dsv4cp.config import DSv4Config
+from dsv4cp.cp.partition import RowSplit
+from dsv4cp.model import estimate
+from dsv4cp.model.partition import policy_split
 from dsv4cp.records import point_id, read_records
 from dsv4cp.report import tables
 from dsv4cp.report.load import load_runs
+from dsv4cp.workloads import packing_lengths
 
 
 def _by_axes(records: list[dict], **axes) -> dict:
@@ -159,10 +164,6 @@ def test_two_runs_are_told_apart_and_tables_are_written(tmp_path, seed):
 
 
 def test_model_imbalance_is_the_cost_model_on_the_points_packing(tmp_path, seed):
-    from dsv4cp.config import DSv4Config
-    from dsv4cp.model import estimate
-    from dsv4cp.workloads import packing_lengths
-
     points = grid(cp=[1, 2], tokens=[4096], packing=["histogram", "one"], seed=[seed % 1000])
     table = tables.model_imbalance(load_runs(write_run(tmp_path / "p", points, seed=seed)))
     assert len(table) == 4 and (table[table["cp"] == 1]["model_flops_imbalance"] == 1.0).all()
@@ -174,11 +175,6 @@ def test_model_imbalance_is_the_cost_model_on_the_points_packing(tmp_path, seed)
 
 
 def test_model_imbalance_of_a_balanced_point_uses_its_balanced_split(tmp_path, seed):
-    from dsv4cp.config import DSv4Config
-    from dsv4cp.model import estimate
-    from dsv4cp.model.partition import policy_split
-    from dsv4cp.workloads import packing_lengths
-
     points = grid(cp=[2], tokens=[16384], packing=["histogram"], partition=["equal", "balanced"],
                   seed=[seed % 1000])
     table = tables.model_imbalance(load_runs(write_run(tmp_path / "p", points, seed=seed)))
@@ -194,11 +190,6 @@ def test_model_imbalance_of_a_balanced_point_uses_its_balanced_split(tmp_path, s
 def test_model_imbalance_uses_the_split_a_record_carries(tmp_path, seed):
     """Records carry the split each rank measured; the model is evaluated on it (not on a split recomputed
     from the policy, which a later partitioner may choose differently)."""
-    from dsv4cp.config import DSv4Config
-    from dsv4cp.cp.partition import RowSplit
-    from dsv4cp.model import estimate
-    from dsv4cp.workloads import packing_lengths
-
     points = grid(cp=[2], tokens=[16384], packing=["histogram"], partition=["balanced"], seed=[seed % 1000])
     df = load_runs(write_run(tmp_path / "p", points, seed=seed))
     recorded = [0, 9000, 16384]
