@@ -130,11 +130,12 @@ def _compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: str) -> Co
     return Comparison(name, rel, cos, passed)
 
 
-def run_rank(rank: int, world: int, device: torch.device, case: CheckCase,
-             group: dist.ProcessGroup | None = None) -> list[dict]:
-    """Body of one rank (called under :func:`dsv4cp.cp.launch.spawn` or torchrun); ``rank`` and
-    ``world`` are within ``group`` (default: the world group)."""
-    group = group if group is not None else dist.group.WORLD
+def build_case(
+    case: CheckCase, device: torch.device,
+) -> tuple[DSv4Attention, PackedSeqs, torch.Tensor, torch.Tensor]:
+    """``(layer, packed, x, weight)`` of ``case`` on ``device``, the same on every rank (drawn from
+    ``case.seed``): the randomised layer and ``x [T, hidden]`` at ``case.dtype``, and ``weight
+    [T, hidden]``, the random weighting of the output that the checked objective sums."""
     dtype = DTYPES[case.dtype]
     cfg = case.config()
     packed = case.packed(device)
@@ -144,6 +145,15 @@ def run_rank(rank: int, world: int, device: torch.device, case: CheckCase,
     layer = layer.to(device=device, dtype=dtype)
     x = torch.randn(packed.total, cfg.hidden, generator=generator).to(device=device, dtype=dtype)
     weight = torch.randn(packed.total, cfg.hidden, generator=generator).to(device=device, dtype=dtype)
+    return layer, packed, x, weight
+
+
+def run_rank(rank: int, world: int, device: torch.device, case: CheckCase,
+             group: dist.ProcessGroup | None = None) -> list[dict]:
+    """Body of one rank (called under :func:`dsv4cp.cp.launch.spawn` or torchrun); ``rank`` and
+    ``world`` are within ``group`` (default: the world group)."""
+    group = group if group is not None else dist.group.WORLD
+    layer, packed, x, weight = build_case(case, device)
 
     reference = copy.deepcopy(layer)
     x_full = x.clone().requires_grad_()

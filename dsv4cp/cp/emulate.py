@@ -108,8 +108,9 @@ def _rows_like(reference: torch.Tensor, rows: int, generator: torch.Generator) -
     sample = torch.randn(shape, generator=generator, device=reference.device, dtype=torch.float32)
     if reference.shape[0] > 0:
         flat = reference.detach().float()
-        # a floor on the spread: one local row (std 0) must not make exact copies, i.e. indexer ties
-        spread = flat.std(dim=0, correction=0).clamp_min(1e-3 * flat.abs().mean().item() + 1e-6)
+        # a floor on the spread: one local row (std 0) must not make exact copies, i.e. indexer ties;
+        # kept on the device (a 0-dim tensor, no .item()): the fills run inside the measured step
+        spread = torch.maximum(flat.std(dim=0, correction=0), 1e-3 * flat.abs().mean() + 1e-6)
         sample = sample * spread + flat.mean(dim=0)
     return sample.to(reference.dtype)
 

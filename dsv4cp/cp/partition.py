@@ -33,6 +33,12 @@ _BISECTION_STEPS = 100
 """Enough halvings to bring the bracket on the largest slice cost to float64 resolution."""
 
 
+def check_positive_int(name: str, value: object) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= 1 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: must be a positive int, got {value!r}")
+
+
 class InfeasibleSplitError(ValueError):
     """No split of the rows gives every rank ``min_rows`` rows (too many ranks for the batch)."""
 
@@ -46,8 +52,7 @@ class RowSplit:
     @classmethod
     def equal(cls, total: int, cp: int, field: str = "packed.total") -> RowSplit:
         """``T / cp`` rows per rank; ``ValueError`` naming ``field`` when ``cp`` does not divide ``T``."""
-        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-            raise ValueError(f"cp: must be a positive int, got {cp!r}")
+        check_positive_int("cp", cp)
         if total % cp:
             raise ValueError(f"{field}: {total} rows are not divisible by cp={cp}")
         rows = total // cp
@@ -130,6 +135,15 @@ def compression_reach(compress_ratio: int) -> int:
 def halo_rows(cfg: DSv4Config, compress_ratio: int, cp: int) -> int:
     """Rows each rank borrows from its predecessor: ``max(W, d_comp)``, none without CP."""
     return 0 if cp == 1 else max(cfg.window, compression_reach(compress_ratio))
+
+
+def floor_rows(cfg: DSv4Config, ratio: int, cp: int, min_rows: int | None) -> int:
+    """The fewest rows a rank may hold: ``min_rows`` (checked to be a positive int), default the
+    layer's halo, at least 1."""
+    if min_rows is None:
+        return max(halo_rows(cfg, ratio, cp), 1)
+    check_positive_int("min_rows", min_rows)
+    return min_rows
 
 
 # ---------------------------------------------------------------------------------- per-row cost
@@ -428,13 +442,10 @@ def partition(
         raise ValueError(f"policy: must be one of {POLICIES}, got {policy!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: must be one of {DIRECTIONS}, got {direction!r}")
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"cp: must be a positive int, got {cp!r}")
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
-        raise ValueError(f"align: must be a positive int, got {align!r}")
-    if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
-        raise ValueError(f"min_rows: must be a positive int, got {min_rows!r}")
+    check_positive_int("cp", cp)
+    check_positive_int("align", align)
     cfg.check_ratio(ratio)
+    floor = floor_rows(cfg, ratio, cp, min_rows)
     field = "packed.total" if isinstance(packed, PackedSeqs) else "total"
     if isinstance(packed, PackedSeqs):
         cu = np.asarray(packed.cu_seqlens_padded.cpu().tolist(), dtype=np.int64)
@@ -448,9 +459,8 @@ def partition(
         if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < cu[-1]:
             raise ValueError(f"total: must be an int >= the documents' {int(cu[-1])} rows, got {total!r}")
         total = int(total)
-    floor_rows = max(halo_rows(cfg, ratio, cp), 1) if min_rows is None else min_rows
     if policy == "equal":
-        return RowSplit.equal(total, cp, field).validate(total, cp, floor_rows, field=field)
+        return RowSplit.equal(total, cp, field).validate(total, cp, floor, field=field)
     costs = costs or RowCosts.for_layer(cfg, ratio, machine, direction, calibration)
     prefix = np.concatenate(([0.0], np.cumsum(row_costs(costs, cu, total, cfg, ratio))))
-    return balanced_split(prefix, cp, floor_rows, align)
+    return balanced_split(prefix, cp, floor, align)

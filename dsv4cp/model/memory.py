@@ -29,7 +29,7 @@ Terms (``b`` = bytes of the dtype; widths per row; C/H/W = layer kinds):
   slots) in query chunks of at most :data:`SPARSE_BWD_SCRATCH_BYTES` (the kernel's ``BWD_SCRATCH_BYTES``)
   and at most a :data:`SPARSE_BWD_MIN_CHUNKS`-th of the rank's rows: at 64K tokens the byte cap binds at
   CP = 1 (2 GiB) and the chunk rule at CP = 2 (1 GiB), so the scratch shrinks with CP (it did not
-  before the chunk rule: 2 GiB on every rank, 0.556x instead of 0.520x peak at CP = 2);
+  before the chunk rule: 2 GiB on every rank; modelled CP = 2 / CP = 1 peak 0.554x before, 0.518x with it);
 * chunked temporaries of the torch paths and allocator slack, bounded by :data:`TEMPORARY_BYTES`.
 
 ``recompute`` drops one query copy from what the forward keeps, but the backward rebuilds it before

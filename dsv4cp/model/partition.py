@@ -20,7 +20,17 @@ import numpy as np
 import pandas as pd
 
 from dsv4cp.config import DSv4Config, layer_kind
-from dsv4cp.cp.partition import POLICIES, RowCosts, RowSplit, halo_rows, partition, row_costs, scanned_slots
+from dsv4cp.cp.partition import (
+    DIRECTIONS,
+    POLICIES,
+    RowCosts,
+    RowSplit,
+    check_positive_int,
+    floor_rows,
+    partition,
+    row_costs,
+    scanned_slots,
+)
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.costs import BOTH, estimate
 from dsv4cp.model.counts import DocsLike, document_extents
@@ -111,25 +121,20 @@ def refine_split(
     evaluations (the search stops there; default :data:`MAX_EVALUATIONS`), each ``O(cp x documents)``,
     plus ``O(cp log T)`` host arithmetic per bisection step of step 2. The result is a local optimum of
     these moves, not necessarily the global one (the tests bound its distance on small cases)."""
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
-        raise ValueError(f"align: must be a positive int, got {align!r}")
-    if isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int) or max_evaluations < 1:
-        raise ValueError(f"max_evaluations: must be a positive int, got {max_evaluations!r}")
-    if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
-        raise ValueError(f"min_rows: must be a positive int, got {min_rows!r}")
-    if direction not in ("fwd", "bwd", BOTH):
-        raise ValueError(f"direction: must be one of ('fwd', 'bwd', {BOTH!r}), got {direction!r}")
+    check_positive_int("align", align)
+    check_positive_int("max_evaluations", max_evaluations)
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction: must be one of {DIRECTIONS}, got {direction!r}")
     machine = machine or Machine()
     cu, total = document_extents(docs, total)
     if not isinstance(start, RowSplit):
         raise ValueError(f"start: must be a RowSplit, got {start!r}")
     cp = start.cp
-    floor_rows = max(halo_rows(cfg, ratio, cp), 1) if min_rows is None else min_rows
-    start.validate(total, cp, floor_rows, field="start")
+    floor = floor_rows(cfg, ratio, cp, min_rows)
+    start.validate(total, cp, floor, field="start")
     if cp == 1:
         return start
-    search = _Search(cfg, ratio, np.diff(cu).tolist(), total, machine, direction, calibration, floor_rows, align,
-                     max_evaluations)
+    search = _Search(cfg, ratio, cu, total, machine, direction, calibration, floor, align, max_evaluations)
     best = search.evaluate(start.bounds)
     equal = tuple(total * rho // cp for rho in range(cp + 1))
     if total % cp == 0 and search.legal(equal) and not search.exhausted:
@@ -146,9 +151,10 @@ _Key = tuple[float, float, tuple[int, ...]]
 class _Search:
     """The cached model evaluations and moves of :func:`refine_split`; a key is ``(max, sum, bounds)``."""
 
-    def __init__(self, cfg: DSv4Config, ratio: int, lengths: list[int], total: int, machine: Machine, direction: str,
+    def __init__(self, cfg: DSv4Config, ratio: int, cu: np.ndarray, total: int, machine: Machine, direction: str,
                  calibration: Calibration | None, min_rows: int, align: int, budget: int) -> None:
-        self.cfg, self.ratio, self.lengths, self.total = cfg, ratio, lengths, total
+        self.cfg, self.ratio, self.cu, self.total = cfg, ratio, cu, total
+        self.lengths = np.diff(cu).tolist()  # the documents, as estimate() takes them
         self.machine, self.direction, self.calibration = machine, direction, calibration
         self.min_rows, self.align, self.budget = min_rows, align, budget
         self.times: dict[tuple[int, ...], np.ndarray] = {}
@@ -193,12 +199,13 @@ class _Search:
         ``start``'s largest slice, the split minimising the largest per-rank cost when the gathered
         slots are padded to ``C = ceil(R / r)`` (:meth:`_capped_split`). Only C layers whose indexer
         scan counts slots (``prefix`` or ``all``) have this padding term; others return ``best``."""
-        costs = RowCosts.for_layer(self.cfg, self.ratio, self.machine, self.direction, self.calibration)
-        if not self.ratio or layer_kind(self.ratio) != "C" or not (costs.per_prefix_entry or costs.per_batch_entry):
+        if layer_kind(self.ratio) != "C":
             return best
-        cu = np.concatenate(([0], np.cumsum(self.lengths, dtype=np.int64)))
+        costs = RowCosts.for_layer(self.cfg, self.ratio, self.machine, self.direction, self.calibration)
+        if not (costs.per_prefix_entry or costs.per_batch_entry):  # the visible scan: no padding term
+            return best
         rest = dataclasses.replace(costs, per_prefix_entry=0.0, per_batch_entry=0.0)
-        prefix = np.concatenate(([0.0], np.cumsum(row_costs(rest, cu, self.total, self.cfg, self.ratio))))
+        prefix = np.concatenate(([0.0], np.cumsum(row_costs(rest, self.cu, self.total, self.cfg, self.ratio))))
         cp, a = start.cp, self.align
         low = -(-self.total // cp)
         caps = np.linspace(low, max(low, start.max_rows), _CAPACITIES)

@@ -17,19 +17,19 @@ import torch
 import torch.distributed as dist
 
 from conftest import seed_of
-from dsv4cp.config import DTYPES
-from dsv4cp.cp.check import CheckCase, randomize_
+from dsv4cp.cp.check import CheckCase, build_case
 from dsv4cp.cp.emulate import (
     destroy_emulated_group,
     emulated_rank,
+    emulated_shift,
     fill_all_gather,
     fill_reduce_scatter,
     init_emulated_group,
     is_emulated,
 )
 from dsv4cp.cp.launch import spawn
-from dsv4cp.layer import DSv4Attention
 from dsv4cp.profiling import nvtx
+from host_reads import HostReads
 
 CASES = (
     CheckCase(ratio=4, lengths=(90, 150, 24), overlap="async", backend="torch",
@@ -54,14 +54,8 @@ class _Phases:
 
 def _step(rank: int, world: int, device: torch.device, case: CheckCase, group: dist.ProcessGroup) -> dict:
     """One forward + backward of rank ``rank``'s rows: its phases, output, and what is finite."""
-    dtype = DTYPES[case.dtype]
-    cfg, packed, split = case.config(), case.packed(device), case.row_split(world)
-    generator = torch.Generator().manual_seed(case.seed)
-    layer = DSv4Attention(cfg, case.ratio, backend=case.backend, overlap=case.overlap, recompute=case.recompute)
-    randomize_(layer, generator)
-    layer = layer.to(device=device, dtype=dtype)
-    x = torch.randn(packed.total, cfg.hidden, generator=generator).to(device=device, dtype=dtype)
-    weight = torch.randn(packed.total, cfg.hidden, generator=generator).to(device=device, dtype=dtype)
+    layer, packed, x, weight = build_case(case, device)  # the parity check's layer and tensors
+    split = case.row_split(world)
     mine = slice(split.start(rank), split.start(rank) + split.rows(rank))
     x_local = x[mine].clone().requires_grad_()
 
@@ -165,6 +159,23 @@ def test_emulated_fills_are_deterministic_and_shaped_like_the_local_rows(seed):
     peers = torch.cat((out[:5], out[10:]))
     assert not any(torch.equal(peers[i], local[j]) for i in range(10) for j in range(5))
     assert abs(float(peers.mean()) - 2) < 2.0 and 1.0 < float(peers.std()) < 8.0
+
+
+def test_fills_read_no_tensor_data_on_the_host(seed):
+    """The fills run inside the measured step after every collective: no host read of tensor data (a
+    device synchronisation on CUDA), also for one local row (the spread's floor)."""
+    local = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+    group = init_emulated_group(2, 0, seed=seed)
+    try:
+        with HostReads() as reads:
+            fill_all_gather(torch.empty(8, 3), local, group)
+            fill_all_gather(torch.empty(2, 3), local[:1], group)
+            fill_reduce_scatter(torch.empty(4, 3), torch.randn(8, 3), group)
+            received = emulated_shift(local, group, -1)  # from rank 1: drawn rows
+    finally:
+        destroy_emulated_group(group)
+    assert not reads.events, reads.report()
+    assert received.shape == local.shape and not torch.equal(received, torch.zeros_like(local))
 
 
 @pytest.mark.parametrize(("cp", "rank", "field"), [(1, 0, "cp"), (2, 2, "emulate_rank"), (2, -1, "emulate_rank")])

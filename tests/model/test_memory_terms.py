@@ -77,11 +77,17 @@ def test_the_chunked_scratch_brings_the_ratio_under_the_target():
     assert before[1] / before[0] > 0.55 and now[1] / now[0] < 0.52
 
 
-@pytest.mark.parametrize("rows", [1, 100, 4096, 13107, 13108, 32768, 65536])
-def test_scratch_follows_the_kernel_chunk_rule(rows):
+# (rows, chunk, chunk without the min-chunks rule), worked by hand: the 2 GiB cap holds 13107 queries of
+# 163840 bytes; the rule gives ceil(rows / 5) rows, at least 1024.
+@pytest.mark.parametrize(("rows", "chunk", "one_chunk"), [
+    (1, 1, 1), (100, 100, 100), (4096, 1024, 4096), (13107, 2622, 13107), (13108, 2622, 13107),
+    (32768, 6554, 13107), (65536, 13107, 13107),
+])
+def test_scratch_follows_the_kernel_chunk_rule(rows, chunk, one_chunk):
     per_query = 2 * 640 * 64 * 2  # flash C: Kt = 128 + 512 slots, 64 heads, bf16
     capped = max(1, min(rows, SPARSE_BWD_SCRATCH_BYTES // per_query))  # sparse_attention_bwd's rule
     kernel_chunk = min(capped, max(SPARSE_BWD_MIN_CHUNK_ROWS, -(-rows // SPARSE_BWD_MIN_CHUNKS)))
+    assert (kernel_chunk, capped) == (chunk, one_chunk)  # the rule restated above gives the worked figures
     assert sparse_bwd_scratch_bytes(rows, 640, 64, 2) == kernel_chunk * per_query
     assert sparse_bwd_scratch_bytes(rows, 640, 64, 2, min_chunks=1) == capped * per_query
     if rows <= SPARSE_BWD_MIN_CHUNK_ROWS:
