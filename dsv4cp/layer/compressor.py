@@ -29,9 +29,9 @@ class Compressor(PrecisionPinned):
 
     def __init__(self, hidden: int, dim: int, ratio: int, eps: float, rotate: bool = False):
         super().__init__()
-        self.rotate = rotate
-        # the shapes carry the rest: ape's rows are the ratio, the projections' halves the overlap
-        width = (2 if layer_kind(ratio) == "C" else 1) * dim
+        self.dim, self.ratio, self.rotate = dim, ratio, rotate
+        self.overlap = layer_kind(ratio) == "C"
+        width = (2 if self.overlap else 1) * dim
         self.wkv = nn.Linear(hidden, width, bias=False)
         self.wgate = nn.Linear(hidden, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
