@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp.config import DTYPES, DSv4Config
-from dsv4cp.cp.check import CheckCase, merge_ranks, randomize_, run_rank
+from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.emulate import emulated_rank
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.layer import DSv4Attention
+from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.partition import policy_split
@@ -130,6 +130,14 @@ def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Mach
                         direction=point.direction, calibration=calibration)
 
 
+def point_step(point: Point, cfg: DSv4Config, packed: PackedSeqs, split: RowSplit, device: torch.device,
+                group: dist.ProcessGroup | None = None, rank: int = 0) -> LayerStep:
+    """The point's seeded training step on this rank of ``group`` (:mod:`dsv4cp.layer.step`)."""
+    return build_step(cfg, point.ratio, packed, seed=point.seed, backward=point.backward, device=device,
+                      dtype=DTYPES[point.dtype], backend=point.kernel_backend, overlap=point.overlap,
+                      recompute=point.recompute, cp_group=group, split=split, rank=rank)
+
+
 def _gather(value, group: dist.ProcessGroup | None) -> list:
     """Every rank's ``value``, rank-major; an emulated rank knows only its own (None elsewhere)."""
     if group is None:
@@ -180,7 +188,6 @@ def measure_point(
     check_cuda_graph(point, device)
     machine = machine or Machine()
     cfg, lengths = point_inputs(point)
-    dtype = DTYPES[point.dtype]
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
     split = point_split(point, cfg, lengths, machine, calibration)
     bound = estimate(cfg, point.ratio, packed, cp, machine, split=split).summary(point.direction)
@@ -189,24 +196,7 @@ def measure_point(
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
     packed = packed.to(device)
 
-    generator = torch.Generator().manual_seed(point.seed)
-    layer = DSv4Attention(cfg, point.ratio, backend=point.kernel_backend, overlap=point.overlap,
-                          recompute=point.recompute)
-    randomize_(layer, generator)  # the parity check's weights: every parameter non-trivial
-    layer = layer.to(device=device, dtype=dtype)
-    rows = split.rows(rank)
-    inputs = torch.Generator(device=device).manual_seed(point.seed * 65_537 + rank + 1)  # this rank's rows
-    x = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype).requires_grad_(point.backward)
-    upstream = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype)
-
-    def step() -> None:
-        result = layer(x, packed, cp_group=group, split=split)
-        if point.backward:
-            # the gradients of sum(out * upstream) + indexer_loss, seeded directly: no loss kernels in the step
-            outputs, seeds = [result.out], [upstream]
-            if result.indexer_loss is not None:
-                outputs, seeds = outputs + [result.indexer_loss], seeds + [None]  # None: d/d(loss) = 1
-            torch.autograd.backward(outputs, seeds)
+    step = point_step(point, cfg, packed, split, device, group, rank)
 
     timed = step
     if point.cuda_graph:
