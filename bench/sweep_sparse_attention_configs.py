@@ -1,4 +1,4 @@
-"""Sweep the Triton sparse-attention launch configurations on one GPU (issue 11, item 4).
+"""Sweep the Triton sparse-attention launch configurations on one GPU.
 
 Times every candidate configuration of the forward and the backward at the benchmark shapes of
 ``bench/test_bench_sparse_attention.py`` (``flash``: T 16384, H 64, Kt 640; ``pro``: T 16384, H 128,

@@ -1,5 +1,5 @@
-"""Calibration of the cost model on measured phase times (issue 12): one efficiency factor per phase
-class and direction, ``measured time / modelled bound``.
+"""Calibration of the cost model on measured phase times (for the cost-balanced row split): one
+efficiency factor per phase class and direction, ``measured time / modelled bound``.
 
 The roofline bounds of :mod:`dsv4cp.model.costs` are far from the measured phase times, and not by
 one common factor: on an H200 the indexer's scoring + top-k runs ~6x its bound, the projections

@@ -1,4 +1,4 @@
-"""Calibration of the cost model on measured phase times (issue 12): the fit, JSON, the calibrated
+"""Calibration of the cost model on measured phase times: the fit, JSON, the calibrated
 per-row costs and balanced split, and the ``dsv4cp model --calibrate / --calibration`` options."""
 
 from __future__ import annotations

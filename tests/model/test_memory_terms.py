@@ -1,5 +1,5 @@
-"""The named terms of the peak-memory estimate: what shrinks with CP and what does not (issue 11,
-item 6), the sparse-attention backward scratch against the kernel's chunk rule, and the CP = 2 / CP = 1
+"""The named terms of the peak-memory estimate: what shrinks with CP and what does not,
+the sparse-attention backward scratch against the kernel's chunk rule, and the CP = 2 / CP = 1
 ratio against the committed GPU records."""
 
 from __future__ import annotations

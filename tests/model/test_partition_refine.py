@@ -1,5 +1,5 @@
-"""The balanced split refined on the cost model's own per-rank evaluation (issue 12,
-:func:`dsv4cp.model.partition.refine_split`): never worse than its start nor than equal slices, within a
+"""The balanced split refined on the cost model's own per-rank evaluation
+(:func:`dsv4cp.model.partition.refine_split`): never worse than its start nor than equal slices, within a
 stated distance of the brute-force optimum on small cases, deterministic, within ``min_rows``/``align``,
 within its evaluation budget, and fast at 1M tokens / cp 64."""
 
