@@ -19,7 +19,8 @@ import os
 import pytest
 import torch
 
-from bench.common import HAS_CUDA, device_label
+from bench.common import HAS_CUDA
+from dsv4cp.environment import machine_label
 from dsv4cp.profiling.timing import L2_FLUSH_BYTES, summarise, time_call
 
 if not HAS_CUDA:
@@ -71,7 +72,7 @@ def measure(benchmark):
         summary = summarise(timed)
         seconds = summary.median_ms * 1e-3
         benchmark.extra_info.update(
-            device=device_label(device),
+            device=machine_label(device),
             timer="cuda_events" if on_cuda else "perf_counter",
             l2_flush=flush,
             rounds=len(timed),

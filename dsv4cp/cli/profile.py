@@ -45,13 +45,14 @@ from dsv4cp.config import DTYPES, default_dtype
 from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
 from dsv4cp.cp.launch import init_from_env, under_torchrun
 from dsv4cp.cp.partition import POLICIES
+from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
 from dsv4cp.sweeps.measure import check_cuda_graph, measure_point
-from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
+from dsv4cp.sweeps.meta import run_meta
 from dsv4cp.sweeps.spec import Point, RunOptions, make_point
 
 HELP = "time, memory and (optionally) a per-phase overlap profile of one layer step under CP"
@@ -163,7 +164,7 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
                                     memory_phases=args.memory_phases, calibration=calibration)
     if rank == 0 or emulated:
         record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
-                             machine=machine_label(processes, device), git_sha=git_sha(),
+                             machine=machine_label(device, processes), git_sha=git_sha(),
                              resolved_backends=measurement.resolved_backends)
         _report(point, record, measurement.overlap, machine.name)
         if measurement.attribution is not None:

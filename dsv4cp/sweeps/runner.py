@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
+from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.profiling.memory import is_out_of_memory
@@ -44,7 +45,7 @@ from dsv4cp.records import (
     write_meta,
 )
 from dsv4cp.sweeps.measure import measure_point
-from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
+from dsv4cp.sweeps.meta import run_meta
 from dsv4cp.sweeps.spec import Point, SweepSpec, expand
 
 INFLIGHT_FILE = "inflight.json"
@@ -197,7 +198,7 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, opt
         shared = [done, crashed]
         dist.broadcast_object_list(shared, src=0, group=control)
         done, crashed = shared
-    machine, sha = machine_label(world, device), git_sha() if rank == 0 else None
+    machine, sha = machine_label(device, world), git_sha() if rank == 0 else None
     counts = dict(recorded=0, ok=0, failed=0, skipped=0, resumed=0, parity_failed=0)
     bar = tqdm(total=len(points), disable=not (options.progress and rank == 0), unit="point", file=sys.stderr)
     for index, point in enumerate(points):
