@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU gloo check of the balanced split (issue 12), re-run after the torch top-k learnt to score only
+# CPU gloo check of the cost-balanced row split, re-run after the torch top-k learnt to score only
 # each chunk's causal prefix (key_row_limit): the run of ../2026-12-01-cpu-partition (tiny C layer,
 # ratio 4, 8K tokens, fwd+bwd, fp32, cp 4 and 8, one document and histogram packing, equal vs balanced
 # beside the model's predicted max/mean), with the second calibration fitted on the prefix scan the
