@@ -29,3 +29,7 @@ for scan in "${scans[@]}"; do calibrations+=(--calibration "$out/calibration-cpu
 python -m bench.cpu_partition "${calibrations[@]}" \
   --machine-file "$out/machine-cpu.json" --tokens "$tokens" --cps 4,8 --reps 2 --out "$out/partition-cpu.csv" \
   | tee "$out/partition-cpu.txt"
+# the H200 calibration against the committed CP = 2 per-rank phase times (reads committed files; seconds)
+python -m bench.calibration_check --calibration results/baselines/h200/calibration.json \
+  --one-document-phases results/2026-12-01-h200x2/overlap_async.csv \
+  --histogram-records results/runs/h200x2-overlap/records.jsonl > "$out/h200_check.txt"
