@@ -71,9 +71,8 @@ def rank_cpu_ms(cfg, ratio, lengths, tokens, split, warmup, reps, seed, clock=No
     """Median CPU milliseconds of this rank's fwd+bwd steps (one process: no group; ``clock``: a phase
     listener told of the timed steps' ranges)."""
     group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-    rank = 0 if group is None else torch.distributed.get_rank()
     step = build_step(cfg, ratio, PackedSeqs.from_lengths(lengths, total=tokens), seed=seed, backward=True,
-                      cp_group=group, split=split, rank=rank)
+                      cp_group=group, split=split)
     times = []
     for index in range(warmup + reps):
         if group is not None:

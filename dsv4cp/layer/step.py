@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.check import randomize_
+from dsv4cp.cp.comm import group_size_and_rank
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.layer.attention import AttentionOutput, DSv4Attention
 from dsv4cp.packing import PackedSeqs
@@ -67,16 +68,18 @@ def build_step(
     cfg: DSv4Config, ratio: int, packed: PackedSeqs, *, seed: int, backward: bool,
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend: str = "auto",
     overlap: str = "none", recompute: bool = False, cp_group: dist.ProcessGroup | None = None,
-    split: RowSplit | None = None, rank: int = 0,
+    split: RowSplit | None = None, rank: int | None = None,
 ) -> LayerStep:
     """The seeded step of a layer of ``cfg`` at compression ``ratio`` on ``packed`` (see the module docstring).
 
-    ``rank``: this rank's index in ``cp_group`` (0 without one); it picks its rows of ``split``
-    (default: equal slices of ``packed.total`` over the group) and its input generator. ``backend``,
-    ``overlap`` and ``recompute`` go to :class:`DSv4Attention`.
+    ``rank``: whose rows of ``split`` (default: equal slices of ``packed.total`` over the group) to
+    draw, with its input generator; default: this process's rank in ``cp_group`` (0 without one).
+    ``backend``, ``overlap`` and ``recompute`` go to :class:`DSv4Attention`. ``ValueError`` naming
+    ``rank`` for a rank outside the split, before anything is built.
     """
     device = torch.device(device)
-    cp = cp_group.size() if cp_group is not None else 1
+    cp, group_rank = group_size_and_rank(cp_group)
+    rank = group_rank if rank is None else rank
     if split is None:
         split = RowSplit.equal(packed.total, cp)
     if not 0 <= rank < split.cp:

@@ -131,11 +131,11 @@ def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Mach
 
 
 def point_step(point: Point, cfg: DSv4Config, packed: PackedSeqs, split: RowSplit, device: torch.device,
-                group: dist.ProcessGroup | None = None, rank: int = 0) -> LayerStep:
-    """The point's seeded training step on this rank of ``group`` (:mod:`dsv4cp.layer.step`)."""
+                group: dist.ProcessGroup | None = None) -> LayerStep:
+    """The point's seeded training step on this process's rank of ``group`` (:mod:`dsv4cp.layer.step`)."""
     return build_step(cfg, point.ratio, packed, seed=point.seed, backward=point.backward, device=device,
                       dtype=DTYPES[point.dtype], backend=point.kernel_backend, overlap=point.overlap,
-                      recompute=point.recompute, cp_group=group, split=split, rank=rank)
+                      recompute=point.recompute, cp_group=group, split=split)
 
 
 def _gather(value, group: dist.ProcessGroup | None) -> list:
@@ -196,7 +196,7 @@ def measure_point(
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
     packed = packed.to(device)
 
-    step = point_step(point, cfg, packed, split, device, group, rank)
+    step = point_step(point, cfg, packed, split, device, group)
 
     timed = step
     if point.cuda_graph:
