@@ -33,7 +33,8 @@ HELP = "compute/comm overlap per rank and phase from Kineto traces or an nsys SQ
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", type=Path, help="directory of per-rank Kineto JSON traces, or an nsys .sqlite file")
-    parser.add_argument("--csv", type=Path, metavar="OUT", help="also write the per-step table to this CSV file (default: print only)")
+    parser.add_argument("--csv", type=Path, metavar="OUT",
+                        help="also write the per-step table to this CSV file (default: print only)")
 
 
 def load_records(path: Path) -> tuple[list[KernelRecord], list[RangeRecord]]:
