@@ -17,6 +17,7 @@ from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import estimate
 from dsv4cp.model.partition import policy_split
+from dsv4cp.profiling.memory import OUTSIDE_PHASES
 from dsv4cp.profiling.overlap import COLUMNS as OVERLAP_COLUMNS
 from dsv4cp.records import AXES, STATUS_OK
 from dsv4cp.workloads import packing_lengths
@@ -60,9 +61,16 @@ def point_labels(df: pd.DataFrame, axes: list[str]) -> pd.Series:
         axes = [a for a in axes if a != "tokens_per_rank"]
 
     def label(row: pd.Series) -> str:
-        return " ".join(str(row[a]) if a == "run" else f"{a}={row[a]}" for a in axes)
+        return " ".join(str(row[a]) if a == "run" else f"{a}={_label_value(row[a])}" for a in axes)
 
     return df.apply(label, axis=1) if len(df) else pd.Series([], dtype=object)
+
+
+def _label_value(value: object) -> object:
+    """An axis value as a label shows it: a whole float (a numeric column holding a NaN) as an int."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def hardware(df: pd.DataFrame) -> str:
@@ -186,15 +194,81 @@ def overlap_comparison(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def on_cpu(df: pd.DataFrame) -> pd.Series:
+    """Per row, whether the point ran on CPU (its ``machine`` label is ``cpu-<n>core``), where the
+    record's ``peak_allocated_bytes`` holds the host process's peak RSS instead of the allocator peak."""
+    return df["machine"].map(lambda m: isinstance(m, str) and m.startswith("cpu"))
+
+
+PEAK_PHASE_HOLDERS = 3
+"""Phases named per rank as holding the memory live at its peak."""
+
+
 def memory(df: pd.DataFrame) -> pd.DataFrame:
-    """Peak memory per point: allocated (host RSS on CPU) and device-used, max over ranks, in GiB,
-    next to cp and tokens (total and per rank)."""
+    """Peak memory per point, max over ranks, in GiB, next to cp and tokens (total and per rank):
+    ``peak_allocated_gib`` (the CUDA allocator's peak; blank on CPU), ``peak_rss_gib`` (the host
+    process's peak resident set: what a CPU point measures; blank on GPU), ``device_used_gib`` and,
+    where the point recorded ``memory_phases``, ``peak_phase``: the phase holding the peak on the
+    rank with the largest one."""
     points = ok_points(df)
     axes = list(dict.fromkeys([*varying_axes(points), "cp", "tokens", "tokens_per_rank"])) if len(points) else []
     out = points[axes].copy()
-    out["peak_allocated_gib"] = points["peak_allocated_bytes"].map(_max_gib)
+    peak = points["peak_allocated_bytes"].map(_max_gib)
+    cpu = on_cpu(points)
+    out["peak_allocated_gib"] = peak.where(~cpu)
+    out["peak_rss_gib"] = peak.where(cpu)
     out["device_used_gib"] = points["device_used_bytes"].map(_max_gib)
+    out["peak_phase"] = points["memory_phases"].map(_peak_phase_of_max_rank)
     return out.sort_values([a for a in ("run", "cp", "tokens") if a in out]).reset_index(drop=True)
+
+
+def _peak_phase_of_max_rank(per_rank: object) -> str | None:
+    measured = [r for r in per_rank if isinstance(r, dict)] if isinstance(per_rank, list) else []
+    if not measured:
+        return None
+    return _innermost(max(measured, key=lambda r: r["peak_bytes"])["peak_stack"])
+
+
+def _innermost(stack: list[str]) -> str:
+    return stack[-1].removeprefix("dsv4cp.") if stack else OUTSIDE_PHASES
+
+
+def memory_peaks(df: pd.DataFrame) -> pd.DataFrame:
+    """Where each rank's memory peak sits, per point that recorded ``memory_phases`` (``--memory-phases``):
+    ``peak_gib`` (allocator on GPU, RSS on CPU, as ``memory_kind`` says), ``peak_phase`` (the innermost
+    phase open at the peak), ``open_phases`` (outermost first) and ``held_by``: the phases entered before
+    the peak phase and closed by then that left the most memory allocated (exit minus entry, GiB), i.e.
+    the largest allocations still live when the peak phase starts."""
+    points = ok_points(df)
+    axes = list(dict.fromkeys([*varying_axes(points), "cp"])) if len(points) else []
+    columns = [*axes, "rank", "memory_kind", "peak_gib", "peak_phase", "open_phases", "held_by"]
+    rows = []
+    for (_, point), cpu in zip(points.iterrows(), on_cpu(points)):
+        per_rank = point["memory_phases"]
+        if not isinstance(per_rank, list):
+            continue
+        for rank, mine in enumerate(per_rank):
+            if not isinstance(mine, dict):
+                continue  # a rank this (emulated) run did not measure
+            stack = list(mine["peak_stack"])
+            rows.append({**{a: point[a] for a in axes}, "rank": rank,
+                         "memory_kind": "host RSS (CPU)" if cpu else "CUDA allocator",
+                         "peak_gib": mine["peak_bytes"] / GIB, "peak_phase": _innermost(stack),
+                         "open_phases": " > ".join(p.removeprefix("dsv4cp.") for p in stack),
+                         "held_by": _held_by(mine["rows"], stack)})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _held_by(rows: list[dict], stack: list[str]) -> str:
+    """``"sparse_attn.fwd +2.1 GiB, ..."``: the closed phases before the peak phase with the largest
+    positive exit - entry, from the recorded rows (in order of first entry)."""
+    peak_phase = stack[-1] if stack else None
+    names = [row["phase"] for row in rows]
+    before = rows[: names.index(peak_phase)] if peak_phase in names else rows
+    left = [(row["phase"], (row["exit_bytes"] - row["entry_bytes"]) / GIB) for row in before
+            if row["phase"] not in stack and row["entry_bytes"] is not None and row["exit_bytes"] is not None]
+    largest = sorted((item for item in left if item[1] > 0), key=lambda item: -item[1])[:PEAK_PHASE_HOLDERS]
+    return ", ".join(f"{phase.removeprefix('dsv4cp.')} +{gib:.3g} GiB" for phase, gib in largest)
 
 
 def imbalance(df: pd.DataFrame) -> pd.DataFrame:
@@ -351,6 +425,7 @@ def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
         "weak_scaling": scaling(df, "weak"),
         "overlap": overlap_comparison(df),
         "memory": memory(df),
+        "memory_peaks": memory_peaks(df),
         "imbalance": imbalance(df),
         "model_imbalance": model_imbalance(df),
         "measured_vs_bound": measured_vs_bound(df),
