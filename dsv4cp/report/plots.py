@@ -21,7 +21,8 @@ from matplotlib.figure import Figure
 from dsv4cp.model import PHASES, range_to_phase
 from dsv4cp.profiling.overlap import TOTAL, KernelRecord, RangeRecord
 from dsv4cp.records import AXES
-from dsv4cp.report import tables
+from dsv4cp.report import growth, tables
+from dsv4cp.report import roofline as roofline_module
 from dsv4cp.report.styles import area_color, cp_label, outside_legend, series_style
 
 CP_AXIS_LABEL = "CP degree (ranks)"
@@ -261,6 +262,28 @@ def imbalance_per_packing(df: pd.DataFrame) -> Plot:
     return Plot(fig)
 
 
+def cost_growth(df: pd.DataFrame) -> Plot:
+    """Step time and its bound against tokens per cp (log-log, growth per doubling printed) and
+    parallel efficiency against cp (:mod:`dsv4cp.report.growth`)."""
+    fig = growth.cost_growth_figure(df, _caption(df, "median step time; bound: the cost model's, with overlap"))
+    if fig is None:
+        return Plot(None, "cost growth: no configuration measured at two or more token counts at one cp")
+    return Plot(fig)
+
+
+def roofline(df: pd.DataFrame) -> Plot:
+    """Each compute phase's achieved FLOP/s against its intensity under the roofs
+    (:mod:`dsv4cp.report.roofline`)."""
+    machine = roofline_module.GPU_MACHINE
+    fig = roofline_module.roofline_figure(df, _caption(df, f"roofs: {machine.name} ceilings "
+                                                           f"({machine.peak_flops / 1e12:.0f} TFLOP/s, "
+                                                           f"{machine.hbm_bandwidth / 1e12:.2f} TB/s); every rank "
+                                                           "of every profiled point"))
+    if fig is None:
+        return Plot(None, "roofline: no profiled GPU point (a CPU run records no ceilings; profile with --profile)")
+    return Plot(fig)
+
+
 def all_plots(df: pd.DataFrame) -> dict[str, Plot]:
     """Every report plot by file stem."""
     return {
@@ -271,6 +294,8 @@ def all_plots(df: pd.DataFrame) -> dict[str, Plot]:
         "memory_vs_tokens": memory_vs_tokens(df),
         "measured_vs_bound": measured_vs_bound(df),
         "imbalance_per_packing": imbalance_per_packing(df),
+        "cost_growth": cost_growth(df),
+        "roofline": roofline(df),
     }
 
 

@@ -8,6 +8,7 @@ that constrained layout keeps for them), so no legend hides a line, a bar or a t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from matplotlib import colormaps
@@ -54,11 +55,15 @@ CHAR_WIDTH_EM = 0.6
 """Average width of a legend character in ems (of the font size), to size the margin it needs."""
 
 
-def outside_legend(fig: Figure, ax: Axes, *, fontsize: float = 7, title: str | None = None) -> None:
-    """``ax``'s legend in the figure's right margin (more columns past :data:`LEGEND_COLUMN_ROWS`
-    entries), the figure widened and heightened by what the legend needs so the axes keep their size;
-    nothing when ``ax`` has no labelled artist. Needs a constrained-layout figure."""
-    handles, labels = ax.get_legend_handles_labels()
+def outside_legend(fig: Figure, ax: Axes | Sequence[Axes], *, fontsize: float = 7, title: str | None = None) -> None:
+    """One legend of ``ax``'s labelled artists (of several axes: all of them) in the figure's right
+    margin (more columns past :data:`LEGEND_COLUMN_ROWS` entries), the figure widened and heightened by
+    what the legend needs so the axes keep their size; nothing when no artist is labelled. Needs a
+    constrained-layout figure."""
+    handles, labels = [], []
+    for one in [ax] if isinstance(ax, Axes) else ax:
+        more_handles, more_labels = one.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
     if not handles:
         return
     columns = 1 + (len(handles) - 1) // LEGEND_COLUMN_ROWS

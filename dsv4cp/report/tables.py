@@ -15,7 +15,7 @@ import pandas as pd
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.model import estimate
+from dsv4cp.model import LayerEstimate, Machine, estimate
 from dsv4cp.model.partition import policy_split
 from dsv4cp.profiling.memory import OUTSIDE_PHASES
 from dsv4cp.profiling.overlap import COLUMNS as OVERLAP_COLUMNS
@@ -100,7 +100,7 @@ def _spread(values: object) -> float:
     return max(values) - min(values)
 
 
-def _group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
+def group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
     """One hashable key per row over ``axes`` (strings, so None, bools and ints group safely)."""
     keys = ["|".join(map(str, values)) for values in df[axes].itertuples(index=False)]
     return pd.Series(keys, index=df.index, dtype=object)
@@ -157,7 +157,7 @@ def scaling(df: pd.DataFrame, kind: str) -> pd.DataFrame:
     axes = varying_axes(points) if len(points) else []
     ratios = ["speedup", "efficiency"] if kind == "strong" else ["efficiency"]
     rows = []
-    for _, group in points.groupby(_group_key(points, ["run", *(a for a in AXES if a not in free)]), sort=False):
+    for _, group in points.groupby(group_key(points, ["run", *(a for a in AXES if a not in free)]), sort=False):
         base = group[group["cp"] == 1]
         if base.empty or group["cp"].nunique() < 2:
             continue
@@ -180,7 +180,7 @@ def overlap_comparison(df: pd.DataFrame) -> pd.DataFrame:
     points = ok_points(df)
     shown = [a for a in varying_axes(points) if a != "overlap"] if len(points) else []
     rows = []
-    key = _group_key(points, ["run", *(a for a in AXES if a != "overlap")])
+    key = group_key(points, ["run", *(a for a in AXES if a != "overlap")])
     for _, group in points.groupby(key, sort=False):
         if group["overlap"].nunique() < 2:
             continue
@@ -285,6 +285,24 @@ MODEL_AXES: tuple[str, ...] = ("preset", "ratio", "cp", "tokens", "packing", "pa
 """Axes the cost model needs to rebuild a point's batch."""
 
 
+def point_estimate(point: pd.Series, machine: Machine | None = None) -> LayerEstimate:
+    """The cost model of one record's point (it must hold every axis of :data:`MODEL_AXES`): the
+    document lengths the sweep packed (``workloads.packing_lengths`` with the point's seed) and the
+    rows each rank measured (the record's ``split``, else, for older records, the point's partition
+    policy as the sweep computes it at its default machine); ``machine``: the ceilings of the bounds."""
+    cp, tokens, ratio = int(point["cp"]), int(point["tokens"]), int(point["ratio"])
+    lengths = packing_lengths(point["packing"], tokens, cp=cp, ratio=ratio, seed=int(point["seed"] or 0))
+    loss, policy = point["loss"], point["partition"]
+    cfg = DSv4Config.preset(point["preset"], **({"indexer_loss": loss} if isinstance(loss, str) else {}))
+    recorded = point.get("split")
+    if isinstance(recorded, (list, tuple)) and len(recorded) == cp + 1:
+        split = RowSplit(tuple(int(b) for b in recorded)).validate(tokens, cp, field="split")
+    else:
+        split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
+                             total=tokens, direction=point["pass"])
+    return estimate(cfg, ratio, lengths, cp, machine, total=tokens, split=split)
+
+
 def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
     """Per point, by packing: the cost model's imbalance (max / mean over ranks of FLOPs and of the
     time bound) for the point's packing, beside the measured per-rank time imbalance.
@@ -296,19 +314,7 @@ def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
     axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
     rows = []
     for _, point in points.iterrows():
-        cp, tokens, ratio = int(point["cp"]), int(point["tokens"]), int(point["ratio"])
-        lengths = packing_lengths(point["packing"], tokens, cp=cp, ratio=ratio, seed=int(point["seed"] or 0))
-        loss, policy = point["loss"], point["partition"]
-        cfg = DSv4Config.preset(point["preset"], **({"indexer_loss": loss} if isinstance(loss, str) else {}))
-        # the rows each rank measured: the record's split, else (older records) the policy's split as the
-        # sweep computes it at its default --machine
-        recorded = point.get("split")
-        if isinstance(recorded, (list, tuple)) and len(recorded) == cp + 1:
-            split = RowSplit(tuple(int(b) for b in recorded)).validate(tokens, cp, field="split")
-        else:
-            split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
-                                 total=tokens, direction=point["pass"])
-        summary = estimate(cfg, ratio, lengths, cp, total=tokens, split=split).summary(point["pass"])
+        summary = point_estimate(point).summary(point["pass"])
         rows.append({**{a: point[a] for a in axes}, "model_flops_imbalance": summary.flops_imbalance,
                      "model_time_imbalance": summary.time_imbalance,
                      "measured_imbalance": point["imbalance_max_over_mean"]})
@@ -372,7 +378,7 @@ def _target_pair(points: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
         mask &= points[axis] == value
     candidates = points[mask]
     free = ("cp", "tokens_per_rank")
-    key = _group_key(candidates, [a for a in AXES if a not in free])
+    key = group_key(candidates, [a for a in AXES if a not in free])
     for _, group in candidates.groupby(key, sort=False):
         one, two = group[group["cp"] == 1], group[group["cp"] == 2]
         if len(one) and len(two):
@@ -417,6 +423,8 @@ def targets(df: pd.DataFrame) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------ output
 def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """Every report table by file name, in the order the summary lists them."""
+    from dsv4cp.report import growth, roofline  # they build on this module's helpers: imported late
+
     return {
         "headline": headline(df),
         "targets": targets(df),
@@ -429,6 +437,8 @@ def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
         "imbalance": imbalance(df),
         "model_imbalance": model_imbalance(df),
         "measured_vs_bound": measured_vs_bound(df),
+        "cost_growth": growth.cost_growth(df),
+        "roofline": roofline.roofline(df),
         "failures": failures(df),
     }
 
