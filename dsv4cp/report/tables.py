@@ -423,9 +423,11 @@ def targets(df: pd.DataFrame) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------ output
 def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """Every report table by file name, in the order the summary lists them."""
-    from dsv4cp.report import growth, roofline  # they build on this module's helpers: imported late
+    from dsv4cp.report import growth, roofline, side_by_side  # they build on this module: imported late
 
+    two_runs = {"comparison": side_by_side.comparison(df)} if len(runs_of(df)) == 2 else {}
     return {
+        **two_runs,
         "headline": headline(df),
         "targets": targets(df),
         "phases": phase_breakdown(df),
