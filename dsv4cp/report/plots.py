@@ -20,7 +20,6 @@ from matplotlib.figure import Figure
 
 from dsv4cp.model import PHASES, range_to_phase
 from dsv4cp.profiling.overlap import TOTAL, KernelRecord, RangeRecord
-from dsv4cp.records import AXES
 from dsv4cp.report import growth, tables
 from dsv4cp.report import roofline as roofline_module
 from dsv4cp.report.styles import area_color, cp_label, outside_legend, series_style
@@ -175,8 +174,7 @@ def overlap_per_phase(df: pd.DataFrame) -> Plot:
     table = table[(table["comm_ms"] > 0) & (table["phase"] != TOTAL) & (table["rank"] == 0)]
     if table.empty:
         return Plot(None, "overlap per phase: no profiled point with communication (profile a CP > 1 point)")
-    axes = [a for a in table.columns if a in ("run", *AXES)]
-    table = table.assign(point=tables.point_labels(table, axes) if axes else "point")
+    table = table.assign(point=_config_labels(table, ["rank"]))
     wide = table.pivot_table(index="point", columns="phase", values="overlap_ratio", aggfunc="mean", sort=False)
     fig, ax = _figure("Communication hidden behind compute, per phase (rank 0)",
                       _caption(df, "overlap ratio = overlapped comm / comm time; blank: no communication"),
