@@ -47,7 +47,7 @@ from dsv4cp.cp.launch import init_from_env, under_torchrun
 from dsv4cp.cp.partition import POLICIES
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
-from dsv4cp.profiling.memory_snapshot import check_snapshot_request
+from dsv4cp.profiling.memory_snapshot import check_snapshot_request, snapshot_name
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
@@ -177,6 +177,10 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
             print("\n".join(attribution_lines(measurement.attribution)))
         if record["memory_phases"] is not None:
             _report_memory_phases(record["memory_phases"])
+        if args.memory_snapshot:
+            ranks = [point.emulated_rank] if emulated else range(point.cp)
+            print("memory snapshots (open at pytorch.org/memory_viz): "
+                  + ", ".join(str(trace_dir / snapshot_name(r)) for r in ranks))
         if out is not None:
             if not (out / "meta.json").exists():
                 options = {name: value for name, value in vars(args).items() if not name.startswith("_")}

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from dsv4cp.records import AXES
 from dsv4cp.report import tables
-from dsv4cp.report.styles import outside_legend, series_style
+from dsv4cp.report.styles import CP_AXIS_LABEL, outside_legend, series_style
 
 SERIES_AXES: tuple[str, ...] = tuple(a for a in AXES if a not in ("tokens", "tokens_per_rank"))
 """Axes a growth series holds fixed (``cp`` among them)."""
@@ -129,7 +129,7 @@ def cost_growth_figure(df: pd.DataFrame, caption: str) -> Figure | None:
         right.set_xticks(cps, [str(c) for c in cps])
         right.axhline(1.0, color="black", linestyle=":", linewidth=0.8)
     right.set_ylim(0, 1.1)
-    right.set_xlabel("CP degree (ranks)")
+    right.set_xlabel(CP_AXIS_LABEL)
     right.set_ylabel("parallel efficiency T(1) / (cp T(cp))")
     right.set_title("parallel efficiency at each size", fontsize=9)
     outside_legend(fig, [left, right])

@@ -22,9 +22,8 @@ from dsv4cp.model import PHASES, range_to_phase
 from dsv4cp.profiling.overlap import TOTAL, KernelRecord, RangeRecord
 from dsv4cp.report import growth, tables
 from dsv4cp.report import roofline as roofline_module
-from dsv4cp.report.styles import area_color, cp_label, outside_legend, series_style
+from dsv4cp.report.styles import CP_AXIS_LABEL, area_color, cp_label, outside_legend, series_style
 
-CP_AXIS_LABEL = "CP degree (ranks)"
 OUTSIDE_PHASES = "outside phases (step)"
 """Phase plot category of the kernels whose innermost range is the step itself."""
 

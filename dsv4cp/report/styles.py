@@ -21,6 +21,9 @@ LINESTYLES: tuple[str, ...] = ("-", "--", ":", "-.")
 AREA_COLORS: tuple[tuple[float, float, float], ...] = (*colormaps["tab20"].colors, *colormaps["tab20b"].colors)
 """Colours of filled areas (stacked bars, timeline lanes), one per category, none repeated under 40."""
 
+CP_AXIS_LABEL = "CP degree (ranks)"
+"""Axis label of CP degrees: ranks, not GPUs, since a CPU run has ranks too."""
+
 LEGEND_COLUMN_ROWS = 20
 """Entries per legend column before another column is started."""
 

@@ -66,7 +66,7 @@ def test_forty_series_plots_keep_legends_off_the_axes_and_series_apart(many_seri
 
 def test_cp_axes_are_integer_ranks(many_series):
     ax = plots.strong_scaling(many_series).figure.axes[0]
-    assert ax.get_xlabel() == "CP degree (ranks)"
+    assert ax.get_xlabel() == styles.CP_AXIS_LABEL == "CP degree (ranks)"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2"]
     bound_fig = plots.measured_vs_bound(many_series).figure
     assert [t.get_text() for t in bound_fig.legends[0].get_texts()][:2] == ["cp=1", "cp=2"]
