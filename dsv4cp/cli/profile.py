@@ -48,6 +48,7 @@ from dsv4cp.cp.partition import POLICIES
 from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
+from dsv4cp.profiling.memory_snapshot import check_snapshot_request, snapshot_name
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
@@ -89,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-phases", action="store_true",
                         help="one more step recording each phase's allocated memory at entry and exit and its "
                              "peak, per rank (where the peak sits; CUDA allocator, host RSS on CPU)")
+    parser.add_argument("--memory-snapshot", action="store_true",
+                        help="one more step recording the CUDA allocator's history, written per rank as "
+                             "TRACE_DIR/memory_snapshot_rank<r>.pickle (open it in pytorch.org/memory_viz); CUDA "
+                             "only, needs --trace-dir")
     parser.add_argument("--out", default=None,
                         help="run directory: append the record to OUT/records.jsonl (meta.json written once)")
 
@@ -119,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     backend = resolve_dist_backend(args, distributed=distributed)
     out = check_output_dir(args.out, "--out")
     trace_dir = check_output_dir(args.trace_dir, "--trace-dir")
+    check_snapshot_request(args.memory_snapshot, trace_dir is not None, "--trace-dir")
     machine = machine_from_args(args)
     calibration = None if args.calibration is None else Calibration.load(args.calibration)
     run_options = RunOptions(warmup=args.warmup, reps=args.reps, l2_flush=args.l2_flush,
@@ -161,7 +167,8 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
     with step_progress(warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:
         measurement = measure_point(point, group, device, run_options, machine=machine, trace_dir=trace_dir,
                                     nsys=args.nsys_steps > 0, on_step=on_step,
-                                    memory_phases=args.memory_phases, calibration=calibration)
+                                    memory_phases=args.memory_phases, calibration=calibration,
+                                    memory_snapshot=args.memory_snapshot)
     if rank == 0 or emulated:
         record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
                              machine=machine_label(device, processes), git_sha=git_sha(),
@@ -171,6 +178,10 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
             print("\n".join(attribution_lines(measurement.attribution)))
         if record["memory_phases"] is not None:
             _report_memory_phases(record["memory_phases"])
+        if args.memory_snapshot:
+            ranks = [point.emulated_rank] if emulated else range(point.cp)
+            print("memory snapshots (open at pytorch.org/memory_viz): "
+                  + ", ".join(str(trace_dir / snapshot_name(r)) for r in ranks))
         if out is not None:
             if not (out / "meta.json").exists():
                 options = {name: value for name, value in vars(args).items() if not name.startswith("_")}

@@ -4,6 +4,10 @@
     dsv4cp report runs/base runs/new --out cmp/   # two runs side by side
 
 RUN_DIR is a sweep's run directory (``records.jsonl`` + ``meta.json``) or a bare ``.jsonl`` of records.
+With exactly two runs (A, then B) the report adds ``tables/comparison.{csv,md}``: each matched point's
+median step time in A and B, B / A and ``dsv4cp compare``'s verdict, then the points only one run
+holds with how the nearest point of the other differs, and the runs' own differences (machine, commit)
+in ``summary.md``.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import record_phase_memory, track_memory
+from dsv4cp.profiling.memory_snapshot import check_snapshot_device, record_memory_snapshot, snapshot_name
 from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
 from dsv4cp.profiling.timing import benchmark, graph_replay
@@ -155,7 +156,7 @@ def measure_point(
     point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
     machine: Machine | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
     on_step: Callable[[str], object] | None = None, memory_phases: bool = False,
-    calibration: Calibration | None = None,
+    calibration: Calibration | None = None, memory_snapshot: bool = False,
 ) -> Measurement:
     """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
 
@@ -166,6 +167,8 @@ def measure_point(
     after each warm-up and timed step (a progress bar, :mod:`dsv4cp.profiling.progress`).
     ``memory_phases``: one more step recording each phase's memory (metric ``memory_phases``).
     ``calibration``: measured-over-bound phase factors the balanced split uses (metric ``calibration``).
+    ``memory_snapshot``: one more step recording the CUDA allocator's history, dumped beside the traces
+    (``trace_dir/memory_snapshot_rank<r>.pickle``, :mod:`dsv4cp.profiling.memory_snapshot`); CUDA only.
 
     With ``point.cuda_graph`` the step runs ``run.warmup`` times eagerly (at least once), is captured
     once, then ``run.warmup`` untimed and ``run.reps`` timed replays follow (``on_step`` after each);
@@ -186,6 +189,10 @@ def measure_point(
     if check and emulated is not None:
         raise ValueError("check: the CP = 1 parity check needs every real rank, not one emulated rank")
     check_cuda_graph(point, device)
+    if memory_snapshot:
+        check_snapshot_device(device)
+        if trace_dir is None:
+            raise ValueError("memory_snapshot: the snapshot is written beside the traces: give a trace_dir")
     machine = machine or Machine()
     cfg, lengths = point_inputs(point)
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
@@ -239,6 +246,10 @@ def measure_point(
             "rows": [row.to_dict() for row in recorder.rows], "peak_bytes": recorder.step_peak_bytes,
             "peak_stack": list(recorder.peak_stack)}
         metrics["memory_phases"] = _gather(mine, group)
+
+    if memory_snapshot:  # a step of its own: recording every allocation's stack slows the step
+        with record_memory_snapshot(Path(trace_dir) / snapshot_name(rank), device):
+            step()
 
     if nsys:
         with capture_range():

@@ -73,6 +73,8 @@ class SweepOptions:
     resume: bool = False
     retry_errors: bool = False
     profile: bool = False
+    memory_snapshot: bool = False
+    """With ``profile``: each point's CUDA allocator history beside its traces."""
     nsys: bool = False
     check: bool = False
     point_timeout_s: float = 600.0
@@ -243,7 +245,7 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
         try:
             measurement = measure_point(point, group, device, spec.run, machine=options.machine,
                                         trace_dir=trace_dir, nsys=options.nsys, check=options.check,
-                                        calibration=options.calibration)
+                                        calibration=options.calibration, memory_snapshot=options.memory_snapshot)
             metrics, resolved = measurement.metrics, measurement.resolved_backends
         except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
             status = STATUS_OOM if is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"
