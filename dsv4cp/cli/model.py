@@ -29,13 +29,14 @@ from dsv4cp.cli.common import (
     positive_int,
 )
 from dsv4cp.config import LOSS_VARIANTS, PRESET_NAMES, DSv4Config
-from dsv4cp.cp.partition import INDEXER_SCANS, POLICIES, RowSplit
+from dsv4cp.cp.partition import POLICIES, RowSplit
 from dsv4cp.model import BOTH, Machine, estimate, extrapolate
 from dsv4cp.model.calibration import Calibration, class_times, fit, model_class_times, read_phase_table
 from dsv4cp.model.extrapolate import DEFAULT_CPS, DEFAULT_TOKENS
-from dsv4cp.model.machine import GB
+from dsv4cp.model.machine import GB, no_machine_reason
 from dsv4cp.model.memory import peak_bytes_estimate
 from dsv4cp.model.partition import compare_policies
+from dsv4cp.model.phase_classes import INDEXER_SCANS
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.workloads import PACKINGS, pack_lengths
 
@@ -102,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = DSv4Config.preset(args.preset, indexer_loss=args.loss)
     cfg.check_ratio(args.ratio)
     machine = machine_from_args(args)
+    if machine is None:  # every figure below is a bound: there is nothing to print without ceilings
+        raise ValueError(f"--machine: {no_machine_reason()}")
     calibration = None if args.calibration is None else Calibration.load(args.calibration)
     if args.extrapolate:
         return _run_extrapolate(args, cfg, machine)

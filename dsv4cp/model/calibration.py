@@ -1,11 +1,11 @@
-"""Calibration of the cost model on measured phase times (issue 12): one efficiency factor per phase
+"""Calibration of the cost model on measured phase times: one efficiency factor per phase
 class and direction, ``measured time / modelled bound``.
 
 The roofline bounds of :mod:`dsv4cp.model.costs` are far from the measured phase times, and not by
 one common factor: on an H200 the indexer's scoring + top-k runs ~6x its bound, the projections
 ~1.7x. A split balanced on the bounds therefore balances the wrong work. A :class:`Calibration`
 holds the measured-over-bound factor of every phase class (:data:`PHASE_CLASSES`) in each direction;
-:meth:`dsv4cp.cp.partition.RowCosts.for_layer` scales its per-row costs by them and
+:meth:`dsv4cp.model.row_costs.RowCosts.for_layer` scales its per-row costs by them and
 :meth:`Calibration.rank_compute_s` scales the model's per-rank phase bounds.
 
 Fitting (:func:`fit`) needs a profile's per-phase table (the ``overlap.csv`` that ``dsv4cp profile
@@ -24,7 +24,7 @@ query its document's earlier entries (``visible``), the Triton top-k's static ch
 entry of the batch before the query (``prefix``: other documents' columns too; the torch top-k too, given
 ``key_row_limit`` as the layer does), the torch top-k without it the whole gathered buffer (``all``).
 ``indexer_scan`` names the work the indexer factor is fitted on and applied to
-(:data:`dsv4cp.cp.partition.INDEXER_SCANS`), priced per entry at the model's own per-visible-entry bound;
+(:data:`dsv4cp.model.phase_classes.INDEXER_SCANS`), priced per entry at the model's own per-visible-entry bound;
 on one long document ``visible`` and ``prefix`` coincide, so only a multi-document profile tells them apart.
 """
 
@@ -37,16 +37,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dsv4cp.cp.partition import INDEXER_SCANS, PHASE_CLASSES, scanned_slots
 from dsv4cp.model.costs import BOTH, DIRECTIONS, LayerEstimate, range_to_phase
-
-MODEL_PHASE_CLASS: dict[str, str] = {
-    "indexer.score": "indexer", "indexer.topk": "indexer", "sparse_attn": "attention",
-    "q_proj": "projections", "kv_proj": "projections", "out_proj": "projections",
-    "indexer.q_proj": "projections", "compress": "compressors", "indexer.compress": "compressors",
-    "indexer.loss": "loss",
-}
-"""The class of every compute phase of the cost model (communication phases have none)."""
+from dsv4cp.model.phase_classes import INDEXER_SCANS, MODEL_PHASE_CLASS, PHASE_CLASSES
+from dsv4cp.model.row_costs import scanned_slots
 
 SCHEMA = 1
 

@@ -32,6 +32,7 @@ from dsv4cp.cp.partition import RowSplit
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, this_machine
 from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.packing import PackedSeqs
@@ -151,8 +152,10 @@ def measure_point(
 ) -> Measurement:
     """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
 
-    ``machine``: the ceilings of the model bound and MFU (default: the measured H200 ones; MFU is
-    left None off GPU, where that ceiling means nothing). ``trace_dir``: write a Kineto trace per
+    ``machine``: the ceilings of the model bound and MFU (default: the machine this process runs on,
+    :func:`~dsv4cp.model.machine.this_machine`; where it has none, no bound: ``bound_ms``,
+    ``measured_over_bound`` and ``bound_machine`` stay None); MFU is left None off GPU, where that
+    ceiling means nothing. ``trace_dir``: write a Kineto trace per
     rank under it and fill the overlap metrics. ``nsys``: also run ``run.nsys_steps`` steps inside
     ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``). ``on_step``: called
     after each warm-up and timed step (a progress bar, :mod:`dsv4cp.profiling.progress`).
@@ -178,12 +181,16 @@ def measure_point(
     if check and emulated is not None:
         raise ValueError("check: the CP = 1 parity check needs every real rank, not one emulated rank")
     check_cuda_graph(point, device)
-    machine = machine or Machine()
+    machine = machine if machine is not None else this_machine()
+    if machine is None and point.partition == "balanced":
+        raise ValueError(f"partition: a balanced split equalises modelled times at a machine's ceilings; "
+                         f"{no_machine_reason()}")
     cfg, lengths = point_inputs(point)
     dtype = DTYPES[point.dtype]
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
     split = point_split(point, cfg, lengths, machine, calibration)
-    bound = estimate(cfg, point.ratio, packed, cp, machine, split=split).summary(point.direction)
+    # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
+    bound = estimate(cfg, point.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device, head_dim=cfg.head_dim).name}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
@@ -234,11 +241,13 @@ def measure_point(
         "rank_time_ms_median": [r[0] for r in per_rank],
         "imbalance_max_over_mean": max(medians) / (sum(medians) / len(medians)) if emulated is None else None,
         "tokens_per_s": point.tokens / seconds, "tflops_per_gpu": tflops,
-        "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" else None,
+        "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" and machine is not None else None,
         "split": list(split.bounds),
         "calibration": calibration.label if calibration is not None and point.partition == "balanced" else None,
-        "model_flops": bound.model_flops, "bound_ms": bound.bound_overlap_s * 1e3,
-        "measured_over_bound": seconds / bound.bound_overlap_s if bound.bound_overlap_s > 0 else None,
+        "model_flops": bound.model_flops, "bound_machine": None if machine is None else machine.name,
+        "bound_ms": None if machine is None else bound.bound_overlap_s * 1e3,
+        "measured_over_bound": seconds / bound.bound_overlap_s if machine is not None and bound.bound_overlap_s > 0
+        else None,
         "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],
     }
 

@@ -12,17 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4cp.config import DSv4Config
-from dsv4cp.cp.partition import (
-    InfeasibleSplitError,
-    RowCosts,
-    RowSplit,
-    as_split,
-    balanced_split,
-    halo_rows,
-    partition,
-    row_costs,
-    slice_costs,
-)
+from dsv4cp.cp.partition import RowSplit, as_split, halo_rows
+from dsv4cp.model.balanced_split import InfeasibleSplitError, balanced_split, partition
+from dsv4cp.model.row_costs import RowCosts, row_costs, slice_costs
 from dsv4cp.packing import PackedSeqs
 
 TINY = DSv4Config.preset("tiny")

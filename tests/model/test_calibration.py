@@ -1,4 +1,4 @@
-"""Calibration of the cost model on measured phase times (issue 12): the fit, JSON, the calibrated
+"""Calibration of the cost model on measured phase times: the fit, JSON, the calibrated
 per-row costs and balanced split, and the ``dsv4cp model --calibrate / --calibration`` options."""
 
 from __future__ import annotations
@@ -13,16 +13,7 @@ import pytest
 
 from dsv4cp.cli.main import main
 from dsv4cp.config import DSv4Config
-from dsv4cp.cp.partition import (
-    INDEXER_SCANS,
-    PHASE_CLASSES,
-    RowCosts,
-    RowSplit,
-    partition,
-    row_costs,
-    scanned_slots,
-    slice_costs,
-)
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import Machine, estimate, nvtx_ranges
 from dsv4cp.model.calibration import (
     MODEL_PHASE_CLASS,
@@ -33,7 +24,9 @@ from dsv4cp.model.calibration import (
     read_phase_table,
     scanned_entries,
 )
-from dsv4cp.model.partition import compare_policies
+from dsv4cp.model.partition import compare_policies, partition
+from dsv4cp.model.phase_classes import INDEXER_SCANS, PHASE_CLASSES
+from dsv4cp.model.row_costs import RowCosts, row_costs, scanned_slots, slice_costs
 
 TINY = DSv4Config.preset("tiny")
 FLASH = DSv4Config.preset("flash")
@@ -201,7 +194,7 @@ def test_model_cli_calibrate_then_balance(tmp_path, capsys, seed: int) -> None:
     profile = tmp_path / "overlap.csv"
     _synthetic_profile(est, factors).to_csv(profile, index=False)
     out = tmp_path / "cal.json"
-    point = ["model", "--preset", "flash", "--ratio", "4", "--tokens", "65536"]
+    point = ["model", "--preset", "flash", "--ratio", "4", "--tokens", "65536", "--machine", "h200x2"]
     assert main([*point, "--cp", "1", "--calibrate", str(tmp_path), "--calibration-out", str(out)]) == 0
     assert "calibration written" in capsys.readouterr().out
     assert Calibration.load(out).factor("indexer", "fwd") == pytest.approx(30.0, rel=1e-9)
