@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
     backend = resolve_dist_backend(args, distributed=distributed)
     out = check_output_dir(args.out, "--out")
     trace_dir = check_output_dir(args.trace_dir, "--trace-dir")
-    machine = machine_from_args(args)
     calibration = None if args.calibration is None else Calibration.load(args.calibration)
+    machine = machine_from_args(args, calibration)
     run_options = RunOptions(warmup=args.warmup, reps=args.reps, l2_flush=args.l2_flush,
                              trace_steps=args.trace_steps, nsys_steps=max(args.nsys_steps, 1))
     emulated = _check_emulation(args, distributed)

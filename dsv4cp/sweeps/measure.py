@@ -14,6 +14,7 @@ and nsys steps are eager steps, measured after the graph (and its memory pool) i
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,7 +32,7 @@ from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.model import Machine, estimate
-from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.calibration import POINT_FILE, Calibration
 from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, this_machine
 from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.sparse_attention import resolve_backend
@@ -275,6 +276,8 @@ def measure_point(
             kernels, ranges = load_kineto_dir(trace_dir)  # parsed once for the three tables
             overlap = _per_step(overlap_table(kernels, ranges), run.trace_steps)
             overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
+            # the point its phase times belong to: a calibration from this trace checks it (model --calibrate)
+            (Path(trace_dir) / POINT_FILE).write_text(json.dumps(point.axes()) + "\n")
             attribution = attribution_table(kernels, ranges, step_range=full_name("step"))
             attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
             kernel_table(kernels, ranges).to_csv(Path(trace_dir) / "kernels.csv", index=False)
