@@ -101,12 +101,14 @@ def _group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
 # ------------------------------------------------------------------------------------------ tables
 def headline(df: pd.DataFrame) -> pd.DataFrame:
     """Per point (every status): the axes that vary, status, time median [p20, p80], tokens/s,
-    TFLOP/s per GPU, MFU, measured/bound, peak GiB (max over ranks), exposed comm % of comm time."""
+    TFLOP/s per GPU, MFU, measured/bound and the machine of its bound, peak GiB (max over ranks), exposed
+    comm % of comm time."""
     axes = varying_axes(df)
     out = df[axes + ["status"]].copy()
     for column in ("time_ms_median", "time_ms_p20", "time_ms_p80", "tokens_per_s", "tflops_per_gpu", "mfu",
                    "measured_over_bound"):
         out[column] = pd.to_numeric(df[column], errors="coerce")
+    out["bound_machine"] = df["bound_machine"]  # whose ceilings measured/bound is against (None: no bound)
     out["peak_gib"] = df["peak_allocated_bytes"].map(_max_gib)
     comm = pd.to_numeric(df["comm_ms"], errors="coerce")
     exposed = pd.to_numeric(df["exposed_comm_ms"], errors="coerce")
@@ -252,6 +254,7 @@ def measured_vs_bound(df: pd.DataFrame) -> pd.DataFrame:
     for column in ("time_ms_median", "bound_ms", "measured_over_bound", "tflops_per_gpu", "mfu"):
         out[column] = pd.to_numeric(points[column], errors="coerce")
     out["model_tflop"] = pd.to_numeric(points["model_flops"], errors="coerce") / 1e12
+    out["bound_machine"] = points["bound_machine"]  # whose ceilings the bound is (None: no bound)
     return out
 
 

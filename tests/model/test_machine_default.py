@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+import pandas as pd
 import pytest
 import torch
 
@@ -92,3 +93,21 @@ def test_the_module_has_one_default(monkeypatch) -> None:
     other = Machine(name="probe", peak_flops=1e12, hbm_bandwidth=1e11, allgather_busbw=1e9, p2p_bandwidth=1e9)
     monkeypatch.setattr(machine_module, "this_machine", lambda: other)
     assert estimate(DSv4Config.preset("tiny"), 4, [64], 1).machine is other
+
+
+def test_report_tables_name_the_bound_machine(tmp_path) -> None:
+    """The headline and measured-vs-bound tables carry each record's ``bound_machine`` (None: no bound)."""
+    from dsv4cp.records import append_record, make_record
+    from dsv4cp.report import tables
+    from dsv4cp.report.load import load_runs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for cp, machine in ((1, "cpu-estimate"), (2, None)):
+        metrics = {"time_ms_median": 2.0 * cp, "bound_ms": None if machine is None else 0.5, "model_flops": 1e9,
+                   "measured_over_bound": None if machine is None else 4.0 * cp, "bound_machine": machine}
+        append_record(run / "records.jsonl", make_record({"preset": "tiny", "cp": cp, "tokens": 64}, metrics,
+                                                         sweep="s", status="ok", machine="cpu", git_sha=None))
+    df = load_runs([run])
+    for table in (tables.headline(df), tables.measured_vs_bound(df)):
+        assert table["bound_machine"].iloc[0] == "cpu-estimate" and pd.isna(table["bound_machine"].iloc[1])
