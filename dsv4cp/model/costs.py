@@ -308,13 +308,13 @@ def unit_costs(cfg: DSv4Config, ratio: int) -> dict[str, dict[str, dict[str, np.
     """
     cfg.check_ratio(ratio)
     kind = layer_kind(ratio)
-    unit = np.eye(len(UNITS))
-    zeros = np.zeros(len(UNITS), dtype=np.int64)
+    row, window_key, visible_entry, compressed_key = np.eye(len(UNITS))  # one unit "rank" each
+    none = np.zeros(len(UNITS))
     probe = RankCounts(
         kind=kind, ratio=ratio, cp=len(UNITS), total=0, rows=1, halo=0, capacity=0, n_docs=0,
-        max_entries_per_doc=0, rank_rows=unit[0], halo_recv_rows=zeros, halo_send_rows=zeros,
-        query_rows=unit[0], window_keys=unit[1], visible_entries=unit[2] if ratio else 0 * unit[2],
-        compressed_keys=unit[3] if ratio else 0 * unit[3], owned_entries=unit[0] / ratio if ratio else 0 * unit[0],
+        max_entries_per_doc=0, rank_rows=row, halo_recv_rows=none, halo_send_rows=none, query_rows=row,
+        window_keys=window_key, visible_entries=visible_entry if ratio else none,  # W layers see no entry
+        compressed_keys=compressed_key if ratio else none, owned_entries=row / ratio if ratio else none,
     )
     costs = _phase_costs(cfg, probe, Machine(), ACT_BYTES)  # the machine prices communication only: unused here
     return {

@@ -15,7 +15,8 @@ import pandas as pd
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.model import estimate
+from dsv4cp.model import Machine, estimate
+from dsv4cp.model.machine import MACHINE_PRESETS
 from dsv4cp.model.partition import policy_split
 from dsv4cp.profiling.overlap import COLUMNS as OVERLAP_COLUMNS
 from dsv4cp.records import AXES, STATUS_OK
@@ -228,15 +229,19 @@ def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
         lengths = packing_lengths(point["packing"], tokens, cp=cp, ratio=ratio, seed=int(point["seed"] or 0))
         loss, policy = point["loss"], point["partition"]
         cfg = DSv4Config.preset(point["preset"], **({"indexer_loss": loss} if isinstance(loss, str) else {}))
+        # the ceilings of the record's bound where they are a preset, else h200x2 (records before
+        # bound_machine were all bounded on it)
+        named = point.get("bound_machine")
+        machine = Machine.preset(named if isinstance(named, str) and named in MACHINE_PRESETS else "h200x2")
         # the rows each rank measured: the record's split, else (older records) the policy's split as the
-        # sweep computes it at its default --machine
+        # sweep computed it
         recorded = point.get("split")
         if isinstance(recorded, (list, tuple)) and len(recorded) == cp + 1:
             split = RowSplit(tuple(int(b) for b in recorded)).validate(tokens, cp, field="split")
         else:
             split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
-                                 total=tokens, direction=point["pass"])
-        summary = estimate(cfg, ratio, lengths, cp, total=tokens, split=split).summary(point["pass"])
+                                 machine, total=tokens, direction=point["pass"])
+        summary = estimate(cfg, ratio, lengths, cp, machine, total=tokens, split=split).summary(point["pass"])
         rows.append({**{a: point[a] for a in axes}, "model_flops_imbalance": summary.flops_imbalance,
                      "model_time_imbalance": summary.time_imbalance,
                      "measured_imbalance": point["imbalance_max_over_mean"]})
