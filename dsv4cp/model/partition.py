@@ -62,8 +62,9 @@ def policy_split(
 
     With ``refine`` (default) the balanced split is then refined on the model's per-rank evaluation
     (:func:`refine_split`), which also sees the padding of the gathered buffers to the largest rank;
-    ``refine=False`` gives the per-row split alone. ``refine`` has no effect on ``equal``."""
-    machine = resolve_machine(machine)
+    ``refine=False`` gives the per-row split alone. ``refine`` has no effect on ``equal``, which needs no
+    ``machine`` (the balanced split's default is the machine this process runs on)."""
+    machine = resolve_machine(machine) if policy == "balanced" else machine
     cu, total = document_extents(docs, total)
     lengths = np.diff(cu).tolist()
     split = partition(lengths, cp, cfg, ratio, policy=policy, machine=machine, align=align,

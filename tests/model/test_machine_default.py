@@ -74,7 +74,8 @@ def test_model_on_a_gpu_without_preset_exits_2_saying_so(monkeypatch, capsys) ->
 def test_a_point_without_a_machine_records_no_bound(monkeypatch) -> None:
     """The model FLOPs stay (they need no ceilings); bound, measured/bound and bound_machine are None;
     a balanced point, whose split is balanced on ceilings, is refused before any work."""
-    monkeypatch.setattr(measure, "this_machine", lambda: None)
+    for module in (measure, machine_module):  # the name measure imported, and the one the model resolves
+        monkeypatch.setattr(module, "this_machine", lambda: None)
     point = make_point({"preset": "tiny", "tokens": 64})
     run = RunOptions(warmup=0, reps=1)
     metrics = measure.measure_point(point, None, torch.device("cpu"), run).metrics
