@@ -7,7 +7,8 @@ Examples:
   dsv4cp model --preset flash --ratio 4 --tokens 262144 --cp 64 --machine internode --bandwidth 40
   dsv4cp model --preset flash --ratio 4 --packing histogram --extrapolate --machine internode
   dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 8 --partition balanced --align 8
-  dsv4cp model --cp 1 --calibrate results/2026-12-01-h200/trace --indexer-scan prefix --calibration-out cal.json
+  dsv4cp model --cp 1 --machine h200x2 --calibrate results/2026-12-01-h200/trace --indexer-scan prefix \
+      --calibration-out cal.json
   dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 2 --partition balanced --calibration cal.json
 """
 
@@ -83,8 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "split and the policy table use calibrated (measured-like) phase times")
     parser.add_argument("--calibrate", default=None, metavar="PROFILE",
                         help="fit a calibration from a profile's per-phase times (overlap.csv, records.jsonl or "
-                             "their directory) measured at this command's point (--preset ... --cp); "
-                             "prints the factors and writes them to --calibration-out")
+                             "their directory) measured at this command's point (--preset ... --cp; a profile "
+                             "of another preset, ratio or token count is refused); prints the factors, warns on "
+                             "any below 1, and writes them to --calibration-out")
     parser.add_argument("--calibration-out", default=None, help="JSON file that --calibrate writes")
     parser.add_argument("--indexer-scan", choices=INDEXER_SCANS, default="visible",
                         help="entries the profiled indexer top-k scanned per query (--calibrate): visible (its "
