@@ -23,7 +23,7 @@ AXES: tuple[str, ...] = (
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
-``equal`` | ``balanced`` (rank row ranges, :func:`dsv4cp.cp.partition.partition`); ``dtype``: a
+``equal`` | ``balanced`` (rank row ranges, :func:`dsv4cp.model.partition.partition`); ``dtype``: a
 ``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...); ``emulated_rank``: None for
 a real run, else the one rank of the ``cp`` that a single process measured alone with its collectives
 replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no communication; its per-rank
@@ -43,6 +43,7 @@ METRICS: tuple[str, ...] = (
     "imbalance_max_over_mean",  # of the per-rank medians
     "tokens_per_s", "tflops_per_gpu", "mfu",  # mfu: against the machine's measured matmul ceiling
     "model_flops", "bound_ms", "measured_over_bound",
+    "bound_machine",  # str: the machine whose ceilings bound_ms is for (dsv4cp.model.machine); None: no bound
     "peak_allocated_bytes",  # list[int] per rank (host peak RSS on CPU)
     "device_used_bytes",  # list[int | None] per rank
     "exposed_comm_ms", "comm_ms", "overlap_ratio",  # totals of rank 0's overlap table; None unless profiled

@@ -47,6 +47,7 @@ from dsv4cp.cp.launch import init_from_env, under_torchrun
 from dsv4cp.cp.partition import POLICIES
 from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.machine import no_machine_reason
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.memory_snapshot import check_snapshot_request, snapshot_name
 from dsv4cp.profiling.overlap import attribution_lines
@@ -125,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, "--out")
     trace_dir = check_output_dir(args.trace_dir, "--trace-dir")
     check_snapshot_request(args.memory_snapshot, trace_dir is not None, "--trace-dir")
-    machine = machine_from_args(args)
     calibration = None if args.calibration is None else Calibration.load(args.calibration)
+    machine = machine_from_args(args, calibration)
     run_options = RunOptions(warmup=args.warmup, reps=args.reps, l2_flush=args.l2_flush,
                              trace_steps=args.trace_steps, nsys_steps=max(args.nsys_steps, 1))
     emulated = _check_emulation(args, distributed)
@@ -173,7 +174,7 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
         record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
                              machine=machine_label(device, processes), git_sha=git_sha(),
                              resolved_backends=measurement.resolved_backends)
-        _report(point, record, measurement.overlap, machine.name)
+        _report(point, record, measurement.overlap)
         if measurement.attribution is not None:
             print("\n".join(attribution_lines(measurement.attribution)))
         if record["memory_phases"] is not None:
@@ -207,7 +208,7 @@ def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:
     return True
 
 
-def _report(point: Point, record: dict, table, bound_machine: str) -> None:
+def _report(point: Point, record: dict, table) -> None:
     print(f"profile {point.label()} (point {record['point_id']}, {record['machine']})")
     emulated = record["emulated_rank"]
     if emulated is not None:
@@ -222,10 +223,11 @@ def _report(point: Point, record: dict, table, bound_machine: str) -> None:
               + f" ms (imbalance {record['imbalance_max_over_mean']:.2f})")
     if record["cuda_graph"]:
         print("time: CUDA-graph replays (no host overhead); peak memory, memory phases and traced steps are eager")
-    ratio = record["measured_over_bound"]
-    print(f"model (bound for machine {bound_machine}): bound {record['bound_ms']:.3g} ms; measured/bound "
-          + (f"{ratio:.2f}" if ratio is not None else "n/a")
-          + f"; {record['tflops_per_gpu']:.3g} model TFLOP/s per GPU; {record['tokens_per_s']:.0f} tokens/s")
+    ratio, bound = record["measured_over_bound"], record["bound_ms"]
+    bound_text = (f"bound for machine {record['bound_machine']}: {bound:.3g} ms; measured/bound "
+                  + (f"{ratio:.2f}" if ratio is not None else "n/a")) if bound is not None else no_machine_reason()
+    print(f"model ({bound_text}); {record['tflops_per_gpu']:.3g} model TFLOP/s per GPU; "
+          f"{record['tokens_per_s']:.0f} tokens/s")
     for rank, (peak, used) in enumerate(zip(record["peak_allocated_bytes"], record["device_used_bytes"])):
         if emulated is not None and rank != emulated:
             continue  # not measured: only the emulated rank ran

@@ -85,13 +85,14 @@ def run(args: argparse.Namespace) -> int:
         check_output_dir(out, "--out")
     check_out_dir(out, args.resume)
     distributed = under_torchrun() or (args.nproc or default_nproc(spec)) > 1
+    calibration = None if args.calibration is None else Calibration.load(args.calibration)
     options = SweepOptions(
         out=out, resume=args.resume, retry_errors=args.retry_errors, profile=args.profile, nsys=args.nsys,
         memory_snapshot=args.memory_snapshot,
         check=args.check, point_timeout_s=args.point_timeout,
         dist_backend=resolve_dist_backend(args, distributed=distributed),  # refuses a flag a 1-rank run ignores
-        progress=progress_enabled(args.progress, rank), machine=machine_from_args(args),
-        calibration=None if args.calibration is None else Calibration.load(args.calibration),
+        progress=progress_enabled(args.progress, rank), machine=machine_from_args(args, calibration),
+        calibration=calibration,
     )
     summary = run_sweep(spec, options, nproc=args.nproc)
     if rank == 0:

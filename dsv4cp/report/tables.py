@@ -16,6 +16,7 @@ import pandas as pd
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import LayerEstimate, Machine, estimate
+from dsv4cp.model.machine import MACHINE_PRESETS
 from dsv4cp.model.partition import policy_split
 from dsv4cp.profiling.memory import OUTSIDE_PHASES
 from dsv4cp.profiling.overlap import COLUMNS as OVERLAP_COLUMNS
@@ -109,12 +110,14 @@ def group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
 # ------------------------------------------------------------------------------------------ tables
 def headline(df: pd.DataFrame) -> pd.DataFrame:
     """Per point (every status): the axes that vary, status, time median [p20, p80], tokens/s,
-    TFLOP/s per GPU, MFU, measured/bound, peak GiB (max over ranks), exposed comm % of comm time."""
+    TFLOP/s per GPU, MFU, measured/bound and the machine of its bound, peak GiB (max over ranks), exposed
+    comm % of comm time."""
     axes = varying_axes(df)
     out = df[axes + ["status"]].copy()
     for column in ("time_ms_median", "time_ms_p20", "time_ms_p80", "tokens_per_s", "tflops_per_gpu", "mfu",
                    "measured_over_bound"):
         out[column] = pd.to_numeric(df[column], errors="coerce")
+    out["bound_machine"] = df["bound_machine"]  # whose ceilings measured/bound is against (None: no bound)
     out["peak_gib"] = df["peak_allocated_bytes"].map(_max_gib)
     comm = pd.to_numeric(df["comm_ms"], errors="coerce")
     exposed = pd.to_numeric(df["exposed_comm_ms"], errors="coerce")
@@ -299,8 +302,15 @@ def point_estimate(point: pd.Series, machine: Machine | None = None) -> LayerEst
         split = RowSplit(tuple(int(b) for b in recorded)).validate(tokens, cp, field="split")
     else:
         split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
-                             total=tokens, direction=point["pass"])
-    return estimate(cfg, ratio, lengths, cp, machine, total=tokens, split=split)
+                             machine or record_machine(point), total=tokens, direction=point["pass"])
+    return estimate(cfg, ratio, lengths, cp, machine or record_machine(point), total=tokens, split=split)
+
+
+def record_machine(point: pd.Series) -> Machine:
+    """The ceilings of a record's bound where they are a preset, else h200x2 (records written before
+    ``bound_machine`` were all bounded on it)."""
+    named = point.get("bound_machine")
+    return Machine.preset(named if isinstance(named, str) and named in MACHINE_PRESETS else "h200x2")
 
 
 def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
@@ -314,7 +324,7 @@ def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
     axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
     rows = []
     for _, point in points.iterrows():
-        summary = point_estimate(point).summary(point["pass"])
+        summary = point_estimate(point, record_machine(point)).summary(point["pass"])
         rows.append({**{a: point[a] for a in axes}, "model_flops_imbalance": summary.flops_imbalance,
                      "model_time_imbalance": summary.time_imbalance,
                      "measured_imbalance": point["imbalance_max_over_mean"]})
@@ -332,6 +342,7 @@ def measured_vs_bound(df: pd.DataFrame) -> pd.DataFrame:
     for column in ("time_ms_median", "bound_ms", "measured_over_bound", "tflops_per_gpu", "mfu"):
         out[column] = pd.to_numeric(points[column], errors="coerce")
     out["model_tflop"] = pd.to_numeric(points["model_flops"], errors="coerce") / 1e12
+    out["bound_machine"] = points["bound_machine"]  # whose ceilings the bound is (None: no bound)
     return out
 
 

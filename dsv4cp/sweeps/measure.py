@@ -14,6 +14,7 @@ and nsys steps are eager steps, measured after the graph (and its memory pool) i
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,7 +32,8 @@ from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
-from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.calibration import POINT_FILE, Calibration
+from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, this_machine
 from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.packing import PackedSeqs
@@ -160,8 +162,10 @@ def measure_point(
 ) -> Measurement:
     """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
 
-    ``machine``: the ceilings of the model bound and MFU (default: the measured H200 ones; MFU is
-    left None off GPU, where that ceiling means nothing). ``trace_dir``: write a Kineto trace per
+    ``machine``: the ceilings of the model bound and MFU (default: the machine this process runs on,
+    :func:`~dsv4cp.model.machine.this_machine`; where it has none, no bound: ``bound_ms``,
+    ``measured_over_bound`` and ``bound_machine`` stay None); MFU is left None off GPU, where that
+    ceiling means nothing. ``trace_dir``: write a Kineto trace per
     rank under it and fill the overlap metrics. ``nsys``: also run ``run.nsys_steps`` steps inside
     ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``). ``on_step``: called
     after each warm-up and timed step (a progress bar, :mod:`dsv4cp.profiling.progress`).
@@ -193,11 +197,15 @@ def measure_point(
         check_snapshot_device(device)
         if trace_dir is None:
             raise ValueError("memory_snapshot: the snapshot is written beside the traces: give a trace_dir")
-    machine = machine or Machine()
+    machine = machine if machine is not None else this_machine()
+    if machine is None and point.partition == "balanced":
+        raise ValueError(f"partition: a balanced split equalises modelled times at a machine's ceilings; "
+                         f"{no_machine_reason()}")
     cfg, lengths = point_inputs(point)
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
     split = point_split(point, cfg, lengths, machine, calibration)
-    bound = estimate(cfg, point.ratio, packed, cp, machine, split=split).summary(point.direction)
+    # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
+    bound = estimate(cfg, point.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device, head_dim=cfg.head_dim).name}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
@@ -231,11 +239,13 @@ def measure_point(
         "rank_time_ms_median": [r[0] for r in per_rank],
         "imbalance_max_over_mean": max(medians) / (sum(medians) / len(medians)) if emulated is None else None,
         "tokens_per_s": point.tokens / seconds, "tflops_per_gpu": tflops,
-        "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" else None,
+        "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" and machine is not None else None,
         "split": list(split.bounds),
         "calibration": calibration.label if calibration is not None and point.partition == "balanced" else None,
-        "model_flops": bound.model_flops, "bound_ms": bound.bound_overlap_s * 1e3,
-        "measured_over_bound": seconds / bound.bound_overlap_s if bound.bound_overlap_s > 0 else None,
+        "model_flops": bound.model_flops, "bound_machine": None if machine is None else machine.name,
+        "bound_ms": None if machine is None else bound.bound_overlap_s * 1e3,
+        "measured_over_bound": seconds / bound.bound_overlap_s if machine is not None and bound.bound_overlap_s > 0
+        else None,
         "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],
     }
 
@@ -267,6 +277,8 @@ def measure_point(
             kernels, ranges = load_kineto_dir(trace_dir)  # parsed once for the three tables
             overlap = _per_step(overlap_table(kernels, ranges), run.trace_steps)
             overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
+            # the point its phase times belong to: a calibration from this trace checks it (model --calibrate)
+            (Path(trace_dir) / POINT_FILE).write_text(json.dumps(point.axes()) + "\n")
             attribution = attribution_table(kernels, ranges, step_range=full_name("step"))
             attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
             kernel_table(kernels, ranges).to_csv(Path(trace_dir) / "kernels.csv", index=False)

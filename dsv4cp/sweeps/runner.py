@@ -33,6 +33,7 @@ from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.machine import this_machine
 from dsv4cp.profiling.memory import is_out_of_memory
 from dsv4cp.records import (
     RECORDS_FILE,
@@ -80,7 +81,8 @@ class SweepOptions:
     point_timeout_s: float = 600.0
     dist_backend: str = "gloo"
     progress: bool = False
-    machine: Machine = field(default_factory=Machine)
+    machine: Machine | None = field(default_factory=this_machine)
+    """The bounds' ceilings (``--machine``); None: no bound (a GPU without a preset)."""
     calibration: Calibration | None = None
     """Phase factors the ``balanced`` points' split uses (``--calibration``); None: the model's bounds."""
 
