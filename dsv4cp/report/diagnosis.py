@@ -233,6 +233,8 @@ def cause_text(ranks: pd.DataFrame) -> str:
     if slow["cause_phase"]:
         ratio = slow["cause_phase_over_bound"]
         text += f", most in {slow['cause_phase']}" + (f" ({ratio:.3g}x its bound)" if not math.isnan(ratio) else "")
+        if slow["cause_phase"] == STEP_OWN and slow["step_own_top"]:
+            text += f" (outside the named phases: {slow['step_own_top']})"
     waiting = ranks[(ranks["rank"] != slow["rank"]) & (ranks["imbalance_wait_ms"] > 0)]
     if len(waiting):
         longest = waiting.loc[waiting["imbalance_wait_ms"].idxmax()]

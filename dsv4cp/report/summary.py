@@ -118,18 +118,32 @@ def _targets_section(report: ReportParts) -> list[str]:
     if judged.empty:
         return lines + ["No target declared: a spec's `targets:` list names them (metric, points, comparison, "
                         "value); the shipped specs in `sweeps/` declare the project's.", ""]
+    lines += ["Each run's declared targets (its spec's `targets:`), judged on its measured points "
+              "(`tables/targets.md` lists every point); a missed one names the cause its diagnosis finds.", ""]
     causes = diagnosis_module.point_causes(report.table("diagnosis"))
-    for row in judged.itertuples(index=False):
-        where = f" on {row.point}" if isinstance(row.point, str) and row.point else ""
-        if row.verdict == targets_module.MET:
-            verdict = f"**{row.measured:.4g}**: met"
-        elif row.verdict == targets_module.MISSED:
-            cause = causes.get(row.point_id, "not profiled: `sweep --profile` gives the diagnosis that names the cause")
-            verdict = f"**{row.measured:.4g}**: MISSED by {row.miss_pct:.1f}%; {cause}"
-        else:
-            verdict = f"not applicable: {row.reason}"
-        lines.append(f"- {row.run}: {row.target} ({row.rule}){where}: {verdict}")
+    for (run, name, rule), rows in judged.groupby(["run", "target", "rule"], sort=False):
+        counts = rows["verdict"].value_counts()
+        verdicts = (targets_module.MET, targets_module.MISSED, targets_module.NOT_APPLICABLE)
+        tally = ", ".join(f"{verdict} {counts[verdict]}" for verdict in verdicts if verdict in counts)
+        if len(rows) == 1:
+            lines.append(f"- {run}: {name} ({rule}): {_verdict(rows.iloc[0], causes, with_point=True)}")
+            continue
+        lines.append(f"- {run}: {name} ({rule}): {len(rows)} points: {tally}")
+        for row in rows[rows["verdict"] != targets_module.MET].itertuples(index=False):
+            lines.append(f"  - {row.point}: {_verdict(row, causes, with_point=False)}")
     return lines + [""]
+
+
+def _verdict(row, causes: dict[str, str], with_point: bool) -> str:
+    """One judged target row in words (led by its point when ``with_point``); a missed one with its
+    point's cause."""
+    where = f"on {row.point}: " if with_point and isinstance(row.point, str) and row.point else ""
+    if row.verdict == targets_module.MET:
+        return f"{where}**{row.measured:.4g}**: met"
+    if row.verdict == targets_module.MISSED:
+        cause = causes.get(row.point_id, "not profiled: `sweep --profile` gives the diagnosis that names the cause")
+        return f"{where}**{row.measured:.4g}**: MISSED by {row.miss_pct:.1f}%; {cause}"
+    return f"{where}not applicable: {row.reason}"
 
 
 def _diagnosis_section(report: ReportParts) -> list[str]:
@@ -140,11 +154,19 @@ def _diagnosis_section(report: ReportParts) -> list[str]:
     lines += ["Per rank, the traced step = model bound + kernel excess + capacity padding + imbalance wait + exposed "
               "communication + host idle + unattributed (`tables/diagnosis.md`; per phase: "
               "`tables/diagnosis_phases.md`). The bound is the cost model's, at the ceilings of the records' "
-              "bound. For the slowest rank of each point, the largest part above its bound:", ""]
+              "bound. A host thread blocked in a collective counts as communicating here even inside an "
+              "enclosing operation (the per-phase overlap table below counts that operation as compute). For the "
+              "slowest rank of each point on several ranks (and each emulated rank), the largest part above its "
+              "bound:", ""]
     labels = diagnosis_module.label_points(diagnosis)
     causes = diagnosis_module.point_causes(diagnosis)
     stragglers = report.table("stragglers")
-    for point_id, group in diagnosis.groupby("point_id", sort=False):
+    several = diagnosis.groupby("point_id", sort=False)["rank"].transform("nunique") > 1
+    emulated = diagnosis["kind"] == diagnosis_module.EMULATED
+    shown = diagnosis[several | emulated]
+    if shown.empty:
+        return lines + ["Every diagnosed point ran on one rank: `tables/diagnosis.md` has their parts.", ""]
+    for point_id, group in shown.groupby("point_id", sort=False):
         line = f"- {labels[group.index[0]]}: {causes[point_id]}"
         spread = stragglers[stragglers["point_id"] == point_id].head(TOP_PHASES) if len(stragglers) else stragglers
         if len(spread):
