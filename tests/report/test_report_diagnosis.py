@@ -3,6 +3,7 @@ waits, idle time and communication, and on a real tiny CPU profiled sweep."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -266,3 +267,17 @@ axes:
         assert row["host_idle_ms"] == pytest.approx(mine["idle_ms"], rel=1e-9, abs=1e-9)
     cp2 = ranks[ranks["cp"] == 2]
     assert (cp2["exposed_comm_ms"] + cp2["imbalance_wait_ms"] > 0).all()  # gloo's halo and gathers block
+
+
+def test_a_missed_target_names_the_cause_its_diagnosis_finds(tmp_path, seed):
+    run, point, _ = _profiled_run(tmp_path, seed)
+    (record,) = read_records(run)
+    meta = json.loads((run / "meta.json").read_text())
+    limit = 0.5 * record["time_ms_median"]
+    meta["spec"]["targets"] = [{"name": "fast", "metric": "time_ms", "comparison": "<=", "value": limit}]
+    (run / "meta.json").write_text(json.dumps(meta))
+    summary = write_report(load_runs(run), tmp_path / "report").read_text()
+    ranks = pd.read_csv(tmp_path / "report" / "tables" / "diagnosis.csv")
+    (line,) = [ln for ln in summary.splitlines() if ln.startswith("- ") and "fast (time_ms" in ln]
+    assert f"MISSED by {100 * (record['time_ms_median'] / limit - 1):.1f}%" in line
+    assert line.endswith(diagnosis_module.cause_text(ranks))
