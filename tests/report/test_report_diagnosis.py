@@ -281,3 +281,19 @@ def test_a_missed_target_names_the_cause_its_diagnosis_finds(tmp_path, seed):
     (line,) = [ln for ln in summary.splitlines() if ln.startswith("- ") and "fast (time_ms" in ln]
     assert f"MISSED by {100 * (record['time_ms_median'] / limit - 1):.1f}%" in line
     assert line.endswith(diagnosis_module.cause_text(ranks))
+
+
+def test_the_unpadded_estimate_prices_the_owned_entries_only(seed):
+    """``estimate(padding=False)``: the gathered buffer holds the entries the ranks own, not cp x capacity."""
+    cfg = DSv4Config.preset("flash")
+    lengths = packing_lengths("adversarial", 1024, cp=4, ratio=4, seed=seed % 1000)
+    padded = estimate(cfg, 4, lengths, 4, total=1024)
+    plain = estimate(cfg, 4, lengths, 4, total=1024, padding=False)
+    owned = sum(padded.counts.owned_entries)
+    assert owned < padded.counts.gathered_rows  # short documents leave empty slots
+    gather = plain.table("fwd")
+    received = gather[gather["phase"] == "allgather.kv"]["comm_bytes"].to_numpy()
+    assert received == pytest.approx(np.full(4, 3 * owned / 4 * cfg.head_dim * 2))
+    assert all(a <= b for a, b in zip(plain.step.rank_compute_s, padded.step.rank_compute_s))
+    assert sum(plain.step.rank_compute_s) < sum(padded.step.rank_compute_s)
+    assert plain.step.rank_flops == padded.step.rank_flops  # padding costs bytes, never FLOPs
