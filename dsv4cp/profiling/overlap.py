@@ -47,6 +47,10 @@ targets: at most 5% of the step unattributed, at most 3% idle):
   range itself or to no range): work that runs beside a phase's kernel is not unattributed time (in
   a CPU-only trace an op enclosing a phase's range then counts only outside its children).
 * ``idle_ms``: step_ms - busy_ms. Percentages are of ``step_ms``.
+
+``step_decomposition`` cuts every instant of a rank's step into compute, waiting for a slower peer,
+exposed transfer or idle (docs/design.md §5, "Diagnosis"); unlike the table above, a host thread counts
+as computing only while its innermost running record is a compute op.
 """
 
 from __future__ import annotations
