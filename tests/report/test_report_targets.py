@@ -124,3 +124,11 @@ def test_summary_states_a_missed_target_by_how_much_and_that_its_point_was_not_p
     (line,) = [ln for ln in summary.splitlines() if TIME_RATIO_TARGET["name"] in ln]
     assert f"**{row['measured']:.4g}**: MISSED by {row['miss_pct']:.1f}%" in line
     assert "not profiled: `sweep --profile` gives the diagnosis" in line  # records without traces
+
+
+def test_a_spec_file_with_a_bad_target_fails_to_load_naming_it(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\nbase: {preset: tiny, tokens: 256}\naxes: {cp: [1, 2]}\n"
+                    "targets:\n  - {metric: time_ratio, pair: {cp: [2, 1]}, comparison: '=<', value: 0.5}\n")
+    with pytest.raises(ValueError, match=r"targets\[0\]\.comparison: unknown comparison '=<'"):
+        load_spec(path)
