@@ -47,12 +47,16 @@ def _missing(metric: str, point: pd.Series) -> str:
 
 
 def declared_targets(df: pd.DataFrame) -> dict[str, tuple[Target, ...]]:
-    """Per run: the targets of its spec (from ``RUN_DIR/meta.json``; none for a bare ``.jsonl``)."""
+    """Per run: the targets of its spec (from ``RUN_DIR/meta.json``; none for a bare ``.jsonl``);
+    ``ValueError`` naming the file and the target when one is malformed."""
     out = {}
     for run, group in df.groupby("run", sort=False):
         path = Path(str(group["run_path"].iloc[0]))
         spec = read_meta(path).get("spec") if (path / META_FILE).is_file() else None
-        out[run] = parse_targets(spec.get("targets")) if isinstance(spec, dict) else ()
+        try:
+            out[run] = parse_targets(spec.get("targets")) if isinstance(spec, dict) else ()
+        except ValueError as err:  # a hand-edited meta.json: say which run holds it
+            raise ValueError(f"{path / META_FILE}: spec.{err}") from None
     return out
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from report_helpers import TIME_RATIO_TARGET, grid, write_run
 
+from dsv4cp.cli.main import main
 from dsv4cp.records import point_id, read_records
 from dsv4cp.report import load_runs, write_report
 from dsv4cp.report import targets as report_targets
@@ -132,3 +133,11 @@ def test_a_spec_file_with_a_bad_target_fails_to_load_naming_it(tmp_path):
                     "targets:\n  - {metric: time_ratio, pair: {cp: [2, 1]}, comparison: '=<', value: 0.5}\n")
     with pytest.raises(ValueError, match=r"targets\[0\]\.comparison: unknown comparison '=<'"):
         load_spec(path)
+
+
+def test_a_malformed_target_in_meta_json_is_an_input_error_naming_the_file(tmp_path, seed, capsys):
+    run = write_run(tmp_path / "run", grid(cp=[1, 2], tokens=[1024]), seed=seed,
+                    targets=[{"metric": "speed", "comparison": "<=", "value": 1}])
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "meta.json: spec.targets[0].metric: unknown metric 'speed'" in err
