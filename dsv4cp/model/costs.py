@@ -58,6 +58,7 @@ comm = sum over communication phases, bound with perfect overlap ``max(compute, 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -528,7 +529,7 @@ def _check_direction(direction: str, both: bool) -> str:
 
 def estimate(
     cfg: DSv4Config, ratio: int, packed_or_lengths: DocsLike, cp: int, machine: Machine | None = None,
-    total: int | None = None, *, act_bytes: int = ACT_BYTES, split: RowSplit | None = None,
+    total: int | None = None, *, act_bytes: int = ACT_BYTES, split: RowSplit | None = None, padding: bool = True,
 ) -> LayerEstimate:
     """The analytic cost of one ``ratio`` layer of ``cfg`` on a packed batch split over ``cp`` ranks.
 
@@ -541,9 +542,13 @@ def estimate(
             form a tail padding segment. Must be divisible by ``cp``.
         act_bytes: bytes per activation/weight element (2 = bf16).
         split: the ranks' row ranges (e.g. :func:`dsv4cp.model.partition.partition`); None: equal slices.
+        padding: False prices the gathered buffer at the entries the ranks own (their mean per rank in
+            place of the static capacity): the work without capacity padding.
     """
     machine = resolve_machine(machine)
     counts = rank_counts(cfg, ratio, packed_or_lengths, cp, total, split)
+    if not padding:
+        counts = dataclasses.replace(counts, capacity=float(sum(counts.owned_entries)) / counts.cp)
     costs = _phase_costs(cfg, counts, machine, act_bytes)
     rows = []
     for phase in layer_phases(counts.kind):

@@ -15,6 +15,8 @@ A spec names the axes of :data:`dsv4cp.records.AXES`:
     zip: [[tokens, packing]]           # optional: these axes vary together (equal-length lists)
     exclude:                           # optional: drop points matching every key of a rule
       - {cp: 1, packing: adversarial}
+    targets:                           # optional: what the run must reach (dsv4cp.targets), judged by the report
+      - {metric: scaling_efficiency, pair: {cp: [2, 1]}, comparison: ">=", value: 0.5}
 
 Every name and value is checked when the spec is loaded, before anything is launched: an unknown
 axis or value raises ``ValueError`` naming it and what is allowed. Whether a point's shapes work
@@ -38,11 +40,12 @@ from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.partition import POLICIES
 from dsv4cp.ops.sparse_attention import check_backend_name
 from dsv4cp.records import AXES, point_id
+from dsv4cp.targets import Target, parse_targets
 from dsv4cp.workloads import parse_packing
 
 PASSES = ("fwd", "fwd+bwd")
 PARTITIONS = POLICIES
-SPEC_KEYS = ("name", "description", "run", "base", "axes", "zip", "exclude")
+SPEC_KEYS = ("name", "description", "run", "base", "axes", "zip", "exclude", "targets")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +133,8 @@ class SweepSpec:
     axes: Mapping[str, tuple] = field(default_factory=dict)
     zip: tuple[tuple[str, ...], ...] = ()
     exclude: tuple[Mapping[str, Any], ...] = ()
+    targets: tuple[Target, ...] = ()
+    """What the run must reach (:mod:`dsv4cp.targets`); ``dsv4cp report`` judges them."""
     source: dict = field(default_factory=dict, compare=False)
     """The spec as loaded (recorded in meta.json)."""
 
@@ -262,8 +267,9 @@ def parse_spec(data: Any, default_name: str | None = None) -> SweepSpec:
     description = data.get("description", "")
     if not isinstance(description, str):
         raise ValueError(f"description: must be a string, got {description!r}")
+    targets = parse_targets(data.get("targets"), check_axis_value)
     spec = SweepSpec(name=name, description=description, run=RunOptions(**run), base=dict(base), axes=frozen_axes,
-                     zip=zipped, exclude=tuple(exclude), source=data)
+                     zip=zipped, exclude=tuple(exclude), targets=targets, source=data)
     expand(spec)  # every point's combination (tokens, ratio vs preset) is checked now, before any launch
     return spec
 

@@ -12,7 +12,7 @@ from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.partition import policy_split
-from dsv4cp.records import point_id, read_records
+from dsv4cp.records import read_records
 from dsv4cp.report import tables
 from dsv4cp.report.load import load_runs
 from dsv4cp.workloads import packing_lengths
@@ -99,52 +99,6 @@ def test_failures_list_only_a_points_latest_record(tmp_path, seed):
     write_run(run, points[:1], seed=seed)  # point 0 measured again, ok; point 1 left as it was
     failed = tables.failures(load_runs(run))
     assert failed["status"].tolist() == ["oom"]
-
-
-def test_targets_measured_met_and_missed(tmp_path, seed):
-    points = grid(cp=[1, 2], tokens=[65536], packing=["histogram"], overlap=["async"])
-    met = write_run(tmp_path / "met", points, seed=seed)
-    slow_cp2 = {point_id(points[1]): 1.3}  # CP=2 ~0.53x of CP=1 -> ~0.69x
-    missed = write_run(tmp_path / "missed", points, seed=seed, slowdown=slow_cp2)
-    table = tables.targets(load_runs([met, missed]))
-    assert len(table) == 9 and set(table["run"]) == {"met", "missed", tables.ALL_RUNS}
-    for run, path in (("met", met), ("missed", missed)):
-        one, two = read_records(path)
-        rows = table[table["run"] == run].set_index("target")
-        time_ratio = two["time_ms_median"] / one["time_ms_median"]
-        assert rows.loc["CP=2 time / CP=1 time", "measured"] == pytest.approx(time_ratio)
-        assert rows.loc["CP=2 time / CP=1 time", "met"] == ("yes" if time_ratio <= 0.55 else "no")
-        memory_ratio = max(two["peak_allocated_bytes"]) / max(one["peak_allocated_bytes"])
-        assert rows.loc["CP=2 peak memory / CP=1 peak memory", "measured"] == pytest.approx(memory_ratio)
-        assert rows.loc["CP=2 exposed comm / comm time", "measured"] == pytest.approx(
-            two["exposed_comm_ms"] / two["comm_ms"])
-    miss = table[(table["run"] == "missed") & (table["target"] == "CP=2 time / CP=1 time")].iloc[0]
-    assert miss["met"] == "no" and miss["miss_pct"] == pytest.approx(100 * (miss["measured"] / 0.55 - 1))
-
-
-def test_targets_pair_points_across_runs(tmp_path, seed):
-    """CP = 1 measured by one sweep, the profiled CP = 2 point by another: only "all runs" judges them."""
-    one, two = grid(cp=[1, 2], tokens=[65536], packing=["histogram"], overlap=["async"])
-    cp1_run = write_run(tmp_path / "cp1", [one], seed=seed)
-    cp2_run = write_run(tmp_path / "cp2", [two], seed=seed + 1)
-    table = tables.targets(load_runs([cp1_run, cp2_run])).set_index(["run", "target"])
-    assert (table.loc["cp1", "met"] == tables.NOT_MEASURED).all()
-    assert (table.loc["cp2", "met"] == tables.NOT_MEASURED).all()
-    (r1,), (r2,) = read_records(cp1_run), read_records(cp2_run)
-    both = table.loc[tables.ALL_RUNS]
-    assert both.loc["CP=2 time / CP=1 time", "measured"] == pytest.approx(r2["time_ms_median"] / r1["time_ms_median"])
-    assert both.loc["CP=2 exposed comm / comm time", "measured"] == pytest.approx(
-        r2["exposed_comm_ms"] / r2["comm_ms"])
-
-
-def test_targets_not_measured_without_the_target_point_or_a_profile(tmp_path, seed):
-    unprofiled = write_run(tmp_path / "u", grid(cp=[1, 2], tokens=[65536], packing=["histogram"], overlap=["async"]),
-                           seed=seed, profiled=False)
-    other = write_run(tmp_path / "o", grid(cp=[1, 2], tokens=[1024]), seed=seed)
-    table = tables.targets(load_runs([unprofiled, other])).set_index(["run", "target"])
-    assert table.loc[("u", "CP=2 time / CP=1 time"), "met"] in ("yes", "no")
-    assert table.loc[("u", "CP=2 exposed comm / comm time"), "met"] == tables.NOT_MEASURED
-    assert (table.loc["o", "met"] == tables.NOT_MEASURED).all()
 
 
 def test_two_runs_are_told_apart_and_tables_are_written(tmp_path, seed):
