@@ -40,6 +40,7 @@ import pandas as pd
 from dsv4cp.model.costs import BOTH, DIRECTIONS, LayerEstimate, range_to_phase
 from dsv4cp.model.phase_classes import INDEXER_SCANS, MODEL_PHASE_CLASS, PHASE_CLASSES
 from dsv4cp.model.row_costs import scanned_slots
+from dsv4cp.profiling.trace import POINT_FILE
 
 SCHEMA = 1
 
@@ -229,10 +230,6 @@ def fit(measured: pd.DataFrame, est: LayerEstimate, source: str = "", indexer_sc
     return Calibration(factors=factors, machine=est.machine.name, source=source, indexer_scan=indexer_scan,
                        fitted=fitted)
 
-
-POINT_FILE = "point.json"
-"""Written beside a trace's ``overlap.csv`` (``profile --trace-dir``, sweep traces): the axes of the point
-it measured, so a calibration can check that the trace is the point it is fitted for."""
 
 POINT_CHECKS: tuple[str, ...] = ("preset", "ratio", "tokens")
 """What a profile must share with the point a calibration is fitted for (its cp is checked by :func:`fit`)."""

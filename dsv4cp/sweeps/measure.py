@@ -32,7 +32,7 @@ from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
-from dsv4cp.model.calibration import POINT_FILE, Calibration
+from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, this_machine
 from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.sparse_attention import resolve_backend
@@ -42,7 +42,7 @@ from dsv4cp.profiling.memory_snapshot import check_snapshot_device, record_memor
 from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
 from dsv4cp.profiling.timing import benchmark, graph_replay
-from dsv4cp.profiling.trace import capture_trace, load_kineto_dir
+from dsv4cp.profiling.trace import POINT_FILE, capture_trace, load_kineto_dir
 from dsv4cp.sweeps.spec import Point, RunOptions
 from dsv4cp.workloads import packing_lengths
 

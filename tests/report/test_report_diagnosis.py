@@ -21,6 +21,7 @@ from dsv4cp.records import append_record, make_record, point_id, read_records
 from dsv4cp.report import diagnosis as diagnosis_module
 from dsv4cp.report import load_runs, write_report
 from dsv4cp.report.load import load_trace
+from dsv4cp.report.tables import record_machine
 from dsv4cp.workloads import packing_lengths
 
 NS_MS = 5e-6
@@ -146,8 +147,10 @@ def _model_reference(point: dict, bound_ms: float) -> tuple[np.ndarray, np.ndarr
     cfg = DSv4Config.preset(point["preset"], indexer_loss=point["loss"])
     lengths = packing_lengths(point["packing"], point["tokens"], cp=point["cp"], ratio=point["ratio"],
                               seed=int(point["seed"]))
-    padded = estimate(cfg, point["ratio"], lengths, point["cp"], total=point["tokens"]).summary(point["pass"])
-    plain = estimate(cfg, point["ratio"], lengths, point["cp"], total=point["tokens"], padding=False).summary(
+    machine = record_machine(pd.Series(point))  # the record's bound machine (h200x2 for records without one)
+    padded = estimate(cfg, point["ratio"], lengths, point["cp"], machine, total=point["tokens"]).summary(point["pass"])
+    plain = estimate(cfg, point["ratio"], lengths, point["cp"], machine, total=point["tokens"],
+                     padding=False).summary(
         point["pass"])
     scale = bound_ms / (padded.bound_overlap_s * 1e3)
     bound = np.array(plain.rank_compute_s) * 1e3 * scale
