@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 
 import torch
+
+from dsv4cp.kernel_options import triton_interpret_requested
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "DkvConfig",
     "KernelConfig",
+    "interpreted",
     "is_deterministic",
     "set_deterministic",
     "sparse_attention_bwd",
@@ -71,16 +73,18 @@ def is_deterministic() -> bool:
     return _DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
 
 
-def _env_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 def triton_interpreting() -> bool | None:
     """Whether the imported triton built its language library for the interpreter; None before import."""
     standard = sys.modules.get("triton.language.standard")
     if standard is None:
         return None
     return type(getattr(standard, "zeros", None)).__name__ == "InterpretedFunction"
+
+
+def interpreted(device: torch.device) -> bool:
+    """Whether Triton kernels for tensors on ``device`` run on Triton's interpreter (CPU tensors, and
+    every tensor when triton was imported under ``TRITON_INTERPRET=1``)."""
+    return device.type != "cuda" or bool(triton_interpreting())
 
 
 def triton_available(device: torch.device | str) -> bool:
@@ -93,7 +97,7 @@ def triton_available(device: torch.device | str) -> bool:
         return torch.cuda.is_available()
     if device.type == "cpu":
         interpreting = triton_interpreting()
-        return interpreting if interpreting is not None else _env_interpret()
+        return interpreting if interpreting is not None else triton_interpret_requested()
     return False
 
 
