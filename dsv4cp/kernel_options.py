@@ -30,6 +30,7 @@ __all__ = [
     "OPTIONS",
     "KernelOption",
     "backends_ran",
+    "canonical",
     "check_values",
     "describe",
     "get",
@@ -212,8 +213,13 @@ def describe() -> list[dict[str, str]]:
 
 def check_values(values: Mapping[str, object]) -> None:
     """``ValueError`` naming the first unknown name or bad value of ``values`` (name -> value)."""
-    for name, value in dict(values).items():
-        _option(name).parse(value, name)
+    canonical(values)
+
+
+def canonical(values: Mapping[str, object]) -> dict[str, str]:
+    """``values`` (name -> value) checked, as ``{name: text}`` sorted by name: one spelling per setting
+    (``"0"`` and ``False`` alike), so a point's id does not depend on how a spec wrote it."""
+    return {name: _option(name).text(_option(name).parse(value, name)) for name, value in sorted(dict(values).items())}
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.records import utc_now
 
 GIT_SHA_ENV = "DSV4CP_GIT_SHA"
@@ -95,4 +96,5 @@ def run_meta(world: int, device: torch.device, spec: dict) -> dict:
         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else (str(nccl) if nccl else None),
         "optional_backends": {name: _module_version(module) for name, module in OPTIONAL_PACKAGES.items()},
         "spec": spec,
+        "kernel_options": kernel_options.resolved(),
     }
