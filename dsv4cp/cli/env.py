@@ -1,6 +1,7 @@
-"""Print versions, devices, what the sparse-attention backend "auto" resolves to per direction, and every
+"""Print versions, devices, what the sparse-attention backend "auto" resolves to per direction, every
 backend with whether it can run here and, when it cannot, why (the package is missing, no CUDA device,
-Triton's CPU interpreter off).
+Triton's CPU interpreter off), and every kernel option with its value and where that came from
+(``explicit``: --kernel-option, ``env``: its DSV4CP_* variable, ``default``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import platform
 
 import torch
 
-from dsv4cp.cli.common import add_device_option, parse_device
+from dsv4cp import kernel_options
+from dsv4cp.cli.common import add_device_option, add_kernel_option_argument, parse_device
 
-HELP = "versions, devices and which kernel backends are usable here (and why not)"
+HELP = "versions, devices, which kernel backends are usable here (and why not), and the kernel options"
 
 _OPTIONAL = ("triton", "nvtx", "flash_mla", "cudnn", "pandas", "matplotlib", "tqdm")
 
@@ -62,8 +64,30 @@ def backend_status(name: str, device: torch.device) -> str:
     return "registered (no availability check known to 'dsv4cp env')"
 
 
+def option_lines() -> list[str]:
+    """One line per kernel option: name, value, where it came from, its variable, the op and its doc."""
+    rows = kernel_options.describe()
+    width = max(len(row["name"]) for row in rows)
+    lines = [f"{'kernel options':>12}: name = value (source; variable; op: what it does)"]
+    for row in rows:
+        lines.append(f"  {row['name']:<{width}} = {row['value']} ({row['source']}; {row['env']}; "
+                     f"{row['op']}: {row['doc']}; one of {row['allowed']})")
+    return lines
+
+
+def options_markdown() -> str:
+    """The README's table of kernel options, from the registry (its defaults, not this process' values)."""
+    lines = ["| option | variable | values | default | op | what it does |", "|---|---|---|---|---|---|"]
+    for name, option in kernel_options.OPTIONS.items():
+        values = option.allowed.replace(" | ", ", ")  # a bare | would split the cell
+        lines.append(f"| `{name}` | `{option.env}` | `{values}` | `{option.text(option.default)}` | "
+                     f"{option.op} | {option.doc} |")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_option(parser)
+    add_kernel_option_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,4 +100,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'backends':>12}: on {device}; 'auto' -> forward {forward}, backward {backward}")
     for name in backend_names():
         print(f"{name:>22}: {backend_status(name, device)}")
+    print("\n".join(option_lines()))
     return 0
