@@ -50,7 +50,7 @@ read back a 2048-4096-bin histogram every step and hold it in registers (Triton 
 10 bits 128 registers, 11 bits 182; 12 bits at 16 warps spills 5 KB per thread), so 8 bits stays the
 default on paper; ``bench/test_bench_indexer.py::test_indexer_select_config`` measures them. The torch
 path's 8-byte key buffer and ``torch.topk``'s temporaries are gone: the chunk planner counts 4 bytes per
-score (:data:`dsv4cp.kernels.indexer_triton.TOPK_RADIX_BYTES_PER_SCORE`), so chunks hold 4x the rows.
+score (:data:`dsv4cp.kernels.indexer_plan.TOPK_RADIX_BYTES_PER_SCORE`), so chunks hold 4x the rows.
 
 Launch: :class:`SelectConfig` (``block_n`` columns per step, digit width, warps, pipeline stages);
 keyword ``config`` or the kernel option ``triton_select_config``
