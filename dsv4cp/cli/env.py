@@ -96,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     for key, value in environment().items():
         print(f"{key:>12}: {value}")
+    print("\n".join(option_lines()))
     forward, backward = resolve_backend("auto", device).direction_names
     print(f"{'backends':>12}: on {device}; 'auto' -> forward {forward}, backward {backward}")
     for name in backend_names():
         print(f"{name:>22}: {backend_status(name, device)}")
-    print("\n".join(option_lines()))
     return 0

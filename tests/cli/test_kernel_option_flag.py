@@ -83,3 +83,18 @@ def test_bad_values_exit_2_naming_them(command, assignment, message, tmp_path, c
     assert len(lines) == 1 and message in lines[0], captured.err
     assert lines[0].startswith(f"dsv4cp {command[0]}: error: ")
     assert captured.out == "" and not (tmp_path / "run" / "records.jsonl").exists()
+
+
+def test_env_lists_every_option_with_its_value_and_source(monkeypatch, capsys):
+    from dsv4cp.kernel_options import OPTIONS
+
+    for option in OPTIONS.values():
+        monkeypatch.delenv(option.env, raising=False)
+    monkeypatch.setenv("DSV4CP_TOPK_KEYS", "scores")
+    assert main(["env", "--device", "cpu", "--kernel-option", "triton_fwd_config=64,64,4,2"]) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    listed = {line.split(" ", 1)[0]: line for line in lines if line.split(" ", 1)[0] in OPTIONS}
+    assert list(listed) == list(OPTIONS)
+    assert "= scores (env; DSV4CP_TOPK_KEYS;" in listed["topk_keys"]
+    assert "= 64,64,4,2 (explicit; DSV4CP_TRITON_FWD_CONFIG;" in listed["triton_fwd_config"]
+    assert "= chunked (default; DSV4CP_TOPK_IMPL;" in listed["topk_impl"]
