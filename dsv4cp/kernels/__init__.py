@@ -11,7 +11,10 @@ Public API (the kernel wrappers load triton lazily on attribute access):
 * ``dsv4cp.kernels.compress_pool_triton``: the compressor's pooling (forward and an atomic-free backward,
   deterministic), used by :func:`dsv4cp.ops.compress_pool.compress_pool`;
 * :func:`set_deterministic`, :func:`is_deterministic`, :func:`triton_available`,
-  :func:`triton_interpreting`, :func:`triton_serves`.
+  :func:`triton_interpreting`, :func:`interpreted`, :func:`triton_serves`.
+
+Kernel choices and launch pins come from :mod:`dsv4cp.kernel_options` (keyword arguments of the
+wrappers; a pin left None is read there): nothing here reads the environment.
 
 Availability: CUDA devices; CPU when ``TRITON_INTERPRET=1`` and triton is (or will be) imported in
 interpreter mode.

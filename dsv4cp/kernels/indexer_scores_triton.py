@@ -182,7 +182,6 @@ def _contrib_reduce_kernel(
 
 _KERNELS = Kernels("indexer triton scores", _gather_fwd_kernel, _gather_bwd_kernel, _contrib_reduce_kernel,
                    op="indexer_scores")
-_BODIES, _BUILT, _CHOSEN = _KERNELS.bodies, _KERNELS.built, _KERNELS.chosen
 _build, _launch = _KERNELS.build, _KERNELS.launch
 
 

@@ -60,9 +60,9 @@ metadata. Which tile is fastest on the H200 is what ``bench/test_bench_indexer.p
 scoring and 16-row tiles run the scoring on mma.sync, not wgmma.
 
 Key ranges. Each program scans only the key rows its queries can see: with ``key_row_limit = (base,
-ratio)`` (a CP layout's static causal bound, :func:`~dsv4cp.kernels.indexer_triton.plan_static_chunks`),
+ratio)`` (a CP layout's static causal bound, :func:`~dsv4cp.kernels.indexer_plan.plan_static_chunks`),
 rows ``[0, min(G, base + last_row // ratio + 1))``, from sizes alone; without it, the exact per-query
-ranges of :func:`~dsv4cp.kernels.indexer_triton.key_ranges`, computed and read ON THE DEVICE (the
+ranges of :func:`~dsv4cp.kernels.indexer_plan.key_ranges`, computed and read ON THE DEVICE (the
 kernel takes the block's min / max). Neither reads device data on the host, so the top-k is CUDA-graph
 safe and never stalls the CPU. Tiles whose queries see none of their keys (other documents, padding)
 load nothing and are skipped.
