@@ -50,11 +50,11 @@ and its workspace: well under 8 per element while ``keep`` is below half the wid
 layer, where chunks span thousands of key rows for ``k = 512``). The planners' default."""
 
 TOPK_SCORES_BYTES_PER_SCORE = 24
-"""The same on the ``scores`` path (:data:`TOPK_KEYS_ENV`): 4 (fp32 score) + 8 (the int64 key that
+"""The same on the ``scores`` path (kernel option ``topk_keys``): 4 (fp32 score) + 8 (the int64 key that
 ``_select_top`` builds) + 8 (one int64 temporary while the key is built) + topk's workspace."""
 
 TOPK_RADIX_BYTES_PER_SCORE = 4
-"""The same on the ``radix`` selection (:data:`TOPK_SELECT_ENV`): the fp32 score alone (the radix
+"""The same on the ``radix`` selection (kernel option ``topk_select``): the fp32 score alone (the radix
 kernel keeps its histograms on chip and writes only the ``[rows, k]`` result), so a chunk holds 4x the
 rows of the packed path's."""
 

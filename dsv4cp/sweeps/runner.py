@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from dsv4cp import kernel_options
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
@@ -215,6 +216,7 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, opt
                 _mark_inflight(options.out, point.point_id)
             status, error, metrics, columns = _run_point(point, rank, device, groups, control, spec, options)
         if rank == 0:
+            columns.setdefault("kernel_options", _options_of(point))  # a point not measured: what it would run
             record = make_record(point.axes(), metrics, sweep=spec.name, status=status, machine=machine,
                                  git_sha=sha, error=error, **columns)
             append_record(options.out / RECORDS_FILE, record)
@@ -228,6 +230,12 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, opt
         bar.update()
     bar.close()
     return SweepSummary(**counts)
+
+
+def _options_of(point: Point) -> dict[str, str]:
+    """Every kernel option's value with ``point``'s own in force (:func:`dsv4cp.kernel_options.resolved`)."""
+    with kernel_options.overrides(point.kernel_options or {}):
+        return kernel_options.resolved()
 
 
 def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, control, spec: SweepSpec,

@@ -81,3 +81,17 @@ def test_a_points_options_hold_while_it_is_measured_only(monkeypatch):
     assert measurement.backends["sparse_attention.fwd"] == "torch"
     assert "sparse_attention.bwd" not in measurement.backends  # a forward-only point
     assert measurement.backends["indexer_topk"] == "torch"  # CPU tensors stay on the torch references
+
+
+def test_a_skipped_point_records_the_options_it_would_run(tmp_path, capsys):
+    import json
+
+    from dsv4cp.cli.main import main
+
+    spec = tmp_path / "big.yaml"
+    spec.write_text("name: big\nbase: {preset: tiny, tokens: 64, cp: 2, kernel_options: {topk_keys: scores}}\n")
+    out = tmp_path / "run"
+    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "1"]) == 0
+    record = json.loads((out / "records.jsonl").read_text().splitlines()[0])
+    assert record["status"] == "skipped: needs cp=2" and record["backends"] is None
+    assert record["kernel_options"] == {**kernel_options.resolved(), "topk_keys": "scores"}
