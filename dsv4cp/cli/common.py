@@ -284,10 +284,16 @@ def kernel_option_values(args: argparse.Namespace) -> dict[str, str]:
         raise ValueError(f"--kernel-option: {str(err).removeprefix('kernel option: ')}") from None
 
 
+@contextlib.contextmanager
 def kernel_options_in_force(args: argparse.Namespace):
-    """A context in which the command's ``--kernel-option`` values hold (checked before entering)."""
+    """A context in which the command's ``--kernel-option`` values hold. For a command that has the
+    flag, every option's value (its variable's included) is checked on entry: a bad one fails before
+    the command starts."""
     values = kernel_option_values(args)
-    return kernel_options.overrides(values) if values else contextlib.nullcontext()
+    with kernel_options.overrides(values):
+        if hasattr(args, "kernel_option"):
+            kernel_options.resolved()
+        yield
 
 
 def kernels_line(backends: dict[str, str]) -> str:

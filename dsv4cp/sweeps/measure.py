@@ -186,6 +186,7 @@ def _measure(
     on_step: Callable[[str], object] | None, memory_phases: bool, calibration: Calibration | None,
 ) -> Measurement:
     """:func:`measure_point` with the point's kernel options in force."""
+    options = kernel_options.resolved()  # every value checked (a bad variable too) before any work
     cp = dist.get_world_size(group) if group is not None else 1
     if cp != point.cp:
         raise ValueError(f"cp: the point needs {point.cp} ranks, the group has {cp}")
@@ -303,8 +304,7 @@ def _measure(
                          config_overrides={"indexer_loss": point.loss}, split=split.bounds)
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
-    return Measurement(metrics, resolved, overlap, attribution, kernel_options=kernel_options.resolved(),
-                       backends=backends)
+    return Measurement(metrics, resolved, overlap, attribution, kernel_options=options, backends=backends)
 
 
 def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:

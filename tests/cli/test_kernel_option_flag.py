@@ -98,3 +98,14 @@ def test_env_lists_every_option_with_its_value_and_source(monkeypatch, capsys):
     assert "= scores (env; DSV4CP_TOPK_KEYS;" in listed["topk_keys"]
     assert "= 64,64,4,2 (explicit; DSV4CP_TRITON_FWD_CONFIG;" in listed["triton_fwd_config"]
     assert "= chunked (default; DSV4CP_TOPK_IMPL;" in listed["topk_impl"]
+
+
+@pytest.mark.parametrize("command", [["layer", "--tokens", "32"], ["profile", "--tokens", "32"]])
+def test_a_bad_variable_exits_2_before_any_work(command, monkeypatch, capsys):
+    monkeypatch.setenv("DSV4CP_TOPK_IMPL", "radix")
+    assert main(command) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip().splitlines() == [
+        f"dsv4cp {command[0]}: error: DSV4CP_TOPK_IMPL: must be one of 'chunked', 'stream', got 'radix' "
+        "(kernel option topk_impl)"]
+    monkeypatch.delenv("DSV4CP_TOPK_IMPL")
