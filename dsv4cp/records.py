@@ -19,7 +19,7 @@ SCHEMA_VERSION: int = 1
 
 AXES: tuple[str, ...] = (
     "preset", "ratio", "cp", "tokens", "tokens_per_rank", "packing", "loss", "overlap", "kernel_backend",
-    "recompute", "pass", "dtype", "seed", "partition", "emulated_rank", "cuda_graph",
+    "recompute", "pass", "dtype", "seed", "partition", "emulated_rank", "cuda_graph", "kernel_options",
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
@@ -28,9 +28,13 @@ AXES: tuple[str, ...] = (
 a real run, else the one rank of the ``cp`` that a single process measured alone with its collectives
 replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no communication; its per-rank
 lists hold None at every other rank); ``cuda_graph``: whether the timed steps were replays of one
-captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager)."""
+captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager);
+``kernel_options``: in a point's id, the kernel options the point set (``{name: text}``, None: none;
+:mod:`dsv4cp.kernel_options`), in a record every option's value as the point ran
+(:func:`dsv4cp.kernel_options.resolved`, the ``kernel_options=`` keyword of :func:`make_record`), so
+two runs on different kernel variants never look alike."""
 
-_ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False}
+_ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False, "kernel_options": None}
 """Axes added after records were first committed -> what a record meant before the axis existed (a
 real run; eager steps). An added axis at that value (or None) is left out of :func:`point_id`, so the
 ids of earlier records (and of every real, eager run) do not change; :func:`make_record` and
@@ -57,8 +61,11 @@ METRICS: tuple[str, ...] = (
 
 COLUMNS: tuple[str, ...] = (
     "schema", "point_id", "sweep", "status", "time_utc", "git_sha", "machine", *AXES, *METRICS,
-    "resolved_backends", "error",
+    "resolved_backends", "backends", "error",
 )
+"""``resolved_backends``: what ``kernel_backend`` resolved to (``{"sparse_attention": name}``);
+``backends``: what ran per op and direction during the timed step, and the launches' tile configs
+(:func:`dsv4cp.kernel_options.backends_ran`), None in records from before it existed."""
 
 STATUS_OK = "ok"
 STATUS_OOM = "oom"
@@ -67,7 +74,7 @@ STATUS_PREFIXES = ("error: ", "skipped: ")
 
 META_FIELDS: tuple[str, ...] = (
     "schema", "time_utc", "git_sha", "git_dirty", "host", "machine", "gpu_name", "gpu_count", "driver",
-    "cuda", "torch", "triton", "nccl", "optional_backends", "spec",
+    "cuda", "torch", "triton", "nccl", "optional_backends", "spec", "kernel_options",
 )
 
 RECORDS_FILE = "records.jsonl"
@@ -100,8 +107,12 @@ def check_status(status: str) -> str:
 def make_record(
     axes: dict, metrics: dict, *, sweep: str, status: str, machine: str, git_sha: str | None,
     resolved_backends: dict | None = None, error: str | None = None, time_utc: str | None = None,
+    kernel_options: dict | None = None, backends: dict | None = None,
 ) -> dict:
     """One record with every column of :data:`COLUMNS` (missing axes and metrics are None).
+
+    ``kernel_options``: every option's value as the point ran (replaces the axis' value in the record;
+    the id keeps the options the point set); ``backends``: what ran (:data:`COLUMNS`).
 
     Raises ``ValueError`` naming an unknown axis or metric name, or a malformed status.
     """
@@ -118,8 +129,11 @@ def make_record(
     }
     record.update({name: axes.get(name) for name in AXES})
     record.update(_added_axis_defaults(record))
+    if kernel_options is not None:
+        record["kernel_options"] = kernel_options
     record.update({name: metrics.get(name) for name in METRICS})
     record["resolved_backends"] = resolved_backends
+    record["backends"] = backends
     record["error"] = error
     return record
 

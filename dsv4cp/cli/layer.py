@@ -20,6 +20,7 @@ import argparse
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.cli.common import (
     LayerInputs,
     add_device_option,
@@ -27,6 +28,7 @@ from dsv4cp.cli.common import (
     add_memory_options,
     add_timing_options,
     check_memory,
+    kernels_line,
     layer_inputs,
     parse_device,
     progress_enabled,
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     layer, packed = step.layer, step.packed
 
     # warm-up, timed steps, then one more step for the peak memory (never measured while timing)
+    kernel_options.reset_backends_ran()
     with step_progress(args.warmup, args.reps, extra=1, enabled=progress_enabled(args.progress),
                        desc="layer steps") as on_step:
         timing = benchmark(step, warmup=args.warmup, reps=args.reps, device=device, l2_flush=args.l2_flush,
@@ -86,4 +89,5 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"{what}: median {timing.median_ms:.2f} ms over {timing.reps} reps "
           f"(p20 {timing.p20_ms:.2f}, p80 {timing.p80_ms:.2f}); {peak}")
+    print(kernels_line(kernel_options.backends_ran()))
     return 0

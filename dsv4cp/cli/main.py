@@ -15,7 +15,7 @@ import argparse
 import importlib
 import sys
 
-from dsv4cp.cli.common import EXIT_CODES_HELP, HelpFormatter, run_command
+from dsv4cp.cli.common import EXIT_CODES_HELP, HelpFormatter, kernel_options_in_force, run_command
 
 # Sub-command name -> module under dsv4cp.cli defining ``HELP``, ``add_arguments(parser)`` and
 # ``run(args) -> int``. Modules are imported when the parser is built, in this order.
@@ -51,7 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     Usage errors exit through argparse (code 2); see :data:`EXIT_CODES_HELP` for the others.
     """
     args = build_parser().parse_args(argv)
-    return run_command(args.command, lambda: args._run(args))
+    return run_command(args.command, lambda: _run_with_kernel_options(args))
+
+
+def _run_with_kernel_options(args: argparse.Namespace) -> int | None:
+    with kernel_options_in_force(args):  # the --kernel-option values, checked before the command starts
+        return args._run(args)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from dsv4cp.cli.common import (
     check_args_agree,
     check_memory,
     check_output_dir,
+    kernel_option_values,
+    kernels_line,
     layer_inputs,
     machine_from_args,
     non_negative_int,
@@ -117,6 +119,7 @@ def point_from_args(args: argparse.Namespace, cp: int, device: torch.device) -> 
         "loss": args.loss, "overlap": args.overlap, "kernel_backend": args.kernel_backend,
         "recompute": args.recompute, "pass": "fwd+bwd" if args.backward else "fwd", "dtype": dtype,
         "seed": args.seed, "partition": args.partition, "cuda_graph": args.cuda_graph,
+        "kernel_options": kernel_option_values(args) or None,
     })
 
 
@@ -173,8 +176,10 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
     if rank == 0 or emulated:
         record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
                              machine=machine_label(device, processes), git_sha=git_sha(),
-                             resolved_backends=measurement.resolved_backends)
+                             resolved_backends=measurement.resolved_backends,
+                             kernel_options=measurement.kernel_options, backends=measurement.backends)
         _report(point, record, measurement.overlap)
+        print(kernels_line(measurement.backends))
         if measurement.attribution is not None:
             print("\n".join(attribution_lines(measurement.attribution)))
         if record["memory_phases"] is not None:

@@ -25,8 +25,10 @@ from dsv4cp.cli.common import (
     EXIT_OK,
     PROGRESS_MODES,
     add_dist_backend_option,
+    add_kernel_option_argument,
     add_machine_options,
     check_output_dir,
+    kernel_option_values,
     machine_from_args,
     positive_float,
     positive_int,
@@ -37,7 +39,7 @@ from dsv4cp.cp.launch import under_torchrun
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.profiling.memory_snapshot import check_snapshot_request
 from dsv4cp.sweeps.runner import SweepOptions, check_out_dir, default_nproc, run_sweep
-from dsv4cp.sweeps.spec import expand, load_spec
+from dsv4cp.sweeps.spec import expand, load_spec, with_kernel_options
 
 HELP = "run a sweep spec (YAML) and record every point (RUN_DIR/records.jsonl + meta.json)"
 
@@ -62,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a collective of one point may wait before the point is recorded as an error")
     parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
                         help="progress bar with ETA on stderr, rank 0 only; auto: only when stderr is a terminal")
+    add_kernel_option_argument(parser)
     add_dist_backend_option(parser)
     add_machine_options(parser)
     parser.add_argument("--calibration", default=None,
@@ -70,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)
+    spec = with_kernel_options(load_spec(args.spec), kernel_option_values(args))  # each point's id says them
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
     if args.dry_run:
         if rank == 0:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.ops.sparse_attention import SparseAttentionBackend
 from dsv4cp.profiling.nvtx import nvtx_range
 
@@ -55,6 +56,7 @@ class _RecomputedAttention(torch.autograd.Function):
             q = _queries(query_fn, latent, q_weight)
         keys = _key_buffer(kv_ext, compressed)
         with nvtx_range("sparse_attn.fwd"):
+            kernel_options.note_backend("sparse_attention.fwd", backend.direction_names[0])
             out, lse = backend.forward(q, keys, idx, sink, scale, None)
         ctx.save_for_backward(latent, q_weight, kv_ext, compressed, idx, sink, out, lse)
         ctx.query_fn, ctx.scale, ctx.backend, ctx.on_compressed_grad = query_fn, scale, backend, on_compressed_grad
@@ -72,6 +74,7 @@ class _RecomputedAttention(torch.autograd.Function):
                 weight_in = q_weight.detach().requires_grad_()
                 q = ctx.query_fn(latent_in, weight_in, slice(None))
         with nvtx_range("sparse_attn.bwd"):
+            kernel_options.note_backend("sparse_attention.bwd", ctx.backend.direction_names[1])
             dq, dkeys, dsink = ctx.backend.backward(
                 dout.contiguous(), q.detach(), keys, idx, sink, ctx.scale, out, lse, None
             )

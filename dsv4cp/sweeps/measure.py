@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from dsv4cp import kernel_options
 from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.emulate import emulated_rank
@@ -62,6 +63,11 @@ class Measurement:
     """The per-phase overlap table (per step) when traced, on the group's rank 0."""
     attribution: pd.DataFrame | None = None
     """Per rank, the step's unattributed and idle time (per step) when traced, on the group's rank 0."""
+    kernel_options: dict = field(default_factory=dict)
+    """Every kernel option's value as the point ran (:func:`dsv4cp.kernel_options.resolved`)."""
+    backends: dict = field(default_factory=dict)
+    """What ran per op and direction in the warm-up and timed steps, and the launches' tile configs
+    (:func:`dsv4cp.kernel_options.backends_ran`; on this rank)."""
 
 
 class _RankClock:
@@ -179,9 +185,25 @@ def measure_point(
     gradients accumulate across replays as across eager steps. The graph is released before the
     peak-memory step: memory, memory phases, traces and nsys steps are eager steps.
 
+    The point's ``kernel_options`` are in force throughout (the checked parity run included).
+
     Raises ``ValueError`` for shapes the point cannot run and for a ``cuda_graph`` it cannot replay
     (before any collective), and whatever the step raises (``torch.OutOfMemoryError``, ...).
     """
+    with kernel_options.overrides(point.kernel_options or {}):
+        return _measure(point, group, device, run, machine=machine, trace_dir=trace_dir, nsys=nsys, check=check,
+                        on_step=on_step, memory_phases=memory_phases, calibration=calibration,
+                        memory_snapshot=memory_snapshot)
+
+
+def _measure(
+    point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
+    machine: Machine | None, trace_dir: str | Path | None, nsys: bool, check: bool,
+    on_step: Callable[[str], object] | None, memory_phases: bool, calibration: Calibration | None,
+    memory_snapshot: bool,
+) -> Measurement:
+    """:func:`measure_point` with the point's kernel options in force."""
+    options = kernel_options.resolved()  # every value checked (a bad variable too) before any work
     cp = dist.get_world_size(group) if group is not None else 1
     if cp != point.cp:
         raise ValueError(f"cp: the point needs {point.cp} ranks, the group has {cp}")
@@ -213,6 +235,7 @@ def measure_point(
 
     step = point_step(point, cfg, packed, split, device, group)
 
+    kernel_options.reset_backends_ran()  # what ran in the warm-up and timed steps, nothing from before
     timed = step
     if point.cuda_graph:
         with torch.cuda.device(device):
@@ -220,6 +243,7 @@ def measure_point(
     clock = _RankClock(timed, device)
     timing = benchmark(clock, warmup=run.warmup, reps=run.reps, group=group, l2_flush=run.l2_flush, device=device,
                        on_step=on_step)
+    backends = kernel_options.backends_ran()
     rank_median = float(np.median(clock.last_ms(run.reps)))
     if point.cuda_graph:
         del clock, timed  # the last references to the graph: its memory pool is released ...
@@ -295,7 +319,7 @@ def measure_point(
                          config_overrides={"indexer_loss": point.loss}, split=split.bounds)
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
-    return Measurement(metrics, resolved, overlap, attribution)
+    return Measurement(metrics, resolved, overlap, attribution, kernel_options=options, backends=backends)
 
 
 def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:

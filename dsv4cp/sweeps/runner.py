@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from dsv4cp import kernel_options
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model import Machine
@@ -212,16 +213,17 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, opt
             bar.update()
             continue
         if point.cp > world:
-            status, error, metrics, resolved = f"skipped: needs cp={point.cp}", None, {}, None
+            status, error, metrics, columns = f"skipped: needs cp={point.cp}", None, {}, {}
         elif point.point_id == crashed:
-            status, error, metrics, resolved = CRASHED_STATUS, None, {}, None
+            status, error, metrics, columns = CRASHED_STATUS, None, {}, {}
         else:
             if rank == 0:
                 _mark_inflight(options.out, point.point_id)
-            status, error, metrics, resolved = _run_point(point, rank, device, groups, control, spec, options)
+            status, error, metrics, columns = _run_point(point, rank, device, groups, control, spec, options)
         if rank == 0:
+            columns.setdefault("kernel_options", _options_of(point))  # a point not measured: what it would run
             record = make_record(point.axes(), metrics, sweep=spec.name, status=status, machine=machine,
-                                 git_sha=sha, resolved_backends=resolved, error=error)
+                                 git_sha=sha, error=error, **columns)
             append_record(options.out / RECORDS_FILE, record)
             (options.out / INFLIGHT_FILE).unlink(missing_ok=True)
             counts["recorded"] += 1
@@ -235,20 +237,29 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, opt
     return SweepSummary(**counts)
 
 
+def _options_of(point: Point) -> dict[str, str]:
+    """Every kernel option's value with ``point``'s own in force (:func:`dsv4cp.kernel_options.resolved`)."""
+    with kernel_options.overrides(point.kernel_options or {}):
+        return kernel_options.resolved()
+
+
 def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, control, spec: SweepSpec,
-               options: SweepOptions) -> tuple[str, str | None, dict, dict | None]:
-    """Measure ``point`` on the first ``point.cp`` ranks; every rank returns the agreed outcome."""
+               options: SweepOptions) -> tuple[str, str | None, dict, dict]:
+    """Measure ``point`` on the first ``point.cp`` ranks; every rank returns the agreed outcome: status,
+    error, metrics and the record's other measured columns (:func:`dsv4cp.records.make_record` keywords)."""
     group = groups.get(point.cp)
     outcome: tuple[str, str | None] = (STATUS_OK, None)
     metrics: dict = {}
-    resolved = None
+    columns: dict = {}
     if rank < point.cp:
         trace_dir = options.out / "traces" / point.point_id if options.profile else None
         try:
             measurement = measure_point(point, group, device, spec.run, machine=options.machine,
                                         trace_dir=trace_dir, nsys=options.nsys, check=options.check,
                                         calibration=options.calibration, memory_snapshot=options.memory_snapshot)
-            metrics, resolved = measurement.metrics, measurement.resolved_backends
+            metrics = measurement.metrics
+            columns = {"resolved_backends": measurement.resolved_backends,
+                       "kernel_options": measurement.kernel_options, "backends": measurement.backends}
         except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
             status = STATUS_OOM if is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"
             outcome = (status, f"rank {rank}: {_first_line(err)}")
@@ -260,9 +271,9 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
         dist.all_gather_object(outcomes, outcome, group=control)
     failed = [o for o in outcomes[: point.cp] if o[0] != STATUS_OK]
     if not failed:
-        return STATUS_OK, None, metrics, resolved
+        return STATUS_OK, None, metrics, columns
     groups.renew()
-    return _root_cause(failed)[0], "; ".join(o[1] for o in failed), {}, None
+    return _root_cause(failed)[0], "; ".join(o[1] for o in failed), {}, {}
 
 
 def _root_cause(failed: list[tuple[str, str]]) -> tuple[str, str]:

@@ -18,6 +18,9 @@ A spec names the axes of :data:`dsv4cp.records.AXES`:
     targets:                           # optional: what the run must reach (dsv4cp.targets), judged by the report
       - {metric: scaling_efficiency, pair: {cp: [2, 1]}, comparison: ">=", value: 0.5}
 
+``kernel_options`` (in ``base``, or an axis whose values are mappings) sets kernel options
+(:mod:`dsv4cp.kernel_options`, e.g. ``{topk_impl: stream}``) in force while the point is measured.
+
 Every name and value is checked when the spec is loaded, before anything is launched: an unknown
 axis or value raises ``ValueError`` naming it and what is allowed. Whether a point's shapes work
 (tokens divisible by cp, enough rows per rank for the halo), or whether it can be timed as CUDA-graph
@@ -27,6 +30,7 @@ point is recorded with an ``error`` status and the sweep goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -35,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from dsv4cp import kernel_options as kernel_option_registry
 from dsv4cp.config import DTYPES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config
 from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.partition import POLICIES
@@ -97,6 +102,8 @@ class Point:
     cuda_graph: bool = False
     """Time the step as replays of one captured CUDA graph (no host overhead; CUDA, CP = 1 only:
     :func:`dsv4cp.sweeps.measure.check_cuda_graph`); peak memory and traces stay eager steps."""
+    kernel_options: Mapping[str, str] | None = None
+    """Kernel options in force while the point is measured (``{name: text}``, sorted; None: none)."""
 
     @property
     def backward(self) -> bool:
@@ -119,7 +126,8 @@ class Point:
                 f"{self.overlap}{' recompute' if self.recompute else ''} {self.kernel_backend}"
                 f"{'' if self.partition == 'equal' else ' ' + self.partition}"
                 f"{'' if self.emulated_rank is None else f' emulated rank {self.emulated_rank}'}"
-                f"{' cuda-graph' if self.cuda_graph else ''}")
+                f"{' cuda-graph' if self.cuda_graph else ''}"
+                f"{''.join(f' {k}={v}' for k, v in (self.kernel_options or {}).items())}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +184,17 @@ def _real_ranks_only(where: str, value: Any) -> None:
                          f"'dsv4cp profile --cp N --emulate-rank R', got {value!r}")
 
 
+def _kernel_options(where: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: must be a mapping of kernel option -> value, got {value!r}")
+    try:
+        kernel_option_registry.check_values(value)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
 def _kernel_backend(where: str, value: Any) -> None:
     try:
         check_backend_name(value)
@@ -200,6 +219,7 @@ _CHECKS = {
     "partition": _choice(PARTITIONS),
     "emulated_rank": _real_ranks_only,
     "cuda_graph": _boolean,  # whether the point's device can replay a graph is known when it runs
+    "kernel_options": _kernel_options,
 }
 assert set(_CHECKS) == set(AXES), "every record axis needs a check"
 
@@ -339,6 +359,21 @@ def expand(spec: SweepSpec) -> list[Point]:
     return points
 
 
+def with_kernel_options(spec: SweepSpec, values: Mapping[str, str]) -> SweepSpec:
+    """``spec`` with the kernel options ``values`` under every point's own (``dsv4cp sweep
+    --kernel-option``): merged into ``base.kernel_options`` and into each mapping of a
+    ``kernel_options`` axis, where a point's own value of an option wins. The points' ids follow."""
+    if not values:
+        return spec
+    base = dict(spec.base)
+    axes = dict(spec.axes)
+    if "kernel_options" in axes:
+        axes["kernel_options"] = tuple({**values, **(v or {})} for v in axes["kernel_options"])
+    else:
+        base["kernel_options"] = {**values, **(base.get("kernel_options") or {})}
+    return dataclasses.replace(spec, base=base, axes=axes)
+
+
 def _excluded(values: Mapping[str, Any], rules: tuple[Mapping[str, Any], ...]) -> bool:
     """Whether every key of some exclude rule matches ``values`` (record axis names)."""
     return any(all(k in values and values[k] == v for k, v in rule.items()) for rule in rules)
@@ -365,4 +400,5 @@ def make_point(values: Mapping[str, Any]) -> Point:
     except ValueError as err:
         raise ValueError(f"ratio: {ratio} with preset {preset!r}: {err}") from None
     values["direction"] = values.pop("pass", "fwd+bwd")
+    values["kernel_options"] = kernel_option_registry.canonical(values.get("kernel_options") or {}) or None
     return Point(**values)
