@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=module.HELP, description=module.__doc__, epilog=EXIT_CODES_HELP,
                              formatter_class=HelpFormatter)
         module.add_arguments(cmd)
-        cmd.set_defaults(_run=module.run)
+        cmd.set_defaults(_run=module.run, _parser=cmd)
     return parser
 
 
@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     Usage errors exit through argparse (code 2, one line: :class:`OneLineErrorParser`); see
     :data:`EXIT_CODES_HELP` for the others.
     """
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # named by the sub-command they were given to, not by the top-level parser
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return run_command(args.command, lambda: args._run(args))
 
 
