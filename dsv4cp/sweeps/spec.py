@@ -343,11 +343,12 @@ def iter_points(spec: SweepSpec) -> Iterator[Point]:
     when nothing is left after the exclude rules.
     """
     empty = True
+    base = dict(spec.base)
     for combo in itertools.product(*_factors(spec)):
-        values = dict(spec.base)
+        values = base.copy()
         for part in combo:
             values.update(part)
-        if _excluded(values, spec.exclude):  # before building: a rule may drop a combination it rejects
+        if spec.exclude and _excluded(values, spec.exclude):  # before building: a rule may drop what it rejects
             continue
         point = _build_point(values)
         if spec.exclude and _excluded(point.axes(), spec.exclude):  # rules naming a default or a derived axis
@@ -397,14 +398,14 @@ def make_point(values: Mapping[str, Any]) -> Point:
     if (tokens is None) == (per_rank is None):
         raise ValueError(f"tokens: give exactly one of tokens and tokens_per_rank per point, got tokens={tokens!r}, "
                          f"tokens_per_rank={per_rank!r}")
-    point = _build_point(values)
+    point = _build_point(dict(values))
     _check_ratio(point)
     return point
 
 
-def _build_point(values: Mapping[str, Any]) -> Point:
-    """A :class:`Point` from checked axis values holding exactly one of tokens and tokens_per_rank."""
-    values = dict(values)
+def _build_point(values: dict[str, Any]) -> Point:
+    """A :class:`Point` from checked axis values holding exactly one of tokens and tokens_per_rank
+    (``values`` is the caller's to give away: it is completed in place)."""
     cp = values.get("cp", 1)
     tokens = values.get("tokens")
     if tokens is None:
