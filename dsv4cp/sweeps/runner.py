@@ -1,10 +1,10 @@
 """Run a sweep: every rank walks the same points in the same order; rank 0 records each one.
 
 Under torchrun the launcher's ranks are used; otherwise :func:`run_sweep` spawns ``nproc`` gloo
-ranks itself (:func:`dsv4cp.cp.launch.spawn`; they die with it, and a rank whose spawner is gone writes
-nothing). A point of ``cp`` ranks runs on the first ``cp``
-ranks (a sub-group, created by all ranks in the same order and cached); the other ranks skip it. A
-point needing more ranks than there are is recorded ``skipped: needs cp=N``.
+ranks itself (:func:`dsv4cp.cp.launch.spawn`: they die with it, and a rank whose spawner is gone
+writes nothing). A point of ``cp`` ranks runs on the first ``cp`` ranks (a sub-group, created by all
+ranks in the same order and cached); the other ranks skip it. A point needing more ranks than there
+are is recorded ``skipped: needs cp=N``.
 
 After each point all ranks exchange their status over a separate gloo control group, so every
 rank agrees whether it failed and none is left waiting in a collective its peers abandoned; the

@@ -19,7 +19,8 @@ A spec names the axes of :data:`dsv4cp.records.AXES`:
 Every name and value is checked when the spec is loaded, before anything is launched: an unknown
 key, axis or value (or a key given twice) raises ``ValueError`` naming it and what is allowed.
 Whether each point's shapes work (tokens divisible by cp, enough rows per rank for the halo, a ratio
-the preset can build, documents that fit the tokens) is checked as it is expanded:
+the preset can build, documents that fit the tokens, a named kernel backend that runs the preset's head
+dim) is checked as it is expanded:
 :func:`point_problem` says why a point cannot run, ``--dry-run`` marks such points and a sweep refuses
 to start while any is left (exclude them). Expansion is lazy (:func:`iter_points`, one point at a
 time), so listing a spec of a million points holds one point in memory. Whether a point can be timed

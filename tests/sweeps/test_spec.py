@@ -180,7 +180,8 @@ DUPLICATE_KEYS = [
     ("name: t\nbase: {tokens: 64}\naxes:\n  cp: [1]\n  ratio: [0]\n  cp: [2]\n",
      "duplicate key 'cp' at line 6 (first given at line 4)"),
     ("name: t\nbase: {tokens: 64}\nname: u\n", "duplicate key 'name' at line 3 (first given at line 1)"),
-    ("name: t\nbase: {tokens: 64}\nexclude:\n  - {cp: 1, cp: 2}\n", "duplicate key 'cp' at line 4 (first given at line 4)"),
+    ("name: t\nbase: {tokens: 64}\nexclude:\n  - {cp: 1, cp: 2}\n",
+     "duplicate key 'cp' at line 4 (first given at line 4)"),
 ]
 
 

@@ -176,6 +176,22 @@ def test_bad_spec_is_a_clean_error(tmp_path, capsys):
     assert not (tmp_path / "run" / "records.jsonl").exists()
 
 
+def test_points_that_cannot_run_are_marked_by_dry_run_and_refused_before_launching(tmp_path, capsys):
+    spec = _write_spec(tmp_path / "odd.yaml", base={"ratio": 0, "pass": "fwd"}, axes={"cp": [1, 2], "tokens": [255]})
+    odd = expand(load_spec(spec))[1]
+    assert main(["sweep", str(spec), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert f"{odd.point_id}  {odd.label()}  CANNOT RUN: tokens: 255 rows are not divisible by cp=2\n" in out
+    assert out.endswith("2 points (1 cannot run), spawning 2 ranks without torchrun\n")
+    refusal = (f"dsv4cp sweep: error: point {odd.point_id} ({odd.label()}) cannot run: tokens: 255 rows are not "
+               "divisible by cp=2; 1 of 2 points cannot (--dry-run marks them): exclude them or change the spec\n")
+    assert err == refusal
+    run = tmp_path / "run"
+    assert main(["sweep", str(spec), "--out", str(run), "--progress", "off"]) == 2
+    assert capsys.readouterr() == ("", refusal)
+    assert not run.exists()  # refused before the run directory was made, let alone a rank started
+
+
 def test_killed_sweep_resumes_with_every_point_exactly_once(tmp_path):
     spec = _write_spec(tmp_path / "long.yaml", base={"tokens": 64, "pass": "fwd"},
                        axes={"cp": [1, 2], "ratio": [0, 4, 8], "seed": [0, 1]})
