@@ -49,7 +49,8 @@ HELP = "run a sweep spec (YAML) and record every point (RUN_DIR/records.jsonl + 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", help="sweep spec, e.g. sweeps/smoke.yaml")
     parser.add_argument("--out", default=None, help="run directory (default: runs/<spec name>)")
-    parser.add_argument("--resume", action="store_true", help="continue RUN_DIR: skip the points it already holds")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue RUN_DIR with the spec it was started with: skip the points it already holds")
     parser.add_argument("--retry-errors", action="store_true",
                         help="with --resume, run points recorded as errors again")
     parser.add_argument("--nproc", type=positive_int, default=None,
