@@ -156,6 +156,24 @@ def test_one_writer_at_a_time_and_no_rank_outlives_a_killed_sweep(tmp_path, caps
     assert sorted(r["point_id"] for r in after) == sorted(p.point_id for p in expand(load_spec(spec)))
 
 
+def test_a_rank_whose_spawner_is_gone_writes_nothing(tmp_path, monkeypatch):
+    import torch
+
+    from dsv4cp.cp.launch import PARENT_PID_ENV, parent_alive
+    from dsv4cp.sweeps.runner import SweepOptions, sweep_rank
+
+    assert parent_alive()  # no spawner recorded: not a spawned rank
+    monkeypatch.setenv(PARENT_PID_ENV, str(os.getppid()))
+    assert parent_alive()
+    monkeypatch.setenv(PARENT_PID_ENV, str(os.getppid() + 1))  # another parent than the one this process has
+    assert not parent_alive()
+    spec = load_spec(_write_spec(tmp_path / "s.yaml", {"seed": [0]}, tokens=32))
+    options = SweepOptions(out=tmp_path / "run")
+    with pytest.raises(RuntimeError, match="the process that spawned this rank is gone: stopping without writing"):
+        sweep_rank(0, 1, torch.device("cpu"), spec, expand(spec), options)
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------------------ identity
 def test_resume_with_another_spec_is_refused_naming_what_differs(tmp_path, capsys):
     first = _write_spec(tmp_path / "first.yaml", {"seed": [0, 1]}, tokens=32)
