@@ -150,6 +150,7 @@ def test_shipped_specs_load_and_expand(path):
     points = expand(spec)
     assert spec.name == path.stem and points
     assert all(isinstance(p, Point) for p in points)
+    assert [(p.point_id, point_problem(p)) for p in points if point_problem(p)] == []  # every point can run
     if spec.name != "smoke":  # the GPU specs: bf16, few repetitions (the GPU time budget is small)
         assert {p.dtype for p in points} == {"bf16"} and spec.run.reps <= 6
 
