@@ -104,7 +104,7 @@ class SweepSummary:
     skipped: int
     resumed: int
     parity_failed: int
-    resumed_failed: int = 0
+    resumed_failed: int
     """Already recorded as ``error: ...`` or ``oom`` by the run resumed (and not retried)."""
 
     @property
