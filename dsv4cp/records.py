@@ -75,6 +75,8 @@ STATUS_PREFIXES = ("error: ", "skipped: ")
 META_FIELDS: tuple[str, ...] = (
     "schema", "time_utc", "git_sha", "git_dirty", "host", "machine", "gpu_name", "gpu_count", "driver",
     "cuda", "torch", "triton", "nccl", "optional_backends", "spec", "kernel_options",
+    "spec_hash",  # a sweep's identity: the sha256 of the spec's canonical JSON (dsv4cp.sweeps.identity)
+    "point_ids",  # ... and the ids of the points it expands to, in order (what --resume may continue)
 )
 
 RECORDS_FILE = "records.jsonl"
@@ -232,11 +234,19 @@ def write_meta(run_dir: str | os.PathLike, meta: dict) -> None:
 
 
 def read_meta(run_dir: str | os.PathLike) -> dict:
-    """``RUN_DIR/meta.json``; ``ValueError`` if missing or of another schema version."""
+    """``RUN_DIR/meta.json``; ``ValueError`` naming the file if missing, not UTF-8, not JSON (e.g.
+    truncated), not a JSON object, or of another schema version."""
     path = Path(run_dir) / META_FILE
     if not path.exists():
         raise ValueError(f"run_dir: {run_dir} has no {META_FILE}")
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON, truncated or corrupted ({err})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(meta).__name__}")
     if meta.get("schema") != SCHEMA_VERSION:
         raise ValueError(f"{path}: schema: expected {SCHEMA_VERSION}, got {meta.get('schema')!r}")
     return meta

@@ -120,6 +120,13 @@ def resolve_backend(name: str, device: torch.device, head_dim: int | None = None
     return backend
 
 
+def check_head_dim(name: str, head_dim: int) -> None:
+    """``ValueError`` when a backend ``name`` names explicitly cannot run ``head_dim`` on any device
+    ("auto" passes over such backends); ``name`` is a valid one (:func:`check_backend_name`)."""
+    for part in [] if name == "auto" else name.split("+"):
+        _check_head_dim(_BACKENDS[part], head_dim)
+
+
 def _check_head_dim(backend: SparseAttentionBackend, head_dim: int | None) -> None:
     """An explicitly named backend that cannot run ``head_dim`` fails here, before any collective."""
     if not backend.runs_head_dim(head_dim):

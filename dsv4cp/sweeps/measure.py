@@ -29,7 +29,6 @@ from dsv4cp import kernel_options
 from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.emulate import emulated_rank
-from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
@@ -44,8 +43,7 @@ from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
 from dsv4cp.profiling.timing import benchmark, graph_replay
 from dsv4cp.profiling.trace import POINT_FILE, capture_trace, load_kineto_dir
-from dsv4cp.sweeps.spec import Point, RunOptions
-from dsv4cp.workloads import packing_lengths
+from dsv4cp.sweeps.spec import Point, RunOptions, point_inputs  # point_inputs: the spec's own shape checks
 
 _PER_STEP_COLUMNS = ("compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms")
 """Overlap-table columns summed over the traced steps; divided by their number in the record."""
@@ -118,16 +116,6 @@ def check_cuda_graph(point: Point, device: torch.device) -> None:
         # capture on one rank would leave its peers waiting in a collective
         raise ValueError(f"cuda_graph: only CP = 1 steps are captured, got cp {point.cp}; "
                          "time CP > 1 eagerly")
-
-
-def point_inputs(point: Point) -> tuple[DSv4Config, list[int]]:
-    """The point's config and document lengths; ``ValueError`` when its shapes cannot run."""
-    cfg = DSv4Config.preset(point.preset, indexer_loss=point.loss)
-    cfg.check_ratio(point.ratio)
-    if point.partition == "equal":
-        split_rows(point.tokens, point.cp, cfg, point.ratio, field="tokens")
-    lengths = packing_lengths(point.packing, point.tokens, cp=point.cp, ratio=point.ratio, seed=point.seed)
-    return cfg, lengths
 
 
 def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Machine | None = None,
