@@ -27,8 +27,9 @@ AXES: tuple[str, ...] = (
 ``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...); ``emulated_rank``: None for
 a real run, else the one rank of the ``cp`` that a single process measured alone with its collectives
 replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no communication; its per-rank
-lists hold None at every other rank); ``cuda_graph``: whether the timed steps were replays of one
-captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager)."""
+lists hold None at every other rank), or ``"all"`` for the summary of every rank emulated in turn on one
+device (per-rank lists complete; times are the slowest rank's); ``cuda_graph``: whether the timed steps
+were replays of one captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager)."""
 
 _ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False}
 """Axes added after records were first committed -> what a record meant before the axis existed (a
@@ -51,11 +52,12 @@ METRICS: tuple[str, ...] = (
     "memory_phases",  # list[dict]: per rank and phase, allocated bytes at entry/exit and peak; None unless asked
     "split",  # list[int]: the ranks' row split points (0 = b_0 <= ... <= b_cp = tokens)
     "calibration",  # str: the calibration the balanced split was computed with; None: the model's bounds
+    "slowest_rank", "slowest_rank_ms",  # int, float: of an all-ranks emulation summary; None otherwise
 )
 """What was measured about it; a metric that was not measured is None."""
 
 COLUMNS: tuple[str, ...] = (
-    "schema", "point_id", "sweep", "status", "time_utc", "git_sha", "machine", *AXES, *METRICS,
+    "schema", "point_id", "sweep", "status", "time_utc", "git_sha", "machine", "emulated", *AXES, *METRICS,
     "resolved_backends", "error",
 )
 
@@ -117,6 +119,7 @@ def make_record(
     }
     record.update({name: axes.get(name) for name in AXES})
     record.update(_added_axis_defaults(record))
+    record["emulated"] = _emulated(record)
     record.update({name: metrics.get(name) for name in METRICS})
     record["resolved_backends"] = resolved_backends
     record["error"] = error
@@ -177,8 +180,15 @@ def read_records(path: str | os.PathLike) -> list[dict]:
         if schema != SCHEMA_VERSION:
             raise ValueError(f"{path}:{number}: schema: expected {SCHEMA_VERSION}, got {schema!r}")
         record.update(_added_axis_defaults(record))
+        record.setdefault("emulated", _emulated(record))
         records.append(record)
     return records
+
+
+def _emulated(record: dict) -> bool:
+    """Whether the record's time is compute only (an emulated rank, or every rank emulated in turn):
+    its collectives moved nothing, so it holds no communication time."""
+    return record.get("emulated_rank") is not None
 
 
 def _added_axis_defaults(record: dict) -> dict:

@@ -13,7 +13,9 @@ the kernels' time without Python and launch overhead; memory and traced steps st
 
 With fewer devices than ranks, ``--cp N --emulate-rank R`` measures rank R of a CP = N run alone in one
 process (:mod:`dsv4cp.cp.emulate`): its compute time and peak memory, NOT its communication time
-(collectives are no-ops; the rows they would have delivered are drawn at random). Run it once per rank.
+(collectives are no-ops; the rows they would have delivered are drawn at random). ``--emulate-rank all``
+measures every rank in turn in this one process and prints the per-rank table (max/mean, the slowest rank);
+``--out`` then gets one record per rank and a summary record (``emulated_rank`` ``"all"``).
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
+from dsv4cp.sweeps.emulation import measure_every_rank, rank_table_lines, summary_metrics, summary_point
 from dsv4cp.sweeps.measure import check_cuda_graph, measure_point
 from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
-from dsv4cp.sweeps.spec import Point, RunOptions, make_point
+from dsv4cp.sweeps.spec import ALL_RANKS, Point, RunOptions, make_point
 
 HELP = "time, memory and (optionally) a per-phase overlap profile of one layer step under CP"
 
@@ -67,9 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=positive_int, default=None,
                         help="with --emulate-rank: the number of CP ranks to emulate (a real run has one per "
                              "torchrun process)")
-    parser.add_argument("--emulate-rank", type=non_negative_int, default=None, metavar="R",
+    parser.add_argument("--emulate-rank", type=_emulated_rank, default=None, metavar="R|all",
                         help="measure rank R of --cp ranks alone in this one process, collectives replaced by "
-                             "no-ops: compute time and memory only, communication NOT measured")
+                             "no-ops: compute time and memory only, communication NOT measured; 'all': every "
+                             "rank in turn, then the per-rank table and a summary record")
     add_timing_options(parser)
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time the step as CUDA-graph replays (no host overhead; traces and memory stay "
@@ -133,11 +137,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         device, group, cp, rank = torch.device("cuda" if torch.cuda.is_available() else "cpu"), None, 1, 0
     point = point_from_args(args, cp, device)
-    if emulated:
+    if emulated and rank != ALL_RANKS:
         point = dataclasses.replace(point, emulated_rank=rank)
     check_cuda_graph(point, device)
     check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
                  recompute=args.recompute, device=device, force=args.force)
+    if rank == ALL_RANKS:
+        _emulate_every_rank(args, point, device, run_options, machine, trace_dir, calibration, out)
+        return 0
     if emulated:
         group = init_emulated_group(cp, rank, seed=args.seed)
     try:
@@ -162,19 +169,49 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
                                     nsys=args.nsys_steps > 0, on_step=on_step,
                                     memory_phases=args.memory_phases, calibration=calibration)
     if rank == 0 or emulated:
-        record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
-                             machine=machine_label(processes, device), git_sha=git_sha(),
-                             resolved_backends=measurement.resolved_backends)
+        record = _record(point, measurement.metrics, measurement.resolved_backends, processes, device)
         _report(point, record, measurement.overlap, machine.name)
         if measurement.attribution is not None:
             print("\n".join(attribution_lines(measurement.attribution)))
         if record["memory_phases"] is not None:
             _report_memory_phases(record["memory_phases"])
-        if out is not None:
-            if not (out / "meta.json").exists():
-                options = {name: value for name, value in vars(args).items() if not name.startswith("_")}
-                write_meta(out, run_meta(processes, device, {"command": "profile", **options}))
-            append_record(out / RECORDS_FILE, record)
+        _append(args, out, record, processes, device)
+
+
+def _emulate_every_rank(args, point, device, run_options, machine, trace_dir, calibration, out) -> None:
+    """``--emulate-rank all``: every rank measured in turn (each recorded as soon as it is measured), then
+    the per-rank table and the summary record."""
+    per_rank, backends = [], None
+    for rank_point, measurement in measure_every_rank(
+            point, device, run_options, machine=machine, calibration=calibration, trace_dir=trace_dir,
+            memory_phases=args.memory_phases):
+        record = _record(rank_point, measurement.metrics, measurement.resolved_backends, 1, device)
+        print(f"rank {rank_point.emulated_rank} of cp {point.cp}: median {record['time_ms_median']:.3f} ms "
+              f"(p20 {record['time_ms_p20']:.3f}, p80 {record['time_ms_p80']:.3f}), compute only")
+        _append(args, out, record, 1, device)
+        per_rank.append(measurement.metrics)
+        backends = measurement.resolved_backends
+    summary = summary_point(point)
+    record = _record(summary, summary_metrics(per_rank, point.tokens), backends, 1, device)
+    print(f"profile {summary.label()} (point {record['point_id']}, {record['machine']}): EVERY rank emulated in "
+          "turn on one device")
+    print("\n".join(rank_table_lines(record)))
+    _append(args, out, record, 1, device)
+
+
+def _record(point: Point, metrics: dict, resolved_backends: dict, processes: int, device: torch.device) -> dict:
+    return make_record(point.axes(), metrics, sweep="profile", status="ok",
+                       machine=machine_label(processes, device), git_sha=git_sha(), resolved_backends=resolved_backends)
+
+
+def _append(args: argparse.Namespace, out, record: dict, processes: int, device: torch.device) -> None:
+    """Append ``record`` to ``out`` (None: no run directory), writing its meta.json first when new."""
+    if out is None:
+        return
+    if not (out / "meta.json").exists():
+        options = {name: value for name, value in vars(args).items() if not name.startswith("_")}
+        write_meta(out, run_meta(processes, device, {"command": "profile", **options}))
+    append_record(out / RECORDS_FILE, record)
 
 
 def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:
@@ -190,9 +227,14 @@ def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:
                          f"got --emulate-rank {args.emulate_rank} under torchrun")
     if args.cp is None or args.cp < 2:
         raise ValueError(f"--cp: --emulate-rank needs --cp N with N >= 2 ranks, got {args.cp}")
-    if args.emulate_rank >= args.cp:
+    if args.emulate_rank != ALL_RANKS and args.emulate_rank >= args.cp:
         raise ValueError(f"--emulate-rank: must be a rank in [0, {args.cp}) of --cp {args.cp}, got {args.emulate_rank}")
     return True
+
+
+def _emulated_rank(text: str) -> int | str:
+    """argparse type of ``--emulate-rank``: a rank (an int >= 0) or ``all``."""
+    return ALL_RANKS if text.strip().lower() == ALL_RANKS else non_negative_int(text)
 
 
 def _report(point: Point, record: dict, table, bound_machine: str) -> None:

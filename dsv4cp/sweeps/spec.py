@@ -89,8 +89,9 @@ class Point:
     dtype: str = "fp32"
     seed: int = 0
     partition: str = "equal"
-    emulated_rank: int | None = None
-    """The one rank a single process measures alone (``dsv4cp profile --emulate-rank``); None: real ranks."""
+    emulated_rank: int | str | None = None
+    """The one rank a single process measures alone (``dsv4cp profile --emulate-rank``), :data:`ALL_RANKS`
+    for the summary of every rank emulated in turn; None: real ranks."""
     cuda_graph: bool = False
     """Time the step as replays of one captured CUDA graph (no host overhead; CUDA, CP = 1 only:
     :func:`dsv4cp.sweeps.measure.check_cuda_graph`); peak memory and traces stay eager steps."""
@@ -117,6 +118,10 @@ class Point:
                 f"{'' if self.partition == 'equal' else ' ' + self.partition}"
                 f"{'' if self.emulated_rank is None else f' emulated rank {self.emulated_rank}'}"
                 f"{' cuda-graph' if self.cuda_graph else ''}")
+
+
+ALL_RANKS = "all"
+"""``emulated_rank`` of the summary record of every rank emulated in turn (:mod:`dsv4cp.sweeps.emulation`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
