@@ -70,10 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=positive_int, default=None,
                         help="with --emulate-rank: the number of CP ranks to emulate (a real run has one per "
                              "torchrun process)")
-    parser.add_argument("--emulate-rank", type=_emulated_rank, default=None, metavar="R|all",
+    parser.add_argument("--emulate-rank", type=_emulated_rank, default=None, metavar="R|R,S,...|all",
                         help="measure rank R of --cp ranks alone in this one process, collectives replaced by "
-                             "no-ops: compute time and memory only, communication NOT measured; 'all': every "
-                             "rank in turn, then the per-rank table and a summary record")
+                             "no-ops: compute time and memory only, communication NOT measured; a list: those "
+                             "ranks in turn (a sample of a large cp); 'all': every rank in turn, then the "
+                             "per-rank table and a summary record")
     add_timing_options(parser)
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time the step as CUDA-graph replays (no host overhead; traces and memory stay "
@@ -137,13 +138,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         device, group, cp, rank = torch.device("cuda" if torch.cuda.is_available() else "cpu"), None, 1, 0
     point = point_from_args(args, cp, device)
-    if emulated and rank != ALL_RANKS:
+    if emulated and isinstance(rank, int):
         point = dataclasses.replace(point, emulated_rank=rank)
     check_cuda_graph(point, device)
     check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
                  recompute=args.recompute, device=device, force=args.force)
-    if rank == ALL_RANKS:
-        _emulate_every_rank(args, point, device, run_options, machine, trace_dir, calibration, out)
+    if rank == ALL_RANKS or isinstance(rank, tuple):
+        _emulate_in_turn(args, point, device, run_options, machine, trace_dir, calibration, out)
         return 0
     if emulated:
         group = init_emulated_group(cp, rank, seed=args.seed)
@@ -178,19 +179,22 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
         _append(args, out, record, processes, device)
 
 
-def _emulate_every_rank(args, point, device, run_options, machine, trace_dir, calibration, out) -> None:
-    """``--emulate-rank all``: every rank measured in turn (each recorded as soon as it is measured), then
-    the per-rank table and the summary record."""
+def _emulate_in_turn(args, point, device, run_options, machine, trace_dir, calibration, out) -> None:
+    """``--emulate-rank all`` or a list of ranks: those ranks measured in turn (each recorded as soon as it
+    is measured); for ``all``, then the per-rank table and the summary record."""
+    every = args.emulate_rank == ALL_RANKS
     per_rank, backends = [], None
     for rank_point, measurement in measure_every_rank(
-            point, device, run_options, machine=machine, calibration=calibration, trace_dir=trace_dir,
-            memory_phases=args.memory_phases):
+            point, device, run_options, ranks=None if every else args.emulate_rank, machine=machine,
+            calibration=calibration, trace_dir=trace_dir, memory_phases=args.memory_phases):
         record = _record(rank_point, measurement.metrics, measurement.resolved_backends, 1, device)
         print(f"rank {rank_point.emulated_rank} of cp {point.cp}: median {record['time_ms_median']:.3f} ms "
               f"(p20 {record['time_ms_p20']:.3f}, p80 {record['time_ms_p80']:.3f}), compute only")
         _append(args, out, record, 1, device)
         per_rank.append(measurement.metrics)
         backends = measurement.resolved_backends
+    if not every:
+        return
     summary = summary_point(point)
     record = _record(summary, summary_metrics(per_rank, point.tokens), backends, 1, device)
     print(f"profile {summary.label()} (point {record['point_id']}, {record['machine']}): EVERY rank emulated in "
@@ -227,14 +231,22 @@ def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:
                          f"got --emulate-rank {args.emulate_rank} under torchrun")
     if args.cp is None or args.cp < 2:
         raise ValueError(f"--cp: --emulate-rank needs --cp N with N >= 2 ranks, got {args.cp}")
-    if args.emulate_rank != ALL_RANKS and args.emulate_rank >= args.cp:
-        raise ValueError(f"--emulate-rank: must be a rank in [0, {args.cp}) of --cp {args.cp}, got {args.emulate_rank}")
+    ranks = (args.emulate_rank,) if isinstance(args.emulate_rank, int) else args.emulate_rank
+    if ranks != ALL_RANKS and any(rank >= args.cp for rank in ranks):
+        raise ValueError(f"--emulate-rank: must be ranks in [0, {args.cp}) of --cp {args.cp}, got {args.emulate_rank}")
     return True
 
 
-def _emulated_rank(text: str) -> int | str:
-    """argparse type of ``--emulate-rank``: a rank (an int >= 0) or ``all``."""
-    return ALL_RANKS if text.strip().lower() == ALL_RANKS else non_negative_int(text)
+def _emulated_rank(text: str) -> int | tuple[int, ...] | str:
+    """argparse type of ``--emulate-rank``: a rank (an int >= 0), distinct ranks ``R,S,...`` or ``all``."""
+    if text.strip().lower() == ALL_RANKS:
+        return ALL_RANKS
+    if "," not in text:
+        return non_negative_int(text)
+    ranks = tuple(non_negative_int(part) for part in text.split(","))
+    if len(set(ranks)) != len(ranks):
+        raise argparse.ArgumentTypeError(f"ranks must be distinct, got {text!r}")
+    return ranks
 
 
 def _report(point: Point, record: dict, table, bound_machine: str) -> None:

@@ -13,7 +13,7 @@ real run's and every single emulated rank's, so ``compare`` and the report never
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -29,17 +29,21 @@ _SHARED_METRICS = ("split", "calibration", "model_flops", "bound_ms")
 
 
 def measure_every_rank(
-    point: Point, device: torch.device, run: RunOptions, *, machine: Machine | None = None,
-    calibration: Calibration | None = None, trace_dir: str | Path | None = None, memory_phases: bool = False,
-    on_step: Callable[[str], object] | None = None,
+    point: Point, device: torch.device, run: RunOptions, *, ranks: Sequence[int] | None = None,
+    machine: Machine | None = None, calibration: Calibration | None = None, trace_dir: str | Path | None = None,
+    memory_phases: bool = False, on_step: Callable[[str], object] | None = None,
 ) -> Iterator[tuple[Point, Measurement]]:
-    """Measure rank 0, 1, ..., ``point.cp - 1`` of ``point`` one after the other in this process; yield
-    each rank's point (``emulated_rank`` set) and measurement as soon as it is taken, so a caller can
-    record it before the next rank starts. ``trace_dir``: rank R's trace goes to ``trace_dir/rankR/``
-    (each rank's overlap table reads only its own directory)."""
+    """Measure ``ranks`` (default: 0, 1, ..., ``point.cp - 1``) of ``point`` one after the other in this
+    process; yield each rank's point (``emulated_rank`` set) and measurement as soon as it is taken, so a
+    caller can record it before the next rank starts. ``trace_dir``: rank R's trace goes to
+    ``trace_dir/rankR/`` (each rank's overlap table reads only its own directory)."""
     if point.cp < 2:
         raise ValueError(f"cp: emulating every rank needs cp >= 2, got {point.cp}")
-    for rank in range(point.cp):
+    ranks = list(range(point.cp)) if ranks is None else list(ranks)
+    bad = [rank for rank in ranks if not 0 <= rank < point.cp]
+    if bad or len(set(ranks)) != len(ranks) or not ranks:
+        raise ValueError(f"ranks: must be distinct ranks in [0, {point.cp}), got {ranks}")
+    for rank in ranks:
         rank_point = dataclasses.replace(point, emulated_rank=rank)
         group = init_emulated_group(point.cp, rank, seed=point.seed)
         try:

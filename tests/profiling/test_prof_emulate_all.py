@@ -93,3 +93,22 @@ def test_emulate_all_refuses_a_bad_rank_word():
     with pytest.raises(SystemExit) as exit_info:
         main([*COMMON, "--cp", "2", "--emulate-rank", "every"])
     assert exit_info.value.code == 2
+
+
+def test_emulate_a_sample_of_ranks_records_each(tmp_path, capsys, seed):
+    out = tmp_path / "run"
+    assert main([*COMMON, "--seed", str(seed % 1000), "--cp", "4", "--emulate-rank", "3,0", "--out", str(out)]) == 0
+    assert "EVERY rank" not in capsys.readouterr().out
+    records = read_records(out)
+    assert [r["emulated_rank"] for r in records] == [3, 0]
+    assert records[0]["rank_time_ms_median"][3] > 0 and records[0]["rank_time_ms_median"][0] is None
+
+
+@pytest.mark.parametrize("ranks", ["0,0", "1,4"])
+def test_emulate_a_bad_sample_is_refused(ranks, capsys):
+    """A repeated rank is refused by the parser, a rank outside the cp by the flag check: exit 2 both."""
+    try:
+        code = main([*COMMON, "--cp", "4", "--emulate-rank", ranks])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == 2 and "--emulate-rank" in capsys.readouterr().err
