@@ -39,33 +39,45 @@ from dsv4cp.cli.common import (
     machine_from_args,
     non_negative_int,
     parse_lengths,
+    positive_float,
     positive_int,
     progress_enabled,
     resolve_dist_backend,
 )
+from dsv4cp.cli.profile_ranks import append_to_run, emulate_in_turn, emulate_measured, measure_measured, record_of
 from dsv4cp.config import DTYPES, default_dtype
 from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
 from dsv4cp.cp.launch import init_from_env, under_torchrun
-from dsv4cp.cp.partition import POLICIES
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
-from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
-from dsv4cp.sweeps.emulation import measure_every_rank, rank_table_lines, summary_metrics, summary_point
 from dsv4cp.sweeps.measure import check_cuda_graph, measure_point
-from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
-from dsv4cp.sweeps.spec import ALL_RANKS, Point, RunOptions, make_point
+from dsv4cp.sweeps.measured_split import MAX_ROUNDS, TARGET_IMBALANCE, load_split
+from dsv4cp.sweeps.spec import ALL_RANKS, MEASURED, PARTITIONS, Point, RunOptions, make_point
 
 HELP = "time, memory and (optionally) a per-phase overlap profile of one layer step under CP"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layer_options(parser, cp=True)
-    parser.add_argument("--partition", choices=POLICIES, default="equal",
-                        help="row split over the ranks: equal (T / cp rows each) or balanced (contiguous "
+    parser.add_argument("--partition", choices=PARTITIONS, default="equal",
+                        help="row split over the ranks: equal (T / cp rows each), balanced (contiguous "
                              "slices sized so every rank's modelled time of the timed pass is the same, refined on the "
-                             "model's per-rank evaluation)")
+                             "model's per-rank evaluation) or measured (balanced, then refitted on measured rank "
+                             "times until max/mean <= --target-imbalance; every rank measured per round: "
+                             "--emulate-rank all or torchrun)")
+    parser.add_argument("--split-file", default=None,
+                        help="with --partition measured: measure the split saved by an earlier measured run "
+                             "(--save-split) instead of refining one")
+    parser.add_argument("--save-split", default=None,
+                        help="with --partition measured: write the best split and every round here (JSON)")
+    parser.add_argument("--save-calibration", default=None,
+                        help="with --partition measured: write the refitted calibration here (a --calibration file)")
+    parser.add_argument("--target-imbalance", type=positive_float, default=TARGET_IMBALANCE,
+                        help="with --partition measured: stop refining once max/mean rank time is at most this")
+    parser.add_argument("--max-rounds", type=positive_int, default=MAX_ROUNDS,
+                        help="with --partition measured: at most this many splits are measured")
     parser.add_argument("--backward", action="store_true", help="time forward + backward (default: forward)")
     parser.add_argument("--cp", type=positive_int, default=None,
                         help="with --emulate-rank: the number of CP ranks to emulate (a real run has one per "
@@ -143,13 +155,27 @@ def run(args: argparse.Namespace) -> int:
     check_cuda_graph(point, device)
     check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
                  recompute=args.recompute, device=device, force=args.force)
+    split = _fixed_split(args, point)
+    if point.partition == MEASURED and split is None:
+        if rank != ALL_RANKS and not distributed:
+            raise ValueError("--partition measured: measures every rank of each round: emulate them all "
+                             "(--emulate-rank all) or run the real ranks under torchrun; or pass --split-file")
+        rounds = dict(target=args.target_imbalance, max_rounds=args.max_rounds)
+        if rank == ALL_RANKS:
+            emulate_measured(args, point, device, run_options, machine, calibration, out, **rounds)
+            return 0
+        measure_measured(args, point, group, device, run_options, machine, calibration, out, **rounds)
+        dist.barrier(group)
+        dist.destroy_process_group()
+        return 0
     if rank == ALL_RANKS or isinstance(rank, tuple):
-        _emulate_in_turn(args, point, device, run_options, machine, trace_dir, calibration, out)
+        emulate_in_turn(args, point, device, run_options, machine, trace_dir, calibration, out, split=split)
         return 0
     if emulated:
         group = init_emulated_group(cp, rank, seed=args.seed)
     try:
-        _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out)
+        _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out,
+                            split)
     finally:  # also on an error: the fake group must not outlive this command in the process
         if emulated:
             destroy_emulated_group(group)
@@ -159,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out) -> None:
+def _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out,
+                        split) -> None:
     """Measure the point and print / write its record (rank 0, or the emulated rank)."""
     emulated = point.emulated_rank is not None
     processes = 1 if emulated else point.cp  # what the machine label and meta describe
@@ -168,54 +195,27 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
     with step_progress(warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:
         measurement = measure_point(point, group, device, run_options, machine=machine, trace_dir=trace_dir,
                                     nsys=args.nsys_steps > 0, on_step=on_step,
-                                    memory_phases=args.memory_phases, calibration=calibration)
+                                    memory_phases=args.memory_phases, calibration=calibration, split=split)
     if rank == 0 or emulated:
-        record = _record(point, measurement.metrics, measurement.resolved_backends, processes, device)
+        record = record_of(point, measurement.metrics, measurement.resolved_backends, processes, device)
         _report(point, record, measurement.overlap, machine.name)
         if measurement.attribution is not None:
             print("\n".join(attribution_lines(measurement.attribution)))
         if record["memory_phases"] is not None:
             _report_memory_phases(record["memory_phases"])
-        _append(args, out, record, processes, device)
+        append_to_run(args, out, record, processes, device)
 
 
-def _emulate_in_turn(args, point, device, run_options, machine, trace_dir, calibration, out) -> None:
-    """``--emulate-rank all`` or a list of ranks: those ranks measured in turn (each recorded as soon as it
-    is measured); for ``all``, then the per-rank table and the summary record."""
-    every = args.emulate_rank == ALL_RANKS
-    per_rank, backends = [], None
-    for rank_point, measurement in measure_every_rank(
-            point, device, run_options, ranks=None if every else args.emulate_rank, machine=machine,
-            calibration=calibration, trace_dir=trace_dir, memory_phases=args.memory_phases):
-        record = _record(rank_point, measurement.metrics, measurement.resolved_backends, 1, device)
-        print(f"rank {rank_point.emulated_rank} of cp {point.cp}: median {record['time_ms_median']:.3f} ms "
-              f"(p20 {record['time_ms_p20']:.3f}, p80 {record['time_ms_p80']:.3f}), compute only")
-        _append(args, out, record, 1, device)
-        per_rank.append(measurement.metrics)
-        backends = measurement.resolved_backends
-    if not every:
-        return
-    summary = summary_point(point)
-    record = _record(summary, summary_metrics(per_rank, point.tokens), backends, 1, device)
-    print(f"profile {summary.label()} (point {record['point_id']}, {record['machine']}): EVERY rank emulated in "
-          "turn on one device")
-    print("\n".join(rank_table_lines(record)))
-    _append(args, out, record, 1, device)
-
-
-def _record(point: Point, metrics: dict, resolved_backends: dict, processes: int, device: torch.device) -> dict:
-    return make_record(point.axes(), metrics, sweep="profile", status="ok",
-                       machine=machine_label(processes, device), git_sha=git_sha(), resolved_backends=resolved_backends)
-
-
-def _append(args: argparse.Namespace, out, record: dict, processes: int, device: torch.device) -> None:
-    """Append ``record`` to ``out`` (None: no run directory), writing its meta.json first when new."""
-    if out is None:
-        return
-    if not (out / "meta.json").exists():
-        options = {name: value for name, value in vars(args).items() if not name.startswith("_")}
-        write_meta(out, run_meta(processes, device, {"command": "profile", **options}))
-    append_record(out / RECORDS_FILE, record)
+def _fixed_split(args: argparse.Namespace, point: Point):
+    """The split of ``--split-file`` (only with ``--partition measured``), or None."""
+    if args.split_file is None:
+        for flag in ("save_split", "save_calibration"):
+            if getattr(args, flag) is not None and point.partition != MEASURED:
+                raise ValueError(f"--{flag.replace('_', '-')}: only with --partition measured")
+        return None
+    if point.partition != MEASURED:
+        raise ValueError(f"--split-file: only with --partition measured, got --partition {point.partition}")
+    return load_split(args.split_file, point.cp, point.tokens)
 
 
 def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import Machine
 from dsv4cp.sweeps.measure import Measurement, measure_point
@@ -31,12 +32,13 @@ _SHARED_METRICS = ("split", "calibration", "model_flops", "bound_ms")
 def measure_every_rank(
     point: Point, device: torch.device, run: RunOptions, *, ranks: Sequence[int] | None = None,
     machine: Machine | None = None, calibration: Calibration | None = None, trace_dir: str | Path | None = None,
-    memory_phases: bool = False, on_step: Callable[[str], object] | None = None,
+    memory_phases: bool = False, on_step: Callable[[str], object] | None = None, split: RowSplit | None = None,
 ) -> Iterator[tuple[Point, Measurement]]:
     """Measure ``ranks`` (default: 0, 1, ..., ``point.cp - 1``) of ``point`` one after the other in this
     process; yield each rank's point (``emulated_rank`` set) and measurement as soon as it is taken, so a
     caller can record it before the next rank starts. ``trace_dir``: rank R's trace goes to
-    ``trace_dir/rankR/`` (each rank's overlap table reads only its own directory)."""
+    ``trace_dir/rankR/`` (each rank's overlap table reads only its own directory). ``split``: the row split
+    to measure instead of the point's policy's."""
     if point.cp < 2:
         raise ValueError(f"cp: emulating every rank needs cp >= 2, got {point.cp}")
     ranks = list(range(point.cp)) if ranks is None else list(ranks)
@@ -49,7 +51,8 @@ def measure_every_rank(
         try:
             rank_trace = None if trace_dir is None else Path(trace_dir) / f"rank{rank}"
             measurement = measure_point(rank_point, group, device, run, machine=machine, trace_dir=rank_trace,
-                                        memory_phases=memory_phases, calibration=calibration, on_step=on_step)
+                                        memory_phases=memory_phases, calibration=calibration, on_step=on_step,
+                                        split=split)
         finally:  # also on an error: the next rank (or the caller) creates its own group
             destroy_emulated_group(group)
         yield rank_point, measurement

@@ -28,7 +28,7 @@ from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.cp.check import CheckCase, merge_ranks, randomize_, run_rank
 from dsv4cp.cp.emulate import emulated_rank
 from dsv4cp.cp.layout import split_rows
-from dsv4cp.cp.partition import RowSplit
+from dsv4cp.cp.partition import RowSplit, floor_rows
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
@@ -40,7 +40,7 @@ from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
 from dsv4cp.profiling.timing import benchmark, graph_replay
 from dsv4cp.profiling.trace import capture_trace, load_kineto_dir
-from dsv4cp.sweeps.spec import Point, RunOptions
+from dsv4cp.sweeps.spec import MEASURED, Point, RunOptions
 from dsv4cp.workloads import packing_lengths
 
 _PER_STEP_COLUMNS = ("compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms")
@@ -147,7 +147,7 @@ def measure_point(
     point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
     machine: Machine | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
     on_step: Callable[[str], object] | None = None, memory_phases: bool = False,
-    calibration: Calibration | None = None,
+    calibration: Calibration | None = None, split: RowSplit | None = None,
 ) -> Measurement:
     """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
 
@@ -158,6 +158,8 @@ def measure_point(
     after each warm-up and timed step (a progress bar, :mod:`dsv4cp.profiling.progress`).
     ``memory_phases``: one more step recording each phase's memory (metric ``memory_phases``).
     ``calibration``: measured-over-bound phase factors the balanced split uses (metric ``calibration``).
+    ``split``: the ranks' row split to measure instead of the point's policy's (a ``measured`` split,
+    :mod:`dsv4cp.sweeps.measured_split`); checked against the point before any work.
 
     With ``point.cuda_graph`` the step runs ``run.warmup`` times eagerly (at least once), is captured
     once, then ``run.warmup`` untimed and ``run.reps`` timed replays follow (``on_step`` after each);
@@ -182,7 +184,13 @@ def measure_point(
     cfg, lengths = point_inputs(point)
     dtype = DTYPES[point.dtype]
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
-    split = point_split(point, cfg, lengths, machine, calibration)
+    if split is None:
+        if point.partition == MEASURED:
+            raise ValueError("partition: a measured split comes from measurements (profile --partition measured, or "
+                             "--split-file); measure_point needs it as split=")
+        split = point_split(point, cfg, lengths, machine, calibration)
+    else:
+        split.validate(point.tokens, point.cp, floor_rows(cfg, point.ratio, point.cp, None), field="split")
     bound = estimate(cfg, point.ratio, packed, cp, machine, split=split).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device, head_dim=cfg.head_dim).name}
     if device.type == "cuda":
@@ -236,7 +244,7 @@ def measure_point(
         "tokens_per_s": point.tokens / seconds, "tflops_per_gpu": tflops,
         "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" else None,
         "split": list(split.bounds),
-        "calibration": calibration.label if calibration is not None and point.partition == "balanced" else None,
+        "calibration": calibration.label if calibration is not None and point.partition != "equal" else None,
         "model_flops": bound.model_flops, "bound_ms": bound.bound_overlap_s * 1e3,
         "measured_over_bound": seconds / bound.bound_overlap_s if bound.bound_overlap_s > 0 else None,
         "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],

@@ -41,7 +41,10 @@ from dsv4cp.records import AXES, point_id
 from dsv4cp.workloads import parse_packing
 
 PASSES = ("fwd", "fwd+bwd")
-PARTITIONS = POLICIES
+MEASURED = "measured"
+"""The split refined from measured rank times (:mod:`dsv4cp.sweeps.measured_split`): needs measurements, so it
+is a point's partition but no policy of the model's partitioner."""
+PARTITIONS = (*POLICIES, MEASURED)
 SPEC_KEYS = ("name", "description", "run", "base", "axes", "zip", "exclude")
 
 

@@ -7,6 +7,7 @@ per-rank medians; the summary arithmetic is checked on random per-rank metrics t
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -112,3 +113,31 @@ def test_emulate_a_bad_sample_is_refused(ranks, capsys):
     except SystemExit as exit_info:
         code = exit_info.code
     assert code == 2 and "--emulate-rank" in capsys.readouterr().err
+
+
+def test_measured_partition_rounds_then_reuse_of_its_files(tmp_path, capsys, seed):
+    out, split_file, cal_file = tmp_path / "run", tmp_path / "split.json", tmp_path / "cal.json"
+    args = [*COMMON, "--seed", str(seed % 1000), "--cp", "2", "--emulate-rank", "all", "--partition", "measured",
+            "--max-rounds", "2", "--target-imbalance", "1.0"]
+    assert main([*args, "--out", str(out), "--save-split", str(split_file), "--save-calibration", str(cal_file)]) == 0
+    text = capsys.readouterr().out
+    assert "round 0: split" in text and "measured split: round" in text
+    records = read_records(out)
+    assert [r["emulated_rank"] for r in records] == [0, 1, "all"]
+    assert all(r["partition"] == "measured" and r["calibration"] for r in records)
+    saved = json.loads(split_file.read_text())
+    assert records[-1]["split"] == saved["split"] and 1 <= len(saved["rounds"]) <= 2
+    again = tmp_path / "again"
+    assert main([*args[:-4], "--split-file", str(split_file), "--calibration", str(cal_file), "--out", str(again)]) == 0
+    assert "round 0" not in capsys.readouterr().out
+    assert read_records(again)[-1]["split"] == saved["split"]
+
+
+@pytest.mark.parametrize(("extra", "flag"), [
+    (["--cp", "2", "--emulate-rank", "0", "--partition", "measured"], "--partition measured"),
+    (["--cp", "2", "--emulate-rank", "all", "--split-file", "x.json"], "--split-file"),
+    (["--cp", "2", "--emulate-rank", "all", "--save-split", "x.json"], "--save-split"),
+])
+def test_measured_partition_misuse_is_refused(extra, flag, capsys):
+    assert main([*COMMON, *extra]) == 2
+    assert flag in capsys.readouterr().err
