@@ -48,11 +48,13 @@ from dsv4cp.cli.profile_ranks import append_to_run, emulate_in_turn, emulate_mea
 from dsv4cp.config import DTYPES, default_dtype
 from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
 from dsv4cp.cp.launch import init_from_env, under_torchrun
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.memory_split import memory_capped_split, trade_off
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
-from dsv4cp.sweeps.measure import check_cuda_graph, measure_point
+from dsv4cp.sweeps.measure import check_cuda_graph, measure_point, point_inputs, point_split
 from dsv4cp.sweeps.measured_split import MAX_ROUNDS, TARGET_IMBALANCE, load_split
 from dsv4cp.sweeps.spec import ALL_RANKS, MEASURED, PARTITIONS, Point, RunOptions, make_point
 
@@ -78,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --partition measured: stop refining once max/mean rank time is at most this")
     parser.add_argument("--max-rounds", type=positive_int, default=MAX_ROUNDS,
                         help="with --partition measured: at most this many splits are measured")
+    parser.add_argument("--max-rank-memory", type=positive_float, default=None, metavar="GIB",
+                        help="keep every rank's estimated peak memory at most GIB: the balanced or measured "
+                             "split moves towards equal slices until it fits (printed beside equal and balanced)")
     parser.add_argument("--backward", action="store_true", help="time forward + backward (default: forward)")
     parser.add_argument("--cp", type=positive_int, default=None,
                         help="with --emulate-rank: the number of CP ranks to emulate (a real run has one per "
@@ -156,11 +161,13 @@ def run(args: argparse.Namespace) -> int:
     check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
                  recompute=args.recompute, device=device, force=args.force)
     split = _fixed_split(args, point)
+    if args.max_rank_memory is not None and point.partition != MEASURED:
+        split = _memory_capped(args, point, machine, calibration)
     if point.partition == MEASURED and split is None:
         if rank != ALL_RANKS and not distributed:
             raise ValueError("--partition measured: measures every rank of each round: emulate them all "
                              "(--emulate-rank all) or run the real ranks under torchrun; or pass --split-file")
-        rounds = dict(target=args.target_imbalance, max_rounds=args.max_rounds)
+        rounds = dict(target=args.target_imbalance, max_rounds=args.max_rounds, max_rank_bytes=_max_rank_bytes(args))
         if rank == ALL_RANKS:
             emulate_measured(args, point, device, run_options, machine, calibration, out, **rounds)
             return 0
@@ -204,6 +211,29 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
         if record["memory_phases"] is not None:
             _report_memory_phases(record["memory_phases"])
         append_to_run(args, out, record, processes, device)
+
+
+def _max_rank_bytes(args: argparse.Namespace) -> int | None:
+    return None if args.max_rank_memory is None else int(args.max_rank_memory * 2**30)
+
+
+def _memory_capped(args: argparse.Namespace, point: Point, machine, calibration):
+    """The point's policy split under ``--max-rank-memory``, printed beside equal and balanced."""
+    if point.partition == "equal":
+        raise ValueError("--max-rank-memory: equal slices are the split of least per-rank memory; use it with "
+                         "--partition balanced or measured")
+    cfg, lengths = point_inputs(point)
+    policy = point_split(point, cfg, lengths, machine, calibration)
+    capped = memory_capped_split(cfg, point.ratio, lengths, policy, _max_rank_bytes(args), dtype=DTYPES[point.dtype],
+                                 direction=point.direction, recompute=point.recompute, machine=machine,
+                                 calibration=calibration)
+    splits = {"equal": RowSplit.equal(point.tokens, point.cp), point.partition: policy,
+              f"{point.partition} <= {args.max_rank_memory:g} GiB": capped}
+    table = trade_off(cfg, point.ratio, lengths, splits, dtype=DTYPES[point.dtype], direction=point.direction,
+                      recompute=point.recompute, machine=machine, calibration=calibration)
+    print("modelled time / memory of the splits (estimated peak per rank):")
+    print(table.drop(columns="split").to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    return capped
 
 
 def _fixed_split(args: argparse.Namespace, point: Point):

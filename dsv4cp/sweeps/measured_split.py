@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dsv4cp.config import DTYPES
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.memory_split import memory_capped_split
 from dsv4cp.model.partition import policy_split
 from dsv4cp.model.refit import RankTimes, refit
 from dsv4cp.sweeps.emulation import measure_every_rank
@@ -76,9 +78,11 @@ MeasureRanks = Callable[[RowSplit], tuple[tuple[float, ...], object]]
 def refine_by_measurement(
     point: Point, measure_ranks: MeasureRanks, *, machine: Machine | None = None,
     calibration: Calibration | None = None, target: float = TARGET_IMBALANCE, max_rounds: int = MAX_ROUNDS,
-    on_round: Callable[[int, SplitRound], object] | None = None,
+    on_round: Callable[[int, SplitRound], object] | None = None, max_rank_bytes: int | None = None,
 ) -> tuple[MeasuredSplit, list]:
-    """Run the rounds (see the module docstring); also returns what ``measure_ranks`` kept per round."""
+    """Run the rounds (see the module docstring); also returns what ``measure_ranks`` kept per round.
+    ``max_rank_bytes``: every split measured keeps each rank's estimated peak memory at most this
+    (:func:`dsv4cp.model.memory_split.memory_capped_split`)."""
     if point.cp < 2:
         raise ValueError(f"cp: a measured split needs cp >= 2, got {point.cp}")
     if not target >= 1.0:
@@ -87,8 +91,17 @@ def refine_by_measurement(
         raise ValueError(f"max_rounds: must be an int >= 1, got {max_rounds!r}")
     machine = machine or Machine()
     cfg, lengths = point_inputs(point)
-    split = policy_split(cfg, point.ratio, lengths, point.cp, "balanced", machine, total=point.tokens,
-                         direction=point.direction, calibration=calibration)
+
+    def balanced(under: Calibration | None) -> RowSplit:
+        split = policy_split(cfg, point.ratio, lengths, point.cp, "balanced", machine, total=point.tokens,
+                             direction=point.direction, calibration=under)
+        if max_rank_bytes is None:
+            return split
+        return memory_capped_split(cfg, point.ratio, lengths, split, max_rank_bytes, dtype=DTYPES[point.dtype],
+                                   direction=point.direction, recompute=point.recompute, machine=machine,
+                                   calibration=under)
+
+    split = balanced(calibration)
     rounds, kept, samples, fitted = [], [], [], calibration
     for index in range(max_rounds):
         rank_ms, measurement = measure_ranks(split)
@@ -102,8 +115,7 @@ def refine_by_measurement(
                        source=f"measured split of {point.label()} ({len(samples)} rounds)")
         if rounds[-1].imbalance <= target or index == max_rounds - 1:
             break
-        following = policy_split(cfg, point.ratio, lengths, point.cp, "balanced", machine, total=point.tokens,
-                                 direction=point.direction, calibration=fitted)
+        following = balanced(fitted)
         if following.bounds in {r.split for r in rounds}:
             break  # the model returns a split already measured: more rounds would repeat it
         split = following
@@ -115,7 +127,7 @@ def measure_measured_point(
     point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
     machine: Machine | None = None, calibration: Calibration | None = None,
     on_round: Callable[[int, SplitRound], object] | None = None, target: float = TARGET_IMBALANCE,
-    max_rounds: int = MAX_ROUNDS,
+    max_rounds: int = MAX_ROUNDS, max_rank_bytes: int | None = None,
 ) -> tuple[Measurement, MeasuredSplit]:
     """A ``measured`` point on the real ranks of ``group``: the rounds, then the best round's measurement."""
     if point.partition != MEASURED:
@@ -127,7 +139,8 @@ def measure_measured_point(
         return tuple(measurement.metrics["rank_time_ms_median"]), measurement
 
     result, kept = refine_by_measurement(point, measure_ranks, machine=machine, calibration=calibration,
-                                         on_round=on_round, target=target, max_rounds=max_rounds)
+                                         on_round=on_round, target=target, max_rounds=max_rounds,
+                                         max_rank_bytes=max_rank_bytes)
     measurement = kept[result.best]
     labelled = {**measurement.metrics, "calibration": result.calibration.label}
     return dataclasses.replace(measurement, metrics=labelled), result
@@ -136,7 +149,7 @@ def measure_measured_point(
 def emulate_measured_split(
     point: Point, device: torch.device, run: RunOptions, *, machine: Machine | None = None,
     calibration: Calibration | None = None, on_round: Callable[[int, SplitRound], object] | None = None,
-    target: float = TARGET_IMBALANCE, max_rounds: int = MAX_ROUNDS,
+    target: float = TARGET_IMBALANCE, max_rounds: int = MAX_ROUNDS, max_rank_bytes: int | None = None,
 ) -> tuple[MeasuredSplit, list]:
     """The rounds with every rank emulated in turn on ``device`` (compute only); per round, the list of
     ``(rank point, measurement)`` of its ranks."""
@@ -146,7 +159,7 @@ def emulate_measured_split(
         return tuple(m.metrics["rank_time_ms_median"][r] for r, (_, m) in enumerate(ranks)), ranks
 
     return refine_by_measurement(point, measure_ranks, machine=machine, calibration=calibration, on_round=on_round,
-                                 target=target, max_rounds=max_rounds)
+                                 target=target, max_rounds=max_rounds, max_rank_bytes=max_rank_bytes)
 
 
 # ------------------------------------------------------------------------------------------ files
