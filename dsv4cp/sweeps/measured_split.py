@@ -190,3 +190,16 @@ def load_split(path: str | Path, cp: int, tokens: int) -> RowSplit:
         raise ValueError(f"{where}: made for cp {values.get('cp')} and {values.get('tokens')} tokens, not cp {cp} "
                          f"and {tokens} tokens")
     return RowSplit(tuple(bounds))
+
+
+def measure_under_partition(point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions,
+                            **measure_kwargs) -> Measurement:
+    """:func:`measure_point` for every partition: a ``measured`` point first runs its rounds on the real ranks
+    (no traces, checks or nsys: those belong to the measurement of the split chosen), then measures the best
+    split with ``measure_kwargs`` (a sweep's trace directory, parity check, ...)."""
+    if point.partition != MEASURED:
+        return measure_point(point, group, device, run, **measure_kwargs)
+    _, result = measure_measured_point(point, group, device, run, machine=measure_kwargs.get("machine"),
+                                       calibration=measure_kwargs.get("calibration"))
+    kwargs = {**measure_kwargs, "calibration": result.calibration, "split": result.split}
+    return measure_point(point, group, device, run, **kwargs)

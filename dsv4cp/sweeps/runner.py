@@ -43,7 +43,7 @@ from dsv4cp.records import (
     read_records,
     write_meta,
 )
-from dsv4cp.sweeps.measure import measure_point
+from dsv4cp.sweeps.measured_split import measure_under_partition
 from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
 from dsv4cp.sweeps.spec import Point, SweepSpec, expand
 
@@ -240,9 +240,9 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
     if rank < point.cp:
         trace_dir = options.out / "traces" / point.point_id if options.profile else None
         try:
-            measurement = measure_point(point, group, device, spec.run, machine=options.machine,
-                                        trace_dir=trace_dir, nsys=options.nsys, check=options.check,
-                                        calibration=options.calibration)
+            measurement = measure_under_partition(point, group, device, spec.run, machine=options.machine,
+                                                  trace_dir=trace_dir, nsys=options.nsys, check=options.check,
+                                                  calibration=options.calibration)
             metrics, resolved = measurement.metrics, measurement.resolved_backends
         except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
             status = STATUS_OOM if is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"

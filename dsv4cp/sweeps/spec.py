@@ -366,5 +366,7 @@ def make_point(values: Mapping[str, Any]) -> Point:
         DSv4Config.preset(preset).check_ratio(ratio)
     except ValueError as err:
         raise ValueError(f"ratio: {ratio} with preset {preset!r}: {err}") from None
+    if values.get("partition") == MEASURED and cp < 2:
+        raise ValueError(f"partition: a measured split needs cp >= 2 ranks to measure, got cp {cp}")
     values["direction"] = values.pop("pass", "fwd+bwd")
     return Point(**values)
