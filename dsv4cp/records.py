@@ -115,7 +115,7 @@ def make_record(
     check_status(status)
     record = {
         "schema": SCHEMA_VERSION, "point_id": point_id(axes), "sweep": sweep, "status": status,
-        "time_utc": time_utc or utc_now(), "git_sha": git_sha, "machine": machine,
+        "time_utc": time_utc or utc_now(), "git_sha": git_sha, "machine": machine, "emulated": None,
     }
     record.update({name: axes.get(name) for name in AXES})
     record.update(_added_axis_defaults(record))
