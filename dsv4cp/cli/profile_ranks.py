@@ -92,12 +92,13 @@ def _save(args, point: Point, result: MeasuredSplit) -> None:
 
 
 def emulate_measured(args, point: Point, device, run_options, machine, calibration, out, *, target: float,
-                     max_rounds: int) -> None:
+                     max_rounds: int, max_rank_bytes: int | None) -> None:
     """``--partition measured --emulate-rank all``: the rounds with every rank emulated; the best round's
     ranks and summary are recorded (one record per point id)."""
     print(f"measured split of {point.label()}: every rank emulated in turn per round (compute only)")
     result, kept = emulate_measured_split(point, device, run_options, machine=machine, calibration=calibration,
-                                          on_round=_show_round, target=target, max_rounds=max_rounds)
+                                          on_round=_show_round, target=target, max_rounds=max_rounds,
+                                          max_rank_bytes=max_rank_bytes)
     _save(args, point, result)
     label = result.calibration.label
     best = [(rank_point, _labelled(measurement, label)) for rank_point, measurement in kept[result.best]]
@@ -105,12 +106,13 @@ def emulate_measured(args, point: Point, device, run_options, machine, calibrati
 
 
 def measure_measured(args, point: Point, group, device, run_options, machine, calibration, out, *, target: float,
-                     max_rounds: int) -> None:
+                     max_rounds: int, max_rank_bytes: int | None) -> None:
     """``--partition measured`` on the real ranks (torchrun): the rounds, then the best round's record."""
     rank = group.rank()
     measurement, result = measure_measured_point(
         point, group, device, run_options, machine=machine, calibration=calibration,
-        on_round=_show_round if rank == 0 else None, target=target, max_rounds=max_rounds)
+        on_round=_show_round if rank == 0 else None, target=target, max_rounds=max_rounds,
+        max_rank_bytes=max_rank_bytes)
     if rank == 0:
         _save(args, point, result)
         record = record_of(point, measurement.metrics, measurement.resolved_backends, point.cp, device)
