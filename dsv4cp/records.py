@@ -27,9 +27,10 @@ AXES: tuple[str, ...] = (
 ``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...); ``emulated_rank``: None for
 a real run, else the one rank of the ``cp`` that a single process measured alone with its collectives
 replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no communication; its per-rank
-lists hold None at every other rank); ``cuda_graph``: whether the timed steps were replays of one
-captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager);
-``kernel_options``: in a point's id, the kernel options the point set (``{name: text}``, None: none;
+lists hold None at every other rank), or ``"all"`` for the summary of every rank emulated in turn on one
+device (per-rank lists complete; times are the slowest rank's); ``cuda_graph``: whether the timed steps
+were replays of one captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay
+eager); ``kernel_options``: in a point's id, the kernel options the point set (``{name: text}``, None: none;
 :mod:`dsv4cp.kernel_options`), in a record every option's value as the point ran
 (:func:`dsv4cp.kernel_options.resolved`, the ``kernel_options=`` keyword of :func:`make_record`), so
 two runs on different kernel variants never look alike."""
@@ -56,11 +57,12 @@ METRICS: tuple[str, ...] = (
     "memory_phases",  # list[dict]: per rank and phase, allocated bytes at entry/exit and peak; None unless asked
     "split",  # list[int]: the ranks' row split points (0 = b_0 <= ... <= b_cp = tokens)
     "calibration",  # str: the calibration the balanced split was computed with; None: the model's bounds
+    "slowest_rank", "slowest_rank_ms",  # int, float: of an all-ranks emulation summary; None otherwise
 )
 """What was measured about it; a metric that was not measured is None."""
 
 COLUMNS: tuple[str, ...] = (
-    "schema", "point_id", "sweep", "status", "time_utc", "git_sha", "machine", *AXES, *METRICS,
+    "schema", "point_id", "sweep", "status", "time_utc", "git_sha", "machine", "emulated", *AXES, *METRICS,
     "resolved_backends", "backends", "error",
 )
 """``resolved_backends``: what ``kernel_backend`` resolved to (``{"sparse_attention": name}``);
@@ -127,12 +129,13 @@ def make_record(
     check_status(status)
     record = {
         "schema": SCHEMA_VERSION, "point_id": point_id(axes), "sweep": sweep, "status": status,
-        "time_utc": time_utc or utc_now(), "git_sha": git_sha, "machine": machine,
+        "time_utc": time_utc or utc_now(), "git_sha": git_sha, "machine": machine, "emulated": None,
     }
     record.update({name: axes.get(name) for name in AXES})
     record.update(_added_axis_defaults(record))
     if kernel_options is not None:
         record["kernel_options"] = kernel_options
+    record["emulated"] = _emulated(record)
     record.update({name: metrics.get(name) for name in METRICS})
     record["resolved_backends"] = resolved_backends
     record["backends"] = backends
@@ -194,8 +197,15 @@ def read_records(path: str | os.PathLike) -> list[dict]:
         if schema != SCHEMA_VERSION:
             raise ValueError(f"{path}:{number}: schema: expected {SCHEMA_VERSION}, got {schema!r}")
         record.update(_added_axis_defaults(record))
+        record.setdefault("emulated", _emulated(record))
         records.append(record)
     return records
+
+
+def _emulated(record: dict) -> bool:
+    """Whether the record's time is compute only (an emulated rank, or every rank emulated in turn):
+    its collectives moved nothing, so it holds no communication time."""
+    return record.get("emulated_rank") is not None
 
 
 def _added_axis_defaults(record: dict) -> dict:

@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "profile": "profile",
     "overlap": "overlap",
     "model": "model",
+    "predict": "predict",
     "sweep": "sweep",
     "report": "report",
     "compare": "compare",

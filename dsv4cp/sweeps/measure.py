@@ -29,7 +29,7 @@ from dsv4cp import kernel_options
 from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.emulate import emulated_rank
-from dsv4cp.cp.partition import RowSplit
+from dsv4cp.cp.partition import RowSplit, floor_rows
 from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
@@ -43,7 +43,7 @@ from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
 from dsv4cp.profiling.timing import benchmark, graph_replay
 from dsv4cp.profiling.trace import POINT_FILE, capture_trace, load_kineto_dir
-from dsv4cp.sweeps.spec import Point, RunOptions, point_inputs  # point_inputs: the spec's own shape checks
+from dsv4cp.sweeps.spec import MEASURED, Point, RunOptions, point_inputs  # point_inputs: the spec's own shape checks
 
 _PER_STEP_COLUMNS = ("compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms")
 """Overlap-table columns summed over the traced steps; divided by their number in the record."""
@@ -152,7 +152,7 @@ def measure_point(
     point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
     machine: Machine | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
     on_step: Callable[[str], object] | None = None, memory_phases: bool = False,
-    calibration: Calibration | None = None, memory_snapshot: bool = False,
+    calibration: Calibration | None = None, memory_snapshot: bool = False, split: RowSplit | None = None,
 ) -> Measurement:
     """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
 
@@ -167,6 +167,8 @@ def measure_point(
     ``calibration``: measured-over-bound phase factors the balanced split uses (metric ``calibration``).
     ``memory_snapshot``: one more step recording the CUDA allocator's history, dumped beside the traces
     (``trace_dir/memory_snapshot_rank<r>.pickle``, :mod:`dsv4cp.profiling.memory_snapshot`); CUDA only.
+    ``split``: the ranks' row split to measure instead of the point's policy's (a ``measured`` split,
+    :mod:`dsv4cp.sweeps.measured_split`); checked against the point before any work.
 
     With ``point.cuda_graph`` the step runs ``run.warmup`` times eagerly (at least once), is captured
     once, then ``run.warmup`` untimed and ``run.reps`` timed replays follow (``on_step`` after each);
@@ -181,14 +183,14 @@ def measure_point(
     with kernel_options.overrides(point.kernel_options or {}):
         return _measure(point, group, device, run, machine=machine, trace_dir=trace_dir, nsys=nsys, check=check,
                         on_step=on_step, memory_phases=memory_phases, calibration=calibration,
-                        memory_snapshot=memory_snapshot)
+                        memory_snapshot=memory_snapshot, split=split)
 
 
 def _measure(
     point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
     machine: Machine | None, trace_dir: str | Path | None, nsys: bool, check: bool,
     on_step: Callable[[str], object] | None, memory_phases: bool, calibration: Calibration | None,
-    memory_snapshot: bool,
+    memory_snapshot: bool, split: RowSplit | None,
 ) -> Measurement:
     """:func:`measure_point` with the point's kernel options in force."""
     options = kernel_options.resolved()  # every value checked (a bad variable too) before any work
@@ -213,7 +215,13 @@ def _measure(
                          f"{no_machine_reason()}")
     cfg, lengths = point_inputs(point)
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
-    split = point_split(point, cfg, lengths, machine, calibration)
+    if split is None:
+        if point.partition == MEASURED:
+            raise ValueError("partition: a measured split comes from measurements (profile --partition measured, or "
+                             "--split-file); measure_point needs it as split=")
+        split = point_split(point, cfg, lengths, machine, calibration)
+    else:
+        split.validate(point.tokens, point.cp, floor_rows(cfg, point.ratio, point.cp, None), field="split")
     # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
     bound = estimate(cfg, point.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device, head_dim=cfg.head_dim).name}
@@ -253,7 +261,7 @@ def _measure(
         "tokens_per_s": point.tokens / seconds, "tflops_per_gpu": tflops,
         "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" and machine is not None else None,
         "split": list(split.bounds),
-        "calibration": calibration.label if calibration is not None and point.partition == "balanced" else None,
+        "calibration": calibration.label if calibration is not None and point.partition != "equal" else None,
         "model_flops": bound.model_flops, "bound_machine": None if machine is None else machine.name,
         "bound_ms": None if machine is None else bound.bound_overlap_s * 1e3,
         "measured_over_bound": seconds / bound.bound_overlap_s if machine is not None and bound.bound_overlap_s > 0

@@ -56,7 +56,7 @@ from dsv4cp.records import (
     write_meta,
 )
 from dsv4cp.sweeps.identity import check_resume, identity_fields
-from dsv4cp.sweeps.measure import measure_point
+from dsv4cp.sweeps.measured_split import measure_under_partition
 from dsv4cp.sweeps.meta import run_meta
 from dsv4cp.sweeps.run_lock import RunDirLock
 from dsv4cp.sweeps.spec import Point, SweepSpec, point_problem
@@ -316,9 +316,10 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
     if rank < point.cp:
         trace_dir = options.out / "traces" / point.point_id if options.profile else None
         try:
-            measurement = measure_point(point, group, device, spec.run, machine=options.machine,
-                                        trace_dir=trace_dir, nsys=options.nsys, check=options.check,
-                                        calibration=options.calibration, memory_snapshot=options.memory_snapshot)
+            measurement = measure_under_partition(point, group, device, spec.run, machine=options.machine,
+                                                  trace_dir=trace_dir, nsys=options.nsys, check=options.check,
+                                                  calibration=options.calibration,
+                                                  memory_snapshot=options.memory_snapshot)
             metrics = measurement.metrics
             columns = {"resolved_backends": measurement.resolved_backends,
                        "kernel_options": measurement.kernel_options, "backends": measurement.backends}

@@ -58,9 +58,12 @@ from dsv4cp.targets import Target, parse_targets
 from dsv4cp.workloads import packing_lengths, parse_packing
 
 PASSES = ("fwd", "fwd+bwd")
-PARTITIONS = POLICIES
+MEASURED = "measured"
+"""The split refined from measured rank times (:mod:`dsv4cp.sweeps.measured_split`): needs measurements, so it
+is a point's partition but no policy of the model's partitioner."""
+PARTITIONS = (*POLICIES, MEASURED)
 SPEC_KEYS: dict[str, str] = {
-    "name": "the run's name: its folder under runs/ (no '/', '\\' or '..'; default: the file's stem)",
+    "name": "the run's name: its folder under runs/ (no '/', '\\\\' or '..'; default: the file's stem)",
     "description": "free text",
     "run": "timing options shared by every point (warmup, reps, l2_flush, trace_steps, nsys_steps)",
     "base": "fixed axis values",
@@ -116,8 +119,9 @@ class Point:
     dtype: str = "fp32"
     seed: int = 0
     partition: str = "equal"
-    emulated_rank: int | None = None
-    """The one rank a single process measures alone (``dsv4cp profile --emulate-rank``); None: real ranks."""
+    emulated_rank: int | str | None = None
+    """The one rank a single process measures alone (``dsv4cp profile --emulate-rank``), :data:`ALL_RANKS`
+    for the summary of every rank emulated in turn; None: real ranks."""
     cuda_graph: bool = False
     """Time the step as replays of one captured CUDA graph (no host overhead; CUDA, CP = 1 only:
     :func:`dsv4cp.sweeps.measure.check_cuda_graph`); peak memory and traces stay eager steps."""
@@ -150,6 +154,10 @@ class Point:
 _AXIS_ATTRIBUTES: tuple[tuple[str, str], ...] = tuple((axis, "direction" if axis == "pass" else axis) for axis in AXES)
 """(record axis, :class:`Point` attribute) pairs, in :data:`AXES` order."""
 assert {attribute for _, attribute in _AXIS_ATTRIBUTES} == {f.name for f in fields(Point)}, "a Point field per axis"
+
+
+ALL_RANKS = "all"
+"""``emulated_rank`` of the summary record of every rank emulated in turn (:mod:`dsv4cp.sweeps.emulation`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -455,6 +463,8 @@ def _build_point(values: dict[str, Any]) -> Point:
         tokens = values["tokens_per_rank"] * cp
     values["tokens"] = tokens
     values["tokens_per_rank"] = tokens // cp if tokens % cp == 0 else None
+    if values.get("partition") == MEASURED and cp < 2:
+        raise ValueError(f"partition: a measured split needs cp >= 2 ranks to measure, got cp {cp}")
     values["direction"] = values.pop("pass", "fwd+bwd")
     values["kernel_options"] = kernel_option_registry.canonical(values.get("kernel_options") or {}) or None
     return Point(**values)

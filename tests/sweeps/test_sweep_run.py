@@ -92,7 +92,7 @@ def _measure_failing_on_rank_1(point, group, device, run, **kwargs):
 
 
 def _sweep_rank_with_a_failing_rank(rank, world, device, spec, points, options):
-    runner.measure_point = _measure_failing_on_rank_1  # in this spawned process only
+    runner.measure_under_partition = _measure_failing_on_rank_1  # in this spawned process only
     return runner.sweep_rank(rank, world, device, spec, points, options)
 
 
