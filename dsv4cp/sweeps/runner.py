@@ -96,11 +96,16 @@ class SweepSummary:
 
 def recorded_ids(out: Path, retry_errors: bool) -> set[str]:
     """Point ids already in ``out``'s records that a resumed run skips."""
-    done = set()
-    for record in read_records(out / RECORDS_FILE):
+    done, problems = set(), []
+    for record in read_records(out / RECORDS_FILE, problems):
         if retry_errors and record["status"].startswith("error"):
             continue
         done.add(record["point_id"])
+    for problem in problems:  # an invalid line records nothing: its point is measured again
+        print(f"--resume: skipped {problem}", file=sys.stderr)
+    if problems:
+        print(f"--resume: {len(problems)} invalid record line(s) skipped; their points are measured again",
+              file=sys.stderr)
     return done
 
 

@@ -26,7 +26,7 @@ def test_no_change_passes(tmp_path, seed, capsys):
     base, new = _pair(tmp_path, seed, new_seed=seed + 1)  # other noise draws, same 1% spread
     assert main(["compare", base, new]) == 0
     out = capsys.readouterr().out
-    assert "8 matched, 0 regressed, 0 improved" in out and "REGRESSION" not in out
+    assert "8 compared, 0 regressed, 0 invalid, 0 improved" in out and "REGRESSION" not in out
 
 
 def test_a_10pct_slowdown_beyond_noise_fails_and_names_the_point(tmp_path, seed, capsys):
@@ -35,7 +35,7 @@ def test_a_10pct_slowdown_beyond_noise_fails_and_names_the_point(tmp_path, seed,
     out = capsys.readouterr().out
     (line,) = [ln for ln in out.splitlines() if ln.startswith("REGRESSION")]
     assert "cp=2" in line and "tokens=4096" in line and "overlap=async" in line and "1.100x" in line
-    assert "8 matched, 1 regressed" in out
+    assert "8 compared, 1 regressed" in out
     # the same slowdown passes under a looser threshold
     assert main(["compare", base, new, "--max-regression", "0.15"]) == 0
 
