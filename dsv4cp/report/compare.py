@@ -233,24 +233,30 @@ def _band(low: float, high: float) -> str:
 
 
 def decision_lines(comparison: Comparison) -> list[str]:
-    """How the points were judged: the method, its thresholds, and which points fell back to the band rule."""
+    """How the points were judged: the thresholds, each method with how many points it judged, and why
+    points fell back to the band rule."""
     rule, t = comparison.rule, comparison.table
     ratio = "baseline/new" if comparison.metric in HIGHER_IS_BETTER else "new/baseline"
-    effect = f"{ratio} > 1 + {100 * rule.threshold:g}% (--max-regression)"
     unit = unit_of(comparison.metric)
     floor = f" AND worse by more than {rule.min_difference:g} {unit}" if rule.min_difference else ""
-    lines = [f"decision: a point regresses when {effect}{floor} AND its test says so:",
-             f"  {RANK_TEST}: one-sided Mann-Whitney U on the repetitions' times (time_ms_samples) of both sides, "
-             f"p < alpha/points = {rule.alpha:g}/{rule.points} = {rule.point_alpha:.2g} (Bonferroni)"]
-    banded = t[t["method"] == BAND_RULE]
+    tested, banded = t[t["method"] == RANK_TEST], t[t["method"] == BAND_RULE]
+    lines = [f"decision: a point regresses when {ratio} > 1 + {100 * rule.threshold:g}% (--max-regression){floor} "
+             "AND its test says so:",
+             f"  {RANK_TEST} ({len(tested)} points): one-sided Mann-Whitney U on both sides' repetition times "
+             f"(time_ms_samples), p < alpha/points = {rule.alpha:g}/{rule.points} = {rule.point_alpha:.2g} "
+             "(Bonferroni)"]
     if len(banded):
         few = banded[(banded["baseline_n"] > 0) & (banded["new_n"] > 0)]
-        why = (f"{len(banded) - len(few)} without samples on a side (records from before they were stored)"
-               + (f", {len(few)} with too few samples to reach p < {rule.point_alpha:.2g}"
-                  f" (e.g. {few['new_n'].iloc[0]} and {few['baseline_n'].iloc[0]}: p >= "
-                  f"{smallest_p(int(few['new_n'].iloc[0]), int(few['baseline_n'].iloc[0])):.2g})" if len(few) else ""))
-        lines.append(f"  FALLBACK {BAND_RULE} for {len(banded)} points ({why}): the p20..p80 bands must not overlap; "
-                     "3 repetitions' bands do not measure the noise: record samples (refresh the baseline)")
+        why = []
+        if len(banded) > len(few):
+            why.append(f"{len(banded) - len(few)} without repetition times on a side (older records)")
+        if len(few):
+            new_n, base_n = int(few["new_n"].iloc[0]), int(few["baseline_n"].iloc[0])
+            lowest = smallest_p(new_n, base_n)
+            why.append(f"{len(few)} with too few to reach it ({new_n} and {base_n}: p >= {lowest:.2g})")
+        lines.append(f"  FALLBACK {BAND_RULE} for {len(banded)} points ({'; '.join(why)}): the p20..p80 bands must "
+                     "not overlap; the bands of a few repetitions do not measure the noise: record more "
+                     "repetitions with their times (refresh the baseline)")
     if rule.scale != 1.0:
         lines.append(f"  machine factor: the baseline's times x {rule.scale:.3g} before the test and the ratio")
     if comparison.ignored_options:
