@@ -279,7 +279,7 @@ def render(comparison: Comparison, baseline: Side, new: Side) -> str:
         "new n": t["new_n"].map(lambda n: n or "-"),
         "new/baseline": t["ratio"].map("{:.3f}".format),
         "test": [f"{m} {s}".strip() for m, s in zip(t["method"], t["statistic"])],
-        "verdict": t["verdict"].map(lambda v: v if len(v) <= 40 else v[:37] + "..."),
+        "verdict": t["verdict"].map(lambda v: v.split(":")[0] if v.startswith("invalid") else v),  # reason below
     })
     direction = "higher" if comparison.metric in HIGHER_IS_BETTER else "lower"
     lines = [
