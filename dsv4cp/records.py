@@ -205,11 +205,12 @@ def check_record(record: object) -> str | None:
         return str(err)
     if record.get("point_id") is None:
         return "point_id: missing"
+    problem = _ok_problem(record) if record["status"] == STATUS_OK else None
+    if problem is not None:
+        return problem
     expected = point_id({**record, **_added_axis_defaults(record)})
     if record["point_id"] != expected:
         return f"point_id: {record['point_id']!r} is not the id of the record's axes ({expected!r})"
-    if record["status"] == STATUS_OK:
-        return _ok_problem(record)
     return None
 
 
