@@ -72,12 +72,13 @@ METRIC = "time_ms_median"
 
 REPS = 20
 """Timed repetitions of every smoke point, in the gate and in ``--refresh`` (the spec's own 3 only smoke
-test the pipeline). Why 20: the U test of a point must be able to reach alpha / points = 0.01 / 30
+test the pipeline). Why 20: a point's U test must be able to reach alpha / points = 0.01 / 30 = 3.3e-4
 while a few of its repetitions are stalls of the loaded machine. 3 and 3 samples cannot go below
-p = 0.05, 10 and 10 reach 5e-6 only when every sample is apart (one baseline stall above all new
-samples leaves p = 7e-4: missed); with 20 and 20 a 1.3x slowdown under 5% jitter and 5-10% stalls
-(up to 3x) is caught in 93-99% of synthetic runs while honest reruns of 30 points alarm in about 0.5%
-(tests/report/test_compare_decision.py); the 17 extra repetitions of the tiny CPU points cost seconds."""
+p = 0.05; 10 and 10 reach 1e-5 only when every sample is apart (one baseline stall above all new
+samples leaves p = 7.5e-4: missed, so 10 catch a 1.3x slowdown in only ~40% of synthetic runs with
+10% stalls); 20 and 20 catch it in ~99% of runs under 5% jitter and 5% stalls up to 2.5x (93% with
+10% stalls up to 3x) while honest reruns of 30 points alarm in under 1% of runs
+(tests/report/test_compare_decision.py). The 17 extra steps of the tiny CPU points cost seconds."""
 
 SweepRunner = Callable[[Path, Path, bool], None]
 """``(spec, out, resume)``: measure the spec's points missing from ``out`` (all of them unless resuming)."""
