@@ -69,6 +69,7 @@ def _write_lines(path: Path, lines: list[str | bytes]) -> Path:
     ({"recompute": "yes"}, "recompute: must be true or false or null"),
     ({"schema": 2}, "schema: expected 1, got 2"),
     ({"kernel_options": ["topk_impl"]}, "kernel_options: must be a JSON object of strings, numbers or flags"),
+    ({"tokens": [1, 2]}, "tokens: must be an integer >= 1 or null, got [1, 2]"),
 ])
 def test_a_bad_record_is_skipped_naming_its_file_line_and_field(tmp_path, seed, changes, reason):
     good, bad = _record(seed, 0), {**_record(seed, 1), **changes}
@@ -80,6 +81,7 @@ def test_a_bad_record_is_skipped_naming_its_file_line_and_field(tmp_path, seed, 
     assert problem.point_id == bad["point_id"]  # compare can tell which point holds the broken value
     with pytest.warns(UserWarning, match=f"skipping {path}:2: "):  # a reader that keeps no list is told too
         read_records(path)
+    assert main(["compare", str(path), str(path)]) == 1  # the point holding it is an error, on both sides
 
 
 def test_an_ok_record_without_axes_columns_is_skipped(tmp_path, seed):

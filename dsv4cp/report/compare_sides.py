@@ -86,8 +86,11 @@ class Side:
 
 
 def _axes_name(values: dict) -> str:
-    """A stable, complete point name (every axis with a value), for the JSON output and messages."""
-    return " ".join(f"{a}={values.get(a)}" for a in AXES if values.get(a) is not None and not pd.isna(values.get(a)))
+    """A stable, complete point name (every axis with a value), for the JSON output and messages; the
+    values may be anything JSON holds (an invalid record's)."""
+    def shown(value: object) -> bool:
+        return value is not None and not (isinstance(value, float) and math.isnan(value))
+    return " ".join(f"{a}={values.get(a)}" for a in AXES if shown(values.get(a)))
 
 
 def _finite_or_nan(value: object) -> float:
