@@ -2,8 +2,10 @@
 
 A run directory holds ``records.jsonl`` (one flat JSON object per measured point, columns
 :data:`COLUMNS`) and ``meta.json`` (once per run: versions, hardware, the spec). This module is the
-only place that defines the columns; it imports nothing but the standard library so every layer of
-the package (and a notebook without torch) can use it.
+only place that defines the columns and their types (:data:`COLUMN_TYPES`, :data:`META_TYPES`), and
+the only reader: every line is checked as it is read (:func:`check_record`; a bad one is named
+``file:line: reason`` and skipped). It imports nothing but the standard library so every layer of the
+package (and a notebook without torch) can use it.
 """
 
 from __future__ import annotations
@@ -296,7 +298,8 @@ def make_record(
     resolved_backends: dict | None = None, error: str | None = None, time_utc: str | None = None,
     kernel_options: dict | None = None, backends: dict | None = None,
 ) -> dict:
-    """One record with every column of :data:`COLUMNS` (missing axes and metrics are None).
+    """One record with every column of :data:`COLUMNS` (missing axes and metrics are None;
+    ``kernel_options``: option -> value, ``backends``: op.direction -> the implementation that ran).
 
     Raises ``ValueError`` naming an unknown axis or metric name, or a malformed status.
     """
