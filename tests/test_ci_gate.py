@@ -169,7 +169,7 @@ def _scaled(factor: float, **changed: float) -> dict[str, float]:
         (_scaled(0.5, test_a=290.0), None, False),  # a faster machine makes no rule stricter: 2.9x
     ],
 )
-def test_bench_gate_repeats_before_failing(tmp_path, first, repeat, fails):
+def test_bench_gate_repeats_before_failing(tmp_path, capsys, first, repeat, fails):
     baseline = tmp_path / "base.json"
     _bench_json(baseline, BASE)
     reruns: list[list[str]] = []
@@ -188,6 +188,8 @@ def test_bench_gate_repeats_before_failing(tmp_path, first, repeat, fails):
     else:
         gate.gate_bench(baseline, tmp_path / "work", thresholds, run_bench=run_bench)
     assert reruns == ([] if repeat is None else [[f"bench/test_x.py::{name}" for name in repeat]])
+    if repeat is None:  # nothing acted on, nothing printed as a regression (a 4x point on a 2.5x machine)
+        assert "REGRESSION" not in capsys.readouterr().out
 
 
 def test_bench_gate_fails_when_everything_slows_down(tmp_path):
