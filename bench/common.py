@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -14,15 +12,6 @@ GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="GPU-size s
 
 def bench_device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")
-
-
-def device_label(device: torch.device) -> str:
-    """What ``extra_info["device"]`` holds and ``dsv4cp compare`` matches: the GPU's name, or
-    ``cpu-<cores>core`` (the CPU label of the sweeps' records)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu-{os.cpu_count()}core"
 
 
 def bench_dtype() -> torch.dtype:

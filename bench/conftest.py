@@ -3,10 +3,11 @@
 * Without CUDA, ``TRITON_INTERPRET=1`` is set before anything imports triton so that the Triton
   backends run (slowly, at tiny sizes) on CPU and CI exercises every benchmark.
 * The ``measure`` fixture wraps ``benchmark.pedantic``: each round calls ``setup`` (untimed: fresh
-  arguments, optional L2 flush, a device synchronisation) then times ONE call of the target with CUDA
-  events on GPU (``time.perf_counter`` on CPU). pytest-benchmark's own statistics are the wall time of
-  the (synchronised) call; ``benchmark.extra_info`` holds the event-timed median / p20 / p80 and the
-  TFLOP/s and GB/s derived from the median.
+  arguments, optional L2 flush, a device synchronisation) then times ONE call of the target with the
+  suite's timer (:func:`dsv4cp.profiling.timing.time_call`: CUDA events on GPU, ``time.perf_counter``
+  on CPU). pytest-benchmark's own statistics are the wall time of the (synchronised) call;
+  ``benchmark.extra_info`` holds the timer's median / p20 / p80 (:func:`dsv4cp.profiling.timing.summarise`)
+  and the TFLOP/s and GB/s derived from the median.
 
 Environment: ``DSV4CP_BENCH_FLUSH_L2=1`` zeroes a 256 MiB buffer before every timed round (GPU only).
 """
@@ -14,13 +15,13 @@ Environment: ``DSV4CP_BENCH_FLUSH_L2=1`` zeroes a 256 MiB buffer before every ti
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import pytest
 import torch
 
-from bench.common import HAS_CUDA, device_label
+from bench.common import HAS_CUDA
+from dsv4cp.environment import machine_label
+from dsv4cp.profiling.timing import L2_FLUSH_BYTES, summarise, time_call
 
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -30,25 +31,14 @@ try:  # registers the "triton" backends (a no-op once the op module imports it i
 except ImportError:  # pragma: no cover
     pass
 
-_L2_FLUSH_BYTES = 256 * 2**20
 _flush_buffer: torch.Tensor | None = None
 
 
 def _flush_l2() -> None:
     global _flush_buffer
     if _flush_buffer is None:
-        _flush_buffer = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        _flush_buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     _flush_buffer.zero_()
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @pytest.fixture
@@ -64,18 +54,8 @@ def measure(benchmark):
         last: dict = {}
 
         def target(*args):
-            if on_cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                result = fn(*args)
-                end.record()
-                end.synchronize()
-                times_ms.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                result = fn(*args)
-                times_ms.append((time.perf_counter() - t0) * 1e3)
+            result, ms = time_call(lambda: fn(*args), device)
+            times_ms.append(ms)
             last["result"] = result
             return result
 
@@ -89,16 +69,16 @@ def measure(benchmark):
 
         benchmark.pedantic(target, setup=round_setup, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
         timed = times_ms[warmup_rounds:] or times_ms[-1:]  # (--benchmark-disable runs the target once)
-        median = statistics.median(timed)
-        seconds = median * 1e-3
+        summary = summarise(timed)
+        seconds = summary.median_ms * 1e-3
         benchmark.extra_info.update(
-            device=device_label(device),
+            device=machine_label(device),
             timer="cuda_events" if on_cuda else "perf_counter",
             l2_flush=flush,
             rounds=len(timed),
-            median_ms=median,
-            p20_ms=_quantile(timed, 0.2),
-            p80_ms=_quantile(timed, 0.8),
+            median_ms=summary.median_ms,
+            p20_ms=summary.p20_ms,
+            p80_ms=summary.p80_ms,
             flops=float(flops),
             bytes=float(bytes_moved),
             tflops=float(flops) / seconds / 1e12 if seconds > 0 else float("nan"),

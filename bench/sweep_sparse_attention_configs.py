@@ -1,4 +1,4 @@
-"""Sweep the Triton sparse-attention launch configurations on one GPU (issue 11, item 4).
+"""Sweep the Triton sparse-attention launch configurations on one GPU.
 
 Times every candidate configuration of the forward and the backward at the benchmark shapes of
 ``bench/test_bench_sparse_attention.py`` (``flash``: T 16384, H 64, Kt 640; ``pro``: T 16384, H 128,
@@ -29,6 +29,7 @@ import torch
 
 # The benchmark module's shapes, inputs and FLOP count, so the figures compare with its records.
 from bench.test_bench_sparse_attention import SHAPES, _flops_forward, _inputs
+from dsv4cp.environment import environment, machine_label
 from dsv4cp.profiling.timing import benchmark  # the suite's timer: CUDA events, a sync before each call
 
 BACKWARD_FLOP_FACTOR = 2.5  # DESIGN 4.3, as bench/test_bench_sparse_attention.py
@@ -203,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("sweep_sparse_attention_configs: needs a CUDA device", file=sys.stderr)
         return 2
-    import triton
 
     rows: list[Row] = []
     started = time.perf_counter()
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
         del entry, fwd_out, dout, ref
         torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    meta = {"device": machine_label("cuda"), "environment": environment("cuda"),
             "shapes": {n: vars(SHAPES[n]) | {"kt": SHAPES[n].kt} for n in args.shapes},
             "reps": args.reps, "warmup": args.warmup, "tolerance": TOLERANCE,
             "wall_s": time.perf_counter() - started}

@@ -43,12 +43,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.common import GPU_ONLY, HAS_CUDA, device_label
+from bench.common import GPU_ONLY, HAS_CUDA
 from dsv4cp.config import INDEXER_RATIO, DSv4Config
 from dsv4cp.cp.comm import all_gather_rows, exchange_halo
 from dsv4cp.cp.launch import spawn
 from dsv4cp.cp.layout import entry_capacity, halo_rows
 from dsv4cp.cp.mtp import roll_hidden_left, roll_left
+from dsv4cp.environment import machine_label
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.timing import benchmark as time_in_ranks
 
@@ -178,7 +179,7 @@ def _rank_cases(rank: int, world: int, device: torch.device, shape_name: str) ->
     for name, (fn, nbytes, info) in cases.items():
         timing = time_in_ranks(fn, warmup=warmup, reps=reps, group=group, device=device)
         results[name] = {"timing": timing.to_dict(), "bytes": float(nbytes), "info": info,
-                         "device": device_label(device), "dtype": str(dtype), "rows_per_rank": rows}
+                         "device": machine_label(device), "dtype": str(dtype), "rows_per_rank": rows}
     return results
 
 

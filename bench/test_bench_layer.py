@@ -1,9 +1,10 @@
 """Whole-layer microbenchmarks (DESIGN 1, 5): one :class:`DSv4Attention` layer per type, W (ratio 0),
 C (ratio 4, indexer top-k and its loss) and H (a larger ratio), forward and forward + backward, at CP = 1.
 
-Each round runs the layer on one packed batch of a single document; ``fwd`` runs without an autograd
-graph, ``fwd_bwd`` back-propagates ``sum(out * upstream) + indexer_loss`` (a fixed random upstream
-gradient, the sweeps' step) into the input and every parameter. Shapes:
+Each round runs the suite's one training step (:mod:`dsv4cp.layer.step`, the step ``layer``, ``profile``
+and the sweeps time) on one packed batch of a single document: ``fwd`` its forward alone (recording the
+autograd graph, as a training forward does), ``fwd_bwd`` also its backward, seeded with a fixed random
+upstream gradient of the output and the indexer loss, into the input and every parameter. Shapes:
 
 * ``flash``: the flash preset, T = 16384 tokens, ratios W 0 / C 4 / H 128, bf16, ``backend="auto"``
   (GPU only; a one-GPU slice of the DESIGN's 2 x H200 workloads);
@@ -24,7 +25,7 @@ import torch
 
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.config import DSv4Config, layer_kind
-from dsv4cp.layer import DSv4Attention
+from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import BOTH, estimate
 from dsv4cp.packing import PackedSeqs
 
@@ -55,19 +56,11 @@ def _rounds() -> tuple[int, int]:
     return (10, 3) if HAS_CUDA else (3, 1)
 
 
-def _build(shape: Shape, ratio: int):
-    """The seeded layer, its packing, the input rows (a leaf requiring grad) and the upstream gradient."""
-    device, dtype = bench_device(), bench_dtype()
-    cfg = DSv4Config.preset(shape.preset)
-    generator = torch.Generator().manual_seed(1234 + ratio)
-    layer = DSv4Attention(cfg, ratio, backend=_backend())
-    layer.reset_parameters(generator)
-    layer = layer.to(device=device, dtype=dtype)
-    packed = PackedSeqs.from_lengths([shape.tokens], device=device)
-    inputs = torch.Generator(device=device).manual_seed(4321 + ratio)
-    x = torch.randn(shape.tokens, cfg.hidden, generator=inputs, device=device, dtype=dtype).requires_grad_(True)
-    upstream = torch.randn(shape.tokens, cfg.hidden, generator=inputs, device=device, dtype=dtype)
-    return cfg, layer, packed, x, upstream
+def _build(shape: Shape, ratio: int, backward: bool) -> LayerStep:
+    """The seeded training step (:mod:`dsv4cp.layer.step`) of the layer on one document of the shape."""
+    packed = PackedSeqs.from_lengths([shape.tokens])
+    return build_step(DSv4Config.preset(shape.preset), ratio, packed, seed=1234 + ratio, backward=backward,
+                      device=bench_device(), dtype=bench_dtype(), backend=_backend())
 
 
 @pytest.mark.parametrize("phase", list(PASSES))
@@ -76,7 +69,8 @@ def _build(shape: Shape, ratio: int):
 def test_layer(benchmark, measure, shape_name, kind, phase):
     shape = SHAPES[shape_name]
     ratio = shape.ratios[kind]
-    cfg, layer, packed, x, upstream = _build(shape, ratio)
+    step = _build(shape, ratio, backward=phase == "fwd_bwd")
+    cfg, layer, packed, x = step.layer.cfg, step.layer, step.packed, step.x
     assert layer_kind(ratio) == kind
     model = estimate(cfg, ratio, packed, 1, act_bytes=x.element_size())
     direction = PASSES[phase]
@@ -86,18 +80,8 @@ def test_layer(benchmark, measure, shape_name, kind, phase):
                                 tokens=shape.tokens, cp=1, packing="one", backend=layer.backend,
                                 dtype=str(x.dtype))
 
-    if phase == "fwd":
-        def target():
-            with torch.no_grad():
-                return layer(x, packed).out
-    else:
-        def target():
-            result = layer(x, packed)
-            loss = (result.out * upstream).sum()
-            if result.indexer_loss is not None:
-                loss = loss + result.indexer_loss
-            loss.backward()
-            return result.out.detach()
+    def target():
+        return step().out.detach()
 
     def setup():
         x.grad = None

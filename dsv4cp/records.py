@@ -28,7 +28,7 @@ AXES: tuple[str, ...] = (
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
-``equal`` | ``balanced`` (rank row ranges, :func:`dsv4cp.cp.partition.partition`); ``dtype``: a
+``equal`` | ``balanced`` (rank row ranges, :func:`dsv4cp.model.partition.partition`); ``dtype``: a
 ``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...); ``emulated_rank``: None for
 a real run, else the one rank of the ``cp`` that a single process measured alone with its collectives
 replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no communication; its per-rank
@@ -49,6 +49,7 @@ METRICS: tuple[str, ...] = (
     "imbalance_max_over_mean",  # of the per-rank medians
     "tokens_per_s", "tflops_per_gpu", "mfu",  # mfu: against the machine's measured matmul ceiling
     "model_flops", "bound_ms", "measured_over_bound",
+    "bound_machine",  # str: the machine whose ceilings bound_ms is for (dsv4cp.model.machine); None: no bound
     "peak_allocated_bytes",  # list[int] per rank (host peak RSS on CPU)
     "device_used_bytes",  # list[int | None] per rank
     "exposed_comm_ms", "comm_ms", "overlap_ratio",  # totals of rank 0's overlap table; None unless profiled
@@ -136,7 +137,7 @@ COLUMN_TYPES: dict[str, FieldType] = {
     # metrics
     "time_ms_median": NUMBER, "time_ms_p20": NUMBER, "time_ms_p80": NUMBER, "time_ms_samples": NUMBERS,
     "rank_time_ms_median": NUMBERS_OR_NULLS, "imbalance_max_over_mean": NUMBER, "tokens_per_s": NUMBER,
-    "tflops_per_gpu": NUMBER, "mfu": NUMBER, "model_flops": NUMBER, "bound_ms": NUMBER,
+    "tflops_per_gpu": NUMBER, "mfu": NUMBER, "model_flops": NUMBER, "bound_ms": NUMBER, "bound_machine": TEXT,
     "measured_over_bound": NUMBER, "peak_allocated_bytes": INTS_OR_NULLS, "device_used_bytes": INTS_OR_NULLS,
     "exposed_comm_ms": NUMBER, "comm_ms": NUMBER, "overlap_ratio": NUMBER, "phases": OBJECTS,
     "parity": OBJECTS, "memory_phases": OBJECTS_OR_NULLS, "split": INTS, "calibration": TEXT,

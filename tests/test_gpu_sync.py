@@ -1,4 +1,4 @@
-"""No host synchronisation in a training step of the layer (issue 8, item 5).
+"""No host synchronisation in a training step of the layer.
 
 A read of device data by the host stalls the CPU until the device has caught up (behind the index-key
 all-gather, on every C-layer forward) and makes CUDA-graph capture fail.

@@ -1,4 +1,4 @@
-"""The dense indexer loss in bounded memory (issue 8, item 6): chunked over query rows, equal in fp64 to
+"""The dense indexer loss in bounded memory: chunked over query rows, equal in fp64 to
 the loss over the materialised ``[L, M]`` matrices, and no tensor of that size in a layer step."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Module casts keep the tables DeepSeek-V4 holds in high precision (issue 8, item 2).
+"""Module casts keep the tables DeepSeek-V4 holds in high precision.
 
 ``rope_freqs`` stays fp64, ``attn_sink`` and every compressor ``ape`` (the indexer's too) stay fp32 or
 finer under ``.to(dtype)``, ``.bfloat16()``, ``.half()``, ``.double()`` and ``.to(device, dtype)``,

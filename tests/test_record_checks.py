@@ -18,8 +18,10 @@ from hypothesis import HealthCheck, given, settings
 
 from dsv4cp.cli.main import main
 from dsv4cp.records import (
+    COLUMN_TYPES,
     COLUMNS,
     META_FIELDS,
+    META_TYPES,
     RECORDS_FILE,
     append_record,
     check_record,
@@ -82,6 +84,11 @@ def test_a_bad_record_is_skipped_naming_its_file_line_and_field(tmp_path, seed, 
     with pytest.warns(UserWarning, match=f"skipping {path}:2: "):  # a reader that keeps no list is told too
         read_records(path)
     assert main(["compare", str(path), str(path)]) == 1  # the point holding it is an error, on both sides
+
+
+def test_every_column_and_meta_field_has_a_type():
+    """A column added without a type would hold anything unchecked: add it to COLUMN_TYPES / META_TYPES."""
+    assert set(COLUMNS) <= set(COLUMN_TYPES) and set(META_FIELDS) <= set(META_TYPES)
 
 
 def test_an_ok_record_without_axes_columns_is_skipped(tmp_path, seed):

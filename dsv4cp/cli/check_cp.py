@@ -35,6 +35,7 @@ from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank, tolerance_summary
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import POLICIES
+from dsv4cp.model.partition import partition
 
 HELP = "compare a CP run against CP = 1 (output, gradients, indexer loss)"
 
@@ -65,6 +66,7 @@ def build_case(args: argparse.Namespace, cp: int, device: torch.device) -> Check
         pad_to_multiple=args.pad_to_multiple, dtype=args.dtype, overlap=args.overlap, recompute=args.recompute,
         backend=args.kernel_backend, seed=args.seed, config_overrides={"indexer_loss": args.loss},
         partition=args.partition,
+        split=partition(inputs.packed, cp, inputs.cfg, args.ratio, policy=args.partition).bounds,
     )
     case.row_split(cp)  # a balanced split that cannot give every rank its halo fails here, not in the ranks
     return case

@@ -279,12 +279,14 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
 
 
-def add_machine_options(parser: argparse.ArgumentParser, *, default: str = "h200x2") -> None:
+def add_machine_options(parser: argparse.ArgumentParser) -> None:
     """``--machine``, ``--machine-file``, ``--bandwidth``: the ceilings that bounds are computed for."""
     from dsv4cp.model.machine import MACHINE_PRESETS
 
-    parser.add_argument("--machine", choices=MACHINE_PRESETS, default=default,
-                        help="hardware ceilings of the bounds; 'cpu' measures this host's in about a second")
+    parser.add_argument("--machine", choices=MACHINE_PRESETS, default=None,
+                        help="hardware ceilings of the bounds (default: the one a --calibration was fitted "
+                             "against, else the machine this runs on: h200x2 on an H200, cpu-estimate without "
+                             "CUDA, none on another GPU); 'cpu' measures this host's in about a second")
     parser.add_argument("--machine-file", type=Path, default=None,
                         help="JSON of ceilings instead of --machine: name, peak_flops (FLOP/s), hbm_bandwidth, "
                              "allgather_busbw, p2p_bandwidth (B/s)")
@@ -405,11 +407,21 @@ def resolve_dist_backend(args: argparse.Namespace, *, distributed: bool) -> str:
     return backend
 
 
-def machine_from_args(args: argparse.Namespace):
-    """The :class:`~dsv4cp.model.machine.Machine` of ``--machine`` / ``--machine-file`` / ``--bandwidth``."""
-    from dsv4cp.model.machine import GB, Machine
+def machine_from_args(args: argparse.Namespace, calibration=None):
+    """The :class:`~dsv4cp.model.machine.Machine` of ``--machine`` / ``--machine-file`` / ``--bandwidth``;
+    without either flag the preset that ``calibration`` (a ``--calibration``) was fitted against, whose
+    bounds its factors scale, else the machine this process runs on
+    (:func:`~dsv4cp.model.machine.this_machine`): None (no bound) on a GPU without a preset."""
+    from dsv4cp.model.machine import GB, MACHINE_PRESETS, Machine, no_machine_reason, this_machine
 
     bandwidth = None if args.bandwidth is None else args.bandwidth * GB
+    if args.machine_file is None and args.machine is None:
+        fitted_on = getattr(calibration, "machine", "")
+        machine = Machine.preset(fitted_on) if fitted_on in MACHINE_PRESETS else this_machine()
+        if machine is None and bandwidth is not None:
+            raise ValueError(f"--bandwidth: replaces a machine's communication ceilings, and there is none: "
+                             f"{no_machine_reason()}")
+        return machine if machine is None or bandwidth is None else machine.with_bandwidth(bandwidth)
     if args.machine_file is None:
         return Machine.preset(args.machine, bandwidth)
     try:

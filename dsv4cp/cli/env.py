@@ -1,39 +1,29 @@
-"""Print versions, devices, what the sparse-attention backend "auto" resolves to per direction, and every
-backend with whether it can run here and, when it cannot, why (the package is missing, no CUDA device,
-Triton's CPU interpreter off).
+"""Print versions and devices (the environment every run's meta.json records), what the sparse-attention
+backend "auto" resolves to per direction, and every backend with whether it can run here and, when it
+cannot, why (the package is missing, no CUDA device, Triton's CPU interpreter off).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import platform
 
 import torch
 
 from dsv4cp.cli.common import add_device_option, parse_device
+from dsv4cp.environment import environment
 
 HELP = "versions, devices and which kernel backends are usable here (and why not)"
 
-_OPTIONAL = ("triton", "nvtx", "flash_mla", "cudnn", "pandas", "matplotlib", "tqdm")
-
-
-def environment() -> dict[str, str]:
-    """Environment metadata: interpreter, platform, torch/CUDA, devices, optional package versions."""
-    info = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-        "devices": ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "cpu",
-    }
-    for name in _OPTIONAL:
-        try:
-            module = importlib.import_module(name)
-            info[name] = getattr(module, "__version__", "installed")
-        except Exception as err:  # an optional package may fail in many ways; report, do not crash
-            info[name] = f"missing ({type(err).__name__})"
-    return info
+def environment_lines(device: torch.device) -> list[str]:
+    """``key: value`` lines of :func:`dsv4cp.environment.environment` on ``device`` (the fields
+    ``meta.json`` records, plus the interpreter, platform and every visible device); an optional
+    backend that cannot be imported shows as ``missing``."""
+    info = environment(device)
+    devices = info.pop("devices")
+    optional = info.pop("optional_backends")
+    info["devices"] = ", ".join(devices) or "cpu"
+    info.update({name: version or "missing" for name, version in optional.items()})
+    return [f"{key:>17}: {value}" for key, value in info.items()]
 
 
 def backend_status(name: str, device: torch.device) -> str:
@@ -70,10 +60,9 @@ def run(args: argparse.Namespace) -> int:
     from dsv4cp.ops import backend_names, resolve_backend
 
     device = parse_device(args.device)
-    for key, value in environment().items():
-        print(f"{key:>12}: {value}")
+    print("\n".join(environment_lines(device)))
     forward, backward = resolve_backend("auto", device).direction_names
-    print(f"{'backends':>12}: on {device}; 'auto' -> forward {forward}, backward {backward}")
+    print(f"{'backends':>17}: on {device}; 'auto' -> forward {forward}, backward {backward}")
     for name in backend_names():
         print(f"{name:>22}: {backend_status(name, device)}")
     return 0

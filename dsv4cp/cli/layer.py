@@ -1,7 +1,9 @@
 """Run one DSv4 attention layer on random packed input and print its time and peak memory.
 
 One process, no CP: the quick look, so fewer steps than 'dsv4cp profile' by default (1 warm-up and 3
-timed steps instead of 3 and 10). 'dsv4cp profile' is the same measurement under CP, with traces.
+timed steps instead of 3 and 10). 'dsv4cp profile' is the same measurement under CP, with traces: both
+time the same seeded step (weights, input rows and upstream gradient from --seed; forward, then with
+--backward a backward seeded with the fixed upstream gradient and the indexer loss, no loss kernels).
 Before allocating, the step's peak memory is estimated and the run refused (exit 3) when it would
 not fit; --force runs anyway. Examples:
 
@@ -19,6 +21,7 @@ import argparse
 import torch
 
 from dsv4cp.cli.common import (
+    LayerInputs,
     add_device_option,
     add_layer_options,
     add_memory_options,
@@ -29,7 +32,7 @@ from dsv4cp.cli.common import (
     progress_enabled,
     resolve_dtype,
 )
-from dsv4cp.layer import DSv4Attention
+from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.profiling.memory import track_memory
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.profiling.timing import benchmark
@@ -45,25 +48,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_memory_options(parser)
 
 
+def step_from_args(args: argparse.Namespace, inputs: LayerInputs, device: torch.device,
+                   dtype: torch.dtype) -> LayerStep:
+    """The seeded training step the flags describe: the step ``profile`` times at CP = 1 for the same flags."""
+    return build_step(inputs.cfg, args.ratio, inputs.packed, seed=args.seed, backward=args.backward, device=device,
+                      dtype=dtype, backend=args.kernel_backend, recompute=args.recompute)
+
+
 def run(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     inputs = layer_inputs(args)
     dtype = resolve_dtype(args, device)
     check_memory(inputs, args.ratio, 1, backward=args.backward, dtype=dtype, recompute=args.recompute,
                  device=device, force=args.force)
-    cfg, packed = inputs.cfg, inputs.packed.to(device)
-    torch.manual_seed(args.seed)
-    layer = DSv4Attention(cfg, args.ratio, backend=args.kernel_backend, recompute=args.recompute)
-    layer = layer.to(device=device, dtype=dtype)
-    x = torch.randn(packed.total, cfg.hidden, device=device, dtype=dtype, requires_grad=args.backward)
-
-    def step() -> None:
-        result = layer(x, packed)
-        if args.backward:
-            loss = result.out.float().square().mean()
-            if result.indexer_loss is not None:
-                loss = loss + result.indexer_loss
-            loss.backward()
+    step = step_from_args(args, inputs, device, dtype)
+    layer, packed = step.layer, step.packed
 
     # warm-up, timed steps, then one more step for the peak memory (never measured while timing)
     with step_progress(args.warmup, args.reps, extra=1, enabled=progress_enabled(args.progress),

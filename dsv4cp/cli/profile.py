@@ -45,13 +45,16 @@ from dsv4cp.config import DTYPES, default_dtype
 from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
 from dsv4cp.cp.launch import init_from_env, under_torchrun
 from dsv4cp.cp.partition import POLICIES
+from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.machine import no_machine_reason
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
+from dsv4cp.profiling.memory_snapshot import check_snapshot_request, snapshot_name
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
 from dsv4cp.sweeps.measure import check_cuda_graph, measure_point
-from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
+from dsv4cp.sweeps.meta import run_meta
 from dsv4cp.sweeps.spec import Point, RunOptions, make_point
 
 HELP = "time, memory and (optionally) a per-phase overlap profile of one layer step under CP"
@@ -88,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-phases", action="store_true",
                         help="one more step recording each phase's allocated memory at entry and exit and its "
                              "peak, per rank (where the peak sits; CUDA allocator, host RSS on CPU)")
+    parser.add_argument("--memory-snapshot", action="store_true",
+                        help="one more step recording the CUDA allocator's history, written per rank as "
+                             "TRACE_DIR/memory_snapshot_rank<r>.pickle (open it in pytorch.org/memory_viz); CUDA "
+                             "only, needs --trace-dir")
     parser.add_argument("--out", default=None,
                         help="run directory: append the record to OUT/records.jsonl (meta.json written once)")
 
@@ -118,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
     backend = resolve_dist_backend(args, distributed=distributed)
     out = check_output_dir(args.out, "--out")
     trace_dir = check_output_dir(args.trace_dir, "--trace-dir")
-    machine = machine_from_args(args)
+    check_snapshot_request(args.memory_snapshot, trace_dir is not None, "--trace-dir")
     calibration = None if args.calibration is None else Calibration.load(args.calibration)
+    machine = machine_from_args(args, calibration)
     run_options = RunOptions(warmup=args.warmup, reps=args.reps, l2_flush=args.l2_flush,
                              trace_steps=args.trace_steps, nsys_steps=max(args.nsys_steps, 1))
     emulated = _check_emulation(args, distributed)
@@ -160,16 +168,21 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
     with step_progress(warmup, args.reps, enabled=progress_enabled(args.progress, rank)) as on_step:
         measurement = measure_point(point, group, device, run_options, machine=machine, trace_dir=trace_dir,
                                     nsys=args.nsys_steps > 0, on_step=on_step,
-                                    memory_phases=args.memory_phases, calibration=calibration)
+                                    memory_phases=args.memory_phases, calibration=calibration,
+                                    memory_snapshot=args.memory_snapshot)
     if rank == 0 or emulated:
         record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
-                             machine=machine_label(processes, device), git_sha=git_sha(),
+                             machine=machine_label(device, processes), git_sha=git_sha(),
                              resolved_backends=measurement.resolved_backends)
-        _report(point, record, measurement.overlap, machine.name)
+        _report(point, record, measurement.overlap)
         if measurement.attribution is not None:
             print("\n".join(attribution_lines(measurement.attribution)))
         if record["memory_phases"] is not None:
             _report_memory_phases(record["memory_phases"])
+        if args.memory_snapshot:
+            ranks = [point.emulated_rank] if emulated else range(point.cp)
+            print("memory snapshots (open at pytorch.org/memory_viz): "
+                  + ", ".join(str(trace_dir / snapshot_name(r)) for r in ranks))
         if out is not None:
             if not (out / "meta.json").exists():
                 options = {name: value for name, value in vars(args).items() if not name.startswith("_")}
@@ -195,7 +208,7 @@ def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:
     return True
 
 
-def _report(point: Point, record: dict, table, bound_machine: str) -> None:
+def _report(point: Point, record: dict, table) -> None:
     print(f"profile {point.label()} (point {record['point_id']}, {record['machine']})")
     emulated = record["emulated_rank"]
     if emulated is not None:
@@ -210,10 +223,11 @@ def _report(point: Point, record: dict, table, bound_machine: str) -> None:
               + f" ms (imbalance {record['imbalance_max_over_mean']:.2f})")
     if record["cuda_graph"]:
         print("time: CUDA-graph replays (no host overhead); peak memory, memory phases and traced steps are eager")
-    ratio = record["measured_over_bound"]
-    print(f"model (bound for machine {bound_machine}): bound {record['bound_ms']:.3g} ms; measured/bound "
-          + (f"{ratio:.2f}" if ratio is not None else "n/a")
-          + f"; {record['tflops_per_gpu']:.3g} model TFLOP/s per GPU; {record['tokens_per_s']:.0f} tokens/s")
+    ratio, bound = record["measured_over_bound"], record["bound_ms"]
+    bound_text = (f"bound for machine {record['bound_machine']}: {bound:.3g} ms; measured/bound "
+                  + (f"{ratio:.2f}" if ratio is not None else "n/a")) if bound is not None else no_machine_reason()
+    print(f"model ({bound_text}); {record['tflops_per_gpu']:.3g} model TFLOP/s per GPU; "
+          f"{record['tokens_per_s']:.0f} tokens/s")
     for rank, (peak, used) in enumerate(zip(record["peak_allocated_bytes"], record["device_used_bytes"])):
         if emulated is not None and rank != emulated:
             continue  # not measured: only the emulated rank ran

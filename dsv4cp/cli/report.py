@@ -4,9 +4,12 @@
     dsv4cp report runs/base runs/new --out cmp/   # two runs side by side
 
 RUN_DIR is a sweep's run directory (``records.jsonl`` + ``meta.json``) or a bare ``.jsonl`` of records.
-Every record is checked as it is read: a line that is not a valid record is named (``file:line:
-reason``) on stderr, left out of the report and counted; the report is still written, and the exit
-status is 1 only with ``--strict``.
+With exactly two runs (A, then B) the report adds ``tables/comparison.{csv,md}``: each matched point's
+median step time in A and B, B / A and ``dsv4cp compare``'s verdict, then the points only one run
+holds with how the nearest point of the other differs, and the runs' own differences (machine, commit)
+in ``summary.md``. Every record is checked as it is read: a line that is not a valid record is named
+(``file:line: reason``) on stderr, left out of the report and counted; the report is still written,
+and the exit status is 1 only with ``--strict``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from dsv4cp.cli.common import (
 )
 from dsv4cp.cp.launch import under_torchrun
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.profiling.memory_snapshot import check_snapshot_request
 from dsv4cp.sweeps.runner import SweepOptions, check_out_dir, default_nproc, run_sweep
 from dsv4cp.sweeps.spec import expand, load_spec
 
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks to spawn without torchrun (default: the spec's largest cp)")
     parser.add_argument("--profile", action="store_true",
                         help="also capture a Kineto trace per point (RUN_DIR/traces/<point_id>/) and its overlap table")
+    parser.add_argument("--memory-snapshot", action="store_true",
+                        help="with --profile: also write each point's CUDA allocator history per rank "
+                             "(RUN_DIR/traces/<point_id>/memory_snapshot_rank<r>.pickle); CUDA only")
     parser.add_argument("--nsys", action="store_true", help="also run steps inside an nsys capture range per point")
     parser.add_argument("--check", action="store_true", help="also check parity with CP = 1 at every point")
     parser.add_argument("--dry-run", action="store_true", help="print the expanded points and exit")
@@ -75,17 +79,20 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{point.point_id}  {point.label()}")
             print(f"{len(points)} points, spawning {args.nproc or default_nproc(spec)} ranks without torchrun")
         return EXIT_OK
+    check_snapshot_request(args.memory_snapshot, args.profile, "--profile")
     out = Path(args.out) if args.out else Path("runs") / spec.name
     if rank == 0:
         check_output_dir(out, "--out")
     check_out_dir(out, args.resume)
     distributed = under_torchrun() or (args.nproc or default_nproc(spec)) > 1
+    calibration = None if args.calibration is None else Calibration.load(args.calibration)
     options = SweepOptions(
         out=out, resume=args.resume, retry_errors=args.retry_errors, profile=args.profile, nsys=args.nsys,
+        memory_snapshot=args.memory_snapshot,
         check=args.check, point_timeout_s=args.point_timeout,
         dist_backend=resolve_dist_backend(args, distributed=distributed),  # refuses a flag a 1-rank run ignores
-        progress=progress_enabled(args.progress, rank), machine=machine_from_args(args),
-        calibration=None if args.calibration is None else Calibration.load(args.calibration),
+        progress=progress_enabled(args.progress, rank), machine=machine_from_args(args, calibration),
+        calibration=calibration,
     )
     summary = run_sweep(spec, options, nproc=args.nproc)
     if rank == 0:

@@ -1,4 +1,4 @@
-"""Streaming indexer top-k (issue 11 item 3): scoring and a running top-k in ONE kernel pass.
+"""Streaming indexer top-k: scoring and a running top-k in ONE kernel pass.
 
 Same contract as :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` (and the torch op
 :func:`dsv4cp.ops.indexer.indexer_topk`): per query, the ``k`` visible key rows with the highest score

@@ -106,7 +106,7 @@ class DSv4Attention(PrecisionPinned):
             packed: the WHOLE batch's document offsets (identical on every rank).
             cp_group: the context-parallel process group; None means one rank.
             split: the ranks' split points ``b`` (identical on every rank, e.g. from
-                :func:`dsv4cp.cp.partition.partition`); None means equal slices of ``T / cp`` rows.
+                :func:`dsv4cp.model.partition.partition`); None means equal slices of ``T / cp`` rows.
         """
         cp, rank = group_size_and_rank(cp_group)
         if not self.check_ranks:

@@ -35,7 +35,7 @@ Attribution rules (the ``total`` row needs none):
    is the union of its instances' windows. The ``total`` window is the capture window when given,
    else first kernel start to last kernel end.
 
-``attribution_table`` sums up, per rank, how much of the step the phases account for (issue 11's
+``attribution_table`` sums up, per rank, how much of the step the phases account for (its
 targets: at most 5% of the step unattributed, at most 3% idle):
 
     rank, step_ms, busy_ms, unattributed_ms, unattributed_pct, idle_ms, idle_pct
@@ -75,10 +75,10 @@ ATTRIBUTION_COLUMNS: tuple[str, ...] = (
 """Columns of ``attribution_table``, in order."""
 
 UNATTRIBUTED_TARGET_PCT = 5.0
-"""Issue 11: at most this share of the step may run in no phase."""
+"""Target: at most this share (percent) of the step may run in no phase."""
 
 IDLE_TARGET_PCT = 3.0
-"""Issue 11: at most this share of the step may pass with no kernel running."""
+"""Target: at most this share (percent) of the step may pass with no kernel running."""
 
 UNATTRIBUTED = "(unattributed)"
 """Phase name, in ``kernel_table`` only, of kernels outside every range."""

@@ -150,7 +150,7 @@ def benchmark(
         vector = torch.tensor(times, dtype=torch.float64, device=reduce_device)
         dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group)
         times = vector.cpu().tolist()
-    return _summarise(times)
+    return summarise(times)
 
 
 def _timed_reps(
@@ -171,23 +171,32 @@ def _timed_reps(
             torch.cuda.synchronize(device)  # the flush and earlier work must not leak into the region
         if group is not None:
             _barrier(group, device)
-        if on_gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append(time_call(run, device)[1])
         if on_step is not None:
             on_step("timed")
     return times
 
 
-def _summarise(times: list[float]) -> TimingResult:
+def time_call(fn: Callable[[], object], device: torch.device | str) -> tuple[object, float]:
+    """Run ``fn()`` once and return its result and its time in milliseconds: CUDA events on the current
+    stream (waited for) on GPU, ``time.perf_counter`` on CPU. Synchronise before calling it when earlier
+    work must not count."""
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return result, start.elapsed_time(end)
+    t0 = time.perf_counter()
+    result = fn()
+    return result, (time.perf_counter() - t0) * 1e3
+
+
+def summarise(times: list[float]) -> TimingResult:
+    """Median, p20, p80 (linear interpolation), min and max of per-repetition ``times`` (ms, at least one)."""
+    if not times:
+        raise ValueError("times: at least one repetition is needed, got none")
     values = np.asarray(times, dtype=np.float64)
     p20, median, p80 = np.percentile(values, [20.0, 50.0, 80.0])
     return TimingResult(

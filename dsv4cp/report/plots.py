@@ -15,19 +15,17 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from dsv4cp.model import PHASES, range_to_phase
 from dsv4cp.profiling.overlap import TOTAL, KernelRecord, RangeRecord
-from dsv4cp.records import AXES
-from dsv4cp.report import tables
+from dsv4cp.report import growth, tables
+from dsv4cp.report import roofline as roofline_module
+from dsv4cp.report.styles import CP_AXIS_LABEL, area_color, cp_label, outside_legend, series_style
 
-MAX_PHASES = 10
-"""Phases drawn by name in the stacked phase plot; the rest are summed as ``other``."""
-
-PALETTE = (*colormaps["tab20"].colors, *colormaps["tab20b"].colors)
-"""40 distinct colours, one per phase (a layer has about 30 ranges)."""
+OUTSIDE_PHASES = "outside phases (step)"
+"""Phase plot category of the kernels whose innermost range is the step itself."""
 
 
 @dataclass(frozen=True)
@@ -60,10 +58,11 @@ class Plot:
 
 
 def _figure(title: str, caption: str, width: float = 7.0, height: float = 4.5) -> tuple[Figure, Axes]:
-    """A one-axes figure with ``title`` above and ``caption`` (hardware, notes) below."""
+    """A one-axes figure with ``title`` above (the figure's, from its left edge, so an outside legend
+    in the right margin never reaches it) and ``caption`` (hardware, notes) below."""
     fig = Figure(figsize=(width, height), layout="constrained")
     ax = fig.subplots()
-    ax.set_title(title)
+    fig.suptitle(title, x=0.01, horizontalalignment="left")
     fig.supxlabel(caption, fontsize=8, color="dimgray")
     return fig, ax
 
@@ -81,6 +80,23 @@ def _caption(df: pd.DataFrame, extra: str = "") -> str:
     return f"hardware: {tables.hardware(df)}" + (f"; {extra}" if extra else "")
 
 
+def _cp_axis(ax: Axes, cps: Iterable[object]) -> None:
+    """x axis of CP degrees: one integer tick per measured cp, device-neutral wording."""
+    cps = sorted({int(c) for c in cps})
+    ax.set_xticks(cps, [str(c) for c in cps])
+    ax.set_xlabel(CP_AXIS_LABEL)
+
+
+def phase_category(range_name: str) -> str:
+    """The phase a ``dsv4cp.*`` range times, named as the cost model names it (forward, backward,
+    launch and wait of one phase together: ``dsv4cp.reducescatter.kv.wait`` -> ``allgather.kv``);
+    a range the model has no phase for keeps its own name, the step itself is :data:`OUTSIDE_PHASES`."""
+    if range_name.removeprefix("dsv4cp.") == "step":
+        return OUTSIDE_PHASES
+    mapped = range_to_phase(range_name)
+    return mapped[0] if mapped is not None else range_name.removeprefix("dsv4cp.")
+
+
 # ------------------------------------------------------------------------------------------ scaling
 def strong_scaling(df: pd.DataFrame) -> Plot:
     """Speedup T(1)/T(cp) against cp at fixed total tokens, one line per configuration, with the ideal."""
@@ -89,14 +105,13 @@ def strong_scaling(df: pd.DataFrame) -> Plot:
         return Plot(None, "strong scaling: no configuration measured at CP = 1 and another CP with the same tokens")
     fig, ax = _figure("Strong scaling (fixed total tokens)", _caption(df, "speedup = T(1) / T(cp), median step time"))
     labels = _config_labels(table, ["cp", "tokens_per_rank"])
-    for label, group in table.groupby(labels, sort=False):
-        ax.plot(group["cp"], group["speedup"], marker="o", label=label)
+    for i, (label, group) in enumerate(table.groupby(labels, sort=False)):
+        ax.plot(group["cp"], group["speedup"], label=label, **series_style(i).kwargs())
     cps = np.array(sorted(table["cp"].unique()))
     ax.plot(cps, cps, linestyle="--", color="black", label="ideal (speedup = cp)")
-    ax.set_xlabel("CP degree (GPUs)")
+    _cp_axis(ax, cps)
     ax.set_ylabel("speedup over CP = 1 (x)")
-    ax.set_xticks(cps)
-    ax.legend(fontsize=7)
+    outside_legend(fig, ax)
     return Plot(fig)
 
 
@@ -109,46 +124,45 @@ def weak_scaling(df: pd.DataFrame) -> Plot:
     fig, ax = _figure("Weak scaling (fixed tokens per rank)",
                       _caption(df, "efficiency = T(1) / T(cp), median step time"))
     labels = _config_labels(table, ["cp", "tokens"])
-    for label, group in table.groupby(labels, sort=False):
-        ax.plot(group["cp"], group["efficiency"], marker="o", label=label)
+    for i, (label, group) in enumerate(table.groupby(labels, sort=False)):
+        ax.plot(group["cp"], group["efficiency"], label=label, **series_style(i).kwargs())
     cps = np.array(sorted(table["cp"].unique()))
     ax.axhline(1.0, linestyle="--", color="black", label="ideal (efficiency = 1)")
-    ax.set_xlabel("CP degree (GPUs)")
+    _cp_axis(ax, cps)
     ax.set_ylabel("weak-scaling efficiency")
-    ax.set_xticks(cps)
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
+    outside_legend(fig, ax)
     return Plot(fig)
 
 
 # ------------------------------------------------------------------------------------------ phases
 def phase_times(df: pd.DataFrame) -> Plot:
-    """Stacked per-phase busy time (compute + exposed comm, rank 0) per profiled point, ordered by cp."""
+    """Stacked per-phase busy time (compute + exposed comm, rank 0) per profiled point, ordered by cp.
+    Every phase is drawn by name (the cost model's phases, forward and backward summed, in the order
+    a forward pass runs them; then ranges the model has no phase for)."""
     table = tables.phase_breakdown(df)
     table = table[(table["phase"] != TOTAL) & (table["rank"] == 0)]
     if table.empty:
         return Plot(None, "phase times: no profiled point (run the sweep with --profile)")
-    axes = [a for a in table.columns if a in ("run", *AXES)]
-    table = table.assign(point=tables.point_labels(table, axes) if axes else "point")
+    table = table.assign(point=_config_labels(table, ["rank"]), category=table["phase"].map(phase_category))
     order = table.drop_duplicates("point").sort_values([a for a in ("run", "cp") if a in table])["point"]
-    wide = table.pivot_table(index="point", columns="phase", values="busy_ms", aggfunc="sum").reindex(order)
-    top = wide.sum().sort_values(ascending=False).index[:MAX_PHASES]
-    if len(wide.columns) > MAX_PHASES:
-        wide = wide[top].assign(other=wide.drop(columns=top).sum(axis=1))
-    else:
-        wide = wide[top]
-    fig, ax = _figure("Where the step time goes (rank 0)", _caption(df, "busy = compute + exposed communication"),
-                      width=9.0, height=1.5 + 0.4 * len(wide))
+    wide = table.pivot_table(index="point", columns="category", values="busy_ms", aggfunc="sum").reindex(order)
+    model_order = [p for p in PHASES if p in wide.columns]
+    others = sorted(c for c in wide.columns if c not in PHASES and c != OUTSIDE_PHASES)
+    wide = wide[model_order + others + ([OUTSIDE_PHASES] if OUTSIDE_PHASES in wide.columns else [])]
+    fig, ax = _figure("Where the step time goes (rank 0)",
+                      _caption(df, "busy = compute + exposed communication; forward + backward per phase"),
+                      width=4.0 + 0.06 * max(map(len, wide.index)), height=1.5 + 0.4 * len(wide))
     left = np.zeros(len(wide))
     for i, phase in enumerate(wide.columns):
         values = wide[phase].fillna(0.0).to_numpy()
-        color = "lightgray" if phase == "other" else PALETTE[i % len(PALETTE)]
-        ax.barh(wide.index, values, left=left, label=str(phase).removeprefix("dsv4cp."), color=color)
+        color = "lightgray" if phase == OUTSIDE_PHASES else area_color(i)
+        ax.barh(wide.index, values, left=left, label=str(phase), color=color)
         left += values
     ax.set_xlabel("time per step (ms)")
     ax.tick_params(axis="y", labelsize=7)
     ax.invert_yaxis()
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    outside_legend(fig, ax, fontsize=6, title="phase")
     return Plot(fig)
 
 
@@ -159,8 +173,7 @@ def overlap_per_phase(df: pd.DataFrame) -> Plot:
     table = table[(table["comm_ms"] > 0) & (table["phase"] != TOTAL) & (table["rank"] == 0)]
     if table.empty:
         return Plot(None, "overlap per phase: no profiled point with communication (profile a CP > 1 point)")
-    axes = [a for a in table.columns if a in ("run", *AXES)]
-    table = table.assign(point=tables.point_labels(table, axes) if axes else "point")
+    table = table.assign(point=_config_labels(table, ["rank"]))
     wide = table.pivot_table(index="point", columns="phase", values="overlap_ratio", aggfunc="mean", sort=False)
     fig, ax = _figure("Communication hidden behind compute, per phase (rank 0)",
                       _caption(df, "overlap ratio = overlapped comm / comm time; blank: no communication"),
@@ -176,18 +189,30 @@ def overlap_per_phase(df: pd.DataFrame) -> Plot:
 
 # ------------------------------------------------------------------------------------------ memory, bound, packing
 def memory_vs_tokens(df: pd.DataFrame) -> Plot:
-    """Peak allocated memory (max over ranks) against total tokens, one line per cp/configuration."""
-    table = tables.memory(df).dropna(subset=["peak_allocated_gib"])
+    """Peak memory (max over ranks) against total tokens, one line per cp/configuration: the CUDA
+    allocator's peak on GPU, the process's peak RSS on CPU (the axis says which)."""
+    table = tables.memory(df)
+    table = table.assign(peak_gib=table["peak_allocated_gib"].fillna(table["peak_rss_gib"])).dropna(
+        subset=["peak_gib"])
     if table.empty or table["tokens"].nunique() < 2:
         return Plot(None, "memory vs tokens: needs measured peak memory at two or more token counts")
-    fig, ax = _figure("Peak memory per rank", _caption(df, "max over ranks of peak allocated (host RSS on CPU)"))
     labels = _config_labels(table, ["tokens", "tokens_per_rank"])
-    for label, group in table.sort_values("tokens").groupby(labels, sort=False):
-        ax.plot(group["tokens"], group["peak_allocated_gib"], marker="o", label=label)
+    table = table[labels.map(table.groupby(labels)["tokens"].nunique()) >= 2]  # a line needs two sizes
+    if table.empty:
+        return Plot(None, "memory vs tokens: no configuration measured at two or more token counts")
+    gpu, cpu = table["peak_allocated_gib"].notna().any(), table["peak_rss_gib"].notna().any()
+    kind = ("peak allocated (CUDA allocator) on GPU, peak RSS (host process) on CPU" if gpu and cpu
+            else "peak allocated (CUDA allocator)" if gpu else "peak RSS of the host process")
+    fig, ax = _figure("Peak memory per rank", _caption(df, f"max over ranks of {kind}; configurations "
+                                                         "measured at two or more token counts"))
+    labels = _config_labels(table, ["tokens", "tokens_per_rank"])
+    for i, (label, group) in enumerate(table.sort_values("tokens").groupby(labels, sort=False)):
+        ax.plot(group["tokens"], group["peak_gib"], label=label, **series_style(i).kwargs())
     ax.set_xscale("log", base=2)
     ax.set_xlabel("total tokens")
-    ax.set_ylabel("peak memory per rank (GiB)")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("peak memory per rank (GiB)" if gpu and cpu
+                  else "peak allocated per rank (GiB)" if gpu else "peak RSS per rank (GiB)")
+    outside_legend(fig, ax)
     return Plot(fig)
 
 
@@ -197,8 +222,10 @@ def measured_vs_bound(df: pd.DataFrame) -> Plot:
     if table.empty:
         return Plot(None, "measured vs bound: no point with a model bound")
     fig, ax = _figure("Measured step time vs the cost model's bound", _caption(df, "median step time"))
-    for cp, group in table.groupby("cp"):
-        ax.scatter(group["bound_ms"], group["time_ms_median"], label=f"cp={cp}")
+    for i, (cp, group) in enumerate(table.groupby("cp")):
+        style = series_style(i)
+        ax.scatter(group["bound_ms"], group["time_ms_median"], label=cp_label(cp), color=style.color,
+                   marker=style.marker)
     low = min(table["bound_ms"].min(), table["time_ms_median"].min())
     high = max(table["bound_ms"].max(), table["time_ms_median"].max())
     ax.plot([low, high], [low, high], linestyle="--", color="black", label="measured = bound")
@@ -206,7 +233,7 @@ def measured_vs_bound(df: pd.DataFrame) -> Plot:
     ax.set_yscale("log")
     ax.set_xlabel("model bound (ms)")
     ax.set_ylabel("measured (ms)")
-    ax.legend(fontsize=7)
+    outside_legend(fig, ax)
     return Plot(fig)
 
 
@@ -222,12 +249,35 @@ def imbalance_per_packing(df: pd.DataFrame) -> Plot:
     for j, cp in enumerate(cps):
         group = table[table["cp"] == cp]
         x = group["packing"].map(packings.index) + (j - (len(cps) - 1) / 2) * 0.15
-        ax.scatter(x, group["imbalance_max_over_mean"], label=f"cp={cp}")
+        style = series_style(j)
+        ax.scatter(x, group["imbalance_max_over_mean"], label=cp_label(cp), color=style.color, marker=style.marker)
     ax.axhline(1.0, linestyle="--", color="black", linewidth=0.8)
     ax.set_xticks(range(len(packings)), packings)
     ax.set_xlabel("packing")
     ax.set_ylabel("max / mean of per-rank times")
-    ax.legend(fontsize=7)
+    outside_legend(fig, ax)
+    return Plot(fig)
+
+
+def cost_growth(df: pd.DataFrame) -> Plot:
+    """Step time and its bound against tokens per cp (log-log, growth per doubling printed) and
+    parallel efficiency against cp (:mod:`dsv4cp.report.growth`)."""
+    fig = growth.cost_growth_figure(df, _caption(df, "median step time; bound: the cost model's, with overlap"))
+    if fig is None:
+        return Plot(None, "cost growth: no configuration measured at two or more token counts at one cp")
+    return Plot(fig)
+
+
+def roofline(df: pd.DataFrame) -> Plot:
+    """Each compute phase's achieved FLOP/s against its intensity under the roofs
+    (:mod:`dsv4cp.report.roofline`)."""
+    machine = roofline_module.GPU_MACHINE
+    fig = roofline_module.roofline_figure(df, _caption(df, f"roofs: {machine.name} ceilings "
+                                                           f"({machine.peak_flops / 1e12:.0f} TFLOP/s, "
+                                                           f"{machine.hbm_bandwidth / 1e12:.2f} TB/s); every rank "
+                                                           "of every profiled point"))
+    if fig is None:
+        return Plot(None, "roofline: no profiled GPU point (a CPU run records no ceilings; profile with --profile)")
     return Plot(fig)
 
 
@@ -241,6 +291,8 @@ def all_plots(df: pd.DataFrame) -> dict[str, Plot]:
         "memory_vs_tokens": memory_vs_tokens(df),
         "measured_vs_bound": measured_vs_bound(df),
         "imbalance_per_packing": imbalance_per_packing(df),
+        "cost_growth": cost_growth(df),
+        "roofline": roofline(df),
     }
 
 
@@ -255,7 +307,7 @@ def phase_timeline(kernels: list[KernelRecord], ranges: list[RangeRecord], *, ti
     origin = min([k.start_ns for k in kernels] + [r.start_ns for r in ranges])
     ranks = sorted({k.rank for k in kernels} | {r.rank for r in ranges})
     phases = list(dict.fromkeys(r.name for r in sorted(ranges, key=lambda r: r.start_ns)))
-    colors = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(phases)}
+    colors = {name: area_color(i) for i, name in enumerate(phases)}
     fig, ax = _figure(title, caption or "lanes per rank: host ranges (launch side), compute kernels, "
                       "communication kernels (device)", width=11.0, height=max(4.0, 1.2 + 1.2 * len(ranks)))
     ticks, tick_labels = [], []
@@ -279,7 +331,7 @@ def phase_timeline(kernels: list[KernelRecord], ranges: list[RangeRecord], *, ti
     ax.set_xlabel("time (ms)")
     for name in phases:
         ax.plot([], [], color=colors[name], linewidth=6, label=name.removeprefix("dsv4cp."))
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=1 + len(phases) // 16)
+    outside_legend(fig, ax, fontsize=6)
     return Plot(fig)
 
 
@@ -296,5 +348,5 @@ def trace_overlap(table: pd.DataFrame, *, title: str = "Communication per phase"
     ax.barh(labels, comm["exposed_comm_ms"], left=comm["overlap_ms"], color="tab:red", label="exposed")
     ax.invert_yaxis()
     ax.set_xlabel("communication time (ms)")
-    ax.legend(fontsize=7)
+    outside_legend(fig, ax)
     return Plot(fig)

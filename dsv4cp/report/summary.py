@@ -12,6 +12,7 @@ import pandas as pd
 
 from dsv4cp.profiling.overlap import TOTAL
 from dsv4cp.report import plots as plots_module
+from dsv4cp.report import sections
 from dsv4cp.report import tables as tables_module
 from dsv4cp.report.plots import Plot
 
@@ -112,6 +113,7 @@ def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dic
              tables_module.to_markdown(_measured(tables["headline"]))]
     lines += _targets_section(df, tables["targets"])
     lines += _time_section(tables["phases"])
+    lines += sections.extra_sections(df, tables)
     if not tables["failures"].empty:
         failed = tables["failures"].assign(status=tables["failures"]["status"].map(_short_status))
         lines += ["## Points that did not measure", "", tables_module.to_markdown(failed)]

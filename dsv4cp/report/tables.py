@@ -15,8 +15,10 @@ import pandas as pd
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.model import estimate
+from dsv4cp.model import LayerEstimate, Machine, estimate
+from dsv4cp.model.machine import MACHINE_PRESETS
 from dsv4cp.model.partition import policy_split
+from dsv4cp.profiling.memory import OUTSIDE_PHASES
 from dsv4cp.profiling.overlap import COLUMNS as OVERLAP_COLUMNS
 from dsv4cp.records import AXES, STATUS_OK
 from dsv4cp.workloads import packing_lengths
@@ -60,9 +62,16 @@ def point_labels(df: pd.DataFrame, axes: list[str]) -> pd.Series:
         axes = [a for a in axes if a != "tokens_per_rank"]
 
     def label(row: pd.Series) -> str:
-        return " ".join(str(row[a]) if a == "run" else f"{a}={row[a]}" for a in axes)
+        return " ".join(str(row[a]) if a == "run" else f"{a}={_label_value(row[a])}" for a in axes)
 
     return df.apply(label, axis=1) if len(df) else pd.Series([], dtype=object)
+
+
+def _label_value(value: object) -> object:
+    """An axis value as a label shows it: a whole float (a numeric column holding a NaN) as an int."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def hardware(df: pd.DataFrame) -> str:
@@ -92,7 +101,7 @@ def _spread(values: object) -> float:
     return max(values) - min(values)
 
 
-def _group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
+def group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
     """One hashable key per row over ``axes`` (strings, so None, bools and ints group safely)."""
     keys = ["|".join(map(str, values)) for values in df[axes].itertuples(index=False)]
     return pd.Series(keys, index=df.index, dtype=object)
@@ -101,12 +110,14 @@ def _group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
 # ------------------------------------------------------------------------------------------ tables
 def headline(df: pd.DataFrame) -> pd.DataFrame:
     """Per point (every status): the axes that vary, status, time median [p20, p80], tokens/s,
-    TFLOP/s per GPU, MFU, measured/bound, peak GiB (max over ranks), exposed comm % of comm time."""
+    TFLOP/s per GPU, MFU, measured/bound and the machine of its bound, peak GiB (max over ranks), exposed
+    comm % of comm time."""
     axes = varying_axes(df)
     out = df[axes + ["status"]].copy()
     for column in ("time_ms_median", "time_ms_p20", "time_ms_p80", "tokens_per_s", "tflops_per_gpu", "mfu",
                    "measured_over_bound"):
         out[column] = pd.to_numeric(df[column], errors="coerce")
+    out["bound_machine"] = df["bound_machine"]  # whose ceilings measured/bound is against (None: no bound)
     out["peak_gib"] = df["peak_allocated_bytes"].map(_max_gib)
     comm = pd.to_numeric(df["comm_ms"], errors="coerce")
     exposed = pd.to_numeric(df["exposed_comm_ms"], errors="coerce")
@@ -149,7 +160,7 @@ def scaling(df: pd.DataFrame, kind: str) -> pd.DataFrame:
     axes = varying_axes(points) if len(points) else []
     ratios = ["speedup", "efficiency"] if kind == "strong" else ["efficiency"]
     rows = []
-    for _, group in points.groupby(_group_key(points, ["run", *(a for a in AXES if a not in free)]), sort=False):
+    for _, group in points.groupby(group_key(points, ["run", *(a for a in AXES if a not in free)]), sort=False):
         base = group[group["cp"] == 1]
         if base.empty or group["cp"].nunique() < 2:
             continue
@@ -172,7 +183,7 @@ def overlap_comparison(df: pd.DataFrame) -> pd.DataFrame:
     points = ok_points(df)
     shown = [a for a in varying_axes(points) if a != "overlap"] if len(points) else []
     rows = []
-    key = _group_key(points, ["run", *(a for a in AXES if a != "overlap")])
+    key = group_key(points, ["run", *(a for a in AXES if a != "overlap")])
     for _, group in points.groupby(key, sort=False):
         if group["overlap"].nunique() < 2:
             continue
@@ -186,15 +197,81 @@ def overlap_comparison(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def on_cpu(df: pd.DataFrame) -> pd.Series:
+    """Per row, whether the point ran on CPU (its ``machine`` label is ``cpu-<n>core``), where the
+    record's ``peak_allocated_bytes`` holds the host process's peak RSS instead of the allocator peak."""
+    return df["machine"].map(lambda m: isinstance(m, str) and m.startswith("cpu"))
+
+
+PEAK_PHASE_HOLDERS = 3
+"""Phases named per rank as holding the memory live at its peak."""
+
+
 def memory(df: pd.DataFrame) -> pd.DataFrame:
-    """Peak memory per point: allocated (host RSS on CPU) and device-used, max over ranks, in GiB,
-    next to cp and tokens (total and per rank)."""
+    """Peak memory per point, max over ranks, in GiB, next to cp and tokens (total and per rank):
+    ``peak_allocated_gib`` (the CUDA allocator's peak; blank on CPU), ``peak_rss_gib`` (the host
+    process's peak resident set: what a CPU point measures; blank on GPU), ``device_used_gib`` and,
+    where the point recorded ``memory_phases``, ``peak_phase``: the phase holding the peak on the
+    rank with the largest one."""
     points = ok_points(df)
     axes = list(dict.fromkeys([*varying_axes(points), "cp", "tokens", "tokens_per_rank"])) if len(points) else []
     out = points[axes].copy()
-    out["peak_allocated_gib"] = points["peak_allocated_bytes"].map(_max_gib)
+    peak = points["peak_allocated_bytes"].map(_max_gib)
+    cpu = on_cpu(points)
+    out["peak_allocated_gib"] = peak.where(~cpu)
+    out["peak_rss_gib"] = peak.where(cpu)
     out["device_used_gib"] = points["device_used_bytes"].map(_max_gib)
+    out["peak_phase"] = points["memory_phases"].map(_peak_phase_of_max_rank)
     return out.sort_values([a for a in ("run", "cp", "tokens") if a in out]).reset_index(drop=True)
+
+
+def _peak_phase_of_max_rank(per_rank: object) -> str | None:
+    measured = [r for r in per_rank if isinstance(r, dict)] if isinstance(per_rank, list) else []
+    if not measured:
+        return None
+    return _innermost(max(measured, key=lambda r: r["peak_bytes"])["peak_stack"])
+
+
+def _innermost(stack: list[str]) -> str:
+    return stack[-1].removeprefix("dsv4cp.") if stack else OUTSIDE_PHASES
+
+
+def memory_peaks(df: pd.DataFrame) -> pd.DataFrame:
+    """Where each rank's memory peak sits, per point that recorded ``memory_phases`` (``--memory-phases``):
+    ``peak_gib`` (allocator on GPU, RSS on CPU, as ``memory_kind`` says), ``peak_phase`` (the innermost
+    phase open at the peak), ``open_phases`` (outermost first) and ``held_by``: the phases entered before
+    the peak phase and closed by then that left the most memory allocated (exit minus entry, GiB), i.e.
+    the largest allocations still live when the peak phase starts."""
+    points = ok_points(df)
+    axes = list(dict.fromkeys([*varying_axes(points), "cp"])) if len(points) else []
+    columns = [*axes, "rank", "memory_kind", "peak_gib", "peak_phase", "open_phases", "held_by"]
+    rows = []
+    for (_, point), cpu in zip(points.iterrows(), on_cpu(points)):
+        per_rank = point["memory_phases"]
+        if not isinstance(per_rank, list):
+            continue
+        for rank, mine in enumerate(per_rank):
+            if not isinstance(mine, dict):
+                continue  # a rank this (emulated) run did not measure
+            stack = list(mine["peak_stack"])
+            rows.append({**{a: point[a] for a in axes}, "rank": rank,
+                         "memory_kind": "host RSS (CPU)" if cpu else "CUDA allocator",
+                         "peak_gib": mine["peak_bytes"] / GIB, "peak_phase": _innermost(stack),
+                         "open_phases": " > ".join(p.removeprefix("dsv4cp.") for p in stack),
+                         "held_by": _held_by(mine["rows"], stack)})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _held_by(rows: list[dict], stack: list[str]) -> str:
+    """``"sparse_attn.fwd +2.1 GiB, ..."``: the closed phases before the peak phase with the largest
+    positive exit - entry, from the recorded rows (in order of first entry)."""
+    peak_phase = stack[-1] if stack else None
+    names = [row["phase"] for row in rows]
+    before = rows[: names.index(peak_phase)] if peak_phase in names else rows
+    left = [(row["phase"], (row["exit_bytes"] - row["entry_bytes"]) / GIB) for row in before
+            if row["phase"] not in stack and row["entry_bytes"] is not None and row["exit_bytes"] is not None]
+    largest = sorted((item for item in left if item[1] > 0), key=lambda item: -item[1])[:PEAK_PHASE_HOLDERS]
+    return ", ".join(f"{phase.removeprefix('dsv4cp.')} +{gib:.3g} GiB" for phase, gib in largest)
 
 
 def imbalance(df: pd.DataFrame) -> pd.DataFrame:
@@ -211,6 +288,31 @@ MODEL_AXES: tuple[str, ...] = ("preset", "ratio", "cp", "tokens", "packing", "pa
 """Axes the cost model needs to rebuild a point's batch."""
 
 
+def point_estimate(point: pd.Series, machine: Machine | None = None) -> LayerEstimate:
+    """The cost model of one record's point (it must hold every axis of :data:`MODEL_AXES`): the
+    document lengths the sweep packed (``workloads.packing_lengths`` with the point's seed) and the
+    rows each rank measured (the record's ``split``, else, for older records, the point's partition
+    policy as the sweep computes it at its default machine); ``machine``: the ceilings of the bounds."""
+    cp, tokens, ratio = int(point["cp"]), int(point["tokens"]), int(point["ratio"])
+    lengths = packing_lengths(point["packing"], tokens, cp=cp, ratio=ratio, seed=int(point["seed"] or 0))
+    loss, policy = point["loss"], point["partition"]
+    cfg = DSv4Config.preset(point["preset"], **({"indexer_loss": loss} if isinstance(loss, str) else {}))
+    recorded = point.get("split")
+    if isinstance(recorded, (list, tuple)) and len(recorded) == cp + 1:
+        split = RowSplit(tuple(int(b) for b in recorded)).validate(tokens, cp, field="split")
+    else:
+        split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
+                             machine or record_machine(point), total=tokens, direction=point["pass"])
+    return estimate(cfg, ratio, lengths, cp, machine or record_machine(point), total=tokens, split=split)
+
+
+def record_machine(point: pd.Series) -> Machine:
+    """The ceilings of a record's bound where they are a preset, else h200x2 (records written before
+    ``bound_machine`` were all bounded on it)."""
+    named = point.get("bound_machine")
+    return Machine.preset(named if isinstance(named, str) and named in MACHINE_PRESETS else "h200x2")
+
+
 def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
     """Per point, by packing: the cost model's imbalance (max / mean over ranks of FLOPs and of the
     time bound) for the point's packing, beside the measured per-rank time imbalance.
@@ -222,19 +324,7 @@ def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
     axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
     rows = []
     for _, point in points.iterrows():
-        cp, tokens, ratio = int(point["cp"]), int(point["tokens"]), int(point["ratio"])
-        lengths = packing_lengths(point["packing"], tokens, cp=cp, ratio=ratio, seed=int(point["seed"] or 0))
-        loss, policy = point["loss"], point["partition"]
-        cfg = DSv4Config.preset(point["preset"], **({"indexer_loss": loss} if isinstance(loss, str) else {}))
-        # the rows each rank measured: the record's split, else (older records) the policy's split as the
-        # sweep computes it at its default --machine
-        recorded = point.get("split")
-        if isinstance(recorded, (list, tuple)) and len(recorded) == cp + 1:
-            split = RowSplit(tuple(int(b) for b in recorded)).validate(tokens, cp, field="split")
-        else:
-            split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
-                                 total=tokens, direction=point["pass"])
-        summary = estimate(cfg, ratio, lengths, cp, total=tokens, split=split).summary(point["pass"])
+        summary = point_estimate(point, record_machine(point)).summary(point["pass"])
         rows.append({**{a: point[a] for a in axes}, "model_flops_imbalance": summary.flops_imbalance,
                      "model_time_imbalance": summary.time_imbalance,
                      "measured_imbalance": point["imbalance_max_over_mean"]})
@@ -252,6 +342,7 @@ def measured_vs_bound(df: pd.DataFrame) -> pd.DataFrame:
     for column in ("time_ms_median", "bound_ms", "measured_over_bound", "tflops_per_gpu", "mfu"):
         out[column] = pd.to_numeric(points[column], errors="coerce")
     out["model_tflop"] = pd.to_numeric(points["model_flops"], errors="coerce") / 1e12
+    out["bound_machine"] = points["bound_machine"]  # whose ceilings the bound is (None: no bound)
     return out
 
 
@@ -298,7 +389,7 @@ def _target_pair(points: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
         mask &= points[axis] == value
     candidates = points[mask]
     free = ("cp", "tokens_per_rank")
-    key = _group_key(candidates, [a for a in AXES if a not in free])
+    key = group_key(candidates, [a for a in AXES if a not in free])
     for _, group in candidates.groupby(key, sort=False):
         one, two = group[group["cp"] == 1], group[group["cp"] == 2]
         if len(one) and len(two):
@@ -343,7 +434,11 @@ def targets(df: pd.DataFrame) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------ output
 def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """Every report table by file name, in the order the summary lists them."""
+    from dsv4cp.report import growth, roofline, side_by_side  # they build on this module: imported late
+
+    two_runs = {"comparison": side_by_side.comparison(df)} if len(runs_of(df)) == 2 else {}
     return {
+        **two_runs,
         "headline": headline(df),
         "targets": targets(df),
         "phases": phase_breakdown(df),
@@ -351,9 +446,12 @@ def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
         "weak_scaling": scaling(df, "weak"),
         "overlap": overlap_comparison(df),
         "memory": memory(df),
+        "memory_peaks": memory_peaks(df),
         "imbalance": imbalance(df),
         "model_imbalance": model_imbalance(df),
         "measured_vs_bound": measured_vs_bound(df),
+        "cost_growth": growth.cost_growth(df),
+        "roofline": roofline.roofline(df),
         "failures": failures(df),
     }
 

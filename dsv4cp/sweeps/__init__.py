@@ -1,4 +1,4 @@
-"""Sweeps (issue 10): YAML specs expanded into points, each measured on its CP group and recorded.
+"""Sweeps: YAML specs expanded into points, each measured on its CP group and recorded.
 
 * ``spec``: ``load_spec(path) -> SweepSpec``, ``expand(spec) -> list[Point]`` (pure, validated).
 * ``measure``: ``measure_point(point, group, device, run)``, shared with ``dsv4cp profile``.

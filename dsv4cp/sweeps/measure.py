@@ -14,6 +14,7 @@ and nsys steps are eager steps, measured after the graph (and its memory pool) i
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -25,17 +26,19 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp.config import DTYPES, DSv4Config
-from dsv4cp.cp.check import CheckCase, merge_ranks, randomize_, run_rank
+from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.emulate import emulated_rank
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.layer import DSv4Attention
+from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
-from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.calibration import POINT_FILE, Calibration
+from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, this_machine
 from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import record_phase_memory, track_memory
+from dsv4cp.profiling.memory_snapshot import check_snapshot_device, record_memory_snapshot, snapshot_name
 from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
 from dsv4cp.profiling.timing import benchmark, graph_replay
@@ -130,6 +133,14 @@ def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Mach
                         direction=point.direction, calibration=calibration)
 
 
+def point_step(point: Point, cfg: DSv4Config, packed: PackedSeqs, split: RowSplit, device: torch.device,
+                group: dist.ProcessGroup | None = None) -> LayerStep:
+    """The point's seeded training step on this process's rank of ``group`` (:mod:`dsv4cp.layer.step`)."""
+    return build_step(cfg, point.ratio, packed, seed=point.seed, backward=point.backward, device=device,
+                      dtype=DTYPES[point.dtype], backend=point.kernel_backend, overlap=point.overlap,
+                      recompute=point.recompute, cp_group=group, split=split)
+
+
 def _gather(value, group: dist.ProcessGroup | None) -> list:
     """Every rank's ``value``, rank-major; an emulated rank knows only its own (None elsewhere)."""
     if group is None:
@@ -147,17 +158,21 @@ def measure_point(
     point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
     machine: Machine | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
     on_step: Callable[[str], object] | None = None, memory_phases: bool = False,
-    calibration: Calibration | None = None,
+    calibration: Calibration | None = None, memory_snapshot: bool = False,
 ) -> Measurement:
     """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
 
-    ``machine``: the ceilings of the model bound and MFU (default: the measured H200 ones; MFU is
-    left None off GPU, where that ceiling means nothing). ``trace_dir``: write a Kineto trace per
+    ``machine``: the ceilings of the model bound and MFU (default: the machine this process runs on,
+    :func:`~dsv4cp.model.machine.this_machine`; where it has none, no bound: ``bound_ms``,
+    ``measured_over_bound`` and ``bound_machine`` stay None); MFU is left None off GPU, where that
+    ceiling means nothing. ``trace_dir``: write a Kineto trace per
     rank under it and fill the overlap metrics. ``nsys``: also run ``run.nsys_steps`` steps inside
     ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``). ``on_step``: called
     after each warm-up and timed step (a progress bar, :mod:`dsv4cp.profiling.progress`).
     ``memory_phases``: one more step recording each phase's memory (metric ``memory_phases``).
     ``calibration``: measured-over-bound phase factors the balanced split uses (metric ``calibration``).
+    ``memory_snapshot``: one more step recording the CUDA allocator's history, dumped beside the traces
+    (``trace_dir/memory_snapshot_rank<r>.pickle``, :mod:`dsv4cp.profiling.memory_snapshot`); CUDA only.
 
     With ``point.cuda_graph`` the step runs ``run.warmup`` times eagerly (at least once), is captured
     once, then ``run.warmup`` untimed and ``run.reps`` timed replays follow (``on_step`` after each);
@@ -178,35 +193,25 @@ def measure_point(
     if check and emulated is not None:
         raise ValueError("check: the CP = 1 parity check needs every real rank, not one emulated rank")
     check_cuda_graph(point, device)
-    machine = machine or Machine()
+    if memory_snapshot:
+        check_snapshot_device(device)
+        if trace_dir is None:
+            raise ValueError("memory_snapshot: the snapshot is written beside the traces: give a trace_dir")
+    machine = machine if machine is not None else this_machine()
+    if machine is None and point.partition == "balanced":
+        raise ValueError(f"partition: a balanced split equalises modelled times at a machine's ceilings; "
+                         f"{no_machine_reason()}")
     cfg, lengths = point_inputs(point)
-    dtype = DTYPES[point.dtype]
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
     split = point_split(point, cfg, lengths, machine, calibration)
-    bound = estimate(cfg, point.ratio, packed, cp, machine, split=split).summary(point.direction)
+    # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
+    bound = estimate(cfg, point.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device, head_dim=cfg.head_dim).name}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
     packed = packed.to(device)
 
-    generator = torch.Generator().manual_seed(point.seed)
-    layer = DSv4Attention(cfg, point.ratio, backend=point.kernel_backend, overlap=point.overlap,
-                          recompute=point.recompute)
-    randomize_(layer, generator)  # the parity check's weights: every parameter non-trivial
-    layer = layer.to(device=device, dtype=dtype)
-    rows = split.rows(rank)
-    inputs = torch.Generator(device=device).manual_seed(point.seed * 65_537 + rank + 1)  # this rank's rows
-    x = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype).requires_grad_(point.backward)
-    upstream = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype)
-
-    def step() -> None:
-        result = layer(x, packed, cp_group=group, split=split)
-        if point.backward:
-            # the gradients of sum(out * upstream) + indexer_loss, seeded directly: no loss kernels in the step
-            outputs, seeds = [result.out], [upstream]
-            if result.indexer_loss is not None:
-                outputs, seeds = outputs + [result.indexer_loss], seeds + [None]  # None: d/d(loss) = 1
-            torch.autograd.backward(outputs, seeds)
+    step = point_step(point, cfg, packed, split, device, group)
 
     timed = step
     if point.cuda_graph:
@@ -235,11 +240,13 @@ def measure_point(
         "rank_time_ms_median": [r[0] for r in per_rank],
         "imbalance_max_over_mean": max(medians) / (sum(medians) / len(medians)) if emulated is None else None,
         "tokens_per_s": point.tokens / seconds, "tflops_per_gpu": tflops,
-        "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" else None,
+        "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" and machine is not None else None,
         "split": list(split.bounds),
         "calibration": calibration.label if calibration is not None and point.partition == "balanced" else None,
-        "model_flops": bound.model_flops, "bound_ms": bound.bound_overlap_s * 1e3,
-        "measured_over_bound": seconds / bound.bound_overlap_s if bound.bound_overlap_s > 0 else None,
+        "model_flops": bound.model_flops, "bound_machine": None if machine is None else machine.name,
+        "bound_ms": None if machine is None else bound.bound_overlap_s * 1e3,
+        "measured_over_bound": seconds / bound.bound_overlap_s if machine is not None and bound.bound_overlap_s > 0
+        else None,
         "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],
     }
 
@@ -250,6 +257,10 @@ def measure_point(
             "rows": [row.to_dict() for row in recorder.rows], "peak_bytes": recorder.step_peak_bytes,
             "peak_stack": list(recorder.peak_stack)}
         metrics["memory_phases"] = _gather(mine, group)
+
+    if memory_snapshot:  # a step of its own: recording every allocation's stack slows the step
+        with record_memory_snapshot(Path(trace_dir) / snapshot_name(rank), device):
+            step()
 
     if nsys:
         with capture_range():
@@ -267,6 +278,8 @@ def measure_point(
             kernels, ranges = load_kineto_dir(trace_dir)  # parsed once for the three tables
             overlap = _per_step(overlap_table(kernels, ranges), run.trace_steps)
             overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
+            # the point its phase times belong to: a calibration from this trace checks it (model --calibrate)
+            (Path(trace_dir) / POINT_FILE).write_text(json.dumps(point.axes()) + "\n")
             attribution = attribution_table(kernels, ranges, step_range=full_name("step"))
             attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
             kernel_table(kernels, ranges).to_csv(Path(trace_dir) / "kernels.csv", index=False)

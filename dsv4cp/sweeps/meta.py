@@ -1,98 +1,16 @@
-"""What ``meta.json`` records about a run: code version, host, hardware and library versions.
-
-``git_sha`` comes from the environment variable ``DSV4CP_GIT_SHA`` when it is set (set it where the
-code was copied, e.g. onto a GPU machine: the copy may carry no ``.git``, or a stale one), else from
-``git rev-parse HEAD`` run in the repository the package was imported from. ``git_dirty`` says
-whether tracked files differ from that commit (None when git cannot tell, or the sha came from the
-variable).
-"""
+"""What ``meta.json`` records about a run: the :func:`dsv4cp.environment.environment` fields that
+:data:`dsv4cp.records.META_FIELDS` holds (code version, host, hardware and library versions), when the
+run started, and its spec."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import socket
-import subprocess
-from importlib import metadata
-from pathlib import Path
-
 import torch
 
-from dsv4cp.records import utc_now
-
-GIT_SHA_ENV = "DSV4CP_GIT_SHA"
-
-OPTIONAL_PACKAGES = {"flash_mla": "flash_mla", "cudnn_frontend": "cudnn", "nvtx": "nvtx", "hta": "hta"}
-"""Optional backends and tools whose versions meta.json lists: name -> importable module."""
-
-
-def _git(*args: str) -> str | None:
-    """Output of a git command in the package's repository, None when git or the repository is missing."""
-    repo = Path(__file__).resolve().parents[2]  # dsv4cp/sweeps/meta.py -> the checkout
-    try:
-        done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def git_sha() -> str | None:
-    """The commit of the code being run (see the module docstring)."""
-    # The variable wins: a copy of the tree (a GPU machine's) may carry a stale .git of another commit.
-    return os.environ.get(GIT_SHA_ENV) or _git("rev-parse", "HEAD") or None
-
-
-def git_dirty() -> bool | None:
-    """Whether tracked files differ from HEAD; None when git cannot tell."""
-    if os.environ.get(GIT_SHA_ENV):
-        return None
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return None if status is None else bool(status)
-
-
-def machine_label(world: int, device: torch.device) -> str:
-    """Short hardware label used to refuse cross-hardware comparisons: ``2xNVIDIA H200``, ``cpu-2core``."""
-    if device.type == "cuda":
-        return f"{world}x{torch.cuda.get_device_name(device)}"
-    return f"cpu-{os.cpu_count()}core"
-
-
-def _driver_version() -> str | None:
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = done.stdout.strip().splitlines()
-    return lines[0].strip() if done.returncode == 0 and lines else None
-
-
-def _module_version(module_name: str) -> str | None:
-    try:
-        module = importlib.import_module(module_name)
-    except Exception:  # an optional package may fail to import in many ways: it is then absent
-        return None
-    version = getattr(module, "__version__", None)
-    if version is None:
-        try:
-            version = metadata.version(module_name)
-        except metadata.PackageNotFoundError:
-            version = "installed"
-    return str(version)
+from dsv4cp.environment import environment
+from dsv4cp.records import META_FIELDS, utc_now
 
 
 def run_meta(world: int, device: torch.device, spec: dict) -> dict:
     """The meta.json fields of a run on ``world`` ranks of ``device``'s kind (see dsv4cp.records)."""
-    cuda = device.type == "cuda"
-    nccl = torch.cuda.nccl.version() if cuda else None
-    return {
-        "time_utc": utc_now(), "git_sha": git_sha(), "git_dirty": git_dirty(), "host": socket.gethostname(),
-        "machine": machine_label(world, device),
-        "gpu_name": torch.cuda.get_device_name(device) if cuda else None,
-        "gpu_count": world if cuda else 0,
-        "driver": _driver_version() if cuda else None,
-        "cuda": torch.version.cuda, "torch": torch.__version__, "triton": _module_version("triton"),
-        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else (str(nccl) if nccl else None),
-        "optional_backends": {name: _module_version(module) for name, module in OPTIONAL_PACKAGES.items()},
-        "spec": spec,
-    }
+    env = environment(device, world)
+    return {"time_utc": utc_now(), **{name: env[name] for name in META_FIELDS if name in env}, "spec": spec}

@@ -30,8 +30,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
+from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.machine import this_machine
 from dsv4cp.profiling.memory import is_out_of_memory
 from dsv4cp.records import (
     RECORDS_FILE,
@@ -44,7 +46,7 @@ from dsv4cp.records import (
     write_meta,
 )
 from dsv4cp.sweeps.measure import measure_point
-from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
+from dsv4cp.sweeps.meta import run_meta
 from dsv4cp.sweeps.spec import Point, SweepSpec, expand
 
 INFLIGHT_FILE = "inflight.json"
@@ -72,12 +74,15 @@ class SweepOptions:
     resume: bool = False
     retry_errors: bool = False
     profile: bool = False
+    memory_snapshot: bool = False
+    """With ``profile``: each point's CUDA allocator history beside its traces."""
     nsys: bool = False
     check: bool = False
     point_timeout_s: float = 600.0
     dist_backend: str = "gloo"
     progress: bool = False
-    machine: Machine = field(default_factory=Machine)
+    machine: Machine | None = field(default_factory=this_machine)
+    """The bounds' ceilings (``--machine``); None: no bound (a GPU without a preset)."""
     calibration: Calibration | None = None
     """Phase factors the ``balanced`` points' split uses (``--calibration``); None: the model's bounds."""
 
@@ -202,7 +207,7 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, opt
         shared = [done, crashed]
         dist.broadcast_object_list(shared, src=0, group=control)
         done, crashed = shared
-    machine, sha = machine_label(world, device), git_sha() if rank == 0 else None
+    machine, sha = machine_label(device, world), git_sha() if rank == 0 else None
     counts = dict(recorded=0, ok=0, failed=0, skipped=0, resumed=0, parity_failed=0)
     bar = tqdm(total=len(points), disable=not (options.progress and rank == 0), unit="point", file=sys.stderr)
     for index, point in enumerate(points):
@@ -247,7 +252,7 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
         try:
             measurement = measure_point(point, group, device, spec.run, machine=options.machine,
                                         trace_dir=trace_dir, nsys=options.nsys, check=options.check,
-                                        calibration=options.calibration)
+                                        calibration=options.calibration, memory_snapshot=options.memory_snapshot)
             metrics, resolved = measurement.metrics, measurement.resolved_backends
         except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
             status = STATUS_OOM if is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"

@@ -7,9 +7,10 @@
 #   bash results/2026-12-01-cpu-partition-prefix/refined.sh [OUT_DIR]     (about 5 minutes on 2 cores)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+cd "$here/../.."  # the repository root: python -m bench.cpu_partition
 out=${1:-$here}
 tokens=${TOKENS:-8192}
 mkdir -p "$out"
-python "$here/../2026-12-01-cpu-partition/measure.py" --calibration "$here/calibration-cpu-prefix.json" --machine-file "$here/machine-cpu.json" \
+python -m bench.cpu_partition --calibration "$here/calibration-cpu-prefix.json" --machine-file "$here/machine-cpu.json" \
   --policies equal,balanced,refined --tokens "$tokens" --cps 4,8 --reps 2 --out "$out/refined-cpu.csv" \
   | tee "$out/refined-cpu.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU gloo check of the balanced split (issue 12), re-run after the torch top-k learnt to score only
+# CPU gloo check of the cost-balanced row split, re-run after the torch top-k learnt to score only
 # each chunk's causal prefix (key_row_limit): the run of ../2026-12-01-cpu-partition (tiny C layer,
 # ratio 4, 8K tokens, fwd+bwd, fp32, cp 4 and 8, one document and histogram packing, equal vs balanced
 # beside the model's predicted max/mean), with the second calibration fitted on the prefix scan the
@@ -7,4 +7,9 @@
 #   bash results/2026-12-01-cpu-partition-prefix/run.sh [OUT_DIR]     (about 5-10 minutes on 2 cores)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-SCANS="visible prefix" bash "$here/../2026-12-01-cpu-partition/run.sh" "${1:-$here}"
+out=${1:-$here}
+SCANS="visible prefix" bash "$here/../2026-12-01-cpu-partition/run.sh" "$out"
+cd "$here/../.."  # the repository root: python -m bench.*
+# every rank's share of the mean, measured beside the prefix-fit model
+python -m bench.partition_shares --table "$out/partition-cpu.csv" --machine-file "$out/machine-cpu.json" \
+  --calibration "$out/calibration-cpu-prefix.json" > "$out/per_rank.txt"

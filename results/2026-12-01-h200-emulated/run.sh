@@ -52,6 +52,6 @@ profile() {  # profile OUT_DIR FLAGS...: one profile, its command echoed, append
 } 2>&1 | tee "$day/profile.txt"
 runs=("equal=$day/equal" "balanced=$day/balanced")
 [ -d "$day/balanced-calibrated" ] && runs+=("balanced-calibrated=$day/balanced-calibrated")
-python3 "$here/summarize.py" "$day/cp1" "${runs[@]}" 2>&1 | tee "$day/summary.txt"
+python3 -m bench.emulated_summary "$day/cp1" "${runs[@]}" 2>&1 | tee "$day/summary.txt"
 tar czf "$out/emulated.tar.gz" "$day"
 ls -la "$out"

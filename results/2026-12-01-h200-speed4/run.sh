@@ -87,5 +87,8 @@ case $part in
     DSV4CP_EMULATE_DIR=$day/emulated DSV4CP_CALIBRATE_FROM=$day/trace-auto timeout 560 \
       bash results/2026-12-01-h200-emulated/run.sh "$out" > "$day/emulated.log" 2>&1
     tail -8 "$day/emulated.log"; save ;;
+  phases)  # where the time above 2x the bound sits, per phase (reads the overlap.csv files of layer)
+    python3 -m bench.phase_vs_bound "$day/trace-auto/overlap.csv" > "$day/phase_vs_bound.txt"
+    python3 -m bench.phase_vs_bound "$day/trace-triton/overlap.csv" > "$day/phase_vs_bound_triton.txt" ;;
 esac
 ls -la "$out"

@@ -1,4 +1,4 @@
-"""The conventions every sub-command shares (issue 9): help, names, defaults, progress, output paths."""
+"""The conventions every sub-command shares: help, names, defaults, progress, output paths."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every bad input of issue 9 (and the silent wrong outputs of issue 8 item 7) as one table.
+"""Every bad input the CLI must name (and the silent wrong outputs of ranks given different batches) as one table.
 
 CLI rows run in-process through the entry point ``dsv4cp.cli.main.main(argv)`` and assert the exit
 code, the FIRST line of stderr and that nothing reached stdout (nothing is measured, then lost). API

@@ -1,7 +1,7 @@
 """Ranks given different inputs fail together with one clear error instead of returning garbage.
 
-Issue 8 item 7: under ``torchrun --nproc-per-node 2`` with rank 0 given lengths ``[100, 156]`` and
-rank 1 ``[200, 56]``, every rank used to run and exit 0. Two gloo ranks, one process each.
+The silent wrong output this guards against: under ``torchrun --nproc-per-node 2`` with rank 0 given
+lengths ``[100, 156]`` and rank 1 ``[200, 56]``, every rank used to run and exit 0. Two gloo ranks, one process each.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MTP rolls emit their declared phases and read no device data (issue 8, items 5 and 8).
+"""MTP rolls emit their declared phases and read no device data.
 
 * ``roll_left`` records ``mtp.roll.fwd``; ``roll_hidden_left`` records ``mtp.roll.fwd`` in its forward and
   ``mtp.roll.bwd`` in its backward (after the forward's range), as ``record_function`` ranges in a

@@ -1,4 +1,4 @@
-"""Static chunk planning of the Triton top-k (issue 8, item 5): no device read, the same selection.
+"""Static chunk planning of the Triton top-k: no device read, the same selection.
 
 The layer passes :attr:`RankLayout.key_row_limit` to the Triton top-k, which then plans its chunks from
 sizes alone (:func:`plan_static_chunks`) instead of reading the per-query key ranges to the host.

@@ -1,4 +1,4 @@
-"""Streaming indexer top-k (issue 11 item 3) against the torch op :func:`dsv4cp.ops.indexer.indexer_topk`.
+"""Streaming indexer top-k against the torch op :func:`dsv4cp.ops.indexer.indexer_topk`.
 
 The streaming kernel scores and selects in one pass; its output must be IDENTICAL to the torch op's:
 the same key rows, in increasing order, ``-1`` padding past a row's visible count, ties at the cut to

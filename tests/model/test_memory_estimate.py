@@ -14,9 +14,9 @@ from dsv4cp.config import DSv4Config
 from dsv4cp.model.memory import parameter_count, peak_bytes_estimate
 from dsv4cp.packing import PackedSeqs
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
-CALIBRATION = RESULTS / "2026-11-30-norm-rope-h200x2" / "records.jsonl"
-"""The latest committed profile records (flash C layer, 64K tokens, fwd+bwd bf16, CP = 1 and 2)."""
+CALIBRATION = Path(__file__).resolve().parents[1] / "data" / "h200x2-flash-c-64k-records.jsonl"
+"""Profile records measured on 2 x H200 (flash C layer, 64K tokens, fwd+bwd bf16, CP = 1 and 2; a copy of
+results/2026-11-30-norm-rope-h200x2/records.jsonl)."""
 
 
 def _records() -> list[dict]:

@@ -1,5 +1,5 @@
-"""The named terms of the peak-memory estimate: what shrinks with CP and what does not (issue 11,
-item 6), the sparse-attention backward scratch against the kernel's chunk rule, and the CP = 2 / CP = 1
+"""The named terms of the peak-memory estimate: what shrinks with CP and what does not,
+the sparse-attention backward scratch against the kernel's chunk rule, and the CP = 2 / CP = 1
 ratio against the committed GPU records."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from dsv4cp.model.memory import (
 )
 
 FLASH = DSv4Config.preset("flash")
-RECORDS = Path(__file__).resolve().parents[2] / "results" / "2026-11-30-norm-rope-h200x2" / "records.jsonl"
+RECORDS = Path(__file__).resolve().parents[1] / "data" / "h200x2-flash-c-64k-records.jsonl"
+"""Profile records measured on 2 x H200 (a copy of results/2026-11-30-norm-rope-h200x2/records.jsonl)."""
 
 
 def _split(cp: int, tokens: int = 65536, **kwargs) -> tuple[int, int]:

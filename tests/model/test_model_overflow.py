@@ -1,4 +1,4 @@
-"""The cost model stays exact far past int64 (issue 8 item 7: it printed negative TFLOP from 2^33 rows)."""
+"""The cost model stays exact far past int64 (it once printed negative TFLOP from 2^33 rows)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The step's unattributed and idle time (issue 11, item 5) on synthetic traces with known answers, and
+"""The step's unattributed and idle time on synthetic traces with known answers, and
 the ranges that give the Triton indexer-score backward and the layer's layout work their own phases."""
 
 from __future__ import annotations

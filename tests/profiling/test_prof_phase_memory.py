@@ -1,4 +1,4 @@
-"""Per-phase memory (issue 11, item 6): the recorder's bookkeeping against a scripted allocator and a
+"""Per-phase memory: the recorder's bookkeeping against a scripted allocator and a
 brute-force replay, its hooks in forward ranges and autograd's backward spans, the host-RSS fallback,
 and (GPU) that reading the allocator counters does not synchronise the device."""
 

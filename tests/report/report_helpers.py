@@ -103,4 +103,4 @@ def write_run(run_dir: Path, points: list[dict], *, seed: int, machine: str = "2
 
 
 SCALING_POINTS = grid(cp=[1, 2], tokens=[16384, 65536], overlap=["none", "async"], packing=["histogram", "one"])
-"""A strong-scaling sweep including the issue-10 target configuration (64K, histogram, async)."""
+"""A strong-scaling sweep including the strong-scaling target configuration (64K, histogram, async)."""

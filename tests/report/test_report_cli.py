@@ -14,8 +14,8 @@ def test_report_of_one_run_writes_summary_tables_and_plots(scaling_run, capsys):
     assert main(["report", str(scaling_run)]) == 0
     out = scaling_run / "report"
     assert capsys.readouterr().out.strip() == str(out / "summary.md")
-    names = ["headline", "targets", "phases", "strong_scaling", "weak_scaling", "overlap", "memory", "imbalance",
-             "model_imbalance", "measured_vs_bound", "failures"]
+    names = ["headline", "targets", "phases", "strong_scaling", "weak_scaling", "overlap", "memory", "memory_peaks",
+             "imbalance", "model_imbalance", "measured_vs_bound", "cost_growth", "roofline", "failures"]
     for name in names:
         assert (out / "tables" / f"{name}.csv").is_file() and (out / "tables" / f"{name}.md").is_file(), name
     headline = pd.read_csv(out / "tables" / "headline.csv")
@@ -23,7 +23,7 @@ def test_report_of_one_run_writes_summary_tables_and_plots(scaling_run, capsys):
             "measured_over_bound", "peak_gib", "exposed_comm_pct"} <= set(headline.columns)
     pngs = sorted(p.stem for p in (out / "plots").glob("*.png"))
     assert pngs == sorted(["strong_scaling", "phase_times", "overlap_per_phase", "memory_vs_tokens",
-                           "measured_vs_bound", "imbalance_per_packing"])
+                           "measured_vs_bound", "imbalance_per_packing", "cost_growth", "roofline"])
     summary = (out / "summary.md").read_text()
     assert "## Headline" in summary and "Hardware: 2xNVIDIA H200" in summary
     assert "weak_scaling: skipped" in summary and "## Points that did not measure" in summary

@@ -74,8 +74,7 @@ def test_load_trace_reads_a_trace_file_or_a_directory_of_ranks(tmp_path):
 
     from dsv4cp.report.load import load_trace
 
-    run = Path(__file__).resolve().parents[2] / "results" / "runs" / "cpu-smoke" / "traces"
-    (directory,) = [p for p in run.iterdir() if p.is_dir()]
+    directory = Path(__file__).resolve().parents[1] / "data" / "cpu-smoke-trace"  # 2 gloo ranks' Kineto traces
     kernels, ranges = load_trace(directory)
     assert {k.rank for k in kernels} == {0, 1} and any(k.is_comm for k in kernels)
     assert all(r.name.startswith("dsv4cp.") for r in ranges)

@@ -10,7 +10,7 @@ from report_helpers import GIB, SCALING_POINTS, grid, write_run
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.model import estimate
+from dsv4cp.model import Machine, estimate
 from dsv4cp.model.partition import policy_split
 from dsv4cp.records import point_id, read_records
 from dsv4cp.report import tables
@@ -181,8 +181,9 @@ def test_model_imbalance_of_a_balanced_point_uses_its_balanced_split(tmp_path, s
     equal, balanced = (table[table["partition"] == p].iloc[0] for p in ("equal", "balanced"))
     cfg = DSv4Config.preset("flash")
     lengths = packing_lengths("histogram", 16384, cp=2, ratio=4, seed=seed % 1000)
-    split = policy_split(cfg, 4, lengths, 2, "balanced", total=16384)
-    expected = estimate(cfg, 4, lengths, 2, total=16384, split=split).summary("fwd+bwd")
+    h200 = Machine.preset("h200x2")  # the bound of records that name no bound_machine
+    split = policy_split(cfg, 4, lengths, 2, "balanced", h200, total=16384)
+    expected = estimate(cfg, 4, lengths, 2, h200, total=16384, split=split).summary("fwd+bwd")
     assert balanced["model_time_imbalance"] == pytest.approx(expected.time_imbalance)
     assert balanced["model_time_imbalance"] < equal["model_time_imbalance"]  # what balancing is for
 
@@ -196,10 +197,11 @@ def test_model_imbalance_uses_the_split_a_record_carries(tmp_path, seed):
     df["split"] = [recorded]
     row = tables.model_imbalance(df).iloc[0]
     lengths = packing_lengths("histogram", 16384, cp=2, ratio=4, seed=seed % 1000)
-    expected = estimate(DSv4Config.preset("flash"), 4, lengths, 2, total=16384,
+    expected = estimate(DSv4Config.preset("flash"), 4, lengths, 2, Machine.preset("h200x2"), total=16384,
                         split=RowSplit(tuple(recorded))).summary("fwd+bwd")
     assert row["model_time_imbalance"] == pytest.approx(expected.time_imbalance)
     df["split"] = [[0, 8192, 16384]]  # equal slices recorded: equal slices evaluated
-    equal = estimate(DSv4Config.preset("flash"), 4, lengths, 2, total=16384).summary("fwd+bwd")
+    equal = estimate(DSv4Config.preset("flash"), 4, lengths, 2, Machine.preset("h200x2"),
+                     total=16384).summary("fwd+bwd")
     assert tables.model_imbalance(df).iloc[0]["model_time_imbalance"] == pytest.approx(equal.time_imbalance)
     assert expected.time_imbalance != pytest.approx(equal.time_imbalance)

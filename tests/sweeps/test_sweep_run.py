@@ -218,6 +218,8 @@ def test_profile_out_writes_the_same_record_schema(tmp_path, capsys):
     meta = read_meta(out)
     assert meta["spec"]["command"] == "profile" and meta["spec"]["tokens"] == 64 and meta["spec"]["backward"] is True
     assert (tmp_path / "trace" / "overlap.csv").exists()
+    assert json.loads((tmp_path / "trace" / "point.json").read_text())["tokens"] == 64  # what model --calibrate checks
+    assert record["bound_machine"] == "cpu-estimate" and record["bound_ms"] > 0  # the bound of the machine that ran
     kernels = pd.read_csv(tmp_path / "trace" / "kernels.csv")  # which kernels (host ops on CPU) make each phase
     assert list(kernels.columns) == list(KERNEL_COLUMNS) and (kernels["time_ms"] > 0).all()
     assert {"dsv4cp.q_proj.fwd", "dsv4cp.sparse_attn.fwd"} <= set(kernels["phase"])

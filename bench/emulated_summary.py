@@ -1,6 +1,6 @@
 """Per-rank compute time and peak memory of emulated CP ranks against CP = 1, from profile records.
 
-    python3 results/2026-12-01-h200-emulated/summarize.py CP1_RUN LABEL=RUN [LABEL=RUN ...]
+    python -m bench.emulated_summary CP1_RUN LABEL=RUN [LABEL=RUN ...]
 
 ``CP1_RUN``: the run directory of a real CP = 1 profile. Each ``LABEL=RUN``: a run directory holding
 one ``dsv4cp profile --cp N --emulate-rank R`` record per rank of one configuration (its latest
@@ -24,7 +24,8 @@ def _latest_ok(run: str) -> list[dict]:
     return records
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2 or any("=" not in a for a in argv[1:]):
         raise SystemExit(__doc__)
     cp1 = [r for r in _latest_ok(argv[0]) if r["cp"] == 1 and r["emulated_rank"] is None]
@@ -61,4 +62,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -1,17 +1,21 @@
 """Per-rank CPU time of a C layer under the equal and the balanced (calibrated) split, gloo ranks.
 
-Each rank runs its training steps on one thread and times them with ``time.thread_time`` (the CPU
-time of the calling thread: its compute, not the waits in gloo's collectives), so the per-rank work
-shows even when all ranks share two cores. Printed and written (CSV) beside the model's predicted
-max/mean imbalance of the same splits, with and without the calibration. The balanced split is
-computed once per calibration given (one per indexer scan, see :mod:`dsv4cp.model.calibration`).
+Each rank runs the suite's training step (:mod:`dsv4cp.layer.step`, fwd+bwd) on one thread and times
+it with ``time.thread_time`` (the CPU time of the calling thread: its compute, not the waits in gloo's
+collectives), so the per-rank work shows even when all ranks share two cores; this clock, not the
+suite's wall-clock timer, because the ranks' waits are what it must leave out. Printed and written
+(CSV) beside the model's predicted max/mean imbalance of the same splits, with and without the
+calibration. The balanced split is computed once per calibration given (one per indexer scan, see
+:mod:`dsv4cp.model.calibration`).
 
 ``--phases-out`` instead runs CP = 1 and writes the CPU time of every phase range (innermost range
 charged, told by a phase listener of :mod:`dsv4cp.profiling.nvtx`: no profiler, whose per-operator
 overhead would dwarf the tiny layer's phases) as a per-phase table for ``dsv4cp model --calibrate``.
 
-    python results/2026-12-01-cpu-partition/measure.py --phases-out P.csv
-    python results/2026-12-01-cpu-partition/measure.py --calibration CAL.json --machine-file M.json --out T.csv
+    python -m bench.cpu_partition --phases-out P.csv
+    python -m bench.cpu_partition --calibration CAL.json --machine-file M.json --out T.csv
+
+The runs recorded in results/2026-12-01-cpu-partition*/ (their run.sh) used it.
 """
 
 from __future__ import annotations
@@ -26,19 +30,17 @@ import numpy as np
 import pandas as pd
 import torch
 
+from dsv4cp.cli.common import HelpFormatter
 from dsv4cp.config import DSv4Config
-from dsv4cp.cp.check import randomize_
 from dsv4cp.cp.launch import spawn
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.layer import DSv4Attention
+from dsv4cp.layer.step import build_step
 from dsv4cp.model import BOTH, Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.partition import policy_split
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.nvtx import full_name, set_phase_listener
 from dsv4cp.workloads import packing_lengths
-
-POLICIES = ("equal", "balanced")
 
 
 class PhaseCpuClock:
@@ -69,23 +71,17 @@ def rank_cpu_ms(cfg, ratio, lengths, tokens, split, warmup, reps, seed, clock=No
     """Median CPU milliseconds of this rank's fwd+bwd steps (one process: no group; ``clock``: a phase
     listener told of the timed steps' ranges)."""
     group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-    rank = 0 if group is None else torch.distributed.get_rank()
-    packed = PackedSeqs.from_lengths(lengths, total=tokens)
-    layer = DSv4Attention(cfg, ratio)
-    randomize_(layer, torch.Generator().manual_seed(seed))
-    inputs = torch.Generator().manual_seed(seed * 65_537 + rank + 1)
-    x = torch.randn(split.rows(rank), cfg.hidden, generator=inputs).requires_grad_(True)
-    upstream = torch.randn(split.rows(rank), cfg.hidden, generator=inputs)
+    step = build_step(cfg, ratio, PackedSeqs.from_lengths(lengths, total=tokens), seed=seed, backward=True,
+                      cp_group=group, split=split)
     times = []
-    for step in range(warmup + reps):
+    for index in range(warmup + reps):
         if group is not None:
             torch.distributed.barrier()
-        if step == warmup and clock is not None:
+        if index == warmup and clock is not None:
             set_phase_listener(clock)
         start = time.thread_time()
-        result = layer(x, packed, cp_group=group, split=split)
-        torch.autograd.backward([result.out, result.indexer_loss], [upstream, None])
-        if step >= warmup:
+        step()
+        if index >= warmup:
             times.append((time.thread_time() - start) * 1e3)
     set_phase_listener(None)
     return float(np.median(times))
@@ -132,25 +128,26 @@ def remodel(path: str, calibrations, machine, tokens: int, seed: int) -> pd.Data
     return table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_partition", description=__doc__,
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--phases-out", default=None, help="run CP = 1 and write its per-phase CPU times here")
     parser.add_argument("--calibration", action="append", default=[],
                         help="CPU calibration JSON (dsv4cp model --calibrate); repeat for several indexer scans")
     parser.add_argument("--machine-file", help="the machine JSON the calibration was fitted with")
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--cps", default="4,8")
-    parser.add_argument("--packings", default="one,histogram")
+    parser.add_argument("--tokens", type=int, default=16384, help="packed rows of the batch")
+    parser.add_argument("--cps", default="4,8", help="comma-separated CP sizes (one gloo rank each)")
+    parser.add_argument("--packings", default="one,histogram", help="comma-separated packings")
     parser.add_argument("--policies", default="equal,balanced",
                         help="equal, balanced (the per-row split) and refined (refined on the model's "
-                             "per-rank evaluation, refined.sh); balanced and refined once per calibration")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
+                             "per-rank evaluation); balanced and refined once per calibration")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps")
+    parser.add_argument("--reps", type=int, default=3, help="timed steps (median per rank)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and packings")
     parser.add_argument("--out", help="CSV of the table")
     parser.add_argument("--remodel", action="store_true",
                         help="recompute the model columns of the table at --out instead of measuring")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.phases_out:
         write_phases(args.phases_out, args.tokens, args.warmup, args.reps, args.seed)
         return
@@ -201,6 +198,7 @@ def main() -> None:
         table.to_csv(args.out, index=False)  # after every cp: a partial run keeps what it measured
         with pd.option_context("display.width", 250, "display.max_columns", 20):
             print(table[table["cp"] == cp].round(3).to_string(index=False), flush=True)
+
 
 if __name__ == "__main__":
     main()

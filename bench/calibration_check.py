@@ -1,17 +1,21 @@
-"""Check the H200 calibration against the committed CP = 2 per-rank phase times, and print the splits
-it chooses (issue 12). Reads only committed files; runs in seconds on any machine.
+"""Check a CP = 1 calibration against measured CP = 2 per-rank phase times of the flash C layer (64K
+tokens), and print the splits the balanced policy chooses with and without it. Reads files only; runs
+in seconds on any machine:
 
-    python results/2026-12-01-cpu-partition/h200_check.py
+    python -m bench.calibration_check --calibration results/baselines/h200/calibration.json \
+        --one-document-phases results/2026-12-01-h200x2/overlap_async.csv \
+        --histogram-records results/runs/h200x2-overlap/records.jsonl
 
 1. Calibrated per-rank compute (the CP = 1 fit applied to the CP = 2 model) against the measured
-   per-rank phase times of the equal split: one 64K document (``2026-12-01-h200x2/overlap_async.csv``)
-   and histogram packing (``runs/h200x2-overlap``, async). Only the phases a class covers are summed
-   on both sides (no ``step`` remainder, no communication).
+   per-rank phase times of the equal split: one 64K document (a profile's per-phase ``overlap.csv``)
+   and histogram packing (the first async C-layer record with phases of a sweep's records). Only the
+   phases a class covers are summed on both sides (no ``step`` remainder, no communication).
 2. The splits the balanced policy chooses for CP = 2 (and 4, 8) with and without the calibration.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -23,18 +27,16 @@ from dsv4cp.model.calibration import Calibration, class_times, model_class_times
 from dsv4cp.model.partition import compare_policies
 from dsv4cp.workloads import packing_lengths
 
-ROOT = Path(__file__).resolve().parents[2]
-CALIBRATION = ROOT / "results/baselines/h200/calibration.json"
 TOKENS, RATIO = 65536, 4
 
 
-def histogram_phases() -> pd.DataFrame:
-    """Per-phase rows of the first async C-layer histogram record of the committed overlap sweep."""
-    for line in (ROOT / "results/runs/h200x2-overlap/records.jsonl").read_text().splitlines():
+def histogram_phases(records: Path) -> pd.DataFrame:
+    """Per-phase rows of the first async C-layer record with phases in the sweep's ``records``."""
+    for line in records.read_text().splitlines():
         record = json.loads(line)
         if record.get("phases") and record["ratio"] == RATIO and record["overlap"] == "async":
             return pd.DataFrame(record["phases"])
-    raise ValueError("no async C-layer record with phases in results/runs/h200x2-overlap")
+    raise ValueError(f"--histogram-records: no async C-layer record with phases in {records}")
 
 
 def compare(name: str, measured: pd.DataFrame, lengths: list[int], cal: Calibration, cfg: DSv4Config) -> None:
@@ -53,13 +55,21 @@ def compare(name: str, measured: pd.DataFrame, lengths: list[int], cal: Calibrat
           f"({gap['calibrated_ms'] / gap['measured_ms'] - 1:+.0%}), uncalibrated bound {gap['bound_ms']:.1f} ms")
 
 
-def main() -> None:
-    cal = Calibration.load(CALIBRATION)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.calibration_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calibration", type=Path, required=True, help="the calibration JSON to check")
+    parser.add_argument("--one-document-phases", type=Path, required=True,
+                        help="per-phase overlap CSV of a CP = 2 profile of one 64K document, equal split")
+    parser.add_argument("--histogram-records", type=Path, required=True,
+                        help="records.jsonl of a CP = 2 sweep holding a profiled async histogram C-layer point")
+    args = parser.parse_args(argv)
+    cal = Calibration.load(args.calibration)
     cfg = DSv4Config.preset("flash")
     one = [TOKENS]
     histogram = packing_lengths("histogram", TOKENS, cp=2, ratio=RATIO, seed=0)
-    compare("one 64K document", read_phase_table(ROOT / "results/2026-12-01-h200x2/overlap_async.csv"), one, cal, cfg)
-    compare("histogram packing", histogram_phases(), histogram, cal, cfg)
+    compare("one 64K document", read_phase_table(args.one_document_phases), one, cal, cfg)
+    compare("histogram packing", histogram_phases(args.histogram_records), histogram, cal, cfg)
     print("\n== splits (fwd+bwd, align 8): rows per rank and predicted max/mean compute")
     rows = []
     for packing in ("one", "histogram"):
@@ -74,7 +84,8 @@ def main() -> None:
                                  "max/mean": round(row.compute_imbalance, 3)})
     with pd.option_context("display.width", 200, "display.max_colwidth", 80):
         print(pd.DataFrame(rows).to_string(index=False))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""The tools that read measured files (bench/calibration_check.py, partition_shares.py, phase_vs_bound.py,
+emulated_summary.py): on copies of the inputs they read for results/, they print what was recorded there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import calibration_check, emulated_summary, partition_shares, phase_vs_bound
+from dsv4cp.records import append_record, make_record
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_phase_vs_bound_reproduces_its_recorded_table(capsys):
+    """Inputs and output: results/2026-12-01-h200-speed4/trace-auto/overlap.csv and phase_vs_bound.txt."""
+    assert phase_vs_bound.main([str(DATA / "phase-vs-bound" / "overlap.csv")]) == 0
+    assert capsys.readouterr().out == (DATA / "phase-vs-bound" / "phase_vs_bound.txt").read_text()
+    with pytest.raises(SystemExit):
+        phase_vs_bound.main([])
+
+
+def test_partition_shares_reproduce_the_recorded_shares(capsys):
+    """Inputs and output: results/2026-12-01-cpu-partition-prefix/ (partition-cpu.csv, machine-cpu.json,
+    calibration-cpu-prefix.json; per_rank.txt)."""
+    data = DATA / "cpu-partition"
+    assert partition_shares.main(["--table", str(data / "partition-cpu.csv"), "--machine-file",
+                                  str(data / "machine-cpu.json"), "--calibration",
+                                  str(data / "calibration-cpu-prefix.json")]) == 0
+    assert capsys.readouterr().out == (data / "per_rank.txt").read_text()
+
+
+def test_calibration_check_compares_both_packings_and_lists_the_splits(capsys):
+    data = DATA / "calibration-check"
+    argv = ["--calibration", str(data / "calibration-h200.json"),
+            "--one-document-phases", str(data / "one-document-overlap.csv"),
+            "--histogram-records", str(data / "histogram-records.jsonl")]
+    assert calibration_check.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "== one 64K document, cp 2, equal split" in out and "== histogram packing, cp 2, equal split" in out
+    assert out.count("rank 1 - rank 0: measured") == 2
+    split_rows = [line.split() for line in out.split("== splits")[1].splitlines()[2:] if line.strip()]
+    assert {(row[0], row[1], row[2]) for row in split_rows} == {
+        (packing, cp, model) for packing in ("one", "histogram") for cp in ("2", "4", "8")
+        for model in ("bound", "calibrated")}
+
+
+def test_calibration_check_names_a_records_file_without_a_profiled_point(tmp_path):
+    empty = tmp_path / "records.jsonl"
+    empty.write_text(json.dumps({"ratio": 4, "overlap": "none", "phases": None}) + "\n")
+    with pytest.raises(ValueError, match="--histogram-records"):
+        calibration_check.histogram_phases(empty)
+
+
+def _record(run: Path, cp: int, rank: int | None, ms: float, peak_gib: float) -> None:
+    peaks = [peak_gib * 2**30 if r == (rank or 0) else None for r in range(cp)]
+    axes = {"preset": "flash", "ratio": 4, "cp": cp, "tokens": 65536, "emulated_rank": rank,
+            "partition": "equal"}
+    append_record(run / "records.jsonl", make_record(axes, {"time_ms_median": ms, "peak_allocated_bytes": peaks},
+                                                     sweep="profile", status="ok", machine="1xNVIDIA H200",
+                                                     git_sha="0" * 40))
+
+
+def test_emulated_summary_relates_every_rank_to_cp1(tmp_path, capsys):
+    cp1, equal = tmp_path / "cp1", tmp_path / "equal"
+    _record(cp1, 1, None, 100.0, 10.0)
+    _record(equal, 2, 0, 70.0, 8.0)  # superseded by the rank's later record
+    _record(equal, 2, 0, 60.0, 6.0)
+    _record(equal, 2, 1, 40.0, 5.0)
+    assert emulated_summary.main([str(cp1), f"equal={equal}"]) == 0
+    out = capsys.readouterr().out
+    assert "CP = 1 (real): 100.0 ms, peak 10.00 GiB" in out
+    assert "equal (cp 2, partition equal): rank 0 60.0 ms / 6.00 GiB, rank 1 40.0 ms / 5.00 GiB" in out
+    assert "max/mean 1.200; max-rank time / CP = 1 0.600" in out and "max peak / CP = 1 peak 0.600" in out
+    with pytest.raises(SystemExit):
+        emulated_summary.main([str(cp1), "no-label"])
