@@ -22,6 +22,7 @@ Standard library only (the bottom layer of the import contract).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -202,6 +203,40 @@ def get(name: str) -> str | bool | tuple[int, ...] | None:
 def resolved() -> dict[str, str]:
     """Every option's current value as text, by name (JSON-safe, stable order): what a record stores."""
     return {name: option.text(get(name)) for name, option in OPTIONS.items()}
+
+
+def resolved_with(values: Mapping[str, object]) -> dict[str, str]:
+    """:func:`resolved` with ``values`` set explicitly over the environment and the defaults."""
+    with overrides(values):
+        return resolved()
+
+
+def non_default(values: Mapping[str, str]) -> dict[str, str]:
+    """The entries of ``values`` (name -> text, as :func:`resolved` gives them) whose value differs from the
+    option's default, sorted by name: what sets a configuration apart from the default one (a point's id is
+    built on them, so a point that names a default and one that does not are the same point). Unknown
+    names are kept (a record written by another version of the registry stays apart)."""
+    kept = {}
+    for name in sorted(values):
+        option = OPTIONS.get(name)
+        if option is None or values[name] != option.text(option.default):
+            kept[name] = values[name]
+    return kept
+
+
+def configuration(values: Mapping[str, object] | None) -> dict[str, str] | None:
+    """The options that differ from their defaults once ``values`` are set over the environment
+    (:func:`non_default` of :func:`resolved_with`), None when none does: the kernel configuration a
+    point runs, as its id names it. Cached on the values and the variables' current text."""
+    settings = tuple(sorted(canonical(values or {}).items()))
+    environment = tuple(os.environ.get(option.env, "").strip() for option in OPTIONS.values())
+    found = _configuration(settings, environment)
+    return None if found is None else dict(found)  # the caller's to keep: never the cached one
+
+
+@functools.lru_cache(maxsize=256)
+def _configuration(settings: tuple[tuple[str, str], ...], environment: tuple[str, ...]) -> dict[str, str] | None:
+    return non_default(resolved_with(dict(settings))) or None
 
 
 def describe() -> list[dict[str, str]]:

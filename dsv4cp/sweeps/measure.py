@@ -256,6 +256,7 @@ def _measure(
     per_rank = [r or (None, None, None) for r in per_rank]  # an emulated rank: its peers unmeasured
     metrics = {
         "time_ms_median": timing.median_ms, "time_ms_p20": timing.p20_ms, "time_ms_p80": timing.p80_ms,
+        "time_ms_samples": timing.times_ms,
         "rank_time_ms_median": [r[0] for r in per_rank],
         "imbalance_max_over_mean": max(medians) / (sum(medians) / len(medians)) if emulated is None else None,
         "tokens_per_s": point.tokens / seconds, "tflops_per_gpu": tflops,

@@ -125,11 +125,16 @@ def _is_failure(status: str) -> bool:
 
 def recorded_statuses(out: Path, retry_errors: bool) -> dict[str, str]:
     """Point id -> recorded status of the points in ``out``'s records that a resumed run skips."""
-    done = {}
-    for record in read_records(out / RECORDS_FILE):
+    done, problems = {}, []
+    for record in read_records(out / RECORDS_FILE, problems):
         if retry_errors and record["status"].startswith("error"):
             continue
         done[record["point_id"]] = record["status"]
+    for problem in problems:  # an invalid line records nothing: its point is measured again
+        print(f"--resume: skipped {problem}", file=sys.stderr)
+    if problems:
+        print(f"--resume: {len(problems)} invalid record line(s) skipped; their points are measured again",
+              file=sys.stderr)
     return done
 
 

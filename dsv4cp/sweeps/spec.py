@@ -133,8 +133,11 @@ class Point:
         return self.direction == "fwd+bwd"
 
     def axes(self) -> dict[str, Any]:
-        """The point as record axes (``direction`` under its axis name ``pass``)."""
-        return {axis: getattr(self, attribute) for axis, attribute in _AXIS_ATTRIBUTES}
+        """The point as record axes (``direction`` under its axis name ``pass``; ``kernel_options`` as the
+        options that differ from their defaults once the point's own are set, the environment included)."""
+        values = {axis: getattr(self, attribute) for axis, attribute in _AXIS_ATTRIBUTES}
+        values["kernel_options"] = kernel_option_registry.configuration(self.kernel_options)
+        return values
 
     @property
     def point_id(self) -> str:
