@@ -15,10 +15,13 @@ On 2 idle CPU cores the second takes about 13 minutes (5 fwd+bwd steps of about 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 from dsv4cp.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
     add_device_option,
     add_layer_options,
     add_memory_options,
@@ -29,10 +32,11 @@ from dsv4cp.cli.common import (
     progress_enabled,
     resolve_dtype,
 )
-from dsv4cp.layer import DSv4Attention
+from dsv4cp.layer import AttentionOutput, DSv4Attention
 from dsv4cp.profiling.memory import track_memory
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.profiling.timing import benchmark
+from dsv4cp.sweeps.measure import nonfinite_parts
 
 HELP = "time one layer (forward, optionally backward) on random packed input"
 
@@ -57,13 +61,14 @@ def run(args: argparse.Namespace) -> int:
     layer = layer.to(device=device, dtype=dtype)
     x = torch.randn(packed.total, cfg.hidden, device=device, dtype=dtype, requires_grad=args.backward)
 
-    def step() -> None:
+    def step() -> AttentionOutput:
         result = layer(x, packed)
         if args.backward:
             loss = result.out.float().square().mean()
             if result.indexer_loss is not None:
                 loss = loss + result.indexer_loss
             loss.backward()
+        return result
 
     # warm-up, timed steps, then one more step for the peak memory (never measured while timing)
     with step_progress(args.warmup, args.reps, extra=1, enabled=progress_enabled(args.progress),
@@ -71,9 +76,11 @@ def run(args: argparse.Namespace) -> int:
         timing = benchmark(step, warmup=args.warmup, reps=args.reps, device=device, l2_flush=args.l2_flush,
                            on_step=on_step)
         with track_memory(device) as tracker:
-            step()
+            result = step()
         if on_step is not None:
             on_step("memory")
+    nonfinite = nonfinite_parts(result, x, layer)
+    del result
     memory = tracker.result
     if device.type == "cuda":
         peak = f"{memory.peak_allocated_bytes / 2**30:.2f} GiB allocator peak"
@@ -87,4 +94,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"{what}: median {timing.median_ms:.2f} ms over {timing.reps} reps "
           f"(p20 {timing.p20_ms:.2f}, p80 {timing.p80_ms:.2f}); {peak}")
-    return 0
+    if nonfinite:
+        print(f"dsv4cp layer: error: non-finite {', '.join(nonfinite)}: the timed steps computed NaN or infinity",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

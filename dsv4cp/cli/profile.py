@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import torch
 import torch.distributed as dist
 
 from dsv4cp.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
     add_dist_backend_option,
     add_layer_options,
     add_machine_options,
@@ -50,7 +53,7 @@ from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
-from dsv4cp.sweeps.measure import check_cuda_graph, measure_point
+from dsv4cp.sweeps.measure import NonFiniteResult, check_cuda_graph, measure_point
 from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
 from dsv4cp.sweeps.spec import Point, RunOptions, make_point
 
@@ -140,15 +143,21 @@ def run(args: argparse.Namespace) -> int:
                  recompute=args.recompute, device=device, force=args.force)
     if emulated:
         group = init_emulated_group(cp, rank, seed=args.seed)
+    status = EXIT_OK
     try:
         _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out)
+    except NonFiniteResult as err:  # raised on every rank at once, so all of them reach the barrier below
+        if rank == 0 or emulated:
+            print(f"dsv4cp profile: error: {err}: the timed steps computed NaN or infinity, no record written",
+                  file=sys.stderr)
+        status = EXIT_FAILED
     finally:  # also on an error: the fake group must not outlive this command in the process
         if emulated:
             destroy_emulated_group(group)
     if not emulated and group is not None:
         dist.barrier(group)
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 def _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out) -> None:

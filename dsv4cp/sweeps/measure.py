@@ -29,7 +29,7 @@ from dsv4cp.cp.check import CheckCase, merge_ranks, randomize_, run_rank
 from dsv4cp.cp.emulate import emulated_rank
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.layer import DSv4Attention
+from dsv4cp.layer import AttentionOutput, DSv4Attention
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.partition import policy_split
@@ -59,6 +59,31 @@ class Measurement:
     """The per-phase overlap table (per step) when traced, on the group's rank 0."""
     attribution: pd.DataFrame | None = None
     """Per rank, the step's unattributed and idle time (per step) when traced, on the group's rank 0."""
+
+
+_GRADIENTS_NAMED = 3
+"""Non-finite gradients named in the message; the rest are counted."""
+
+
+class NonFiniteResult(RuntimeError):
+    """A measured step's output, indexer loss or gradients hold NaN or infinity: its timing measured a
+    broken computation. Raised on every rank of the group at once (no rank is left in a collective)."""
+
+
+def nonfinite_parts(result: AttentionOutput, x: torch.Tensor, layer: torch.nn.Module) -> list[str]:
+    """What of one step's results is not finite: ``"output"``, ``"indexer loss"``, ``"gradients of
+    x, wq_a.weight, ..."`` (``x``'s and the parameters' accumulated ``.grad``); empty when all are.
+    One host read after the device-side checks; called after timing, never inside the timed loop."""
+    named = [("output", result.out), ("indexer loss", result.indexer_loss), ("x", x.grad)]
+    named += [(name, prm.grad) for name, prm in layer.named_parameters()]
+    named = [(name, t) for name, t in named if t is not None]
+    finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).tolist()
+    bad = [name for (name, _), ok in zip(named, finite) if not ok]
+    results = [name for name in bad if name in ("output", "indexer loss")]
+    grads = [name for name in bad if name not in results]
+    if len(grads) > _GRADIENTS_NAMED:
+        grads = grads[:_GRADIENTS_NAMED] + [f"{len(grads) - _GRADIENTS_NAMED} more"]
+    return results + ([f"gradients of {', '.join(grads)}"] if grads else [])
 
 
 class _RankClock:
@@ -165,7 +190,9 @@ def measure_point(
     peak-memory step: memory, memory phases, traces and nsys steps are eager steps.
 
     Raises ``ValueError`` for shapes the point cannot run and for a ``cuda_graph`` it cannot replay
-    (before any collective), and whatever the step raises (``torch.OutOfMemoryError``, ...).
+    (before any collective), :class:`NonFiniteResult` on every rank when the peak-memory step's
+    output, indexer loss or gradients are not finite on any rank (checked once, after timing), and
+    whatever the step raises (``torch.OutOfMemoryError``, ...).
     """
     cp = dist.get_world_size(group) if group is not None else 1
     if cp != point.cp:
@@ -199,7 +226,7 @@ def measure_point(
     x = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype).requires_grad_(point.backward)
     upstream = torch.randn(rows, cfg.hidden, generator=inputs, device=device, dtype=dtype)
 
-    def step() -> None:
+    def step() -> AttentionOutput:
         result = layer(x, packed, cp_group=group, split=split)
         if point.backward:
             # the gradients of sum(out * upstream) + indexer_loss, seeded directly: no loss kernels in the step
@@ -207,6 +234,7 @@ def measure_point(
             if result.indexer_loss is not None:
                 outputs, seeds = outputs + [result.indexer_loss], seeds + [None]  # None: d/d(loss) = 1
             torch.autograd.backward(outputs, seeds)
+        return result
 
     timed = step
     if point.cuda_graph:
@@ -220,15 +248,17 @@ def measure_point(
         del clock, timed  # the last references to the graph: its memory pool is released ...
         torch.cuda.empty_cache()  # ... and handed back, so the eager steps below measure their own memory
     with track_memory(device) as tracker:
-        step()
+        result = step()
     sample = tracker.result
     peak = sample.peak_allocated_bytes if device.type == "cuda" else sample.host_peak_rss_bytes
-    per_rank = _gather((rank_median, peak, sample.device_used_bytes), group)
+    per_rank = _gather((rank_median, peak, sample.device_used_bytes, nonfinite_parts(result, x, layer)), group)
+    del result
+    _raise_if_nonfinite([r[3] if r is not None else [] for r in per_rank])
 
     seconds = timing.median_ms / 1e3
     tflops = bound.model_tflops_per_gpu(seconds)
     medians = [r[0] for r in per_rank if r is not None]
-    per_rank = [r or (None, None, None) for r in per_rank]  # an emulated rank: its peers unmeasured
+    per_rank = [r or (None, None, None, None) for r in per_rank]  # an emulated rank: its peers unmeasured
     metrics = {
         "time_ms_median": timing.median_ms, "time_ms_p20": timing.p20_ms, "time_ms_p80": timing.p80_ms,
         "rank_time_ms_median": [r[0] for r in per_rank],
@@ -283,6 +313,14 @@ def measure_point(
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
     return Measurement(metrics, resolved, overlap, attribution)
+
+
+def _raise_if_nonfinite(per_rank: list[list[str]]) -> None:
+    """:class:`NonFiniteResult` naming the first rank's non-finite parts (and which ranks had any)."""
+    ranks = [rank for rank, parts in enumerate(per_rank) if parts]
+    if ranks:
+        where = f"rank {ranks[0]}" + (f" (and ranks {', '.join(map(str, ranks[1:]))})" if ranks[1:] else "")
+        raise NonFiniteResult(f"non-finite {', '.join(per_rank[ranks[0]])} on {where}")
 
 
 def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:

@@ -43,7 +43,7 @@ from dsv4cp.records import (
     read_records,
     write_meta,
 )
-from dsv4cp.sweeps.measure import measure_point
+from dsv4cp.sweeps.measure import NonFiniteResult, measure_point
 from dsv4cp.sweeps.meta import git_sha, machine_label, run_meta
 from dsv4cp.sweeps.spec import Point, SweepSpec, expand
 
@@ -246,6 +246,8 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
             metrics, resolved = measurement.metrics, measurement.resolved_backends
         except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
             status = STATUS_OOM if is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"
+            if isinstance(err, NonFiniteResult):  # "error: non-finite output, ... on rank r"
+                status = f"error: {_first_line(err)}"
             outcome = (status, f"rank {rank}: {_first_line(err)}")
         if device.type == "cuda" and outcome[0] != STATUS_OK:
             torch.cuda.empty_cache()
