@@ -10,8 +10,8 @@ Non-finite values. The top-k never selects a non-finite indexer score (docs/desi
 or infinite indexer query, head weight or key would drop out of the selected set, and with it out of
 this loss (an all-NaN input used to give a loss of exactly 0). The loss is therefore multiplied by 1
 when every value of ``index_q``, ``index_w`` and ``index_keys`` is finite and by NaN otherwise: one
-device-side check, no host read, and bitwise the same loss and gradients for finite inputs (``x * 1``
-is exact). The backward scales by the same factor, so the gradients of the entries still scored turn
+device-side check (a sum per input), no host read, and bitwise the same loss and gradients for finite
+inputs (``x * 1`` is exact). The backward scales by the same factor, so the gradients of the entries still scored turn
 NaN too (a row whose scores were all skipped has none). Non-finite values on the attention side
 (queries, keys, lse, sink) need no factor: they reach the target of every row that scores an entry.
 
@@ -182,10 +182,14 @@ def indexer_loss(
 def _one_if_finite(index_q: torch.Tensor, index_w: torch.Tensor, index_keys: torch.Tensor,
                    like: torch.Tensor) -> torch.Tensor:
     """0-d tensor of ``like``'s dtype: 1 when every indexer input is finite, else NaN (the selection
-    skips non-finite scores, so without this factor they would vanish from the loss)."""
+    skips non-finite scores, so without this factor they would vanish from the loss).
+
+    Checked through each input's sum: a NaN or infinity anywhere makes a sum non-finite, whatever the
+    order of the additions, and finite values overflow an fp32 sum only far beyond any score the
+    indexer could rank. One read per input and no temporary of its size, unlike ``isfinite().all()``."""
     with torch.no_grad():
-        finite = torch.isfinite(index_q).all() & torch.isfinite(index_w).all() & torch.isfinite(index_keys).all()
-        return torch.where(finite, 1.0, float("nan")).to(like.dtype)
+        total = sum(t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in (index_q, index_w, index_keys))
+        return torch.where(torch.isfinite(total), 1.0, float("nan")).to(like.dtype)
 
 
 def _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q, index_w,
