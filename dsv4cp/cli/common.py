@@ -67,7 +67,8 @@ EXIT_OOM = 3
 EXIT_CODES_HELP = """\
 exit codes:
   0  success
-  1  a check failed (check-cp: a quantity missed its tolerance)
+  1  a check failed (check-cp: a quantity missed its tolerance; layer, profile: the step's output,
+     indexer loss or gradients are not finite)
   2  bad input: usage errors, invalid values, unreadable or unwritable paths (one line on stderr)
   3  out of memory: refused before allocating (the estimate exceeds free memory; --force skips the
      check) or the device ran out while running

@@ -17,11 +17,14 @@ On 2 idle CPU cores the second takes about 13 minutes (5 fwd+bwd steps of about 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 from dsv4cp import kernel_options
 from dsv4cp.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
     LayerInputs,
     add_device_option,
     add_layer_options,
@@ -38,6 +41,7 @@ from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.profiling.memory import track_memory
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.profiling.timing import benchmark
+from dsv4cp.sweeps.measure import nonfinite_parts
 
 HELP = "time one layer (forward, optionally backward) on random packed input"
 
@@ -73,9 +77,11 @@ def run(args: argparse.Namespace) -> int:
         timing = benchmark(step, warmup=args.warmup, reps=args.reps, device=device, l2_flush=args.l2_flush,
                            on_step=on_step)
         with track_memory(device) as tracker:
-            step()
+            result = step()
         if on_step is not None:
             on_step("memory")
+    nonfinite = nonfinite_parts(result, step.x, layer)
+    del result
     memory = tracker.result
     if device.type == "cuda":
         peak = f"{memory.peak_allocated_bytes / 2**30:.2f} GiB allocator peak"
@@ -90,4 +96,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{what}: median {timing.median_ms:.2f} ms over {timing.reps} reps "
           f"(p20 {timing.p20_ms:.2f}, p80 {timing.p80_ms:.2f}); {peak}")
     print(kernels_line(kernel_options.backends_ran()))
-    return 0
+    if nonfinite:
+        print(f"dsv4cp layer: error: non-finite {', '.join(nonfinite)}: the timed steps computed NaN or infinity",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

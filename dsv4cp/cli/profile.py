@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import torch
 import torch.distributed as dist
 
 from dsv4cp.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
     add_dist_backend_option,
     add_layer_options,
     add_machine_options,
@@ -58,7 +61,7 @@ from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.memory_snapshot import check_snapshot_request, snapshot_name
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
-from dsv4cp.sweeps.measure import check_cuda_graph, measure_point, point_inputs, point_split
+from dsv4cp.sweeps.measure import NonFiniteResult, check_cuda_graph, measure_point, point_inputs, point_split
 from dsv4cp.sweeps.measured_split import MAX_ROUNDS, TARGET_IMBALANCE, load_split
 from dsv4cp.sweeps.spec import ALL_RANKS, MEASURED, PARTITIONS, Point, RunOptions, make_point
 
@@ -190,16 +193,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if emulated:
         group = init_emulated_group(cp, rank, seed=args.seed)
+    status = EXIT_OK
     try:
         _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out,
                             split)
+    except NonFiniteResult as err:  # raised on every rank at once, so all of them reach the barrier below
+        if rank == 0 or emulated:
+            print(f"dsv4cp profile: error: {err}: the timed steps computed NaN or infinity, no record written",
+                  file=sys.stderr)
+        status = EXIT_FAILED
     finally:  # also on an error: the fake group must not outlive this command in the process
         if emulated:
             destroy_emulated_group(group)
     if not emulated and group is not None:
         dist.barrier(group)
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 def _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out,

@@ -34,9 +34,11 @@ CHUNK_BYTES = 1 << 30
 
 
 def _row_chunks(rows: int, q_weight: torch.Tensor) -> list[slice]:
+    """Slices covering ``rows``; one empty slice when there are none (a rank may hold no rows), so the
+    queries still come out of ``query_fn`` with their ``[0, H, D]`` shape and dtype."""
     per_row = q_weight.shape[0] * 4 * 4  # the projection's width, fp32, a few live intermediates
     step = max(1, CHUNK_BYTES // per_row)
-    return [slice(s, min(s + step, rows)) for s in range(0, rows, step)]
+    return [slice(s, min(s + step, rows)) for s in range(0, max(rows, 1), step)]
 
 
 @torch.no_grad()

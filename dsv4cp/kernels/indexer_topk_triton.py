@@ -171,7 +171,7 @@ def _stream_topk_kernel(
                             BLOCK_M, BLOCK_N, PRECISION, DOT_F32)  # the score kernel's arithmetic
             # one comparison of the packed keys decides score, then the lower key row
             packed = _pack_keys(acc, cols, BLOCK_N)
-            cand = tl.where(vis & (packed > thr[:, None]), packed, _EMPTY)
+            cand = tl.where(vis & (tl.abs(acc) < float("inf")) & (packed > thr[:, None]), packed, _EMPTY)  # finite only
             if tl.max(cand) > _EMPTY:
                 if NATIVE_SORT:
                     cand = tl.sort(cand)  # ascending

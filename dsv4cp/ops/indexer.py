@@ -59,7 +59,8 @@ def indexer_topk(
             causal prefix like the Triton plan's; without it every chunk scores all ``G`` rows.
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are
         visible. Among equal scores at the cut the lower key rows win (keys must be in entry order,
-        gaps allowed), so every CP layout selects the same entries.
+        gaps allowed), so every CP layout selects the same entries. A NaN or infinite score is never
+        selected (as if invisible; the indexer loss reports it, docs/design.md §4.5).
     Raises:
         ValueError: ``key_row_limit`` is not None nor a tuple ``(base >= 0, ratio >= 1)`` of ints.
     """

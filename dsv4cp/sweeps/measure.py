@@ -30,6 +30,7 @@ from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.emulate import emulated_rank
 from dsv4cp.cp.partition import RowSplit, floor_rows
+from dsv4cp.layer import AttentionOutput
 from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
@@ -66,6 +67,31 @@ class Measurement:
     backends: dict = field(default_factory=dict)
     """What ran per op and direction in the warm-up and timed steps, and the launches' tile configs
     (:func:`dsv4cp.kernel_options.backends_ran`; on this rank)."""
+
+
+_GRADIENTS_NAMED = 3
+"""Non-finite gradients named in the message; the rest are counted."""
+
+
+class NonFiniteResult(RuntimeError):
+    """A measured step's output, indexer loss or gradients hold NaN or infinity: its timing measured a
+    broken computation. Raised on every rank of the group at once (no rank is left in a collective)."""
+
+
+def nonfinite_parts(result: AttentionOutput, x: torch.Tensor, layer: torch.nn.Module) -> list[str]:
+    """What of one step's results is not finite: ``"output"``, ``"indexer loss"``, ``"gradients of
+    x, wq_a.weight, ..."`` (``x``'s and the parameters' accumulated ``.grad``); empty when all are.
+    One host read after the device-side checks; called after timing, never inside the timed loop."""
+    named = [("output", result.out), ("indexer loss", result.indexer_loss), ("x", x.grad)]
+    named += [(name, prm.grad) for name, prm in layer.named_parameters()]
+    named = [(name, t) for name, t in named if t is not None]
+    finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).tolist()
+    bad = [name for (name, _), ok in zip(named, finite) if not ok]
+    results = [name for name in bad if name in ("output", "indexer loss")]
+    grads = [name for name in bad if name not in results]
+    if len(grads) > _GRADIENTS_NAMED:
+        grads = grads[:_GRADIENTS_NAMED] + [f"{len(grads) - _GRADIENTS_NAMED} more"]
+    return results + ([f"gradients of {', '.join(grads)}"] if grads else [])
 
 
 class _RankClock:
@@ -178,7 +204,9 @@ def measure_point(
     The point's ``kernel_options`` are in force throughout (the checked parity run included).
 
     Raises ``ValueError`` for shapes the point cannot run and for a ``cuda_graph`` it cannot replay
-    (before any collective), and whatever the step raises (``torch.OutOfMemoryError``, ...).
+    (before any collective), :class:`NonFiniteResult` on every rank when the peak-memory step's
+    output, indexer loss or gradients are not finite on any rank (checked once, after timing), and
+    whatever the step raises (``torch.OutOfMemoryError``, ...).
     """
     with kernel_options.overrides(point.kernel_options or {}):
         return _measure(point, group, device, run, machine=machine, trace_dir=trace_dir, nsys=nsys, check=check,
@@ -245,15 +273,18 @@ def _measure(
         del clock, timed  # the last references to the graph: its memory pool is released ...
         torch.cuda.empty_cache()  # ... and handed back, so the eager steps below measure their own memory
     with track_memory(device) as tracker:
-        step()
+        result = step()
     sample = tracker.result
     peak = sample.peak_allocated_bytes if device.type == "cuda" else sample.host_peak_rss_bytes
-    per_rank = _gather((rank_median, peak, sample.device_used_bytes), group)
+    per_rank = _gather((rank_median, peak, sample.device_used_bytes, nonfinite_parts(result, step.x, step.layer)),
+                       group)
+    del result
+    _raise_if_nonfinite([r[3] if r is not None else [] for r in per_rank])
 
     seconds = timing.median_ms / 1e3
     tflops = bound.model_tflops_per_gpu(seconds)
     medians = [r[0] for r in per_rank if r is not None]
-    per_rank = [r or (None, None, None) for r in per_rank]  # an emulated rank: its peers unmeasured
+    per_rank = [r or (None, None, None, None) for r in per_rank]  # an emulated rank: its peers unmeasured
     metrics = {
         "time_ms_median": timing.median_ms, "time_ms_p20": timing.p20_ms, "time_ms_p80": timing.p80_ms,
         "time_ms_samples": timing.times_ms,
@@ -317,6 +348,14 @@ def _measure(
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
     return Measurement(metrics, resolved, overlap, attribution, kernel_options=options, backends=backends)
+
+
+def _raise_if_nonfinite(per_rank: list[list[str]]) -> None:
+    """:class:`NonFiniteResult` naming the first rank's non-finite parts (and which ranks had any)."""
+    ranks = [rank for rank, parts in enumerate(per_rank) if parts]
+    if ranks:
+        where = f"rank {ranks[0]}" + (f" (and ranks {', '.join(map(str, ranks[1:]))})" if ranks[1:] else "")
+        raise NonFiniteResult(f"non-finite {', '.join(per_rank[ranks[0]])} on {where}")
 
 
 def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:

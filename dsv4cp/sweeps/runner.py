@@ -56,6 +56,7 @@ from dsv4cp.records import (
     write_meta,
 )
 from dsv4cp.sweeps.identity import check_resume, identity_fields
+from dsv4cp.sweeps.measure import NonFiniteResult
 from dsv4cp.sweeps.measured_split import measure_under_partition
 from dsv4cp.sweeps.meta import run_meta
 from dsv4cp.sweeps.run_lock import RunDirLock
@@ -330,6 +331,8 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
                        "kernel_options": measurement.kernel_options, "backends": measurement.backends}
         except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
             status = STATUS_OOM if is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"
+            if isinstance(err, NonFiniteResult):  # "error: non-finite output, ... on rank r"
+                status = f"error: {_first_line(err)}"
             outcome = (status, f"rank {rank}: {_first_line(err)}")
         if device.type == "cuda" and outcome[0] != STATUS_OK:
             torch.cuda.empty_cache()
