@@ -9,11 +9,10 @@ import pytest
 import torch
 import yaml
 
-from dsv4cp.cli import layer as layer_cli
 from dsv4cp.cli.main import main
 from dsv4cp.cp.launch import spawn
+from dsv4cp.layer import step as layer_step
 from dsv4cp.records import read_records
-from dsv4cp.sweeps import measure
 from dsv4cp.sweeps.measure import NonFiniteResult, measure_point
 from dsv4cp.sweeps.spec import RunOptions, make_point
 
@@ -41,7 +40,7 @@ def _poisoning_randomize(original, weight: str):
 def test_measure_point_raises_naming_what_is_not_finite(monkeypatch, weight: str, direction: str, want: str) -> None:
     point = make_point({**BASE, "ratio": 4, "pass": direction})
     measure_point(point, None, torch.device("cpu"), RUN)  # the control: finite
-    monkeypatch.setattr(measure, "randomize_", _poisoning_randomize(measure.randomize_, weight))
+    monkeypatch.setattr(layer_step, "randomize_", _poisoning_randomize(layer_step.randomize_, weight))
     with pytest.raises(NonFiniteResult) as caught:
         measure_point(point, None, torch.device("cpu"), RUN)
     assert str(caught.value).startswith(want), str(caught.value)
@@ -51,16 +50,16 @@ def test_the_sweep_records_a_nonfinite_point_as_an_error(monkeypatch, tmp_path) 
     spec = tmp_path / "nan.yaml"
     spec.write_text(yaml.safe_dump({"name": "nan", "run": {"warmup": 0, "reps": 1},
                                     "base": {**BASE, "ratio": 0, "pass": "fwd"}}))
-    monkeypatch.setattr(measure, "randomize_", _poisoning_randomize(measure.randomize_, "wkv.weight"))
+    monkeypatch.setattr(layer_step, "randomize_", _poisoning_randomize(layer_step.randomize_, "wkv.weight"))
     out = tmp_path / "run"
-    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "1", "--progress", "off"]) == 0
+    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "1", "--progress", "off"]) == 1  # a failed point
     (record,) = read_records(out)
     assert record["status"] == "error: non-finite output on rank 0", record["status"]
     assert record["time_ms_median"] is None
 
 
 def test_profile_exits_1_naming_what_is_not_finite(monkeypatch, tmp_path, capsys) -> None:
-    monkeypatch.setattr(measure, "randomize_", _poisoning_randomize(measure.randomize_, "wq_a.weight"))
+    monkeypatch.setattr(layer_step, "randomize_", _poisoning_randomize(layer_step.randomize_, "wq_a.weight"))
     out = tmp_path / "run"
     args = ["profile", "--preset", "tiny", "--ratio", "4", "--tokens", "48", "--warmup", "0", "--reps", "1",
             "--kernel-backend", "torch", "--backward", "--out", str(out)]
@@ -70,7 +69,7 @@ def test_profile_exits_1_naming_what_is_not_finite(monkeypatch, tmp_path, capsys
     assert not (out / "records.jsonl").exists()
 
 
-class _NanLayer(layer_cli.DSv4Attention):
+class _NanLayer(layer_step.DSv4Attention):
     """The layer command's layer with one NaN weight."""
 
     def reset_parameters(self, generator=None) -> None:
@@ -84,7 +83,7 @@ def test_layer_exits_1_naming_what_is_not_finite(monkeypatch, capsys) -> None:
             "--backward"]
     assert main(args) == 0  # the control: finite
     capsys.readouterr()
-    monkeypatch.setattr(layer_cli, "DSv4Attention", _NanLayer)
+    monkeypatch.setattr(layer_step, "DSv4Attention", _NanLayer)
     assert main(args) == 1
     captured = capsys.readouterr()
     assert captured.err.startswith("dsv4cp layer: error: non-finite output, indexer loss, gradients of x, "), \
@@ -95,7 +94,7 @@ def test_layer_exits_1_naming_what_is_not_finite(monkeypatch, capsys) -> None:
 def _poisoned_rank_1(rank: int, world: int, device: torch.device) -> str:
     """One point of cp 2 measured with a NaN weight on rank 1 only: what each rank raised."""
     if rank == 1:
-        measure.randomize_ = _poisoning_randomize(measure.randomize_, "wq_a.weight")  # in this process only
+        layer_step.randomize_ = _poisoning_randomize(layer_step.randomize_, "wq_a.weight")  # in this process only
     point = make_point({**BASE, "cp": 2, "ratio": 0, "pass": "fwd"})
     try:
         measure_point(point, torch.distributed.group.WORLD, device, RUN)
