@@ -182,7 +182,8 @@ META_TYPES: dict[str, FieldType] = {
     "schema": _int_at_least(1), "time_utc": TEXT, "git_sha": TEXT, "git_dirty": FLAG, "host": TEXT,
     "machine": TEXT, "gpu_name": TEXT, "gpu_count": _int_at_least(0), "driver": TEXT, "cuda": TEXT,
     "torch": TEXT, "triton": TEXT, "nccl": TEXT, "optional_backends": MAPPING, "spec": MAPPING,
-    "kernel_options": SCALAR_MAPPING,
+    "kernel_options": SCALAR_MAPPING, "spec_hash": TEXT,
+    "point_ids": FieldType("a list of strings", _list_of(lambda item: isinstance(item, str))),
 }
 """The type of every ``meta.json`` field (a field without an entry holds any JSON value)."""
 
@@ -302,6 +303,13 @@ def point_id(axes: dict) -> str:
               if name not in _ADDED_AXES or not (value is None or value is _ADDED_AXES[name])}
     canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(canonical.encode()).hexdigest()[:12]
+
+
+def match_id(record: dict) -> str:
+    """The id of a record's point without its kernel options: what two runs' records are matched on
+    (``dsv4cp compare``), so that points differing only in their kernel configuration meet, and the
+    configuration is then compared as part of their identity (:data:`CONFIG_FIELDS`)."""
+    return point_id({**record, "kernel_options": None})
 
 
 def check_status(status: str) -> str:
@@ -495,8 +503,15 @@ def read_meta(run_dir: str | os.PathLike) -> dict:
     path = Path(run_dir) / META_FILE
     if not path.exists():
         raise ValueError(f"run_dir: {run_dir} has no {META_FILE}")
-    meta, reason = _parse_line(path.read_bytes())
-    reason = reason or check_meta(meta)
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except (RecursionError, ValueError) as err:  # JSONDecodeError, nesting, an integer too long to convert
+        raise ValueError(f"{path}: not valid JSON, truncated or corrupted ({err})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(meta).__name__}")
+    reason = check_meta(meta)
     if reason is not None:
         raise ValueError(f"{path}: {reason}")
     return meta

@@ -8,6 +8,7 @@ import os
 import torch
 
 from dsv4cp import environment as env_module
+from dsv4cp import kernel_options
 from dsv4cp.cli.main import main
 from dsv4cp.environment import GIT_SHA_ENV, environment, git_dirty, git_sha, machine_label
 from dsv4cp.records import META_FIELDS
@@ -24,13 +25,15 @@ def test_machine_label_names_the_hardware_and_the_rank_count(monkeypatch):
 def test_meta_json_holds_the_environment_fields_it_records(monkeypatch):
     monkeypatch.setenv(GIT_SHA_ENV, "0123abc")
     meta = run_meta(2, torch.device("cpu"), {"name": "t"})
-    assert set(meta) == set(META_FIELDS) - {"schema"}
+    identity = {"spec_hash", "point_ids"}  # a sweep's identity: the runner adds it (dsv4cp.sweeps.identity)
+    assert set(meta) == set(META_FIELDS) - {"schema"} - identity
     info = environment("cpu", 2)
-    for name in set(META_FIELDS) - {"schema", "time_utc", "spec"}:
+    for name in set(META_FIELDS) - {"schema", "time_utc", "spec", "kernel_options"} - identity:
         assert meta[name] == info[name], name
     assert meta["git_sha"] == "0123abc" and meta["git_dirty"] is None  # the variable wins over git
     assert meta["machine"] == machine_label("cpu") and meta["gpu_count"] == 0 and meta["torch"] == torch.__version__
     assert set(meta["optional_backends"]) == set(env_module.OPTIONAL_PACKAGES)
+    assert meta["kernel_options"] == kernel_options.resolved()  # every option's value, as records hold them
 
 
 def test_git_sha_falls_back_to_the_checkout(monkeypatch):

@@ -32,7 +32,7 @@ from dsv4cp.records import (
     write_meta,
 )
 from dsv4cp.report import load_runs
-from dsv4cp.report.tables import all_tables
+from dsv4cp.report.summary import all_tables
 from dsv4cp.sweeps.runner import recorded_statuses
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "report"))

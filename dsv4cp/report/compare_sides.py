@@ -2,7 +2,8 @@
 JSON file -> one row per point with its value, band, repetition times, kernel configuration, and what
 is wrong with it.
 
-A run's points are keyed by ``point_id`` (all their axes), a benchmark's by its ``fullname``. Nothing is
+A run's points are keyed by their id without the kernel options (:func:`dsv4cp.records.match_id`: every
+other axis; the options are compared as the point's configuration), a benchmark's by its ``fullname``. Nothing is
 dropped silently: a record line that is not valid is kept as an ``invalid`` point when it names its
 point (so a broken value of a compared point is an error, not a missing point) and otherwise listed in
 ``Side.skipped``; several records of one point are listed in ``Side.duplicates`` (a retry after
@@ -28,6 +29,7 @@ from dsv4cp.records import (
     STATUS_OK,
     RecordProblem,
     check_times,
+    match_id,
 )
 from dsv4cp.report.load import load_runs
 
@@ -152,14 +154,23 @@ def _one_per_key(entries: list[tuple[str, dict]]) -> tuple[pd.DataFrame, list[st
     return frame, duplicates
 
 
+def _problem_key(problem: RecordProblem) -> str:
+    """An invalid line's matching key: its point's :func:`match_id` when its axes can be read, else its id."""
+    record = problem.record
+    try:
+        return match_id(record) if isinstance(record, dict) else problem.point_id
+    except (TypeError, ValueError):  # axes of any JSON type: one a registry cannot read keeps the stored id
+        return problem.point_id
+
+
 def _run_side(path: Path, metric: str) -> Side:
     if metric not in SCALAR_METRICS:
         raise UnusableInputError(f"--metric: {metric!r} is not a scalar record metric; choose one of {SCALAR_METRICS}")
     problems: list[RecordProblem] = []
     df = load_runs([path], problems)
     records = df.astype(object).where(df.notna(), None).to_dict(orient="records")
-    entries = [(record["point_id"], _run_point(record, metric)) for record in records]
-    entries += [(problem.point_id, _invalid_point(problem)) for problem in problems if problem.point_id]
+    entries = [(match_id(record), _run_point(record, metric)) for record in records]
+    entries += [(_problem_key(problem), _invalid_point(problem)) for problem in problems if problem.point_id]
     points, duplicates = _one_per_key(entries)
     if metric in TIME_BANDS:
         band = "p20..p80 of the record"

@@ -1,6 +1,6 @@
 """Sections of ``summary.md`` beyond the headline: cost growth, memory peaks and, for two runs, A vs B.
 
-Each section is markdown lines built from tables :func:`dsv4cp.report.tables.all_tables` already
+Each section is markdown lines built from tables :func:`dsv4cp.report.summary.all_tables` already
 computed; a section whose table is empty or absent is left out.
 """
 

@@ -16,8 +16,8 @@ import pandas as pd
 
 from dsv4cp.profiling.overlap import TOTAL
 from dsv4cp.report import diagnosis as diagnosis_module
+from dsv4cp.report import growth, roofline, sections, side_by_side
 from dsv4cp.report import plots as plots_module
-from dsv4cp.report import sections
 from dsv4cp.report import tables as tables_module
 from dsv4cp.report import targets as targets_module
 from dsv4cp.report.parity import parity_failures
@@ -229,6 +229,27 @@ SECTIONS: tuple[Callable[[ReportParts], list[str]], ...] = (
 """The summary's sections after its title and runs, in order: each returns its markdown lines."""
 
 
+def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Every report table by file name, in the order the summary lists them."""
+    two_runs = {"comparison": side_by_side.comparison(df)} if len(tables_module.runs_of(df)) == 2 else {}
+    return {
+        **two_runs,
+        "headline": tables_module.headline(df),
+        "phases": tables_module.phase_breakdown(df),
+        "strong_scaling": tables_module.scaling(df, "strong"),
+        "weak_scaling": tables_module.scaling(df, "weak"),
+        "overlap": tables_module.overlap_comparison(df),
+        "memory": tables_module.memory(df),
+        "memory_peaks": tables_module.memory_peaks(df),
+        "imbalance": tables_module.imbalance(df),
+        "model_imbalance": tables_module.model_imbalance(df),
+        "measured_vs_bound": tables_module.measured_vs_bound(df),
+        "cost_growth": growth.cost_growth(df),
+        "roofline": roofline.roofline(df),
+        "failures": tables_module.failures(df),
+    }
+
+
 def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dict[str, Plot],
                    table_dir: str = "tables", plot_dir: str = "plots") -> str:
     """``summary.md``'s text: runs, then :data:`SECTIONS` (headline, targets, diagnosis, where the time
@@ -245,8 +266,8 @@ def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dic
 
 def report_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """Every table of the report by file name: the headline, the judged targets, the diagnosis tables
-    and parity failures first, then the other tables of :func:`dsv4cp.report.tables.all_tables`."""
-    tables = tables_module.all_tables(df)
+    and parity failures first, then the other tables of :func:`all_tables`."""
+    tables = all_tables(df)
     diagnosed = diagnosis_module.diagnosis_tables(df)
     checked = tables_module.ok_points(df)
     extra = {"targets": targets_module.evaluate(df), **diagnosed,

@@ -359,29 +359,6 @@ def failures(df: pd.DataFrame) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------------------ output
-def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """Every report table by file name, in the order the summary lists them."""
-    from dsv4cp.report import growth, roofline, side_by_side  # they build on this module: imported late
-
-    two_runs = {"comparison": side_by_side.comparison(df)} if len(runs_of(df)) == 2 else {}
-    return {
-        **two_runs,
-        "headline": headline(df),
-        "phases": phase_breakdown(df),
-        "strong_scaling": scaling(df, "strong"),
-        "weak_scaling": scaling(df, "weak"),
-        "overlap": overlap_comparison(df),
-        "memory": memory(df),
-        "memory_peaks": memory_peaks(df),
-        "imbalance": imbalance(df),
-        "model_imbalance": model_imbalance(df),
-        "measured_vs_bound": measured_vs_bound(df),
-        "cost_growth": growth.cost_growth(df),
-        "roofline": roofline.roofline(df),
-        "failures": failures(df),
-    }
-
-
 def to_markdown(table: pd.DataFrame) -> str:
     """A GitHub markdown table: floats to 4 significant digits, NaN as blank, every other value as
     written (a hex git sha stays text); ``_(empty)_`` for an empty table."""

@@ -53,5 +53,7 @@ def test_every_path_skips_nonfinite_scores(what: str) -> None:
 
     want = indexer_topk(q, w, keys, visible, K)
     assert (want >= 0).any()
-    assert torch.equal(indexer_topk_triton(q, w, keys, *layout, K), want)
+    for select, keys_mode in (("torch", "packed"), ("torch", "scores"), ("radix", "packed")):  # every chunked path
+        assert torch.equal(indexer_topk_triton(q, w, keys, *layout, K, select=select, keys_mode=keys_mode), want), \
+            (select, keys_mode)
     assert torch.equal(indexer_topk_stream(q, w, keys, *layout, K), want)

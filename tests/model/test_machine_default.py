@@ -107,7 +107,8 @@ def test_report_tables_name_the_bound_machine(tmp_path) -> None:
     for cp, machine in ((1, "cpu-estimate"), (2, None)):
         metrics = {"time_ms_median": 2.0 * cp, "bound_ms": None if machine is None else 0.5, "model_flops": 1e9,
                    "measured_over_bound": None if machine is None else 4.0 * cp, "bound_machine": machine}
-        append_record(run / "records.jsonl", make_record({"preset": "tiny", "cp": cp, "tokens": 64}, metrics,
+        axes = {"preset": "tiny", "ratio": 4, "pass": "fwd", "cp": cp, "tokens": 64}
+        append_record(run / "records.jsonl", make_record(axes, metrics,
                                                          sweep="s", status="ok", machine="cpu", git_sha=None))
     df = load_runs([run])
     for table in (tables.headline(df), tables.measured_vs_bound(df)):

@@ -169,10 +169,14 @@ def test_points_missing_from_new_fail_only_with_fail_on_missing(tmp_path, seed, 
 
 # ------------------------------------------------------------------ broken values, duplicates, identity
 def _edit(run_dir, index: int, **changes) -> None:
-    """Rewrite record ``index`` of a run with ``changes`` (its point_id kept: the same point, a broken value)."""
+    """Rewrite record ``index`` of a run with ``changes`` (its point_id kept: the same point, a broken value;
+    a change of kernel options is another configuration: its id follows)."""
     path = run_dir / "records.jsonl"
     lines = path.read_text().splitlines()
-    lines[index] = json.dumps({**json.loads(lines[index]), **changes})
+    record = {**json.loads(lines[index]), **changes}
+    if "kernel_options" in changes:
+        record["point_id"] = point_id(record)
+    lines[index] = json.dumps(record)
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from report_helpers import TIME_RATIO_TARGET, grid, point_metrics, write_run
 
 from dsv4cp.records import append_record, make_record
+from dsv4cp.report import summary as report_summary
 from dsv4cp.report import tables
 from dsv4cp.report import targets as report_targets
 from dsv4cp.report.load import load_runs
@@ -51,5 +52,5 @@ def test_emulated_points_stay_apart_from_real_ones(tmp_path, seed):
     assert len(alone) == 2 and (alone["reason"] == "no measured partner with cp = 1").all()
     target = paired.iloc[0]
     assert target["measured"] == real_cp2["time_ms_median"] / df[df["cp"] == 1].iloc[0]["time_ms_median"]
-    for name, table in tables.all_tables(df).items():
+    for name, table in report_summary.all_tables(df).items():
         assert isinstance(table, type(df)), name

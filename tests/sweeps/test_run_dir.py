@@ -199,7 +199,8 @@ def test_resume_with_another_spec_is_refused_naming_what_differs(tmp_path, capsy
 def test_resume_refuses_records_of_points_the_spec_lacks(tmp_path, capsys):
     spec = _write_spec(tmp_path / "s.yaml", {"seed": [0]}, tokens=32)
     out = tmp_path / "run"
-    stranger = make_record({"preset": "tiny", "tokens": 32, "cp": 1, "seed": 7}, {}, sweep="other", status="ok",
+    stranger = make_record({"preset": "tiny", "ratio": 4, "pass": "fwd", "tokens": 32, "cp": 1, "seed": 7}, {},
+                           sweep="other", status="ok",
                            machine="cpu-2core", git_sha=None)
     append_record(out / RECORDS_FILE, stranger)  # a run directory without meta.json
     assert main(["sweep", str(spec), "--out", str(out), "--resume", "--progress", "off"]) == 2
@@ -224,7 +225,8 @@ BAD_META = [
 
 def _run_with_meta(tmp_path: Path, meta: bytes) -> Path:
     run = tmp_path / "run"
-    record = make_record({"preset": "tiny", "tokens": 32, "cp": 1}, {"time_ms_median": 1.5, "time_ms_p20": 1.4,
+    record = make_record({"preset": "tiny", "ratio": 4, "pass": "fwd+bwd", "tokens": 32, "cp": 1},
+                         {"time_ms_median": 1.5, "time_ms_p20": 1.4,
                                                                       "time_ms_p80": 1.6},
                          sweep="s", status="ok", machine="cpu-2core", git_sha=None)
     append_record(run / RECORDS_FILE, record)

@@ -55,8 +55,8 @@ def test_calibration_check_names_a_records_file_without_a_profiled_point(tmp_pat
 
 
 def _record(run: Path, cp: int, rank: int | None, ms: float, peak_gib: float) -> None:
-    peaks = [peak_gib * 2**30 if r == (rank or 0) else None for r in range(cp)]
-    axes = {"preset": "flash", "ratio": 4, "cp": cp, "tokens": 65536, "emulated_rank": rank,
+    peaks = [int(peak_gib * 2**30) if r == (rank or 0) else None for r in range(cp)]
+    axes = {"preset": "flash", "ratio": 4, "pass": "fwd+bwd", "cp": cp, "tokens": 65536, "emulated_rank": rank,
             "partition": "equal"}
     append_record(run / "records.jsonl", make_record(axes, {"time_ms_median": ms, "peak_allocated_bytes": peaks},
                                                      sweep="profile", status="ok", machine="1xNVIDIA H200",
