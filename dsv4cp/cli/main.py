@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "env": "env",
     "layer": "layer",
     "check-cp": "check_cp",
+    "check-determinism": "check_determinism",
     "profile": "profile",
     "overlap": "overlap",
     "model": "model",
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Usage errors exit through argparse (code 2); see :data:`EXIT_CODES_HELP` for the others.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args._argv = argv  # a command that re-runs itself in a fresh process (check-determinism) passes these on
     return run_command(args.command, lambda: args._run(args))
 
 

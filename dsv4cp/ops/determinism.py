@@ -1,0 +1,135 @@
+"""Which kernel backends give bitwise-identical results when the same step is replayed, per op and direction.
+
+A floating-point sum added in a different order rounds differently, so a kernel is deterministic iff its
+reductions run in an order fixed by the shapes alone. The usual culprit is an atomic add into a row that
+several programs share (the key / value rows every query reads): the order of the adds is the order the
+hardware schedules the programs in. Integer atomics (histogram counts of the radix select) commute and
+stay deterministic.
+
+Verdicts describe CUDA devices. On CPU every path is deterministic: the torch kernels reduce in a fixed
+order at a fixed thread count, and Triton's interpreter runs a grid's programs one after another.
+
+:data:`REGISTRY` is what ``dsv4cp env``, the README and ``check-determinism`` (which exits 1 when a
+configuration that claims determinism differs between replays) read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+ALWAYS, UNDER_MODE, NEVER, NOT_APPLICABLE = "deterministic", "under deterministic mode", "not deterministic", "n/a"
+VERDICTS = (ALWAYS, UNDER_MODE, NEVER, NOT_APPLICABLE)
+
+CUBLAS_WORKSPACE = ":4096:8"
+"""cuBLAS reuses its workspace deterministically only with a fixed workspace configuration; torch raises in
+deterministic mode without ``CUBLAS_WORKSPACE_CONFIG`` set (before the first matrix product)."""
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One direction of one backend: a verdict from :data:`VERDICTS` and why."""
+
+    verdict: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict: must be one of {VERDICTS}, got {self.verdict!r}")
+
+    def holds(self, deterministic_mode: bool) -> bool:
+        """Whether this direction replays bitwise on CUDA (always true of a direction that does not exist)."""
+        return self.verdict in (ALWAYS, NOT_APPLICABLE) or (self.verdict == UNDER_MODE and deterministic_mode)
+
+
+@dataclass(frozen=True)
+class BackendDeterminism:
+    op: str
+    backend: str
+    forward: Direction
+    backward: Direction
+
+
+_FIXED_ORDER = Direction(ALWAYS, "every output element is reduced by one program in a fixed order")
+_NO_GRAD = Direction(NOT_APPLICABLE, "no backward (a selection)")
+_INDEX_ADD = Direction(UNDER_MODE, "index_add_ into shared rows adds with atomics on CUDA unless "
+                                   "torch.use_deterministic_algorithms(True) (then sorted)")
+
+REGISTRY: tuple[BackendDeterminism, ...] = (
+    BackendDeterminism("sparse_attention", "torch", _FIXED_ORDER, _INDEX_ADD),
+    BackendDeterminism("sparse_attention", "triton", _FIXED_ORDER, Direction(
+        UNDER_MODE, "kv gradients: fp32 atomics, unless deterministic mode (torch.use_deterministic_algorithms or "
+                    "dsv4cp.kernels.set_deterministic) selects the sorted atomic-free reduction")),
+    BackendDeterminism("sparse_attention", "triton-deterministic", _FIXED_ORDER, Direction(
+        ALWAYS, "kv gradients reduced per row in sorted order, no atomics")),
+    BackendDeterminism("sparse_attention", "flashmla", Direction(ALWAYS, "no atomics"),
+                       Direction(NOT_APPLICABLE, "forward only")),
+    BackendDeterminism("sparse_attention", "cudnn", Direction(NOT_APPLICABLE, "backward only"), Direction(
+        NEVER, "not deterministic: fp32 atomics on dkv and d_sink (cuDNN refuses deterministic mode)")),
+    BackendDeterminism("indexer_topk", "torch", Direction(ALWAYS, "torch.topk; ties go to the earlier entry"),
+                       _NO_GRAD),
+    BackendDeterminism("indexer_topk", "triton", Direction(
+        ALWAYS, "scores and select per query block; ties go to the earlier entry; radix counts are integer "
+                "atomics (order-free)"), _NO_GRAD),
+    BackendDeterminism("indexer_scores", "torch", _FIXED_ORDER, _INDEX_ADD),
+    BackendDeterminism("indexer_scores", "triton", _FIXED_ORDER, Direction(
+        NEVER, "not deterministic: fp32 atomics into the key gradient (deterministic mode runs the torch "
+               "reference instead)")),
+    BackendDeterminism("compress_pool", "torch", _FIXED_ORDER, _INDEX_ADD),
+    BackendDeterminism("compress_pool", "triton", _FIXED_ORDER,
+                       Direction(ALWAYS, "every input gradient written by one program, no atomics")),
+    BackendDeterminism("norm_rope", "triton", _FIXED_ORDER,
+                       Direction(ALWAYS, "one program per (row, head block); no cross-row sum")),
+    BackendDeterminism("attention_probs", "triton", Direction(ALWAYS, "no atomics"), _NO_GRAD),
+)
+
+
+def lookup(op: str, backend: str) -> BackendDeterminism:
+    """The entry of ``backend`` for ``op``; ``ValueError`` naming both when none is registered."""
+    for entry in REGISTRY:
+        if entry.op == op and entry.backend == backend:
+            return entry
+    known = sorted({f"{e.op}/{e.backend}" for e in REGISTRY})
+    raise ValueError(f"backend: no determinism entry for op {op!r} backend {backend!r}; known: {known}")
+
+
+def attention_replays_bitwise(backend_name: str, device: torch.device, deterministic_mode: bool) -> bool:
+    """Whether a layer step whose sparse attention runs the resolved ``backend_name`` (``"fwd"`` or
+    ``"fwd+bwd"``) replays bitwise on ``device``, with or without deterministic mode.
+
+    On CUDA the layer's other ops count too: the indexer scores' Triton backward adds with atomics unless
+    deterministic mode sends it to the torch reference, and the torch glue (gathers' backwards) is
+    deterministic only in that mode. On CPU every path is deterministic.
+    """
+    if torch.device(device).type != "cuda":
+        return True
+    forward, plus, backward = backend_name.partition("+")
+    backward = backward if plus else forward
+    return (deterministic_mode and lookup("sparse_attention", forward).forward.holds(True)
+            and lookup("sparse_attention", backward).backward.holds(True))
+
+
+def registry_lines() -> list[str]:
+    """One line per (op, backend): forward and backward verdicts with their reasons."""
+    return [f"{e.op + '/' + e.backend:<38} forward {e.forward.verdict} ({e.forward.reason}); "
+            f"backward {e.backward.verdict} ({e.backward.reason})" for e in REGISTRY]
+
+
+@contextmanager
+def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(enabled)`` for the block, then the previous setting.
+
+    Sets ``CUBLAS_WORKSPACE_CONFIG`` (unless already set) so that matrix products are allowed in the mode.
+    """
+    previous = torch.are_deterministic_algorithms_enabled()
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
