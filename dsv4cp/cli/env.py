@@ -1,6 +1,7 @@
-"""Print versions and devices (the environment every run's meta.json records), what the sparse-attention
-backend "auto" resolves to per direction, and every backend with whether it can run here and, when it
-cannot, why (the package is missing, no CUDA device, Triton's CPU interpreter off).
+"""Print versions and devices (the environment every run's meta.json records), which kernel backends are
+deterministic per op and direction, what the sparse-attention backend "auto" resolves to per direction,
+and every backend with whether it can run here and, when it cannot, why (the package is missing, no
+CUDA device, Triton's CPU interpreter off).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
 
     device = parse_device(args.device)
     print("\n".join(environment_lines(device)))
+    from dsv4cp.ops.determinism import registry_lines
+
+    print(f"{'determinism':>17}: on CUDA, per op/backend (on CPU every path is deterministic)")
+    for line in registry_lines():
+        print(f"{'':>19}{line}")
     forward, backward = resolve_backend("auto", device).direction_names
     print(f"{'backends':>17}: on {device}; 'auto' -> forward {forward}, backward {backward}")
     for name in backend_names():

@@ -56,20 +56,19 @@ class BackendDeterminism:
 
 _FIXED_ORDER = Direction(ALWAYS, "every output element is reduced by one program in a fixed order")
 _NO_GRAD = Direction(NOT_APPLICABLE, "no backward (a selection)")
-_INDEX_ADD = Direction(UNDER_MODE, "index_add_ into shared rows adds with atomics on CUDA unless "
-                                   "torch.use_deterministic_algorithms(True) (then sorted)")
+_INDEX_ADD = Direction(UNDER_MODE, "index_add_ into shared rows: CUDA atomics unless "
+                                   "torch.use_deterministic_algorithms(True)")
 
 REGISTRY: tuple[BackendDeterminism, ...] = (
     BackendDeterminism("sparse_attention", "torch", _FIXED_ORDER, _INDEX_ADD),
     BackendDeterminism("sparse_attention", "triton", _FIXED_ORDER, Direction(
-        UNDER_MODE, "kv gradients: fp32 atomics, unless deterministic mode (torch.use_deterministic_algorithms or "
-                    "dsv4cp.kernels.set_deterministic) selects the sorted atomic-free reduction")),
+        UNDER_MODE, "fp32 atomics on the kv gradients unless deterministic mode selects the sorted reduction")),
     BackendDeterminism("sparse_attention", "triton-deterministic", _FIXED_ORDER, Direction(
         ALWAYS, "kv gradients reduced per row in sorted order, no atomics")),
     BackendDeterminism("sparse_attention", "flashmla", Direction(ALWAYS, "no atomics"),
                        Direction(NOT_APPLICABLE, "forward only")),
     BackendDeterminism("sparse_attention", "cudnn", Direction(NOT_APPLICABLE, "backward only"), Direction(
-        NEVER, "not deterministic: fp32 atomics on dkv and d_sink (cuDNN refuses deterministic mode)")),
+        NEVER, "fp32 atomics on dkv and d_sink (cuDNN refuses deterministic mode)")),
     BackendDeterminism("indexer_topk", "torch", Direction(ALWAYS, "torch.topk; ties go to the earlier entry"),
                        _NO_GRAD),
     BackendDeterminism("indexer_topk", "triton", Direction(
@@ -77,14 +76,14 @@ REGISTRY: tuple[BackendDeterminism, ...] = (
                 "atomics (order-free)"), _NO_GRAD),
     BackendDeterminism("indexer_scores", "torch", _FIXED_ORDER, _INDEX_ADD),
     BackendDeterminism("indexer_scores", "triton", _FIXED_ORDER, Direction(
-        NEVER, "not deterministic: fp32 atomics into the key gradient (deterministic mode runs the torch "
-               "reference instead)")),
+        NEVER, "fp32 atomics into the key gradient (deterministic mode runs the torch reference instead)")),
     BackendDeterminism("compress_pool", "torch", _FIXED_ORDER, _INDEX_ADD),
     BackendDeterminism("compress_pool", "triton", _FIXED_ORDER,
                        Direction(ALWAYS, "every input gradient written by one program, no atomics")),
     BackendDeterminism("norm_rope", "triton", _FIXED_ORDER,
                        Direction(ALWAYS, "one program per (row, head block); no cross-row sum")),
-    BackendDeterminism("attention_probs", "triton", Direction(ALWAYS, "no atomics"), _NO_GRAD),
+    BackendDeterminism("attention_probs", "triton", Direction(ALWAYS, "no atomics"),
+                       Direction(NOT_APPLICABLE, "no backward (the indexer loss's target)")),
 )
 
 
@@ -114,9 +113,14 @@ def attention_replays_bitwise(backend_name: str, device: torch.device, determini
 
 
 def registry_lines() -> list[str]:
-    """One line per (op, backend): forward and backward verdicts with their reasons."""
-    return [f"{e.op + '/' + e.backend:<38} forward {e.forward.verdict} ({e.forward.reason}); "
-            f"backward {e.backward.verdict} ({e.backward.reason})" for e in REGISTRY]
+    """One line per (op, backend): the verdict of each direction, with the reason where it is not always
+    deterministic."""
+    def shown(direction: Direction) -> str:
+        return direction.verdict if direction.verdict in (ALWAYS, NOT_APPLICABLE) else \
+            f"{direction.verdict}: {direction.reason}"
+
+    return [f"{e.op + '/' + e.backend:<38} forward {shown(e.forward)}; backward {shown(e.backward)}"
+            for e in REGISTRY]
 
 
 @contextmanager
