@@ -123,7 +123,8 @@ def replay_rank(rank: int, world: int, device: torch.device, case: ReplayCase,
             x_local = x[mine].clone().requires_grad_()
             selections: list[torch.Tensor] = []
             with _recording_selection(selections):
-                result = layer(x_local, packed, cp_group=group if world > 1 else None, split=split)
+                step = layer if check.compile is None else torch.compile(layer, backend=check.compile)
+                result = step(x_local, packed, cp_group=group if world > 1 else None, split=split)
             objective = (result.out.float() * weight[mine].float()).sum()
             if result.indexer_loss is not None:
                 objective = objective + result.indexer_loss.float()
