@@ -19,7 +19,7 @@ SCHEMA_VERSION: int = 1
 
 AXES: tuple[str, ...] = (
     "preset", "ratio", "cp", "tokens", "tokens_per_rank", "packing", "loss", "overlap", "kernel_backend",
-    "recompute", "pass", "dtype", "seed", "partition", "emulated_rank", "cuda_graph",
+    "recompute", "pass", "dtype", "seed", "partition", "emulated_rank", "cuda_graph", "deterministic", "compile",
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
@@ -28,9 +28,11 @@ AXES: tuple[str, ...] = (
 a real run, else the one rank of the ``cp`` that a single process measured alone with its collectives
 replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no communication; its per-rank
 lists hold None at every other rank); ``cuda_graph``: whether the timed steps were replays of one
-captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager)."""
+captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager);
+``deterministic``: whether the step ran under ``torch.use_deterministic_algorithms(True)`` with
+deterministic kernel backends; ``compile``: the ``torch.compile`` backend of the layer, None when eager."""
 
-_ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False}
+_ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False, "deterministic": False, "compile": None}
 """Axes added after records were first committed -> what a record meant before the axis existed (a
 real run; eager steps). An added axis at that value (or None) is left out of :func:`point_id`, so the
 ids of earlier records (and of every real, eager run) do not change; :func:`make_record` and
@@ -51,6 +53,8 @@ METRICS: tuple[str, ...] = (
     "memory_phases",  # list[dict]: per rank and phase, allocated bytes at entry/exit and peak; None unless asked
     "split",  # list[int]: the ranks' row split points (0 = b_0 <= ... <= b_cp = tokens)
     "calibration",  # str: the calibration the balanced split was computed with; None: the model's bounds
+    "compile_s",  # the first (compiling) step's wall time in s, apart from the timed steps; None when eager
+    "graph_breaks",  # int: graph breaks Dynamo counted while compiling; None when eager
 )
 """What was measured about it; a metric that was not measured is None."""
 

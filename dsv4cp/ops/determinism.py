@@ -137,3 +137,19 @@ def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+def deterministic_backend(name: str, device: torch.device, head_dim: int | None = None) -> str:
+    """The sparse-attention backend a deterministic run of ``name`` uses on ``device``: "auto" resolved in
+    deterministic mode with Triton as ``triton-deterministic``; an explicit name as it is. ``ValueError``
+    naming ``kernel_backend`` when that backend cannot replay bitwise even in the mode (e.g. cudnn)."""
+    from dsv4cp.ops.sparse_attention import resolve_backend
+
+    with deterministic_algorithms():
+        resolved = resolve_backend(name, device, head_dim=head_dim).name
+    parts = ["triton-deterministic" if part == "triton" else part for part in resolved.split("+")]
+    chosen = parts[0] if len(set(parts)) == 1 else "+".join(parts)
+    if not attention_replays_bitwise(chosen, device, deterministic_mode=True):
+        raise ValueError(f"kernel_backend: {name!r} ({resolved}) is not deterministic on {device}; "
+                         "use auto, torch or triton-deterministic")
+    return chosen if name == "auto" else name

@@ -37,6 +37,7 @@ from dsv4cp.config import DTYPES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config
 from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.partition import POLICIES
 from dsv4cp.ops.sparse_attention import check_backend_name
+from dsv4cp.profiling.compilation import COMPILE_BACKENDS
 from dsv4cp.records import AXES, point_id
 from dsv4cp.workloads import parse_packing
 
@@ -94,6 +95,10 @@ class Point:
     cuda_graph: bool = False
     """Time the step as replays of one captured CUDA graph (no host overhead; CUDA, CP = 1 only:
     :func:`dsv4cp.sweeps.measure.check_cuda_graph`); peak memory and traces stay eager steps."""
+    deterministic: bool = False
+    """Run under ``torch.use_deterministic_algorithms(True)``; "auto" then picks deterministic backends only."""
+    compile: str | None = None
+    """The layer's ``torch.compile`` backend (:data:`dsv4cp.profiling.compilation.COMPILE_BACKENDS`); None: eager."""
 
     @property
     def backward(self) -> bool:
@@ -116,7 +121,8 @@ class Point:
                 f"{self.overlap}{' recompute' if self.recompute else ''} {self.kernel_backend}"
                 f"{'' if self.partition == 'equal' else ' ' + self.partition}"
                 f"{'' if self.emulated_rank is None else f' emulated rank {self.emulated_rank}'}"
-                f"{' cuda-graph' if self.cuda_graph else ''}")
+                f"{' cuda-graph' if self.cuda_graph else ''}{' deterministic' if self.deterministic else ''}"
+                f"{'' if self.compile is None else ' compile ' + self.compile}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +177,11 @@ def _real_ranks_only(where: str, value: Any) -> None:
                          f"'dsv4cp profile --cp N --emulate-rank R', got {value!r}")
 
 
+def _compile_backend(where: str, value: Any) -> None:
+    if value is not None and value not in COMPILE_BACKENDS:
+        raise ValueError(f"{where}: must be null (eager) or one of {list(COMPILE_BACKENDS)}, got {value!r}")
+
+
 def _kernel_backend(where: str, value: Any) -> None:
     try:
         check_backend_name(value)
@@ -195,6 +206,8 @@ _CHECKS = {
     "partition": _choice(PARTITIONS),
     "emulated_rank": _real_ranks_only,
     "cuda_graph": _boolean,  # whether the point's device can replay a graph is known when it runs
+    "deterministic": _boolean,
+    "compile": _compile_backend,
 }
 assert set(_CHECKS) == set(AXES), "every record axis needs a check"
 
