@@ -113,6 +113,7 @@ def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dic
              tables_module.to_markdown(_measured(tables["headline"]))]
     lines += _targets_section(df, tables["targets"])
     lines += _time_section(tables["phases"])
+    lines += tables_module.determinism_lines(tables["determinism_cost"])
     lines += sections.extra_sections(df, tables)
     if not tables["failures"].empty:
         failed = tables["failures"].assign(status=tables["failures"]["status"].map(_short_status))
