@@ -5,11 +5,14 @@
 * :mod:`.attention_probs`: the attention's probabilities at given keys (the indexer loss's target);
 * :mod:`.norm_rope`: RMS norm and RoPE, fused on CUDA for the attention's queries and outputs;
 * :mod:`.compress_pool`: the compressor's gated pooling of r-token groups (torch reference, Triton on CUDA);
-* :mod:`.grouped_linear`: the output projection's per-group map, without the copies a batched einsum makes.
+* :mod:`.grouped_linear`: the output projection's per-group map, without the copies a batched einsum makes;
+* :mod:`.sparse_attention_library`: the attention op as ``torch.library`` custom ops, what ``torch.compile`` traces;
+* :mod:`.determinism`: which backends replay bitwise, per op and direction, and deterministic mode.
 
 ``dsv4cp.ops`` imports ``dsv4cp.kernels`` and chooses among them; kernels never import ops.
 """
 
+from dsv4cp.ops import sparse_attention_library  # noqa: F401  (registers the custom ops torch.compile traces)
 from dsv4cp.ops.sparse_attention import backend_names, register_backend, resolve_backend, sparse_attention
 
 __all__ = ["sparse_attention", "register_backend", "resolve_backend", "backend_names"]

@@ -268,6 +268,8 @@ def sparse_attention(
     synchronisation): a violation stops the run with a device-side assertion naming the argument.
     """
     _check_inputs(q, kv, idx, sink, topk_length)
+    if torch.compiler.is_compiling():  # one opaque node per direction: dsv4cp.ops.sparse_attention_library
+        return torch.ops.dsv4cp.sparse_attention_fwd(q, kv, idx, sink, float(scale), topk_length, backend)
     chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
     with nvtx_range("sparse_attn.fwd"):  # one range: on CUDA the index checks are kernels of the attention
         _check_index_values(kv.shape[0], idx, topk_length)
