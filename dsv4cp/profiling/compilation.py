@@ -12,10 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch._dynamo.utils import counters
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 """``torch.compile`` backends: Inductor (generated kernels), AOTAutograd without codegen (traces forward
 and backward, runs them eagerly: a tracing check that is fast on CPU), and Dynamo's graphs run eagerly."""
+
+
+UNPLACED = "no line reported: a frame Dynamo skipped"
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Explanation:
 
 def explain_breaks(fn: Callable, *args, **kwargs) -> Explanation:
     """What Dynamo made of one call of ``fn(*args, **kwargs)`` under ``torch._dynamo.explain``."""
+    counters.clear()
     explained = torch._dynamo.explain(fn)(*args, **kwargs)
     counted: dict[tuple[str, str], int] = {}
     for item in explained.break_reasons:
@@ -57,6 +62,11 @@ def explain_breaks(fn: Callable, *args, **kwargs) -> Explanation:
         where = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame is not None else "unknown"
         key = (item.reason.strip().splitlines()[0], where)
         counted[key] = counted.get(key, 0) + 1
+    placed = {reason for reason, _ in counted}
+    for text, n in counters["graph_break"].items():  # breaks in frames Dynamo then skipped: no place given
+        reason = text.strip().splitlines()[0]
+        if reason not in placed:
+            counted[(reason, UNPLACED)] = counted.get((reason, UNPLACED), 0) + n
     reasons = [GraphBreak(reason, where, n) for (reason, where), n in counted.items()]
     return Explanation(explained.graph_count, explained.graph_break_count,
                        sorted(reasons, key=lambda b: (-b.count, b.where)))
