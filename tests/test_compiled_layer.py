@@ -58,3 +58,12 @@ def test_graph_breaks_are_named_with_their_place(seed):
 def test_check_cp_rejects_an_unknown_compile_backend(capsys):
     assert main(["check-cp", "--cp", "1", "--lengths", "9,23", "--compile", "tvm"]) == 2
     assert capsys.readouterr().err.startswith("dsv4cp check-cp: error: --compile:")
+
+
+def test_check_cp_compiled_cp2_matches_eager_cp1(capsys):
+    assert main(["check-cp", "--cp", "2", "--ratio", "0", "--lengths", "9,0,55", "--compile", "aot_eager"]) == 0
+    out = capsys.readouterr().out
+    verdicts = {line.split()[0]: line.split()[3] for line in out.splitlines()
+                if line.split() and line.split()[0] in ("out", "x_grad", "param_grads")}
+    assert verdicts == {"out": "ok", "x_grad": "ok", "param_grads": "ok"}, out
+    assert "compiled with aot_eager" in out and "torch.compile:" in out
