@@ -65,8 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from dsv4cp.ops.determinism import registry_lines
 
     print(f"{'determinism':>17}: on CUDA, per op/backend (on CPU every path is deterministic)")
-    for line in registry_lines():
-        print(f"{'':>19}{line}")
+    print("\n".join(registry_lines()))
     forward, backward = resolve_backend("auto", device).direction_names
     print(f"{'backends':>17}: on {device}; 'auto' -> forward {forward}, backward {backward}")
     for name in backend_names():

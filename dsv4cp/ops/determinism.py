@@ -119,7 +119,7 @@ def registry_lines() -> list[str]:
         return direction.verdict if direction.verdict in (ALWAYS, NOT_APPLICABLE) else \
             f"{direction.verdict}: {direction.reason}"
 
-    return [f"{e.op + '/' + e.backend:<38} forward {shown(e.forward)}; backward {shown(e.backward)}"
+    return [f"{e.op + '/' + e.backend:>38}: forward {shown(e.forward)}; backward {shown(e.backward)}"
             for e in REGISTRY]
 
 
