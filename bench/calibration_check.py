@@ -23,7 +23,7 @@ import pandas as pd
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.model import Machine, estimate
-from dsv4cp.model.calibration import Calibration, class_times, model_class_times, read_phase_table
+from dsv4cp.model.calibration import Calibration, class_times, model_class_times, read_profile
 from dsv4cp.model.partition import compare_policies
 from dsv4cp.workloads import packing_lengths
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DSv4Config.preset("flash")
     one = [TOKENS]
     histogram = packing_lengths("histogram", TOKENS, cp=2, ratio=RATIO, seed=0)
-    compare("one 64K document", read_phase_table(args.one_document_phases), one, cal, cfg)
+    compare("one 64K document", read_profile(args.one_document_phases).table, one, cal, cfg)
     compare("histogram packing", histogram_phases(args.histogram_records), histogram, cal, cfg)
     print("\n== splits (fwd+bwd, align 8): rows per rank and predicted max/mean compute")
     rows = []

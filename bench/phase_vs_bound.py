@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 
 from dsv4cp.config import DSv4Config
-from dsv4cp.model import estimate
+from dsv4cp.model import Machine, estimate
 from dsv4cp.model.costs import range_to_phase
 
 
@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     overlap_csv = argv[0]
     measured = pd.read_csv(overlap_csv)
     measured = measured[(measured["rank"] == 0) & measured["phase"].str.startswith("dsv4cp.")]
-    bounds = estimate(DSv4Config.preset("flash"), 4, [65536], 1).phase_table()
+    # the H200's bounds wherever this runs (the measured phases are an H200's)
+    bounds = estimate(DSv4Config.preset("flash"), 4, [65536], 1, Machine.preset("h200x2")).phase_table()
     bound_ms = {(r.phase, r.direction): r.max_rank_bound_s * 1e3 for r in bounds.itertuples()}
     rows: dict[str, list[float]] = {}
     for r in measured.itertuples():

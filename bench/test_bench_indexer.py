@@ -10,7 +10,7 @@ Backends:
 
 * ``torch``: :func:`dsv4cp.ops.indexer.indexer_topk` (the oracle: per-head scores of a query chunk
   against ALL keys, masked, then ``_select_top``);
-* ``triton``: :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` as the layer calls it (its
+* ``triton``: :func:`dsv4cp.ops.indexer.fused_indexer_topk` as the layer calls it (its
   default path: ``DSV4CP_TOPK_IMPL``, else the chunked path);
 * ``triton-chunked``: the same with ``impl="chunked"`` (fused head-sum score kernel per query chunk,
   then the default selection of ``DSV4CP_TOPK_SELECT``: ``radix`` on CUDA, ``torch`` on the CPU);
@@ -147,8 +147,14 @@ def _runner(backend: str, shape: Shape, entry: dict):
 
     lo, hi = it.key_ranges(*vis_args)
     # bytes per score of each path's chunk plan: radix fp32 4, packed int64 keys 16, torch fp32 keys 24
+    from dsv4cp import kernel_options
+    from dsv4cp.kernels import interpreted
+    from dsv4cp.ops.indexer import fused_indexer_topk
+
+    select = kernel_options.get("topk_select")
     radix = backend in ("triton-chunked-radix", "triton-score-radix") or (
-        backend in ("triton", "triton-chunked") and it._topk_select(q.device) == "radix")  # the wrapper's rule
+        backend in ("triton", "triton-chunked")
+        and (select == "radix" or (select == "auto" and not interpreted(q.device))))  # the op's rule
     fp32 = backend in ("triton-chunked-scores", "triton-score")
     per_score = (it.TOPK_RADIX_BYTES_PER_SCORE if radix else
                  it.TOPK_SCORES_BYTES_PER_SCORE if fp32 else it.TOPK_BYTES_PER_SCORE)
@@ -158,7 +164,7 @@ def _runner(backend: str, shape: Shape, entry: dict):
         impl = "stream" if backend == "triton-stream" else None if backend == "triton" else "chunked"
         if impl == "stream":
             info = {}  # one kernel pass: no chunks, no budget
-        return (lambda: it.indexer_topk_triton(q, w, keys, *vis_args, shape.topk, impl=impl)), info
+        return (lambda: fused_indexer_topk(q, w, keys, *vis_args, shape.topk, impl=impl)), info
 
     def score_only():
         last = None
@@ -380,13 +386,13 @@ _SCORES_PARAMS = [pytest.param("tiny", id="tiny")] + [
 ]
 
 try:
-    from dsv4cp.kernels.indexer_triton import GATHER_BWD_CONFIGS as _BWD_TILES
+    from dsv4cp.kernels.indexer_scores_triton import GATHER_BWD_CONFIGS as _BWD_TILES
 except ImportError:  # pragma: no cover - no triton: only the torch backend runs
     _BWD_TILES = []
 _BWD_PINS = {"triton-acqrel": "64,8,2,0"} | {
     "triton-bwd-" + "x".join(map(str, tile)): ",".join(map(str, tile)) + ",1" for tile in _BWD_TILES
 }
-"""Backward pins (:data:`dsv4cp.kernels.indexer_triton.BWD_CONFIG_ENV`): the original kernel
+"""Backward pins (:data:`dsv4cp.kernels.indexer_scores_triton.BWD_CONFIG_ENV`): the original kernel
 (acq_rel atomics, its 64 x 8 x 2 tile) and every tile of the ladder with relaxed atomics."""
 
 _SCORES_BACKENDS = ["torch", "triton", "triton-deterministic", "triton-acqrel"] + [
@@ -407,7 +413,7 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
     if backend == "triton-deterministic":
         monkeypatch.setattr(kernels, "_DETERMINISTIC", True)
     if backend in _BWD_PINS:
-        from dsv4cp.kernels.indexer_triton import BWD_CONFIG_ENV
+        from dsv4cp.kernels.indexer_scores_triton import BWD_CONFIG_ENV
 
         monkeypatch.setenv(BWD_CONFIG_ENV, _BWD_PINS[backend])
 
@@ -419,7 +425,7 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
 
         if not triton_available(q.device):
             pytest.skip(f"triton cannot run on {q.device} here")
-        from dsv4cp.kernels.indexer_triton import indexer_scores_triton as fn
+        from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton as fn
     else:
         fn = indexer_scores
     g = torch.Generator(device=q.device).manual_seed(99)

@@ -2,8 +2,10 @@
 
 A run directory holds ``records.jsonl`` (one flat JSON object per measured point, columns
 :data:`COLUMNS`) and ``meta.json`` (once per run: versions, hardware, the spec). This module is the
-only place that defines the columns; it imports nothing but the standard library so every layer of
-the package (and a notebook without torch) can use it.
+only place that defines the columns and their types (:data:`COLUMN_TYPES`, :data:`META_TYPES`), and
+the only reader: every line is checked as it is read (:func:`check_record`; a bad one is named
+``file:line: reason`` and skipped). It imports nothing but the standard library so every layer of the
+package (and a notebook without torch) can use it.
 """
 
 from __future__ import annotations
@@ -11,28 +13,41 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from dsv4cp import kernel_options as kernel_option_registry
 
 SCHEMA_VERSION: int = 1
 
 AXES: tuple[str, ...] = (
     "preset", "ratio", "cp", "tokens", "tokens_per_rank", "packing", "loss", "overlap", "kernel_backend",
-    "recompute", "pass", "dtype", "seed", "partition", "emulated_rank", "cuda_graph", "deterministic", "compile",
+    "recompute", "pass", "dtype", "seed", "partition", "emulated_rank", "cuda_graph", "kernel_options",
+    "deterministic", "compile",
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
-``equal`` | ``balanced`` (rank row ranges, :func:`dsv4cp.cp.partition.partition`); ``dtype``: a
+``equal`` | ``balanced`` (rank row ranges, :func:`dsv4cp.model.partition.partition`); ``dtype``: a
 ``config.DTYPES`` key; ``kernel_backend``: what was asked (``auto``, ...); ``emulated_rank``: None for
 a real run, else the one rank of the ``cp`` that a single process measured alone with its collectives
 replaced by no-ops (:mod:`dsv4cp.cp.emulate`: compute and memory only, no communication; its per-rank
-lists hold None at every other rank); ``cuda_graph``: whether the timed steps were replays of one
-captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay eager);
-``deterministic``: whether the step ran under ``torch.use_deterministic_algorithms(True)`` with
-deterministic kernel backends; ``compile``: the ``torch.compile`` backend of the layer, None when eager."""
+lists hold None at every other rank), or ``"all"`` for the summary of every rank emulated in turn on one
+device (per-rank lists complete; times are the slowest rank's); ``cuda_graph``: whether the timed steps
+were replays of one captured CUDA graph (no host overhead) rather than eager steps (memory and traces stay
+eager); ``kernel_options``: in a record every option's value as the point ran
+(:func:`dsv4cp.kernel_options.resolved`, the ``kernel_options=`` keyword of :func:`make_record`), so
+two runs on different kernel variants never look alike; a point's id is built on the options whose value
+differs from the default (:func:`dsv4cp.kernel_options.non_default`; none: left out, the id of a record
+from before the axis existed); ``deterministic``: whether the step ran under
+``torch.use_deterministic_algorithms(True)`` with deterministic kernel backends; ``compile``: the
+``torch.compile`` backend of the layer, None when eager."""
 
-_ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False, "deterministic": False, "compile": None}
+_ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False, "kernel_options": None,
+                                  "deterministic": False, "compile": None}
 """Axes added after records were first committed -> what a record meant before the axis existed (a
 real run; eager steps). An added axis at that value (or None) is left out of :func:`point_id`, so the
 ids of earlier records (and of every real, eager run) do not change; :func:`make_record` and
@@ -41,10 +56,12 @@ one agree on it (a report would otherwise see ``None`` and ``False`` as two valu
 
 METRICS: tuple[str, ...] = (
     "time_ms_median", "time_ms_p20", "time_ms_p80",  # max over ranks per repetition, then the statistic
+    "time_ms_samples",  # list[float]: every timed repetition's time (max over ranks), in the order they ran
     "rank_time_ms_median",  # list[float], one per rank (imbalance)
     "imbalance_max_over_mean",  # of the per-rank medians
     "tokens_per_s", "tflops_per_gpu", "mfu",  # mfu: against the machine's measured matmul ceiling
     "model_flops", "bound_ms", "measured_over_bound",
+    "bound_machine",  # str: the machine whose ceilings bound_ms is for (dsv4cp.model.machine); None: no bound
     "peak_allocated_bytes",  # list[int] per rank (host peak RSS on CPU)
     "device_used_bytes",  # list[int | None] per rank
     "exposed_comm_ms", "comm_ms", "overlap_ratio",  # totals of rank 0's overlap table; None unless profiled
@@ -53,15 +70,19 @@ METRICS: tuple[str, ...] = (
     "memory_phases",  # list[dict]: per rank and phase, allocated bytes at entry/exit and peak; None unless asked
     "split",  # list[int]: the ranks' row split points (0 = b_0 <= ... <= b_cp = tokens)
     "calibration",  # str: the calibration the balanced split was computed with; None: the model's bounds
+    "slowest_rank", "slowest_rank_ms",  # int, float: of an all-ranks emulation summary; None otherwise
     "compile_s",  # the first (compiling) step's wall time in s, apart from the timed steps; None when eager
     "graph_breaks",  # int: graph breaks Dynamo counted while compiling; None when eager
 )
 """What was measured about it; a metric that was not measured is None."""
 
 COLUMNS: tuple[str, ...] = (
-    "schema", "point_id", "sweep", "status", "time_utc", "git_sha", "machine", *AXES, *METRICS,
-    "resolved_backends", "error",
+    "schema", "point_id", "sweep", "status", "time_utc", "git_sha", "machine", "emulated", *AXES, *METRICS,
+    "resolved_backends", "backends", "error",
 )
+"""``resolved_backends``: what ``kernel_backend`` resolved to (``{"sparse_attention": name}``);
+``backends``: what ran per op and direction during the timed step, and the launches' tile configs
+(:func:`dsv4cp.kernel_options.backends_ran`), None in records from before it existed."""
 
 STATUS_OK = "ok"
 STATUS_OOM = "oom"
@@ -70,11 +91,207 @@ STATUS_PREFIXES = ("error: ", "skipped: ")
 
 META_FIELDS: tuple[str, ...] = (
     "schema", "time_utc", "git_sha", "git_dirty", "host", "machine", "gpu_name", "gpu_count", "driver",
-    "cuda", "torch", "triton", "nccl", "optional_backends", "spec",
+    "cuda", "torch", "triton", "nccl", "optional_backends", "spec", "kernel_options",
+    "spec_hash",  # a sweep's identity: the sha256 of the spec's canonical JSON (dsv4cp.sweeps.identity)
+    "point_ids",  # ... and the ids of the points it expands to, in order (what --resume may continue)
 )
 
 RECORDS_FILE = "records.jsonl"
 META_FILE = "meta.json"
+
+
+# ------------------------------------------------------------------------------- field types
+@dataclass(frozen=True)
+class FieldType:
+    """What a column may hold besides None (None is always allowed: a metric not measured, an axis
+    without a value, a column that an older writer did not have)."""
+
+    description: str
+    accepts: Callable[[object], bool]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _list_of(accepts: Callable[[object], bool], *, none_allowed: bool = False) -> Callable[[object], bool]:
+    return lambda value: isinstance(value, list) and all(
+        (none_allowed and item is None) or accepts(item) for item in value)
+
+
+def _mapping_of(accepts: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda value: isinstance(value, dict) and all(accepts(item) for item in value.values())
+
+
+def _int_at_least(low: int) -> FieldType:
+    return FieldType(f"an integer >= {low}", lambda value: _is_int(value) and value >= low)
+
+
+TEXT = FieldType("a string", lambda value: isinstance(value, str))
+FLAG = FieldType("true or false", lambda value: isinstance(value, bool))
+NUMBER = FieldType("a number", _is_number)
+MAPPING = FieldType("a JSON object", lambda value: isinstance(value, dict))
+TEXT_MAPPING = FieldType("a JSON object of strings", _mapping_of(lambda item: isinstance(item, str)))
+SCALAR_MAPPING = FieldType("a JSON object of strings, numbers or flags",
+                           _mapping_of(lambda item: isinstance(item, (str, int, float))))
+NUMBERS = FieldType("a list of numbers", _list_of(_is_number))
+NUMBERS_OR_NULLS = FieldType("a list of numbers or nulls", _list_of(_is_number, none_allowed=True))
+INTS = FieldType("a list of integers", _list_of(_is_int))
+INTS_OR_NULLS = FieldType("a list of integers or nulls", _list_of(_is_int, none_allowed=True))
+OBJECTS = FieldType("a list of JSON objects", _list_of(lambda item: isinstance(item, dict)))
+OBJECTS_OR_NULLS = FieldType("a list of JSON objects or nulls",
+                             _list_of(lambda item: isinstance(item, dict), none_allowed=True))
+
+COLUMN_TYPES: dict[str, FieldType] = {
+    "schema": _int_at_least(1), "point_id": TEXT, "sweep": TEXT, "status": TEXT, "time_utc": TEXT,
+    "git_sha": TEXT, "machine": TEXT, "emulated": FLAG,
+    # axes
+    "preset": TEXT, "ratio": _int_at_least(0), "cp": _int_at_least(1), "tokens": _int_at_least(1),
+    "tokens_per_rank": _int_at_least(1), "packing": TEXT, "loss": TEXT, "overlap": TEXT, "kernel_backend": TEXT,
+    "recompute": FLAG, "pass": TEXT, "dtype": TEXT, "seed": _int_at_least(0), "partition": TEXT,
+    "emulated_rank": FieldType("an integer >= 0 or \"all\"",
+                               lambda value: (_is_int(value) and value >= 0) or value == "all"),
+    "cuda_graph": FLAG,
+    # metrics
+    "time_ms_median": NUMBER, "time_ms_p20": NUMBER, "time_ms_p80": NUMBER, "time_ms_samples": NUMBERS,
+    "rank_time_ms_median": NUMBERS_OR_NULLS, "imbalance_max_over_mean": NUMBER, "tokens_per_s": NUMBER,
+    "tflops_per_gpu": NUMBER, "mfu": NUMBER, "model_flops": NUMBER, "bound_ms": NUMBER, "bound_machine": TEXT,
+    "measured_over_bound": NUMBER, "peak_allocated_bytes": INTS_OR_NULLS, "device_used_bytes": INTS_OR_NULLS,
+    "exposed_comm_ms": NUMBER, "comm_ms": NUMBER, "overlap_ratio": NUMBER, "phases": OBJECTS,
+    "parity": OBJECTS, "memory_phases": OBJECTS_OR_NULLS, "split": INTS, "calibration": TEXT,
+    "slowest_rank": _int_at_least(0), "slowest_rank_ms": NUMBER,
+    # how the point ran
+    "resolved_backends": TEXT_MAPPING, "error": TEXT,
+    "kernel_options": SCALAR_MAPPING,  # option -> value, of the kernel-option registry
+    "backends": TEXT_MAPPING,  # op.direction -> the implementation that ran
+}
+"""The type of every column (and of columns that may be added: a column without an entry here holds
+any JSON value); checked on every read by :func:`check_record`."""
+
+CONFIG_FIELDS: tuple[str, ...] = ("kernel_options", "backends")
+"""Columns saying how a point's kernels ran, beyond its axes: two records are measurements of the same
+thing only when these agree too (``dsv4cp compare``); a record without them is "unknown"."""
+
+OK_TIMES: tuple[str, ...] = ("time_ms_p20", "time_ms_median", "time_ms_p80")
+"""The times of an ``ok`` record: each finite and > 0 when given (None: not measured), in this order."""
+
+OK_REQUIRED_AXES: tuple[str, ...] = ("preset", "ratio", "cp", "tokens", "pass")
+"""Axes an ``ok`` record must give a value (what every table, plot and the model compute with); every
+other axis must be present as a column (None allowed), except an added one (:data:`_ADDED_AXES`:
+records from before it existed lack it)."""
+
+META_TYPES: dict[str, FieldType] = {
+    "schema": _int_at_least(1), "time_utc": TEXT, "git_sha": TEXT, "git_dirty": FLAG, "host": TEXT,
+    "machine": TEXT, "gpu_name": TEXT, "gpu_count": _int_at_least(0), "driver": TEXT, "cuda": TEXT,
+    "torch": TEXT, "triton": TEXT, "nccl": TEXT, "optional_backends": MAPPING, "spec": MAPPING,
+    "kernel_options": SCALAR_MAPPING,
+}
+"""The type of every ``meta.json`` field (a field without an entry holds any JSON value)."""
+
+_RELATIVE_SLACK = 1e-9
+"""Rounding allowed when ordering times that were computed (percentiles of the same samples)."""
+
+
+def _type_problem(fields: dict, types: dict[str, FieldType]) -> str | None:
+    for name, value in fields.items():
+        kind = types.get(name)
+        if value is not None and kind is not None and not kind.accepts(value):
+            return f"{name}: must be {kind.description} or null, got {_shown(value)}"
+    return None
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value, allow_nan=True, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_record(record: object) -> str | None:
+    """Why ``record`` (a parsed JSON line) is not a valid record, or None when it is one.
+
+    Checks the schema version, every column's type (:data:`COLUMN_TYPES`), the status, that
+    ``point_id`` is the id of the record's axes, and for an ``ok`` record: every axis present,
+    those of :data:`OK_REQUIRED_AXES` with a value, the :data:`OK_TIMES` that are given (None: not
+    measured) finite, > 0 and ordered, and the repetitions' times (when stored) finite, > 0 and
+    spanning them.
+    """
+    if not isinstance(record, dict):
+        return f"not a JSON object record (a JSON {type(record).__name__})"
+    if record.get("schema") != SCHEMA_VERSION:
+        return f"schema: expected {SCHEMA_VERSION}, got {_shown(record.get('schema'))}"
+    problem = _type_problem(record, COLUMN_TYPES)
+    if problem is not None:
+        return problem
+    try:
+        check_status(record.get("status"))
+    except ValueError as err:
+        return str(err)
+    if record.get("point_id") is None:
+        return "point_id: missing"
+    problem = _ok_problem(record) if record["status"] == STATUS_OK else None
+    if problem is not None:
+        return problem
+    expected = point_id({**record, **_added_axis_defaults(record)})
+    if record["point_id"] != expected:
+        return f"point_id: {record['point_id']!r} is not the id of the record's axes ({expected!r})"
+    return None
+
+
+def _ok_problem(record: dict) -> str | None:
+    """Why an ``ok`` record's axes or times cannot be a measurement, or None."""
+    absent = [axis for axis in AXES if axis not in record and axis not in _ADDED_AXES]
+    if absent:
+        return f"{absent[0]}: an ok record needs every axis as a column, this one lacks {absent}"
+    unset = [axis for axis in OK_REQUIRED_AXES if record.get(axis) is None]
+    if unset:
+        return f"{unset[0]}: an ok record needs a value of {list(OK_REQUIRED_AXES)}, this one has none of {unset}"
+    low, median, high = (record.get(name) for name in OK_TIMES)
+    return check_times(median, low, high, record.get("time_ms_samples"), names=(*OK_TIMES, "time_ms_samples"),
+                       required=False)
+
+
+def check_times(median: object, low: object, high: object, samples: list | None = None, *,
+                names: tuple[str, str, str, str] = ("p20", "median", "p80", "samples"),
+                required: bool = True) -> str | None:
+    """Why a measured time (its median, its band ``low..high`` and, when given, the repetitions'
+    times) cannot be a measurement, or None: each must be a finite number > 0, ``low <= median <=
+    high``, and the band must lie within the samples' range. ``required=False``: a time given as
+    None is not measured (left out of the checks). ``names``: the fields of low, median, high and
+    samples, for the message."""
+    low_name, median_name, high_name, samples_name = names
+    given = [(name, value) for name, value in ((low_name, low), (median_name, median), (high_name, high))
+             if required or value is not None]
+    for name, value in given:
+        if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            return f"{name}: a measured time must be a finite number > 0, got {_shown(value)}"
+    for (first, smaller), (second, larger) in zip(given, given[1:]):
+        if smaller > larger * (1 + _RELATIVE_SLACK):
+            return (f"{median_name}: must lie in its band {low_name}..{high_name}, "
+                    f"got {first} {smaller!r} > {second} {larger!r}")
+    if samples is None:
+        return None
+    if not samples:
+        return f"{samples_name}: a measured time's samples must not be empty"
+    for value in samples:
+        if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            return f"{samples_name}: every repetition's time must be a finite number > 0, got {_shown(value)}"
+    fastest, slowest = min(samples), max(samples)
+    for name, value in given:
+        if not fastest * (1 - _RELATIVE_SLACK) <= value <= slowest * (1 + _RELATIVE_SLACK):
+            return f"{name}: {value!r} lies outside its samples' range {fastest!r}..{slowest!r}"
+    return None
+
+
+def check_meta(meta: object) -> str | None:
+    """Why ``meta`` (a parsed ``meta.json``) is not a valid one, or None when it is."""
+    if not isinstance(meta, dict):
+        return f"must be a JSON object, got a JSON {type(meta).__name__}"
+    if meta.get("schema") != SCHEMA_VERSION:
+        return f"schema: expected {SCHEMA_VERSION}, got {_shown(meta.get('schema'))}"
+    return _type_problem(meta, META_TYPES)
 
 
 def point_id(axes: dict) -> str:
@@ -84,6 +301,8 @@ def point_id(axes: dict) -> str:
     :data:`_ADDED_AXES` that is None or at its value from before it existed is left out).
     """
     values = {name: axes.get(name) for name in AXES}
+    if isinstance(values["kernel_options"], dict):  # a configuration is named by what differs from the defaults
+        values["kernel_options"] = kernel_option_registry.non_default(values["kernel_options"]) or None
     # ``is``, not ``==``: only the old value itself is left out, never a number equal to it (0 == False)
     values = {name: value for name, value in values.items()
               if name not in _ADDED_AXES or not (value is None or value is _ADDED_AXES[name])}
@@ -103,8 +322,13 @@ def check_status(status: str) -> str:
 def make_record(
     axes: dict, metrics: dict, *, sweep: str, status: str, machine: str, git_sha: str | None,
     resolved_backends: dict | None = None, error: str | None = None, time_utc: str | None = None,
+    kernel_options: dict | None = None, backends: dict | None = None,
 ) -> dict:
-    """One record with every column of :data:`COLUMNS` (missing axes and metrics are None).
+    """One record with every column of :data:`COLUMNS` (missing axes and metrics are None;
+    ``kernel_options``: option -> value, ``backends``: op.direction -> the implementation that ran).
+
+    ``kernel_options``: every option's value as the point ran (replaces the axis' value in the record;
+    the id keeps the options the point set); ``backends``: what ran (:data:`COLUMNS`).
 
     Raises ``ValueError`` naming an unknown axis or metric name, or a malformed status.
     """
@@ -117,12 +341,16 @@ def make_record(
     check_status(status)
     record = {
         "schema": SCHEMA_VERSION, "point_id": point_id(axes), "sweep": sweep, "status": status,
-        "time_utc": time_utc or utc_now(), "git_sha": git_sha, "machine": machine,
+        "time_utc": time_utc or utc_now(), "git_sha": git_sha, "machine": machine, "emulated": None,
     }
     record.update({name: axes.get(name) for name in AXES})
     record.update(_added_axis_defaults(record))
+    if kernel_options is not None:
+        record["kernel_options"] = kernel_options
+    record["emulated"] = _emulated(record)
     record.update({name: metrics.get(name) for name in METRICS})
     record["resolved_backends"] = resolved_backends
+    record["backends"] = backends
     record["error"] = error
     return record
 
@@ -152,37 +380,84 @@ def append_record(path: str | os.PathLike, record: dict) -> None:
         os.close(fd)
 
 
-def read_records(path: str | os.PathLike) -> list[dict]:
-    """Every record of a ``.jsonl`` file (or of ``RUN_DIR/records.jsonl`` when given a directory).
+@dataclass(frozen=True)
+class RecordProblem:
+    """A line of a records file that :func:`read_records` skipped, and why."""
 
-    A trailing line without its newline (a writer killed mid-line) is skipped with a warning; any
-    other unparsable line, or a record of another schema version, raises ``ValueError`` naming it.
+    path: str
+    line: int
+    reason: str
+    point_id: str | None = None
+    """The line's ``point_id`` when it is a record that names one (so a reader can tell which point
+    holds a broken value); None for a line that is no record at all."""
+    record: dict | None = None
+    """The parsed JSON object, when the line is one."""
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None = None) -> list[dict]:
+    """Every valid record of a ``.jsonl`` file (or of ``RUN_DIR/records.jsonl`` when given a directory).
+
+    Every line is checked (:func:`check_record`); a line that is not a valid record (not UTF-8, not
+    JSON, another schema version, a field of the wrong type, an ``ok`` record with a broken time, a
+    trailing line without its newline left by a killed writer) is skipped: appended to ``problems``
+    as a :class:`RecordProblem` (``file:line: reason``) when a list is given, else warned about.
+    Never raises for the file's content.
     """
     path = Path(path)
     if path.is_dir():
         path = path / RECORDS_FILE
     if not path.exists():
         return []
-    text = path.read_text()
-    lines = text.split("\n")
-    tail = lines.pop()  # "" when the file ends with a newline
-    if tail.strip():
-        warnings.warn(f"{path}: skipping a partial last line ({len(tail)} characters): a writer was killed",
-                      stacklevel=2)
+    lines = path.read_bytes().split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    found: list[RecordProblem] = []
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON record ({err})") from None
-        schema = record.get("schema") if isinstance(record, dict) else None
-        if schema != SCHEMA_VERSION:
-            raise ValueError(f"{path}:{number}: schema: expected {SCHEMA_VERSION}, got {schema!r}")
-        record.update(_added_axis_defaults(record))
-        records.append(record)
+        record, reason = _parse_line(line)
+        if reason is None:
+            reason = check_record(record)
+        if reason is None:
+            record.update(_added_axis_defaults(record))
+            record.setdefault("emulated", _emulated(record))
+            records.append(record)
+            continue
+        named = record.get("point_id") if isinstance(record, dict) else None
+        found.append(RecordProblem(str(path), number, reason, named if isinstance(named, str) else None,
+                                   record if isinstance(record, dict) else None))
+    if tail.strip():
+        found.append(RecordProblem(str(path), len(lines) + 1,
+                                   f"a partial last line ({len(tail)} bytes): a writer was killed"))
+    if problems is None:
+        for problem in found:
+            warnings.warn(f"skipping {problem}", stacklevel=2)
+    else:
+        problems.extend(found)
     return records
+
+
+def _emulated(record: dict) -> bool:
+    """Whether the record's time is compute only (an emulated rank, or every rank emulated in turn):
+    its collectives moved nothing, so it holds no communication time."""
+    return record.get("emulated_rank") is not None
+
+
+def _parse_line(line: bytes) -> tuple[object, str | None]:
+    """The JSON value of one line, or None and why it is not one."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return None, f"not UTF-8 text ({err.reason} at byte {err.start})"
+    try:
+        return json.loads(text), None
+    except RecursionError:
+        return None, "not a JSON record (nested too deeply)"
+    except ValueError as err:  # JSONDecodeError, or an integer too long to convert
+        return None, f"not a JSON record ({err})"
 
 
 def _added_axis_defaults(record: dict) -> dict:
@@ -221,11 +496,13 @@ def write_meta(run_dir: str | os.PathLike, meta: dict) -> None:
 
 
 def read_meta(run_dir: str | os.PathLike) -> dict:
-    """``RUN_DIR/meta.json``; ``ValueError`` if missing or of another schema version."""
+    """``RUN_DIR/meta.json``; ``ValueError`` naming the file if it is missing, not UTF-8 JSON, not an
+    object, of another schema version or holds a field of the wrong type (:data:`META_TYPES`)."""
     path = Path(run_dir) / META_FILE
     if not path.exists():
         raise ValueError(f"run_dir: {run_dir} has no {META_FILE}")
-    meta = json.loads(path.read_text())
-    if meta.get("schema") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema: expected {SCHEMA_VERSION}, got {meta.get('schema')!r}")
+    meta, reason = _parse_line(path.read_bytes())
+    reason = reason or check_meta(meta)
+    if reason is not None:
+        raise ValueError(f"{path}: {reason}")
     return meta

@@ -10,7 +10,7 @@ follows the rows' position like the Triton static plan's and the model's ``prefi
   chunk and at chunks of a few rows (early chunks narrower than ``k``);
 * the scored width shrinks: every chunk's columns (recorded at ``select_top``) are exactly the bound of
   its last row and never more than :data:`PREFIX_ROWS` rows; with one-row chunks the scanned slots
-  equal the model's ``prefix`` count (:func:`dsv4cp.cp.partition.scanned_slots` plus the earlier
+  equal the model's ``prefix`` count (:func:`dsv4cp.model.row_costs.scanned_slots` plus the earlier
   ranks' slots), and they are well below the full scan's;
 * a malformed ``key_row_limit`` raises ``ValueError`` naming it before any scoring.
 
@@ -25,7 +25,7 @@ import torch
 import dsv4cp.ops.indexer as indexer_ops
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import RankLayout, build_layout
-from dsv4cp.cp.partition import scanned_slots
+from dsv4cp.model.row_costs import scanned_slots
 from dsv4cp.ops.indexer import indexer_topk
 from dsv4cp.packing import PackedSeqs
 

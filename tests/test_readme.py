@@ -89,7 +89,7 @@ def test_every_shown_command_parses(doc):
             bad.append(f"dsv4cp {shlex.join(argv)}  (argparse exit {exit_.code})")
     assert not bad, f"{doc} shows commands the CLI rejects:\n" + "\n".join(bad)
     if doc == "README.md":  # the extraction must not silently find nothing
-        assert ["sweep", "sweeps/smoke.yaml", "--out", "runs/smoke"] in argvs
+        assert ["sweep", "sweeps/smoke.yaml", "--out", "runs/smoke", "--profile"] in argvs
         assert ["sweep", "sweeps/cp_scaling.yaml", "--out", "runs/cp_scaling"] in argvs
         assert {argv[0] for argv in argvs} >= {"env", "layer", "check-cp", "profile", "overlap", "model",
                                               "sweep", "report", "compare"}

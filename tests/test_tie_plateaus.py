@@ -69,14 +69,23 @@ def torch_select(layout, q, w, buf):
     return indexer_topk(q, w, buf, lambda sl: layout.visible_mask(layout.local_doc[sl], layout.local_pos[sl]), K)
 
 
-def triton_select(impl: str):
+TRITON_PATHS = {  # the chunked path with each selection, and the streaming kernel
+    "radix": {"select": "radix"}, "torch-packed": {"select": "torch", "keys_mode": "packed"},
+    "torch-scores": {"select": "torch", "keys_mode": "scores"}, "stream": None,
+}
+
+
+def triton_select(path: str):
     def select(layout, q, w, buf):
+        from dsv4cp.kernels.indexer_topk_triton import indexer_topk_stream
         from dsv4cp.kernels.indexer_triton import indexer_topk_triton
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         args = [t.to(device) for t in (q, w, buf, layout.local_doc, layout.visible_entries(), layout.gathered_doc,
                                        layout.gathered_j)]
-        return indexer_topk_triton(*args, K, impl=impl).cpu()
+        if TRITON_PATHS[path] is None:
+            return indexer_topk_stream(*args, K).cpu()
+        return indexer_topk_triton(*args, K, **TRITON_PATHS[path]).cpu()
     return select
 
 
@@ -109,11 +118,11 @@ def test_torch_selection_follows_the_rule(case, cp, seed):
 
 
 @needs_triton
-@pytest.mark.parametrize("impl", ["chunked", "stream"])
+@pytest.mark.parametrize("path", list(TRITON_PATHS))
 @pytest.mark.parametrize("cp", [1, 2])
-def test_triton_selection_follows_the_rule(case, cp, impl, seed):
+def test_triton_selection_follows_the_rule(case, cp, path, seed):
     packed, q, w, keys, want = case
-    assert torch.equal(selection_of(triton_select(impl), q, w, keys, packed, cp, seed), want)
+    assert torch.equal(selection_of(triton_select(path), q, w, keys, packed, cp, seed), want)
 
 
 @needs_triton

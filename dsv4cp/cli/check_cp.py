@@ -20,12 +20,15 @@ import os
 import torch
 import torch.distributed as dist
 
+from dsv4cp import kernel_options
 from dsv4cp.cli.common import (
     add_dist_backend_option,
     add_layer_options,
     add_memory_options,
     check_args_agree,
     check_memory,
+    kernel_option_values,
+    kernels_line,
     layer_inputs,
     positive_int,
     resolve_dist_backend,
@@ -36,6 +39,7 @@ from dsv4cp.cp.check import build_case as build_layer_inputs
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import POLICIES
+from dsv4cp.model.partition import partition
 from dsv4cp.profiling.compilation import COMPILE_BACKENDS, Explanation, check_compile_backend, explain_breaks
 
 HELP = "compare a CP run against CP = 1 (output, gradients, indexer loss)"
@@ -72,12 +76,22 @@ def build_case(args: argparse.Namespace, cp: int, device: torch.device) -> Check
         pad_to_multiple=args.pad_to_multiple, dtype=args.dtype, overlap=args.overlap, recompute=args.recompute,
         backend=args.kernel_backend, seed=args.seed, config_overrides={"indexer_loss": args.loss},
         partition=args.partition, compile=args.compile,
+        split=partition(inputs.packed, cp, inputs.cfg, args.ratio, policy=args.partition).bounds,
     )
     case.row_split(cp)  # a balanced split that cannot give every rank its halo fails here, not in the ranks
     return case
 
 
+def checked_rank(rank: int, world: int, device: torch.device, case: CheckCase, options: dict[str, str]):
+    """``(run_rank's result, what ran)`` with the kernel options ``options`` in force: a spawned rank
+    starts without its parent's ``--kernel-option`` values."""
+    with kernel_options.overrides(options):
+        kernel_options.reset_backends_ran()
+        return run_rank(rank, world, device, case), kernel_options.backends_ran()
+
+
 def run(args: argparse.Namespace) -> int:
+    options = kernel_option_values(args)
     backend = resolve_dist_backend(args, distributed=True)  # before any process group exists
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     if under_torchrun():
@@ -89,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             check_args_agree(args, dist.group.WORLD)
             rank = dist.get_rank()
-            mine = run_rank(rank, world, device, case)
+            mine = checked_rank(rank, world, device, case, options)
             gathered: list = [None] * world
             dist.all_gather_object(gathered, mine)
         finally:
@@ -99,12 +113,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         world = args.cp or DEFAULT_CP
         case = build_case(args, world, device)
-        gathered = spawn(run_rank, world, case, backend=backend)
-    results = merge_ranks(gathered)
+        gathered = spawn(checked_rank, world, case, options, backend=backend)
+    results = merge_ranks([result for result, _ in gathered])
     tol = tolerance_summary(case.dtype)
     print(f"check-cp preset={case.preset} ratio={case.ratio} cp={world} docs={len(case.lengths)} "
           f"tokens={case.total} dtype={case.dtype} overlap={case.overlap} recompute={case.recompute} "
           f"loss={args.loss} partition={case.partition} split={case.row_split(world).bounds} ({tol})")
+    print(f"{kernels_line(gathered[0][1])} (rank 0)")
     print(f"{'quantity':<14}{'max_rel_error':>15}{'cosine':>14}  result")
     for c in results:
         worst = f"  (worst: {c.worst})" if c.worst and c.worst != c.quantity else ""

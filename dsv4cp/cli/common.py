@@ -24,7 +24,12 @@ API (used by ``cli/*.py``):
   --progress``), :func:`add_dist_backend_option` (``--dist-backend``), :func:`add_device_option`
   (``--device``), :func:`add_machine_options` (``--machine --machine-file --bandwidth``),
   :func:`add_memory_options` (``--force``), :func:`add_renamed_option` (an old flag that now
-  fails with a pointer to its new name).
+  fails with a pointer to its new name), :func:`add_kernel_option_argument` (``--kernel-option
+  NAME=VALUE``, repeatable; in :func:`add_layer_options` too).
+* :func:`kernels_line`: what ran, for a command's output.
+* :func:`kernel_option_values`, :func:`kernel_options_in_force`: the ``--kernel-option`` values,
+  checked (``ValueError`` naming the flag), and the context that applies them (``dsv4cp.cli.main``
+  enters it around every command, before any work).
 * Resolvers (raise ``ValueError`` naming the flag): :func:`parse_lengths`, :func:`layer_inputs`
   (config + document lengths + packed offsets from the layer options), :func:`resolve_dtype`,
   :func:`parse_device`, :func:`resolve_dist_backend`, :func:`machine_from_args`,
@@ -37,6 +42,7 @@ API (used by ``cli/*.py``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -48,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.config import DTYPES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config, default_dtype
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import is_out_of_memory, proc_field_bytes
@@ -60,7 +67,8 @@ EXIT_OOM = 3
 EXIT_CODES_HELP = """\
 exit codes:
   0  success
-  1  a check failed (check-cp: a quantity missed its tolerance)
+  1  a check failed (check-cp: a quantity missed its tolerance; layer, profile: the step's output,
+     indexer loss or gradients are not finite)
   2  bad input: usage errors, invalid values, unreadable or unwritable paths (one line on stderr)
   3  out of memory: refused before allocating (the estimate exceeds free memory; --force skips the
      check) or the device ran out while running
@@ -255,8 +263,43 @@ def add_layer_options(
         parser.add_argument("--overlap", choices=OVERLAP_MODES, default="async",
                             help="overlap CP communication with compute (async) or run it in line (none)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of weights, inputs and packings")
+    add_kernel_option_argument(parser)
     parser.set_defaults(_tokens_default=tokens)
     add_renamed_option(parser, "--backend", "--kernel-backend (kernels) or --dist-backend (torch.distributed)")
+
+
+def add_kernel_option_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kernel-option NAME=VALUE`` (repeatable): a kernel option (:mod:`dsv4cp.kernel_options`) set for
+    the whole command, over its ``DSV4CP_*`` variable."""
+    parser.add_argument("--kernel-option", action="append", default=None, metavar="NAME=VALUE",
+                        help="set a kernel option for this command, e.g. topk_impl=stream (repeatable; "
+                             "'dsv4cp env' lists them)")
+
+
+def kernel_option_values(args: argparse.Namespace) -> dict[str, str]:
+    """The ``--kernel-option`` assignments (none when the command has no such flag); ``ValueError``
+    starting with the flag, naming the bad name or value."""
+    try:
+        return kernel_options.parse_assignments(list(getattr(args, "kernel_option", None) or []))
+    except ValueError as err:
+        raise ValueError(f"--kernel-option: {str(err).removeprefix('kernel option: ')}") from None
+
+
+@contextlib.contextmanager
+def kernel_options_in_force(args: argparse.Namespace):
+    """A context in which the command's ``--kernel-option`` values hold. For a command that has the
+    flag, every option's value (its variable's included) is checked on entry: a bad one fails before
+    the command starts."""
+    values = kernel_option_values(args)
+    with kernel_options.overrides(values):
+        if hasattr(args, "kernel_option"):
+            kernel_options.resolved()
+        yield
+
+
+def kernels_line(backends: dict[str, str]) -> str:
+    """What ran (:func:`dsv4cp.kernel_options.backends_ran`) as one output line."""
+    return "kernels: " + (", ".join(f"{key}={value}" for key, value in backends.items()) or "none noted")
 
 
 def add_timing_options(parser: argparse.ArgumentParser, *, warmup: int = 3, reps: int = 10) -> None:
@@ -279,12 +322,14 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
 
 
-def add_machine_options(parser: argparse.ArgumentParser, *, default: str = "h200x2") -> None:
+def add_machine_options(parser: argparse.ArgumentParser) -> None:
     """``--machine``, ``--machine-file``, ``--bandwidth``: the ceilings that bounds are computed for."""
     from dsv4cp.model.machine import MACHINE_PRESETS
 
-    parser.add_argument("--machine", choices=MACHINE_PRESETS, default=default,
-                        help="hardware ceilings of the bounds; 'cpu' measures this host's in about a second")
+    parser.add_argument("--machine", choices=MACHINE_PRESETS, default=None,
+                        help="hardware ceilings of the bounds (default: the one a --calibration was fitted "
+                             "against, else the machine this runs on: h200x2 on an H200, cpu-estimate without "
+                             "CUDA, none on another GPU); 'cpu' measures this host's in about a second")
     parser.add_argument("--machine-file", type=Path, default=None,
                         help="JSON of ceilings instead of --machine: name, peak_flops (FLOP/s), hbm_bandwidth, "
                              "allgather_busbw, p2p_bandwidth (B/s)")
@@ -405,11 +450,21 @@ def resolve_dist_backend(args: argparse.Namespace, *, distributed: bool) -> str:
     return backend
 
 
-def machine_from_args(args: argparse.Namespace):
-    """The :class:`~dsv4cp.model.machine.Machine` of ``--machine`` / ``--machine-file`` / ``--bandwidth``."""
-    from dsv4cp.model.machine import GB, Machine
+def machine_from_args(args: argparse.Namespace, calibration=None):
+    """The :class:`~dsv4cp.model.machine.Machine` of ``--machine`` / ``--machine-file`` / ``--bandwidth``;
+    without either flag the preset that ``calibration`` (a ``--calibration``) was fitted against, whose
+    bounds its factors scale, else the machine this process runs on
+    (:func:`~dsv4cp.model.machine.this_machine`): None (no bound) on a GPU without a preset."""
+    from dsv4cp.model.machine import GB, MACHINE_PRESETS, Machine, no_machine_reason, this_machine
 
     bandwidth = None if args.bandwidth is None else args.bandwidth * GB
+    if args.machine_file is None and args.machine is None:
+        fitted_on = getattr(calibration, "machine", "")
+        machine = Machine.preset(fitted_on) if fitted_on in MACHINE_PRESETS else this_machine()
+        if machine is None and bandwidth is not None:
+            raise ValueError(f"--bandwidth: replaces a machine's communication ceilings, and there is none: "
+                             f"{no_machine_reason()}")
+        return machine if machine is None or bandwidth is None else machine.with_bandwidth(bandwidth)
     if args.machine_file is None:
         return Machine.preset(args.machine, bandwidth)
     try:

@@ -17,16 +17,21 @@ On 2 idle CPU cores the second takes about 13 minutes (5 fwd+bwd steps of about 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
     LayerInputs,
     add_device_option,
     add_layer_options,
     add_memory_options,
     add_timing_options,
     check_memory,
+    kernels_line,
     layer_inputs,
     parse_device,
     progress_enabled,
@@ -36,6 +41,7 @@ from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.profiling.memory import track_memory
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.profiling.timing import benchmark
+from dsv4cp.sweeps.measure import nonfinite_parts
 
 HELP = "time one layer (forward, optionally backward) on random packed input"
 
@@ -65,14 +71,17 @@ def run(args: argparse.Namespace) -> int:
     layer, packed = step.layer, step.packed
 
     # warm-up, timed steps, then one more step for the peak memory (never measured while timing)
+    kernel_options.reset_backends_ran()
     with step_progress(args.warmup, args.reps, extra=1, enabled=progress_enabled(args.progress),
                        desc="layer steps") as on_step:
         timing = benchmark(step, warmup=args.warmup, reps=args.reps, device=device, l2_flush=args.l2_flush,
                            on_step=on_step)
         with track_memory(device) as tracker:
-            step()
+            result = step()
         if on_step is not None:
             on_step("memory")
+    nonfinite = nonfinite_parts(result, step.x, layer)
+    del result
     memory = tracker.result
     if device.type == "cuda":
         peak = f"{memory.peak_allocated_bytes / 2**30:.2f} GiB allocator peak"
@@ -86,4 +95,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"{what}: median {timing.median_ms:.2f} ms over {timing.reps} reps "
           f"(p20 {timing.p20_ms:.2f}, p80 {timing.p80_ms:.2f}); {peak}")
-    return 0
+    print(kernels_line(kernel_options.backends_ran()))
+    if nonfinite:
+        print(f"dsv4cp layer: error: non-finite {', '.join(nonfinite)}: the timed steps computed NaN or infinity",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

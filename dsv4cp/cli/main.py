@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
-from dsv4cp.cli.common import EXIT_CODES_HELP, HelpFormatter, run_command
+from dsv4cp.cli.common import EXIT_CODES_HELP, EXIT_USAGE, HelpFormatter, kernel_options_in_force, run_command
 
 # Sub-command name -> module under dsv4cp.cli defining ``HELP``, ``add_arguments(parser)`` and
 # ``run(args) -> int``. Modules are imported when the parser is built, in this order.
@@ -27,34 +28,52 @@ COMMANDS: dict[str, str] = {
     "profile": "profile",
     "overlap": "overlap",
     "model": "model",
+    "predict": "predict",
     "sweep": "sweep",
     "report": "report",
     "compare": "compare",
 }
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors follow the exit-code contract: one line on stderr,
+    ``dsv4cp CMD: error: <message> (see 'dsv4cp CMD --help')``, exit code 2 (argparse itself prints
+    the whole usage first). Sub-command parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4cp", description=__doc__, epilog=EXIT_CODES_HELP,
-                                     formatter_class=HelpFormatter)
+    parser = OneLineErrorParser(prog="dsv4cp", description=__doc__, epilog=EXIT_CODES_HELP,
+                                formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"dsv4cp.cli.{module_name}")
         cmd = sub.add_parser(name, help=module.HELP, description=module.__doc__, epilog=EXIT_CODES_HELP,
                              formatter_class=HelpFormatter)
         module.add_arguments(cmd)
-        cmd.set_defaults(_run=module.run)
+        cmd.set_defaults(_run=module.run, _parser=cmd)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit code.
 
-    Usage errors exit through argparse (code 2); see :data:`EXIT_CODES_HELP` for the others.
+    Usage errors exit through argparse (code 2, one line: :class:`OneLineErrorParser`); see
+    :data:`EXIT_CODES_HELP` for the others.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # named by the sub-command they were given to, not by the top-level parser
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args._argv = argv  # a command that re-runs itself in a fresh process (check-determinism) passes these on
-    return run_command(args.command, lambda: args._run(args))
+    return run_command(args.command, lambda: _run_with_kernel_options(args))
+
+
+def _run_with_kernel_options(args: argparse.Namespace) -> int | None:
+    with kernel_options_in_force(args):  # the --kernel-option values, checked before the command starts
+        return args._run(args)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ Examples:
   dsv4cp model --preset flash --ratio 4 --tokens 262144 --cp 64 --machine internode --bandwidth 40
   dsv4cp model --preset flash --ratio 4 --packing histogram --extrapolate --machine internode
   dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 8 --partition balanced --align 8
-  dsv4cp model --cp 1 --calibrate results/2026-12-01-h200/trace --indexer-scan prefix --calibration-out cal.json
+  dsv4cp model --cp 1 --machine h200x2 --calibrate results/2026-12-01-h200/trace --indexer-scan prefix \
+      --calibration-out cal.json
   dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 2 --partition balanced --calibration cal.json
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import pandas as pd
 import torch
@@ -29,13 +31,21 @@ from dsv4cp.cli.common import (
     positive_int,
 )
 from dsv4cp.config import LOSS_VARIANTS, PRESET_NAMES, DSv4Config
-from dsv4cp.cp.partition import INDEXER_SCANS, POLICIES, RowSplit
+from dsv4cp.cp.partition import POLICIES, RowSplit
 from dsv4cp.model import BOTH, Machine, estimate, extrapolate
-from dsv4cp.model.calibration import Calibration, class_times, fit, model_class_times, read_phase_table
+from dsv4cp.model.calibration import (
+    Calibration,
+    check_profile_point,
+    class_times,
+    fit,
+    model_class_times,
+    read_profile,
+)
 from dsv4cp.model.extrapolate import DEFAULT_CPS, DEFAULT_TOKENS
-from dsv4cp.model.machine import GB
+from dsv4cp.model.machine import GB, no_machine_reason
 from dsv4cp.model.memory import peak_bytes_estimate
 from dsv4cp.model.partition import compare_policies
+from dsv4cp.model.phase_classes import INDEXER_SCANS
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.workloads import PACKINGS, pack_lengths
 
@@ -74,8 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "split and the policy table use calibrated (measured-like) phase times")
     parser.add_argument("--calibrate", default=None, metavar="PROFILE",
                         help="fit a calibration from a profile's per-phase times (overlap.csv, records.jsonl or "
-                             "their directory) measured at this command's point (--preset ... --cp); "
-                             "prints the factors and writes them to --calibration-out")
+                             "their directory) measured at this command's point (--preset ... --cp; a profile "
+                             "of another preset, ratio or token count is refused); prints the factors, warns on "
+                             "any below 1, and writes them to --calibration-out")
     parser.add_argument("--calibration-out", default=None, help="JSON file that --calibrate writes")
     parser.add_argument("--indexer-scan", choices=INDEXER_SCANS, default="visible",
                         help="entries the profiled indexer top-k scanned per query (--calibrate): visible (its "
@@ -101,8 +112,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--calibrate: needs --calibration-out (and --calibration-out needs --calibrate)")
     cfg = DSv4Config.preset(args.preset, indexer_loss=args.loss)
     cfg.check_ratio(args.ratio)
-    machine = machine_from_args(args)
     calibration = None if args.calibration is None else Calibration.load(args.calibration)
+    machine = machine_from_args(args, calibration)
+    if machine is None:  # every figure below is a bound: there is nothing to print without ceilings
+        raise ValueError(f"--machine: {no_machine_reason()}")
     if args.extrapolate:
         return _run_extrapolate(args, cfg, machine)
 
@@ -168,7 +181,10 @@ def _run_calibrate(args, cfg, machine, lengths) -> int:
     """Fit, print and save a calibration from the profile at ``--calibrate`` (measured at this point)."""
     if args.partition != "equal":
         raise ValueError("--calibrate: fits profiles of equal splits; drop --partition balanced")
-    measured = read_phase_table(args.calibrate, cp=args.cp, tokens=args.tokens)
+    want = {"preset": args.preset, "ratio": args.ratio, "tokens": args.tokens}
+    profile = read_profile(args.calibrate, cp=args.cp, want=want)
+    check_profile_point(profile, want)
+    measured = profile.table
     est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens)
     source = (f"{args.calibrate} (preset={args.preset} ratio={args.ratio} tokens={args.tokens} cp={args.cp} "
               f"packing={'lengths' if args.lengths else args.packing} loss={args.loss} "
@@ -183,6 +199,11 @@ def _run_calibrate(args, cfg, machine, lengths) -> int:
         print(table.round(3).to_string(index=False))
     calibration.save(args.calibration_out)
     print(f"calibration written to {args.calibration_out}")
+    below = {key: f for key, f in sorted(calibration.factors.items()) if f < 1}
+    if below:  # a lower bound cannot be beaten: the ceilings are not the profiled machine's, or the trace is wrong
+        print(f"warning: calibration factor(s) below 1 ({', '.join(f'{k} {f:.3g}' for k, f in below.items())}): the "
+              f"profile ran faster than the lower bound of machine {machine.name}; the bound's machine or the "
+              "trace is wrong (profiled elsewhere? pass --machine)", file=sys.stderr)
     return 0
 
 

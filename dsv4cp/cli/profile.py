@@ -13,18 +13,23 @@ the kernels' time without Python and launch overhead; memory and traced steps st
 
 With fewer devices than ranks, ``--cp N --emulate-rank R`` measures rank R of a CP = N run alone in one
 process (:mod:`dsv4cp.cp.emulate`): its compute time and peak memory, NOT its communication time
-(collectives are no-ops; the rows they would have delivered are drawn at random). Run it once per rank.
+(collectives are no-ops; the rows they would have delivered are drawn at random). ``--emulate-rank all``
+measures every rank in turn in this one process and prints the per-rank table (max/mean, the slowest rank);
+``--out`` then gets one record per rank and a summary record (``emulated_rank`` ``"all"``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import torch
 import torch.distributed as dist
 
 from dsv4cp.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
     add_dist_backend_option,
     add_layer_options,
     add_machine_options,
@@ -33,46 +38,68 @@ from dsv4cp.cli.common import (
     check_args_agree,
     check_memory,
     check_output_dir,
+    kernel_option_values,
+    kernels_line,
     layer_inputs,
     machine_from_args,
     non_negative_int,
     parse_lengths,
+    positive_float,
     positive_int,
     progress_enabled,
     resolve_dist_backend,
 )
+from dsv4cp.cli.profile_ranks import append_to_run, emulate_in_turn, emulate_measured, measure_measured, record_of
 from dsv4cp.config import DTYPES, default_dtype
 from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
 from dsv4cp.cp.launch import init_from_env, under_torchrun
-from dsv4cp.cp.partition import POLICIES
-from dsv4cp.environment import git_sha, machine_label
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.machine import no_machine_reason
+from dsv4cp.model.memory_split import memory_capped_split, trade_off
 from dsv4cp.profiling.compilation import COMPILE_BACKENDS
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.memory_snapshot import check_snapshot_request, snapshot_name
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
-from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
-from dsv4cp.sweeps.measure import check_cuda_graph, measure_point
-from dsv4cp.sweeps.meta import run_meta
-from dsv4cp.sweeps.spec import Point, RunOptions, make_point
+from dsv4cp.sweeps.measure import NonFiniteResult, check_cuda_graph, measure_point, point_inputs, point_split
+from dsv4cp.sweeps.measured_split import MAX_ROUNDS, TARGET_IMBALANCE, load_split
+from dsv4cp.sweeps.spec import ALL_RANKS, MEASURED, PARTITIONS, Point, RunOptions, make_point
 
 HELP = "time, memory and (optionally) a per-phase overlap profile of one layer step under CP"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layer_options(parser, cp=True)
-    parser.add_argument("--partition", choices=POLICIES, default="equal",
-                        help="row split over the ranks: equal (T / cp rows each) or balanced (contiguous "
+    parser.add_argument("--partition", choices=PARTITIONS, default="equal",
+                        help="row split over the ranks: equal (T / cp rows each), balanced (contiguous "
                              "slices sized so every rank's modelled time of the timed pass is the same, refined on the "
-                             "model's per-rank evaluation)")
+                             "model's per-rank evaluation) or measured (balanced, then refitted on measured rank "
+                             "times until max/mean <= --target-imbalance; every rank measured per round: "
+                             "--emulate-rank all or torchrun)")
+    parser.add_argument("--split-file", default=None,
+                        help="with --partition measured: measure the split saved by an earlier measured run "
+                             "(--save-split) instead of refining one")
+    parser.add_argument("--save-split", default=None,
+                        help="with --partition measured: write the best split and every round here (JSON)")
+    parser.add_argument("--save-calibration", default=None,
+                        help="with --partition measured: write the refitted calibration here (a --calibration file)")
+    parser.add_argument("--target-imbalance", type=positive_float, default=TARGET_IMBALANCE,
+                        help="with --partition measured: stop refining once max/mean rank time is at most this")
+    parser.add_argument("--max-rounds", type=positive_int, default=MAX_ROUNDS,
+                        help="with --partition measured: at most this many splits are measured")
+    parser.add_argument("--max-rank-memory", type=positive_float, default=None, metavar="GIB",
+                        help="keep every rank's estimated peak memory at most GIB: the balanced or measured "
+                             "split moves towards equal slices until it fits (printed beside equal and balanced)")
     parser.add_argument("--backward", action="store_true", help="time forward + backward (default: forward)")
     parser.add_argument("--cp", type=positive_int, default=None,
                         help="with --emulate-rank: the number of CP ranks to emulate (a real run has one per "
                              "torchrun process)")
-    parser.add_argument("--emulate-rank", type=non_negative_int, default=None, metavar="R",
+    parser.add_argument("--emulate-rank", type=_emulated_rank, default=None, metavar="R|R,S,...|all",
                         help="measure rank R of --cp ranks alone in this one process, collectives replaced by "
-                             "no-ops: compute time and memory only, communication NOT measured")
+                             "no-ops: compute time and memory only, communication NOT measured; a list: those "
+                             "ranks in turn (a sample of a large cp); 'all': every rank in turn, then the "
+                             "per-rank table and a summary record")
     add_timing_options(parser)
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time the step as CUDA-graph replays (no host overhead; traces and memory stay "
@@ -123,6 +150,7 @@ def point_from_args(args: argparse.Namespace, cp: int, device: torch.device) -> 
         "loss": args.loss, "overlap": args.overlap, "kernel_backend": args.kernel_backend,
         "recompute": args.recompute, "pass": "fwd+bwd" if args.backward else "fwd", "dtype": dtype,
         "seed": args.seed, "partition": args.partition, "cuda_graph": args.cuda_graph,
+        "kernel_options": kernel_option_values(args) or None,
         "deterministic": args.deterministic, "compile": args.compile,
     })
 
@@ -133,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, "--out")
     trace_dir = check_output_dir(args.trace_dir, "--trace-dir")
     check_snapshot_request(args.memory_snapshot, trace_dir is not None, "--trace-dir")
-    machine = machine_from_args(args)
     calibration = None if args.calibration is None else Calibration.load(args.calibration)
+    machine = machine_from_args(args, calibration)
     run_options = RunOptions(warmup=args.warmup, reps=args.reps, l2_flush=args.l2_flush,
                              trace_steps=args.trace_steps, nsys_steps=max(args.nsys_steps, 1))
     emulated = _check_emulation(args, distributed)
@@ -148,25 +176,51 @@ def run(args: argparse.Namespace) -> int:
     else:
         device, group, cp, rank = torch.device("cuda" if torch.cuda.is_available() else "cpu"), None, 1, 0
     point = point_from_args(args, cp, device)
-    if emulated:
+    if emulated and isinstance(rank, int):
         point = dataclasses.replace(point, emulated_rank=rank)
     check_cuda_graph(point, device)
     check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
                  recompute=args.recompute, device=device, force=args.force)
+    split = _fixed_split(args, point)
+    if args.max_rank_memory is not None and point.partition != MEASURED:
+        split = _memory_capped(args, point, machine, calibration)
+    if point.partition == MEASURED and split is None:
+        if rank != ALL_RANKS and not distributed:
+            raise ValueError("--partition measured: measures every rank of each round: emulate them all "
+                             "(--emulate-rank all) or run the real ranks under torchrun; or pass --split-file")
+        rounds = dict(target=args.target_imbalance, max_rounds=args.max_rounds, max_rank_bytes=_max_rank_bytes(args))
+        if rank == ALL_RANKS:
+            emulate_measured(args, point, device, run_options, machine, calibration, out, **rounds)
+            return 0
+        measure_measured(args, point, group, device, run_options, machine, calibration, out, **rounds)
+        dist.barrier(group)
+        dist.destroy_process_group()
+        return 0
+    if rank == ALL_RANKS or isinstance(rank, tuple):
+        emulate_in_turn(args, point, device, run_options, machine, trace_dir, calibration, out, split=split)
+        return 0
     if emulated:
         group = init_emulated_group(cp, rank, seed=args.seed)
+    status = EXIT_OK
     try:
-        _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out)
+        _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out,
+                            split)
+    except NonFiniteResult as err:  # raised on every rank at once, so all of them reach the barrier below
+        if rank == 0 or emulated:
+            print(f"dsv4cp profile: error: {err}: the timed steps computed NaN or infinity, no record written",
+                  file=sys.stderr)
+        status = EXIT_FAILED
     finally:  # also on an error: the fake group must not outlive this command in the process
         if emulated:
             destroy_emulated_group(group)
     if not emulated and group is not None:
         dist.barrier(group)
         dist.destroy_process_group()
-    return 0
+    return status
 
 
-def _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out) -> None:
+def _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out,
+                        split) -> None:
     """Measure the point and print / write its record (rank 0, or the emulated rank)."""
     emulated = point.emulated_rank is not None
     processes = 1 if emulated else point.cp  # what the machine label and meta describe
@@ -176,12 +230,11 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
         measurement = measure_point(point, group, device, run_options, machine=machine, trace_dir=trace_dir,
                                     nsys=args.nsys_steps > 0, on_step=on_step,
                                     memory_phases=args.memory_phases, calibration=calibration,
-                                    memory_snapshot=args.memory_snapshot)
+                                    memory_snapshot=args.memory_snapshot, split=split)
     if rank == 0 or emulated:
-        record = make_record(point.axes(), measurement.metrics, sweep="profile", status="ok",
-                             machine=machine_label(device, processes), git_sha=git_sha(),
-                             resolved_backends=measurement.resolved_backends)
-        _report(point, record, measurement.overlap, machine.name)
+        record = record_of(point, measurement, processes, device)
+        _report(point, record, measurement.overlap)
+        print(kernels_line(measurement.backends))
         if measurement.attribution is not None:
             print("\n".join(attribution_lines(measurement.attribution)))
         if record["memory_phases"] is not None:
@@ -190,11 +243,44 @@ def _measure_and_report(args, point, group, device, rank, run_options, machine, 
             ranks = [point.emulated_rank] if emulated else range(point.cp)
             print("memory snapshots (open at pytorch.org/memory_viz): "
                   + ", ".join(str(trace_dir / snapshot_name(r)) for r in ranks))
-        if out is not None:
-            if not (out / "meta.json").exists():
-                options = {name: value for name, value in vars(args).items() if not name.startswith("_")}
-                write_meta(out, run_meta(processes, device, {"command": "profile", **options}))
-            append_record(out / RECORDS_FILE, record)
+        append_to_run(args, out, record, processes, device)
+
+
+def _max_rank_bytes(args: argparse.Namespace) -> int | None:
+    return None if args.max_rank_memory is None else int(args.max_rank_memory * 2**30)
+
+
+def _memory_capped(args: argparse.Namespace, point: Point, machine, calibration):
+    """The point's policy split under ``--max-rank-memory``, printed beside equal and balanced."""
+    if point.partition == "equal":
+        raise ValueError("--max-rank-memory: equal slices are the split of least per-rank memory; use it with "
+                         "--partition balanced or measured")
+    cfg, lengths = point_inputs(point)
+    policy = point_split(point, cfg, lengths, machine, calibration)
+    capped = memory_capped_split(cfg, point.ratio, lengths, policy, _max_rank_bytes(args), dtype=DTYPES[point.dtype],
+                                 direction=point.direction, recompute=point.recompute, machine=machine,
+                                 calibration=calibration)
+    splits = {"equal": RowSplit.equal(point.tokens, point.cp), point.partition: policy,
+              f"{point.partition} <= {args.max_rank_memory:g} GiB": capped}
+    table = trade_off(cfg, point.ratio, lengths, splits, dtype=DTYPES[point.dtype], direction=point.direction,
+                      recompute=point.recompute, machine=machine, calibration=calibration)
+    print("modelled time / memory of the splits (estimated peak per rank):")
+    print(table.drop(columns="split").to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    return capped
+
+
+def _fixed_split(args: argparse.Namespace, point: Point):
+    """The split of ``--split-file`` (only with ``--partition measured``), or None."""
+    if args.split_file is None:
+        for flag in ("save_split", "save_calibration"):
+            if getattr(args, flag) is not None and point.partition != MEASURED:
+                raise ValueError(f"--{flag.replace('_', '-')}: only with --partition measured")
+        return None
+    if point.partition != MEASURED:
+        raise ValueError(f"--split-file: only with --partition measured, got --partition {point.partition}")
+    return load_split(args.split_file, point.cp, point.tokens)
+
+
 
 
 def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:
@@ -210,12 +296,25 @@ def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:
                          f"got --emulate-rank {args.emulate_rank} under torchrun")
     if args.cp is None or args.cp < 2:
         raise ValueError(f"--cp: --emulate-rank needs --cp N with N >= 2 ranks, got {args.cp}")
-    if args.emulate_rank >= args.cp:
-        raise ValueError(f"--emulate-rank: must be a rank in [0, {args.cp}) of --cp {args.cp}, got {args.emulate_rank}")
+    ranks = (args.emulate_rank,) if isinstance(args.emulate_rank, int) else args.emulate_rank
+    if ranks != ALL_RANKS and any(rank >= args.cp for rank in ranks):
+        raise ValueError(f"--emulate-rank: must be ranks in [0, {args.cp}) of --cp {args.cp}, got {args.emulate_rank}")
     return True
 
 
-def _report(point: Point, record: dict, table, bound_machine: str) -> None:
+def _emulated_rank(text: str) -> int | tuple[int, ...] | str:
+    """argparse type of ``--emulate-rank``: a rank (an int >= 0), distinct ranks ``R,S,...`` or ``all``."""
+    if text.strip().lower() == ALL_RANKS:
+        return ALL_RANKS
+    if "," not in text:
+        return non_negative_int(text)
+    ranks = tuple(non_negative_int(part) for part in text.split(","))
+    if len(set(ranks)) != len(ranks):
+        raise argparse.ArgumentTypeError(f"ranks must be distinct, got {text!r}")
+    return ranks
+
+
+def _report(point: Point, record: dict, table) -> None:
     print(f"profile {point.label()} (point {record['point_id']}, {record['machine']})")
     emulated = record["emulated_rank"]
     if emulated is not None:
@@ -236,10 +335,11 @@ def _report(point: Point, record: dict, table, bound_machine: str) -> None:
     if record["compile"] is not None:
         print(f"compile ({record['compile']}): first step {record['compile_s']:.2f} s, not in the timed steps; "
               f"{record['graph_breaks']} graph break(s)")
-    ratio = record["measured_over_bound"]
-    print(f"model (bound for machine {bound_machine}): bound {record['bound_ms']:.3g} ms; measured/bound "
-          + (f"{ratio:.2f}" if ratio is not None else "n/a")
-          + f"; {record['tflops_per_gpu']:.3g} model TFLOP/s per GPU; {record['tokens_per_s']:.0f} tokens/s")
+    ratio, bound = record["measured_over_bound"], record["bound_ms"]
+    bound_text = (f"bound for machine {record['bound_machine']}: {bound:.3g} ms; measured/bound "
+                  + (f"{ratio:.2f}" if ratio is not None else "n/a")) if bound is not None else no_machine_reason()
+    print(f"model ({bound_text}); {record['tflops_per_gpu']:.3g} model TFLOP/s per GPU; "
+          f"{record['tokens_per_s']:.0f} tokens/s")
     for rank, (peak, used) in enumerate(zip(record["peak_allocated_bytes"], record["device_used_bytes"])):
         if emulated is not None and rank != emulated:
             continue  # not measured: only the emulated rank ran

@@ -7,12 +7,15 @@ RUN_DIR is a sweep's run directory (``records.jsonl`` + ``meta.json``) or a bare
 With exactly two runs (A, then B) the report adds ``tables/comparison.{csv,md}``: each matched point's
 median step time in A and B, B / A and ``dsv4cp compare``'s verdict, then the points only one run
 holds with how the nearest point of the other differs, and the runs' own differences (machine, commit)
-in ``summary.md``.
+in ``summary.md``. Every record is checked as it is read: a line that is not a valid record is named
+(``file:line: reason``) on stderr, left out of the report and counted; the report is still written,
+and the exit status is 1 only with ``--strict``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from dsv4cp.cli.common import check_output_dir
@@ -24,12 +27,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories or .jsonl files")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: RUN_DIR/report for one run directory; required otherwise)")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when any line of the records was skipped as invalid (the report is still written)")
+
+
+def print_skipped(problems: list, strict: bool) -> None:
+    """Name every skipped line on stderr, then count them (what ``--strict`` turns into exit 1)."""
+    for problem in problems:
+        print(f"skipped: {problem}", file=sys.stderr)
+    if problems:
+        print(f"{len(problems)} invalid record line(s) skipped" + ("; --strict: exit 1" if strict else ""),
+              file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     from dsv4cp.report import load_runs, write_report
 
-    runs = load_runs(args.runs)  # validates every input before anything is written
+    problems: list = []
+    runs = load_runs(args.runs, problems)  # validates every input before anything is written
     out = args.out
     if out is None:
         if len(args.runs) != 1 or not args.runs[0].is_dir():
@@ -37,4 +52,5 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--out: required with several runs or a .jsonl file, got runs={given}")
         out = args.runs[0] / "report"
     print(write_report(runs, check_output_dir(out, "--out")))
-    return 0
+    print_skipped(problems, args.strict)
+    return 1 if problems and args.strict else 0

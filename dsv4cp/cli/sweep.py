@@ -8,9 +8,13 @@ On GPUs (the launcher's ranks; a point with a smaller cp runs on the first cp ra
 
     torchrun --nproc-per-node 2 -m dsv4cp sweep sweeps/cp_scaling.yaml --out runs/cp_scaling
 
-A killed sweep continues with --resume; an OOM or error at one point is recorded and the sweep goes
-on. A spec axis ``cuda_graph: [false, true]`` times each point eagerly and as CUDA-graph replays (CUDA,
-CP = 1; elsewhere such a point is recorded as an error).
+A killed sweep continues with --resume (with the same spec: another one is refused, naming what
+differs); an OOM or error at one point is recorded and the sweep goes on, then exits 1. One sweep at a
+time writes a run directory: a second one is refused, naming the first (host, pid, start time). A
+spec whose points cannot all run (tokens not divisible by cp, fewer rows per rank than the halo, ...)
+is refused before anything starts; --dry-run lists every point and marks those. A spec axis
+``cuda_graph: [false, true]`` times each point eagerly and as CUDA-graph replays (CUDA, CP = 1;
+elsewhere such a point is recorded as an error).
 With --nsys, run under ``nsys profile --capture-range=cudaProfilerApi --capture-range-end=repeat``.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from dsv4cp.cli.common import (
@@ -25,8 +30,10 @@ from dsv4cp.cli.common import (
     EXIT_OK,
     PROGRESS_MODES,
     add_dist_backend_option,
+    add_kernel_option_argument,
     add_machine_options,
     check_output_dir,
+    kernel_option_values,
     machine_from_args,
     positive_float,
     positive_int,
@@ -36,8 +43,8 @@ from dsv4cp.cli.common import (
 from dsv4cp.cp.launch import under_torchrun
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.profiling.memory_snapshot import check_snapshot_request
-from dsv4cp.sweeps.runner import SweepOptions, check_out_dir, default_nproc, run_sweep
-from dsv4cp.sweeps.spec import expand, load_spec
+from dsv4cp.sweeps.runner import SweepOptions, cannot_run_message, check_points_can_run, default_nproc, run_sweep
+from dsv4cp.sweeps.spec import SweepSpec, expand, iter_points, load_spec, point_problem, with_kernel_options
 
 HELP = "run a sweep spec (YAML) and record every point (RUN_DIR/records.jsonl + meta.json)"
 
@@ -45,7 +52,8 @@ HELP = "run a sweep spec (YAML) and record every point (RUN_DIR/records.jsonl + 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", help="sweep spec, e.g. sweeps/smoke.yaml")
     parser.add_argument("--out", default=None, help="run directory (default: runs/<spec name>)")
-    parser.add_argument("--resume", action="store_true", help="continue RUN_DIR: skip the points it already holds")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue RUN_DIR with the spec it was started with: skip the points it already holds")
     parser.add_argument("--retry-errors", action="store_true",
                         help="with --resume, run points recorded as errors again")
     parser.add_argument("--nproc", type=positive_int, default=None,
@@ -57,11 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(RUN_DIR/traces/<point_id>/memory_snapshot_rank<r>.pickle); CUDA only")
     parser.add_argument("--nsys", action="store_true", help="also run steps inside an nsys capture range per point")
     parser.add_argument("--check", action="store_true", help="also check parity with CP = 1 at every point")
-    parser.add_argument("--dry-run", action="store_true", help="print the expanded points and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the expanded points (marking those that cannot run: exit 2 then) and exit")
     parser.add_argument("--point-timeout", type=positive_float, default=600.0,
                         help="seconds a collective of one point may wait before the point is recorded as an error")
     parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
                         help="progress bar with ETA on stderr, rank 0 only; auto: only when stderr is a terminal")
+    add_kernel_option_argument(parser)
     add_dist_backend_option(parser)
     add_machine_options(parser)
     parser.add_argument("--calibration", default=None,
@@ -70,33 +80,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)
+    spec = with_kernel_options(load_spec(args.spec), kernel_option_values(args))  # each point's id says them
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
     if args.dry_run:
-        if rank == 0:
-            points = expand(spec)
-            for point in points:
-                print(f"{point.point_id}  {point.label()}")
-            print(f"{len(points)} points, spawning {args.nproc or default_nproc(spec)} ranks without torchrun")
-        return EXIT_OK
+        return _dry_run(spec, args.nproc) if rank == 0 else EXIT_OK
     check_snapshot_request(args.memory_snapshot, args.profile, "--profile")
     out = Path(args.out) if args.out else Path("runs") / spec.name
+    points = expand(spec)  # the one expansion: checked, then measured
+    check_points_can_run(points)
     if rank == 0:
         check_output_dir(out, "--out")
-    check_out_dir(out, args.resume)
-    distributed = under_torchrun() or (args.nproc or default_nproc(spec)) > 1
+    distributed = under_torchrun() or (args.nproc or default_nproc(points)) > 1
+    calibration = None if args.calibration is None else Calibration.load(args.calibration)
     options = SweepOptions(
         out=out, resume=args.resume, retry_errors=args.retry_errors, profile=args.profile, nsys=args.nsys,
         memory_snapshot=args.memory_snapshot,
         check=args.check, point_timeout_s=args.point_timeout,
         dist_backend=resolve_dist_backend(args, distributed=distributed),  # refuses a flag a 1-rank run ignores
-        progress=progress_enabled(args.progress, rank), machine=machine_from_args(args),
-        calibration=None if args.calibration is None else Calibration.load(args.calibration),
+        progress=progress_enabled(args.progress, rank), machine=machine_from_args(args, calibration),
+        calibration=calibration,
     )
-    summary = run_sweep(spec, options, nproc=args.nproc)
+    summary = run_sweep(spec, points, options, nproc=args.nproc)
     if rank == 0:
         print(f"sweep {spec.name}: {summary.recorded} points recorded in {out} ({summary.ok} ok, {summary.failed} "
               f"failed, {summary.skipped} skipped), {summary.resumed} already there")
+        if summary.resumed_failed:
+            print(f"sweep {spec.name}: {summary.resumed_failed} of the points already there had failed "
+                  "(--retry-errors runs the errors again)")
         if summary.parity_failed:
             print(f"sweep {spec.name}: parity with CP = 1 FAILED at {summary.parity_failed} points")
-    return EXIT_FAILED if summary.parity_failed else EXIT_OK
+    return EXIT_FAILED if summary.parity_failed or summary.any_failed else EXIT_OK
+
+
+def _dry_run(spec: SweepSpec, nproc: int | None) -> int:
+    """List the points one at a time (a spec of any size), marking those that cannot run; ``ValueError``
+    (exit 2) naming the first of them after the list."""
+    total = widest = cannot = 0
+    first: tuple | None = None  # the first point that cannot run, and why
+    write = sys.stdout.write
+    for point in iter_points(spec):
+        problem = point_problem(point)
+        total += 1
+        widest = max(widest, point.cp)
+        if problem is None:
+            write(f"{point.point_id}  {point.label()}\n")
+            continue
+        write(f"{point.point_id}  {point.label()}  CANNOT RUN: {problem}\n")
+        cannot += 1
+        first = first or (point, problem)
+    print(f"{total} points{f' ({cannot} cannot run)' if cannot else ''}, spawning {nproc or widest} ranks "
+          "without torchrun")
+    if first is not None:
+        raise ValueError(cannot_run_message(*first, cannot, total))
+    return EXIT_OK

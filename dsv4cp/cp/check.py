@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp.config import DTYPES, DSv4Config
-from dsv4cp.cp.partition import POLICIES, RowSplit, as_split, partition
+from dsv4cp.cp.partition import POLICIES, RowSplit, as_split
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.packing import PackedSeqs
 
@@ -52,15 +52,19 @@ class CheckCase:
     seed: int = 0
     config_overrides: dict = field(default_factory=dict)
     partition: str = "equal"
-    """Row split policy ("equal" or "balanced", see :func:`dsv4cp.cp.partition.partition`)."""
+    """Row split policy ("equal" or "balanced"); a balanced case carries its ``split``, which the cost
+    model computes (:func:`dsv4cp.model.partition.partition`)."""
     split: tuple[int, ...] | None = None
-    """Explicit split points ``0 = b_0 <= ... <= b_cp = T``, overriding ``partition``."""
+    """Explicit split points ``0 = b_0 <= ... <= b_cp = T``; None: equal slices."""
     compile: str | None = None
     """A ``torch.compile`` backend for the CP layer (the CP = 1 reference stays eager); None: eager."""
 
     def __post_init__(self) -> None:
         if self.partition not in POLICIES:
             raise ValueError(f"partition: must be one of {POLICIES}, got {self.partition!r}")
+        if self.partition == "balanced" and self.split is None:
+            raise ValueError("split: a balanced case needs its split points (dsv4cp.model.partition.partition "
+                             "computes them), got None")
 
     def config(self) -> DSv4Config:
         return DSv4Config.preset(self.preset, **self.config_overrides)
@@ -69,9 +73,7 @@ class CheckCase:
         """The ranks' row ranges over ``cp`` ranks; an explicit ``split`` is checked here (cp + 1 points from 0
         to T, ascending) so a malformed one raises ``ValueError`` before a rank slices its rows with it, and
         the layer checks the halo before any collective."""
-        if self.split is not None:
-            return as_split(self.split, self.packed().total, cp)
-        return partition(self.packed(), cp, self.config(), self.ratio, policy=self.partition)
+        return as_split(self.split, self.packed().total, cp)
 
     def packed(self, device: torch.device | None = None) -> PackedSeqs:
         return PackedSeqs.from_lengths(self.lengths, self.pad_to_multiple, self.total, device=device)

@@ -109,7 +109,7 @@ def replay_rank(rank: int, world: int, device: torch.device, case: ReplayCase,
     """
     if world > 1 and group is None:
         group = dist.group.WORLD
-    check = case.check
+    check = case.check if world > 1 else dataclasses.replace(case.check, split=None)  # the split is for CP > 1
     with deterministic_algorithms(case.deterministic_mode):
         pristine, packed, x, weight = build_case(check, device)
         if case.ties:

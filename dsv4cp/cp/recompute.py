@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.ops.sparse_attention import SparseAttentionBackend
 from dsv4cp.profiling.nvtx import nvtx_range
 
@@ -33,9 +34,11 @@ CHUNK_BYTES = 1 << 30
 
 
 def _row_chunks(rows: int, q_weight: torch.Tensor) -> list[slice]:
+    """Slices covering ``rows``; one empty slice when there are none (a rank may hold no rows), so the
+    queries still come out of ``query_fn`` with their ``[0, H, D]`` shape and dtype."""
     per_row = q_weight.shape[0] * 4 * 4  # the projection's width, fp32, a few live intermediates
     step = max(1, CHUNK_BYTES // per_row)
-    return [slice(s, min(s + step, rows)) for s in range(0, rows, step)]
+    return [slice(s, min(s + step, rows)) for s in range(0, max(rows, 1), step)]
 
 
 @torch.no_grad()
@@ -55,6 +58,7 @@ class _RecomputedAttention(torch.autograd.Function):
             q = _queries(query_fn, latent, q_weight)
         keys = _key_buffer(kv_ext, compressed)
         with nvtx_range("sparse_attn.fwd"):
+            kernel_options.note_backend("sparse_attention.fwd", backend.direction_names[0])
             out, lse = backend.forward(q, keys, idx, sink, scale, None)
         ctx.save_for_backward(latent, q_weight, kv_ext, compressed, idx, sink, out, lse)
         ctx.query_fn, ctx.scale, ctx.backend, ctx.on_compressed_grad = query_fn, scale, backend, on_compressed_grad
@@ -72,6 +76,7 @@ class _RecomputedAttention(torch.autograd.Function):
                 weight_in = q_weight.detach().requires_grad_()
                 q = ctx.query_fn(latent_in, weight_in, slice(None))
         with nvtx_range("sparse_attn.bwd"):
+            kernel_options.note_backend("sparse_attention.bwd", ctx.backend.direction_names[1])
             dq, dkeys, dsink = ctx.backend.backward(
                 dout.contiguous(), q.detach(), keys, idx, sink, ctx.scale, out, lse, None
             )

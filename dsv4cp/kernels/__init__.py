@@ -11,7 +11,10 @@ Public API (the kernel wrappers load triton lazily on attribute access):
 * ``dsv4cp.kernels.compress_pool_triton``: the compressor's pooling (forward and an atomic-free backward,
   deterministic), used by :func:`dsv4cp.ops.compress_pool.compress_pool`;
 * :func:`set_deterministic`, :func:`is_deterministic`, :func:`triton_available`,
-  :func:`triton_interpreting`, :func:`triton_serves`.
+  :func:`triton_interpreting`, :func:`interpreted`, :func:`triton_serves`.
+
+Kernel choices and launch pins come from :mod:`dsv4cp.kernel_options` (keyword arguments of the
+wrappers; a pin left None is read there): nothing here reads the environment.
 
 Availability: CUDA devices; CPU when ``TRITON_INTERPRET=1`` and triton is (or will be) imported in
 interpreter mode.
@@ -21,10 +24,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 
 import torch
+
+from dsv4cp.kernel_options import triton_interpret_requested
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -37,6 +41,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "DkvConfig",
     "KernelConfig",
+    "interpreted",
     "is_deterministic",
     "set_deterministic",
     "sparse_attention_bwd",
@@ -71,16 +76,18 @@ def is_deterministic() -> bool:
     return _DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
 
 
-def _env_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 def triton_interpreting() -> bool | None:
     """Whether the imported triton built its language library for the interpreter; None before import."""
     standard = sys.modules.get("triton.language.standard")
     if standard is None:
         return None
     return type(getattr(standard, "zeros", None)).__name__ == "InterpretedFunction"
+
+
+def interpreted(device: torch.device) -> bool:
+    """Whether Triton kernels for tensors on ``device`` run on Triton's interpreter (CPU tensors, and
+    every tensor when triton was imported under ``TRITON_INTERPRET=1``)."""
+    return device.type != "cuda" or bool(triton_interpreting())
 
 
 def triton_available(device: torch.device | str) -> bool:
@@ -93,7 +100,7 @@ def triton_available(device: torch.device | str) -> bool:
         return torch.cuda.is_available()
     if device.type == "cpu":
         interpreting = triton_interpreting()
-        return interpreting if interpreting is not None else _env_interpret()
+        return interpreting if interpreting is not None else triton_interpret_requested()
     return False
 
 

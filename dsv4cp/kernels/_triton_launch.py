@@ -7,22 +7,24 @@
   tensor when triton itself was imported under ``TRITON_INTERPRET=1``: its language library is then
   interpreted); and launches that try a ladder of configurations, moving on when compilation raises
   ``OutOfResources``, and cache the one that fits per shape class.
-* :func:`parse_env`, :func:`check_tiles`, :func:`pinned`, :func:`pinned_config`: launch configurations
-  pinned by keyword arguments (or a config object) or an environment variable (``"a,b,c,d"``: the four
-  integer fields of a config dataclass).
-* :func:`env_choice`: a kernel variant chosen by an environment variable (one of a few words), checked.
+* :func:`check_tiles`, :func:`pinned`, :func:`pinned_config`: launch configurations pinned by keyword
+  arguments (or a config object), else by a tile kernel option (:mod:`dsv4cp.kernel_options`: the
+  integer fields of a config dataclass); errors name where the pin came from.
+* :func:`config_text`: a configuration as ``field=value,...``, what :meth:`Kernels.launch` notes as the
+  launch that ran (:func:`dsv4cp.kernel_options.note_backend`, key ``<op>.<kind>.config``).
 
 Imports triton: only the kernel modules, themselves imported lazily, import this module.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import torch
 import triton
 
-from dsv4cp.kernels import triton_interpreting
+from dsv4cp import kernel_options
+from dsv4cp.kernels import interpreted, triton_interpreting
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -32,18 +34,15 @@ except ImportError:  # pragma: no cover - very old triton
         pass
 
 
-def interpreted(device: torch.device) -> bool:
-    """Whether kernels for tensors on ``device`` run on Triton's interpreter."""
-    return device.type != "cuda" or bool(triton_interpreting())
-
-
 class Kernels:
     """One module's kernels. ``bodies``: name -> plain function; ``built``: ``(name, interpreted)`` ->
     built kernel; ``chosen``: ``(kind, *shape class)`` -> the configuration that fitted. ``label`` starts
-    the error messages (e.g. ``"indexer triton"``)."""
+    the error messages (e.g. ``"indexer triton"``); ``op`` names the launches in what ran
+    (``<op>.<kind>.config``, e.g. ``sparse_attention.fwd.config``)."""
 
-    def __init__(self, label: str, *bodies) -> None:
+    def __init__(self, label: str, *bodies, op: str) -> None:
         self.label = label
+        self.op = op
         self.bodies: dict[str, object] = {}
         self.built: dict[tuple[str, bool], object] = {}
         self.chosen: dict[tuple, object] = {}
@@ -74,13 +73,16 @@ class Kernels:
 
     def launch(self, kind: str, key: tuple, ladder: list, pinned, launch) -> None:
         """Run ``launch(cfg)`` with the pinned config, the cached one, or the first config of the ladder
-        that fits the device (compilation raising OutOfResources, before anything runs, moves to the next)."""
+        that fits the device (compilation raising OutOfResources, before anything runs, moves to the next);
+        notes the configuration that ran as ``<op>.<kind>.config``."""
         if pinned is not None:
             launch(pinned)
+            self._note(kind, pinned)
             return
         cache_key = (kind, *key)
         if cache_key in self.chosen:
             launch(self.chosen[cache_key])
+            self._note(kind, self.chosen[cache_key])
             return
         error = None
         for cfg in ladder:
@@ -90,32 +92,12 @@ class Kernels:
                 error = exc
                 continue
             self.chosen[cache_key] = cfg
+            self._note(kind, cfg)
             return
         raise RuntimeError(f"{self.label} {kind}: no configuration fits this device: {error}") from error
 
-
-def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
-    """The environment variable ``var`` (``default`` when unset or blank), which must be one of
-    ``choices``; the error names ``var``."""
-    text = os.environ.get(var, "").strip() or default
-    if text not in choices:
-        raise ValueError(f"{var}: must be one of {', '.join(map(repr, choices))}, got {text!r}")
-    return text
-
-
-def parse_env(var: str, cls):
-    """The ``cls`` configuration written in the environment variable ``var`` (4 integers), or None."""
-    text = os.environ.get(var)
-    if not text:
-        return None
-    try:
-        values = [int(v) for v in text.split(",")]
-        if len(values) != 4:
-            raise ValueError
-    except ValueError:
-        fields = ",".join(cls.__dataclass_fields__)
-        raise ValueError(f"{var}: expected '{fields}' (4 integers), got {text!r}") from None
-    return cls(*values)
+    def _note(self, kind: str, cfg) -> None:
+        kernel_options.note_backend(f"{self.op}.{kind}.config", config_text(cfg))
 
 
 def check_tiles(cfg, prefix: str = "") -> None:
@@ -127,12 +109,13 @@ def check_tiles(cfg, prefix: str = "") -> None:
             raise ValueError(f"{prefix}{name}: must be a power of two >= 16 (matrix-unit tile), got {value}")
 
 
-def pinned_config(config, env_var: str, cls, name: str = "config"):
-    """``config`` (the keyword argument ``name``), else the ``cls`` configuration in ``env_var``, else None
-    (the ladder); checked: ``block_*`` tiles (:func:`check_tiles`), ``num_warps`` and ``num_stages`` >= 1.
-    Errors start with where the configuration came from (``name`` or ``env_var``)."""
-    source = name if config is not None else env_var
-    cfg = config if config is not None else parse_env(env_var, cls)
+def pinned_config(config, option: str, cls, name: str = "config"):
+    """``config`` (the keyword argument ``name``), else the ``cls`` configuration of the tile kernel option
+    ``option``, else None (the ladder); checked: ``block_*`` tiles (:func:`check_tiles`), ``num_warps``
+    and ``num_stages`` >= 1. Errors start with where the configuration came from (``name``, the option's
+    variable or its name: :func:`dsv4cp.kernel_options.where`)."""
+    source = name if config is not None else kernel_options.where(option)
+    cfg = config if config is not None else option_config(option, cls)
     if cfg is None:
         return None
     check_tiles(cfg, prefix=f"{source}.")
@@ -141,13 +124,32 @@ def pinned_config(config, env_var: str, cls, name: str = "config"):
     return cfg
 
 
-def pinned(env_var: str, cls, default, **overrides):
-    """A pinned config from keyword arguments (unset fields from ``default``) or the env var, else None."""
+def pinned(option: str, cls, default, **overrides):
+    """A pinned config from keyword arguments (unset fields from ``default``) or the tile kernel option
+    ``option``, else None."""
     if any(v is not None for v in overrides.values()):
         cfg = cls(**{k: (overrides[k] if overrides.get(k) is not None else getattr(default, k))
                      for k in cls.__dataclass_fields__})
     else:
-        cfg = parse_env(env_var, cls)
+        cfg = option_config(option, cls)
     if cfg is not None:
         check_tiles(cfg)
     return cfg
+
+
+def option_config(option: str, cls):
+    """The ``cls`` configuration of the tile kernel option ``option`` (its integers in field order), or
+    None when it is ``auto``."""
+    values = kernel_options.get(option)
+    return None if values is None else cls(*values)
+
+
+_TEXTS: dict[object, str] = {}
+
+
+def config_text(cfg) -> str:
+    """``cfg`` (a config dataclass) as ``field=value,...`` (cached: a launch formats nothing twice)."""
+    text = _TEXTS.get(cfg)
+    if text is None:
+        text = _TEXTS[cfg] = ",".join(f"{f.name}={int(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg))
+    return text

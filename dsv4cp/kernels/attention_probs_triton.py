@@ -66,25 +66,24 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels._triton_launch import env_choice
+from dsv4cp import kernel_options
+from dsv4cp.kernels._triton_gather import gather_rows
+from dsv4cp.kernels._triton_launch import Kernels
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels.sparse_attention_triton import (
-    _KERNELS,
     _SUPPORTED_DTYPES,
     LOG2E,
     MAX_HEAD_DIM,
     KernelConfig,
     _block_h,
-    _build,
     _config_key,
     _dot_f32,
-    _launch,
     _precision,
 )
 
 __all__ = ["MAX_HEAD_DIM", "SLOTS_ON_M_ENV", "KernelConfig", "head_summed_probs_triton", "logsumexp_over_triton"]
 
-SLOTS_ON_M_ENV = "DSV4CP_TRITON_PROBS_SLOTS_ON_M"
+SLOTS_ON_M_ENV = kernel_options.OPTIONS["triton_probs_slots_on_m"].env
 """Which operand order the probabilities kernel's logits use with one head block (see :func:`_slots_on_m`)."""
 
 
@@ -122,15 +121,8 @@ def _head_probs_kernel(
     for k0 in range(0, KT, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         in_row = slots < KT
-        rows = tl.load(IDX + t * stride_it + slots, mask=in_row, other=-1).to(tl.int64)
-        valid = (rows >= 0) & (rows < N)
-        if D == BLOCK_D:
-            k_mask = valid[:, None]
-        else:
-            k_mask = valid[:, None] & dmask[None, :]
-        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=k_mask, other=0.0)
-        if DOT_F32:
-            keys = keys.to(tl.float32)
+        rows, valid, keys = gather_rows(KEYS, IDX + t * stride_it, slots, in_row, N, stride_kn, d, dmask,
+                                        D, BLOCK_D, DOT_F32)
         if ONE_HEAD_BLOCK and SLOTS_ON_M:  # logits transposed: the head sum runs along each thread's row
             s = tl.dot(keys, tl.trans(q), input_precision=PRECISION) * qk_scale2
             acc = tl.sum(tl.math.exp2(s - lden2[None, :]), 1)
@@ -178,15 +170,8 @@ def _lse_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of 2^(s - m_i)
     for k0 in range(0, KT, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
-        rows = tl.load(IDX + t * stride_it + slots, mask=slots < KT, other=-1).to(tl.int64)
-        valid = (rows >= 0) & (rows < N)
-        if D == BLOCK_D:
-            k_mask = valid[:, None]
-        else:
-            k_mask = valid[:, None] & dmask[None, :]
-        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=k_mask, other=0.0)
-        if DOT_F32:
-            keys = keys.to(tl.float32)
+        rows, valid, keys = gather_rows(KEYS, IDX + t * stride_it, slots, slots < KT, N, stride_kn, d, dmask,
+                                        D, BLOCK_D, DOT_F32)
         s = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -201,7 +186,8 @@ def _lse_kernel(
     tl.store(LSE + t * H + heads, lse, mask=hmask)
 
 
-_KERNELS.register(_head_probs_kernel, _lse_kernel)
+_KERNELS = Kernels("attention_probs triton", _head_probs_kernel, _lse_kernel, op="attention_probs")
+_build, _launch = _KERNELS.build, _KERNELS.launch
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,11 +210,12 @@ def _ladder(block_d: int, heads: int, dtype: torch.dtype, head_loop: bool = Fals
     return [KernelConfig(*c) for c in ladder]
 
 
-def _slots_on_m() -> bool:
-    """``DSV4CP_TRITON_PROBS_SLOTS_ON_M`` (``1`` default, ``0``): with one head block, compute the logits as
-    ``keys @ q^T`` (slots on the matrix unit's M, heads on N) so the head sum reduces along each thread's
-    registers and a lane quad instead of across the warps through shared memory; checked."""
-    return env_choice(SLOTS_ON_M_ENV, ("0", "1"), "1") == "1"
+def _slots_on_m(explicit: bool | None) -> bool:
+    """``explicit``, else the kernel option ``triton_probs_slots_on_m`` (``1`` default, ``0``): with one head
+    block, compute the logits as ``keys @ q^T`` (slots on the matrix unit's M, heads on N) so the head sum
+    reduces along each thread's registers and a lane quad instead of across the warps through shared
+    memory."""
+    return bool(kernel_options.get("triton_probs_slots_on_m")) if explicit is None else bool(explicit)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,7 +293,7 @@ def logsumexp_over_triton(
         return lse.fill_(float("-inf"))
     block_d = triton.next_power_of_2(d)
     ladder = _ladder(block_d, h, q.dtype)
-    pinned = _pinned("DSV4CP_TRITON_LSE_CONFIG", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
+    pinned = _pinned("triton_lse_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_lse_kernel", q.device)
 
@@ -337,6 +324,7 @@ def head_summed_probs_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    slots_on_m: bool | None = None,
 ) -> torch.Tensor:
     """``[T, K]`` fp32: ``sum_h exp(scale * <q[t, h], keys[idx[t, k]]> - log_denominator[t, h])``.
 
@@ -345,6 +333,8 @@ def head_summed_probs_triton(
         log_denominator: ``[T, H]`` floating (read as fp32), natural log.
         block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder);
             ``H > block_h`` loops over head blocks inside each program.
+        slots_on_m: the logits' operand order with one head block (default: the kernel option
+            ``triton_probs_slots_on_m``; see :func:`_slots_on_m`).
 
     Returns: 0 at empty slots (same contract as :func:`dsv4cp.ops.attention_probs.head_summed_probs`).
     """
@@ -366,8 +356,9 @@ def head_summed_probs_triton(
     if h == 0:
         return out.zero_()
     block_d = triton.next_power_of_2(d)
+    on_m = _slots_on_m(slots_on_m)
     ladder = _ladder(block_d, h, q.dtype, head_loop=h > _block_h(h))
-    pinned = _pinned("DSV4CP_TRITON_PROBS_CONFIG", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
+    pinned = _pinned("triton_probs_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_head_probs_kernel", q.device)
 
@@ -378,7 +369,7 @@ def head_summed_probs_triton(
             q.stride(0), q.stride(1), keys.stride(0), idx.stride(0), lden.stride(0), lden.stride(1),
             out.stride(0),
             D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, ONE_HEAD_BLOCK=h <= cfg.block_h,
-            SLOTS_ON_M=_slots_on_m(), PRECISION=_precision(q), DOT_F32=_dot_f32(q),
+            SLOTS_ON_M=on_m, PRECISION=_precision(q), DOT_F32=_dot_f32(q),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

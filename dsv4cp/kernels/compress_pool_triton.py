@@ -149,7 +149,7 @@ def _kernels():
         from dsv4cp.kernels._triton_launch import Kernels
 
         tl = language
-        _KERNELS = Kernels("compress_pool triton", _pool_fwd_kernel, _pool_bwd_kernel)
+        _KERNELS = Kernels("compress_pool triton", _pool_fwd_kernel, _pool_bwd_kernel, op="compress_pool")
     return _KERNELS
 
 

@@ -100,7 +100,7 @@ def select_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
     second selection is needed (8 bytes per score, one pass).
     fp32, bf16 and fp16 scores are exact in fp32 keys; fp64 scores (the fp64 reference path) are ranked by
     a stable descending sort instead, which sends ties to the lowest column just the same. Non-finite
-    scores (-inf: invisible; +inf and NaN: never produced by a ReLU-weighted sum) are never chosen."""
+    scores (-inf: invisible; +inf and NaN: from non-finite inputs) are never chosen (docs/design.md §4.5)."""
     _check_keep(keep, scores.shape[1])
     if scores.dtype == torch.float64:
         scores = scores.masked_fill(~torch.isfinite(scores), float("-inf"))

@@ -6,7 +6,7 @@ Same contract as :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` (and 
 ``[T, k]`` int64 key rows in increasing order with ``-1`` past a row's visible count. The chunked path
 writes every chunk's ``[rows, width]`` scores (or packed keys) to memory and then selects from that
 buffer in a second pass; this kernel never stores a score. Measured slower than the chunked path (see
-the cost argument's end): kept as an option (``DSV4CP_TOPK_IMPL=stream``), not the default.
+the cost argument's end): kept as an option (the kernel option ``topk_impl=stream``), not the default.
 
 Kernel (``_stream_topk_kernel``). One program per block of ``BLOCK_M`` query rows. It walks the key
 rows its queries can see in tiles of ``BLOCK_N``; each tile's masked scores are computed by the device
@@ -60,9 +60,9 @@ metadata. Which tile is fastest on the H200 is what ``bench/test_bench_indexer.p
 scoring and 16-row tiles run the scoring on mma.sync, not wgmma.
 
 Key ranges. Each program scans only the key rows its queries can see: with ``key_row_limit = (base,
-ratio)`` (a CP layout's static causal bound, :func:`~dsv4cp.kernels.indexer_triton.plan_static_chunks`),
+ratio)`` (a CP layout's static causal bound, :func:`~dsv4cp.kernels.indexer_plan.plan_static_chunks`),
 rows ``[0, min(G, base + last_row // ratio + 1))``, from sizes alone; without it, the exact per-query
-ranges of :func:`~dsv4cp.kernels.indexer_triton.key_ranges`, computed and read ON THE DEVICE (the
+ranges of :func:`~dsv4cp.kernels.indexer_plan.key_ranges`, computed and read ON THE DEVICE (the
 kernel takes the block's min / max). Neither reads device data on the host, so the top-k is CUDA-graph
 safe and never stalls the CPU. Tiles whose queries see none of their keys (other documents, padding)
 load nothing and are skipped.
@@ -78,8 +78,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4cp import kernel_options
 from dsv4cp.kernels._triton_launch import Kernels, pinned_config
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
+from dsv4cp.kernels.indexer_plan import key_ranges
 from dsv4cp.kernels.indexer_triton import (
     IndexerConfig,
     _check_k,
@@ -91,7 +93,6 @@ from dsv4cp.kernels.indexer_triton import (
     _pack_keys,
     _precision,
     _prepare,
-    key_ranges,
 )
 
 __all__ = ["MAX_STREAM_K", "STREAM_CONFIG_ENV", "indexer_topk_stream", "stream_config_ladder"]
@@ -99,8 +100,9 @@ __all__ = ["MAX_STREAM_K", "STREAM_CONFIG_ENV", "indexer_topk_stream", "stream_c
 MAX_STREAM_K = 1024
 """Largest ``k`` the streaming kernel keeps on chip (``[BLOCK_M, KP]`` int64 running lists)."""
 
-STREAM_CONFIG_ENV = "DSV4CP_TRITON_TOPK_STREAM_CONFIG"
-"""Pins the streaming kernel's launch: ``"block_m,block_n,num_warps,num_stages"``."""
+STREAM_CONFIG_ENV = kernel_options.OPTIONS["triton_topk_stream_config"].env
+"""The variable of the kernel option ``triton_topk_stream_config``: pins the streaming kernel's launch:
+``"block_m,block_n,num_warps,num_stages"``."""
 
 _LOW_MASK = tl.constexpr(0xFFFFFFFF)
 """The low 32 bits of a packed key: ``_LOW_MASK - key row``."""
@@ -169,7 +171,7 @@ def _stream_topk_kernel(
                             BLOCK_M, BLOCK_N, PRECISION, DOT_F32)  # the score kernel's arithmetic
             # one comparison of the packed keys decides score, then the lower key row
             packed = _pack_keys(acc, cols, BLOCK_N)
-            cand = tl.where(vis & (packed > thr[:, None]), packed, _EMPTY)
+            cand = tl.where(vis & (tl.abs(acc) < float("inf")) & (packed > thr[:, None]), packed, _EMPTY)  # finite only
             if tl.max(cand) > _EMPTY:
                 if NATIVE_SORT:
                     cand = tl.sort(cand)  # ascending
@@ -238,7 +240,7 @@ def _network_merge(x, ROWS: tl.constexpr, LOG_N: tl.constexpr, DESCENDING: tl.co
     return x
 
 
-_KERNELS = Kernels("indexer triton stream top-k", _stream_topk_kernel)
+_KERNELS = Kernels("indexer triton stream top-k", _stream_topk_kernel, op="indexer_topk")
 
 
 def stream_config_ladder(block_d: int, dtype: torch.dtype, kp: int, interpreted: bool) -> list[IndexerConfig]:
@@ -277,7 +279,7 @@ def indexer_topk_stream(
     streaming kernel pass (no score buffer). Arguments and result as in
     :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` (``k <= MAX_STREAM_K``); ``config`` pins
     the launch (``block_m`` query rows per program, ``block_n`` key rows per tile; default
-    ``DSV4CP_TRITON_TOPK_STREAM_CONFIG`` or :func:`stream_config_ladder`). ``native_sort``: sort with
+    the kernel option ``triton_topk_stream_config``, else :func:`stream_config_ladder`). ``native_sort``: sort with
     ``tl.sort`` / ``tl.bitonic_merge`` (default on CUDA) or with the vectorised network (default under
     the interpreter, where ``tl.sort`` is very slow); lets a CPU test run the GPU's sorting code.
 
@@ -290,7 +292,7 @@ def indexer_topk_stream(
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
     base, ratio = _check_key_row_limit(key_row_limit)
-    pinned = pinned_config(config, STREAM_CONFIG_ENV, IndexerConfig)
+    pinned = pinned_config(config, "triton_topk_stream_config", IndexerConfig)
     t, hi, di = q.shape
     g = keys.shape[0]
     out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)

@@ -1,4 +1,4 @@
-"""Triton kernels for the lightning indexer (docs/design.md §1.5, 3.4 step 4, 4.2).
+"""Triton kernels of the lightning indexer's scoring and chunked top-k (docs/design.md §1.5, 3.4 step 4, 4.2).
 
 The indexer score of query t and compressed entry (key row) g is::
 
@@ -12,21 +12,18 @@ contiguous (rank-major gathered blocks with capacity padding) but are in increas
 
 Public API:
 
-* :func:`indexer_topk_triton` (no grad): the ``k`` best visible key rows per query, same contract and
-  tie rule as :func:`dsv4cp.ops.indexer.indexer_topk`. By default (``DSV4CP_TOPK_IMPL=chunked``) it
-  runs the path described below (score buffers + a selection); ``stream`` selects the one-pass
-  streaming kernel of :mod:`dsv4cp.kernels.indexer_topk_triton` (no score buffer, but several times
-  slower on an H200: see :data:`TOPK_IMPL_ENV`).
+* :func:`indexer_topk_triton` (no grad): the ``k`` best visible key rows per query by score buffers and
+  a selection (the "chunked" path), same contract and tie rule as :func:`dsv4cp.ops.indexer.indexer_topk`.
+  The op (:func:`dsv4cp.ops.indexer.fused_indexer_topk`) chooses between it and the one-pass streaming
+  kernel of :mod:`dsv4cp.kernels.indexer_topk_triton`, and the selection, from the kernel options.
 * :func:`indexer_score_matrix` (no grad): the masked fp32 scores of a block of key rows (``-inf``
   where invisible), the kernel the top-k wrapper runs per chunk; exposed for tests and benchmarks.
 * :func:`iter_score_chunks`: the top-k wrapper's scoring half (chunks of masked scores, no selection).
-* :func:`key_ranges`: per query, the half-open range of key rows holding its visible keys.
-* :func:`plan_chunks`: the wrapper's chunking of queries under a byte budget, from those ranges.
-* :func:`plan_static_chunks`: the same chunking from sizes and a static causal bound (no device read).
-* :func:`indexer_scores_triton` (autograd): the scores at given key rows ``idx [T, K]`` (the indexer
-  loss's prediction), Triton forward and backward; same contract as
-  :func:`dsv4cp.ops.indexer.indexer_scores`.
-* :class:`IndexerConfig`, :class:`GatherConfig`, :class:`GatherBwdConfig`: launch configurations.
+* :class:`IndexerConfig`: the score kernel's launch configuration.
+
+The chunk planning (which rows score which key-row range under a byte budget) is host code in
+:mod:`dsv4cp.kernels.indexer_plan`; the differentiable scores at given key rows are in
+:mod:`dsv4cp.kernels.indexer_scores_triton`.
 
 Score kernel design (``_score_kernel``). One program per (block of ``BLOCK_M`` queries, block of
 ``BLOCK_N`` key rows). The key tile ``[BLOCK_N, Di]`` is loaded once and stays on chip (shared memory,
@@ -56,23 +53,13 @@ H200 is what ``bench/test_bench_indexer.py::test_indexer_score_config`` measures
 
 Skipping: a tile whose queries see none of its keys (other documents, causally invisible, padding
 slots) loads no keys, runs zero head iterations and only stores ``-inf``. On top of that the wrapper
-narrows every query chunk to a key-row range holding every key its queries can see. Two planners:
-
-* static (:func:`plan_static_chunks`, what the layer uses): the caller passes ``key_row_limit``, the
-  causal bound of a CP layout (query row t sees no key row past ``base + t // 4``), and the chunks and
-  their column ranges follow from sizes alone. No device->host copy (it would stall the CPU behind the
-  index-key all-gather on every C-layer forward) and one plan for every batch of the same sizes, so a
-  CUDA graph of the layer replays correctly on new data. Early causal rows get narrow chunks; in a
-  multi-document batch a chunk's columns still start at key row 0 (the other documents' tiles are
-  skipped by the kernel, but the selection scans their ``-inf`` columns).
-* exact (:func:`key_ranges` + :func:`plan_chunks`, the default without ``key_row_limit``): the precise
-  visible range per query, read to the host once per call; a chunk's columns then cover only its own
-  documents' keys.
+narrows every query chunk to a key-row range holding every key its queries can see (two planners,
+static and exact: :mod:`dsv4cp.kernels.indexer_plan`).
 
 Top-k wrapper (:func:`indexer_topk_triton`): queries are processed in chunks; for each chunk the kernel
 fills a ``[rows, width]`` buffer (``width`` = the chunk's visible key-row range, never the full
 ``[T, G]`` matrix), and a selection picks each row's best ``k``, by one of two selections
-(:data:`TOPK_SELECT_ENV`):
+(the ``select`` keyword; kernel option ``topk_select``):
 
 * ``radix`` (the default on CUDA): the buffer holds fp32 scores and
   :func:`dsv4cp.kernels.select_top_triton.select_top_triton` selects them in one Triton kernel (radix
@@ -82,41 +69,24 @@ fills a ``[rows, width]`` buffer (``width`` = the chunk's visible key-row range,
 * ``torch`` (the default under the interpreter): the kernel's epilogue packs each score's
   order-preserving fp32 bits above ``2^32 - 1 - column`` (the tie rule, ties at the cut to the lowest key
   rows, in one comparison) into int64 keys, so ``_select_top_packed`` is one ``torch.topk`` over the
-  buffer and a decode (``DSV4CP_TOPK_KEYS=scores``: fp32 scores, keys built by ``_select_top``; see
-  :data:`TOPK_KEYS_ENV`). Planned at ``TOPK_BYTES_PER_SCORE = 16``: the int64 key and ``torch.topk``'s
+  buffer and a decode (``keys="scores"``: fp32 scores, keys built by ``_select_top``; kernel option
+  ``topk_keys``). Planned at ``TOPK_BYTES_PER_SCORE = 16``: the int64 key and ``torch.topk``'s
   outputs and workspace (the fp32 path: :data:`TOPK_SCORES_BYTES_PER_SCORE` = 24).
 
-Chunks are planned (:func:`plan_chunks`) so ``rows * width * bytes_per_score`` stays below a byte
-budget (default :data:`TOPK_BUDGET_BYTES` = 1 GiB). A chunk's column range is widened to
-a multiple of 16 key rows (aligned buffer rows, vector stores). Peak memory beyond inputs and outputs
-is therefore about the budget plus ``O(T)`` metadata (per-query ranges, the int32 visibility arrays,
-the fp32 transposed head weights ``[Hi, T]``).
-
-``indexer_scores`` kernels (``_gather_fwd_kernel``, ``_gather_bwd_kernel``): one program per query;
-its heads sit on the matrix-unit M dimension (``Hi = 64`` = one wgmma M), the selected key rows are
-gathered ``BLOCK_K`` at a time (``[BLOCK_K, Di]``, loaded once per block and used in every product of
-the block). Backward recomputes ``s = q k^T``, accumulates ``dw`` and ``dq = ds k`` per query in
-registers (no atomics) and adds ``dk = ds^T q`` into the fp32 key gradient with ``tl.atomic_add``
-(``ds = [s > 0] w g`` is rounded to q's dtype for the two products, as the attention kernels do). The
-atomics are relaxed: with Triton's default order (acq_rel) every 16-byte vector atomic compiles, on
-sm_90, to a returning ``ATOMG`` wrapped in ``MEMBAR.ALL.GPU`` and an L1 invalidation (``CCTL.IVALL``),
-8 of them per thread and step, each fence waiting for all of the program's outstanding memory traffic;
-relaxed ones are fire-and-forget ``REDG.E.ADD.F32x4`` (read off the SASS of both builds). The sum only
-needs atomicity, and the kernel's end orders it before any reader. The acq_rel build stays selectable
-(:class:`GatherBwdConfig` ``relaxed_atomics=False``, :data:`BWD_CONFIG_ENV`) to measure against. In
-deterministic mode (:func:`dsv4cp.kernels.is_deterministic`) it stores per-(query, slot) contributions
-instead, which ``_contrib_reduce_kernel`` sums per key row in the fixed order of a stable sort
-(bitwise reproducible).
+Chunks are planned (:func:`~dsv4cp.kernels.indexer_plan.plan_chunks`) so ``rows * width *
+bytes_per_score`` stays below a byte budget (default :data:`TOPK_BUDGET_BYTES` = 1 GiB). A chunk's
+column range is widened to a multiple of 16 key rows (aligned buffer rows, vector stores). Peak memory
+beyond inputs and outputs is therefore about the budget plus ``O(T)`` metadata (per-query ranges, the
+int32 visibility arrays, the fp32 transposed head weights ``[Hi, T]``).
 
 Kernels are built lazily per execution mode: CUDA tensors use compiled ``triton.jit`` kernels, CPU
 tensors Triton's interpreter (tiny sizes only; ``TRITON_INTERPRET=1`` must be set before triton's first
-import). Configurations: keyword arguments or ``DSV4CP_TRITON_INDEXER_CONFIG``
-(``"block_m,block_n,num_warps,num_stages"``) pin the score kernel's launch.
+import). Configurations: the ``config`` keyword (default: the kernel option ``triton_indexer_config``,
+``"block_m,block_n,num_warps,num_stages"``, else the ladder) pins the score kernel's launch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -124,23 +94,30 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels import is_deterministic
+from dsv4cp import kernel_options
 from dsv4cp.kernels._triton_launch import (
     Kernels,
     OutOfResources,  # noqa: F401  (re-exported: callers catch indexer_triton.OutOfResources)
-    env_choice,
     pinned_config,
 )
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels.contracts import check_key_row_limit as _check_key_row_limit
 from dsv4cp.kernels.contracts import select_top as _select_top
 from dsv4cp.kernels.contracts import select_top_packed as _select_top_packed
+from dsv4cp.kernels.indexer_plan import (
+    TOPK_BUDGET_BYTES,
+    TOPK_BYTES_PER_SCORE,
+    TOPK_RADIX_BYTES_PER_SCORE,
+    TOPK_SCORES_BYTES_PER_SCORE,
+    aligned_columns,
+    check_chunking,
+    key_ranges,
+    plan_chunks,
+    plan_static_chunks,
+)
 from dsv4cp.kernels.select_top_triton import _ordered_bits, select_top_triton
 
 __all__ = [
-    "BWD_CONFIG_ENV",
-    "BWD_SCRATCH_BYTES",
-    "GATHER_BWD_CONFIGS",
     "MAX_INDEX_DIM",
     "TOPK_BUDGET_BYTES",
     "TOPK_BYTES_PER_SCORE",
@@ -149,73 +126,44 @@ __all__ = [
     "TOPK_RADIX_BYTES_PER_SCORE",
     "TOPK_SCORES_BYTES_PER_SCORE",
     "TOPK_SELECT_ENV",
-    "GatherBwdConfig",
-    "GatherConfig",
+    "TOPK_SELECTIONS",
+    "TOPK_KEY_MODES",
     "IndexerConfig",
     "indexer_score_matrix",
-    "indexer_scores_triton",
     "indexer_topk_triton",
     "iter_score_chunks",
     "key_ranges",
     "plan_chunks",
     "plan_static_chunks",
-    "query_limits",
 ]
 
-TOPK_BUDGET_BYTES = 2**30
-"""Default byte budget of one top-k chunk: the ``[rows, width]`` score buffer and the selection's
-temporaries (``rows * width * bytes_per_score``)."""
+TOPK_IMPL_ENV = kernel_options.OPTIONS["topk_impl"].env
+"""The variable of the kernel option ``topk_impl``: the op's top-k path, ``chunked`` (default: this
+module) or ``stream``. Measured on an H200 (flash shapes, 64K tokens, ``results/2026-12-01-h200-speed``):
+chunked 73.9 ms (its selection then ``select_top`` in torch; with the radix select, exact plan: 34.6 ms,
+``results/2026-12-01-h200-speed4``), stream 236.9 ms (its per-tile sort-and-merge on the CUDA cores
+costs 12x the scoring), scoring alone 18.9 ms."""
 
-TOPK_IMPL_ENV = "DSV4CP_TOPK_IMPL"
-"""Selects :func:`indexer_topk_triton`'s path: ``chunked`` (default) or ``stream``. Measured on an H200
-(flash shapes, 64K tokens, ``results/2026-12-01-h200-speed``): chunked 73.9 ms (its selection then
-``select_top`` in torch; with the radix select, exact plan: 34.6 ms, ``results/2026-12-01-h200-speed4``), stream
-236.9 ms (its per-tile sort-and-merge on the CUDA cores costs 12x the scoring), scoring alone 18.9 ms."""
+TOPK_SELECT_ENV = kernel_options.OPTIONS["topk_select"].env
+"""The variable of the kernel option ``topk_select``, the chunked top-k's selection: ``radix`` (fp32
+score buffers selected by the Triton radix select, :mod:`dsv4cp.kernels.select_top_triton`) or
+``torch`` (``torch.topk`` over the buffer, as ``topk_keys`` says). ``auto`` (default): ``radix`` on CUDA,
+``torch`` under Triton's interpreter (where the radix kernel is slow); setting ``radix`` runs it under
+the interpreter too. Both select identically."""
 
-TOPK_SELECT_ENV = "DSV4CP_TOPK_SELECT"
-"""The chunked top-k's selection: ``radix`` (fp32 score buffers selected by the Triton radix select,
-:mod:`dsv4cp.kernels.select_top_triton`) or ``torch`` (``torch.topk`` over the buffer, as
-:data:`TOPK_KEYS_ENV` says). Default: ``radix`` on CUDA, ``torch`` under Triton's interpreter (where the
-radix kernel is slow); setting ``radix`` runs it under the interpreter too. Both select identically."""
+TOPK_KEYS_ENV = kernel_options.OPTIONS["topk_keys"].env
+"""The variable of the kernel option ``topk_keys``: on the ``torch`` selection, what the chunked
+top-k's score kernel writes: ``packed`` (default: the int64 selection key of each score, built in the
+kernel's epilogue; the selection is one ``torch.topk`` over the buffer) or ``scores`` (the fp32 scores;
+``_select_top`` then builds the keys in torch, several passes over the buffer). Kept to compare the two
+on the GPU (``bench/test_bench_indexer.py::test_indexer_topk``, ``triton-chunked`` vs
+``triton-chunked-scores``); both select identically."""
 
-TOPK_KEYS_ENV = "DSV4CP_TOPK_KEYS"
-"""On the ``torch`` selection (:data:`TOPK_SELECT_ENV`), what the chunked top-k's score kernel writes:
-``packed`` (default: the int64 selection key of each score, built in the kernel's epilogue; the
-selection is one ``torch.topk`` over the buffer) or ``scores`` (the fp32 scores; ``_select_top`` then
-builds the keys in torch, several passes over the buffer). Kept to compare the two on the GPU
-(``bench/test_bench_indexer.py::test_indexer_topk``, ``triton-chunked`` vs ``triton-chunked-scores``);
-both select identically."""
-
-TOPK_BYTES_PER_SCORE = 16
-"""Bytes per ``[rows, width]`` element held while a chunk is selected on the default (``packed``) path:
-8 (the kernel's int64 key buffer) + 8 for ``torch.topk`` (its ``[rows, keep]`` int64 values and indices
-and its workspace: well under 8 per element while ``keep`` is below half the width, the rule in the
-layer, where chunks span thousands of key rows for ``k = 512``). The planners' default."""
-
-TOPK_SCORES_BYTES_PER_SCORE = 24
-"""The same on the ``scores`` path (:data:`TOPK_KEYS_ENV`): 4 (fp32 score) + 8 (the int64 key that
-``_select_top`` builds) + 8 (one int64 temporary while the key is built) + topk's workspace."""
-
-TOPK_RADIX_BYTES_PER_SCORE = 4
-"""The same on the ``radix`` selection (:data:`TOPK_SELECT_ENV`): the fp32 score alone (the radix
-kernel keeps its histograms on chip and writes only the ``[rows, k]`` result), so a chunk holds 4x the
-rows of the packed path's."""
-
-BWD_CONFIG_ENV = "DSV4CP_TRITON_GATHER_BWD_CONFIG"
-"""Pins the ``indexer_scores`` backward's launch: ``"block_k,num_warps,num_stages,relaxed_atomics"``
-(:class:`GatherBwdConfig`; ``relaxed_atomics`` 0 or 1)."""
-
-BWD_SCRATCH_BYTES = 2**30
-"""Budget of the deterministic backward's per-chunk ``[rows, K, Di]`` fp32 key-gradient contributions."""
+TOPK_SELECTIONS = ("radix", "torch")
+TOPK_KEY_MODES = ("packed", "scores")
 
 MAX_INDEX_DIM = 256
 """Largest indexer head dim the kernels accept (one key tile ``[BLOCK_N, Di]`` per program)."""
-
-_PLAN_ROWS = 64
-"""Row granularity of the chunk planner (query-block aligned for every ladder's BLOCK_M <= 64)."""
-
-_NO_KEY = 2**62
-"""Lower key-row bound of a group of queries that sees no key (above every key row)."""
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
@@ -229,28 +177,6 @@ class IndexerConfig:
     block_n: int
     num_warps: int
     num_stages: int
-
-
-@dataclass(frozen=True)
-class GatherConfig:
-    """``indexer_scores`` kernels' launch: selected slots per step, warps, stages."""
-
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
-class GatherBwdConfig:
-    """``indexer_scores`` backward's launch: selected slots per step, warps, stages, and the memory order
-    of the key-gradient atomics (``relaxed_atomics``; False: Triton's default acq_rel, the original
-    kernel, kept to measure against)."""
-
-    block_k: int
-    num_warps: int
-    num_stages: int
-    relaxed_atomics: bool = True
-
 
 # ---------------------------------------------------------------------------------------------------
 # Kernel bodies. Plain functions; ``_build`` turns each into a ``triton.jit`` kernel (CUDA) or an
@@ -346,122 +272,9 @@ def _score_kernel(
         tl.store(out_ptrs, tl.where(vis, acc, float("-inf")), mask=out_mask)
 
 
-def _gather_fwd_kernel(
-    Q, W, KEYS, IDX, OUT,
-    HI, G, KSEL,
-    stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot,
-    DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """Scores of one query t at its selected key rows: OUT[t, j] = sum_h W[t, h] relu(<Q[t, h], KEYS[IDX[t, j]]>).
-
-    Q ``[T, HI, DI]``, W ``[T, HI]`` (any float), KEYS ``[G, DI]``, IDX ``[T, KSEL]`` int32/int64,
-    OUT ``[T, KSEL]`` fp32 (0 at empty slots: ``IDX < 0`` or ``>= G``).
-    """
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    hmask = heads < HI
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < DI
-    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    w = tl.load(W + t * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
-    for k0 in range(0, KSEL, BLOCK_K):
-        slots = k0 + tl.arange(0, BLOCK_K)
-        smask = slots < KSEL
-        rows = tl.load(IDX + t * stride_it + slots, mask=smask, other=-1).to(tl.int64)
-        valid = (rows >= 0) & (rows < G)
-        kg = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=valid[:, None] & dmask[None, :],
-                     other=0.0)
-        if DOT_F32:
-            kg = kg.to(tl.float32)
-        s = tl.dot(q, tl.trans(kg), input_precision=PRECISION)  # [BLOCK_H, BLOCK_K]
-        out = tl.sum(w[:, None] * tl.maximum(s, 0.0), 0)
-        tl.store(OUT + t * stride_ot + slots, out, mask=smask)
 
 
-def _gather_bwd_kernel(
-    Q, W, KEYS, IDX, GRAD, DQ, DW, DKEYS, CONTRIB,
-    HI, G, KSEL, T0,
-    stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_gt, stride_dqt, stride_dqh, stride_dkn,
-    DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    DETERMINISTIC: tl.constexpr, RELAXED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """Backward of ``_gather_fwd_kernel`` for query t = T0 + program id.
-
-    GRAD ``[T, KSEL]`` fp32 (ignored at empty slots). Writes DQ ``[T, HI, DI]`` (Q's dtype) and DW
-    ``[T, HI]`` fp32 for t; key gradients ``ds^T q`` either ``tl.atomic_add``-ed into DKEYS ``[G, DI]``
-    fp32 (RELAXED: relaxed memory order; else Triton's default acq_rel), or (DETERMINISTIC) stored to
-    CONTRIB ``[chunk, KSEL, BLOCK_D]`` fp32 at ``(t - T0, slot)`` (zero rows for empty slots).
-    """
-    t_local = tl.program_id(0).to(tl.int64)
-    t = T0 + t_local
-    heads = tl.arange(0, BLOCK_H)
-    hmask = heads < HI
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < DI
-    qd_mask = hmask[:, None] & dmask[None, :]
-    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    w = tl.load(W + t * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
-    dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k0 in range(0, KSEL, BLOCK_K):
-        slots = k0 + tl.arange(0, BLOCK_K)
-        smask = slots < KSEL
-        rows = tl.load(IDX + t * stride_it + slots, mask=smask, other=-1).to(tl.int64)
-        valid = (rows >= 0) & (rows < G)
-        kg = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=valid[:, None] & dmask[None, :],
-                     other=0.0)
-        if DOT_F32:
-            kg = kg.to(tl.float32)
-        g = tl.load(GRAD + t * stride_gt + slots, mask=valid, other=0.0)
-        s = tl.dot(q, tl.trans(kg), input_precision=PRECISION)  # [BLOCK_H, BLOCK_K]
-        dw += tl.sum(tl.maximum(s, 0.0) * g[None, :], 1)
-        ds = tl.where(s > 0.0, w[:, None] * g[None, :], 0.0)
-        dq = tl.dot(ds.to(kg.dtype), kg, dq, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)  # [BLOCK_K, BLOCK_D] fp32
-        if DETERMINISTIC:
-            tl.store(CONTRIB + (t_local * KSEL + slots)[:, None] * BLOCK_D + d[None, :],
-                     tl.where(valid[:, None], dk, 0.0), mask=smask[:, None])
-        elif RELAXED:  # atomicity is all the sum needs; the kernel's end orders it before any reader
-            tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk,
-                          mask=valid[:, None] & dmask[None, :], sem="relaxed")
-        else:  # acq_rel: a GPU-scope fence and an L1 invalidation around every vector atomic
-            tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk,
-                          mask=valid[:, None] & dmask[None, :])
-    tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=qd_mask)
-    tl.store(DW + t * HI + heads, dw, mask=hmask)
-
-
-def _contrib_reduce_kernel(
-    CONTRIB, PERM, SEG, DKEYS,
-    stride_dkn,
-    DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """DKEYS[g] += sum of CONTRIB rows ``PERM[SEG[g] : SEG[g + 1]]`` (``[*, BLOCK_D]`` fp32 rows), in that
-    order (a stable sort of the slots' key rows: fixed, so the sums are bitwise reproducible)."""
-    g = tl.program_id(0).to(tl.int64)
-    start = tl.load(SEG + g)
-    end = tl.load(SEG + g + 1)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < DI
-    acc = tl.load(DKEYS + g * stride_dkn + d, mask=dmask, other=0.0)
-    for c0 in range(start, end, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        cmask = c < end
-        src = tl.load(PERM + c, mask=cmask, other=0).to(tl.int64)
-        part = tl.load(CONTRIB + src[:, None] * BLOCK_D + d[None, :], mask=cmask[:, None] & dmask[None, :],
-                       other=0.0)
-        acc += tl.sum(part, 0)
-    tl.store(DKEYS + g * stride_dkn + d, acc, mask=dmask)
-
-
-_KERNELS = Kernels("indexer triton", _score_kernel, _gather_fwd_kernel, _gather_bwd_kernel, _contrib_reduce_kernel)
+_KERNELS = Kernels("indexer triton", _score_kernel, op="indexer_topk")
 _BODIES, _BUILT, _CHOSEN = _KERNELS.bodies, _KERNELS.built, _KERNELS.chosen
 _build, _launch = _KERNELS.build, _KERNELS.launch
 
@@ -482,43 +295,6 @@ def _score_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[I
     else:
         ladder = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 1)]
     return [IndexerConfig(*c) for c in ladder]
-
-
-def _gather_fwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[GatherConfig]:
-    if interpreted:
-        return [GatherConfig(16, 4, 1)]
-    if dtype == torch.float32 or block_d > 128:
-        return [GatherConfig(*c) for c in ((32, 4, 2), (16, 4, 1))]
-    return [GatherConfig(*c) for c in ((64, 4, 3), (64, 4, 2), (32, 4, 1), (16, 4, 1))]
-
-
-GATHER_BWD_CONFIGS = [(32, 4, 2), (16, 4, 2), (16, 4, 1), (64, 8, 1), (64, 8, 2), (64, 8, 3), (32, 8, 1),
-                      (32, 8, 2)]
-"""bf16 / fp16 backward tiles (``block_k, num_warps, num_stages``), first = default, fastest first as
-measured on an H200 (``bench/test_bench_indexer.py::test_indexer_scores_fwd_bwd``, 64K flash shapes,
-forward + backward, ``results/2026-12-01-h200-speed3``): 14.29 / 14.60 / 15.61 / 17.50 / 17.76 / 18.07 /
-21.33 / 26.29 ms, against 34.26 ms for the acq_rel-atomics kernel it replaced. Compiled for sm_90a with
-Triton 3.6 (ptxas, Di = 128, Hi = 64): ``(32, 4, 2)`` uses 240 registers per thread without spilling,
-2 resident programs per SM (``(64, 8, 2)``: 202 registers, 1 program)."""
-
-
-def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[GatherBwdConfig]:
-    if interpreted:
-        return [GatherBwdConfig(16, 4, 1)]
-    if dtype == torch.float32 or block_d > 128:
-        return [GatherBwdConfig(*c) for c in ((32, 8, 1), (16, 4, 1))]
-    return [GatherBwdConfig(*c) for c in GATHER_BWD_CONFIGS]
-
-
-def _gather_bwd_pinned(config: GatherBwdConfig | None) -> GatherBwdConfig | None:
-    """``config``, else the one in :data:`BWD_CONFIG_ENV`, else None (the ladder); checked."""
-    cfg = pinned_config(config, BWD_CONFIG_ENV, GatherBwdConfig, name="bwd_config")
-    if cfg is None:
-        return None
-    source = "bwd_config" if config is not None else BWD_CONFIG_ENV
-    if cfg.relaxed_atomics not in (0, 1):  # the env gives ints; True / False compare equal to 1 / 0
-        raise ValueError(f"{source}: relaxed_atomics must be 0 or 1, got {cfg.relaxed_atomics!r}")
-    return dataclasses.replace(cfg, relaxed_atomics=bool(cfg.relaxed_atomics))
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -583,177 +359,13 @@ def _check_k(k) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Visibility ranges and chunk planning.
-# ---------------------------------------------------------------------------------------------------
-
-
-def query_limits(doc: torch.Tensor, pos: torch.Tensor, ratio: int = 4) -> torch.Tensor:
-    """``[T]`` int64 visible-entry counts ``(pos + 1) // ratio``, 0 for rows outside every document
-    (``doc < 0``): the ``query_limit`` argument for a layout's ``(local_doc, local_pos)``."""
-    return torch.where(doc >= 0, torch.div(pos + 1, ratio, rounding_mode="floor"), 0).to(torch.int64)
-
-
-@torch.no_grad()
-def key_ranges(
-    query_doc: torch.Tensor, query_limit: torch.Tensor, key_doc: torch.Tensor, key_j: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query, the half-open range ``[lo, hi)`` of key rows that holds every key visible to it
-    (``lo = hi = 0`` when none is). Exact bounds of the visible rows, also when a document's rows are
-    not monotone in ``key_j``. All on the device (no host synchronisation); ``O((T + G) log G)``.
-
-    How: valid keys (``key_doc >= 0``) are sorted by ``(doc, j)``; query (doc, limit) sees the sorted
-    segment ``[p0, p1)`` found by binary search; segmented prefix max / min of the key rows over the
-    sorted order (a running max of ``doc * (G + 1) + row`` resets at each new document) give hi / lo.
-    """
-    dev = key_doc.device
-    g = key_doc.numel()
-    t = query_doc.numel()
-    lo = torch.zeros(t, dtype=torch.int64, device=dev)
-    hi = torch.zeros(t, dtype=torch.int64, device=dev)
-    if g == 0 or t == 0:
-        return lo, hi
-    kdoc, kj = key_doc.to(torch.int64), key_j.to(torch.int64)
-    qdoc, qlim = query_doc.to(torch.int64), query_limit.to(torch.int64)
-    valid = kdoc >= 0
-    # composite sort key doc * big + j, with big above every j and every limit (all on the device)
-    big = torch.maximum(kj.clamp_min(0).max(), qlim.clamp_min(0).max()) + 1
-    comp = torch.where(valid & (kj >= 0), kdoc * big + kj, torch.full_like(kdoc, -1))
-    sorted_comp, order = torch.sort(comp, stable=True)
-    sdoc = torch.where(sorted_comp >= 0, kdoc[order], -1)
-    span = g + 1
-    base = sdoc * span
-    run_max = torch.cummax(torch.where(sdoc >= 0, base + order, -1), 0).values - base  # prefix max row
-    run_min = g - (torch.cummax(torch.where(sdoc >= 0, base + (g - order), -1), 0).values - base)
-    live = (qdoc >= 0) & (qlim > 0)
-    start = torch.searchsorted(sorted_comp, torch.where(live, qdoc * big, -2))
-    stop = torch.searchsorted(sorted_comp, torch.where(live, qdoc * big + qlim, -2))
-    has = live & (stop > start)
-    last = (stop - 1).clamp(0, g - 1)
-    lo = torch.where(has, run_min[last], 0)
-    hi = torch.where(has, run_max[last] + 1, 0)
-    return lo, hi
-
-
-def plan_chunks(
-    lo: torch.Tensor, hi: torch.Tensor, budget_bytes: int = TOPK_BUDGET_BYTES, max_rows: int | None = None,
-    bytes_per_score: int = TOPK_BYTES_PER_SCORE,
-) -> list[tuple[int, int, int, int]]:
-    """Chunks ``(start, stop, col0, width)`` of queries covering ``[0, T)`` in order, each with the key
-    columns ``[col0, col0 + width)`` that hold every key visible to its rows (``width = 0``: none), such
-    that ``rows * width * bytes_per_score <= budget_bytes`` (a single row may exceed it: a chunk never
-    has fewer than one row) and ``rows <= max_rows`` when given.
-
-    Planned from the exact per-query ranges ``lo, hi`` (:func:`key_ranges`), which live on the device:
-    this reads them to the host (the per-group bounds once, and the rows of any group that alone
-    exceeds the budget), so it synchronises with the device. :func:`plan_static_chunks` does not.
-    """
-    t = lo.numel()
-    gran = _check_plan(budget_bytes, max_rows)
-    if t == 0:
-        return []
-    n_groups = -(-t // gran)
-    empty = hi <= lo
-    glo = torch.full((n_groups * gran,), _NO_KEY, dtype=torch.int64, device=lo.device)
-    ghi = torch.zeros(n_groups * gran, dtype=torch.int64, device=lo.device)
-    glo[:t] = torch.where(empty, _NO_KEY, lo.to(torch.int64))
-    ghi[:t] = torch.where(empty, 0, hi.to(torch.int64))
-    glo, ghi = glo.view(n_groups, gran).amin(1), ghi.view(n_groups, gran).amax(1)
-
-    def split(start: int, stop: int, per: int) -> list[tuple[int, int, int, int]]:
-        row_lo, row_hi = lo[start:stop].tolist(), hi[start:stop].tolist()
-        pieces = []
-        for a in range(0, stop - start, per):
-            live = [(x, y) for x, y in zip(row_lo[a:a + per], row_hi[a:a + per]) if y > x]
-            p_lo = min((x for x, _ in live), default=0)
-            p_hi = max((y for _, y in live), default=0)
-            pieces.append((start + a, min(start + a + per, stop), p_lo, p_hi - p_lo))
-        return pieces
-
-    return _greedy_chunks(t, gran, list(zip(glo.tolist(), ghi.tolist())), split, budget_bytes, max_rows,
-                          bytes_per_score)
-
-
-def plan_static_chunks(
-    t: int, g: int, key_row_limit: tuple[int, int] | None = None, budget_bytes: int = TOPK_BUDGET_BYTES,
-    max_rows: int | None = None, bytes_per_score: int = TOPK_BYTES_PER_SCORE,
-) -> list[tuple[int, int, int, int]]:
-    """The chunks of :func:`plan_chunks` for ``t`` queries and ``g`` key rows, planned from sizes alone:
-    no device read, and the same plan for every batch of these sizes (so a CUDA graph captured with it
-    stays correct when replayed on other data).
-
-    Every chunk's columns start at key row 0. Without ``key_row_limit`` they span all ``g`` key rows;
-    with ``key_row_limit = (base, ratio)``, a guarantee from the caller that query row ``t`` sees no key
-    row at or past ``base + t // ratio + 1`` (:attr:`dsv4cp.cp.layout.RankLayout.key_row_limit`: the
-    causal bound of a CP layout's gathered buffer), a chunk of rows ``[start, stop)`` spans key rows
-    ``[0, min(g, base + (stop - 1) // ratio + 1))``, so early query rows get narrow chunks as with the
-    exact planner. The windows contain the exact planner's and the selection ignores invisible columns
-    (their scores are ``-inf``), so from the same scores both plans select the same keys. The price: in
-    a multi-document batch the selection also scans the other documents' (``-inf``) columns.
-    """
-    gran = _check_plan(budget_bytes, max_rows)
-    base, ratio = _check_key_row_limit(key_row_limit)
-    if t == 0 or g == 0:
-        return []
-
-    def width(stop: int) -> int:  # key rows [0, width) hold every key visible to the rows before stop
-        return g if ratio == 0 else min(g, base + (stop - 1) // ratio + 1)
-
-    n_groups = -(-t // gran)
-    bounds = [(0, width(min((i + 1) * gran, t))) for i in range(n_groups)]
-
-    def split(start: int, stop: int, per: int) -> list[tuple[int, int, int, int]]:
-        return [(a, min(a + per, stop), 0, width(min(a + per, stop))) for a in range(start, stop, per)]
-
-    return _greedy_chunks(t, gran, bounds, split, budget_bytes, max_rows, bytes_per_score)
-
-
-def _check_plan(budget_bytes: int, max_rows: int | None) -> int:
-    """Validate the planner's limits; return its row granularity (query-block aligned)."""
-    if budget_bytes <= 0:
-        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
-    if max_rows is not None and max_rows < 1:
-        raise ValueError(f"chunk: must be a positive number of query rows, got {max_rows}")
-    return _PLAN_ROWS if max_rows is None else max(1, min(_PLAN_ROWS, max_rows))
-
-
-def _greedy_chunks(t, gran, bounds, split, budget, max_rows, bytes_per_score) -> list[tuple[int, int, int, int]]:
-    """Greedy chunking shared by both planners. ``bounds``: host ``(lo, hi)`` key-row bounds of each group
-    of ``gran`` query rows (``lo = _NO_KEY, hi = 0``: no key); ``split(start, stop, per)``: the pieces of
-    ``per`` rows of a group that alone exceeds the budget, each with its own bounds. A chunk grows by
-    whole groups while it fits, so short documents and early causal rows give wide-row, narrow-column
-    chunks."""
-    cap = t if max_rows is None else max_rows
-    chunks: list[tuple[int, int, int, int]] = []
-    i, n_groups = 0, len(bounds)
-    while i < n_groups:
-        c_lo, c_hi = bounds[i]
-        j = i + 1
-        while j < n_groups:
-            n_lo, n_hi = min(c_lo, bounds[j][0]), max(c_hi, bounds[j][1])
-            rows = min((j + 1) * gran, t) - i * gran
-            width = max(n_hi - n_lo, 0)
-            if rows > cap or rows * width * bytes_per_score > budget:
-                break
-            c_lo, c_hi = n_lo, n_hi
-            j += 1
-        start, stop = i * gran, min(j * gran, t)
-        width = max(c_hi - c_lo, 0)
-        if width == 0 or (stop - start) * width * bytes_per_score <= budget:
-            chunks.append((start, stop, c_lo if width > 0 else 0, width))
-        else:
-            chunks.extend(split(start, stop, max(1, budget // (width * bytes_per_score))))
-        i = j
-    return chunks
-
-
-# ---------------------------------------------------------------------------------------------------
 # Score matrix and top-k.
 # ---------------------------------------------------------------------------------------------------
 
 
 def _pinned(config: IndexerConfig | None) -> IndexerConfig | None:
-    """``config``, else the one in ``DSV4CP_TRITON_INDEXER_CONFIG``, else None (the ladder); checked."""
-    return pinned_config(config, "DSV4CP_TRITON_INDEXER_CONFIG", IndexerConfig)
+    """``config``, else the kernel option ``triton_indexer_config``, else None (the ladder); checked."""
+    return pinned_config(config, "triton_indexer_config", IndexerConfig)
 
 
 def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pinned) -> None:
@@ -836,35 +448,37 @@ def indexer_topk_triton(
     k: int,
     chunk: int | None = None,
     *,
+    select: str,
+    keys_mode: str = "packed",
     budget_bytes: int | None = None,
     config: IndexerConfig | None = None,
+    select_config=None,
     key_row_limit: tuple[int, int] | None = None,
-    impl: str | None = None,
 ) -> torch.Tensor:
-    """Rows of ``keys`` with the ``k`` highest indexer scores among those visible, per query (Triton).
+    """Rows of ``keys`` with the ``k`` highest indexer scores among those visible, per query (Triton,
+    score buffers + a selection).
 
     Args:
         q: ``[T, Hi, Di]`` bf16 / fp16 / fp32 (Di a multiple of 16, at most 256); ``w``: ``[T, Hi]``
             head weights (any float; used in fp32); ``keys``: ``[G, Di]`` in q's dtype.
         query_doc, query_limit: ``[T]`` ints: the query's document (``< 0``: none) and how many of its
-            document's entries it sees (``(pos + 1) // 4``, 0 for invalid rows; see :func:`query_limits`).
+            document's entries it sees (``(pos + 1) // 4``, 0 for invalid rows; see
+            :func:`~dsv4cp.kernels.indexer_plan.query_limits`).
         key_doc, key_j: ``[G]`` ints: each key row's document (``< 0``: empty slot) and entry number.
         k: entries to keep.
         chunk: at most this many query rows per chunk (default: as many as the budget allows).
+        select: ``"radix"`` (fp32 buffers, the Triton radix select) or ``"torch"`` (``torch.topk``).
+        keys_mode: on the torch selection, ``"packed"`` (int64 keys from the kernel) or ``"scores"``.
         budget_bytes: per-chunk budget for the score buffer and the selection's temporaries (default
-            :data:`TOPK_BUDGET_BYTES`; see :func:`plan_chunks`).
-        config: pin the score kernel's launch (default: ``DSV4CP_TRITON_INDEXER_CONFIG`` or the ladder).
+            :data:`TOPK_BUDGET_BYTES`; see :func:`~dsv4cp.kernels.indexer_plan.plan_chunks`).
+        config: pin the score kernel's launch (default: the kernel option ``triton_indexer_config``, else
+            the ladder); ``select_config``: the radix select's (a
+            :class:`~dsv4cp.kernels.select_top_triton.SelectConfig`; default: its kernel option).
         key_row_limit: ``(base, ratio)``: the caller guarantees that query row ``t`` sees no key row at
             or past ``base + t // ratio + 1`` (a CP layout's :attr:`~dsv4cp.cp.layout.RankLayout.key_row_limit`).
             Given, the chunks are planned from sizes alone (:func:`plan_static_chunks`): no device
             read, CUDA-graph safe. Without it they are planned from the exact visible ranges
             (:func:`key_ranges`, :func:`plan_chunks`), which reads the device once per call.
-        impl: ``"stream"`` (one pass, no score buffer:
-            :func:`dsv4cp.kernels.indexer_topk_triton.indexer_topk_stream`; ``chunk`` and
-            ``budget_bytes`` do not apply, ``config`` pins its tiles; ``k`` above its
-            ``MAX_STREAM_K`` runs chunked) or ``"chunked"`` (score buffers + a selection,
-            :data:`TOPK_SELECT_ENV`, described above); default ``DSV4CP_TOPK_IMPL``, else ``"chunked"``
-            (the faster on an H200).
 
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are visible;
     the same contract and tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` with
@@ -872,15 +486,13 @@ def indexer_topk_triton(
     at the cut the lower key rows win.
     """
     k = _check_k(k)
-    _check_chunking(chunk, budget_bytes)
-    if _topk_impl(impl) == "stream":
-        from dsv4cp.kernels import indexer_topk_triton as stream  # lazy: it imports this module
-
-        if k <= stream.MAX_STREAM_K:  # larger running lists do not fit on chip
-            return stream.indexer_topk_stream(q, w, keys, query_doc, query_limit, key_doc, key_j, k,
-                                              config=config, key_row_limit=key_row_limit)
-    radix = _topk_select(q.device) == "radix"
-    packed = _topk_keys() == "packed" and not radix  # both envs checked, whichever path runs
+    check_chunking(chunk, budget_bytes)
+    if select not in TOPK_SELECTIONS:
+        raise ValueError(f"select: must be one of {', '.join(map(repr, TOPK_SELECTIONS))}, got {select!r}")
+    if keys_mode not in TOPK_KEY_MODES:
+        raise ValueError(f"keys_mode: must be one of {', '.join(map(repr, TOPK_KEY_MODES))}, got {keys_mode!r}")
+    radix = select == "radix"
+    packed = keys_mode == "packed" and not radix
     per_score = TOPK_RADIX_BYTES_PER_SCORE if radix else None  # None: by `packed`
     chunks = iter_score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk,
                                budget_bytes=budget_bytes, config=config, key_row_limit=key_row_limit,
@@ -891,41 +503,11 @@ def indexer_topk_triton(
         if radix:
             # chunk row r is query row s + r, column c key row col0 + c: the causal bound in columns
             row_limit = None if key_row_limit is None else (key_row_limit[0] - col0, key_row_limit[1], s)
-            chosen = select_top_triton(block, keep, row_limit=row_limit)
+            chosen = select_top_triton(block, keep, row_limit=row_limit, config=select_config)
         else:
             chosen = _select_top_packed(block, keep) if packed else _select_top(block, keep)
         out[s:e, :keep] = torch.where(chosen >= 0, chosen + col0, -1)
     return out
-
-
-def _topk_select(device: torch.device) -> str:
-    """The chunked path's selection, from ``DSV4CP_TOPK_SELECT`` (default: ``"radix"`` for compiled
-    kernels, ``"torch"`` under the interpreter); checked."""
-    return env_choice(TOPK_SELECT_ENV, ("radix", "torch"), "torch" if _interpreted(device) else "radix")
-
-
-def _topk_keys() -> str:
-    """The chunked path's buffer, from ``DSV4CP_TOPK_KEYS`` (default ``"packed"``); checked."""
-    return env_choice(TOPK_KEYS_ENV, ("packed", "scores"), "packed")
-
-
-def _topk_impl(impl: str | None) -> str:
-    """The requested top-k path: ``impl``, else ``DSV4CP_TOPK_IMPL``, else ``"chunked"``; checked."""
-    if impl is None:
-        return env_choice(TOPK_IMPL_ENV, ("stream", "chunked"), "chunked")
-    if impl not in ("stream", "chunked"):
-        raise ValueError(f"impl: must be 'stream' or 'chunked', got {impl!r}")
-    return impl
-
-
-def _check_chunking(chunk: int | None, budget_bytes: int | None) -> int:
-    """Validate the chunked path's row cap and byte budget; return the budget in bytes."""
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk: must be a positive int (query rows per chunk), got {chunk!r}")
-    budget = TOPK_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
-    if budget <= 0:
-        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
-    return budget
 
 
 def iter_score_chunks(
@@ -956,7 +538,7 @@ def iter_score_chunks(
     :func:`indexer_topk_triton`."""
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
-    budget = _check_chunking(chunk, budget_bytes)
+    budget = check_chunking(chunk, budget_bytes)
     _check_key_row_limit(key_row_limit)
     if bytes_per_score is None:
         bytes_per_score = TOPK_BYTES_PER_SCORE if packed else TOPK_SCORES_BYTES_PER_SCORE
@@ -965,12 +547,6 @@ def iter_score_chunks(
     return _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, _pinned(config),
                          key_row_limit, packed, bytes_per_score)
 
-
-def _aligned_columns(col0: int, width: int, g: int) -> tuple[int, int]:
-    """Widen ``[col0, col0 + width)`` to a multiple of 16 columns inside ``[0, g)`` (a superset: the
-    kernel masks what is invisible), so buffer rows start 64-byte aligned and stores vectorise."""
-    padded = min(g, -(-width // 16) * 16)
-    return min(col0, g - padded), padded
 
 
 def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, pinned, key_row_limit,
@@ -987,7 +563,7 @@ def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, bud
         plan = [c for c in plan_chunks(*ranges, budget, chunk, per_score) if c[3] > 0]
     if not plan:
         return
-    plan = [(s, e, *_aligned_columns(col0, width, g)) for s, e, col0, width in plan]
+    plan = [(s, e, *aligned_columns(col0, width, g)) for s, e, col0, width in plan]
     args = _prepare(q, w, keys, query_doc, query_limit, key_doc, key_j)
     flat = torch.empty(max((e - s) * width for s, e, _, width in plan),
                        dtype=torch.int64 if packed else torch.float32, device=q.device)
@@ -996,128 +572,3 @@ def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, bud
         _launch_scores(*args, scores, s, e, col0, width, pinned)
         yield s, e, col0, scores
 
-
-# ---------------------------------------------------------------------------------------------------
-# Differentiable scores at given key rows.
-# ---------------------------------------------------------------------------------------------------
-
-
-def _check_idx(q, idx) -> None:
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
-        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
-        raise ValueError(f"idx: must be [{q.shape[0]}, K], got {shape}")
-    if idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx: dtype must be int32 or int64, got {idx.dtype}")
-    if idx.device != q.device:
-        raise ValueError(f"idx: must be on q's device {q.device}, got {idx.device}")
-
-
-def _gather_forward(q, w, keys, idx, config: GatherConfig | None = None) -> torch.Tensor:
-    t, hi, di = q.shape
-    ksel = idx.shape[1]
-    out = torch.empty(t, ksel, dtype=torch.float32, device=q.device)
-    if t == 0 or ksel == 0:
-        return out
-    dev = q.device
-    block_d = triton.next_power_of_2(di)
-    block_h = max(16, triton.next_power_of_2(hi))
-    kernel = _build("_gather_fwd_kernel", dev)
-
-    def launch(cfg: GatherConfig) -> None:
-        kernel[(t,)](
-            q, w, keys, idx, out, hi, keys.shape[0], ksel,
-            q.stride(0), q.stride(1), w.stride(0), keys.stride(0), idx.stride(0), out.stride(0),
-            DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k,
-            PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-
-    _launch("gather_fwd", (dev.type, di, block_h, q.dtype), _gather_fwd_ladder(block_d, q.dtype, _interpreted(dev)),
-            config, launch)
-    return out
-
-
-def _reduce_contributions(contrib, idx, dkeys) -> None:
-    """dkeys[g] += the chunk's contributions to key row g, summed in the order of a stable sort of the
-    flattened slot rows (query-major, then slot): bitwise reproducible."""
-    g, di = dkeys.shape
-    rows = idx.to(torch.int64).reshape(-1)
-    rows = torch.where((rows >= 0) & (rows < g), rows, g)  # empty slots sort last and are never read
-    sorted_rows, perm = torch.sort(rows, stable=True)
-    seg = torch.searchsorted(sorted_rows, torch.arange(g + 1, device=idx.device))
-    _build("_contrib_reduce_kernel", dkeys.device)[(g,)](
-        contrib, perm, seg, dkeys, dkeys.stride(0),
-        DI=di, BLOCK_D=contrib.shape[-1], BLOCK_C=16, num_warps=4,
-    )
-
-
-def _gather_backward(q, w, keys, idx, grad, deterministic: bool, config: GatherBwdConfig | None = None,
-                     scratch_bytes: int | None = None):
-    """``(dq, dw fp32, dkeys fp32)`` of :func:`indexer_scores_triton` for the upstream fp32 ``grad
-    [T, K]``; ``config``: a checked pin (:func:`_gather_bwd_pinned`) or None (the ladder)."""
-    t, hi, di = q.shape
-    g, ksel = keys.shape[0], idx.shape[1]
-    dev = q.device
-    dq = torch.zeros_like(q)
-    dw = torch.zeros(t, hi, dtype=torch.float32, device=dev)
-    dkeys = torch.zeros(g, di, dtype=torch.float32, device=dev)
-    if t == 0 or ksel == 0 or g == 0:
-        return dq, dw, dkeys
-    block_d = triton.next_power_of_2(di)
-    block_h = max(16, triton.next_power_of_2(hi))
-    kernel = _build("_gather_bwd_kernel", dev)
-    budget = BWD_SCRATCH_BYTES if scratch_bytes is None else int(scratch_bytes)
-    chunk = max(1, min(t, budget // (ksel * block_d * 4))) if deterministic else t
-    contrib = torch.empty(chunk, ksel, block_d, dtype=torch.float32, device=dev) if deterministic else dkeys
-    ladder = _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev))
-    for t0 in range(0, t, chunk):
-        rows = min(chunk, t - t0)
-
-        def launch(cfg: GatherBwdConfig, rows: int = rows, t0: int = t0) -> None:
-            kernel[(rows,)](
-                q, w, keys, idx, grad, dq, dw, dkeys, contrib, hi, g, ksel, t0,
-                q.stride(0), q.stride(1), w.stride(0), keys.stride(0), idx.stride(0), grad.stride(0),
-                dq.stride(0), dq.stride(1), dkeys.stride(0),
-                DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k, DETERMINISTIC=deterministic,
-                RELAXED=cfg.relaxed_atomics, PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-
-        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, deterministic), ladder, config, launch)
-        if deterministic:
-            _reduce_contributions(contrib[:rows], idx[t0:t0 + rows], dkeys)
-    return dq, dw, dkeys
-
-
-class _TritonIndexerScores(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, w, keys, idx, bwd_config):
-        q_c, w_c, keys_c, idx_c = q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous()
-        out = _gather_forward(q_c, w_c, keys_c, idx_c)
-        ctx.save_for_backward(q_c, w_c, keys_c, idx_c)
-        ctx.bwd_config = bwd_config
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        q, w, keys, idx = ctx.saved_tensors
-        grad = grad.to(torch.float32).contiguous()
-        dq, dw, dkeys = _gather_backward(q, w, keys, idx, grad, is_deterministic(), ctx.bwd_config)
-        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None, None
-
-
-def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
-                          bwd_config: GatherBwdConfig | None = None) -> torch.Tensor:
-    """Differentiable scores ``[T, K]`` fp32 of queries at key rows ``idx [T, K]`` (Triton forward and
-    backward); the contract of :func:`dsv4cp.ops.indexer.indexer_scores` for bf16 / fp16 / fp32 inputs.
-
-    ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]`` (q's dtype), ``idx`` int32/int64 (``-1`` =
-    empty slot: score 0 there, no gradient). Backward: ``dq`` and ``dw`` per query (no atomics), ``dkeys``
-    by fp32 atomics, or, when :func:`dsv4cp.kernels.is_deterministic`, by a fixed-order reduction.
-    Gradients are returned in the inputs' dtypes. ``bwd_config`` pins the backward's launch (default:
-    :data:`BWD_CONFIG_ENV`, else the ladder); it is checked here, before any work.
-    """
-    _check_qwk(q, w, keys)
-    _check_idx(q, idx)
-    return _TritonIndexerScores.apply(q, w, keys, idx, _gather_bwd_pinned(bwd_config))

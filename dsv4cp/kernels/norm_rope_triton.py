@@ -45,7 +45,8 @@ fp32 product's rounding: the ulp of a 1e6 rad angle is 0.0625) -- far above bf16
 
 Launch: ``BLOCK_H = min(next_pow2(H), max(1, 4096 // BLOCK_D))`` heads (8 at D = 512: a [8, 512] tile,
 16 fp32 values per thread at 8 warps), 4 warps up to 2048 elements per tile, else 8.
-``DSV4CP_TRITON_NORM_ROPE_CONFIG="block_h,num_warps"`` pins both (block_h a power of two). Checked by
+The kernel option ``triton_norm_rope_config`` (``DSV4CP_TRITON_NORM_ROPE_CONFIG="block_h,num_warps"``)
+pins both (block_h a power of two). Checked by
 compiling for sm_90 with Triton 3.9 without a GPU (``triton.compile`` with 16-divisible pointers and
 strides, as launches specialise them, + ptxas -v), bf16 at D = 512, [8, 512] tiles, 8 warps: forward 40
 registers (32 for the rope-only variant), backward 48, no spill; 16-byte vector loads and stores of
@@ -62,17 +63,16 @@ through :class:`dsv4cp.kernels._triton_launch.Kernels`.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from dsv4cp import kernel_options
 from dsv4cp.kernels import HAS_TRITON
 
 __all__ = ["SUPPORTED_DTYPES", "head_norm_rope", "rope_table", "rope_tail", "rotate_tail_", "use_fused"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CONFIG_ENV = "DSV4CP_TRITON_NORM_ROPE_CONFIG"
 
 tl = None  # ``triton.language``, bound by _kernels() on first launch (the kernel bodies read this global)
 _KERNELS = None
@@ -165,7 +165,7 @@ def _kernels():
         from dsv4cp.kernels._triton_launch import Kernels
 
         tl = language
-        _KERNELS = Kernels("norm_rope triton", _rope_fwd_kernel, _norm_rope_bwd_kernel)
+        _KERNELS = Kernels("norm_rope triton", _rope_fwd_kernel, _norm_rope_bwd_kernel, op="norm_rope")
     return _KERNELS
 
 
@@ -228,21 +228,22 @@ def _pow2(n: int) -> int:
 
 
 def _launch_params(h: int, d: int) -> tuple[int, int, int]:
-    """``(BLOCK_D, BLOCK_H, num_warps)``, from the environment pin or the default rule."""
+    """``(BLOCK_D, BLOCK_H, num_warps)``, from the kernel option ``triton_norm_rope_config`` or the default
+    rule; notes the launch as ``norm_rope.config``."""
     block_d = _pow2(d)
-    text = os.environ.get(_CONFIG_ENV)
-    if text:
-        try:
-            block_h, num_warps = (int(v) for v in text.split(","))
-        except ValueError:
-            raise ValueError(f"{_CONFIG_ENV}: expected 'block_h,num_warps' (2 integers), got {text!r}") from None
+    pinned = kernel_options.get("triton_norm_rope_config")
+    if pinned is not None:
+        block_h, num_warps = pinned
+        source = kernel_options.where("triton_norm_rope_config")
         if block_h < 1 or block_h & (block_h - 1):
-            raise ValueError(f"{_CONFIG_ENV}: block_h must be a power of two, got {block_h}")
+            raise ValueError(f"{source}: block_h must be a power of two, got {block_h}")
         if num_warps < 1 or num_warps & (num_warps - 1):
-            raise ValueError(f"{_CONFIG_ENV}: num_warps must be a power of two, got {num_warps}")
-        return block_d, block_h, num_warps
-    block_h = min(_pow2(h), max(1, 4096 // block_d))
-    return block_d, block_h, 4 if block_h * block_d <= 2048 else 8
+            raise ValueError(f"{source}: num_warps must be a power of two, got {num_warps}")
+    else:
+        block_h = min(_pow2(h), max(1, 4096 // block_d))
+        num_warps = 4 if block_h * block_d <= 2048 else 8
+    kernel_options.note_backend("norm_rope.config", f"block_h={block_h},num_warps={num_warps}")
+    return block_d, block_h, num_warps
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:

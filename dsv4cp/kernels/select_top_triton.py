@@ -50,11 +50,12 @@ read back a 2048-4096-bin histogram every step and hold it in registers (Triton 
 10 bits 128 registers, 11 bits 182; 12 bits at 16 warps spills 5 KB per thread), so 8 bits stays the
 default on paper; ``bench/test_bench_indexer.py::test_indexer_select_config`` measures them. The torch
 path's 8-byte key buffer and ``torch.topk``'s temporaries are gone: the chunk planner counts 4 bytes per
-score (:data:`dsv4cp.kernels.indexer_triton.TOPK_RADIX_BYTES_PER_SCORE`), so chunks hold 4x the rows.
+score (:data:`dsv4cp.kernels.indexer_plan.TOPK_RADIX_BYTES_PER_SCORE`), so chunks hold 4x the rows.
 
 Launch: :class:`SelectConfig` (``block_n`` columns per step, digit width, warps, pipeline stages);
-keyword ``config`` or ``DSV4CP_TRITON_SELECT_CONFIG="block_n,radix_bits,num_warps,num_stages"`` pins
-it, else the ladder (:func:`select_config_ladder`). CPU tensors run on Triton's interpreter (tiny sizes only).
+keyword ``config`` or the kernel option ``triton_select_config``
+(``DSV4CP_TRITON_SELECT_CONFIG="block_n,radix_bits,num_warps,num_stages"``) pins it, else the ladder
+(:func:`select_config_ladder`). CPU tensors run on Triton's interpreter (tiny sizes only).
 """
 
 from __future__ import annotations
@@ -65,14 +66,16 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4cp import kernel_options
 from dsv4cp.kernels._triton_launch import Kernels, pinned_config
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 
 __all__ = ["MAX_RADIX_BITS", "SELECT_CONFIGS", "SELECT_CONFIG_ENV", "SelectConfig", "select_config_ladder",
            "select_top_triton"]
 
-SELECT_CONFIG_ENV = "DSV4CP_TRITON_SELECT_CONFIG"
-"""Pins the radix select's launch: ``"block_n,radix_bits,num_warps,num_stages"`` (:class:`SelectConfig`)."""
+SELECT_CONFIG_ENV = kernel_options.OPTIONS["triton_select_config"].env
+"""The variable of the kernel option ``triton_select_config``: pins the radix select's launch:
+``"block_n,radix_bits,num_warps,num_stages"`` (:class:`SelectConfig`)."""
 
 MAX_RADIX_BITS = 12
 """Widest digit: a ``2^12``-bin histogram (16 KB of shared memory; held in registers too, so it spills:
@@ -196,7 +199,7 @@ def _select_kernel(
         tl.store(dst + slot, tl.full([BLOCK], -1, tl.int64), mask=(slot >= written) & (slot < KEEP))
 
 
-_KERNELS = Kernels("select top triton", _select_kernel)
+_KERNELS = Kernels("select top triton", _select_kernel, op="indexer_topk")
 
 
 def select_config_ladder(interpreted: bool) -> list[SelectConfig]:
@@ -208,11 +211,11 @@ def select_config_ladder(interpreted: bool) -> list[SelectConfig]:
 
 
 def _pinned(config: SelectConfig | None) -> SelectConfig | None:
-    """``config``, else the one in :data:`SELECT_CONFIG_ENV`, else None (the ladder); checked."""
+    """``config``, else the kernel option ``triton_select_config``, else None (the ladder); checked."""
     if config is not None and not isinstance(config, SelectConfig):
         raise ValueError(f"config: must be a SelectConfig, got {type(config).__name__}")
-    source = "config" if config is not None else SELECT_CONFIG_ENV
-    config = pinned_config(config, SELECT_CONFIG_ENV, SelectConfig)
+    source = "config" if config is not None else kernel_options.where("triton_select_config")
+    config = pinned_config(config, "triton_select_config", SelectConfig)
     if config is not None and not 1 <= config.radix_bits <= MAX_RADIX_BITS:
         raise ValueError(f"{source}.radix_bits: must be in [1, {MAX_RADIX_BITS}], got {config.radix_bits}")
     return config
@@ -260,7 +263,7 @@ def select_top_triton(
         row_limit: ``(base, ratio, row0)``: the caller guarantees that row ``r`` holds no finite score at
             or past column ``base + (row0 + r) // ratio + 1`` (clamped to ``[0, columns]``); those
             columns are then never read. None: every column is read.
-        config: pin the launch (default: :data:`SELECT_CONFIG_ENV`, else :func:`select_config_ladder`).
+        config: pin the launch (default: the kernel option ``triton_select_config``, else :func:`select_config_ladder`).
 
     Returns: ``[rows, keep]`` int64 columns in increasing order, ``-1`` past a row's finite count: the
     contract of :func:`dsv4cp.kernels.contracts.select_top` (ties at the cut to the lowest columns,

@@ -59,9 +59,9 @@ A single fused backward (dq and dkv in one loop) needs two [*, 512] fp32 accumul
 of q and dO in shared memory (~300 KB): it does not fit, hence (b) + (c) at the price of writing p and
 ds once (2 x T x Kt x H x 2 bytes, in chunks of at most ``BWD_SCRATCH_BYTES``).
 Each launch tries a short ladder of configurations and falls back to the next on ``OutOfResources``
-(cached per shape class); ``DSV4CP_TRITON_FWD_CONFIG`` / ``DSV4CP_TRITON_BWD_CONFIG``
-(``"block_h,block_k,num_warps,num_stages"``), ``DSV4CP_TRITON_DKV_CONFIG``
-(``"block_k,block_d,num_warps,num_stages"``) or the wrappers' keyword arguments pin one.
+(cached per shape class); the wrappers' keyword arguments, else the kernel options ``triton_fwd_config`` /
+``triton_bwd_config`` (``"block_h,block_k,num_warps,num_stages"``) and ``triton_dkv_config``
+(``"block_k,block_d,num_warps,num_stages"``) pin one.
 
 Kernels are built lazily per execution mode: CUDA tensors use compiled ``triton.jit`` kernels, CPU
 tensors use Triton's interpreter (slow: tiny sizes only), which needs ``TRITON_INTERPRET=1`` in the
@@ -77,8 +77,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4cp import kernel_options
 from dsv4cp.kernels import is_deterministic
-from dsv4cp.kernels._triton_launch import Kernels, OutOfResources, env_choice  # noqa: F401  (OutOfResources: re-exported)
+from dsv4cp.kernels._triton_gather import gather_rows
+from dsv4cp.kernels._triton_launch import Kernels, OutOfResources  # noqa: F401  (OutOfResources: re-exported)
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
@@ -108,10 +110,10 @@ shrinks with the rank's rows under CP instead of sitting at the fixed byte cap o
 BWD_SCRATCH_MIN_CHUNK_ROWS = 1024
 """Smallest query chunk the :data:`BWD_SCRATCH_MIN_CHUNKS` rule makes (small inputs stay one launch)."""
 
-DQ_IN_DKV_ENV = "DSV4CP_TRITON_DQ_IN_DKV"
-"""Environment switch of the backward's dq placement (``1``: dq accumulated by the dkv kernel); the
-``dq_in_dkv`` keyword of :func:`sparse_attention_bwd` wins over it."""
-DQ_IN_DKV_DEFAULT = True
+DQ_IN_DKV_ENV = kernel_options.OPTIONS["triton_dq_in_dkv"].env
+"""The variable of the kernel option ``triton_dq_in_dkv``, the backward's dq placement (``1``: dq
+accumulated by the dkv kernel); the ``dq_in_dkv`` keyword of :func:`sparse_attention_bwd` wins over it."""
+DQ_IN_DKV_DEFAULT = kernel_options.OPTIONS["triton_dq_in_dkv"].default
 """The placement when neither the keyword nor the environment says: in the dkv kernel, the faster on an
 H200 (``bench/sweep_sparse_attention_configs.py``, flash shapes, ``results/2026-12-01-h200-speed``):
 20.0 ms = 171 TFLOP/s with scores ``64,64,8,1`` + dkv ``64,256,8,2``, against 25.0 ms = 138 TFLOP/s
@@ -180,15 +182,8 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
-        rows = tl.load(IDX + t * stride_it + slots, mask=slots < kt_len, other=-1).to(tl.int64)
-        valid = (rows >= 0) & (rows < N)
-        if D == BLOCK_D:  # no head-dim padding: a row mask only (fewer predicate registers)
-            kv_mask = valid[:, None]
-        else:
-            kv_mask = valid[:, None] & dmask[None, :]
-        kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :], mask=kv_mask, other=0.0)  # K and V
-        if DOT_F32:
-            kv = kv.to(tl.float32)
+        rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, slots < kt_len, N, stride_kvn, d, dmask,
+                                      D, BLOCK_D, DOT_F32)  # K and V
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -289,15 +284,8 @@ def _bwd_dq_kernel(
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         in_len = slots < kt_len
-        rows = tl.load(IDX + t * stride_it + slots, mask=in_len, other=-1).to(tl.int64)
-        valid = (rows >= 0) & (rows < N)
-        if D == BLOCK_D:
-            kv_mask = valid[:, None]
-        else:
-            kv_mask = valid[:, None] & dmask[None, :]
-        kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            kv = kv.to(tl.float32)
+        rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, in_len, N, stride_kvn, d, dmask,
+                                      D, BLOCK_D, DOT_F32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
         p = tl.math.exp2(s - lt2[:, None])
         p = tl.where(valid[None, :], p, 0.0)  # [BLOCK_H, BLOCK_K] probabilities (sink in denominator)
@@ -411,7 +399,7 @@ def _dkv_reduce_kernel(
 
 
 _KERNELS = Kernels("sparse_attention triton", _fwd_kernel, _bwd_preprocess_kernel, _bwd_dq_kernel,
-                   _bwd_dkv_kernel, _dkv_reduce_kernel)
+                   _bwd_dkv_kernel, _dkv_reduce_kernel, op="sparse_attention")
 _BODIES, _BUILT, _CHOSEN = _KERNELS.bodies, _KERNELS.built, _KERNELS.chosen
 _build, _launch = _KERNELS.build, _KERNELS.launch
 
@@ -483,11 +471,11 @@ def _dkv_dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConf
 
 
 def _dq_in_dkv(explicit: bool | None) -> bool:
-    """Where the backward accumulates dq: the keyword argument, else ``DSV4CP_TRITON_DQ_IN_DKV``
-    (``0``: in the dq kernel; ``1``: in the dkv kernel), else :data:`DQ_IN_DKV_DEFAULT`."""
+    """Where the backward accumulates dq: the keyword argument, else the kernel option ``triton_dq_in_dkv``
+    (``0``: in the dq kernel; ``1``: in the dkv kernel; default :data:`DQ_IN_DKV_DEFAULT`)."""
     if explicit is not None:
         return bool(explicit)
-    return env_choice(DQ_IN_DKV_ENV, ("0", "1"), "1" if DQ_IN_DKV_DEFAULT else "0") == "1"
+    return bool(kernel_options.get("triton_dq_in_dkv"))
 
 
 def _dkv_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]:
@@ -590,7 +578,7 @@ def sparse_attention_fwd(
     topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
     block_d = triton.next_power_of_2(d)
     ladder = _fwd_ladder(block_d, h, q.dtype)
-    pinned = _pinned("DSV4CP_TRITON_FWD_CONFIG", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
+    pinned = _pinned("triton_fwd_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_fwd_kernel", q.device)
 
@@ -642,8 +630,9 @@ def sparse_attention_bwd(
         scratch_bytes: scratch budget per query chunk (default :data:`BWD_SCRATCH_BYTES`).
         dq_in_dkv: ``True``: the dq kernel only writes p / ds (64 heads per program on wgmma) and the
             dkv kernel accumulates dq by column block beside the kv gradients; ``False``: the dq kernel
-            accumulates dq (mma.sync, 32 heads per program at D = 512); ``None``: :data:`DQ_IN_DKV_ENV`,
-            else :data:`DQ_IN_DKV_DEFAULT`. block_h..num_stages pin the first kernel, dkv_config the second.
+            accumulates dq (mma.sync, 32 heads per program at D = 512); ``None``: the kernel option
+            ``triton_dq_in_dkv`` (:data:`DQ_IN_DKV_ENV`, else :data:`DQ_IN_DKV_DEFAULT`). block_h..num_stages
+            pin the first kernel, dkv_config the second.
 
     Returns:
         ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
@@ -691,10 +680,10 @@ def sparse_attention_bwd(
 
     # (b) dq + p/ds scratch and (c) kv gradients, chunk by chunk of queries.
     dq_ladder = (_scores_ladder if acc_dq_in_dkv else _dq_ladder)(block_d, h, q.dtype)
-    dq_pinned = _pinned("DSV4CP_TRITON_BWD_CONFIG", KernelConfig, dq_ladder[0], block_h=block_h,
+    dq_pinned = _pinned("triton_bwd_config", KernelConfig, dq_ladder[0], block_h=block_h,
                         block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     dkv_ladder = (_dkv_dq_ladder if acc_dq_in_dkv else _dkv_ladder)(block_d, h, q.dtype)
-    dkv_pinned = _pinned("DSV4CP_TRITON_DKV_CONFIG", DkvConfig, dkv_ladder[0],
+    dkv_pinned = _pinned("triton_dkv_config", DkvConfig, dkv_ladder[0],
                          **({} if dkv_config is None else vars(dkv_config)))
     dq_kernel, dkv_kernel = _build("_bwd_dq_kernel", dev), _build("_bwd_dkv_kernel", dev)
     budget = BWD_SCRATCH_BYTES if scratch_bytes is None else int(scratch_bytes)

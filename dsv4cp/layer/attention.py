@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dsv4cp import kernel_options as kernel_option_registry
 from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.agreement import check_ranks_agree
 from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank, hold_backward_waits
@@ -21,6 +23,7 @@ from dsv4cp.layer.precision import PrecisionPinned
 from dsv4cp.layer.rope import rope_frequencies
 from dsv4cp.ops.grouped_linear import head_group_projection
 from dsv4cp.ops.indexer import indexer_topk
+from dsv4cp.ops.kernel_scope import options_in_backward
 from dsv4cp.ops.norm_rope import head_norm_rope, rope_tail
 from dsv4cp.ops.sparse_attention import check_backend_name, resolve_backend, sparse_attention
 from dsv4cp.packing import PackedSeqs
@@ -46,6 +49,10 @@ class DSv4Attention(PrecisionPinned):
             projections, backward reduce-scatters with the query-path backward).
         recompute: selective recompute; keep neither the query up-projection nor the key buffer for
             backward, rebuild them there from the saved parts (docs/design.md §3.6). Same results.
+        kernel_options: kernel options (:mod:`dsv4cp.kernel_options`, name -> value, checked here) in
+            force while the layer's forward runs and, later, its backward (entered when the backward
+            reaches the layer's outputs, left when that backward pass ends:
+            :func:`dsv4cp.ops.kernel_scope.options_in_backward`).
         check_ranks: before each step, check with one tiny collective that every rank of ``cp_group``
             got the same ``packed`` offsets, split and dtype (a mismatch otherwise returns garbage
             silently) and that no rank rejected its own input (e.g. ``x`` with the wrong rows on one
@@ -62,11 +69,12 @@ class DSv4Attention(PrecisionPinned):
 
     def __init__(
         self, cfg: DSv4Config, compress_ratio: int, *, backend: str = "auto", overlap: str = "none",
-        recompute: bool = False, check_ranks: bool = False,
+        recompute: bool = False, check_ranks: bool = False, kernel_options: Mapping[str, object] | None = None,
     ):
         super().__init__()
         cfg.check_ratio(compress_ratio)
         check_backend_name(backend)
+        self.kernel_options = kernel_option_registry.canonical(kernel_options or {})
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap: must be one of {OVERLAP_MODES}, got {overlap!r}")
         self.cfg, self.compress_ratio, self.kind = cfg, compress_ratio, layer_kind(compress_ratio)
@@ -98,6 +106,17 @@ class DSv4Attention(PrecisionPinned):
         self, x: torch.Tensor, packed: PackedSeqs, cp_group: dist.ProcessGroup | None = None,
         split: RowSplit | None = None,
     ) -> AttentionOutput:
+        """Run the layer on this rank's rows (:meth:`_forward`), its ``kernel_options`` in force."""
+        if not self.kernel_options:
+            return self._forward(x, packed, cp_group, split)
+        with kernel_option_registry.overrides(self.kernel_options):
+            out, loss = self._forward(x, packed, cp_group, split)
+        return AttentionOutput(*options_in_backward((out, loss), self.kernel_options))
+
+    def _forward(
+        self, x: torch.Tensor, packed: PackedSeqs, cp_group: dist.ProcessGroup | None = None,
+        split: RowSplit | None = None,
+    ) -> AttentionOutput:
         """Run the layer on this rank's rows.
 
         Args:
@@ -106,7 +125,7 @@ class DSv4Attention(PrecisionPinned):
             packed: the WHOLE batch's document offsets (identical on every rank).
             cp_group: the context-parallel process group; None means one rank.
             split: the ranks' split points ``b`` (identical on every rank, e.g. from
-                :func:`dsv4cp.cp.partition.partition`); None means equal slices of ``T / cp`` rows.
+                :func:`dsv4cp.model.partition.partition`); None means equal slices of ``T / cp`` rows.
         """
         cp, rank = group_size_and_rank(cp_group)
         if not self.check_ranks:
@@ -243,4 +262,5 @@ class DSv4Attention(PrecisionPinned):
         return (
             f"kind={self.kind}, compress_ratio={self.compress_ratio}, backend={self.backend!r}, "
             f"overlap={self.overlap!r}, recompute={self.recompute}"
+            + (f", kernel_options={self.kernel_options}" if self.kernel_options else "")
         )

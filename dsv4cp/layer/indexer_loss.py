@@ -6,6 +6,15 @@ the softmax of the indexer scores over the same set (gradient to indexer paramet
 returns its share: the sum over its real rows divided by the GLOBAL real-token count, so the CP ranks'
 shares add up to the full loss.
 
+Non-finite values. The top-k never selects a non-finite indexer score (docs/design.md §4.5), so a NaN
+or infinite indexer query, head weight or key would drop out of the selected set, and with it out of
+this loss (an all-NaN input used to give a loss of exactly 0). The loss is therefore multiplied by 1
+when every value of ``index_q``, ``index_w`` and ``index_keys`` is finite and by NaN otherwise: one
+device-side check (a sum per input), no host read, and bitwise the same loss and gradients for finite
+inputs (``x * 1`` is exact). The backward scales by the same factor, so the gradients of the entries still scored turn
+NaN too (a row whose scores were all skipped has none). Non-finite values on the attention side
+(queries, keys, lse, sink) need no factor: they reach the target of every row that scores an entry.
+
 Memory. The sparse variant scores the ``K`` selected entries per query: ``[L, K]`` tensors. The dense
 variant scores every visible entry, up to ``M = max_seqlen_padded / 4`` per query (a 64K-token document
 makes ``[L, M]`` 1e9 elements), so it runs over chunks of query rows sized from :data:`DENSE_CHUNK_BYTES`
@@ -153,7 +162,7 @@ def indexer_loss(
         log_denominator = torch.logaddexp(attention_lse.detach(), sink)
         total = _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q,
                              index_w, index_keys, weight)
-        return total * (coeff / max(global_real_tokens, 1))
+        return total * (coeff / max(global_real_tokens, 1)) * _one_if_finite(index_q, index_w, index_keys, total)
     window_lse = torch.logaddexp(logsumexp_over(q, key_buffer, window_idx, scale), sink)
 
     def chunk_loss(rows: slice, q_rows: torch.Tensor, w_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -167,7 +176,20 @@ def indexer_loss(
     m = scored_entries(slice(0, 0)).shape[1]  # M from a call on no rows
     step = dense_chunk_rows(m, q.shape[1], q.shape[2], index_q.shape[1], index_q.shape[2])
     total = _ChunkedKL.apply(index_q, index_w, index_keys, chunk_loss, step, torch.is_grad_enabled())
-    return total * (coeff / max(global_real_tokens, 1))
+    return total * (coeff / max(global_real_tokens, 1)) * _one_if_finite(index_q, index_w, index_keys, total)
+
+
+def _one_if_finite(index_q: torch.Tensor, index_w: torch.Tensor, index_keys: torch.Tensor,
+                   like: torch.Tensor) -> torch.Tensor:
+    """0-d tensor of ``like``'s dtype: 1 when every indexer input is finite, else NaN (the selection
+    skips non-finite scores, so without this factor they would vanish from the loss).
+
+    Checked through each input's sum: a NaN or infinity anywhere makes a sum non-finite, whatever the
+    order of the additions, and finite values overflow an fp32 sum only far beyond any score the
+    indexer could rank. One read per input and no temporary of its size, unlike ``isfinite().all()``."""
+    with torch.no_grad():
+        total = sum(t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in (index_q, index_w, index_keys))
+        return torch.where(torch.isfinite(total), 1.0, float("nan")).to(like.dtype)
 
 
 def _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q, index_w,

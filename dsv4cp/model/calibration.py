@@ -1,11 +1,11 @@
-"""Calibration of the cost model on measured phase times (for the cost-balanced row split): one
-efficiency factor per phase class and direction, ``measured time / modelled bound``.
+"""Calibration of the cost model on measured phase times: one efficiency factor per phase
+class and direction, ``measured time / modelled bound``.
 
 The roofline bounds of :mod:`dsv4cp.model.costs` are far from the measured phase times, and not by
 one common factor: on an H200 the indexer's scoring + top-k runs ~6x its bound, the projections
 ~1.7x. A split balanced on the bounds therefore balances the wrong work. A :class:`Calibration`
 holds the measured-over-bound factor of every phase class (:data:`PHASE_CLASSES`) in each direction;
-:meth:`dsv4cp.cp.partition.RowCosts.for_layer` scales its per-row costs by them and
+:meth:`dsv4cp.model.row_costs.RowCosts.for_layer` scales its per-row costs by them and
 :meth:`Calibration.rank_compute_s` scales the model's per-rank phase bounds.
 
 Fitting (:func:`fit`) needs a profile's per-phase table (the ``overlap.csv`` that ``dsv4cp profile
@@ -24,7 +24,7 @@ query its document's earlier entries (``visible``), the Triton top-k's static ch
 entry of the batch before the query (``prefix``: other documents' columns too; the torch top-k too, given
 ``key_row_limit`` as the layer does), the torch top-k without it the whole gathered buffer (``all``).
 ``indexer_scan`` names the work the indexer factor is fitted on and applied to
-(:data:`dsv4cp.cp.partition.INDEXER_SCANS`), priced per entry at the model's own per-visible-entry bound;
+(:data:`dsv4cp.model.phase_classes.INDEXER_SCANS`), priced per entry at the model's own per-visible-entry bound;
 on one long document ``visible`` and ``prefix`` coincide, so only a multi-document profile tells them apart.
 """
 
@@ -37,16 +37,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dsv4cp.cp.partition import INDEXER_SCANS, PHASE_CLASSES, scanned_slots
 from dsv4cp.model.costs import BOTH, DIRECTIONS, LayerEstimate, range_to_phase
-
-MODEL_PHASE_CLASS: dict[str, str] = {
-    "indexer.score": "indexer", "indexer.topk": "indexer", "sparse_attn": "attention",
-    "q_proj": "projections", "kv_proj": "projections", "out_proj": "projections",
-    "indexer.q_proj": "projections", "compress": "compressors", "indexer.compress": "compressors",
-    "indexer.loss": "loss",
-}
-"""The class of every compute phase of the cost model (communication phases have none)."""
+from dsv4cp.model.phase_classes import INDEXER_SCANS, MODEL_PHASE_CLASS, PHASE_CLASSES
+from dsv4cp.model.row_costs import scanned_slots
+from dsv4cp.profiling.trace import POINT_FILE
 
 SCHEMA = 1
 
@@ -237,28 +231,90 @@ def fit(measured: pd.DataFrame, est: LayerEstimate, source: str = "", indexer_sc
                        fitted=fitted)
 
 
-def read_phase_table(path: str | Path, cp: int | None = None, tokens: int | None = None) -> pd.DataFrame:
-    """The per-phase table of a profile: an ``overlap*.csv``, a ``records.jsonl`` (the first ``ok``
-    record with ``phases``, of ``cp`` and ``tokens`` when given), or a directory holding one of
+POINT_CHECKS: tuple[str, ...] = ("preset", "ratio", "tokens")
+"""What a profile must share with the point a calibration is fitted for (its cp is checked by :func:`fit`)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A profile's per-phase table and the point it measured (record axes; None when nothing says)."""
+
+    table: pd.DataFrame
+    point: dict | None
+    source: str
+
+
+def read_profile(path: str | Path, cp: int | None = None, want: dict | None = None) -> Profile:
+    """The per-phase table of a profile and its point: an ``overlap*.csv`` (its point from the
+    :data:`POINT_FILE` beside it, else from the record of its run: a sweep's ``traces/<point_id>/``
+    under the run's ``records.jsonl``, or a ``records.jsonl`` in its folder, the folder above or that
+    one's ``profile/``), a ``records.jsonl`` (the first ``ok`` record with ``phases`` at ``cp``,
+    one agreeing with ``want`` on :data:`POINT_CHECKS` first), or a directory holding one of
     ``overlap.csv``, ``trace/overlap.csv``, ``records.jsonl``, ``profile/records.jsonl`` (first found)."""
     path = Path(path)
     if path.is_dir():
         for name in ("overlap.csv", "trace/overlap.csv", "records.jsonl", "profile/records.jsonl"):
             if (path / name).is_file():
-                return read_phase_table(path / name, cp, tokens)
+                return read_profile(path / name, cp, want)
         raise ValueError(f"--calibrate: {str(path)!r} holds no overlap.csv, trace/overlap.csv or records.jsonl")
     if not path.is_file():
         raise ValueError(f"--calibrate: no such file or directory {str(path)!r}")
     if path.suffix == ".csv":
-        return pd.read_csv(path)
+        return Profile(pd.read_csv(path), _trace_point(path, cp, want), str(path))
+    records = [r for r in _read_records(path) if r.get("status") == "ok" and r.get("phases")
+               and (cp is None or r.get("cp") == cp)]
+    if not records:
+        raise ValueError(f"--calibrate: {str(path)!r} has no ok record with per-phase times"
+                         f"{'' if cp is None else f' at cp={cp}'}")
+    record = _first_agreeing(records, want)
+    return Profile(pd.DataFrame(record["phases"]), record, str(path))
+
+
+def check_profile_point(profile: Profile, want: dict) -> None:
+    """``ValueError`` naming both points unless ``profile`` measured ``want`` (on :data:`POINT_CHECKS`):
+    factors fitted on another configuration or batch size describe another workload."""
+    asked = " ".join(f"{k}={want[k]}" for k in POINT_CHECKS)
+    if profile.point is None:
+        raise ValueError(f"--calibrate: {profile.source!r} does not say which point it measured (no {POINT_FILE} "
+                         f"beside it, no records.jsonl of its run); asked for {asked}: profile it again with "
+                         f"--trace-dir, or pass the run's records.jsonl")
+    got = " ".join(f"{k}={profile.point.get(k)}" for k in POINT_CHECKS)
+    if any(profile.point.get(k) != want[k] for k in POINT_CHECKS):
+        raise ValueError(f"--calibrate: {profile.source!r} measured {got}, not the point asked for ({asked}); "
+                         "pass the profile of this point, or this command the profile's point")
+
+
+def _read_records(path: Path) -> list[dict]:
+    records = []
     for line_no, line in enumerate(path.read_text().splitlines(), 1):
         try:
-            record = json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError as err:
             raise ValueError(f"--calibrate: {str(path)!r} line {line_no} is not JSON: {err}") from err
-        if record.get("status") != "ok" or not record.get("phases"):
-            continue
-        if (cp is None or record.get("cp") == cp) and (tokens is None or record.get("tokens") == tokens):
-            return pd.DataFrame(record["phases"])
-    raise ValueError(f"--calibrate: {str(path)!r} has no ok record with per-phase times"
-                     f"{'' if cp is None else f' at cp={cp}'}{'' if tokens is None else f', tokens={tokens}'}")
+    return records
+
+
+def _first_agreeing(records: list[dict], want: dict | None) -> dict:
+    """The first record agreeing with ``want`` on :data:`POINT_CHECKS`, else the first."""
+    agreeing = [r for r in records if want is not None and all(r.get(k) == want.get(k) for k in POINT_CHECKS)]
+    return (agreeing or records)[0]
+
+
+def _trace_point(csv: Path, cp: int | None, want: dict | None) -> dict | None:
+    """The point a trace's ``overlap.csv`` measured (see :func:`read_profile`), None when nothing says."""
+    folder = csv.parent
+    if (folder / POINT_FILE).is_file():
+        try:
+            return json.loads((folder / POINT_FILE).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--calibrate: {str(folder / POINT_FILE)!r} is not JSON: {err}") from err
+    if folder.parent.name == "traces" and (folder.parent.parent / "records.jsonl").is_file():  # a sweep's trace
+        run = _read_records(folder.parent.parent / "records.jsonl")
+        return next((r for r in run if r.get("point_id") == folder.name), None)
+    for records in (folder, folder.parent, folder.parent / "profile"):
+        records = records / "records.jsonl"
+        if records.is_file():
+            ok = [r for r in _read_records(records) if r.get("status") == "ok" and (cp is None or r.get("cp") == cp)]
+            if ok:
+                return _first_agreeing(ok, want)
+    return None

@@ -58,15 +58,16 @@ comm = sum over communication phases, bound with perfect overlap ``max(compute, 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from dsv4cp.config import DSv4Config
+from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.counts import DocsLike, RankCounts, rank_counts
-from dsv4cp.model.machine import Machine
+from dsv4cp.model.machine import Machine, resolve_machine
 
 PHASES: tuple[str, ...] = (
     "halo", "q_proj", "kv_proj", "compress", "indexer.compress", "indexer.q_proj", "indexer.score",
@@ -290,6 +291,40 @@ def _phase_costs(cfg: DSv4Config, n: RankCounts, machine: Machine, act_bytes: in
     return costs
 
 
+UNITS: tuple[str, ...] = ("row", "window_key", "visible_entry", "compressed_key")
+"""The work counts that :func:`unit_costs` prices: an own row (with its ``1 / r`` share of an owned
+compressed entry), a (query, window key) pair, a (query, visible entry) pair, a (query, compressed key)
+pair of the attention."""
+
+
+def unit_costs(cfg: DSv4Config, ratio: int) -> dict[str, dict[str, dict[str, np.ndarray]]]:
+    """This module's accounting per unit of work: ``{phase: {direction: {"flops" | "hbm_bytes": [4]}}}``
+    with the four entries priced per :data:`UNITS` (compute phases of a ``ratio`` layer only).
+
+    Every compute phase's FLOPs and bytes are linear in the rank's rows, owned entries, window keys,
+    visible entries and compressed keys, so evaluating them on four unit "ranks" (one row and ``1 / r``
+    owned entry; one window key; one visible entry; one compressed key; no halo, no gathered slot)
+    gives the price of each. The halo rows and the gathered buffers, which cost every rank alike, are
+    left out. The per-row costs of the balanced split (:mod:`dsv4cp.model.row_costs`) derive from these.
+    """
+    cfg.check_ratio(ratio)
+    kind = layer_kind(ratio)
+    row, window_key, visible_entry, compressed_key = np.eye(len(UNITS))  # one unit "rank" each
+    none = np.zeros(len(UNITS))
+    probe = RankCounts(
+        kind=kind, ratio=ratio, cp=len(UNITS), total=0, rows=1, halo=0, capacity=0, n_docs=0,
+        max_entries_per_doc=0, rank_rows=row, halo_recv_rows=none, halo_send_rows=none, query_rows=row,
+        window_keys=window_key, visible_entries=visible_entry if ratio else none,  # W layers see no entry
+        compressed_keys=compressed_key if ratio else none, owned_entries=row / ratio if ratio else none,
+    )
+    costs = _phase_costs(cfg, probe, Machine(), ACT_BYTES)  # the machine prices communication only: unused here
+    return {
+        phase: {d: {key: np.asarray(costs[phase].v[d][key], dtype=float) for key in ("flops", "hbm_bytes")}
+                for d in phase_directions(phase)}
+        for phase in layer_phases(kind) if phase not in COMM_PHASES
+    }
+
+
 # ---------------------------------------------------------------------------------- results
 @dataclass(frozen=True)
 class DirectionSummary:
@@ -494,21 +529,26 @@ def _check_direction(direction: str, both: bool) -> str:
 
 def estimate(
     cfg: DSv4Config, ratio: int, packed_or_lengths: DocsLike, cp: int, machine: Machine | None = None,
-    total: int | None = None, *, act_bytes: int = ACT_BYTES, split: RowSplit | None = None,
+    total: int | None = None, *, act_bytes: int = ACT_BYTES, split: RowSplit | None = None, padding: bool = True,
 ) -> LayerEstimate:
     """The analytic cost of one ``ratio`` layer of ``cfg`` on a packed batch split over ``cp`` ranks.
 
     Args:
         packed_or_lengths: a :class:`PackedSeqs` (its padded extents and ``total``) or document
             lengths (concatenated, no padding).
-        machine: ceilings for the time bounds (default: :class:`Machine` ``h200x2``).
+        machine: ceilings for the time bounds (default: the machine this process runs on,
+            :func:`~dsv4cp.model.machine.this_machine`).
         total: rows of the batch (default ``packed.total`` or the sum of the lengths); extra rows
             form a tail padding segment. Must be divisible by ``cp``.
         act_bytes: bytes per activation/weight element (2 = bf16).
-        split: the ranks' row ranges (e.g. :func:`dsv4cp.cp.partition.partition`); None: equal slices.
+        split: the ranks' row ranges (e.g. :func:`dsv4cp.model.partition.partition`); None: equal slices.
+        padding: False prices the gathered buffer at the entries the ranks own (their mean per rank in
+            place of the static capacity): the work without capacity padding.
     """
-    machine = machine or Machine()
+    machine = resolve_machine(machine)
     counts = rank_counts(cfg, ratio, packed_or_lengths, cp, total, split)
+    if not padding:
+        counts = dataclasses.replace(counts, capacity=float(sum(counts.owned_entries)) / counts.cp)
     costs = _phase_costs(cfg, counts, machine, act_bytes)
     rows = []
     for phase in layer_phases(counts.kind):

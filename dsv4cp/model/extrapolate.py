@@ -9,7 +9,7 @@ import pandas as pd
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.model.costs import LayerEstimate, estimate, range_to_phase
-from dsv4cp.model.machine import Machine
+from dsv4cp.model.machine import Machine, resolve_machine
 from dsv4cp.workloads import pack_lengths
 
 DEFAULT_CPS = (8, 16, 32, 64)
@@ -42,7 +42,7 @@ def extrapolate(
     communication bound with the sparse-attention bound alone (the comparison of where CP time goes),
     ``comm_over_compute`` with the rank's whole compute bound.
     """
-    machine = machine or Machine()
+    machine = resolve_machine(machine)
     points: list[tuple[int, int]] = []
     for cp in cps:
         totals = (int(t) * cp for t in tokens_per_rank) if tokens_per_rank is not None else tokens

@@ -1,4 +1,9 @@
-"""Hardware ceilings for the roofline lower bounds (measured on H200 machines)."""
+"""Hardware ceilings for the roofline lower bounds, and the machine this process runs on.
+
+:func:`this_machine` is the one default of every bound (the ``--machine`` of the CLI, a sweep's
+points, the analytic model): the ``h200x2`` preset on an H200, the ``cpu-estimate`` preset on a host
+without CUDA, and no machine (no bound) on a GPU without a preset.
+"""
 
 from __future__ import annotations
 
@@ -39,14 +44,15 @@ class Machine:
     @classmethod
     def preset(cls, name: str = "h200x2", bandwidth: float | None = None) -> Machine:
         """``h200x2`` (two NVLinked H200, the measured ceilings), ``internode`` (same GPUs, every
-        collective and the halo limited to ``bandwidth`` B/s per GPU, default 40e9) or ``cpu`` (this
-        host's ceilings, measured now by :func:`measure_host`).
+        collective and the halo limited to ``bandwidth`` B/s per GPU, default 40e9), ``cpu`` (this
+        host's ceilings, measured now by :func:`measure_host`) or ``cpu-estimate`` (fixed CPU ceilings,
+        :data:`CPU_ESTIMATE`: the same on every rank and every run).
 
         ``bandwidth`` (B/s), when given, replaces both communication ceilings of any preset.
         """
         if name not in MACHINE_PRESETS:
             raise ValueError(f"machine: unknown preset {name!r}; choose one of {MACHINE_PRESETS}")
-        machine = measure_host() if name == "cpu" else cls()
+        machine = measure_host() if name == "cpu" else CPU_ESTIMATE if name == "cpu-estimate" else cls()
         if name == "internode":
             machine = machine.with_bandwidth(INTERNODE_BANDWIDTH if bandwidth is None else bandwidth, "internode")
         elif bandwidth is not None:
@@ -84,11 +90,57 @@ class Machine:
 INTERNODE_BANDWIDTH = 40 * GB
 """Default per-GPU inter-node bandwidth of the ``internode`` preset (an example figure)."""
 
-MACHINE_PRESETS = ("h200x2", "internode", "cpu")
+MACHINE_PRESETS = ("h200x2", "internode", "cpu", "cpu-estimate")
 
 LOOPBACK_BANDWIDTH = 0.5 * GB
-"""Communication ceiling of the ``cpu`` machine: gloo all-gather bus bandwidth between two local
+"""Communication ceiling of the ``cpu`` machines: gloo all-gather bus bandwidth between two local
 processes, measured on the 2-core development host (0.57 GB/s at 16 MiB, 0.33 GB/s at 64 MiB)."""
+
+CPU_ESTIMATE = Machine(name="cpu-estimate", peak_flops=40e9, hbm_bandwidth=8 * GB,
+                       allgather_busbw=LOOPBACK_BANDWIDTH, p2p_bandwidth=LOOPBACK_BANDWIDTH)
+"""An ESTIMATE of a small CPU host's ceilings, fixed so that every rank of a run (each its own process)
+derives the same bounds and the same balanced split: :func:`measure_host` gave 26-31 GFLOP/s (fp32
+matrix product) and 5.2-6.4 GB/s (copy) on the shared 2-core development host; the figures are rounded
+up so the bound stays below what such a host reaches. ``--machine cpu`` measures the host instead."""
+
+GPU_PRESETS: dict[str, str] = {"H200": "h200x2"}
+"""The preset of each GPU model with measured ceilings, by a word of ``torch.cuda.get_device_name()``."""
+
+
+def this_machine() -> Machine | None:
+    """The machine this process runs on: the preset of its GPU (:data:`GPU_PRESETS`), the
+    :data:`CPU_ESTIMATE` without CUDA, or None (no bound) on a GPU without a preset
+    (:func:`no_machine_reason` says which)."""
+    if _gpu_name() is None:
+        return CPU_ESTIMATE
+    gpu = _gpu_name().upper()
+    preset = next((p for word, p in GPU_PRESETS.items() if word in gpu), None)
+    return None if preset is None else Machine.preset(preset)
+
+
+def no_machine_reason() -> str:
+    """Why :func:`this_machine` gave no machine, for a message (one clause)."""
+    return (f"no bound: the GPU {_gpu_name()!r} has no preset of measured ceilings (presets: {sorted(GPU_PRESETS)}); "
+            "pass --machine or --machine-file")
+
+
+def _gpu_name() -> str | None:
+    """The name of this process's GPU (the torchrun ``LOCAL_RANK``'s, as every rank's device is), None without CUDA."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def resolve_machine(machine: Machine | None) -> Machine:
+    """``machine``, else :func:`this_machine`; ``ValueError`` naming ``machine`` where neither exists."""
+    machine = machine if machine is not None else this_machine()
+    if machine is None:
+        raise ValueError(f"machine: {no_machine_reason()}")
+    return machine
 
 
 def measure_host(matmul_size: int = 1024, copy_bytes: int = 64 * 2**20) -> Machine:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4cp.config import INDEXER_RATIO, DSv4Config, layer_kind
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.counts import DocsLike, rank_counts
 
 QUERY_COPIES_FWD = 4
@@ -119,11 +120,14 @@ def sparse_bwd_scratch_bytes(
 
 def peak_terms(
     cfg: DSv4Config, ratio: int, packed: DocsLike, cp: int, direction: str, dtype: torch.dtype,
-    recompute: bool = False, sparse_bwd_min_chunks: int = SPARSE_BWD_MIN_CHUNKS,
+    recompute: bool = False, sparse_bwd_min_chunks: int = SPARSE_BWD_MIN_CHUNKS, *,
+    split: RowSplit | None = None, rank: int | None = None,
 ) -> list[MemoryTerm]:
     """The named terms of :func:`peak_bytes_estimate` (bytes per rank, the most loaded rank's rows).
 
     ``sparse_bwd_min_chunks``: see :func:`sparse_bwd_scratch_bytes` (what-if of a kernel change).
+    ``split``: the ranks' row ranges (None: equal slices); ``rank``: the terms of that rank's own rows
+    instead of the most loaded rank's (the gathered buffers are the same on every rank).
 
     Raises ``ValueError`` naming the field for a bad direction, dtype or split (as the cost model).
     """
@@ -131,9 +135,14 @@ def peak_terms(
         raise ValueError(f"direction: must be one of {_DIRECTIONS}, got {direction!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: must be a floating torch.dtype, got {dtype!r}")
-    counts = rank_counts(cfg, ratio, packed, cp)
+    counts = rank_counts(cfg, ratio, packed, cp, split=split)
     b = dtype.itemsize
     rows, ext, gathered = counts.rows, counts.ext_rows, counts.gathered_rows
+    if rank is not None:
+        if not 0 <= rank < cp:
+            raise ValueError(f"rank: must be in [0, {cp}), got {rank!r}")
+        rows = int(counts.rank_rows[rank])
+        ext = rows + counts.halo
     kind = counts.kind
     h, d, hidden = cfg.n_heads, cfg.head_dim, cfg.hidden
     hi, di = cfg.index_n_heads, cfg.index_head_dim
@@ -196,3 +205,12 @@ def peak_bytes_estimate(
     """
     terms = peak_terms(cfg, ratio, packed, cp, direction, dtype, recompute, sparse_bwd_min_chunks)
     return sum(term.bytes for term in terms)
+
+
+def rank_peak_bytes(
+    cfg: DSv4Config, ratio: int, packed: DocsLike, split: RowSplit, direction: str, dtype: torch.dtype,
+    recompute: bool = False,
+) -> list[int]:
+    """Estimated peak bytes of every rank of ``split`` (:func:`peak_bytes_estimate` per rank's own rows)."""
+    return [sum(t.bytes for t in peak_terms(cfg, ratio, packed, split.cp, direction, dtype, recompute,
+                                            split=split, rank=rank)) for rank in range(split.cp)]

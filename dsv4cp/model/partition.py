@@ -2,7 +2,7 @@
 cost-balanced split, from the analytic cost model.
 
 :func:`compare_policies` splits a batch under each policy (the balanced one with the model's per-row
-costs at ``machine``'s ceilings, :meth:`dsv4cp.cp.partition.RowCosts.for_layer`, then refined on the
+costs at ``machine``'s ceilings, :meth:`dsv4cp.model.row_costs.RowCosts.for_layer`, then refined on the
 model's own per-rank evaluation, :func:`refine_split`), evaluates the cost model on each split and
 reports, forward + backward, the slowest rank's compute bound and its ratio to the mean (the imbalance
 a rank waiting in a collective shows as exposed communication).
@@ -20,21 +20,13 @@ import numpy as np
 import pandas as pd
 
 from dsv4cp.config import DSv4Config, layer_kind
-from dsv4cp.cp.partition import (
-    DIRECTIONS,
-    POLICIES,
-    RowCosts,
-    RowSplit,
-    check_positive_int,
-    floor_rows,
-    partition,
-    row_costs,
-    scanned_slots,
-)
+from dsv4cp.cp.partition import POLICIES, RowSplit, check_positive_int, floor_rows
+from dsv4cp.model.balanced_split import partition
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.costs import BOTH, estimate
 from dsv4cp.model.counts import DocsLike, document_extents
-from dsv4cp.model.machine import Machine
+from dsv4cp.model.machine import Machine, resolve_machine
+from dsv4cp.model.row_costs import SPLIT_DIRECTIONS, RowCosts, row_costs, scanned_slots
 
 POLICY_COLUMNS = (
     "policy", "cp", "tokens", "split", "min_rows", "max_rows", "max_compute_s", "mean_compute_s",
@@ -70,8 +62,9 @@ def policy_split(
 
     With ``refine`` (default) the balanced split is then refined on the model's per-rank evaluation
     (:func:`refine_split`), which also sees the padding of the gathered buffers to the largest rank;
-    ``refine=False`` gives the per-row split alone. ``refine`` has no effect on ``equal``."""
-    machine = machine or Machine()
+    ``refine=False`` gives the per-row split alone. ``refine`` has no effect on ``equal``, which needs no
+    ``machine`` (the balanced split's default is the machine this process runs on)."""
+    machine = resolve_machine(machine) if policy == "balanced" else machine
     cu, total = document_extents(docs, total)
     lengths = np.diff(cu).tolist()
     split = partition(lengths, cp, cfg, ratio, policy=policy, machine=machine, align=align,
@@ -89,7 +82,7 @@ def refine_split(
 ) -> RowSplit:
     """``start`` (e.g. the per-row balanced split) improved on the cost model's own per-rank times.
 
-    Why: the per-row balanced split (:func:`dsv4cp.cp.partition.balanced_split`) minimises the largest
+    Why: the per-row balanced split (:func:`dsv4cp.model.balanced_split.balanced_split`) minimises the largest
     per-rank sum of per-row costs, but a rank's modelled time also depends on the split itself: the
     gathered compressed buffers are padded to the largest rank's slot count (static capacity), and
     under the ``prefix`` indexer scan rank ``rho``'s row ``t`` scans ``rho * capacity + t // r + 1``
@@ -123,9 +116,9 @@ def refine_split(
     these moves, not necessarily the global one (the tests bound its distance on small cases)."""
     check_positive_int("align", align)
     check_positive_int("max_evaluations", max_evaluations)
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction: must be one of {DIRECTIONS}, got {direction!r}")
-    machine = machine or Machine()
+    if direction not in SPLIT_DIRECTIONS:
+        raise ValueError(f"direction: must be one of {SPLIT_DIRECTIONS}, got {direction!r}")
+    machine = resolve_machine(machine)
     cu, total = document_extents(docs, total)
     if not isinstance(start, RowSplit):
         raise ValueError(f"start: must be a RowSplit, got {start!r}")
@@ -316,7 +309,7 @@ def compare_policies(
     all-gathers) and at the end of backward (the reduce-scatters' deferred waits, the halo gradient),
     so the step takes the slowest rank's forward + backward. With ``calibration`` the compute times
     are the calibrated ones (:meth:`Calibration.rank_compute_s`)."""
-    machine = machine or Machine()
+    machine = resolve_machine(machine)
     cu, total = document_extents(docs, total)
     lengths = np.diff(cu).tolist()
     splits = []

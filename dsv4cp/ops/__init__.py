@@ -6,8 +6,12 @@
 * :mod:`.norm_rope`: RMS norm and RoPE, fused on CUDA for the attention's queries and outputs;
 * :mod:`.compress_pool`: the compressor's gated pooling of r-token groups (torch reference, Triton on CUDA);
 * :mod:`.grouped_linear`: the output projection's per-group map, without the copies a batched einsum makes;
+* :mod:`.kernel_scope`: kernel options (:mod:`dsv4cp.kernel_options`) held through a region's later backward.
 * :mod:`.sparse_attention_library`: the attention op as ``torch.library`` custom ops, what ``torch.compile`` traces;
 * :mod:`.determinism`: which backends replay bitwise, per op and direction, and deterministic mode.
+
+The ops read the kernel options, pass the resolved choices to the kernels as keyword arguments and note
+what ran (:func:`dsv4cp.kernel_options.note_backend`).
 
 ``dsv4cp.ops`` imports ``dsv4cp.kernels`` and chooses among them; kernels never import ops.
 """

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.kernels import compress_pool_triton
 from dsv4cp.kernels.compress_pool_triton import check_pool_inputs, use_triton
 
@@ -73,5 +74,7 @@ def compress_pool(values: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, 
         raise ValueError(f"backend: must be one of {', '.join(POOL_BACKENDS)}, got {backend!r}")
     check_pool_inputs(values, gates, ape, group_rows, group_valid)
     if backend == "triton" or (backend == "auto" and use_triton(values, gates)):
+        kernel_options.note_backend("compress_pool", "triton")
         return compress_pool_triton.compress_pool_triton(values, gates, ape, group_rows, group_valid)
+    kernel_options.note_backend("compress_pool", "torch")
     return compress_pool_torch(values, gates, ape, group_rows, group_valid)

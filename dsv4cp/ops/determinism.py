@@ -125,14 +125,15 @@ def registry_lines() -> list[str]:
 
 @contextmanager
 def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(enabled)`` for the block, then the previous setting.
+    """``torch.use_deterministic_algorithms(True)`` for the block when ``enabled``, then the previous
+    setting; with ``enabled`` False the setting is left as it is.
 
     Sets ``CUBLAS_WORKSPACE_CONFIG`` (unless already set) so that matrix products are allowed in the mode.
     """
     previous = torch.are_deterministic_algorithms_enabled()
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(enabled)
+        torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:

@@ -5,6 +5,11 @@ Two ops, both chunked over queries so neither the per-head score tensor nor the 
 
 * :func:`indexer_topk`: no-grad selection of the K best visible entries per query.
 * :func:`indexer_scores`: differentiable scores at given entries (the indexer loss's prediction).
+
+CUDA inputs run the Triton kernels; :func:`fused_indexer_topk` is the top-k's Triton backend, which
+chooses its path from the kernel options (:mod:`dsv4cp.kernel_options`: ``topk_impl``, ``topk_select``,
+``topk_keys``) and notes what ran (``indexer_topk`` -> ``triton/chunked/radix``, ``triton/stream``, ...,
+or ``torch``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4cp.kernels import triton_serves
+from dsv4cp import kernel_options
+from dsv4cp.kernels import interpreted, triton_serves
 from dsv4cp.kernels.contracts import check_key_row_limit, select_top
 from dsv4cp.profiling.autograd_ranges import BackwardRegion
 from dsv4cp.profiling.nvtx import nvtx_range
@@ -47,21 +53,21 @@ def indexer_topk(
             query_limit[t]``. With it, CUDA inputs go to the fused Triton kernel.
         key_row_limit: ``(base, ratio)``: query row t sees no key row at or past ``base + t // ratio +
             1`` (``RankLayout.key_row_limit``); lets the Triton kernel plan its chunks without reading
-            the device (see :func:`dsv4cp.kernels.indexer_triton.plan_static_chunks`). The torch path
+            the device (see :func:`dsv4cp.kernels.indexer_plan.plan_static_chunks`). The torch path
             then scores each chunk of at most :data:`PREFIX_ROWS` query rows ``[s, e)`` against key
             rows ``[0, min(G, base + (e - 1) // ratio + 1))`` only, so its work follows the rows'
             causal prefix like the Triton plan's; without it every chunk scores all ``G`` rows.
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are
         visible. Among equal scores at the cut the lower key rows win (keys must be in entry order,
-        gaps allowed), so every CP layout selects the same entries.
+        gaps allowed), so every CP layout selects the same entries. A NaN or infinite score is never
+        selected (as if invisible; the indexer loss reports it, docs/design.md §4.5).
     Raises:
         ValueError: ``key_row_limit`` is not None nor a tuple ``(base >= 0, ratio >= 1)`` of ints.
     """
     check_key_row_limit(key_row_limit)
     if visibility is not None and triton_serves(q):
-        from dsv4cp.kernels.indexer_triton import indexer_topk_triton  # lazy: imports triton
-
-        return indexer_topk_triton(q, w, keys, *visibility, k, key_row_limit=key_row_limit)
+        return fused_indexer_topk(q, w, keys, *visibility, k, key_row_limit=key_row_limit)
+    kernel_options.note_backend("indexer_topk", "torch")
     t, hi, _ = q.shape
     g = keys.shape[0]
     out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)
@@ -97,6 +103,57 @@ def indexer_topk(
     return out
 
 
+TOPK_IMPLS = ("chunked", "stream")
+
+
+@torch.no_grad()
+def fused_indexer_topk(
+    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, query_doc: torch.Tensor, query_limit: torch.Tensor,
+    key_doc: torch.Tensor, key_j: torch.Tensor, k: int, chunk: int | None = None, *,
+    budget_bytes: int | None = None, config=None, key_row_limit: tuple[int, int] | None = None,
+    impl: str | None = None, select: str | None = None, keys_mode: str | None = None,
+) -> torch.Tensor:
+    """:func:`indexer_topk` on the Triton kernels, from visibility tensors (the contract of
+    :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton`, whose arguments these are).
+
+    The path: ``impl`` (else the kernel option ``topk_impl``): ``"chunked"`` (score buffers + a
+    selection) or ``"stream"`` (:func:`dsv4cp.kernels.indexer_topk_triton.indexer_topk_stream`, one pass;
+    ``chunk`` and ``budget_bytes`` do not apply, ``config`` pins its tiles; ``k`` above its
+    ``MAX_STREAM_K`` runs chunked). The chunked selection: ``select`` (else ``topk_select``; ``auto``:
+    ``radix`` for compiled kernels, ``torch`` under the interpreter) and, on the torch selection, the
+    buffer ``keys_mode`` (else ``topk_keys``). Every option is read (and checked) whichever path runs.
+    Notes ``indexer_topk`` -> ``triton/stream``, ``triton/chunked/radix`` or ``triton/chunked/torch/<keys>``.
+    """
+    chosen_impl = _choice(impl, "topk_impl", "impl", TOPK_IMPLS)
+    chosen_select = _choice(select, "topk_select", "select", ("auto", "radix", "torch"))
+    chosen_keys = _choice(keys_mode, "topk_keys", "keys_mode", ("packed", "scores"))
+    if chosen_select == "auto":
+        chosen_select = "torch" if interpreted(q.device) else "radix"
+    if chosen_impl == "stream":
+        from dsv4cp.kernels import indexer_topk_triton as stream  # lazy: imports triton
+
+        if not isinstance(k, int) or k <= stream.MAX_STREAM_K:  # larger running lists do not fit on chip
+            kernel_options.note_backend("indexer_topk", "triton/stream")
+            return stream.indexer_topk_stream(q, w, keys, query_doc, query_limit, key_doc, key_j, k,
+                                              config=config, key_row_limit=key_row_limit)
+    from dsv4cp.kernels.indexer_triton import indexer_topk_triton  # lazy: imports triton
+
+    path = "radix" if chosen_select == "radix" else f"torch/{chosen_keys}"
+    kernel_options.note_backend("indexer_topk", f"triton/chunked/{path}")
+    return indexer_topk_triton(q, w, keys, query_doc, query_limit, key_doc, key_j, k, chunk, select=chosen_select,
+                               keys_mode=chosen_keys, budget_bytes=budget_bytes, config=config,
+                               key_row_limit=key_row_limit)
+
+
+def _choice(explicit: str | None, option: str, keyword: str, allowed: tuple[str, ...]) -> str:
+    """``explicit`` (the keyword ``keyword``, checked against ``allowed``), else the kernel option."""
+    if explicit is None:
+        return kernel_options.get(option)  # type: ignore[return-value]  (a choice: its word)
+    if explicit not in allowed:
+        raise ValueError(f"{keyword}: must be one of {', '.join(map(repr, allowed))}, got {explicit!r}")
+    return explicit
+
+
 def _gather_dots(q, keys, idx):
     gathered = keys[idx.clamp_min(0)]  # [c, K, Di]
     return gathered, torch.einsum("chd,ckd->chk", q, gathered)
@@ -123,6 +180,7 @@ class _IndexerScores(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        kernel_options.note_backend("indexer_scores.bwd", "torch")
         with nvtx_range("indexer.score.bwd"):
             return _IndexerScores._backward(ctx, grad)
 
@@ -156,11 +214,13 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
     deterministic mode (the kernels' backward adds key gradients with fp32 atomics; see :mod:`.determinism`).
     """
     if triton_serves(q) and not torch.are_deterministic_algorithms_enabled():
-        from dsv4cp.kernels.indexer_triton import indexer_scores_triton  # lazy: imports triton
+        from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton  # lazy: imports triton
 
+        kernel_options.note_backend("indexer_scores.fwd", "triton")
         # the kernels' autograd function opens no range of its own: mark its backward here
         region = BackwardRegion("indexer.score.bwd")
         q, w, keys = (region.input(t) for t in (q, w, keys))
         with nvtx_range("indexer.score.fwd"):
             return region.output(indexer_scores_triton(q, w, keys, idx))
+    kernel_options.note_backend("indexer_scores.fwd", "torch")
     return _IndexerScores.apply(q, w, keys, idx)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.kernels import norm_rope_triton
 from dsv4cp.kernels.norm_rope_triton import use_fused
 
@@ -54,7 +55,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, in
 def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
     """``apply_rope(rms_norm(x, eps), positions, freqs)`` of ``x [rows, H, D]`` (weightless per-head norm),
     differentiable in x; ``[rows, H, D]`` in x's dtype. Fused on CUDA: no fp32 copy kept for backward."""
-    if use_fused(x, freqs):
+    fused = use_fused(x, freqs)
+    kernel_options.note_backend("norm_rope", "triton" if fused else "torch")
+    if fused:
         return norm_rope_triton.head_norm_rope(x, positions, freqs, eps)
     return apply_rope(rms_norm(x, eps), positions, freqs)
 
@@ -62,7 +65,9 @@ def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor
 def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``apply_rope(x, positions, freqs, inverse)`` of ``x [rows, H, D]``, differentiable in x; fused on
     CUDA (rotates the tail in place of copying the whole tensor)."""
-    if use_fused(x, freqs):
+    fused = use_fused(x, freqs)
+    kernel_options.note_backend("rope_tail", "triton" if fused else "torch")
+    if fused:
         return norm_rope_triton.rope_tail(x, positions, freqs, inverse=inverse)
     return apply_rope(x, positions, freqs, inverse=inverse)
 

@@ -2,16 +2,19 @@
 
 Every key, window or compressed, reaches attention through this op; backends register a forward and
 a backward implementing the same contract, and ``torch`` is the oracle the others are tested against.
+Each call notes the implementation that ran per direction (``sparse_attention.fwd`` / ``.bwd``,
+:func:`dsv4cp.kernel_options.note_backend`); ``options`` sets kernel options for both directions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from dsv4cp import kernels
+from dsv4cp import kernel_options, kernels
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
@@ -117,6 +120,13 @@ def resolve_backend(name: str, device: torch.device, head_dim: int | None = None
     return backend
 
 
+def check_head_dim(name: str, head_dim: int) -> None:
+    """``ValueError`` when a backend ``name`` names explicitly cannot run ``head_dim`` on any device
+    ("auto" passes over such backends); ``name`` is a valid one (:func:`check_backend_name`)."""
+    for part in [] if name == "auto" else name.split("+"):
+        _check_head_dim(_BACKENDS[part], head_dim)
+
+
 def _check_head_dim(backend: SparseAttentionBackend, head_dim: int | None) -> None:
     """An explicitly named backend that cannot run ``head_dim`` fails here, before any collective."""
     if not backend.runs_head_dim(head_dim):
@@ -165,6 +175,7 @@ def available_backend(name: str, device: torch.device) -> SparseAttentionBackend
 
 def _triton_forward(q, kv, idx, sink, scale, topk_length=None):
     if q.dtype == torch.float64:  # tl.dot has no fp64 matrix-unit path: the oracle serves fp64 (tests)
+        kernel_options.note_backend("sparse_attention.fwd", "torch")
         return sparse_attention_torch.sparse_attention_forward(q, kv, idx, sink, scale, topk_length)
     from dsv4cp.kernels.sparse_attention_triton import sparse_attention_fwd  # lazy: imports triton
 
@@ -176,11 +187,13 @@ def _triton_backward(deterministic: bool | None) -> Callable:
 
     def backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None):
         if q.dtype == torch.float64:
+            kernel_options.note_backend("sparse_attention.bwd", "torch")
             return sparse_attention_torch.sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse,
                                                                     topk_length)
         from dsv4cp.kernels.sparse_attention_triton import sparse_attention_bwd  # lazy: imports triton
 
-        return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, topk_length, deterministic=deterministic)
+        return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, topk_length, deterministic=deterministic,
+                                    dq_in_dkv=bool(kernel_options.get("triton_dq_in_dkv")))
 
     return backward
 
@@ -198,21 +211,29 @@ register_backend(SparseAttentionBackend(cudnn_dsa.NAME, None, cudnn_dsa.sparse_a
                                         cudnn_dsa.available, head_dims=cudnn_dsa.SUPPORTED_HEAD_DIMS))
 
 
+def _options_in_force(options: Mapping[str, object] | None):
+    """``kernel_options.overrides(options)``, or nothing to enter when there are none."""
+    return contextlib.nullcontext() if not options else kernel_options.overrides(options)
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, idx, sink, scale, topk_length, backend):
-        out, lse = backend.forward(q, kv, idx, sink, scale, topk_length)  # inside the caller's sparse_attn.fwd
+    def forward(ctx, q, kv, idx, sink, scale, topk_length, backend, options):
+        kernel_options.note_backend("sparse_attention.fwd", backend.direction_names[0])
+        with _options_in_force(options):  # inside the caller's sparse_attn.fwd
+            out, lse = backend.forward(q, kv, idx, sink, scale, topk_length)
         ctx.save_for_backward(q, kv, idx, sink, out, lse, topk_length)
-        ctx.scale, ctx.backend = scale, backend
+        ctx.scale, ctx.backend, ctx.options = scale, backend, options
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, kv, idx, sink, out, lse, topk_length = ctx.saved_tensors
-        with nvtx_range("sparse_attn.bwd"):
+        kernel_options.note_backend("sparse_attention.bwd", ctx.backend.direction_names[1])
+        with nvtx_range("sparse_attn.bwd"), _options_in_force(ctx.options):
             dq, dkv, dsink = ctx.backend.backward(dout.contiguous(), q, kv, idx, sink, ctx.scale, out, lse, topk_length)
-        return dq, dkv, None, dsink, None, None, None
+        return dq, dkv, None, dsink, None, None, None, None
 
 
 def _check_index_values(n_rows: int, idx: torch.Tensor, topk_length: torch.Tensor | None) -> None:
@@ -242,6 +263,7 @@ def sparse_attention(
     scale: float,
     topk_length: torch.Tensor | None = None,
     backend: str = "auto",
+    options: Mapping[str, object] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-query sparse attention with an attention sink, over flat packed tensors.
 
@@ -256,6 +278,8 @@ def sparse_attention(
         topk_length: optional ``[T]`` int32 in ``[0, Kt]``; query ``t`` uses only its first
             ``topk_length[t]`` slots.
         backend: "torch", another registered backend, or "auto".
+        options: kernel options (:mod:`dsv4cp.kernel_options`, name -> value) in force while this call's
+            forward and, later, its backward run (checked here, before any work).
 
     Returns:
         ``out [T, H, D]`` in ``q``'s dtype: ``sum_j e^{l_j} kv_j / (sum_j e^{l_j} + e^{sink_h})`` with
@@ -271,7 +295,10 @@ def sparse_attention(
     if torch.compiler.is_compiling():  # one opaque node per direction: dsv4cp.ops.sparse_attention_library
         return torch.ops.dsv4cp.sparse_attention_fwd(q, kv, idx, sink, float(scale), topk_length, backend)
     chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
+    if options:
+        options = dict(options)
+        kernel_options.check_values(options)  # every name and value, before any work
     with nvtx_range("sparse_attn.fwd"):  # one range: on CUDA the index checks are kernels of the attention
         _check_index_values(kv.shape[0], idx, topk_length)
-        out, lse = _SparseAttention.apply(q, kv, idx, sink, float(scale), topk_length, chosen)
+        out, lse = _SparseAttention.apply(q, kv, idx, sink, float(scale), topk_length, chosen, options)
     return out, lse

@@ -47,10 +47,15 @@ targets: at most 5% of the step unattributed, at most 3% idle):
   range itself or to no range): work that runs beside a phase's kernel is not unattributed time (in
   a CPU-only trace an op enclosing a phase's range then counts only outside its children).
 * ``idle_ms``: step_ms - busy_ms. Percentages are of ``step_ms``.
+
+``step_decomposition`` cuts every instant of a rank's step into compute, waiting for a slower peer,
+exposed transfer or idle (docs/design.md §5, "Diagnosis"); unlike the table above, a host thread counts
+as computing only while its innermost running record is a compute op.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -396,3 +401,223 @@ def attribution_lines(table: pd.DataFrame) -> list[str]:
         f"{share(r.idle_ms, r.idle_pct, IDLE_TARGET_PCT)}"
         for r in table.itertuples(index=False)
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Step decomposition (docs/design.md §5, "Diagnosis of one step"): what each instant of a rank's step is.
+
+DECOMPOSITION_COLUMNS: tuple[str, ...] = (
+    "rank", "steps", "step_ms", "compute_ms", "imbalance_wait_ms", "exposed_comm_ms", "unmatched_comm_ms",
+    "host_idle_ms",
+)
+"""Columns of ``step_decomposition`` (times per step)."""
+
+PHASE_COMPUTE_COLUMNS: tuple[str, ...] = ("rank", "phase", "kernel", "compute_ms")
+"""Columns of ``step_decomposition``'s second table: exclusive compute time per phase and kernel name."""
+
+_Segment = tuple[int, int, int]
+"""``(start_ns, end_ns, index)``: an elementary time segment and the record it belongs to."""
+
+
+def collective_kind(name: str) -> str:
+    """What a communication record is, for matching its instances across ranks by order: point-to-point
+    transfers (a rank's send is its peer's receive) are one kind, every other collective its own name."""
+    lowered = name.lower()
+    return "p2p" if "send" in lowered or "recv" in lowered else lowered
+
+
+def _innermost(starts: np.ndarray, ends: np.ndarray, keys: list[tuple], members: Iterable[int]) -> list[_Segment]:
+    """Cut the union of the ``members`` intervals into segments, each owned by the covering member of
+    the greatest key (``(start, -end)``: the latest-starting, then the shortest, i.e. the innermost op
+    of a host thread, or the most recently started of concurrent kernels)."""
+    by_start = sorted(members, key=lambda i: starts[i])
+    if not by_start:
+        return []
+    points = sorted({int(starts[i]) for i in by_start} | {int(ends[i]) for i in by_start})
+    heap: list[tuple[tuple, int]] = []
+    out: list[_Segment] = []
+    nxt = 0
+    for t0, t1 in zip(points[:-1], points[1:]):
+        while nxt < len(by_start) and starts[by_start[nxt]] <= t0:
+            i = by_start[nxt]
+            heapq.heappush(heap, (tuple(-k for k in keys[i]), i))  # max-heap on the key
+            nxt += 1
+        while heap and ends[heap[0][1]] <= t0:  # lazy removal: only the owner must still run
+            heapq.heappop(heap)
+        if heap:
+            owner = heap[0][1]
+            if out and out[-1][2] == owner and out[-1][1] == t0:
+                out[-1] = (out[-1][0], t1, owner)
+            else:
+                out.append((t0, t1, owner))
+    return out
+
+
+def _clip_segments(segments: list[_Segment], windows: _Intervals) -> list[_Segment]:
+    """The parts of ``segments`` inside the (disjoint, sorted) ``windows``."""
+    w_starts, w_ends = _union(windows)
+    out = []
+    for start, end, index in segments:
+        i = int(np.searchsorted(w_ends, start, side="right"))
+        while i < w_starts.size and w_starts[i] < end:
+            lo, hi = max(start, int(w_starts[i])), min(end, int(w_ends[i]))
+            if hi > lo:
+                out.append((lo, hi, index))
+            i += 1
+    return out
+
+
+def _segments_as_intervals(segments: list[_Segment]) -> _Intervals:
+    return np.array([s for s, _, _ in segments], np.int64), np.array([e for _, e, _ in segments], np.int64)
+
+
+@dataclass(frozen=True)
+class _Instance:
+    """One collective instance on one rank: a stream's (thread's) merged communication records."""
+
+    start_ns: int
+    end_ns: int
+    kind: str
+
+
+def _instances(att: _Attribution, windows: _Intervals) -> list[_Instance]:
+    """The rank's collective instances that reach into a step window, by kind then start."""
+    spans: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+    for kernel, comm in zip(att.kernels, att.is_comm.tolist()):
+        if comm:
+            spans[kernel.stream].append((kernel.start_ns, kernel.end_ns, kernel.name))
+    w_starts, w_ends = _union(windows)
+    out = []
+    for stream_spans in spans.values():
+        stream_spans.sort(key=lambda s: (s[0], -s[1]))
+        merged: list[list] = []
+        for start, end, name in stream_spans:
+            if merged and start < merged[-1][1]:  # nested in (or overlapping) the open instance: part of it
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end, collective_kind(name)])
+        for start, end, kind in merged:
+            i = int(np.searchsorted(w_ends, start, side="right"))
+            if i < w_starts.size and w_starts[i] < end:
+                out.append(_Instance(start, end, kind))
+    return sorted(out, key=lambda inst: (inst.kind, inst.start_ns))
+
+
+def _transfer_times(instances_of: dict[int, list[_Instance]]) -> dict[int, list[int | None]]:
+    """Per rank and instance, the transfer time in ns: the shortest duration among the ranks' instances
+    of the same kind and order; None where the ranks hold different numbers of that kind (no match)."""
+    ranks = sorted(instances_of)
+    out: dict[int, list[int | None]] = {rank: [None] * len(instances_of[rank]) for rank in ranks}
+    if len(ranks) < 2:
+        return out
+    positions: dict[int, dict[str, list[int]]] = {}
+    for rank in ranks:
+        positions[rank] = defaultdict(list)
+        for index, inst in enumerate(instances_of[rank]):
+            positions[rank][inst.kind].append(index)
+    kinds = set().union(*(positions[rank].keys() for rank in ranks))
+    for kind in kinds:
+        lists = [positions[rank].get(kind, []) for rank in ranks]
+        if len({len(x) for x in lists}) != 1:
+            continue
+        for order in range(len(lists[0])):
+            members = [(rank, lists[j][order]) for j, rank in enumerate(ranks)]
+            transfer = min(instances_of[r][i].end_ns - instances_of[r][i].start_ns for r, i in members)
+            for rank, index in members:
+                out[rank][index] = transfer
+    return out
+
+
+def step_decomposition(
+    kernels: Iterable[KernelRecord], ranges: Iterable[RangeRecord], step_range: str,
+    windows: Mapping[int, tuple[int, int]] | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per rank, every instant of its steps as exactly one of compute, imbalance wait, exposed transfer
+    or host idle (columns ``DECOMPOSITION_COLUMNS``, ms per step, averaged over the ``step_range``
+    instances as ``attribution_table`` does), and the compute split by phase and kernel name (columns
+    ``PHASE_COMPUTE_COLUMNS``, ms per step; they sum to ``compute_ms``).
+
+    * A stream (host thread) computes while its innermost running record is a compute kernel: a host
+      op blocked in a send nested inside an autograd function's op is communicating, not computing.
+      ``compute_ms`` is the union of that over the rank's streams.
+    * Collective instances: per stream, overlapping communication records merged (a gloo op and its
+      nested copies are one instance); they are matched across ranks by order within their
+      :func:`collective_kind`. ``transfer`` = the shortest of the matched durations; the first
+      ``duration - transfer`` of an instance is the rank waiting for a slower peer, the rest is the
+      transfer. ``imbalance_wait_ms``: the wait not covered by compute; ``exposed_comm_ms``: the
+      transfer covered by neither. An instance without a match (ranks hold different numbers of its
+      kind, or the trace holds one rank) counts whole as transfer; ``unmatched_comm_ms`` is the part
+      of ``exposed_comm_ms`` it accounts for.
+    * ``host_idle_ms``: no record running at all.
+    * The compute split: each compute instant goes to the most recently started computing record
+      (concurrent kernels: the newer; nested host ops: the inner), under that record's phase (rule
+      1); work of the step range itself keeps its name, work in no range is ``UNATTRIBUTED``.
+
+    ``step_ms = compute_ms + imbalance_wait_ms + exposed_comm_ms + host_idle_ms`` up to rounding.
+    """
+    kernels_of, ranges_of = _group_by_rank(kernels, ranges)
+    windows = dict(windows or {})
+    ranks = sorted(set(kernels_of) | set(ranges_of) | set(windows))
+    attributions, step_windows, instances_of = {}, {}, {}
+    for rank in ranks:
+        att = attributions[rank] = _attribute(kernels_of[rank], ranges_of[rank])
+        step_windows[rank] = (_as_intervals(att.windows[step_range]) if step_range in att.windows
+                              else _capture_window(rank, windows, att.intervals))
+        instances_of[rank] = _instances(att, step_windows[rank])
+    transfers = _transfer_times(instances_of)
+    rows, phase_rows = [], []
+    for rank in ranks:
+        att, steps = attributions[rank], step_windows[rank]
+        starts, ends = att.intervals
+        keys = [(int(s), -int(e)) for s, e in zip(starts.tolist(), ends.tolist())]
+        by_stream: dict[int, list[int]] = defaultdict(list)
+        for index, kernel in enumerate(att.kernels):
+            by_stream[kernel.stream].append(index)
+        computing: list[_Segment] = []
+        for members in by_stream.values():
+            computing += [s for s in _innermost(starts, ends, keys, members) if not att.is_comm[s[2]]]
+        computing = _clip_segments(computing, steps)
+        compute = _segments_as_intervals(computing)
+        waits, moves, unmatched = [], [], []
+        for inst, transfer in zip(instances_of[rank], transfers[rank]):
+            if transfer is None:
+                unmatched.append((inst.start_ns, inst.end_ns))
+                continue
+            split = inst.end_ns - transfer
+            waits.append((inst.start_ns, split))
+            moves.append((split, inst.end_ns))
+        wait_set, move_set, unmatched_set = (_clip_intervals(_as_intervals(spans), steps)
+                                             for spans in (waits, moves, unmatched))
+        covered = _length(compute)
+        exposed_moves = _length(_concat(compute, move_set)) - covered
+        covered += exposed_moves
+        exposed_unmatched = _length(_concat(compute, move_set, unmatched_set)) - covered
+        covered += exposed_unmatched
+        wait = _length(_concat(compute, move_set, unmatched_set, wait_set)) - covered
+        busy = _intersection_length(steps, att.intervals)
+        per_step = _NS_PER_MS * max(1, len(steps[0]))
+        rows.append({
+            "rank": rank, "steps": max(1, len(steps[0])), "step_ms": _length(steps) / per_step,
+            "compute_ms": _length(compute) / per_step, "imbalance_wait_ms": wait / per_step,
+            "exposed_comm_ms": (exposed_moves + exposed_unmatched) / per_step,
+            "unmatched_comm_ms": exposed_unmatched / per_step,
+            "host_idle_ms": (_length(steps) - busy) / per_step,
+        })
+        shares: dict[tuple[str, str], int] = defaultdict(int)
+        seg_starts = np.array([s for s, _, _ in computing], np.int64)
+        seg_ends = np.array([e for _, e, _ in computing], np.int64)
+        seg_keys = [keys[i] for _, _, i in computing]
+        for start, end, seg in _innermost(seg_starts, seg_ends, seg_keys, range(len(computing))):
+            kernel = computing[seg][2]
+            shares[(att.phase[kernel] or UNATTRIBUTED, att.kernels[kernel].name)] += end - start
+        for (phase, name), ns in shares.items():
+            phase_rows.append({"rank": rank, "phase": phase, "kernel": name, "compute_ms": ns / per_step})
+    table = pd.DataFrame(rows, columns=list(DECOMPOSITION_COLUMNS))
+    phases = pd.DataFrame(phase_rows, columns=list(PHASE_COMPUTE_COLUMNS))
+    return table, phases.sort_values(["rank", "compute_ms"], ascending=[True, False], ignore_index=True)
+
+
+def _clip_intervals(intervals: _Intervals, windows: _Intervals) -> _Intervals:
+    """The parts of ``intervals`` inside ``windows``."""
+    spans = _clip_segments([(int(s), int(e), 0) for s, e in zip(*intervals)], windows)
+    return _segments_as_intervals(spans)

@@ -244,10 +244,18 @@ def kineto_records(trace: dict[str, Any], rank: int) -> tuple[list[KernelRecord]
     return _cpu_records(events, rank)
 
 
+POINT_FILE = "point.json"
+"""Written beside a trace directory's traces and ``overlap.csv`` (``profile --trace-dir``, sweep traces): the
+axes of the point it measured, so a calibration can check that the trace is the point it is fitted for. Not
+a trace itself."""
+
+
 def trace_files(directory: str | Path) -> list[Path]:
-    """Kineto trace files (``*.json``, ``*.json.gz``) directly inside ``directory``, sorted by name."""
+    """Kineto trace files (``*.json``, ``*.json.gz``) directly inside ``directory``, sorted by name
+    (:data:`POINT_FILE` excepted)."""
     directory = Path(directory)
-    return sorted(p for p in directory.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+    return sorted(p for p in directory.iterdir()
+                  if p.is_file() and p.name.endswith(TRACE_SUFFIXES) and p.name != POINT_FILE)
 
 
 def _rank_of(path: Path, trace: dict[str, Any]) -> int | None:

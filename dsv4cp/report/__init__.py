@@ -1,7 +1,10 @@
 """Reports over measurement records: the loader, tables, plots, ``summary.md`` and run comparison.
 
 * ``load``: ``load_runs`` (the only reader of ``records.jsonl`` / ``meta.json``), ``load_trace``.
-* ``tables``: DataFrame -> DataFrame (headline, phases, scaling, overlap, memory, imbalance, bound, targets).
+* ``tables``: DataFrame -> DataFrame (headline, phases, scaling, overlap, memory, imbalance, bound).
+* ``diagnosis``: per profiled point and rank, the parts of the traced step (bound, kernel excess, padding,
+  imbalance wait, exposed communication, idle) and their cause; ``targets``: the specs' declared targets
+  judged; ``parity``: the ``sweep --check`` results.
 * ``plots``: DataFrame -> matplotlib Figure (scaling, phases, overlap, memory, bound, packing, cost growth,
   roofline; trace timelines), styled by ``styles`` (a colour and marker per series, legends beside the axes).
 * ``growth``, ``roofline``: cost growth with context and the per-phase roofline (table and figure each).

@@ -1,18 +1,23 @@
-"""Baseline vs new: match points, ratio per point with its noise band, regressions and improvements.
+"""Baseline vs new: match points by their identity, judge each from its repetitions' times, and never
+let a broken value pass as noise.
 
-Inputs (one per side): a run directory or ``.jsonl`` of records (read by ``load_runs``; points matched
-by ``point_id``, i.e. by all their axes), or a pytest-benchmark JSON file (matched by the test's
-``fullname``). A pytest-benchmark point's value and band are the project's own timer when the bench
-harness stored it (``extra_info`` ``median_ms`` with ``p20_ms``..``p80_ms``), else pytest-benchmark's
-``stats``: ``median`` with the interquartile band ``q1``..``q3``.
+Inputs (one per side, :mod:`dsv4cp.report.compare_sides`): a run directory or ``.jsonl`` of records
+(points keyed by ``point_id``, i.e. all their axes) or a pytest-benchmark JSON file (keyed by the
+test's ``fullname``). Two matched points are the same measurement only when their kernel configuration
+(``records.CONFIG_FIELDS``: ``kernel_options`` and ``backends``; a side without them is "unknown",
+equal to another unknown) agrees too; otherwise they are *not comparable*, printed as ``configuration
+differs: KEY a -> b``, unless ``ignore_options`` names the key (the difference is what is compared).
 
-Verdict per matched point, with ``cost`` = new / baseline (baseline / new for a higher-is-better
-metric, so cost > 1 is always worse):
+Verdict per comparable point (the rule: :mod:`dsv4cp.report.compare_stats`), with ``cost`` = new /
+baseline (baseline / new for a higher-is-better metric, so cost > 1 is always worse):
 
-* ``regression``: cost > 1 + threshold AND the noise bands do not overlap (new entirely worse);
-* ``improvement``: cost < 1 - threshold AND the bands do not overlap (new entirely better);
-* ``within noise``: beyond the threshold but the bands overlap; ``same`` otherwise;
-* ``failed: <status>``: measured in the baseline, not ``ok`` in the new run (counts as a regression).
+* ``regression``: cost > 1 + threshold AND (with samples) the one-sided Mann-Whitney U test rejects
+  "no slower" at ``alpha / points``, or (without samples: the band rule) the p20..p80 bands are apart;
+* ``improvement``: the mirror image; ``within noise``: beyond the threshold, not significant;
+  ``same``: within the threshold;
+* ``failed: <status>``: measured in the baseline, not ``ok`` in the new run (counts as a regression);
+* ``invalid in BASELINE|NEW: <reason>``: a value that cannot be a measurement (non-finite, negative,
+  outside its own band or samples, two ``ok`` records of one point): an error, never noise.
 """
 
 from __future__ import annotations
@@ -20,42 +25,42 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pandas as pd
 
-from dsv4cp.records import AXES, METRICS, STATUS_OK
-from dsv4cp.report.load import load_runs
+from dsv4cp.records import CONFIG_FIELDS, STATUS_OK
+from dsv4cp.report.compare_sides import (
+    HIGHER_IS_BETTER,
+    STATUS_INVALID,
+    Side,
+    UnusableInputError,
+    load_side,
+    unit_of,
+)
+from dsv4cp.report.compare_stats import (
+    BAND_RULE,
+    IMPROVEMENT,
+    RANK_TEST,
+    REGRESSION,
+    Measured,
+    Rule,
+    decide,
+    smallest_p,
+)
 
+__all__ = ["DEFAULT_ALPHA", "Comparison", "Side", "UnusableInputError", "benchmark_action_json", "compare",
+           "config_differences", "load_side", "parse_threshold", "render"]
 
-class UnusableInputError(ValueError):
-    """The inputs cannot be compared (no matched point, other hardware, missing metric)."""
+DEFAULT_ALPHA = 0.01
+"""Family-wise false-alarm level of the rank test: an honest rerun of any number of points is called
+a regression at most this often (before the effect-size threshold, which lowers it further)."""
 
-
-TIME_BANDS: dict[str, tuple[str, str]] = {"time_ms_median": ("time_ms_p20", "time_ms_p80")}
-"""Metrics whose records carry their own noise band."""
-
-INVERSE_OF_TIME: tuple[str, ...] = ("tokens_per_s", "tflops_per_gpu", "mfu")
-"""Rates proportional to 1 / time: their band is the time band inverted."""
-
-HIGHER_IS_BETTER: frozenset[str] = frozenset({*INVERSE_OF_TIME, "overlap_ratio"})
-
-UNITS: dict[str, str] = {"tokens_per_s": "tokens/s", "tflops_per_gpu": "TFLOP/s", "mfu": "fraction",
-                         "model_flops": "FLOP", "overlap_ratio": "fraction", "measured_over_bound": "x",
-                         "imbalance_max_over_mean": "x"}
-
-BENCH_METRICS: dict[str, str] = {"time_ms_median": "median", "time_ms_mean": "mean", "time_ms_min": "min"}
-"""Metrics of a pytest-benchmark JSON, by the ``stats`` field they read (seconds there, ms here)."""
-
-SCALAR_METRICS: tuple[str, ...] = tuple(m for m in METRICS if m not in
-                                        ("rank_time_ms_median", "peak_allocated_bytes", "device_used_bytes", "phases"))
-
-
-def unit_of(metric: str) -> str:
-    if metric.endswith("_ms") or metric.startswith("time_ms"):
-        return "ms"
-    return UNITS.get(metric, "")
+TABLE_COLUMNS: tuple[str, ...] = (
+    "key", "name", "baseline", "baseline_low", "baseline_high", "baseline_n", "new", "new_low", "new_high",
+    "new_n", "ratio", "cost", "method", "statistic", "verdict",
+)
 
 
 def parse_threshold(text: str) -> float:
@@ -70,174 +75,149 @@ def parse_threshold(text: str) -> float:
 
 
 @dataclass(frozen=True)
-class Side:
-    """One side's comparable points: index ``key``; columns ``name``, ``status``, ``value``, ``low``, ``high``."""
-
-    source: str
-    kind: str
-    """``"run"`` or ``"pytest-benchmark"``."""
-    hardware: str
-    points: pd.DataFrame
-    band: str
-    """How the noise band was obtained, for the printed table."""
-
-
-def _is_bench_json(path: Path) -> bool:
-    return path.is_file() and path.suffix == ".json"
-
-
-def _run_name(row: pd.Series) -> str:
-    """A stable, complete point name (every axis with a value), for the JSON output and messages."""
-    return " ".join(f"{a}={row[a]}" for a in AXES if row[a] is not None and not pd.isna(row[a]))
-
-
-def _run_side(path: Path, metric: str) -> Side:
-    if metric not in SCALAR_METRICS:
-        raise UnusableInputError(f"--metric: {metric!r} is not a scalar record metric; choose one of {SCALAR_METRICS}")
-    df = load_runs([path]).drop_duplicates("point_id", keep="last")  # a re-measured point: its latest record
-    value = pd.to_numeric(df[metric], errors="coerce")
-    if metric in TIME_BANDS:
-        low_col, high_col = TIME_BANDS[metric]
-        low, high, band = (pd.to_numeric(df[low_col], errors="coerce"),
-                           pd.to_numeric(df[high_col], errors="coerce"), "p20..p80 of the record")
-    elif metric in INVERSE_OF_TIME:  # rate = k / time: the time band maps onto the rate
-        median = pd.to_numeric(df["time_ms_median"], errors="coerce")
-        low = value * median / pd.to_numeric(df["time_ms_p80"], errors="coerce")
-        high = value * median / pd.to_numeric(df["time_ms_p20"], errors="coerce")
-        band = "p20..p80 of the time, as a rate"
-    else:
-        low, high, band = value, value, "none (the metric has no spread)"
-    points = pd.DataFrame({"name": df.apply(_run_name, axis=1), "status": df["status"],
-                           "value": value, "low": low.fillna(value), "high": high.fillna(value)})
-    points.index = pd.Index(df["point_id"], name="key")
-    machines = sorted({str(m) for m in df["machine"] if m is not None}) or ["unknown"]
-    return Side(str(path), "run", ", ".join(machines), points, band)
-
-
-def _bench_side(path: Path, metric: str) -> Side:
-    if metric not in BENCH_METRICS:
-        raise UnusableInputError(f"--metric: {metric!r} is not available in pytest-benchmark JSON {path}; "
-                                 f"choose one of {tuple(BENCH_METRICS)}")
-    rows, own_timer = [], 0
-    try:
-        data = json.loads(path.read_text())
-        benchmarks = data["benchmarks"]
-        for bench in benchmarks:
-            extra = bench.get("extra_info") or {}
-            if metric == "time_ms_median" and {"median_ms", "p20_ms", "p80_ms"} <= set(extra):
-                own_timer += 1
-                value, low, high = extra["median_ms"], extra["p20_ms"], extra["p80_ms"]
-            else:
-                stats = bench["stats"]
-                value = stats[BENCH_METRICS[metric]] * 1e3
-                low, high = stats["q1"] * 1e3, stats["q3"] * 1e3
-            rows.append({"key": bench["fullname"], "name": bench["fullname"], "status": STATUS_OK,
-                         "value": float(value), "low": float(low), "high": float(high)})
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-        raise UnusableInputError(f"path: {path} is not a pytest-benchmark JSON file "
-                                 f"({type(err).__name__}: {err})") from None
-    if own_timer == len(rows):
-        band = "p20..p80 of the bench harness's timer (extra_info)"
-    elif own_timer == 0:
-        band = "q1..q3 of pytest-benchmark's stats"
-    else:
-        band = "p20..p80 (extra_info) where stored, else q1..q3 (stats)"
-    devices = sorted({str((b.get("extra_info") or {}).get("device")) for b in benchmarks
-                      if (b.get("extra_info") or {}).get("device")})
-    cpu = (data.get("machine_info") or {}).get("cpu", {}).get("brand_raw", "unknown cpu")
-    hardware = ", ".join(devices) if devices else cpu
-    points = pd.DataFrame(rows, columns=["key", "name", "status", "value", "low", "high"]).set_index("key")
-    return Side(str(path), "pytest-benchmark", hardware, points[~points.index.duplicated(keep="last")], band)
-
-
-def load_side(path: str | Path, metric: str) -> Side:
-    """One side from a run directory, a ``.jsonl`` of records, or a pytest-benchmark ``.json``."""
-    path = Path(path)
-    if not path.exists():
-        raise UnusableInputError(f"path: {path} does not exist")
-    try:
-        return _bench_side(path, metric) if _is_bench_json(path) else _run_side(path, metric)
-    except UnusableInputError:
-        raise
-    except ValueError as err:  # the loader's own message names the path and the problem
-        raise UnusableInputError(str(err)) from None
-
-
-@dataclass(frozen=True)
 class Comparison:
-    """The matched points (``table``) and what each side has alone."""
+    """The judged points (``table``, columns :data:`TABLE_COLUMNS`) and everything that was not judged."""
 
     metric: str
-    threshold: float
+    rule: Rule
     table: pd.DataFrame
-    """Columns: name, baseline, baseline_low, baseline_high, new, new_low, new_high, ratio, verdict."""
     baseline_only: list[str] = field(default_factory=list)
     new_only: list[str] = field(default_factory=list)
+    not_comparable: list[str] = field(default_factory=list)
+    """``name: why`` of matched points that are not the same measurement (configuration, no baseline value)."""
+    not_measured: list[str] = field(default_factory=list)
+    """Points measured in BASELINE whose NEW record holds no value of the metric (missing, like ``baseline_only``)."""
+    skipped: list[str] = field(default_factory=list)
+    """``SIDE file:line: reason`` of the lines of either side that are no record of any point."""
+    duplicates: list[str] = field(default_factory=list)
+    ignored_options: tuple[str, ...] = ()
+
+    @property
+    def threshold(self) -> float:
+        return self.rule.threshold
 
     @property
     def regressions(self) -> pd.DataFrame:
         verdicts = self.table["verdict"]
-        return self.table[(verdicts == "regression") | verdicts.str.startswith("failed")]
+        return self.table[(verdicts == REGRESSION) | verdicts.str.startswith("failed")]
+
+    @property
+    def errors(self) -> pd.DataFrame:
+        """Points with a value that cannot be a measurement, on either side."""
+        return self.table[self.table["verdict"].str.startswith("invalid")]
 
     @property
     def improvements(self) -> pd.DataFrame:
-        return self.table[self.table["verdict"] == "improvement"]
+        return self.table[self.table["verdict"] == IMPROVEMENT]
+
+    @property
+    def missing(self) -> list[str]:
+        """Points of BASELINE without a value in NEW (what ``--fail-on-missing`` fails on)."""
+        return [*self.baseline_only, *self.not_measured]
 
 
-def _verdict(row: pd.Series, threshold: float, higher_is_better: bool) -> str:
-    if row["new_status"] != STATUS_OK:
-        return f"failed: {row['new_status']}"
-    if math.isnan(row["baseline"]) or math.isnan(row["new"]):
-        return "no value"
-    if higher_is_better:
-        cost = row["baseline"] / row["new"]
-        worse_apart, better_apart = row["new_high"] < row["baseline_low"], row["new_low"] > row["baseline_high"]
-    else:
-        cost = row["new"] / row["baseline"]
-        worse_apart, better_apart = row["new_low"] > row["baseline_high"], row["new_high"] < row["baseline_low"]
-    if cost > 1.0 + threshold:
-        return "regression" if worse_apart else "within noise"
-    if cost < 1.0 - threshold:
-        return "improvement" if better_apart else "within noise"
-    return "same"
+def _shown(value: object) -> str:
+    if value is None:
+        return "unknown"
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 48 else text[:45] + "..."
 
 
-def compare(baseline: Side, new: Side, metric: str, *, threshold: float,
+def _is_ignored(column: str, key: str | None, ignored: Collection[str]) -> bool:
+    return column in ignored or (key is not None and (key in ignored or f"{column}.{key}" in ignored))
+
+
+def config_differences(base: dict, new: dict, ignored: Collection[str] = ()) -> list[str]:
+    """``KEY a -> b`` for each entry of :data:`records.CONFIG_FIELDS` on which two points differ
+    (None: unknown, equal to another unknown); a KEY is ``column.option`` (e.g.
+    ``kernel_options.topk_impl``) or a whole column when one side lacks it. ``ignored``: column
+    names, option names or ``column.option`` keys whose differences do not count."""
+    out = []
+    for column in CONFIG_FIELDS:
+        a, b = base.get(column), new.get(column)
+        if not (isinstance(a, dict) and isinstance(b, dict)):
+            if a != b and not _is_ignored(column, None, ignored):
+                out.append(f"{column} {_shown(a)} -> {_shown(b)}")
+            continue
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key) and not _is_ignored(column, key, ignored):
+                out.append(f"{column}.{key} {_shown(a.get(key))} -> {_shown(b.get(key))}")
+    return out
+
+
+def _measured(row: pd.Series) -> Measured:
+    return Measured(float(row["value"]), float(row["low"]), float(row["high"]), row["samples"])
+
+
+def compare(baseline: Side, new: Side, metric: str, *, threshold: float, alpha: float = DEFAULT_ALPHA,
+            scale: float = 1.0, min_difference: float = 0.0, ignore_options: Collection[str] = (),
             allow_different_hardware: bool = False) -> Comparison:
     """Match the sides' points and give each a verdict (see the module docstring).
 
+    ``threshold``: minimum effect (0.05: 5 %); ``alpha``: the rank test's family-wise level;
+    ``scale``: machine factor the baseline's times are multiplied by; ``min_difference``: a
+    lower-is-better regression must also be worse by this much (the metric's unit);
+    ``ignore_options``: configuration keys whose differences do not make points incomparable.
     Raises :class:`UnusableInputError` for sides of different kinds, different hardware (unless
-    allowed), no matched point, or no value of ``metric`` on any matched point.
+    allowed), no matched or no comparable point, or no value of ``metric`` on any matched point.
     """
-    if threshold < 0:
-        raise ValueError(f"threshold: must be >= 0, got {threshold}")
     if baseline.kind != new.kind:
         raise UnusableInputError(f"inputs: BASELINE is a {baseline.kind} and NEW a {new.kind}: compare like with like")
     if baseline.hardware != new.hardware and not allow_different_hardware:
         raise UnusableInputError(f"hardware: BASELINE ran on {baseline.hardware!r}, NEW on {new.hardware!r}; "
                                  "pass --allow-different-hardware to compare anyway")
-    base_ok = baseline.points[baseline.points["status"] == STATUS_OK]
-    keys = [k for k in base_ok.index if k in new.points.index]
+    measured = baseline.points[baseline.points["status"].isin([STATUS_OK, STATUS_INVALID])]
+    keys = [k for k in measured.index if k in new.points.index]
     if not keys:
         raise UnusableInputError(
-            f"points: no point of BASELINE ({len(base_ok)} measured) matches one of NEW ({len(new.points)}) "
-            f"by its axes{' (benchmark names)' if new.kind == 'pytest-benchmark' else ''}")
-    b, n = base_ok.loc[keys], new.points.loc[keys]
-    table = pd.DataFrame({
-        "name": b["name"], "baseline": b["value"], "baseline_low": b["low"], "baseline_high": b["high"],
-        "new": n["value"].where(n["status"] == STATUS_OK), "new_low": n["low"], "new_high": n["high"],
-        "new_status": n["status"],
-    })
-    if table["baseline"].isna().all() or table["new"].isna().all():
-        side = "BASELINE" if table["baseline"].isna().all() else "NEW"
-        raise UnusableInputError(f"--metric: {metric} was not measured on any matched point of {side}")
-    table["ratio"] = table["new"] / table["baseline"]
-    higher = metric in HIGHER_IS_BETTER
-    table["verdict"] = table.apply(_verdict, axis=1, threshold=threshold, higher_is_better=higher)
+            f"points: no point of BASELINE ({len(measured)} measured) matches one of NEW ({len(new.points)}) "
+            f"by its {'benchmark names' if new.kind == 'pytest-benchmark' else 'axes'}")
+    ignored = tuple(ignore_options)
+    rows, judged, not_comparable, not_measured = [], [], [], []
+    for key in keys:
+        b, n = measured.loc[key], new.points.loc[key]
+        row = {"key": key, "name": b["name"], "baseline": b["value"], "baseline_low": b["low"],
+               "baseline_high": b["high"], "baseline_n": len(b["samples"] or ()), "new": n["value"],
+               "new_low": n["low"], "new_high": n["high"], "new_n": len(n["samples"] or ()),
+               "ratio": n["value"] / b["value"] if b["value"] > 0 else math.nan, "cost": math.nan,
+               "method": "", "statistic": ""}
+        differences = config_differences(b["config"], n["config"], ignored)
+        if b["status"] == STATUS_INVALID:
+            rows.append({**row, "verdict": f"invalid in BASELINE: {b['problem']}"})
+        elif n["status"] == STATUS_INVALID:
+            rows.append({**row, "verdict": f"invalid in NEW: {n['problem']}"})
+        elif differences:
+            not_comparable.append(f"{b['name']}: configuration differs: " + "; ".join(differences))
+        elif math.isnan(b["value"]):
+            not_comparable.append(f"{b['name']}: {metric} not measured in BASELINE")
+        elif n["status"] != STATUS_OK:
+            rows.append({**row, "new": math.nan, "ratio": math.nan, "verdict": f"failed: {n['status']}"})
+        elif math.isnan(n["value"]):
+            not_measured.append(f"{b['name']}: {metric} not measured in NEW")
+        else:
+            judged.append((len(rows), b, n))
+            rows.append(row)
+    if not rows:
+        if not_measured and not any("configuration differs" in line for line in not_comparable):
+            raise UnusableInputError(f"--metric: {metric} was not measured on any matched point of NEW")
+        if not any("configuration differs" in line for line in not_comparable):
+            raise UnusableInputError(f"--metric: {metric} was not measured on any matched point of BASELINE")
+        raise UnusableInputError(
+            f"points: none of the {len(keys)} matched points is comparable (the first: {not_comparable[0]}); "
+            "pass --ignore-option KEY when that difference is what you compare")
+    rule = Rule(threshold, alpha, len(judged), scale, min_difference)
+    for index, b, n in judged:
+        decision = decide(_measured(b), _measured(n), rule, higher_is_better=metric in HIGHER_IS_BETTER)
+        rows[index].update(cost=decision.cost, method=decision.method, statistic=decision.statistic,
+                           verdict=decision.verdict)
     return Comparison(
-        metric=metric, threshold=threshold, table=table.drop(columns="new_status").reset_index(),
+        metric=metric, rule=rule, table=pd.DataFrame(rows, columns=list(TABLE_COLUMNS)),
         baseline_only=[baseline.points.loc[k, "name"] for k in baseline.points.index if k not in new.points.index],
         new_only=[new.points.loc[k, "name"] for k in new.points.index if k not in baseline.points.index],
+        not_comparable=not_comparable, not_measured=not_measured,
+        skipped=[f"BASELINE {line}" for line in baseline.skipped] + [f"NEW {line}" for line in new.skipped],
+        duplicates=[f"BASELINE {line}" for line in baseline.duplicates] + [f"NEW {line}" for line in new.duplicates],
+        ignored_options=ignored,
     )
 
 
@@ -248,53 +228,100 @@ def _short_names(names: pd.Series) -> pd.Series:
     return pd.Series([" ".join(w for w in ws if w not in shared) or " ".join(ws) for ws in words], index=names.index)
 
 
+def _band(low: float, high: float) -> str:
+    return "" if math.isnan(low) or math.isnan(high) else f"{low:.4g}..{high:.4g}"
+
+
+def decision_lines(comparison: Comparison) -> list[str]:
+    """How the points were judged: the thresholds, each method with how many points it judged, and why
+    points fell back to the band rule."""
+    rule, t = comparison.rule, comparison.table
+    ratio = "baseline/new" if comparison.metric in HIGHER_IS_BETTER else "new/baseline"
+    unit = unit_of(comparison.metric)
+    floor = f" AND worse by more than {rule.min_difference:g} {unit}" if rule.min_difference else ""
+    tested, banded = t[t["method"] == RANK_TEST], t[t["method"] == BAND_RULE]
+    lines = [f"decision: a point regresses when {ratio} > 1 + {100 * rule.threshold:g}% (--max-regression){floor} "
+             "AND its test says so:",
+             f"  {RANK_TEST} ({len(tested)} points): one-sided Mann-Whitney U on both sides' repetition times "
+             f"(time_ms_samples), p < alpha/points = {rule.alpha:g}/{rule.points} = {rule.point_alpha:.2g} "
+             "(Bonferroni)"]
+    if len(banded):
+        few = banded[(banded["baseline_n"] > 0) & (banded["new_n"] > 0)]
+        why = []
+        if len(banded) > len(few):
+            why.append(f"{len(banded) - len(few)} without repetition times on a side (older records)")
+        if len(few):
+            new_n, base_n = int(few["new_n"].iloc[0]), int(few["baseline_n"].iloc[0])
+            lowest = smallest_p(new_n, base_n)
+            why.append(f"{len(few)} with too few to reach it ({new_n} and {base_n}: p >= {lowest:.2g})")
+        lines.append(f"  FALLBACK {BAND_RULE} for {len(banded)} points ({'; '.join(why)}): the p20..p80 bands must "
+                     "not overlap; the bands of a few repetitions do not measure the noise: record more "
+                     "repetitions with their times (refresh the baseline)")
+    if rule.scale != 1.0:
+        lines.append(f"  machine factor: the baseline's times x {rule.scale:.3g} before the test and the ratio")
+    if comparison.ignored_options:
+        lines.append(f"  configuration differences ignored: {', '.join(comparison.ignored_options)}")
+    return lines
+
+
 def render(comparison: Comparison, baseline: Side, new: Side) -> str:
-    """The printed report: the ratio table with both bands, then the verdict lines."""
+    """The printed report: how points are judged, the table with both bands and each point's statistic,
+    what was not compared, then one line per regression, error and improvement, and the counts."""
     unit = unit_of(comparison.metric)
     t = comparison.table
     shown = pd.DataFrame({
         "point": _short_names(t["name"]),
         f"baseline ({unit})": t["baseline"].map("{:.4g}".format),
-        "baseline band": [f"{lo:.4g}..{hi:.4g}" for lo, hi in zip(t["baseline_low"], t["baseline_high"])],
+        "band": [_band(lo, hi) for lo, hi in zip(t["baseline_low"], t["baseline_high"])],
+        "n": t["baseline_n"].map(lambda n: n or "-"),
         f"new ({unit})": t["new"].map("{:.4g}".format),
-        "new band": [f"{lo:.4g}..{hi:.4g}" for lo, hi in zip(t["new_low"], t["new_high"])],
+        "new band": [_band(lo, hi) for lo, hi in zip(t["new_low"], t["new_high"])],
+        "new n": t["new_n"].map(lambda n: n or "-"),
         "new/baseline": t["ratio"].map("{:.3f}".format),
-        "verdict": t["verdict"],
+        "test": [f"{m} {s}".strip() for m, s in zip(t["method"], t["statistic"])],
+        "verdict": t["verdict"].map(lambda v: v.split(":")[0] if v.startswith("invalid") else v),  # reason below
     })
     direction = "higher" if comparison.metric in HIGHER_IS_BETTER else "lower"
     lines = [
         f"compare {comparison.metric} ({direction} is better): BASELINE {baseline.source} vs NEW {new.source}",
         f"hardware: {baseline.hardware} vs {new.hardware}; noise band: {baseline.band} / {new.band}",
-        f"threshold: {100 * comparison.threshold:g}% beyond the baseline AND outside both bands",
-        "", shown.to_string(index=False), "",
+        *decision_lines(comparison), "", shown.to_string(index=False), "",
     ]
-    if comparison.baseline_only:
-        lines.append(f"only in BASELINE ({len(comparison.baseline_only)}): " + "; ".join(comparison.baseline_only))
-    if comparison.new_only:
-        lines.append(f"only in NEW ({len(comparison.new_only)}): " + "; ".join(comparison.new_only))
+    sections = (("skipped (not a record of any point)", comparison.skipped),
+                ("duplicate", comparison.duplicates), ("NOT COMPARABLE", comparison.not_comparable),
+                ("only in BASELINE", comparison.baseline_only), ("not measured in NEW", comparison.not_measured),
+                ("only in NEW", comparison.new_only))
+    for title, entries in sections:
+        if entries:
+            lines.append(f"{title} ({len(entries)}): " + "; ".join(entries))
     for row in comparison.improvements.itertuples(index=False):
-        lines.append(f"IMPROVEMENT: {row.name}: {row.ratio:.3f}x")
+        lines.append(f"IMPROVEMENT: {row.name}: {row.ratio:.3f}x ({row.method} {row.statistic})")
+    for row in comparison.errors.itertuples(index=False):
+        lines.append(f"INVALID: {row.name}: {row.verdict}")
     for row in comparison.regressions.itertuples(index=False):
-        if row.verdict == "regression":
-            lines.append(f"REGRESSION: {row.name}: {row.ratio:.3f}x (bands {row.baseline_low:.4g}.."
-                         f"{row.baseline_high:.4g} vs {row.new_low:.4g}..{row.new_high:.4g} {unit})")
+        if row.verdict == REGRESSION:
+            lines.append(f"REGRESSION: {row.name}: {row.ratio:.3f}x ({row.method} {row.statistic}; bands "
+                         f"{_band(row.baseline_low, row.baseline_high)} vs {_band(row.new_low, row.new_high)} {unit})")
         else:
             lines.append(f"REGRESSION: {row.name}: {row.verdict} (measured in the baseline)")
-    lines.append(f"{len(t)} matched, {len(comparison.regressions)} regressed, {len(comparison.improvements)} improved")
+    lines.append(f"{len(t)} compared, {len(comparison.regressions)} regressed, {len(comparison.errors)} invalid, "
+                 f"{len(comparison.improvements)} improved, {len(comparison.not_comparable)} not comparable, "
+                 f"{len(comparison.missing)} missing, {len(comparison.skipped)} lines skipped")
     return "\n".join(lines)
 
 
 def benchmark_action_json(comparison: Comparison) -> list[dict]:
-    """github-action-benchmark's custom format: one ``{name, unit, value, range, extra}`` per matched
-    point with a new value (``range``: the new band; ``extra``: baseline, ratio, verdict)."""
+    """github-action-benchmark's custom format: one ``{name, unit, value, range, extra}`` per compared
+    point with a finite new value (``range``: the new band; ``extra``: baseline, ratio, test, verdict)."""
     unit = unit_of(comparison.metric)
     entries = []
     for row in comparison.table.itertuples(index=False):
-        if math.isnan(row.new):
+        if not math.isfinite(row.new):
             continue
         entries.append({
             "name": f"{comparison.metric} {row.name}", "unit": unit, "value": float(row.new),
             "range": f"{row.new_low:.6g}..{row.new_high:.6g}",
-            "extra": f"baseline {row.baseline:.6g} {unit}; new/baseline {row.ratio:.4f}; {row.verdict}",
+            "extra": f"baseline {row.baseline:.6g} {unit}; new/baseline {row.ratio:.4f}; "
+                     f"{row.method} {row.statistic}; {row.verdict}",
         })
     return entries

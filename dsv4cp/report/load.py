@@ -8,6 +8,7 @@ Kineto traces for the notebooks' timelines.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -15,22 +16,23 @@ import pandas as pd
 
 from dsv4cp.profiling.overlap import KernelRecord, RangeRecord
 from dsv4cp.profiling.trace import kineto_records, load_kineto_dir, read_trace_json
-from dsv4cp.records import COLUMNS, META_FILE, RECORDS_FILE, read_meta, read_records
+from dsv4cp.records import COLUMNS, META_FILE, RECORDS_FILE, RecordProblem, read_meta, read_records
 
 RUN_COLUMNS: tuple[str, ...] = ("run", "run_path", "gpu_name", "git_dirty")
 """Columns :func:`load_runs` adds after ``records.COLUMNS``: the run's name (its directory's name, or
 the file's stem for a bare ``.jsonl``), its path, and two fields of its ``meta.json`` (None without one)."""
 
 
-def _records_and_meta(path: Path) -> tuple[list[dict], dict]:
-    """Records and meta (empty without ``meta.json``) of one run directory or ``.jsonl`` file."""
+def _records_and_meta(path: Path, problems: list[RecordProblem] | None) -> tuple[list[dict], dict]:
+    """Valid records and meta (empty without ``meta.json``) of one run directory or ``.jsonl`` file;
+    the lines skipped go to ``problems`` (see :func:`dsv4cp.records.read_records`)."""
     if path.is_dir():
         if not (path / RECORDS_FILE).is_file():
             raise ValueError(f"path: {path} is a directory without {RECORDS_FILE} (not a run directory)")
         meta = read_meta(path) if (path / META_FILE).is_file() else {}
-        return read_records(path), meta
+        return read_records(path, problems), meta
     if path.is_file() and path.suffix == ".jsonl":
-        return read_records(path), {}
+        return read_records(path, problems), {}
     if path.exists():
         raise ValueError(f"path: {path} is neither a run directory nor a .jsonl file of records")
     raise ValueError(f"path: {path} does not exist")
@@ -47,15 +49,18 @@ def _run_names(paths: list[Path]) -> list[str]:
         depth += 1
 
 
-def load_runs(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> pd.DataFrame:
-    """All records of one or more runs as a DataFrame.
+def load_runs(paths: str | os.PathLike | Iterable[str | os.PathLike],
+              problems: list[RecordProblem] | None = None) -> pd.DataFrame:
+    """All valid records of one or more runs as a DataFrame.
 
     ``paths``: run directories (``records.jsonl`` + ``meta.json``) or bare ``.jsonl`` record files.
-    Columns: ``records.COLUMNS`` then ``RUN_COLUMNS``; one row per record, runs in the given order.
+    Columns: ``records.COLUMNS`` then ``RUN_COLUMNS``; one row per valid
+    record, runs in the given order. Every line is checked as it is read: the lines skipped are
+    appended to ``problems`` when a list is given (else warned about), each naming ``file:line: reason``.
     A record's ``machine`` or ``git_sha`` left empty is taken from its run's ``meta.json``. List-valued
-    metrics (``rank_time_ms_median``, ``peak_allocated_bytes``, ``device_used_bytes``, ``phases``) stay
-    Python lists. Raises ``ValueError`` naming a path that does not exist, is not a run, holds a record
-    of another schema version, or holds no record at all.
+    metrics (``time_ms_samples``, ``rank_time_ms_median``, ``peak_allocated_bytes``, ...) stay Python
+    lists. Raises ``ValueError`` naming a path that does not exist, is not a run, has a broken
+    ``meta.json``, or holds no valid record at all.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -64,9 +69,16 @@ def load_runs(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> pd.Data
         raise ValueError("paths: give at least one run directory or .jsonl file")
     rows: list[dict] = []
     for path, name in zip(paths, _run_names(paths)):
-        records, meta = _records_and_meta(path)
+        skipped: list[RecordProblem] = []
+        records, meta = _records_and_meta(path, skipped)
         if not records:
-            raise ValueError(f"path: {path} holds no record")
+            why = f" valid record ({len(skipped)} lines skipped, the first: {skipped[0]})" if skipped else " record"
+            raise ValueError(f"path: {path} holds no{why}")
+        if problems is None:
+            for problem in skipped:
+                warnings.warn(f"skipping {problem}", stacklevel=2)
+        else:
+            problems.extend(skipped)
         for record in records:
             row = {column: record.get(column) for column in COLUMNS}
             for field in ("machine", "git_sha"):

@@ -138,7 +138,8 @@ def summary_lines(df: pd.DataFrame, table: pd.DataFrame) -> list[str]:
     if len(runs) != 2:
         return []
     lines = ["## A vs B", "", f"A = {runs[0]}, B = {runs[1]}; median step time per matched point, B / A and "
-             f"`dsv4cp compare`'s verdict at {100 * THRESHOLD:g}% outside both p20..p80 bands "
+             f"`dsv4cp compare`'s verdict at {100 * THRESHOLD:g}% (and its test: a significant U test of the "
+             "repetitions' times, or without them both p20..p80 bands apart) "
              "([table](tables/comparison.md)).", ""]
     differences = run_differences(df)
     lines.append("Runs differ in: " + "; ".join(f"{name} {a} (A) vs {b} (B)" for name, a, b in differences) + "."

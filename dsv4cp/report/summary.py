@@ -1,23 +1,45 @@
 """The report a person reads first: ``summary.md`` plus every table (CSV + markdown) and plot (PNG).
 
 :func:`write_report` is what ``dsv4cp report`` calls; :func:`render_summary` builds the markdown from
-already computed tables and plots (it computes nothing itself).
+already computed tables and plots (it computes nothing itself), one section function after another
+(:data:`SECTIONS`: a new section is one more function there).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from dsv4cp.profiling.overlap import TOTAL
+from dsv4cp.report import diagnosis as diagnosis_module
 from dsv4cp.report import plots as plots_module
 from dsv4cp.report import sections
 from dsv4cp.report import tables as tables_module
+from dsv4cp.report import targets as targets_module
+from dsv4cp.report.parity import parity_failures
 from dsv4cp.report.plots import Plot
 
 TOP_PHASES = 3
-"""Phases named per profiled point in "Where the time goes"."""
+"""Phases named per profiled point in "Where the time goes" and per point in the straggler view."""
+
+
+@dataclass(frozen=True)
+class ReportParts:
+    """What every summary section reads: the records, the computed tables and plots, link folders."""
+
+    df: pd.DataFrame
+    tables: dict[str, pd.DataFrame]
+    plots: dict[str, Plot]
+    table_dir: str = "tables"
+    plot_dir: str = "plots"
+
+    def table(self, name: str) -> pd.DataFrame:
+        """A table by name; an empty one when the report holds none of that name."""
+        return self.tables.get(name, pd.DataFrame())
 
 
 def _runs_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -33,46 +55,9 @@ def _runs_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _why(df: pd.DataFrame, point_id: str, run: str) -> str:
-    """Where the CP = 2 target point's time and exposed communication go (its profiled phases)."""
-    in_scope = df["point_id"] == point_id
-    if run != tables_module.ALL_RUNS:
-        in_scope &= df["run"] == run
-    profiled = [p for p in df[in_scope]["phases"] if isinstance(p, list)]
-    if not profiled:
-        return "the point was not profiled (sweep --profile tells why)"
-    rows = pd.DataFrame([p for p in profiled[-1] if p.get("phase") != TOTAL])
-    rows["busy_ms"] = rows["compute_ms"] + rows["exposed_comm_ms"]
-    busiest = rows.nlargest(TOP_PHASES, "busy_ms")
-    exposed = rows[rows["exposed_comm_ms"] > 0].nlargest(TOP_PHASES, "exposed_comm_ms")
-
-    def named(table: pd.DataFrame, column: str) -> str:  # every overlap row names its rank
-        return ", ".join(f"{p.removeprefix('dsv4cp.')} (rank {r}) {t:.3g} ms"
-                         for p, r, t in zip(table["phase"], table["rank"], table[column]))
-
-    parts = ["busiest phases " + named(busiest, "busy_ms")]
-    if len(exposed):
-        parts.append("exposed communication in " + named(exposed, "exposed_comm_ms"))
-    return "; ".join(parts)
-
-
-def _targets_section(df: pd.DataFrame, targets: pd.DataFrame) -> list[str]:
-    target_text = ", ".join(f"{k}={v}" for k, v in tables_module.TARGET_POINT.items())
-    lines = ["## Targets", "", f"Issue 10 targets, on the configuration {target_text}:", ""]
-    for row in targets.itertuples(index=False):
-        if row.met == tables_module.NOT_MEASURED:
-            verdict = tables_module.NOT_MEASURED
-        elif row.met == "yes":
-            verdict = f"**{row.measured:.3f}** (target <= {row.limit:g}): met"
-        else:
-            verdict = (f"**{row.measured:.3f}** (target <= {row.limit:g}): MISSED by {row.miss_pct:.1f}%; "
-                       f"CP = 2 point {row.cp2_point_id}: {_why(df, row.cp2_point_id, row.run)}")
-        lines.append(f"- {row.run}: {row.target}: {verdict}")
-    return lines + [""]
-
-
-def _time_section(phases: pd.DataFrame) -> list[str]:
+def _time_section(report: ReportParts) -> list[str]:
     lines = ["## Where the time goes", ""]
+    phases = report.table("phases")
     phases = phases[phases["phase"] != TOTAL] if len(phases) else phases
     if phases.empty:
         return lines + ["No profiled point (run the sweep with `--profile` for per-phase times).", ""]
@@ -87,6 +72,25 @@ def _time_section(phases: pd.DataFrame) -> list[str]:
         comm_text = (f"; communication {comm:.3g} ms, {exposed:.3g} ms exposed ({100 * exposed / comm:.0f}%)"
                      if comm > 0 else "; no communication")
         lines.append(f"- {point}, rank {rank}: busy {busy:.3g} ms: " + ", ".join(parts) + comm_text)
+    return lines + [""] + _step_own_lines(report.table("diagnosis"))
+
+
+def _step_own_lines(diagnosis: pd.DataFrame) -> list[str]:
+    """What ``dsv4cp.step``'s own time is, per diagnosed point (its slowest rank)."""
+    if diagnosis.empty:
+        return []
+    lines = ["`step` is the range around the whole step: its own time is the work between and around the named "
+             "phases (the autograd functions' Python and host operations that enclose a phase range on CPU, "
+             "launches and copies on GPU). Above, a phase's busy time counts every operation attributed to it, "
+             "enclosing ones too; counted exclusively (each instant to the innermost running operation, as the "
+             "diagnosis does), the step's own time is:", ""]
+    labels = diagnosis_module.label_points(diagnosis)
+    for _, group in diagnosis.groupby("point_id", sort=False):
+        slow = diagnosis_module.slowest_rank(group)
+        share = 100 * slow["step_own_ms"] / slow["step_ms"] if slow["step_ms"] > 0 else math.nan
+        top = f", mostly {slow['step_own_top']}" if slow["step_own_top"] else ""
+        lines.append(f"- {labels[slow.name]}, rank {int(slow['rank'])}: {slow['step_own_ms']:.3g} ms "
+                     f"({share:.0f}% of the traced step){top}")
     return lines + [""]
 
 
@@ -100,41 +104,166 @@ def _short_status(status: str, limit: int = 100) -> str:
     return status if len(status) <= limit else status[: limit - 3] + "..."
 
 
+def _headline_section(report: ReportParts) -> list[str]:
+    return ["## Headline", "",
+            "Per point: median step time [p20, p80] in ms (max over ranks per repetition), tokens/s, TFLOP/s per "
+            "GPU, MFU, measured / model bound, peak memory per rank (GiB, max over ranks), exposed "
+            "communication as % of communication time (profiled points only), parity with CP = 1 "
+            "(`sweep --check`; blank when not checked).", "",
+            tables_module.to_markdown(_measured(report.table("headline")))]
+
+
+def _targets_section(report: ReportParts) -> list[str]:
+    lines = ["## Targets", ""]
+    judged = report.table("targets")
+    if judged.empty:
+        return lines + ["No target declared: a spec's `targets:` list names them (metric, points, comparison, "
+                        "value); the shipped specs in `sweeps/` declare the project's.", ""]
+    lines += ["Each run's declared targets (its spec's `targets:`), judged on its measured points "
+              "(`tables/targets.md` lists every point); a missed one names the cause its diagnosis finds.", ""]
+    causes = diagnosis_module.point_causes(report.table("diagnosis"))
+    for (run, name, rule), rows in judged.groupby(["run", "target", "rule"], sort=False):
+        counts = rows["verdict"].value_counts()
+        verdicts = (targets_module.MET, targets_module.MISSED, targets_module.NOT_APPLICABLE)
+        tally = ", ".join(f"{verdict} {counts[verdict]}" for verdict in verdicts if verdict in counts)
+        if len(rows) == 1:
+            lines.append(f"- {run}: {name} ({rule}): {_verdict(rows.iloc[0], causes, with_point=True)}")
+            continue
+        lines.append(f"- {run}: {name} ({rule}): {len(rows)} points: {tally}")
+        for row in rows[rows["verdict"] != targets_module.MET].itertuples(index=False):
+            lines.append(f"  - {row.point}: {_verdict(row, causes, with_point=False)}")
+    return lines + [""]
+
+
+def _verdict(row, causes: dict[str, str], with_point: bool) -> str:
+    """One judged target row in words (led by its point when ``with_point``); a missed one with its
+    point's cause."""
+    where = f"on {row.point}: " if with_point and isinstance(row.point, str) and row.point else ""
+    if row.verdict == targets_module.MET:
+        return f"{where}**{row.measured:.4g}**: met"
+    if row.verdict == targets_module.MISSED:
+        cause = causes.get(row.point_id, "not profiled: `sweep --profile` gives the diagnosis that names the cause")
+        return f"{where}**{row.measured:.4g}**: MISSED by {row.miss_pct:.1f}%; {cause}"
+    return f"{where}not applicable: {row.reason}"
+
+
+def _diagnosis_section(report: ReportParts) -> list[str]:
+    lines = ["## Why: diagnosis of each profiled step", ""]
+    diagnosis = report.table("diagnosis")
+    if diagnosis.empty:
+        return lines + ["No diagnosed point (the sweep's `--profile` traces, RUN_DIR/traces/, are needed).", ""]
+    lines += ["Per rank, the traced step = model bound + kernel excess + capacity padding + imbalance wait + exposed "
+              "communication + host idle + unattributed (`tables/diagnosis.md`; per phase: "
+              "`tables/diagnosis_phases.md`). The bound is the cost model's, at the ceilings of the records' "
+              "bound. A host thread blocked in a collective counts as communicating here even inside an "
+              "enclosing operation (the per-phase overlap table below counts that operation as compute). For the "
+              "slowest rank of each point on several ranks (and each emulated rank), the largest part above its "
+              "bound:", ""]
+    labels = diagnosis_module.label_points(diagnosis)
+    causes = diagnosis_module.point_causes(diagnosis)
+    stragglers = report.table("stragglers")
+    several = diagnosis.groupby("point_id", sort=False)["rank"].transform("nunique") > 1
+    emulated = diagnosis["kind"] == diagnosis_module.EMULATED
+    shown = diagnosis[several | emulated]
+    if shown.empty:
+        return lines + ["Every diagnosed point ran on one rank: `tables/diagnosis.md` has their parts.", ""]
+    for point_id, group in shown.groupby("point_id", sort=False):
+        line = f"- {labels[group.index[0]]}: {causes[point_id]}"
+        spread = stragglers[stragglers["point_id"] == point_id].head(TOP_PHASES) if len(stragglers) else stragglers
+        if len(spread):
+            line += "; stragglers (max / mean over ranks): " + ", ".join(
+                f"{p} {r:.3g} (rank {k})" for p, r, k in zip(spread["phase"], spread["max_over_mean"],
+                                                             spread["slowest_rank"]))
+        lines.append(line)
+    return lines + [""]
+
+
+def _parity_section(report: ReportParts) -> list[str]:
+    lines = ["## Parity with CP = 1", ""]
+    checked = report.df["parity"].map(lambda p: isinstance(p, list) and len(p) > 0)
+    if not checked.any():
+        return lines + ["No point was checked (`sweep --check` compares each CP > 1 point with CP = 1).", ""]
+    failed = report.table("parity_failures")
+    if failed.empty:
+        count = int(checked.sum())
+        text = f"All {count} checked points match CP = 1." if count > 1 else "The checked point matches CP = 1."
+        return lines + [text, ""]
+    return lines + [f"{failed['point_id'].nunique()} of {int(checked.sum())} checked points differ from CP = 1:", "",
+                    tables_module.to_markdown(failed)]
+
+
+def _failures_section(report: ReportParts) -> list[str]:
+    failures = report.table("failures")
+    if failures.empty:
+        return []
+    failed = failures.assign(status=failures["status"].map(_short_status))
+    return ["## Points that did not measure", "", tables_module.to_markdown(failed)]
+
+
+def _tables_section(report: ReportParts) -> list[str]:
+    lines = ["## Tables", ""]
+    for name, table in report.tables.items():
+        state = f"{len(table)} rows" if not table.empty else "empty: the runs lack the points it needs"
+        lines.append(f"- [{name}]({report.table_dir}/{name}.md) ([csv]({report.table_dir}/{name}.csv)): {state}")
+    return lines + [""]
+
+
+def _plots_section(report: ReportParts) -> list[str]:
+    lines = ["## Plots", ""]
+    for name, plot in report.plots.items():
+        drawn = plot.figure is not None
+        lines.append(f"![{name}]({report.plot_dir}/{name}.png)" if drawn else f"- {name}: skipped ({plot.note})")
+        lines.append("")
+    return lines
+
+
+def _growth_and_memory_sections(report: ReportParts) -> list[str]:
+    """A vs B, cost growth with context and where each rank's memory peaks (:mod:`dsv4cp.report.sections`)."""
+    return sections.extra_sections(report.df, report.tables)
+
+
+def _determinism_section(report: ReportParts) -> list[str]:
+    return tables_module.determinism_lines(report.table("determinism_cost"))
+
+
+SECTIONS: tuple[Callable[[ReportParts], list[str]], ...] = (
+    _headline_section, _targets_section, _diagnosis_section, _time_section, _determinism_section,
+    _growth_and_memory_sections,
+    _parity_section, _failures_section, _tables_section, _plots_section,
+)
+"""The summary's sections after its title and runs, in order: each returns its markdown lines."""
+
+
 def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dict[str, Plot],
                    table_dir: str = "tables", plot_dir: str = "plots") -> str:
-    """``summary.md``'s text: runs, headline table, targets, where the time goes, failed points, and
-    links to the tables (``table_dir/NAME.md``) and plots (``plot_dir/NAME.png``), relative paths."""
+    """``summary.md``'s text: runs, then :data:`SECTIONS` (headline, targets, diagnosis, where the time
+    goes, parity, failed points, links to the tables (``table_dir/NAME.md``) and plots
+    (``plot_dir/NAME.png``), relative paths)."""
+    report = ReportParts(df, tables, plots, table_dir, plot_dir)
     lines = [f"# dsv4cp report: {', '.join(tables_module.runs_of(df))}", "",
              f"Hardware: {tables_module.hardware(df)}.", "", "## Runs", "",
-             tables_module.to_markdown(_runs_table(df)), "## Headline", "",
-             "Per point: median step time [p20, p80] in ms (max over ranks per repetition), tokens/s, TFLOP/s per "
-             "GPU, MFU, measured / model bound, peak memory per rank (GiB, max over ranks), exposed "
-             "communication as % of communication time (profiled points only).", "",
-             tables_module.to_markdown(_measured(tables["headline"]))]
-    lines += _targets_section(df, tables["targets"])
-    lines += _time_section(tables["phases"])
-    lines += tables_module.determinism_lines(tables["determinism_cost"])
-    lines += sections.extra_sections(df, tables)
-    if not tables["failures"].empty:
-        failed = tables["failures"].assign(status=tables["failures"]["status"].map(_short_status))
-        lines += ["## Points that did not measure", "", tables_module.to_markdown(failed)]
-    lines += ["## Tables", ""]
-    for name, table in tables.items():
-        state = f"{len(table)} rows" if not table.empty else "empty: the runs lack the points it needs"
-        lines.append(f"- [{name}]({table_dir}/{name}.md) ([csv]({table_dir}/{name}.csv)): {state}")
-    lines += ["", "## Plots", ""]
-    for name, plot in plots.items():
-        drawn = plot.figure is not None
-        lines.append(f"![{name}]({plot_dir}/{name}.png)" if drawn else f"- {name}: skipped ({plot.note})")
-        lines.append("")
+             tables_module.to_markdown(_runs_table(df))]
+    for section in SECTIONS:
+        lines += section(report)
     return "\n".join(lines)
+
+
+def report_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Every table of the report by file name: the headline, the judged targets, the diagnosis tables
+    and parity failures first, then the other tables of :func:`dsv4cp.report.tables.all_tables`."""
+    tables = tables_module.all_tables(df)
+    diagnosed = diagnosis_module.diagnosis_tables(df)
+    checked = tables_module.ok_points(df)
+    extra = {"targets": targets_module.evaluate(df), **diagnosed,
+             "parity_failures": parity_failures(checked, tables_module.varying_axes(checked) if len(checked) else [])}
+    return {"headline": tables.pop("headline"), **extra, **tables}
 
 
 def write_report(df: pd.DataFrame, out_dir: str | Path) -> Path:
     """Write ``out_dir/summary.md``, ``out_dir/tables/*.{csv,md}`` and ``out_dir/plots/*.png``;
     returns the summary's path."""
     out_dir = Path(out_dir)
-    tables = tables_module.all_tables(df)
+    tables = report_tables(df)
     plots = plots_module.all_plots(df)
     for name, table in tables.items():
         tables_module.write_table(table, out_dir / "tables", name)
@@ -143,4 +272,3 @@ def write_report(df: pd.DataFrame, out_dir: str | Path) -> Path:
     summary = out_dir / "summary.md"
     summary.write_text(render_summary(df, tables, plots))
     return summary
-

@@ -8,7 +8,6 @@ milliseconds, memory GiB (2**30 bytes). :func:`write_table` saves one as CSV and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -16,10 +15,12 @@ import pandas as pd
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import LayerEstimate, Machine, estimate
+from dsv4cp.model.machine import MACHINE_PRESETS
 from dsv4cp.model.partition import policy_split
 from dsv4cp.profiling.memory import OUTSIDE_PHASES
 from dsv4cp.profiling.overlap import COLUMNS as OVERLAP_COLUMNS
 from dsv4cp.records import AXES, STATUS_OK
+from dsv4cp.report.parity import parity_cell
 from dsv4cp.workloads import packing_lengths
 
 GIB = 2**30
@@ -109,16 +110,19 @@ def group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
 # ------------------------------------------------------------------------------------------ tables
 def headline(df: pd.DataFrame) -> pd.DataFrame:
     """Per point (every status): the axes that vary, status, time median [p20, p80], tokens/s,
-    TFLOP/s per GPU, MFU, measured/bound, peak GiB (max over ranks), exposed comm % of comm time."""
+    TFLOP/s per GPU, MFU, measured/bound and the machine of its bound, peak GiB (max over ranks), exposed
+    comm % of comm time and parity with CP = 1 (``sweep --check``; blank when not checked)."""
     axes = varying_axes(df)
     out = df[axes + ["status"]].copy()
     for column in ("time_ms_median", "time_ms_p20", "time_ms_p80", "tokens_per_s", "tflops_per_gpu", "mfu",
                    "measured_over_bound"):
         out[column] = pd.to_numeric(df[column], errors="coerce")
+    out["bound_machine"] = df["bound_machine"]  # whose ceilings measured/bound is against (None: no bound)
     out["peak_gib"] = df["peak_allocated_bytes"].map(_max_gib)
     comm = pd.to_numeric(df["comm_ms"], errors="coerce")
     exposed = pd.to_numeric(df["exposed_comm_ms"], errors="coerce")
     out["exposed_comm_pct"] = (100.0 * exposed / comm).where(comm > 0)
+    out["parity"] = df["parity"].map(parity_cell)
     return out.reset_index(drop=True)
 
 
@@ -318,11 +322,13 @@ MODEL_AXES: tuple[str, ...] = ("preset", "ratio", "cp", "tokens", "packing", "pa
 """Axes the cost model needs to rebuild a point's batch."""
 
 
-def point_estimate(point: pd.Series, machine: Machine | None = None) -> LayerEstimate:
+def point_estimate(point: pd.Series, machine: Machine | None = None, padding: bool = True) -> LayerEstimate:
     """The cost model of one record's point (it must hold every axis of :data:`MODEL_AXES`): the
     document lengths the sweep packed (``workloads.packing_lengths`` with the point's seed) and the
     rows each rank measured (the record's ``split``, else, for older records, the point's partition
-    policy as the sweep computes it at its default machine); ``machine``: the ceilings of the bounds."""
+    policy as the sweep computes it); ``machine``: the ceilings of the bounds (default: the record's
+    bound machine, :func:`record_machine`); ``padding=False``: without the capacity padding of the
+    gathered buffer (``estimate``)."""
     cp, tokens, ratio = int(point["cp"]), int(point["tokens"]), int(point["ratio"])
     lengths = packing_lengths(point["packing"], tokens, cp=cp, ratio=ratio, seed=int(point["seed"] or 0))
     loss, policy = point["loss"], point["partition"]
@@ -332,8 +338,16 @@ def point_estimate(point: pd.Series, machine: Machine | None = None) -> LayerEst
         split = RowSplit(tuple(int(b) for b in recorded)).validate(tokens, cp, field="split")
     else:
         split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
-                             total=tokens, direction=point["pass"])
-    return estimate(cfg, ratio, lengths, cp, machine, total=tokens, split=split)
+                             machine or record_machine(point), total=tokens, direction=point["pass"])
+    return estimate(cfg, ratio, lengths, cp, machine or record_machine(point), total=tokens, split=split,
+                    padding=padding)
+
+
+def record_machine(point: pd.Series) -> Machine:
+    """The ceilings of a record's bound where they are a preset, else h200x2 (records written before
+    ``bound_machine`` were all bounded on it)."""
+    named = point.get("bound_machine")
+    return Machine.preset(named if isinstance(named, str) and named in MACHINE_PRESETS else "h200x2")
 
 
 def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
@@ -365,6 +379,7 @@ def measured_vs_bound(df: pd.DataFrame) -> pd.DataFrame:
     for column in ("time_ms_median", "bound_ms", "measured_over_bound", "tflops_per_gpu", "mfu"):
         out[column] = pd.to_numeric(points[column], errors="coerce")
     out["model_tflop"] = pd.to_numeric(points["model_flops"], errors="coerce") / 1e12
+    out["bound_machine"] = points["bound_machine"]  # whose ceilings the bound is (None: no bound)
     return out
 
 
@@ -376,83 +391,6 @@ def failures(df: pd.DataFrame) -> pd.DataFrame:
     return bad[[*varying_axes(df), "status"]].reset_index(drop=True)
 
 
-# ------------------------------------------------------------------------------------------ targets
-@dataclass(frozen=True)
-class Target:
-    """One issue-10 target: ``measured <= limit`` on the target configuration."""
-
-    name: str
-    limit: float
-    unit: str
-
-
-TARGET_POINT: dict[str, object] = {
-    "preset": "flash", "ratio": 4, "pass": "fwd+bwd", "dtype": "bf16", "tokens": 65536,
-    "packing": "histogram", "overlap": "async",
-}
-"""The configuration the targets are about: flash C layer, fwd+bwd, bf16, 64K tokens, histogram, async."""
-
-TARGETS: tuple[Target, ...] = (
-    Target("CP=2 time / CP=1 time", 0.55, "x"),
-    Target("CP=2 peak memory / CP=1 peak memory", 0.55, "x"),
-    Target("CP=2 exposed comm / comm time", 0.10, "x"),
-)
-NOT_MEASURED = "not measured in this run"
-
-
-ALL_RUNS = "all runs"
-"""The ``run`` of :func:`targets`' rows that pair points across runs."""
-
-
-def _target_pair(points: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
-    """The first (CP = 1, CP = 2) pair of target-configuration points agreeing on every other axis."""
-    mask = pd.Series(True, index=points.index)
-    for axis, value in TARGET_POINT.items():
-        mask &= points[axis] == value
-    candidates = points[mask]
-    free = ("cp", "tokens_per_rank")
-    key = group_key(candidates, [a for a in AXES if a not in free])
-    for _, group in candidates.groupby(key, sort=False):
-        one, two = group[group["cp"] == 1], group[group["cp"] == 2]
-        if len(one) and len(two):
-            return one.iloc[0], two.iloc[0]
-    return None
-
-
-def targets(df: pd.DataFrame) -> pd.DataFrame:
-    """Per run and target: measured value, limit, ``met`` (yes / no / not measured), by how much it
-    missed (``miss_pct`` = measured / limit - 1, in %, positive when missed) and the CP = 2 point's
-    ``point_id`` (where its profile says why). With several runs a last scope, ``all runs``, pairs
-    points across runs (a CP = 1 point of one sweep, a profiled CP = 2 point of another), preferring
-    profiled points, so a target no single run covers is still judged."""
-    points = ok_points(df)
-    scopes = [(run, points[points["run"] == run]) for run in runs_of(df)]
-    if len(scopes) > 1:
-        profiled_first = points.assign(_profiled=points["comm_ms"].notna())
-        scopes.append((ALL_RUNS, profiled_first.sort_values("_profiled", ascending=False, kind="stable")))
-    rows = []
-    for run, scope in scopes:
-        pair = _target_pair(scope)
-        measured: list[float] = [math.nan] * len(TARGETS)
-        cp2_point = pair[1]["point_id"] if pair is not None else None
-        if pair is not None:
-            one, two = pair
-            measured[0] = float(two["time_ms_median"]) / float(one["time_ms_median"])
-            measured[1] = _max_gib(two["peak_allocated_bytes"]) / _max_gib(one["peak_allocated_bytes"])
-            comm, exposed = two["comm_ms"], two["exposed_comm_ms"]
-            if comm is not None and exposed is not None and not pd.isna(comm) and comm > 0:
-                measured[2] = float(exposed) / float(comm)
-        for target, value in zip(TARGETS, measured):
-            known = not math.isnan(value)
-            rows.append({
-                "run": run, "target": target.name, "measured": value, "limit": target.limit,
-                "met": ("yes" if value <= target.limit else "no") if known else NOT_MEASURED,
-                "miss_pct": 100.0 * (value / target.limit - 1.0) if known and value > target.limit else math.nan,
-                "cp2_point_id": cp2_point,
-            })
-    return pd.DataFrame(rows, columns=["run", "target", "measured", "limit", "met", "miss_pct", "cp2_point_id"])
-
-
 # ------------------------------------------------------------------------------------------ output
 def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """Every report table by file name, in the order the summary lists them."""
@@ -462,7 +400,6 @@ def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     return {
         **two_runs,
         "headline": headline(df),
-        "targets": targets(df),
         "phases": phase_breakdown(df),
         "strong_scaling": scaling(df, "strong"),
         "weak_scaling": scaling(df, "weak"),

@@ -1,11 +1,24 @@
 """Sweeps: YAML specs expanded into points, each measured on its CP group and recorded.
 
-* ``spec``: ``load_spec(path) -> SweepSpec``, ``expand(spec) -> list[Point]`` (pure, validated).
+* ``spec``: ``load_spec(path) -> SweepSpec``, ``iter_points(spec)`` (lazy) / ``expand(spec) -> list[Point]``
+  (pure, validated), ``point_problem(point)``: why a point cannot run.
 * ``measure``: ``measure_point(point, group, device, run)``, shared with ``dsv4cp profile``.
-* ``runner``: ``run_sweep(spec, options)`` under torchrun or on spawned gloo ranks.
+* ``runner``: ``run_sweep(spec, points, options)`` under torchrun or on spawned gloo ranks.
+* ``run_lock``: one writer per run directory; ``identity``: the spec and points ``meta.json`` names.
 * ``meta``: the run's ``meta.json`` fields (git sha, hardware, versions).
 """
 
-from dsv4cp.sweeps.spec import Point, RunOptions, SweepSpec, expand, load_spec, make_point, parse_spec
+from dsv4cp.sweeps.spec import (
+    Point,
+    RunOptions,
+    SweepSpec,
+    expand,
+    iter_points,
+    load_spec,
+    make_point,
+    parse_spec,
+    point_problem,
+)
 
-__all__ = ["Point", "RunOptions", "SweepSpec", "expand", "load_spec", "make_point", "parse_spec"]
+__all__ = ["Point", "RunOptions", "SweepSpec", "expand", "iter_points", "load_spec", "make_point", "parse_spec",
+           "point_problem"]

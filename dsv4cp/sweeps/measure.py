@@ -14,9 +14,10 @@ and nsys steps are eager steps, measured after the graph (and its memory pool) i
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +25,16 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from dsv4cp import kernel_options
 from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.emulate import emulated_rank
-from dsv4cp.cp.layout import split_rows
-from dsv4cp.cp.partition import RowSplit
+from dsv4cp.cp.partition import RowSplit, floor_rows
+from dsv4cp.layer import AttentionOutput
 from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, this_machine
 from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.determinism import deterministic_algorithms, deterministic_backend
 from dsv4cp.ops.sparse_attention import resolve_backend
@@ -41,10 +44,9 @@ from dsv4cp.profiling.memory_snapshot import check_snapshot_device, record_memor
 from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
 from dsv4cp.profiling.timing import benchmark, graph_replay
-from dsv4cp.profiling.trace import capture_trace, load_kineto_dir
+from dsv4cp.profiling.trace import POINT_FILE, capture_trace, load_kineto_dir
 from dsv4cp.sweeps.compiled_step import compile_step
-from dsv4cp.sweeps.spec import Point, RunOptions
-from dsv4cp.workloads import packing_lengths
+from dsv4cp.sweeps.spec import MEASURED, Point, RunOptions, point_inputs  # point_inputs: the spec's own shape checks
 
 _PER_STEP_COLUMNS = ("compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms")
 """Overlap-table columns summed over the traced steps; divided by their number in the record."""
@@ -62,6 +64,36 @@ class Measurement:
     """The per-phase overlap table (per step) when traced, on the group's rank 0."""
     attribution: pd.DataFrame | None = None
     """Per rank, the step's unattributed and idle time (per step) when traced, on the group's rank 0."""
+    kernel_options: dict = field(default_factory=dict)
+    """Every kernel option's value as the point ran (:func:`dsv4cp.kernel_options.resolved`)."""
+    backends: dict = field(default_factory=dict)
+    """What ran per op and direction in the warm-up and timed steps, and the launches' tile configs
+    (:func:`dsv4cp.kernel_options.backends_ran`; on this rank)."""
+
+
+_GRADIENTS_NAMED = 3
+"""Non-finite gradients named in the message; the rest are counted."""
+
+
+class NonFiniteResult(RuntimeError):
+    """A measured step's output, indexer loss or gradients hold NaN or infinity: its timing measured a
+    broken computation. Raised on every rank of the group at once (no rank is left in a collective)."""
+
+
+def nonfinite_parts(result: AttentionOutput, x: torch.Tensor, layer: torch.nn.Module) -> list[str]:
+    """What of one step's results is not finite: ``"output"``, ``"indexer loss"``, ``"gradients of
+    x, wq_a.weight, ..."`` (``x``'s and the parameters' accumulated ``.grad``); empty when all are.
+    One host read after the device-side checks; called after timing, never inside the timed loop."""
+    named = [("output", result.out), ("indexer loss", result.indexer_loss), ("x", x.grad)]
+    named += [(name, prm.grad) for name, prm in layer.named_parameters()]
+    named = [(name, t) for name, t in named if t is not None]
+    finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).tolist()
+    bad = [name for (name, _), ok in zip(named, finite) if not ok]
+    results = [name for name in bad if name in ("output", "indexer loss")]
+    grads = [name for name in bad if name not in results]
+    if len(grads) > _GRADIENTS_NAMED:
+        grads = grads[:_GRADIENTS_NAMED] + [f"{len(grads) - _GRADIENTS_NAMED} more"]
+    return results + ([f"gradients of {', '.join(grads)}"] if grads else [])
 
 
 class _RankClock:
@@ -114,16 +146,6 @@ def check_cuda_graph(point: Point, device: torch.device) -> None:
                          "time CP > 1 eagerly")
 
 
-def point_inputs(point: Point) -> tuple[DSv4Config, list[int]]:
-    """The point's config and document lengths; ``ValueError`` when its shapes cannot run."""
-    cfg = DSv4Config.preset(point.preset, indexer_loss=point.loss)
-    cfg.check_ratio(point.ratio)
-    if point.partition == "equal":
-        split_rows(point.tokens, point.cp, cfg, point.ratio, field="tokens")
-    lengths = packing_lengths(point.packing, point.tokens, cp=point.cp, ratio=point.ratio, seed=point.seed)
-    return cfg, lengths
-
-
 def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Machine | None = None,
                 calibration: Calibration | None = None) -> RowSplit:
     """The ranks' row ranges under the point's ``partition`` policy (the balanced one equalises the
@@ -166,12 +188,14 @@ def measure_point(
     point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
     machine: Machine | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
     on_step: Callable[[str], object] | None = None, memory_phases: bool = False,
-    calibration: Calibration | None = None, memory_snapshot: bool = False,
+    calibration: Calibration | None = None, memory_snapshot: bool = False, split: RowSplit | None = None,
 ) -> Measurement:
     """Measure ``point`` on this rank of ``group`` (``group`` has ``point.cp`` ranks; None: one process).
 
-    ``machine``: the ceilings of the model bound and MFU (default: the measured H200 ones; MFU is
-    left None off GPU, where that ceiling means nothing). ``trace_dir``: write a Kineto trace per
+    ``machine``: the ceilings of the model bound and MFU (default: the machine this process runs on,
+    :func:`~dsv4cp.model.machine.this_machine`; where it has none, no bound: ``bound_ms``,
+    ``measured_over_bound`` and ``bound_machine`` stay None); MFU is left None off GPU, where that
+    ceiling means nothing. ``trace_dir``: write a Kineto trace per
     rank under it and fill the overlap metrics. ``nsys``: also run ``run.nsys_steps`` steps inside
     ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``). ``on_step``: called
     after each warm-up and timed step (a progress bar, :mod:`dsv4cp.profiling.progress`).
@@ -179,20 +203,36 @@ def measure_point(
     ``calibration``: measured-over-bound phase factors the balanced split uses (metric ``calibration``).
     ``memory_snapshot``: one more step recording the CUDA allocator's history, dumped beside the traces
     (``trace_dir/memory_snapshot_rank<r>.pickle``, :mod:`dsv4cp.profiling.memory_snapshot`); CUDA only.
+    ``split``: the ranks' row split to measure instead of the point's policy's (a ``measured`` split,
+    :mod:`dsv4cp.sweeps.measured_split`); checked against the point before any work.
 
     With ``point.cuda_graph`` the step runs ``run.warmup`` times eagerly (at least once), is captured
     once, then ``run.warmup`` untimed and ``run.reps`` timed replays follow (``on_step`` after each);
     gradients accumulate across replays as across eager steps. The graph is released before the
     peak-memory step: memory, memory phases, traces and nsys steps are eager steps.
 
+    The point's ``kernel_options`` are in force throughout (the checked parity run included).
+
     Raises ``ValueError`` for shapes the point cannot run and for a ``cuda_graph`` it cannot replay
-    (before any collective), and whatever the step raises (``torch.OutOfMemoryError``, ...).
+    (before any collective), :class:`NonFiniteResult` on every rank when the peak-memory step's
+    output, indexer loss or gradients are not finite on any rank (checked once, after timing), and
+    whatever the step raises (``torch.OutOfMemoryError``, ...).
     """
-    if point.deterministic and not torch.are_deterministic_algorithms_enabled():
-        with deterministic_algorithms():  # the whole point in the mode: timing, memory, traces, parity
-            return measure_point(point, group, device, run, machine=machine, trace_dir=trace_dir, nsys=nsys,
-                                 check=check, on_step=on_step, memory_phases=memory_phases,
-                                 calibration=calibration, memory_snapshot=memory_snapshot)
+    # the whole point in deterministic mode when it asks for it: timing, memory, traces, parity
+    with kernel_options.overrides(point.kernel_options or {}), deterministic_algorithms(point.deterministic):
+        return _measure(point, group, device, run, machine=machine, trace_dir=trace_dir, nsys=nsys, check=check,
+                        on_step=on_step, memory_phases=memory_phases, calibration=calibration,
+                        memory_snapshot=memory_snapshot, split=split)
+
+
+def _measure(
+    point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions, *,
+    machine: Machine | None, trace_dir: str | Path | None, nsys: bool, check: bool,
+    on_step: Callable[[str], object] | None, memory_phases: bool, calibration: Calibration | None,
+    memory_snapshot: bool, split: RowSplit | None,
+) -> Measurement:
+    """:func:`measure_point` with the point's kernel options in force."""
+    options = kernel_options.resolved()  # every value checked (a bad variable too) before any work
     cp = dist.get_world_size(group) if group is not None else 1
     if cp != point.cp:
         raise ValueError(f"cp: the point needs {point.cp} ranks, the group has {cp}")
@@ -208,11 +248,21 @@ def measure_point(
         check_snapshot_device(device)
         if trace_dir is None:
             raise ValueError("memory_snapshot: the snapshot is written beside the traces: give a trace_dir")
-    machine = machine or Machine()
+    machine = machine if machine is not None else this_machine()
+    if machine is None and point.partition == "balanced":
+        raise ValueError(f"partition: a balanced split equalises modelled times at a machine's ceilings; "
+                         f"{no_machine_reason()}")
     cfg, lengths = point_inputs(point)
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
-    split = point_split(point, cfg, lengths, machine, calibration)
-    bound = estimate(cfg, point.ratio, packed, cp, machine, split=split).summary(point.direction)
+    if split is None:
+        if point.partition == MEASURED:
+            raise ValueError("partition: a measured split comes from measurements (profile --partition measured, or "
+                             "--split-file); measure_point needs it as split=")
+        split = point_split(point, cfg, lengths, machine, calibration)
+    else:
+        split.validate(point.tokens, point.cp, floor_rows(cfg, point.ratio, point.cp, None), field="split")
+    # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
+    bound = estimate(cfg, point.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point_backend(point, cfg, device), device,
                                                     head_dim=cfg.head_dim).name}
     if device.type == "cuda":
@@ -222,6 +272,7 @@ def measure_point(
     step = point_step(point, cfg, packed, split, device, group)
     compiled = compile_step(step, point.compile, device) if point.compile is not None else None
 
+    kernel_options.reset_backends_ran()  # what ran in the warm-up and timed steps, nothing from before
     timed = step
     if point.cuda_graph:
         with torch.cuda.device(device):
@@ -229,30 +280,37 @@ def measure_point(
     clock = _RankClock(timed, device)
     timing = benchmark(clock, warmup=run.warmup, reps=run.reps, group=group, l2_flush=run.l2_flush, device=device,
                        on_step=on_step)
+    backends = kernel_options.backends_ran()
     rank_median = float(np.median(clock.last_ms(run.reps)))
     if point.cuda_graph:
         del clock, timed  # the last references to the graph: its memory pool is released ...
         torch.cuda.empty_cache()  # ... and handed back, so the eager steps below measure their own memory
     with track_memory(device) as tracker:
-        step()
+        result = step()
     sample = tracker.result
     peak = sample.peak_allocated_bytes if device.type == "cuda" else sample.host_peak_rss_bytes
-    per_rank = _gather((rank_median, peak, sample.device_used_bytes), group)
+    per_rank = _gather((rank_median, peak, sample.device_used_bytes, nonfinite_parts(result, step.x, step.layer)),
+                       group)
+    del result
+    _raise_if_nonfinite([r[3] if r is not None else [] for r in per_rank])
 
     seconds = timing.median_ms / 1e3
     tflops = bound.model_tflops_per_gpu(seconds)
     medians = [r[0] for r in per_rank if r is not None]
-    per_rank = [r or (None, None, None) for r in per_rank]  # an emulated rank: its peers unmeasured
+    per_rank = [r or (None, None, None, None) for r in per_rank]  # an emulated rank: its peers unmeasured
     metrics = {
         "time_ms_median": timing.median_ms, "time_ms_p20": timing.p20_ms, "time_ms_p80": timing.p80_ms,
+        "time_ms_samples": timing.times_ms,
         "rank_time_ms_median": [r[0] for r in per_rank],
         "imbalance_max_over_mean": max(medians) / (sum(medians) / len(medians)) if emulated is None else None,
         "tokens_per_s": point.tokens / seconds, "tflops_per_gpu": tflops,
-        "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" else None,
+        "mfu": tflops * 1e12 / machine.peak_flops if device.type == "cuda" and machine is not None else None,
         "split": list(split.bounds),
-        "calibration": calibration.label if calibration is not None and point.partition == "balanced" else None,
-        "model_flops": bound.model_flops, "bound_ms": bound.bound_overlap_s * 1e3,
-        "measured_over_bound": seconds / bound.bound_overlap_s if bound.bound_overlap_s > 0 else None,
+        "calibration": calibration.label if calibration is not None and point.partition != "equal" else None,
+        "model_flops": bound.model_flops, "bound_machine": None if machine is None else machine.name,
+        "bound_ms": None if machine is None else bound.bound_overlap_s * 1e3,
+        "measured_over_bound": seconds / bound.bound_overlap_s if machine is not None and bound.bound_overlap_s > 0
+        else None,
         "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],
         "compile_s": compiled.seconds if compiled else None,
         "graph_breaks": compiled.graph_breaks if compiled else None,
@@ -286,6 +344,8 @@ def measure_point(
             kernels, ranges = load_kineto_dir(trace_dir)  # parsed once for the three tables
             overlap = _per_step(overlap_table(kernels, ranges), run.trace_steps)
             overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
+            # the point its phase times belong to: a calibration from this trace checks it (model --calibrate)
+            (Path(trace_dir) / POINT_FILE).write_text(json.dumps(point.axes()) + "\n")
             attribution = attribution_table(kernels, ranges, step_range=full_name("step"))
             attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
             kernel_table(kernels, ranges).to_csv(Path(trace_dir) / "kernels.csv", index=False)
@@ -302,7 +362,15 @@ def measure_point(
                          config_overrides={"indexer_loss": point.loss}, split=split.bounds)
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
-    return Measurement(metrics, resolved, overlap, attribution)
+    return Measurement(metrics, resolved, overlap, attribution, kernel_options=options, backends=backends)
+
+
+def _raise_if_nonfinite(per_rank: list[list[str]]) -> None:
+    """:class:`NonFiniteResult` naming the first rank's non-finite parts (and which ranks had any)."""
+    ranks = [rank for rank, parts in enumerate(per_rank) if parts]
+    if ranks:
+        where = f"rank {ranks[0]}" + (f" (and ranks {', '.join(map(str, ranks[1:]))})" if ranks[1:] else "")
+        raise NonFiniteResult(f"non-finite {', '.join(per_rank[ranks[0]])} on {where}")
 
 
 def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:

@@ -1,9 +1,10 @@
 """Run a sweep: every rank walks the same points in the same order; rank 0 records each one.
 
 Under torchrun the launcher's ranks are used; otherwise :func:`run_sweep` spawns ``nproc`` gloo
-ranks itself (:func:`dsv4cp.cp.launch.spawn`). A point of ``cp`` ranks runs on the first ``cp``
-ranks (a sub-group, created by all ranks in the same order and cached); the other ranks skip it. A
-point needing more ranks than there are is recorded ``skipped: needs cp=N``.
+ranks itself (:func:`dsv4cp.cp.launch.spawn`: they die with it, and a rank whose spawner is gone
+writes nothing). A point of ``cp`` ranks runs on the first ``cp`` ranks (a sub-group, created by all
+ranks in the same order and cached); the other ranks skip it. A point needing more ranks than there
+are is recorded ``skipped: needs cp=N``.
 
 After each point all ranks exchange their status over a separate gloo control group, so every
 rank agrees whether it failed and none is left waiting in a collective its peers abandoned; the
@@ -14,14 +15,21 @@ communicator that saw a failure may be unusable). Rank 0 appends one record per 
 recorded are skipped (and so are recorded errors, unless ``retry_errors``). A point that was being
 measured when the run died is measured again on resume; if the run died there twice, it is recorded
 as an error instead (see :data:`MAX_ATTEMPTS`).
+
+A run directory has one writer: :func:`run_sweep` holds its lock
+(:class:`dsv4cp.sweeps.run_lock.RunDirLock`) from its checks to its last record, and a second sweep
+into it is refused. ``meta.json`` names the spec and points of the run
+(:mod:`dsv4cp.sweeps.identity`); ``resume`` with another spec is refused, naming what differs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +37,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
+from dsv4cp import kernel_options
+from dsv4cp.cp.launch import init_from_env, parent_alive, spawn, under_torchrun
 from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
+from dsv4cp.model.machine import this_machine
 from dsv4cp.profiling.memory import is_out_of_memory
 from dsv4cp.records import (
+    META_FILE,
     RECORDS_FILE,
     STATUS_OK,
     STATUS_OOM,
@@ -44,9 +55,12 @@ from dsv4cp.records import (
     read_records,
     write_meta,
 )
-from dsv4cp.sweeps.measure import measure_point
+from dsv4cp.sweeps.identity import check_resume, identity_fields
+from dsv4cp.sweeps.measure import NonFiniteResult
+from dsv4cp.sweeps.measured_split import measure_under_partition
 from dsv4cp.sweeps.meta import run_meta
-from dsv4cp.sweeps.spec import Point, SweepSpec, expand
+from dsv4cp.sweeps.run_lock import RunDirLock
+from dsv4cp.sweeps.spec import Point, SweepSpec, point_problem
 
 INFLIGHT_FILE = "inflight.json"
 """RUN_DIR file naming the point being measured (and how many runs died measuring it)."""
@@ -80,7 +94,8 @@ class SweepOptions:
     point_timeout_s: float = 600.0
     dist_backend: str = "gloo"
     progress: bool = False
-    machine: Machine = field(default_factory=Machine)
+    machine: Machine | None = field(default_factory=this_machine)
+    """The bounds' ceilings (``--machine``); None: no bound (a GPU without a preset)."""
     calibration: Calibration | None = None
     """Phase factors the ``balanced`` points' split uses (``--calibration``); None: the model's bounds."""
 
@@ -92,18 +107,35 @@ class SweepSummary:
     recorded: int
     ok: int
     failed: int
+    """Recorded by this run as ``error: ...`` or ``oom``."""
     skipped: int
     resumed: int
     parity_failed: int
+    resumed_failed: int
+    """Already recorded as ``error: ...`` or ``oom`` by the run resumed (and not retried)."""
+
+    @property
+    def any_failed(self) -> bool:
+        """Whether a point of the run ended in an error or out of memory."""
+        return self.failed + self.resumed_failed > 0
 
 
-def recorded_ids(out: Path, retry_errors: bool) -> set[str]:
-    """Point ids already in ``out``'s records that a resumed run skips."""
-    done = set()
-    for record in read_records(out / RECORDS_FILE):
+def _is_failure(status: str) -> bool:
+    return status == STATUS_OOM or status.startswith("error")
+
+
+def recorded_statuses(out: Path, retry_errors: bool) -> dict[str, str]:
+    """Point id -> recorded status of the points in ``out``'s records that a resumed run skips."""
+    done, problems = {}, []
+    for record in read_records(out / RECORDS_FILE, problems):
         if retry_errors and record["status"].startswith("error"):
             continue
-        done.add(record["point_id"])
+        done[record["point_id"]] = record["status"]
+    for problem in problems:  # an invalid line records nothing: its point is measured again
+        print(f"--resume: skipped {problem}", file=sys.stderr)
+    if problems:
+        print(f"--resume: {len(problems)} invalid record line(s) skipped; their points are measured again",
+              file=sys.stderr)
     return done
 
 
@@ -115,26 +147,53 @@ def check_out_dir(out: Path, resume: bool) -> None:
                          f"or choose another directory")
 
 
-def run_sweep(spec: SweepSpec, options: SweepOptions, nproc: int | None = None) -> SweepSummary:
-    """Run ``spec`` on torchrun's ranks, or on ``nproc`` spawned gloo ranks (default: the largest cp of
-    the points still to measure; none are started when every point is already recorded)."""
-    check_out_dir(options.out, options.resume)
-    if under_torchrun():
-        device = init_from_env(options.dist_backend)
-        try:
-            return sweep_rank(dist.get_rank(), dist.get_world_size(), device, spec, options)
-        finally:
-            dist.destroy_process_group()
-    points = expand(spec)
-    done = recorded_ids(options.out, options.retry_errors) if options.resume else set()
-    pending = [point for point in points if point.point_id not in done]
-    if not pending:  # nothing left to measure: no ranks to start
-        return SweepSummary(recorded=0, ok=0, failed=0, skipped=0, resumed=len(points), parity_failed=0)
-    world = nproc or max(point.cp for point in pending)
-    if world == 1:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return sweep_rank(0, 1, device, spec, options)
-    return spawn(sweep_rank, world, spec, options, backend=options.dist_backend)[0]
+def cannot_run_message(point: Point, problem: str, invalid: int, total: int) -> str:
+    """The refusal of a spec with ``invalid`` of its ``total`` points unable to run, naming the first."""
+    return (f"point {point.point_id} ({point.label()}) cannot run: {problem}; {invalid} of {total} points cannot "
+            "(--dry-run marks them): exclude them or change the spec")
+
+
+def check_points_can_run(points: Sequence[Point]) -> None:
+    """``ValueError`` naming the first point whose shapes cannot run (:func:`point_problem`), before any launch."""
+    problems = [(point, problem) for point in points if (problem := point_problem(point)) is not None]
+    if problems:
+        raise ValueError(cannot_run_message(*problems[0], len(problems), len(points)))
+
+
+def run_sweep(spec: SweepSpec, points: Sequence[Point], options: SweepOptions,
+              nproc: int | None = None) -> SweepSummary:
+    """Run ``spec`` (expanded once by the caller into ``points``, each checked with
+    :func:`check_points_can_run`) on torchrun's ranks, or on ``nproc`` spawned gloo ranks (default: the
+    largest cp of the points still to measure; none are started when every point is already recorded).
+
+    Rank 0 (the only one outside torchrun) holds the run directory's lock throughout; before anything
+    is measured it refuses a directory another sweep holds, records without ``resume``, and with
+    ``resume`` a run of another spec (:func:`dsv4cp.sweeps.identity.check_resume`)."""
+    rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
+    with RunDirLock(options.out) if rank == 0 else contextlib.nullcontext() as lock:
+        if lock is not None and lock.taken_over is not None:
+            print(f"sweep: {options.out}: taking over the lock of a run that died ({lock.taken_over.describe()})",
+                  file=sys.stderr)
+        check_out_dir(options.out, options.resume)
+        if options.resume:
+            check_resume(options.out, dict(spec.source), [point.point_id for point in points])
+        if under_torchrun():
+            device = init_from_env(options.dist_backend)
+            try:
+                return sweep_rank(dist.get_rank(), dist.get_world_size(), device, spec, points, options)
+            finally:
+                dist.destroy_process_group()
+        done = recorded_statuses(options.out, options.retry_errors) if options.resume else {}
+        pending = [point for point in points if point.point_id not in done]
+        if not pending:  # nothing left to measure: no ranks to start
+            failed_before = sum(_is_failure(done[point.point_id]) for point in points)
+            return SweepSummary(recorded=0, ok=0, failed=0, skipped=0, resumed=len(points), parity_failed=0,
+                                resumed_failed=failed_before)
+        world = nproc or max(point.cp for point in pending)
+        if world == 1:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return sweep_rank(0, 1, device, spec, points, options)
+        return spawn(sweep_rank, world, spec, points, options, backend=options.dist_backend)[0]
 
 
 def _mark_inflight(out: Path, point_id: str) -> None:
@@ -179,47 +238,60 @@ class _Groups:
         self.cache.clear()
 
 
-def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, options: SweepOptions) -> SweepSummary:
-    """One rank's part of the sweep (all ranks call it; only rank 0 writes)."""
-    points = expand(spec)
+def _check_parent() -> None:
+    """Stop a spawned rank whose spawner died before it writes anything: its records would land in a
+    run directory another sweep may now hold (the kernel kills such a rank too, a moment later)."""
+    if not parent_alive():
+        raise RuntimeError("the process that spawned this rank is gone: stopping without writing")
+
+
+def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, points: Sequence[Point],
+               options: SweepOptions) -> SweepSummary:
+    """One rank's part of the sweep of ``points`` (all ranks call it with the same ones; only rank 0 writes)."""
     distributed = world > 1
     timeout = datetime.timedelta(seconds=options.point_timeout_s)
     control = dist.new_group(backend="gloo", timeout=timeout * CONTROL_TIMEOUT_FACTOR) if distributed else None
     groups = _Groups(world, options.dist_backend, timeout)
-    done: set[str] = set()
+    done: dict[str, str] = {}
     crashed: str | None = None
     if rank == 0:
+        _check_parent()
         options.out.mkdir(parents=True, exist_ok=True)
         if options.resume:
             drop_partial_line(options.out / RECORDS_FILE)
-            done = recorded_ids(options.out, options.retry_errors)
-        if not (options.resume and (options.out / "meta.json").exists()):
-            write_meta(options.out, run_meta(world, device, dict(spec.source)))
-        crashed = _crashed_point(options.out, done) if options.resume else None
+            done = recorded_statuses(options.out, options.retry_errors)
+        if not (options.resume and (options.out / META_FILE).exists()):
+            identity = identity_fields(dict(spec.source), [point.point_id for point in points])
+            write_meta(options.out, {**run_meta(world, device, dict(spec.source)), **identity})
+        crashed = _crashed_point(options.out, set(done)) if options.resume else None
     if distributed:
         shared = [done, crashed]
         dist.broadcast_object_list(shared, src=0, group=control)
         done, crashed = shared
     machine, sha = machine_label(device, world), git_sha() if rank == 0 else None
-    counts = dict(recorded=0, ok=0, failed=0, skipped=0, resumed=0, parity_failed=0)
+    counts = dict(recorded=0, ok=0, failed=0, skipped=0, resumed=0, parity_failed=0, resumed_failed=0)
     bar = tqdm(total=len(points), disable=not (options.progress and rank == 0), unit="point", file=sys.stderr)
     for index, point in enumerate(points):
         bar.set_postfix_str(point.label())
         if point.point_id in done:
             counts["resumed"] += 1
+            counts["resumed_failed"] += _is_failure(done[point.point_id])
             bar.update()
             continue
         if point.cp > world:
-            status, error, metrics, resolved = f"skipped: needs cp={point.cp}", None, {}, None
+            status, error, metrics, columns = f"skipped: needs cp={point.cp}", None, {}, {}
         elif point.point_id == crashed:
-            status, error, metrics, resolved = CRASHED_STATUS, None, {}, None
+            status, error, metrics, columns = CRASHED_STATUS, None, {}, {}
         else:
             if rank == 0:
+                _check_parent()
                 _mark_inflight(options.out, point.point_id)
-            status, error, metrics, resolved = _run_point(point, rank, device, groups, control, spec, options)
+            status, error, metrics, columns = _run_point(point, rank, device, groups, control, spec, options)
         if rank == 0:
+            columns.setdefault("kernel_options", _options_of(point))  # a point not measured: what it would run
             record = make_record(point.axes(), metrics, sweep=spec.name, status=status, machine=machine,
-                                 git_sha=sha, resolved_backends=resolved, error=error)
+                                 git_sha=sha, error=error, **columns)
+            _check_parent()
             append_record(options.out / RECORDS_FILE, record)
             (options.out / INFLIGHT_FILE).unlink(missing_ok=True)
             counts["recorded"] += 1
@@ -233,22 +305,34 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, opt
     return SweepSummary(**counts)
 
 
+def _options_of(point: Point) -> dict[str, str]:
+    """Every kernel option's value with ``point``'s own in force (:func:`dsv4cp.kernel_options.resolved`)."""
+    with kernel_options.overrides(point.kernel_options or {}):
+        return kernel_options.resolved()
+
+
 def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, control, spec: SweepSpec,
-               options: SweepOptions) -> tuple[str, str | None, dict, dict | None]:
-    """Measure ``point`` on the first ``point.cp`` ranks; every rank returns the agreed outcome."""
+               options: SweepOptions) -> tuple[str, str | None, dict, dict]:
+    """Measure ``point`` on the first ``point.cp`` ranks; every rank returns the agreed outcome: status,
+    error, metrics and the record's other measured columns (:func:`dsv4cp.records.make_record` keywords)."""
     group = groups.get(point.cp)
     outcome: tuple[str, str | None] = (STATUS_OK, None)
     metrics: dict = {}
-    resolved = None
+    columns: dict = {}
     if rank < point.cp:
         trace_dir = options.out / "traces" / point.point_id if options.profile else None
         try:
-            measurement = measure_point(point, group, device, spec.run, machine=options.machine,
-                                        trace_dir=trace_dir, nsys=options.nsys, check=options.check,
-                                        calibration=options.calibration, memory_snapshot=options.memory_snapshot)
-            metrics, resolved = measurement.metrics, measurement.resolved_backends
+            measurement = measure_under_partition(point, group, device, spec.run, machine=options.machine,
+                                                  trace_dir=trace_dir, nsys=options.nsys, check=options.check,
+                                                  calibration=options.calibration,
+                                                  memory_snapshot=options.memory_snapshot)
+            metrics = measurement.metrics
+            columns = {"resolved_backends": measurement.resolved_backends,
+                       "kernel_options": measurement.kernel_options, "backends": measurement.backends}
         except Exception as err:  # recorded, and the sweep goes on: one bad point must not end a run
             status = STATUS_OOM if is_out_of_memory(err) else f"error: {type(err).__name__}: {_first_line(err)}"
+            if isinstance(err, NonFiniteResult):  # "error: non-finite output, ... on rank r"
+                status = f"error: {_first_line(err)}"
             outcome = (status, f"rank {rank}: {_first_line(err)}")
         if device.type == "cuda" and outcome[0] != STATUS_OK:
             torch.cuda.empty_cache()
@@ -258,9 +342,9 @@ def _run_point(point: Point, rank: int, device: torch.device, groups: _Groups, c
         dist.all_gather_object(outcomes, outcome, group=control)
     failed = [o for o in outcomes[: point.cp] if o[0] != STATUS_OK]
     if not failed:
-        return STATUS_OK, None, metrics, resolved
+        return STATUS_OK, None, metrics, columns
     groups.renew()
-    return _root_cause(failed)[0], "; ".join(o[1] for o in failed), {}, None
+    return _root_cause(failed)[0], "; ".join(o[1] for o in failed), {}, {}
 
 
 def _root_cause(failed: list[tuple[str, str]]) -> tuple[str, str]:
@@ -284,7 +368,6 @@ def _line(index: int, total: int, point: Point, record: dict) -> str:
     return f"[{index + 1}/{total}] {point.point_id} {point.label()}: {status}"
 
 
-def default_nproc(spec: SweepSpec) -> int:
-    """Ranks to spawn without torchrun for a new run: the largest cp of the spec."""
-    return max(point.cp for point in expand(spec))
-
+def default_nproc(points: Sequence[Point]) -> int:
+    """Ranks to spawn without torchrun for a new run: the largest cp of its points."""
+    return max(point.cp for point in points)

@@ -15,35 +15,65 @@ A spec names the axes of :data:`dsv4cp.records.AXES`:
     zip: [[tokens, packing]]           # optional: these axes vary together (equal-length lists)
     exclude:                           # optional: drop points matching every key of a rule
       - {cp: 1, packing: adversarial}
+    targets:                           # optional: what the run must reach (dsv4cp.targets), judged by the report
+      - {metric: scaling_efficiency, pair: {cp: [2, 1]}, comparison: ">=", value: 0.5}
+
+``kernel_options`` (in ``base``, or an axis whose values are mappings) sets kernel options
+(:mod:`dsv4cp.kernel_options`, e.g. ``{topk_impl: stream}``) in force while the point is measured.
 
 Every name and value is checked when the spec is loaded, before anything is launched: an unknown
-axis or value raises ``ValueError`` naming it and what is allowed. Whether a point's shapes work
-(tokens divisible by cp, enough rows per rank for the halo), or whether it can be timed as CUDA-graph
-replays (``cuda_graph: [false, true]``: a CUDA device, CP = 1), is only known when it runs; such a
-point is recorded with an ``error`` status and the sweep goes on.
+key, axis or value (or a key given twice) raises ``ValueError`` naming it and what is allowed.
+Whether each point's shapes work (tokens divisible by cp, enough rows per rank for the halo, a ratio
+the preset can build, documents that fit the tokens, a named kernel backend that runs the preset's head
+dim) is checked as it is expanded:
+:func:`point_problem` says why a point cannot run, ``--dry-run`` marks such points and a sweep refuses
+to start while any is left (exclude them). Expansion is lazy (:func:`iter_points`, one point at a
+time), so listing a spec of a million points holds one point in memory. Whether a point can be timed
+as CUDA-graph replays (``cuda_graph: [false, true]``: a CUDA device, CP = 1) depends on the device it
+runs on; such a point is recorded with an ``error`` status and the sweep goes on.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
-from collections.abc import Mapping
+import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dsv4cp import kernel_options as kernel_option_registry
 from dsv4cp.config import DTYPES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config
 from dsv4cp.cp.comm import OVERLAP_MODES
+from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import POLICIES
-from dsv4cp.ops.sparse_attention import check_backend_name
+from dsv4cp.ops.sparse_attention import check_backend_name, check_head_dim
 from dsv4cp.profiling.compilation import COMPILE_BACKENDS
 from dsv4cp.records import AXES, point_id
-from dsv4cp.workloads import parse_packing
+from dsv4cp.sweeps.strict_yaml import DuplicateKeyError, load_strict
+from dsv4cp.targets import Target, parse_targets
+from dsv4cp.workloads import packing_lengths, parse_packing
 
 PASSES = ("fwd", "fwd+bwd")
-PARTITIONS = POLICIES
-SPEC_KEYS = ("name", "description", "run", "base", "axes", "zip", "exclude")
+MEASURED = "measured"
+"""The split refined from measured rank times (:mod:`dsv4cp.sweeps.measured_split`): needs measurements, so it
+is a point's partition but no policy of the model's partitioner."""
+PARTITIONS = (*POLICIES, MEASURED)
+SPEC_KEYS: dict[str, str] = {
+    "name": "the run's name: its folder under runs/ (no '/', '\\\\' or '..'; default: the file's stem)",
+    "description": "free text",
+    "run": "timing options shared by every point (warmup, reps, l2_flush, trace_steps, nsys_steps)",
+    "base": "fixed axis values",
+    "axes": "varied axes: their Cartesian product, in the order written",
+    "zip": "groups of varied axes that vary together (lists of equal length)",
+    "exclude": "rules: a point matching every key of one is dropped",
+    "targets": "what the run must reach (dsv4cp.targets: metric, points, comparison, value), judged by the report",
+}
+"""The top-level keys a spec may hold (a new key: an entry here, then its parsing in :func:`parse_spec`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,11 +120,14 @@ class Point:
     dtype: str = "fp32"
     seed: int = 0
     partition: str = "equal"
-    emulated_rank: int | None = None
-    """The one rank a single process measures alone (``dsv4cp profile --emulate-rank``); None: real ranks."""
+    emulated_rank: int | str | None = None
+    """The one rank a single process measures alone (``dsv4cp profile --emulate-rank``), :data:`ALL_RANKS`
+    for the summary of every rank emulated in turn; None: real ranks."""
     cuda_graph: bool = False
     """Time the step as replays of one captured CUDA graph (no host overhead; CUDA, CP = 1 only:
     :func:`dsv4cp.sweeps.measure.check_cuda_graph`); peak memory and traces stay eager steps."""
+    kernel_options: Mapping[str, str] | None = None
+    """Kernel options in force while the point is measured (``{name: text}``, sorted; None: none)."""
     deterministic: bool = False
     """Run under ``torch.use_deterministic_algorithms(True)``; "auto" then picks deterministic backends only."""
     compile: str | None = None
@@ -105,10 +138,11 @@ class Point:
         return self.direction == "fwd+bwd"
 
     def axes(self) -> dict[str, Any]:
-        """The point as record axes (``direction`` under its axis name ``pass``)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values["pass"] = values.pop("direction")
-        return {name: values[name] for name in AXES}
+        """The point as record axes (``direction`` under its axis name ``pass``; ``kernel_options`` as the
+        options that differ from their defaults once the point's own are set, the environment included)."""
+        values = {axis: getattr(self, attribute) for axis, attribute in _AXIS_ATTRIBUTES}
+        values["kernel_options"] = kernel_option_registry.configuration(self.kernel_options)
+        return values
 
     @property
     def point_id(self) -> str:
@@ -122,7 +156,17 @@ class Point:
                 f"{'' if self.partition == 'equal' else ' ' + self.partition}"
                 f"{'' if self.emulated_rank is None else f' emulated rank {self.emulated_rank}'}"
                 f"{' cuda-graph' if self.cuda_graph else ''}{' deterministic' if self.deterministic else ''}"
-                f"{'' if self.compile is None else ' compile ' + self.compile}")
+                f"{'' if self.compile is None else ' compile ' + self.compile}"
+                f"{''.join(f' {k}={v}' for k, v in (self.kernel_options or {}).items())}")
+
+
+_AXIS_ATTRIBUTES: tuple[tuple[str, str], ...] = tuple((axis, "direction" if axis == "pass" else axis) for axis in AXES)
+"""(record axis, :class:`Point` attribute) pairs, in :data:`AXES` order."""
+assert {attribute for _, attribute in _AXIS_ATTRIBUTES} == {f.name for f in fields(Point)}, "a Point field per axis"
+
+
+ALL_RANKS = "all"
+"""``emulated_rank`` of the summary record of every rank emulated in turn (:mod:`dsv4cp.sweeps.emulation`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +180,8 @@ class SweepSpec:
     axes: Mapping[str, tuple] = field(default_factory=dict)
     zip: tuple[tuple[str, ...], ...] = ()
     exclude: tuple[Mapping[str, Any], ...] = ()
+    targets: tuple[Target, ...] = ()
+    """What the run must reach (:mod:`dsv4cp.targets`); ``dsv4cp report`` judges them."""
     source: dict = field(default_factory=dict, compare=False)
     """The spec as loaded (recorded in meta.json)."""
 
@@ -182,6 +228,17 @@ def _compile_backend(where: str, value: Any) -> None:
         raise ValueError(f"{where}: must be null (eager) or one of {list(COMPILE_BACKENDS)}, got {value!r}")
 
 
+def _kernel_options(where: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: must be a mapping of kernel option -> value, got {value!r}")
+    try:
+        kernel_option_registry.check_values(value)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
 def _kernel_backend(where: str, value: Any) -> None:
     try:
         check_backend_name(value)
@@ -206,6 +263,7 @@ _CHECKS = {
     "partition": _choice(PARTITIONS),
     "emulated_rank": _real_ranks_only,
     "cuda_graph": _boolean,  # whether the point's device can replay a graph is known when it runs
+    "kernel_options": _kernel_options,
     "deterministic": _boolean,
     "compile": _compile_backend,
 }
@@ -222,27 +280,31 @@ def check_axis_value(axis: str, value: Any, where: str | None = None) -> None:
 
 # ------------------------------------------------------------------------------------- loading
 def load_spec(path: str | Path) -> SweepSpec:
-    """Read and validate a YAML spec file."""
+    """Read and validate a YAML spec file (a key given twice in one mapping is an error)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"spec: {path} is not a file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_strict(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"spec: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except DuplicateKeyError as err:
+        raise ValueError(f"spec: {path}: {err}") from None
     except yaml.YAMLError as err:
         raise ValueError(f"spec: {path} is not valid YAML ({err})") from None
     return parse_spec(data, default_name=path.stem)
 
 
 def parse_spec(data: Any, default_name: str | None = None) -> SweepSpec:
-    """Validate a spec given as a dict (the YAML's content) and freeze it."""
+    """Validate a spec given as a dict (the YAML's content) and freeze it; its points are checked as
+    they are expanded (:func:`iter_points`, :func:`point_problem`)."""
     if not isinstance(data, dict):
         raise ValueError(f"spec: must be a mapping of {list(SPEC_KEYS)}, got {type(data).__name__}")
     unknown = [key for key in data if key not in SPEC_KEYS]
     if unknown:
         raise ValueError(f"spec: unknown key {unknown[0]!r}; allowed: {list(SPEC_KEYS)}")
     name = data.get("name", default_name)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name: must be a non-empty string, got {name!r}")
+    check_run_name(name)
     run = data.get("run") or {}
     if not isinstance(run, dict):
         raise ValueError(f"run: must be a mapping of options, got {run!r}")
@@ -263,6 +325,10 @@ def parse_spec(data: Any, default_name: str | None = None) -> SweepSpec:
         for i, value in enumerate(values):
             check_axis_value(axis, value, f"axes.{axis}[{i}]")
         frozen_axes[axis] = tuple(values)
+    given = {axis for axis in ("tokens", "tokens_per_rank") if axis in base or axis in frozen_axes}
+    if len(given) != 1:  # every point takes its tokens from the same place: checked once, here
+        raise ValueError(f"tokens: give exactly one of tokens and tokens_per_rank (in base or axes), got "
+                         f"{sorted(given) or 'neither'}")
     zipped = _zip_groups(data.get("zip") or [], frozen_axes)
     exclude = []
     for i, rule in enumerate(data.get("exclude") or []):
@@ -275,10 +341,18 @@ def parse_spec(data: Any, default_name: str | None = None) -> SweepSpec:
     description = data.get("description", "")
     if not isinstance(description, str):
         raise ValueError(f"description: must be a string, got {description!r}")
-    spec = SweepSpec(name=name, description=description, run=RunOptions(**run), base=dict(base), axes=frozen_axes,
-                     zip=zipped, exclude=tuple(exclude), source=data)
-    expand(spec)  # every point's combination (tokens, ratio vs preset) is checked now, before any launch
-    return spec
+    targets = parse_targets(data.get("targets"), check_axis_value)
+    return SweepSpec(name=name, description=description, run=RunOptions(**run), base=dict(base), axes=frozen_axes,
+                     zip=zipped, exclude=tuple(exclude), targets=targets, source=data)
+
+
+def check_run_name(name: Any) -> None:
+    """``ValueError`` naming ``name`` unless it names one folder inside the runs directory."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: must be a non-empty string, got {name!r}")
+    if name in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
+        raise ValueError(f"name: must name one folder inside runs/ (no '/', '\\', '..' or absolute path), "
+                         f"got {name!r}")
 
 
 def _axis_mapping(where: str, value: Any) -> dict:
@@ -312,13 +386,39 @@ def _zip_groups(groups: Any, axes: dict[str, tuple]) -> tuple[tuple[str, ...], .
 
 
 # ------------------------------------------------------------------------------------- expansion
-def expand(spec: SweepSpec) -> list[Point]:
-    """The spec's points, in order: the product of the axes (zip groups as one factor, placed at
-    their first axis), minus excluded points and duplicates. Pure: no device, no launch.
+def iter_points(spec: SweepSpec) -> Iterator[Point]:
+    """The spec's points, in order, one at a time: the product of the axes (zip groups as one factor,
+    placed at their first axis), minus excluded points and duplicates. Pure: no device, no launch;
+    nothing but the current point is held, so a spec of any size can be listed or counted.
 
-    Raises ``ValueError`` when a point gives both or neither of ``tokens`` and ``tokens_per_rank``,
-    when a preset cannot build a ratio, or when nothing is left.
+    Points that cannot run are yielded too (:func:`point_problem` says why). Raises ``ValueError``
+    when nothing is left after the exclude rules.
     """
+    empty = True
+    base = dict(spec.base)
+    for combo in itertools.product(*_factors(spec)):
+        values = base.copy()
+        for part in combo:
+            values.update(part)
+        if spec.exclude and _excluded(values, spec.exclude):  # before building: a rule may drop what it rejects
+            continue
+        point = _build_point(values)
+        if spec.exclude and _excluded(point.axes(), spec.exclude):  # rules naming a default or a derived axis
+            continue
+        empty = False
+        yield point
+    if empty:
+        raise ValueError(f"spec {spec.name!r}: no point left after the exclude rules")
+
+
+def expand(spec: SweepSpec) -> list[Point]:
+    """Every point of :func:`iter_points`, as a list (for a run, which measures them all anyway)."""
+    return list(iter_points(spec))
+
+
+def _factors(spec: SweepSpec) -> list[list[dict]]:
+    """One factor per axis or zip group: its value combinations, each once (a repeated value would
+    name the same points again; only the first is kept, so the product holds no duplicate point)."""
     factors: list[list[dict]] = []
     placed: set[str] = set()
     for axis in spec.axes:
@@ -326,24 +426,29 @@ def expand(spec: SweepSpec) -> list[Point]:
             continue
         group = next((g for g in spec.zip if axis in g), (axis,))
         placed.update(group)
-        factors.append([dict(zip(group, combo)) for combo in zip(*(spec.axes[a] for a in group))])
-    points: list[Point] = []
-    seen: set[str] = set()
-    for combo in itertools.product(*factors):
-        values = dict(spec.base)
-        for part in combo:
-            values.update(part)
-        if _excluded(values, spec.exclude):  # before make_point: a rule may drop a combination it rejects
-            continue
-        point = make_point(values)
-        if _excluded(point.axes(), spec.exclude):  # rules naming a default or a derived axis (tokens_per_rank)
-            continue
-        if point.point_id not in seen:
-            seen.add(point.point_id)
-            points.append(point)
-    if not points:
-        raise ValueError(f"spec {spec.name!r}: no point left after the exclude rules")
-    return points
+        entries, seen = [], set()
+        for combo in zip(*(spec.axes[a] for a in group)):
+            key = json.dumps(combo)  # by JSON, as point ids are: true and 1 stay apart
+            if key not in seen:
+                seen.add(key)
+                entries.append(dict(zip(group, combo)))
+        factors.append(entries)
+    return factors
+
+
+def with_kernel_options(spec: SweepSpec, values: Mapping[str, str]) -> SweepSpec:
+    """``spec`` with the kernel options ``values`` under every point's own (``dsv4cp sweep
+    --kernel-option``): merged into ``base.kernel_options`` and into each mapping of a
+    ``kernel_options`` axis, where a point's own value of an option wins. The points' ids follow."""
+    if not values:
+        return spec
+    base = dict(spec.base)
+    axes = dict(spec.axes)
+    if "kernel_options" in axes:
+        axes["kernel_options"] = tuple({**values, **(v or {})} for v in axes["kernel_options"])
+    else:
+        base["kernel_options"] = {**values, **(base.get("kernel_options") or {})}
+    return dataclasses.replace(spec, base=base, axes=axes)
 
 
 def _excluded(values: Mapping[str, Any], rules: tuple[Mapping[str, Any], ...]) -> bool:
@@ -352,24 +457,78 @@ def _excluded(values: Mapping[str, Any], rules: tuple[Mapping[str, Any], ...]) -
 
 
 def make_point(values: Mapping[str, Any]) -> Point:
-    """A :class:`Point` from axis values (record names); checks values and their combination."""
+    """A :class:`Point` from axis values (record names); checks the values and that the preset can
+    build the ratio (the other shape checks: :func:`point_problem`, or :func:`point_inputs` when run)."""
     for axis, value in values.items():
         check_axis_value(axis, value)
-    values = dict(values)
-    cp = values.get("cp", 1)
     tokens, per_rank = values.get("tokens"), values.get("tokens_per_rank")
     if (tokens is None) == (per_rank is None):
         raise ValueError(f"tokens: give exactly one of tokens and tokens_per_rank per point, got tokens={tokens!r}, "
                          f"tokens_per_rank={per_rank!r}")
+    point = _build_point(dict(values))
+    _check_ratio(point)
+    return point
+
+
+def _build_point(values: dict[str, Any]) -> Point:
+    """A :class:`Point` from checked axis values holding exactly one of tokens and tokens_per_rank
+    (``values`` is the caller's to give away: it is completed in place)."""
+    cp = values.get("cp", 1)
+    tokens = values.get("tokens")
     if tokens is None:
-        tokens = per_rank * cp
+        tokens = values["tokens_per_rank"] * cp
     values["tokens"] = tokens
     values["tokens_per_rank"] = tokens // cp if tokens % cp == 0 else None
-    preset = values.get("preset", "tiny")
-    ratio = values.get("ratio", 4)
-    try:
-        DSv4Config.preset(preset).check_ratio(ratio)
-    except ValueError as err:
-        raise ValueError(f"ratio: {ratio} with preset {preset!r}: {err}") from None
+    if values.get("partition") == MEASURED and cp < 2:
+        raise ValueError(f"partition: a measured split needs cp >= 2 ranks to measure, got cp {cp}")
     values["direction"] = values.pop("pass", "fwd+bwd")
+    values["kernel_options"] = kernel_option_registry.canonical(values.get("kernel_options") or {}) or None
     return Point(**values)
+
+
+# ------------------------------------------------------------------------------------- validity
+@functools.lru_cache(maxsize=64)
+def _config(preset: str, loss: str) -> DSv4Config:
+    return DSv4Config.preset(preset, indexer_loss=loss)
+
+
+def _check_ratio(point: Point) -> DSv4Config:
+    """The point's config; ``ValueError`` naming the ratio when the preset cannot build it."""
+    cfg = _config(point.preset, point.loss)
+    try:
+        cfg.check_ratio(point.ratio)
+    except ValueError as err:
+        raise ValueError(f"ratio: {point.ratio} with preset {point.preset!r}: {err}") from None
+    return cfg
+
+
+def point_inputs(point: Point) -> tuple[DSv4Config, list[int]]:
+    """The point's config and document lengths; ``ValueError`` when its shapes cannot run (a ratio
+    the preset cannot build, tokens not divisible by cp or fewer rows per rank than the halo under the
+    equal split, documents that do not fit the tokens, a kernel backend named for other head dims)."""
+    cfg = _check_ratio(point)
+    check_head_dim(point.kernel_backend, cfg.head_dim)
+    if point.partition == "equal":
+        split_rows(point.tokens, point.cp, cfg, point.ratio, field="tokens")
+    lengths = packing_lengths(point.packing, point.tokens, cp=point.cp, ratio=point.ratio, seed=point.seed)
+    return cfg, lengths
+
+
+def point_problem(point: Point) -> str | None:
+    """Why ``point`` cannot run (the message :func:`point_inputs` raises), None when it can. Only the
+    axes that shape the step are looked at, and their answers are cached: the axes that do not (dtype,
+    pass, overlap, recompute, ...) multiply a spec's points without multiplying this work."""
+    return _shape_problem(point.preset, point.loss, point.ratio, point.cp, point.tokens, point.packing, point.seed,
+                          point.partition, point.kernel_backend)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_problem(preset: str, loss: str, ratio: int, cp: int, tokens: int, packing: str, seed: int,
+                   partition: str, kernel_backend: str) -> str | None:
+    shape = Point(preset=preset, loss=loss, ratio=ratio, cp=cp, tokens=tokens, packing=packing, seed=seed,
+                  partition=partition, kernel_backend=kernel_backend)
+    try:
+        point_inputs(shape)
+    except ValueError as err:
+        return str(err)
+    return None

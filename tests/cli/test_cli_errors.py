@@ -66,11 +66,13 @@ CLI_CASES = [
      r"dsv4cp layer: error: estimated peak \d+\.\d GiB per rank exceeds the \d+\.\d GiB free on cpu; "
      r"what fits: --tokens about \d+", True),
     ("layer-old-backend-flag", ["layer", "--backend", "torch"], 2,
-     r"usage: dsv4cp layer ", False),  # argparse: usage first, then 'renamed: use --kernel-backend'
-    ("check-cp-old-backend-flag", ["check-cp", "--backend", "nccl"], 2, r"usage: dsv4cp check-cp ", False),
+     r"dsv4cp layer: error: --backend was renamed: use --kernel-backend", False),
+    ("check-cp-old-backend-flag", ["check-cp", "--backend", "nccl"], 2,
+     r"dsv4cp check-cp: error: --backend was renamed: use --kernel-backend", False),
     ("layer-unknown-kernel-backend", ["layer", "--kernel-backend", "nope"], 2,
      r"dsv4cp layer: error: --kernel-backend: unknown sparse-attention backend 'nope'", False),
-    ("layer-tokens-zero", ["layer", "--tokens", "0"], 2, r"usage: dsv4cp layer ", False),
+    ("layer-tokens-zero", ["layer", "--tokens", "0"], 2,
+     r"dsv4cp layer: error: argument --tokens: must be a positive int, got '0' \(see 'dsv4cp layer --help'\)$", False),
     ("layer-tokens-below-lengths", ["layer", "--tokens", "100", "--lengths", "50,60"], 2,
      r"dsv4cp layer: error: --tokens: 100 is fewer than the padded documents' 110 rows$", False),
     ("layer-lengths-not-ints", ["layer", "--lengths", "5,x"], 2,
@@ -81,7 +83,8 @@ CLI_CASES = [
      r"dsv4cp profile: error: --dist-backend: nccl needs CUDA GPUs", True),
     ("profile-gloo-outside-torchrun", ["profile", "--dist-backend", "gloo"], 2,
      r"dsv4cp profile: error: --dist-backend: gloo has no effect on a single-process run", False),
-    ("profile-trace-steps-zero", ["profile", "--trace-steps", "0"], 2, r"usage: dsv4cp profile ", False),
+    ("profile-trace-steps-zero", ["profile", "--trace-steps", "0"], 2,
+     r"dsv4cp profile: error: argument --trace-steps: must be a positive int", False),
     ("profile-trace-dir-is-a-file", ["profile", "--trace-dir", "{a_file}"], 2,
      r"dsv4cp profile: error: --trace-dir: .*a_file exists and is not a directory$", False),
     ("profile-out-is-a-file", ["profile", "--out", "{a_file}"], 2,
@@ -125,10 +128,32 @@ def _exit_code(argv: list[str]) -> int:
 
 def test_renamed_flag_says_the_new_names(capsys):
     assert _exit_code(["layer", "--backend", "torch"]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+    assert capsys.readouterr().err.strip().splitlines() == [
         "dsv4cp layer: error: --backend was renamed: use --kernel-backend (kernels) or --dist-backend "
-        "(torch.distributed)"
-    )
+        "(torch.distributed) (see 'dsv4cp layer --help')"
+    ]
+
+
+# (argv, the whole stderr: one line) of usage errors argparse finds, over several sub-commands
+USAGE_ERRORS = [
+    ([], "dsv4cp: error: the following arguments are required: COMMAND (see 'dsv4cp --help')"),
+    (["measure"], "dsv4cp: error: argument COMMAND: invalid choice: 'measure' (choose from "),
+    (["sweep"], "dsv4cp sweep: error: the following arguments are required: spec (see 'dsv4cp sweep --help')"),
+    (["sweep", "s.yaml", "--nproc", "0"],
+     "dsv4cp sweep: error: argument --nproc: must be a positive int, got '0' (see 'dsv4cp sweep --help')"),
+    (["report"], "dsv4cp report: error: the following arguments are required: RUN_DIR (see 'dsv4cp report --help')"),
+    (["compare", "a"],
+     "dsv4cp compare: error: the following arguments are required: NEW (see 'dsv4cp compare --help')"),
+    (["model", "--preset", "huge"], "dsv4cp model: error: argument --preset: invalid choice: 'huge' (choose from "),
+    (["layer", "--no-such-flag"], "dsv4cp layer: error: unrecognized arguments: --no-such-flag"),
+]
+
+
+@pytest.mark.parametrize(("argv", "line"), USAGE_ERRORS, ids=[" ".join(c[0]) or "no-command" for c in USAGE_ERRORS])
+def test_usage_errors_are_one_line_on_stderr_and_exit_2(argv, line, capsys):
+    assert _exit_code(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith(line), err
 
 
 def test_nccl_refused_under_torchrun_before_any_process_group(monkeypatch, capsys):

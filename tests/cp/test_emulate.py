@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import seed_of
+from dsv4cp.config import DSv4Config
 from dsv4cp.cp.check import CheckCase, build_case
 from dsv4cp.cp.emulate import (
     destroy_emulated_group,
@@ -28,15 +29,19 @@ from dsv4cp.cp.emulate import (
     is_emulated,
 )
 from dsv4cp.cp.launch import spawn
+from dsv4cp.model.partition import partition
 from dsv4cp.profiling import nvtx
 from host_reads import HostReads
 
-CASES = (
-    CheckCase(ratio=4, lengths=(90, 150, 24), overlap="async", backend="torch",
-              seed=seed_of("emulate", 4)),
-    CheckCase(ratio=8, lengths=(264,), overlap="async", recompute=True, partition="balanced",
-              backend="torch", seed=seed_of("emulate", 8)),
-)
+
+def cases(world: int) -> tuple[CheckCase, ...]:
+    balanced = partition([264], world, DSv4Config.preset("tiny"), 8, policy="balanced").bounds
+    return (
+        CheckCase(ratio=4, lengths=(90, 150, 24), overlap="async", backend="torch",
+                  seed=seed_of("emulate", 4)),
+        CheckCase(ratio=8, lengths=(264,), overlap="async", recompute=True, partition="balanced", split=balanced,
+                  backend="torch", seed=seed_of("emulate", 8)),
+    )
 
 
 class _Phases:
@@ -121,13 +126,13 @@ def _emulated(rank: int, world: int, cases: tuple[CheckCase, ...]) -> list[dict]
 def test_emulated_rank_does_the_real_ranks_work(world, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):  # the emulated ranks run in this process
         monkeypatch.delenv(name, raising=False)
-    real = spawn(_real_rank, world, CASES)
+    real = spawn(_real_rank, world, cases(world))
     for rank in range(world):
         mine = real[rank]
         assert not mine["emulated"] and mine["emulated_rank"] is None
         assert mine["fills_untouched"], "a fill changed a real group's buffers"
         assert mine["refused"] is not None and "torchrun" in mine["refused"]
-        for case, want, got in zip(CASES, mine["steps"], _emulated(rank, world, CASES)):
+        for case, want, got in zip(cases(world), mine["steps"], _emulated(rank, world, cases(world))):
             where = f"cp {world} rank {rank} ratio {case.ratio}"
             assert got["phases"] == want["phases"], where
             assert got["shapes"] == want["shapes"], where

@@ -12,20 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4cp.config import DSv4Config
-from dsv4cp.cp.partition import (
-    InfeasibleSplitError,
-    RowCosts,
-    RowSplit,
-    as_split,
-    balanced_split,
-    halo_rows,
-    partition,
-    row_costs,
-    slice_costs,
-)
+from dsv4cp.cp.partition import RowSplit, as_split, halo_rows
+from dsv4cp.model import Machine
+from dsv4cp.model.balanced_split import InfeasibleSplitError, balanced_split, partition
+from dsv4cp.model.row_costs import RowCosts, row_costs, slice_costs
 from dsv4cp.packing import PackedSeqs
 
 TINY = DSv4Config.preset("tiny")
+H200 = Machine.preset("h200x2")
 
 
 def _brute_force(prefix: np.ndarray, cp: int, min_rows: int, align: int) -> float:
@@ -278,7 +272,7 @@ def test_balancing_one_pass_leaves_the_other_unequal() -> None:
     rows = {d: partition([65536], 4, cfg, 4, policy="balanced", direction=d).rank_rows for d in ("fwd", "fwd+bwd")}
     assert rows["fwd"][-1] < rows["fwd+bwd"][-1]
     for direction in ("fwd", "bwd", "fwd+bwd"):
-        table = compare_policies(cfg, 4, [65536], 4, direction=direction).set_index("policy")
+        table = compare_policies(cfg, 4, [65536], 4, H200, direction=direction).set_index("policy")
         assert table.loc["balanced", "compute_imbalance"] < 1.005, direction
 
 
@@ -289,7 +283,7 @@ def test_model_compares_the_policies() -> None:
 
     cfg = DSv4Config.preset("flash")
     for cp in (2, 8):
-        table = compare_policies(cfg, 4, [65536], cp, align=8).set_index("policy")
+        table = compare_policies(cfg, 4, [65536], cp, H200, align=8).set_index("policy")
         equal, balanced = table.loc["equal"], table.loc["balanced"]
         assert equal["split"] == RowSplit.equal(65536, cp).bounds
         assert equal["compute_imbalance"] > 1.05

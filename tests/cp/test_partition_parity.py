@@ -17,7 +17,8 @@ from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
 from dsv4cp.cp.check import CheckCase, run_cases
 from dsv4cp.cp.launch import spawn
 from dsv4cp.cp.mtp import roll_hidden_left, roll_left
-from dsv4cp.cp.partition import RowSplit, halo_rows, partition
+from dsv4cp.cp.partition import RowSplit, halo_rows
+from dsv4cp.model.partition import partition
 
 # (ratio, indexer-loss variant): W, C sparse, C dense, H (tiny preset: window 8 covers ratio 8).
 LAYER_TYPES = [(0, "sparse"), (4, "sparse"), (4, "dense"), (8, "sparse")]
@@ -43,8 +44,10 @@ def balanced_cases(cp: int) -> list[CheckCase]:
         itertools.product(LAYER_TYPES, _packings(cp).values())
     ):
         overlap, recompute = MODES[i % len(MODES)]
+        cfg = DSv4Config.preset("tiny", indexer_loss=loss)
+        split = partition(lengths, cp, cfg, ratio, policy="balanced", total=total).bounds
         cases.append(CheckCase(ratio=ratio, lengths=lengths, total=total, dtype="fp64", overlap=overlap,
-                               recompute=recompute, seed=i, partition="balanced",
+                               recompute=recompute, seed=i, partition="balanced", split=split,
                                config_overrides={"indexer_loss": loss}))
     return cases
 

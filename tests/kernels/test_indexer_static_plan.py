@@ -31,16 +31,14 @@ from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout, entry_capacity, split_rows
 from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.contracts import pack_selection_keys
-from dsv4cp.kernels.indexer_triton import (
+from dsv4cp.kernels.indexer_plan import (
     TOPK_BYTES_PER_SCORE,
-    TOPK_KEYS_ENV,
     TOPK_SCORES_BYTES_PER_SCORE,
-    indexer_score_matrix,
-    indexer_topk_triton,
-    iter_score_chunks,
     plan_static_chunks,
     query_limits,
 )
+from dsv4cp.kernels.indexer_triton import TOPK_KEYS_ENV, indexer_score_matrix, iter_score_chunks
+from dsv4cp.ops.indexer import fused_indexer_topk as indexer_topk_triton
 from dsv4cp.ops.indexer import indexer_topk
 from dsv4cp.packing import PackedSeqs
 from host_reads import HostReads

@@ -30,8 +30,10 @@ import torch
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout, entry_capacity, split_rows
 from dsv4cp.kernels import triton_available
+from dsv4cp.kernels.indexer_plan import query_limits
 from dsv4cp.kernels.indexer_topk_triton import MAX_STREAM_K, indexer_topk_stream
-from dsv4cp.kernels.indexer_triton import IndexerConfig, indexer_topk_triton, query_limits
+from dsv4cp.kernels.indexer_triton import IndexerConfig
+from dsv4cp.ops.indexer import fused_indexer_topk as indexer_topk_triton
 from dsv4cp.ops.indexer import indexer_topk
 from dsv4cp.packing import PackedSeqs
 from host_reads import HostReads

@@ -29,22 +29,21 @@ from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout
 from dsv4cp.kernels import set_deterministic, triton_available
 from dsv4cp.kernels.contracts import pack_selection_keys
-from dsv4cp.kernels.indexer_triton import (
+from dsv4cp.kernels.indexer_plan import TOPK_BYTES_PER_SCORE, key_ranges, plan_chunks, query_limits
+from dsv4cp.kernels.indexer_scores_triton import (
     BWD_CONFIG_ENV,
     GATHER_BWD_CONFIGS,
-    TOPK_BYTES_PER_SCORE,
+    GatherBwdConfig,
+    indexer_scores_triton,
+)
+from dsv4cp.kernels.indexer_triton import (
     TOPK_KEYS_ENV,
     TOPK_SELECT_ENV,
-    GatherBwdConfig,
     IndexerConfig,
     indexer_score_matrix,
-    indexer_scores_triton,
-    indexer_topk_triton,
     iter_score_chunks,
-    key_ranges,
-    plan_chunks,
-    query_limits,
 )
+from dsv4cp.ops.indexer import fused_indexer_topk as indexer_topk_triton
 from dsv4cp.ops.indexer import indexer_scores, indexer_topk
 from dsv4cp.packing import PackedSeqs
 

@@ -250,7 +250,8 @@ def one_document(gen: torch.Generator, t: int, hi: int, di: int):
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter's defaults")
 @pytest.mark.parametrize("key_row_limit", [None, (0, 4)])
 def test_chunked_topk_radix_matches_torch_selection(key_row_limit, monkeypatch, seed):
-    from dsv4cp.kernels.indexer_triton import TOPK_SELECT_ENV, indexer_topk_triton
+    from dsv4cp.kernels.indexer_triton import TOPK_SELECT_ENV
+    from dsv4cp.ops.indexer import fused_indexer_topk as indexer_topk_triton
 
     gen = torch.Generator().manual_seed(seed)
     inputs = one_document(gen, 96, 2, 16)
@@ -273,7 +274,8 @@ def test_gpu_chunked_topk_radix_selects_what_torch_selects(key_row_limit, monkey
     """bf16 at T = 8192 (Hi = 64, Di = 128, k = 512): the radix selection of the fp32 buffers and the
     packed keys + ``torch.topk`` choose the same key rows bitwise (the same products; only the buffer,
     the chunking and the selection differ), with the exact plan and with the static one (row limits)."""
-    from dsv4cp.kernels.indexer_triton import TOPK_SELECT_ENV, indexer_topk_triton
+    from dsv4cp.kernels.indexer_triton import TOPK_SELECT_ENV
+    from dsv4cp.ops.indexer import fused_indexer_topk as indexer_topk_triton
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     t, hi, di = 8192, 64, 128

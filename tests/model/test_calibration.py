@@ -13,27 +13,22 @@ import pytest
 
 from dsv4cp.cli.main import main
 from dsv4cp.config import DSv4Config
-from dsv4cp.cp.partition import (
-    INDEXER_SCANS,
-    PHASE_CLASSES,
-    RowCosts,
-    RowSplit,
-    partition,
-    row_costs,
-    scanned_slots,
-    slice_costs,
-)
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import Machine, estimate, nvtx_ranges
 from dsv4cp.model.calibration import (
     MODEL_PHASE_CLASS,
+    POINT_FILE,
     Calibration,
+    check_profile_point,
     fit,
     measured_class,
     model_class_times,
-    read_phase_table,
+    read_profile,
     scanned_entries,
 )
-from dsv4cp.model.partition import compare_policies
+from dsv4cp.model.partition import compare_policies, partition
+from dsv4cp.model.phase_classes import INDEXER_SCANS, PHASE_CLASSES
+from dsv4cp.model.row_costs import RowCosts, row_costs, scanned_slots, slice_costs
 
 TINY = DSv4Config.preset("tiny")
 FLASH = DSv4Config.preset("flash")
@@ -174,23 +169,86 @@ def test_calibration_moves_the_split_of_a_long_document() -> None:
     assert calibrated.loc["balanced", "compute_imbalance"] < 1.002
 
 
-def test_read_phase_table_forms(tmp_path) -> None:
+FLASH_64K = {"preset": "flash", "ratio": 4, "tokens": 65536}
+
+
+def test_read_profile_forms(tmp_path) -> None:
+    """A trace's table with the point beside it, a sweep's trace under its run's records, a records file
+    (its ok record at the cp, the one of the asked point first); a trace naming no point is refused."""
     table = pd.DataFrame({"rank": [0, 0], "phase": ["dsv4cp.sparse_attn.fwd", "total"], "compute_ms": [2.0, 3.0]})
     table.to_csv(tmp_path / "overlap.csv", index=False)
-    pd.testing.assert_frame_equal(read_phase_table(tmp_path), table)
+    bare = read_profile(tmp_path)
+    pd.testing.assert_frame_equal(bare.table, table)
+    with pytest.raises(ValueError, match=f"does not say which point.*no {POINT_FILE}"):
+        check_profile_point(bare, FLASH_64K)
+    (tmp_path / POINT_FILE).write_text(json.dumps({**FLASH_64K, "cp": 1}))
+    check_profile_point(read_profile(tmp_path / "overlap.csv"), FLASH_64K)
+
+    run = tmp_path / "run"
+    (run / "traces" / "a1b2c3").mkdir(parents=True)
+    table.to_csv(run / "traces" / "a1b2c3" / "overlap.csv", index=False)
+    sweep = [{"status": "ok", "point_id": "ffff", **FLASH_64K},
+             {"status": "ok", "point_id": "a1b2c3", **FLASH_64K, "tokens": 4096}]
+    (run / "records.jsonl").write_text("\n".join(json.dumps(x) for x in sweep) + "\n")
+    assert read_profile(run / "traces" / "a1b2c3").point["tokens"] == 4096  # its own record, not the first
+
     records = tmp_path / "profile" / "records.jsonl"
     records.parent.mkdir()
-    lines = [{"status": "ok", "cp": 1, "tokens": 8, "phases": None},
-             {"status": "ok", "cp": 2, "tokens": 8, "phases": table.to_dict("records")}]
+    lines = [{"status": "ok", "cp": 1, **FLASH_64K, "phases": None},
+             {"status": "ok", "cp": 2, **FLASH_64K, "tokens": 8, "phases": table.to_dict("records")},
+             {"status": "ok", "cp": 2, **FLASH_64K, "phases": table.to_dict("records")}]
     records.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    pd.testing.assert_frame_equal(read_phase_table(records, cp=2, tokens=8), table)
+    found = read_profile(records, cp=2, want=FLASH_64K)
+    pd.testing.assert_frame_equal(found.table, table)
+    assert found.point["tokens"] == 65536
+    assert read_profile(records, cp=2).point["tokens"] == 8  # nothing asked: the first
     with pytest.raises(ValueError, match="cp=1"):
-        read_phase_table(records, cp=1)
+        read_profile(records, cp=1)
     with pytest.raises(ValueError, match="no such"):
-        read_phase_table(tmp_path / "absent.csv")
+        read_profile(tmp_path / "absent.csv")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no"):
-        read_phase_table(tmp_path / "empty")
+        read_profile(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(("field", "value"), [("tokens", 4096), ("preset", "tiny"), ("ratio", 128)])
+def test_calibrate_refuses_another_points_profile(tmp_path, capsys, field: str, value) -> None:
+    """A profile of another configuration or batch size is refused (exit 2) naming both points,
+    before any fit or output file."""
+    est = estimate(FLASH, 4, [65536], 1, Machine())
+    _synthetic_profile(est, dict.fromkeys(_all_keys(), 2.0)).to_csv(tmp_path / "overlap.csv", index=False)
+    (tmp_path / POINT_FILE).write_text(json.dumps({**FLASH_64K, field: value, "cp": 1}))
+    out = tmp_path / "cal.json"
+    argv = ["model", "--preset", "flash", "--ratio", "4", "--tokens", "65536", "--cp", "1", "--machine", "h200x2",
+            "--calibrate", str(tmp_path), "--calibration-out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"measured {' '.join(f'{k}={({**FLASH_64K, field: value})[k]}' for k in FLASH_64K)}" in err
+    assert "asked for (preset=flash ratio=4 tokens=65536)" in err
+    assert not out.exists()
+
+
+def test_calibrate_warns_on_a_factor_below_one(tmp_path, capsys, seed: int) -> None:
+    """A phase measured faster than its lower bound is flagged on stderr (naming the factor and the
+    machine); factors of 1 or more are not."""
+    est = estimate(FLASH, 4, [65536], 1, Machine())
+    rng = np.random.default_rng(seed)
+    factors = {key: float(rng.uniform(1.0, 5.0)) for key in _all_keys()}
+    (tmp_path / POINT_FILE).write_text(json.dumps({**FLASH_64K, "cp": 1}))
+    argv = ["model", "--preset", "flash", "--ratio", "4", "--tokens", "65536", "--cp", "1", "--machine", "h200x2",
+            "--calibrate", str(tmp_path), "--calibration-out", str(tmp_path / "cal.json")]
+    _synthetic_profile(est, factors).to_csv(tmp_path / "overlap.csv", index=False)
+    assert main(argv) == 0
+    assert "warning" not in capsys.readouterr().err
+    slow = dict(factors, **{"attention.bwd": 0.25})
+    _synthetic_profile(est, slow).to_csv(tmp_path / "overlap.csv", index=False)
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: calibration factor(s) below 1 (attention.bwd 0.25)" in err and "machine h200x2" in err
+
+
+def _all_keys() -> list[str]:
+    return [f"{c}.{d}" for c in PHASE_CLASSES for d in ("fwd", "bwd")]
 
 
 def test_model_cli_calibrate_then_balance(tmp_path, capsys, seed: int) -> None:
@@ -200,8 +258,9 @@ def test_model_cli_calibrate_then_balance(tmp_path, capsys, seed: int) -> None:
     factors = {**_known_factors(seed), "indexer.fwd": 30.0}
     profile = tmp_path / "overlap.csv"
     _synthetic_profile(est, factors).to_csv(profile, index=False)
+    (tmp_path / POINT_FILE).write_text(json.dumps({**FLASH_64K, "cp": 1}))
     out = tmp_path / "cal.json"
-    point = ["model", "--preset", "flash", "--ratio", "4", "--tokens", "65536"]
+    point = ["model", "--preset", "flash", "--ratio", "4", "--tokens", "65536", "--machine", "h200x2"]
     assert main([*point, "--cp", "1", "--calibrate", str(tmp_path), "--calibration-out", str(out)]) == 0
     assert "calibration written" in capsys.readouterr().out
     assert Calibration.load(out).factor("indexer", "fwd") == pytest.approx(30.0, rel=1e-9)

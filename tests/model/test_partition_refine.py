@@ -13,10 +13,11 @@ import pytest
 
 import dsv4cp.model.partition as model_partition
 from dsv4cp.config import DSv4Config
-from dsv4cp.cp.partition import PHASE_CLASSES, RowSplit, partition
+from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import BOTH, Machine, estimate
 from dsv4cp.model.calibration import Calibration
-from dsv4cp.model.partition import UNREFINED, compare_policies, policy_split, refine_split
+from dsv4cp.model.partition import UNREFINED, compare_policies, partition, policy_split, refine_split
+from dsv4cp.model.phase_classes import PHASE_CLASSES
 from dsv4cp.workloads import pack_lengths
 
 TINY = DSv4Config.preset("tiny")

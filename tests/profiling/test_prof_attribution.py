@@ -156,7 +156,7 @@ def test_triton_indexer_score_backward_has_its_phase(monkeypatch, seed) -> None:
     """The Triton kernels' autograd function opens no range: the op marks its backward
     ``indexer.score.bwd`` (on CPU the op would take the torch path; force the Triton one)."""
     import dsv4cp.ops.indexer as ops_indexer
-    from dsv4cp.kernels.indexer_triton import indexer_scores_triton
+    from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton
 
     gen = torch.Generator().manual_seed(seed)
     t, hi, di, g, k = 6, 2, 16, 10, 4

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so the tests can `import report_helpers`
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "profiling"))  # and the trace builders `prof_helpers`
 
 from report_helpers import SCALING_POINTS, write_run  # noqa: E402
 

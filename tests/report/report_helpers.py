@@ -84,11 +84,12 @@ def grid(**axes: list) -> list[dict]:
 
 def write_run(run_dir: Path, points: list[dict], *, seed: int, machine: str = "2xNVIDIA H200",
               slowdown: dict[str, float] | None = None, statuses: dict[int, str] | None = None,
-              noise: float = 0.01, profiled: bool = True) -> Path:
+              noise: float = 0.01, profiled: bool = True, targets: list[dict] | None = None) -> Path:
     """A run directory with one record per point (``statuses``: index -> non-ok status) and meta.
 
     ``slowdown`` maps a point_id to a time factor; the same ``seed`` gives the same noise, so two runs
-    written with one seed differ exactly by their slowdowns."""
+    written with one seed differ exactly by their slowdowns. ``targets``: the spec's ``targets:`` list
+    recorded in meta.json (what the report judges)."""
     rng = np.random.default_rng(seed)
     for index, axes in enumerate(points):
         status = (statuses or {}).get(index, "ok")
@@ -98,9 +99,14 @@ def write_run(run_dir: Path, points: list[dict], *, seed: int, machine: str = "2
                              error=None if status == "ok" else status)
         append_record(run_dir / "records.jsonl", record)
     write_meta(run_dir, {"machine": machine, "gpu_name": "NVIDIA H200" if "H200" in machine else None,
-                         "gpu_count": 2, "git_sha": "0" * 40, "git_dirty": False, "spec": {"name": "synthetic"}})
+                         "gpu_count": 2, "git_sha": "0" * 40, "git_dirty": False,
+                         "spec": {"name": "synthetic", **({"targets": targets} if targets else {})}})
     return run_dir
 
 
 SCALING_POINTS = grid(cp=[1, 2], tokens=[16384, 65536], overlap=["none", "async"], packing=["histogram", "one"])
 """A strong-scaling sweep including the strong-scaling target configuration (64K, histogram, async)."""
+
+TIME_RATIO_TARGET = {"name": "CP = 2 time / CP = 1 time", "metric": "time_ratio", "pair": {"cp": [2, 1]},
+                     "where": {"tokens": 65536}, "comparison": "<=", "value": 0.55}
+"""A pair target as a spec declares it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from report_helpers import grid, write_run
@@ -26,7 +27,7 @@ def test_no_change_passes(tmp_path, seed, capsys):
     base, new = _pair(tmp_path, seed, new_seed=seed + 1)  # other noise draws, same 1% spread
     assert main(["compare", base, new]) == 0
     out = capsys.readouterr().out
-    assert "8 matched, 0 regressed, 0 improved" in out and "REGRESSION" not in out
+    assert "8 compared, 0 regressed, 0 invalid, 0 improved" in out and "REGRESSION" not in out
 
 
 def test_a_10pct_slowdown_beyond_noise_fails_and_names_the_point(tmp_path, seed, capsys):
@@ -35,7 +36,7 @@ def test_a_10pct_slowdown_beyond_noise_fails_and_names_the_point(tmp_path, seed,
     out = capsys.readouterr().out
     (line,) = [ln for ln in out.splitlines() if ln.startswith("REGRESSION")]
     assert "cp=2" in line and "tokens=4096" in line and "overlap=async" in line and "1.100x" in line
-    assert "8 matched, 1 regressed" in out
+    assert "8 compared, 1 regressed" in out
     # the same slowdown passes under a looser threshold
     assert main(["compare", base, new, "--max-regression", "0.15"]) == 0
 
@@ -164,3 +165,114 @@ def test_points_missing_from_new_fail_only_with_fail_on_missing(tmp_path, seed, 
     assert "only in BASELINE (2)" in capsys.readouterr().out
     assert main(["compare", str(base), str(new), "--fail-on-missing"]) == 1
     assert "MISSING: 2 point(s)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ broken values, duplicates, identity
+def _edit(run_dir, index: int, **changes) -> None:
+    """Rewrite record ``index`` of a run with ``changes`` (its point_id kept: the same point, a broken value)."""
+    path = run_dir / "records.jsonl"
+    lines = path.read_text().splitlines()
+    lines[index] = json.dumps({**json.loads(lines[index]), **changes})
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _median_of(run_dir, index: int) -> float:
+    return json.loads((run_dir / "records.jsonl").read_text().splitlines()[index])["time_ms_median"]
+
+
+@pytest.mark.parametrize(("side", "change", "reason"), [
+    ("new", {"time_ms_median": float("nan")}, "time_ms_median: a measured time must be a finite number > 0, got NaN"),
+    ("new", {"time_ms_median": float("inf")}, "got Infinity"),
+    ("new", {"time_ms_median": -1.0}, "got -1.0"),
+    ("new", {"time_ms_median": "fast"}, "time_ms_median: must be a number or null, got \"fast\""),
+    ("new", {"status": None}, "status: must be 'ok'"),
+    ("new", "100x", "time_ms_median: must lie in its band time_ms_p20..time_ms_p80"),
+    ("new", {"time_ms_samples": [1.0, 1.1, 1.2]}, "lies outside its samples' range 1.0..1.2"),
+    ("baseline", {"time_ms_p20": 1e9}, "time_ms_median: must lie in its band"),
+])
+def test_a_broken_value_is_an_error_never_noise(tmp_path, seed, capsys, side, change, reason):
+    base, new = (Path(p) for p in _pair(tmp_path, seed))
+    index = POINTS.index(SLOW)
+    run = new if side == "new" else base
+    _edit(run, index, **({"time_ms_median": 100 * _median_of(run, index)} if change == "100x" else change))
+    for flags in ([], ["--fail-on-missing"], ["--max-regression", "900%"]):
+        assert main(["compare", str(base), str(new), *flags]) == 1
+        out = capsys.readouterr().out
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("INVALID:")]
+        assert "cp=2" in line and "tokens=4096" in line and "overlap=async" in line
+        assert f"invalid in {side.upper() if side == 'new' else 'BASELINE'}: " in line and reason in line
+        assert "7 compared" not in out and "1 invalid" in out and "within noise" not in out
+
+
+def test_a_broken_benchmark_value_is_an_error(tmp_path, seed, capsys):
+    base = _bench_json(tmp_path / "base.json", {"a": 0.010, "b": 0.020}, seed=seed)
+    new = _bench_json(tmp_path / "new.json", {"a": float("nan"), "b": 0.020}, seed=seed)
+    assert main(["compare", str(base), str(new)]) == 1
+    assert "INVALID: bench/test_x.py::a: invalid in NEW: band low: a measured time must be" in capsys.readouterr().out
+
+
+def test_lines_that_are_no_record_are_named_counted_and_fail_only_with_strict(tmp_path, seed, capsys):
+    base, new = _pair(tmp_path, seed)
+    path = Path(new) / "records.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([*lines[:3], "{not json", "[1, 2]", *lines[3:]]) + "\n")
+    assert main(["compare", base, new]) == 0
+    out = capsys.readouterr().out
+    assert "skipped (not a record of any point) (2): NEW " in out and "records.jsonl:4: not a JSON record" in out
+    assert "records.jsonl:5: not a JSON object record (a JSON list)" in out and "2 lines skipped" in out
+    assert "8 compared, 0 regressed" in out
+    assert main(["compare", base, new, "--strict"]) == 1
+    assert "SKIPPED: 2 invalid line(s) (--strict)" in capsys.readouterr().out
+
+
+def test_two_runs_in_one_directory_are_reported_not_deduplicated(tmp_path, seed, capsys):
+    base, new = _pair(tmp_path, seed)
+    write_run(Path(new), POINTS, seed=seed + 1)  # a second sweep appended into the same directory
+    assert main(["compare", base, new]) == 1
+    out = capsys.readouterr().out
+    assert "duplicate (8): NEW " in out and "2 records of one point in one run (statuses ok, ok)" in out
+    assert out.count("INVALID:") == 8 and "2 ok records of this point in one run" in out
+
+
+def test_a_retried_point_keeps_its_ok_record_and_is_reported(tmp_path, seed, capsys):
+    base = write_run(tmp_path / "base", POINTS, seed=seed)
+    new = write_run(tmp_path / "new", POINTS[5:6], seed=seed, statuses={0: "error: RuntimeError: flaky"})
+    write_run(new, POINTS, seed=seed)  # --resume --retry-errors measured it again, then the rest
+    assert main(["compare", str(base), str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "duplicate (1): NEW " in out and "(statuses error: RuntimeError: flaky, ok)" in out
+    assert "8 compared, 0 regressed, 0 invalid" in out
+
+
+def _configure(run_dir, **columns) -> None:
+    for index in range(len(POINTS)):
+        _edit(run_dir, index, **columns)
+
+
+def test_points_of_another_kernel_configuration_are_not_comparable(tmp_path, seed, capsys):
+    base, new = (Path(p) for p in _pair(tmp_path, seed))
+    _configure(base, kernel_options={"topk_impl": "radix", "dq_in_dkv": "0"}, backends=None)
+    _configure(new, kernel_options={"topk_impl": "packed", "dq_in_dkv": "0"}, backends=None)
+    assert main(["compare", str(base), str(new)]) == 2
+    err = capsys.readouterr().err
+    assert "none of the 8 matched points is comparable" in err
+    assert "configuration differs: kernel_options.topk_impl radix -> packed" in err and "--ignore-option" in err
+    for key in ("topk_impl", "kernel_options.topk_impl", "kernel_options"):
+        assert main(["compare", str(base), str(new), "--ignore-option", key]) == 0
+        out = capsys.readouterr().out
+        assert "8 compared" in out and f"configuration differences ignored: {key}" in out
+    _edit(new, 2, kernel_options={"topk_impl": "radix", "dq_in_dkv": "0"},
+          backends={"sparse_attention.fwd": "triton"})  # one point: same options, a recorded backend
+    assert main(["compare", str(base), str(new), "--ignore-option", "topk_impl"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT COMPARABLE (1): " in out and 'backends unknown -> {"sparse_attention.fwd": "triton"}' in out
+    assert "7 compared" in out and "1 not comparable" in out
+
+
+def test_records_without_samples_are_judged_by_the_labelled_band_rule(tmp_path, seed, capsys):
+    base, new = _pair(tmp_path, seed)
+    assert main(["compare", base, new]) == 0
+    out = capsys.readouterr().out
+    assert "U test (0 points)" in out
+    assert "FALLBACK bands for 8 points (8 without repetition times on a side (older records))" in out
+    assert sum(" bands " in line and line.rstrip().endswith("same") for line in out.splitlines()) == 8

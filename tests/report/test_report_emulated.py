@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from report_helpers import grid, point_metrics, write_run
+from report_helpers import TIME_RATIO_TARGET, grid, point_metrics, write_run
 
 from dsv4cp.records import append_record, make_record
 from dsv4cp.report import tables
+from dsv4cp.report import targets as report_targets
 from dsv4cp.report.load import load_runs
 
 
@@ -21,7 +22,8 @@ def _emulated_records(run_dir, seed: int) -> None:
         metrics = point_metrics(rng, axes, profiled=False)
         for name in ("rank_time_ms_median", "peak_allocated_bytes", "device_used_bytes"):
             metrics[name] = [value if r == rank else None for r, value in enumerate(metrics[name])]
-        metrics.update(imbalance_max_over_mean=None, time_ms_median=metrics["time_ms_median"] * 0.5)
+        metrics.update({name: metrics[name] * 0.5 for name in ("time_ms_median", "time_ms_p20", "time_ms_p80")},
+                       imbalance_max_over_mean=None)  # the band moves with the median it holds
         record = make_record({**axes, "emulated_rank": rank}, metrics, sweep="profile", status="ok",
                              machine="1xNVIDIA H200", git_sha="0" * 40)
         append_record(run_dir / "records.jsonl", record)
@@ -30,7 +32,7 @@ def _emulated_records(run_dir, seed: int) -> None:
 def test_emulated_points_stay_apart_from_real_ones(tmp_path, seed):
     points = grid(cp=[1, 2], tokens=[65536], overlap=["async"], packing=["histogram"])
     _emulated_records(tmp_path / "run", seed)  # first: a report that mixed them would pair these
-    run = write_run(tmp_path / "run", points, seed=seed)
+    run = write_run(tmp_path / "run", points, seed=seed, targets=[TIME_RATIO_TARGET])
     df = load_runs(run)
     assert df["emulated_rank"].isna().tolist() == [False, False, True, True]
     assert df["emulated_rank"].tolist()[:2] == [0, 1]
@@ -42,8 +44,12 @@ def test_emulated_points_stay_apart_from_real_ones(tmp_path, seed):
     assert len(emulated) == 2 and emulated["rank_spread_ms"].map(math.isnan).all()
     assert emulated["imbalance_max_over_mean"].map(math.isnan).all()
     real_cp2 = df[(df["cp"] == 2) & df["emulated_rank"].isna()].iloc[0]
-    target = tables.targets(df).iloc[0]
-    assert target["cp2_point_id"] == real_cp2["point_id"]  # never an emulated point
+    judged = report_targets.evaluate(df)
+    paired = judged[judged["verdict"] != report_targets.NOT_APPLICABLE]
+    assert paired["point_id"].tolist() == [real_cp2["point_id"]]  # never an emulated point
+    alone = judged[judged["verdict"] == report_targets.NOT_APPLICABLE]  # the emulated ones: no emulated CP = 1
+    assert len(alone) == 2 and (alone["reason"] == "no measured partner with cp = 1").all()
+    target = paired.iloc[0]
     assert target["measured"] == real_cp2["time_ms_median"] / df[df["cp"] == 1].iloc[0]["time_ms_median"]
     for name, table in tables.all_tables(df).items():
         assert isinstance(table, type(df)), name

@@ -118,7 +118,7 @@ def test_cpu_sweep_records_the_graph_point_as_an_error_and_goes_on(tmp_path, cap
         "axes": {"cuda_graph": [True, False]},
     }))
     out = tmp_path / "run"
-    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "1", "--progress", "off"]) == 0
+    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "1", "--progress", "off"]) == 1  # a point failed
     graph, eager = read_records(out)
     assert graph["cuda_graph"] is True and graph["status"].startswith("error: ValueError: cuda_graph: ")
     assert "need a CUDA device" in graph["status"] and graph["time_ms_median"] is None

@@ -84,14 +84,13 @@ def test_a_killed_writers_partial_line_is_skipped_with_a_warning(tmp_path):
         assert len(read_records(path)) == 1
 
 
-def test_read_rejects_other_schemas_and_garbage(tmp_path):
-    path = tmp_path / "records.jsonl"
-    path.write_text(json.dumps({**_record(), "schema": 99}) + "\n")
-    with pytest.raises(ValueError, match="records.jsonl:1: schema: expected 1, got 99"):
-        read_records(path)
-    path.write_text("not json\n")
-    with pytest.raises(ValueError, match="records.jsonl:1: not a JSON record"):
-        read_records(path)
+def test_read_skips_other_schemas_and_garbage_naming_the_line(tmp_path):
+    path, good = tmp_path / "records.jsonl", _record()
+    path.write_text(json.dumps({**good, "schema": 99}) + "\nnot json\n" + json.dumps(good) + "\n")
+    problems = []
+    assert read_records(path, problems) == [good]
+    assert str(problems[0]).endswith("records.jsonl:1: schema: expected 1, got 99")
+    assert "records.jsonl:2: not a JSON record" in str(problems[1]) and len(problems) == 2
 
 
 def test_append_is_one_write_call(tmp_path, monkeypatch):

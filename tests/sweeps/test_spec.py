@@ -1,4 +1,5 @@
-"""Sweep specs: expansion (product, zip, exclude, tokens per rank) and every validation error."""
+"""Sweep specs: expansion (product, zip, exclude, tokens per rank), every validation error, duplicate
+YAML keys, run names that would leave runs/, and the points that cannot run (found at expansion)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ from pathlib import Path
 import pytest
 
 from dsv4cp.records import AXES
-from dsv4cp.sweeps.spec import Point, RunOptions, expand, load_spec, make_point, parse_spec
+from dsv4cp.sweeps.spec import (
+    SPEC_KEYS,
+    Point,
+    RunOptions,
+    expand,
+    iter_points,
+    load_spec,
+    make_point,
+    parse_spec,
+    point_problem,
+)
 
 SWEEPS = Path(__file__).resolve().parents[2] / "sweeps"
 
@@ -60,7 +71,7 @@ def test_point_axes_cover_every_record_axis_and_ids_are_stable():
     assert tuple(axes) == AXES and axes["pass"] == "fwd" and axes["tokens_per_rank"] == 128
     assert point.point_id == make_point({"cp": 2, "pass": "fwd", "tokens": 256}).point_id
     assert point.point_id != make_point({"tokens": 256, "cp": 2}).point_id  # pass differs
-    # tokens not divisible by cp: no tokens_per_rank (the point fails when run, not here)
+    # tokens not divisible by cp: no tokens_per_rank, and the point cannot run (expansion says so)
     assert make_point({"tokens": 255, "cp": 2}).tokens_per_rank is None
 
 
@@ -86,7 +97,6 @@ BAD_SPECS = [
     (_spec(axes={"cp": []}), "axes.cp: must be a non-empty list"),
     (_spec(axes={"cp": 2}), "axes.cp: must be a non-empty list"),
     (_spec(axes={"tokens": [256]}), "axes.tokens: also set in base"),
-    (_spec(axes={"ratio": [128]}), "ratio: 128 with preset 'tiny'"),
     ({"name": "t", "axes": {"cp": [1, 2]}}, "tokens: give exactly one of tokens and tokens_per_rank"),
     (_spec(base={"tokens": 256, "tokens_per_rank": 128}), "tokens: give exactly one"),
     (_spec(axes={"cp": [1], "ratio": [4]}, zip=[["cp", "ratio", "seed"]]),
@@ -98,11 +108,16 @@ BAD_SPECS = [
     (_spec(exclude=[{}]), "exclude[0]: an empty rule"),
     (_spec(exclude=[{"cp": "two"}]), "exclude[0].cp: must be an int >= 1"),
     (_spec(exclude=[{"gpu": 1}]), "exclude[0]: unknown axis 'gpu'"),
-    (_spec(axes={"cp": [1]}, exclude=[{"cp": 1}]), "no point left after the exclude rules"),
     (_spec(run={"reps": 0}), "run.reps: must be an int >= 1, got 0"),
     (_spec(run={"warmup": -1}), "run.warmup: must be an int >= 0"),
     (_spec(run={"repeats": 3}), "run: unknown option 'repeats'"),
     (_spec(name=""), "name: must be a non-empty string"),
+    (_spec(name="../../evil"), "name: must name one folder inside runs/"),
+    (_spec(name="/tmp/evil"), "name: must name one folder inside runs/"),
+    (_spec(name="a/b"), "name: must name one folder inside runs/"),
+    (_spec(name=".."), "name: must name one folder inside runs/"),
+    (_spec(name="a\\b"), "name: must name one folder inside runs/"),
+    (_spec(name=7), "name: must be a non-empty string, got 7"),
     ([1, 2], "spec: must be a mapping"),
 ]
 BAD_IDS = [f"{i}-{message.split(':')[0]}" for i, (_, message) in enumerate(BAD_SPECS)]
@@ -135,6 +150,7 @@ def test_shipped_specs_load_and_expand(path):
     points = expand(spec)
     assert spec.name == path.stem and points
     assert all(isinstance(p, Point) for p in points)
+    assert [(p.point_id, point_problem(p)) for p in points if point_problem(p)] == []  # every point can run
     if spec.name != "smoke":  # the GPU specs: bf16, few repetitions (the GPU time budget is small)
         assert {p.dtype for p in points} == {"bf16"} and spec.run.reps <= 6
 
@@ -146,3 +162,88 @@ def test_smoke_spec_covers_w_c_h_both_passes_and_two_cp():
     assert {p.cp for p in points} == {1, 2}
     assert {p.preset for p in points} == {"tiny"}
     assert len({p.packing for p in points}) >= 3
+
+
+def test_spec_keys_table_names_every_key_a_spec_may_hold():
+    with pytest.raises(ValueError) as err:
+        parse_spec(_spec(target={}))
+    assert str(err.value) == f"spec: unknown key 'target'; allowed: {list(SPEC_KEYS)}"
+    assert all(isinstance(text, str) and text for text in SPEC_KEYS.values())
+
+
+def test_a_name_inside_runs_is_kept():
+    assert parse_spec(_spec(name="cp_scaling-2x8.v2")).name == "cp_scaling-2x8.v2"
+    assert parse_spec(_spec(name="a..b")).name == "a..b"  # two dots inside a name stay inside runs/
+
+
+DUPLICATE_KEYS = [
+    ("name: t\nbase: {tokens: 64}\naxes: {cp: [1], cp: [2]}\n", "duplicate key 'cp' at line 3 (first given at line 3)"),
+    ("name: t\nbase: {tokens: 64}\naxes:\n  cp: [1]\n  ratio: [0]\n  cp: [2]\n",
+     "duplicate key 'cp' at line 6 (first given at line 4)"),
+    ("name: t\nbase: {tokens: 64}\nname: u\n", "duplicate key 'name' at line 3 (first given at line 1)"),
+    ("name: t\nbase: {tokens: 64}\nexclude:\n  - {cp: 1, cp: 2}\n",
+     "duplicate key 'cp' at line 4 (first given at line 4)"),
+]
+
+
+@pytest.mark.parametrize("text,message", DUPLICATE_KEYS, ids=["flow", "block", "top-level", "in-a-list"])
+def test_a_key_given_twice_is_an_error_naming_key_and_lines(tmp_path, text, message):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_spec(path)
+    assert str(err.value) == f"spec: {path}: {message}"
+
+
+def test_merge_keys_still_override_without_being_duplicates(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("name: t\nshared: &shared {tokens: 64, cp: 1}\n".replace("shared: &shared", "base: &shared")
+                    + "exclude:\n  - {<<: *shared, cp: 2}\n")
+    spec = load_spec(path)
+    assert spec.exclude == ({"tokens": 64, "cp": 2},)  # the explicit key wins over the merged one
+
+
+def test_a_spec_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: t\ndescription: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"spec: .*latin1.yaml is not UTF-8 text"):
+        load_spec(path)
+
+
+# (spec parts, index of the point that cannot run, the start of the reason)
+CANNOT_RUN = [
+    ({"base": {"tokens": 255}, "axes": {"cp": [1, 2]}}, 1, "tokens: 255 rows are not divisible by cp=2"),
+    ({"base": {"tokens": 8, "ratio": 4}, "axes": {"cp": [1, 2]}}, 1, "tokens: each of the 2 ranks holds 4 rows, "
+     "fewer than the halo of 8 rows"),
+    ({"base": {"tokens": 256}, "axes": {"ratio": [4, 128]}}, 1, "ratio: 128 with preset 'tiny': window: an H layer"),
+    ({"base": {"tokens": 16}, "axes": {"packing": ["one", "lengths:10,10"]}}, 1,
+     "packing: 'lengths:10,10' holds 20 tokens, more than tokens=16"),
+    ({"base": {"tokens": 256}, "axes": {"kernel_backend": ["torch", "flashmla"]}}, 1,
+     "backend: 'flashmla' runs head dim D in (512,), not 32"),
+]
+
+
+@pytest.mark.parametrize("parts,index,reason", CANNOT_RUN, ids=["divisible", "halo", "ratio", "packing", "head-dim"])
+def test_points_that_cannot_run_are_found_at_expansion(parts, index, reason):
+    points = expand(parse_spec({"name": "t", **parts}))
+    problems = [point_problem(p) for p in points]
+    assert problems[index].startswith(reason), problems[index]
+    assert [i for i, problem in enumerate(problems) if problem is not None] == [index]
+
+
+def test_no_point_left_after_the_exclude_rules_is_an_error_of_expansion():
+    spec = parse_spec(_spec(axes={"cp": [1]}, exclude=[{"cp": 1}]))
+    with pytest.raises(ValueError, match="spec 't': no point left after the exclude rules"):
+        expand(spec)
+
+
+def test_repeated_values_are_dropped_before_the_product_as_duplicate_points_were():
+    # the same points, each once, in the order of their first appearance
+    spec = parse_spec(_spec(base={}, axes={"tokens": [64, 128, 64, 256], "cp": [2, 1, 2], "packing": ["one", "fixed:16",
+                                                                                                       "one", "one"]},
+                            zip=[["tokens", "packing"]]))
+    got = [(p.tokens, p.packing, p.cp) for p in iter_points(spec)]
+    assert got == [(64, "one", 2), (64, "one", 1), (128, "fixed:16", 2), (128, "fixed:16", 1), (256, "one", 2),
+                   (256, "one", 1)]
+    ids = [p.point_id for p in iter_points(spec)]
+    assert len(set(ids)) == len(ids)

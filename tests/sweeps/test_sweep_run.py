@@ -21,6 +21,7 @@ from dsv4cp.cp.launch import spawn
 from dsv4cp.profiling.overlap import KERNEL_COLUMNS
 from dsv4cp.records import COLUMNS, read_meta, read_records
 from dsv4cp.sweeps import runner
+from dsv4cp.sweeps.identity import spec_hash
 from dsv4cp.sweeps.measure import measure_point
 from dsv4cp.sweeps.runner import CRASHED_STATUS, INFLIGHT_FILE, MAX_ATTEMPTS, SweepOptions
 from dsv4cp.sweeps.spec import expand, load_spec
@@ -50,30 +51,35 @@ def _check_ok(record: dict) -> None:
 
 
 def test_sweep_records_ok_error_and_skipped_points_then_resumes(tmp_path, capsys):
-    # cp 1 ok; cp 2 with 8 tokens: 4 rows per rank < the 8-row halo, valid in the spec but fails when
-    # run; then a cp 2 point runs normally on fresh groups; cp 4 needs more ranks than the 2 spawned.
+    # cp 1 ok; cp 2 as CUDA-graph replays: valid in the spec, but the gloo ranks run on CPU, so both
+    # ranks fail when run; then a cp 2 point runs normally on fresh groups; cp 4 needs more ranks than
+    # the 2 spawned.
     spec = _write_spec(tmp_path / "mixed.yaml", axes={
-        "cp": [1, 2, 2, 4], "tokens": [64, 8, 64, 64], "ratio": [4, 4, 8, 4], "pass": ["fwd", "fwd", "fwd+bwd", "fwd"],
-        "packing": ["histogram", "one", "adversarial", "one"],
-    }, zip=[["cp", "tokens", "ratio", "pass", "packing"]])
+        "cp": [1, 2, 2, 4], "tokens": [64, 64, 64, 64], "ratio": [4, 4, 8, 4], "pass": ["fwd", "fwd", "fwd+bwd", "fwd"],
+        "packing": ["histogram", "one", "adversarial", "one"], "cuda_graph": [False, True, False, False],
+    }, zip=[["cp", "tokens", "ratio", "pass", "packing", "cuda_graph"]])
     out = tmp_path / "run"
-    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "2", "--progress", "off"]) == 0
+    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "2", "--progress", "off"]) == 1  # a point failed
     records = read_records(out)
     assert [r["point_id"] for r in records] == [p.point_id for p in expand(load_spec(spec))]
     assert [tuple(r) for r in records] == [COLUMNS] * 4
     ok_1, bad, ok_2, skipped = records
     _check_ok(ok_1)
     _check_ok(ok_2)
-    assert bad["status"].startswith("error: ValueError: tokens: each of the 2 ranks holds 4 rows")
+    assert bad["status"].startswith("error: ValueError: cuda_graph: CUDA-graph replays need a CUDA device")
     assert bad["time_ms_median"] is None and "rank 0" in bad["error"] and "rank 1" in bad["error"]
     assert skipped["status"] == "skipped: needs cp=4"
     meta = read_meta(out)
     assert meta["machine"].startswith("cpu-") and meta["spec"]["name"] == "mixed" and meta["torch"]
+    assert meta["point_ids"] == [r["point_id"] for r in records]
+    assert meta["spec_hash"] == spec_hash(yaml.safe_load(spec.read_text()))
     assert "4 points recorded" in capsys.readouterr().out
 
-    assert main(["sweep", str(spec), "--out", str(out), "--resume", "--progress", "off"]) == 0
+    # the failed point is still in the run: a resume that measures nothing still exits 1
+    assert main(["sweep", str(spec), "--out", str(out), "--resume", "--progress", "off"]) == 1
     assert read_records(out) == records  # nothing run twice
-    assert "0 points recorded" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "0 points recorded" in printed and "1 of the points already there had failed" in printed
 
 
 def _measure_failing_on_rank_1(point, group, device, run, **kwargs):
@@ -85,16 +91,16 @@ def _measure_failing_on_rank_1(point, group, device, run, **kwargs):
     return measure_point(point, group, device, run, **kwargs)
 
 
-def _sweep_rank_with_a_failing_rank(rank, world, device, spec, options):
-    runner.measure_point = _measure_failing_on_rank_1  # in this spawned process only
-    return runner.sweep_rank(rank, world, device, spec, options)
+def _sweep_rank_with_a_failing_rank(rank, world, device, spec, points, options):
+    runner.measure_under_partition = _measure_failing_on_rank_1  # in this spawned process only
+    return runner.sweep_rank(rank, world, device, spec, points, options)
 
 
 def test_a_rank_failing_mid_point_neither_hangs_its_peer_nor_stops_the_sweep(tmp_path):
     spec = load_spec(_write_spec(tmp_path / "flaky.yaml", base={"tokens": 32, "ratio": 0, "pass": "fwd", "cp": 2},
                                  axes={"seed": [0, 1, 2]}))
     options = SweepOptions(out=tmp_path / "run", point_timeout_s=3.0)
-    spawn(_sweep_rank_with_a_failing_rank, 2, spec, options)
+    spawn(_sweep_rank_with_a_failing_rank, 2, spec, expand(spec), options)
     records = read_records(options.out)
     assert [r["seed"] for r in records] == [0, 1, 2]
     assert records[1]["status"] == "error: RuntimeError: injected failure on rank 1"
@@ -121,24 +127,25 @@ def test_dist_backend_on_a_one_rank_sweep_is_refused_before_launching(tmp_path, 
     assert not (out / "records.jsonl").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a one-rank sweep measures on CUDA there: graphs would work")
 def test_one_rank_skips_larger_cp_and_retries_errors_on_request(tmp_path, capsys):
-    # the second point's documents (20 tokens) overflow its 16 tokens: valid in the spec, fails when run
+    # the second point asks for CUDA-graph replays: valid in the spec, fails when run on CPU
     spec = _write_spec(tmp_path / "small.yaml", base={"ratio": 0, "pass": "fwd"},
-                       axes={"cp": [1, 1, 2], "tokens": [32, 16, 32], "packing": ["one", "lengths:10,10", "one"]},
-                       zip=[["cp", "tokens", "packing"]])
+                       axes={"cp": [1, 1, 2], "tokens": [32, 16, 32], "cuda_graph": [False, True, False]},
+                       zip=[["cp", "tokens", "cuda_graph"]])
     assert main(["sweep", str(spec), "--dry-run"]) == 0
     listed = capsys.readouterr().out
     assert all(p.point_id in listed for p in expand(load_spec(spec))) and "3 points" in listed
     out = tmp_path / "run"
-    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "1", "--progress", "off"]) == 0
+    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "1", "--progress", "off"]) == 1
     records = read_records(out)
     assert [r["status"].split(":")[0] for r in records] == ["ok", "error", "skipped"]
-    assert "holds 20 tokens, more than tokens=16" in records[1]["status"]
+    assert "CUDA-graph replays need a CUDA device" in records[1]["status"]
     assert records[2]["status"] == "skipped: needs cp=2"
     args = ["sweep", str(spec), "--out", str(out), "--nproc", "1", "--resume", "--progress", "off"]
-    assert main(args) == 0
+    assert main(args) == 1
     assert read_records(out) == records
-    assert main([*args, "--retry-errors"]) == 0
+    assert main([*args, "--retry-errors"]) == 1  # measured again, failed again
     again = read_records(out)
     assert again[:3] == records and [r["point_id"] for r in again[3:]] == [records[1]["point_id"]]
 
@@ -157,7 +164,7 @@ def test_a_point_the_run_died_in_is_retried_once_then_recorded_as_an_error(tmp_p
     crashed = tmp_path / "crashed"
     crashed.mkdir()
     (crashed / INFLIGHT_FILE).write_text(json.dumps({"point_id": second, "attempts": MAX_ATTEMPTS}))
-    assert main([*args[:3], str(crashed), *args[4:]]) == 0
+    assert main([*args[:3], str(crashed), *args[4:]]) == 1  # the point recorded as an error
     assert [r["status"] for r in read_records(crashed)] == ["ok", CRASHED_STATUS]
 
 
@@ -167,6 +174,22 @@ def test_bad_spec_is_a_clean_error(tmp_path, capsys):
     assert main(["sweep", str(spec), "--out", str(tmp_path / "run")]) == 2
     assert "axes.overlap[0]: unknown value 'sometimes'" in capsys.readouterr().err
     assert not (tmp_path / "run" / "records.jsonl").exists()
+
+
+def test_points_that_cannot_run_are_marked_by_dry_run_and_refused_before_launching(tmp_path, capsys):
+    spec = _write_spec(tmp_path / "odd.yaml", base={"ratio": 0, "pass": "fwd"}, axes={"cp": [1, 2], "tokens": [255]})
+    odd = expand(load_spec(spec))[1]
+    assert main(["sweep", str(spec), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert f"{odd.point_id}  {odd.label()}  CANNOT RUN: tokens: 255 rows are not divisible by cp=2\n" in out
+    assert out.endswith("2 points (1 cannot run), spawning 2 ranks without torchrun\n")
+    refusal = (f"dsv4cp sweep: error: point {odd.point_id} ({odd.label()}) cannot run: tokens: 255 rows are not "
+               "divisible by cp=2; 1 of 2 points cannot (--dry-run marks them): exclude them or change the spec\n")
+    assert err == refusal
+    run = tmp_path / "run"
+    assert main(["sweep", str(spec), "--out", str(run), "--progress", "off"]) == 2
+    assert capsys.readouterr() == ("", refusal)
+    assert not run.exists()  # refused before the run directory was made, let alone a rank started
 
 
 def test_killed_sweep_resumes_with_every_point_exactly_once(tmp_path):
@@ -218,6 +241,8 @@ def test_profile_out_writes_the_same_record_schema(tmp_path, capsys):
     meta = read_meta(out)
     assert meta["spec"]["command"] == "profile" and meta["spec"]["tokens"] == 64 and meta["spec"]["backward"] is True
     assert (tmp_path / "trace" / "overlap.csv").exists()
+    assert json.loads((tmp_path / "trace" / "point.json").read_text())["tokens"] == 64  # what model --calibrate checks
+    assert record["bound_machine"] == "cpu-estimate" and record["bound_ms"] > 0  # the bound of the machine that ran
     kernels = pd.read_csv(tmp_path / "trace" / "kernels.csv")  # which kernels (host ops on CPU) make each phase
     assert list(kernels.columns) == list(KERNEL_COLUMNS) and (kernels["time_ms"] > 0).all()
     assert {"dsv4cp.q_proj.fwd", "dsv4cp.sparse_attn.fwd"} <= set(kernels["phase"])

@@ -1,0 +1,307 @@
+"""Kernel options: every switch that chooses a kernel variant or pins a launch, in one typed registry.
+
+Each option (:class:`KernelOption`) has a snake_case name, the ``DSV4CP_*`` environment variable it
+honours, a type (a choice of words, a flag, or a tile of N named integers), its allowed values, a
+default, the op it affects and a one-line doc. A device-dependent default is the word ``auto``: the
+op resolves it (and notes what it chose, below). A tile's ``auto`` is the kernel's launch ladder.
+
+Where a value comes from, highest first: an explicit value (:func:`overrides`), the environment
+variable, the default. This module is the only place in dsv4cp that reads those variables (and
+Triton's own ``TRITON_INTERPRET``): the ops ask :func:`get` and pass the values to the kernels as
+keyword arguments.
+
+What actually ran: the ops call :func:`note_backend` with the implementation of each op and direction
+(``sparse_attention.fwd`` -> ``triton``, ``indexer_topk`` -> ``triton/chunked/radix/packed``) and the
+kernels' launchers with the tile the ladder picked (``sparse_attention.fwd.config`` ->
+``block_h=64,block_k=64,num_warps=4,num_stages=2``); :func:`backends_ran` reads them back for a
+record. One dict write per call, no device work.
+
+Standard library only (the bottom layer of the import contract).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "OPTIONS",
+    "KernelOption",
+    "backends_ran",
+    "canonical",
+    "check_values",
+    "describe",
+    "get",
+    "note_backend",
+    "overrides",
+    "parse_assignments",
+    "reset_backends_ran",
+    "resolved",
+    "source",
+    "triton_interpret_requested",
+    "where",
+]
+
+CHOICE, FLAG, TILE = "choice", "flag", "tile"
+AUTO = "auto"
+_FLAG_TEXT = {"0": False, "1": True}
+
+
+@dataclass(frozen=True)
+class KernelOption:
+    """One kernel option. ``kind``: :data:`CHOICE` (one of ``choices``), :data:`FLAG` (``0`` / ``1``)
+    or :data:`TILE` (``len(fields)`` integers, written ``"a,b,..."``, or ``auto``: the launch ladder).
+    ``default``: a word of ``choices`` (``auto`` when the op resolves it by device), a bool for a flag,
+    None (``auto``) for a tile."""
+
+    name: str
+    env: str
+    kind: str
+    op: str
+    doc: str
+    default: str | bool | None = None
+    choices: tuple[str, ...] = ()
+    fields: tuple[str, ...] = ()
+
+    def parse(self, value: object, origin: str) -> str | bool | tuple[int, ...] | None:
+        """``value`` (text, or a Python value of the option's type) as the option's type; ``ValueError``
+        starting with ``origin`` (the option's name, or its variable) and naming the value."""
+        if self.kind == CHOICE:
+            text = str(value).strip() if isinstance(value, str) else value
+            if text not in self.choices:
+                raise ValueError(f"{origin}: must be one of {', '.join(map(repr, self.choices))}, got {value!r}"
+                                 f"{self._also(origin)}")
+            return text
+        if self.kind == FLAG:
+            if isinstance(value, bool):
+                return value
+            text = value.strip() if isinstance(value, str) else str(value) if isinstance(value, int) else None
+            if text not in _FLAG_TEXT:
+                raise ValueError(f"{origin}: must be '0' or '1', got {value!r}{self._also(origin)}")
+            return _FLAG_TEXT[text]
+        return self._parse_tile(value, origin)
+
+    def _parse_tile(self, value: object, origin: str) -> tuple[int, ...] | None:
+        if value is None or (isinstance(value, str) and value.strip() == AUTO):
+            return None
+        try:
+            parts = value.split(",") if isinstance(value, str) else list(value)  # type: ignore[arg-type]
+            if any(isinstance(p, (bool, float)) for p in parts):
+                raise ValueError
+            numbers = tuple(int(p) for p in parts)
+            if len(numbers) != len(self.fields):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ValueError(f"{origin}: expected '{','.join(self.fields)}' ({len(self.fields)} integers) or "
+                             f"'auto', got {value!r}{self._also(origin)}") from None
+        return numbers
+
+    def _also(self, origin: str) -> str:
+        """The option's name after an error that starts with its variable."""
+        return f" (kernel option {self.name})" if origin == self.env else ""
+
+    def text(self, value: str | bool | tuple[int, ...] | None) -> str:
+        """``value`` as the text a record stores (the form :meth:`parse` reads back)."""
+        if self.kind == FLAG:
+            return "1" if value else "0"
+        if self.kind == TILE:
+            return AUTO if value is None else ",".join(map(str, value))
+        return str(value)
+
+    @property
+    def allowed(self) -> str:
+        """The allowed values, in words (for ``dsv4cp env`` and the README)."""
+        if self.kind == CHOICE:
+            return " | ".join(self.choices)
+        if self.kind == FLAG:
+            return "0 | 1"
+        return f"auto | {','.join(self.fields)}"
+
+
+def _tile(name: str, op: str, fields: tuple[str, ...], doc: str) -> KernelOption:
+    return KernelOption(name, "DSV4CP_" + name.upper(), TILE, op, doc, None, (), fields)
+
+
+_KERNEL_TILE = ("block_h", "block_k", "num_warps", "num_stages")
+_INDEXER_TILE = ("block_m", "block_n", "num_warps", "num_stages")
+
+OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
+    KernelOption("topk_impl", "DSV4CP_TOPK_IMPL", CHOICE, "indexer_topk",
+                 "Triton top-k path: score buffers + a selection (chunked) or one streaming pass (stream)",
+                 "chunked", ("chunked", "stream")),
+    KernelOption("topk_select", "DSV4CP_TOPK_SELECT", CHOICE, "indexer_topk",
+                 "chunked top-k's selection: Triton radix select or torch.topk (auto: radix compiled, "
+                 "torch under the interpreter)", AUTO, (AUTO, "radix", "torch")),
+    KernelOption("topk_keys", "DSV4CP_TOPK_KEYS", CHOICE, "indexer_topk",
+                 "torch selection's buffer: int64 keys packed by the score kernel, or fp32 scores",
+                 "packed", ("packed", "scores")),
+    _tile("triton_indexer_config", "indexer_topk", _INDEXER_TILE, "pins the indexer score kernel's launch"),
+    _tile("triton_topk_stream_config", "indexer_topk", _INDEXER_TILE, "pins the streaming top-k kernel's launch"),
+    _tile("triton_select_config", "indexer_topk", ("block_n", "radix_bits", "num_warps", "num_stages"),
+          "pins the radix select kernel's launch"),
+    _tile("triton_gather_bwd_config", "indexer_scores", ("block_k", "num_warps", "num_stages", "relaxed_atomics"),
+          "pins the gathered indexer scores' backward launch (relaxed_atomics 0 or 1)"),
+    _tile("triton_fwd_config", "sparse_attention", _KERNEL_TILE, "pins the Triton attention forward's launch"),
+    _tile("triton_bwd_config", "sparse_attention", _KERNEL_TILE,
+          "pins the Triton attention backward's first (dq / scores) kernel"),
+    _tile("triton_dkv_config", "sparse_attention", ("block_k", "block_d", "num_warps", "num_stages"),
+          "pins the Triton attention backward's dkv kernel"),
+    KernelOption("triton_dq_in_dkv", "DSV4CP_TRITON_DQ_IN_DKV", FLAG, "sparse_attention",
+                 "Triton attention backward accumulates dq in the dkv kernel (1) or in the dq kernel (0)", True),
+    _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),
+    _tile("triton_lse_config", "attention_probs", _KERNEL_TILE, "pins the log-sum-exp kernel"),
+    KernelOption("triton_probs_slots_on_m", "DSV4CP_TRITON_PROBS_SLOTS_ON_M", FLAG, "attention_probs",
+                 "probabilities kernel puts the slots on the matrix unit's M (1) or the heads (0)", True),
+    _tile("triton_norm_rope_config", "norm_rope", ("block_h", "num_warps"),
+          "pins the fused norm / RoPE kernels' launch (powers of two)"),
+)}
+"""Every kernel option by name."""
+
+_EXPLICIT: dict[str, object] = {}
+"""Values set by :func:`overrides` (parsed), by name."""
+
+_BACKENDS_RAN: dict[str, str] = {}
+
+
+def _option(name: str) -> KernelOption:
+    option = OPTIONS.get(name)
+    if option is None:
+        raise ValueError(f"kernel option: unknown name {name!r}; choose from {', '.join(OPTIONS)}")
+    return option
+
+
+def source(name: str) -> str:
+    """Where :func:`get` takes ``name`` from: ``"explicit"``, ``"env"`` or ``"default"``."""
+    option = _option(name)
+    if name in _EXPLICIT:
+        return "explicit"
+    return "env" if os.environ.get(option.env, "").strip() else "default"
+
+
+def where(name: str) -> str:
+    """What an error about ``name``'s current value starts with: its variable when the value came from
+    the environment, else the option's name."""
+    return _option(name).env if source(name) == "env" else name
+
+
+def get(name: str) -> str | bool | tuple[int, ...] | None:
+    """The value of option ``name``: the explicit one, else its ``DSV4CP_*`` variable, else the default.
+    A choice is its word, a flag a bool, a tile a tuple of ints (None: ``auto``, the ladder).
+    ``ValueError`` naming the option (and the variable) and the value when the variable's is bad."""
+    option = _option(name)
+    if name in _EXPLICIT:
+        return _EXPLICIT[name]  # type: ignore[return-value]
+    text = os.environ.get(option.env, "").strip()
+    if text:
+        return option.parse(text, option.env)
+    return option.default
+
+
+def resolved() -> dict[str, str]:
+    """Every option's current value as text, by name (JSON-safe, stable order): what a record stores."""
+    return {name: option.text(get(name)) for name, option in OPTIONS.items()}
+
+
+def resolved_with(values: Mapping[str, object]) -> dict[str, str]:
+    """:func:`resolved` with ``values`` set explicitly over the environment and the defaults."""
+    with overrides(values):
+        return resolved()
+
+
+def non_default(values: Mapping[str, str]) -> dict[str, str]:
+    """The entries of ``values`` (name -> text, as :func:`resolved` gives them) whose value differs from the
+    option's default, sorted by name: what sets a configuration apart from the default one (a point's id is
+    built on them, so a point that names a default and one that does not are the same point). Unknown
+    names are kept (a record written by another version of the registry stays apart)."""
+    kept = {}
+    for name in sorted(values):
+        option = OPTIONS.get(name)
+        if option is None or values[name] != option.text(option.default):
+            kept[name] = values[name]
+    return kept
+
+
+def configuration(values: Mapping[str, object] | None) -> dict[str, str] | None:
+    """The options that differ from their defaults once ``values`` are set over the environment
+    (:func:`non_default` of :func:`resolved_with`), None when none does: the kernel configuration a
+    point runs, as its id names it. Cached on the values and the variables' current text."""
+    settings = tuple(sorted(canonical(values or {}).items()))
+    environment = tuple(os.environ.get(option.env, "").strip() for option in OPTIONS.values())
+    found = _configuration(settings, environment)
+    return None if found is None else dict(found)  # the caller's to keep: never the cached one
+
+
+@functools.lru_cache(maxsize=256)
+def _configuration(settings: tuple[tuple[str, str], ...], environment: tuple[str, ...]) -> dict[str, str] | None:
+    return non_default(resolved_with(dict(settings))) or None
+
+
+def describe() -> list[dict[str, str]]:
+    """One row per option: name, value, source, default, allowed, variable, op, doc (``dsv4cp env``)."""
+    return [{"name": name, "value": option.text(get(name)), "source": source(name),
+             "default": option.text(option.default), "allowed": option.allowed, "env": option.env,
+             "op": option.op, "doc": option.doc} for name, option in OPTIONS.items()]
+
+
+def check_values(values: Mapping[str, object]) -> None:
+    """``ValueError`` naming the first unknown name or bad value of ``values`` (name -> value)."""
+    canonical(values)
+
+
+def canonical(values: Mapping[str, object]) -> dict[str, str]:
+    """``values`` (name -> value) checked, as ``{name: text}`` sorted by name: one spelling per setting
+    (``"0"`` and ``False`` alike), so a point's id does not depend on how a spec wrote it."""
+    return {name: _option(name).text(_option(name).parse(value, name)) for name, value in sorted(dict(values).items())}
+
+
+@contextlib.contextmanager
+def overrides(values: Mapping[str, object]) -> Iterator[None]:
+    """Set explicit values (names of :data:`OPTIONS`, values as text or of the option's type) for the
+    block; all are validated on entry, before anything changes; the previous values come back on exit
+    (blocks nest)."""
+    parsed = {name: _option(name).parse(value, name) for name, value in dict(values).items()}
+    saved = dict(_EXPLICIT)
+    _EXPLICIT.update(parsed)
+    try:
+        yield
+    finally:
+        _EXPLICIT.clear()
+        _EXPLICIT.update(saved)
+
+
+def parse_assignments(texts: list[str]) -> dict[str, str]:
+    """``["NAME=VALUE", ...]`` as a mapping; each name must be an option and each value valid for it
+    (``ValueError`` naming it). A later assignment of a name wins."""
+    values: dict[str, str] = {}
+    for text in texts:
+        name, eq, value = text.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise ValueError(f"kernel option: expected NAME=VALUE, got {text!r}")
+        _option(name).parse(value, name)
+        values[name] = value.strip()
+    return values
+
+
+def note_backend(key: str, value: str) -> None:
+    """Record that ``key`` (an op and direction, e.g. ``sparse_attention.fwd``, or a launch's
+    ``<op>.<kernel>.config``) ran as ``value``."""
+    _BACKENDS_RAN[key] = value
+
+
+def backends_ran() -> dict[str, str]:
+    """What ran since :func:`reset_backends_ran`, by key (sorted: stable in a record)."""
+    return dict(sorted(_BACKENDS_RAN.items()))
+
+
+def reset_backends_ran() -> None:
+    """Forget what ran (call before the step whose kernels a record describes)."""
+    _BACKENDS_RAN.clear()
+
+
+def triton_interpret_requested() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks Triton for its CPU interpreter (read at triton's first import)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")

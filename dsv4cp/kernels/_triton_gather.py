@@ -1,0 +1,33 @@
+"""The gather of selected rows shared by the Triton kernels that read keys through an index: the sparse
+attention's forward and dq kernels, the attention probabilities' two kernels and the indexer scores'
+forward and backward (:mod:`.sparse_attention_triton`, :mod:`.attention_probs_triton`,
+:mod:`.indexer_scores_triton`).
+
+Imports triton: only the kernel modules, themselves imported lazily, import this module.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gather_rows(TABLE, IDX_ROW, slots, slot_mask, n_rows, stride_n, d, dmask, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
+    """``(rows, valid, tile)`` of one step over a query's selected slots: ``rows [BLOCK_K]`` int64 read
+    from ``IDX_ROW + slots`` (``-1`` where ``slot_mask`` is off), ``valid`` = ``0 <= rows < n_rows`` (an
+    out-of-range row reads nothing: no memory fault), and ``tile [BLOCK_K, BLOCK_D]`` = ``TABLE[rows, d]``
+    (rows ``stride_n`` apart, zero at invalid rows and at columns ``d >= D``), upcast to fp32 when
+    ``DOT_F32`` (Triton's CPU interpreter multiplies bf16 tiles wrongly). Without head-dim padding
+    (``D == BLOCK_D``) the load is masked by row only: fewer predicate registers."""
+    rows = tl.load(IDX_ROW + slots, mask=slot_mask, other=-1).to(tl.int64)
+    valid = (rows >= 0) & (rows < n_rows)
+    if D == BLOCK_D:
+        mask = valid[:, None]
+    else:
+        mask = valid[:, None] & dmask[None, :]
+    tile = tl.load(TABLE + rows[:, None] * stride_n + d[None, :], mask=mask, other=0.0)
+    if DOT_F32:
+        tile = tile.to(tl.float32)
+    return rows, valid, tile

@@ -1,0 +1,345 @@
+"""Triton kernels of the indexer's differentiable scores at given key rows (docs/design.md §1.5):
+:func:`indexer_scores_triton`, the autograd function behind :func:`dsv4cp.ops.indexer.indexer_scores`
+(the indexer loss's prediction), ``out[t, j] = sum_h w[t, h] relu(<q[t, h], keys[idx[t, j]]>)``.
+
+Kernels (``_gather_fwd_kernel``, ``_gather_bwd_kernel``): one program per query;
+its heads sit on the matrix-unit M dimension (``Hi = 64`` = one wgmma M), the selected key rows are
+gathered ``BLOCK_K`` at a time (``[BLOCK_K, Di]``, loaded once per block and used in every product of
+the block). Backward recomputes ``s = q k^T``, accumulates ``dw`` and ``dq = ds k`` per query in
+registers (no atomics) and adds ``dk = ds^T q`` into the fp32 key gradient with ``tl.atomic_add``
+(``ds = [s > 0] w g`` is rounded to q's dtype for the two products, as the attention kernels do). The
+atomics are relaxed: with Triton's default order (acq_rel) every 16-byte vector atomic compiles, on
+sm_90, to a returning ``ATOMG`` wrapped in ``MEMBAR.ALL.GPU`` and an L1 invalidation (``CCTL.IVALL``),
+8 of them per thread and step, each fence waiting for all of the program's outstanding memory traffic;
+relaxed ones are fire-and-forget ``REDG.E.ADD.F32x4`` (read off the SASS of both builds). The sum only
+needs atomicity, and the kernel's end orders it before any reader. The acq_rel build stays selectable
+(:class:`GatherBwdConfig` ``relaxed_atomics=False``, the kernel option ``triton_gather_bwd_config``) to
+measure against. In deterministic mode (:func:`dsv4cp.kernels.is_deterministic`) it stores
+per-(query, slot) contributions instead, which ``_contrib_reduce_kernel`` sums per key row in the fixed
+order of a stable sort (bitwise reproducible).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4cp import kernel_options
+from dsv4cp.kernels import is_deterministic
+from dsv4cp.kernels._triton_gather import gather_rows
+from dsv4cp.kernels._triton_launch import Kernels, pinned_config
+from dsv4cp.kernels._triton_launch import interpreted as _interpreted
+from dsv4cp.kernels.indexer_triton import _check_qwk, _dot_f32, _precision
+
+__all__ = ["BWD_CONFIG_ENV", "BWD_SCRATCH_BYTES", "GATHER_BWD_CONFIGS", "GatherBwdConfig", "GatherConfig",
+           "indexer_scores_triton"]
+
+BWD_CONFIG_ENV = kernel_options.OPTIONS["triton_gather_bwd_config"].env
+"""The variable of the kernel option ``triton_gather_bwd_config``: pins the ``indexer_scores``
+backward's launch: ``"block_k,num_warps,num_stages,relaxed_atomics"``
+(:class:`GatherBwdConfig`; ``relaxed_atomics`` 0 or 1)."""
+
+BWD_SCRATCH_BYTES = 2**30
+"""Budget of the deterministic backward's per-chunk ``[rows, K, Di]`` fp32 key-gradient contributions."""
+
+
+@dataclass(frozen=True)
+class GatherConfig:
+    """``indexer_scores`` kernels' launch: selected slots per step, warps, stages."""
+
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class GatherBwdConfig:
+    """``indexer_scores`` backward's launch: selected slots per step, warps, stages, and the memory order
+    of the key-gradient atomics (``relaxed_atomics``; False: Triton's default acq_rel, the original
+    kernel, kept to measure against)."""
+
+    block_k: int
+    num_warps: int
+    num_stages: int
+    relaxed_atomics: bool = True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel bodies (plain functions, built per execution mode by ``_KERNELS``).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _gather_fwd_kernel(
+    Q, W, KEYS, IDX, OUT,
+    HI, G, KSEL,
+    stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot,
+    DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Scores of one query t at its selected key rows: OUT[t, j] = sum_h W[t, h] relu(<Q[t, h], KEYS[IDX[t, j]]>).
+
+    Q ``[T, HI, DI]``, W ``[T, HI]`` (any float), KEYS ``[G, DI]``, IDX ``[T, KSEL]`` int32/int64,
+    OUT ``[T, KSEL]`` fp32 (0 at empty slots: ``IDX < 0`` or ``>= G``).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < HI
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < DI
+    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    w = tl.load(W + t * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
+    for k0 in range(0, KSEL, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        smask = slots < KSEL
+        rows, valid, kg = gather_rows(KEYS, IDX + t * stride_it, slots, smask, G, stride_kn, d, dmask,
+                                      DI, BLOCK_D, DOT_F32)
+        s = tl.dot(q, tl.trans(kg), input_precision=PRECISION)  # [BLOCK_H, BLOCK_K]
+        out = tl.sum(w[:, None] * tl.maximum(s, 0.0), 0)
+        tl.store(OUT + t * stride_ot + slots, out, mask=smask)
+
+
+def _gather_bwd_kernel(
+    Q, W, KEYS, IDX, GRAD, DQ, DW, DKEYS, CONTRIB,
+    HI, G, KSEL, T0,
+    stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_gt, stride_dqt, stride_dqh, stride_dkn,
+    DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, RELAXED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Backward of ``_gather_fwd_kernel`` for query t = T0 + program id.
+
+    GRAD ``[T, KSEL]`` fp32 (ignored at empty slots). Writes DQ ``[T, HI, DI]`` (Q's dtype) and DW
+    ``[T, HI]`` fp32 for t; key gradients ``ds^T q`` either ``tl.atomic_add``-ed into DKEYS ``[G, DI]``
+    fp32 (RELAXED: relaxed memory order; else Triton's default acq_rel), or (DETERMINISTIC) stored to
+    CONTRIB ``[chunk, KSEL, BLOCK_D]`` fp32 at ``(t - T0, slot)`` (zero rows for empty slots).
+    """
+    t_local = tl.program_id(0).to(tl.int64)
+    t = T0 + t_local
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < HI
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < DI
+    qd_mask = hmask[:, None] & dmask[None, :]
+    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    w = tl.load(W + t * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
+    dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k0 in range(0, KSEL, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        smask = slots < KSEL
+        rows, valid, kg = gather_rows(KEYS, IDX + t * stride_it, slots, smask, G, stride_kn, d, dmask,
+                                      DI, BLOCK_D, DOT_F32)
+        g = tl.load(GRAD + t * stride_gt + slots, mask=valid, other=0.0)
+        s = tl.dot(q, tl.trans(kg), input_precision=PRECISION)  # [BLOCK_H, BLOCK_K]
+        dw += tl.sum(tl.maximum(s, 0.0) * g[None, :], 1)
+        ds = tl.where(s > 0.0, w[:, None] * g[None, :], 0.0)
+        dq = tl.dot(ds.to(kg.dtype), kg, dq, input_precision=PRECISION)
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)  # [BLOCK_K, BLOCK_D] fp32
+        if DETERMINISTIC:
+            tl.store(CONTRIB + (t_local * KSEL + slots)[:, None] * BLOCK_D + d[None, :],
+                     tl.where(valid[:, None], dk, 0.0), mask=smask[:, None])
+        elif RELAXED:  # atomicity is all the sum needs; the kernel's end orders it before any reader
+            tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk,
+                          mask=valid[:, None] & dmask[None, :], sem="relaxed")
+        else:  # acq_rel: a GPU-scope fence and an L1 invalidation around every vector atomic
+            tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk,
+                          mask=valid[:, None] & dmask[None, :])
+    tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=qd_mask)
+    tl.store(DW + t * HI + heads, dw, mask=hmask)
+
+
+def _contrib_reduce_kernel(
+    CONTRIB, PERM, SEG, DKEYS,
+    stride_dkn,
+    DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """DKEYS[g] += sum of CONTRIB rows ``PERM[SEG[g] : SEG[g + 1]]`` (``[*, BLOCK_D]`` fp32 rows), in that
+    order (a stable sort of the slots' key rows: fixed, so the sums are bitwise reproducible)."""
+    g = tl.program_id(0).to(tl.int64)
+    start = tl.load(SEG + g)
+    end = tl.load(SEG + g + 1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < DI
+    acc = tl.load(DKEYS + g * stride_dkn + d, mask=dmask, other=0.0)
+    for c0 in range(start, end, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        cmask = c < end
+        src = tl.load(PERM + c, mask=cmask, other=0).to(tl.int64)
+        part = tl.load(CONTRIB + src[:, None] * BLOCK_D + d[None, :], mask=cmask[:, None] & dmask[None, :],
+                       other=0.0)
+        acc += tl.sum(part, 0)
+    tl.store(DKEYS + g * stride_dkn + d, acc, mask=dmask)
+
+
+_KERNELS = Kernels("indexer triton scores", _gather_fwd_kernel, _gather_bwd_kernel, _contrib_reduce_kernel,
+                   op="indexer_scores")
+_build, _launch = _KERNELS.build, _KERNELS.launch
+
+
+def _gather_fwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[GatherConfig]:
+    if interpreted:
+        return [GatherConfig(16, 4, 1)]
+    if dtype == torch.float32 or block_d > 128:
+        return [GatherConfig(*c) for c in ((32, 4, 2), (16, 4, 1))]
+    return [GatherConfig(*c) for c in ((64, 4, 3), (64, 4, 2), (32, 4, 1), (16, 4, 1))]
+
+
+GATHER_BWD_CONFIGS = [(32, 4, 2), (16, 4, 2), (16, 4, 1), (64, 8, 1), (64, 8, 2), (64, 8, 3), (32, 8, 1),
+                      (32, 8, 2)]
+"""bf16 / fp16 backward tiles (``block_k, num_warps, num_stages``), first = default, fastest first as
+measured on an H200 (``bench/test_bench_indexer.py::test_indexer_scores_fwd_bwd``, 64K flash shapes,
+forward + backward, ``results/2026-12-01-h200-speed3``): 14.29 / 14.60 / 15.61 / 17.50 / 17.76 / 18.07 /
+21.33 / 26.29 ms, against 34.26 ms for the acq_rel-atomics kernel it replaced. Compiled for sm_90a with
+Triton 3.6 (ptxas, Di = 128, Hi = 64): ``(32, 4, 2)`` uses 240 registers per thread without spilling,
+2 resident programs per SM (``(64, 8, 2)``: 202 registers, 1 program)."""
+
+
+def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[GatherBwdConfig]:
+    if interpreted:
+        return [GatherBwdConfig(16, 4, 1)]
+    if dtype == torch.float32 or block_d > 128:
+        return [GatherBwdConfig(*c) for c in ((32, 8, 1), (16, 4, 1))]
+    return [GatherBwdConfig(*c) for c in GATHER_BWD_CONFIGS]
+
+
+def _gather_bwd_pinned(config: GatherBwdConfig | None) -> GatherBwdConfig | None:
+    """``config``, else the kernel option ``triton_gather_bwd_config``, else None (the ladder); checked."""
+    cfg = pinned_config(config, "triton_gather_bwd_config", GatherBwdConfig, name="bwd_config")
+    if cfg is None:
+        return None
+    source = "bwd_config" if config is not None else kernel_options.where("triton_gather_bwd_config")
+    if cfg.relaxed_atomics not in (0, 1):  # the env gives ints; True / False compare equal to 1 / 0
+        raise ValueError(f"{source}: relaxed_atomics must be 0 or 1, got {cfg.relaxed_atomics!r}")
+    return dataclasses.replace(cfg, relaxed_atomics=bool(cfg.relaxed_atomics))
+
+
+
+def _check_idx(q, idx) -> None:
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
+        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ValueError(f"idx: must be [{q.shape[0]}, K], got {shape}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx: dtype must be int32 or int64, got {idx.dtype}")
+    if idx.device != q.device:
+        raise ValueError(f"idx: must be on q's device {q.device}, got {idx.device}")
+
+
+def _gather_forward(q, w, keys, idx, config: GatherConfig | None = None) -> torch.Tensor:
+    t, hi, di = q.shape
+    ksel = idx.shape[1]
+    out = torch.empty(t, ksel, dtype=torch.float32, device=q.device)
+    if t == 0 or ksel == 0:
+        return out
+    dev = q.device
+    block_d = triton.next_power_of_2(di)
+    block_h = max(16, triton.next_power_of_2(hi))
+    kernel = _build("_gather_fwd_kernel", dev)
+
+    def launch(cfg: GatherConfig) -> None:
+        kernel[(t,)](
+            q, w, keys, idx, out, hi, keys.shape[0], ksel,
+            q.stride(0), q.stride(1), w.stride(0), keys.stride(0), idx.stride(0), out.stride(0),
+            DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k,
+            PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _launch("gather_fwd", (dev.type, di, block_h, q.dtype), _gather_fwd_ladder(block_d, q.dtype, _interpreted(dev)),
+            config, launch)
+    return out
+
+
+def _reduce_contributions(contrib, idx, dkeys) -> None:
+    """dkeys[g] += the chunk's contributions to key row g, summed in the order of a stable sort of the
+    flattened slot rows (query-major, then slot): bitwise reproducible."""
+    g, di = dkeys.shape
+    rows = idx.to(torch.int64).reshape(-1)
+    rows = torch.where((rows >= 0) & (rows < g), rows, g)  # empty slots sort last and are never read
+    sorted_rows, perm = torch.sort(rows, stable=True)
+    seg = torch.searchsorted(sorted_rows, torch.arange(g + 1, device=idx.device))
+    _build("_contrib_reduce_kernel", dkeys.device)[(g,)](
+        contrib, perm, seg, dkeys, dkeys.stride(0),
+        DI=di, BLOCK_D=contrib.shape[-1], BLOCK_C=16, num_warps=4,
+    )
+
+
+def _gather_backward(q, w, keys, idx, grad, deterministic: bool, config: GatherBwdConfig | None = None,
+                     scratch_bytes: int | None = None):
+    """``(dq, dw fp32, dkeys fp32)`` of :func:`indexer_scores_triton` for the upstream fp32 ``grad
+    [T, K]``; ``config``: a checked pin (:func:`_gather_bwd_pinned`) or None (the ladder)."""
+    t, hi, di = q.shape
+    g, ksel = keys.shape[0], idx.shape[1]
+    dev = q.device
+    dq = torch.zeros_like(q)
+    dw = torch.zeros(t, hi, dtype=torch.float32, device=dev)
+    dkeys = torch.zeros(g, di, dtype=torch.float32, device=dev)
+    if t == 0 or ksel == 0 or g == 0:
+        return dq, dw, dkeys
+    block_d = triton.next_power_of_2(di)
+    block_h = max(16, triton.next_power_of_2(hi))
+    kernel = _build("_gather_bwd_kernel", dev)
+    budget = BWD_SCRATCH_BYTES if scratch_bytes is None else int(scratch_bytes)
+    chunk = max(1, min(t, budget // (ksel * block_d * 4))) if deterministic else t
+    contrib = torch.empty(chunk, ksel, block_d, dtype=torch.float32, device=dev) if deterministic else dkeys
+    ladder = _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev))
+    for t0 in range(0, t, chunk):
+        rows = min(chunk, t - t0)
+
+        def launch(cfg: GatherBwdConfig, rows: int = rows, t0: int = t0) -> None:
+            kernel[(rows,)](
+                q, w, keys, idx, grad, dq, dw, dkeys, contrib, hi, g, ksel, t0,
+                q.stride(0), q.stride(1), w.stride(0), keys.stride(0), idx.stride(0), grad.stride(0),
+                dq.stride(0), dq.stride(1), dkeys.stride(0),
+                DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k, DETERMINISTIC=deterministic,
+                RELAXED=cfg.relaxed_atomics, PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+
+        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, deterministic), ladder, config, launch)
+        if deterministic:
+            _reduce_contributions(contrib[:rows], idx[t0:t0 + rows], dkeys)
+    return dq, dw, dkeys
+
+
+class _TritonIndexerScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, w, keys, idx, bwd_config):
+        q_c, w_c, keys_c, idx_c = q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous()
+        out = _gather_forward(q_c, w_c, keys_c, idx_c)
+        ctx.save_for_backward(q_c, w_c, keys_c, idx_c)
+        ctx.bwd_config = bwd_config
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, w, keys, idx = ctx.saved_tensors
+        kernel_options.note_backend("indexer_scores.bwd", "triton")
+        grad = grad.to(torch.float32).contiguous()
+        dq, dw, dkeys = _gather_backward(q, w, keys, idx, grad, is_deterministic(), ctx.bwd_config)
+        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None, None
+
+
+def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
+                          bwd_config: GatherBwdConfig | None = None) -> torch.Tensor:
+    """Differentiable scores ``[T, K]`` fp32 of queries at key rows ``idx [T, K]`` (Triton forward and
+    backward); the contract of :func:`dsv4cp.ops.indexer.indexer_scores` for bf16 / fp16 / fp32 inputs.
+
+    ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]`` (q's dtype), ``idx`` int32/int64 (``-1`` =
+    empty slot: score 0 there, no gradient). Backward: ``dq`` and ``dw`` per query (no atomics), ``dkeys``
+    by fp32 atomics, or, when :func:`dsv4cp.kernels.is_deterministic`, by a fixed-order reduction.
+    Gradients are returned in the inputs' dtypes. ``bwd_config`` pins the backward's launch (default:
+    the kernel option ``triton_gather_bwd_config``, else the ladder); it is checked here, before any work.
+    """
+    _check_qwk(q, w, keys)
+    _check_idx(q, idx)
+    return _TritonIndexerScores.apply(q, w, keys, idx, _gather_bwd_pinned(bwd_config))

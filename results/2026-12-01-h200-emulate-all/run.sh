@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One H200, after the kernel-options registry / one-step / cost-model refactor: the GPU test suite and the
+# flash C layer at 64K (figures to set beside results/2026-12-01-h200-speed4), then every rank of CP 4 and CP 8
+# emulated in turn on the one GPU (`profile --emulate-rank all`: compute and memory only, no communication) with
+# equal, balanced and measured splits, and a sample of CP 64 ranks at 1M tokens.
+# Device calls made back to back (the machine stays warm 30 s); wheels from ../shared/gpu/fetch_wheels.sh,
+# regrouped so every call stays under the 64 MiB carry limit (.whl: the cuDNN CuTe DSL's first part; .whl3:
+# FlashMLA, nvtx and the small CuTe DSL wheels; .whl2: the DSL's second part and the cuDNN frontend):
+#   call 1, carrying .whl  : mkdir -p $HOME/wheels && cp .whl/* $HOME/wheels/
+#   call 2, carrying .whl3 : mkdir -p $HOME/wheels && cp .whl3/* $HOME/wheels/
+#   call 3, carrying .whl2 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-emulate-all/run.sh tests $OUT
+#   call 4                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-emulate-all/run.sh one-document $OUT
+#   call 5                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-emulate-all/run.sh more $OUT
+# tests: `dsv4cp env`, the whole GPU test suite, and the flash C layer (64K tokens, one document, fwd+bwd, bf16)
+#   with `auto` and with Triton only. one-document: one 256K document on cp 8 (equal, balanced, measured) and one
+#   128K document on cp 4 (measured). more: histogram packing at 256K on cp 8 (equal, measured) and ranks 0, 31, 63
+#   of cp 64 at 1M tokens (equal, balanced). The balanced and measured splits start from the committed H200
+#   calibration (results/baselines/h200/calibration.json).
+# Outputs under this folder, packed into $OUT/<part>.tar.gz after every step; unpack from the repository root.
+set -uo pipefail
+part=$1; out=${2:-.}
+day=results/2026-12-01-h200-emulate-all
+source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
+save() { tar czf "$out/$part.tar.gz" "$day"; }
+mkdir -p "$day"
+cal=results/baselines/h200/calibration.json
+flash="--preset flash --ratio 4 --backward --dtype bf16 --progress off"
+emulate() {  # emulate CP TOKENS PACKING PARTITION [more flags]: every rank in turn
+  local cp=$1 tokens=$2 packing=$3 partition=$4; shift 4
+  local extra=(); [ "$partition" != equal ] && extra=(--calibration "$cal")
+  [ "$partition" = measured ] && extra+=(--save-split "$day/split-cp$cp-$tokens-$packing.json"
+                                         --save-calibration "$day/calibration-cp$cp-$tokens-$packing.json")
+  echo "\$ python3 -m dsv4cp.cli.main profile $flash --tokens $tokens --packing $packing --warmup 1 --reps 4 --kernel-backend auto --cp $cp --emulate-rank all --partition $partition ${extra[*]} $* --out $day/emulated"
+  local start=$(date +%s)
+  timeout 400 python3 -m dsv4cp.cli.main profile $flash --tokens "$tokens" --packing "$packing" --warmup 1 --reps 4 \
+    --kernel-backend auto --cp "$cp" --emulate-rank all --partition "$partition" "${extra[@]}" "$@" \
+    --out "$day/emulated" 2>&1 | quiet
+  echo "(took $(( $(date +%s) - start )) s)"
+}
+case $part in
+  tests)
+    python3 -m dsv4cp.cli.main env --device cuda > "$day/env.txt" 2>&1
+    timeout 330 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rfE > "$day/gpu_tests.txt" 2>&1
+    tail -3 "$day/gpu_tests.txt"; save
+    for kb in auto triton; do
+      echo "\$ python3 -m dsv4cp.cli.main profile $flash --tokens 65536 --packing one --warmup 2 --reps 6 --kernel-backend $kb --out $day/layer"
+      timeout 100 python3 -m dsv4cp.cli.main profile $flash --tokens 65536 --packing one --warmup 2 --reps 6 \
+        --kernel-backend $kb --out "$day/layer" 2>&1 | quiet
+    done 2>&1 | tee "$day/layer.txt"; save ;;
+  one-document)
+    { for partition in equal balanced measured; do emulate 8 262144 one $partition; done
+      emulate 4 131072 one measured
+    } 2>&1 | tee "$day/one-document.txt"; save ;;
+  more)
+    { for partition in equal measured; do emulate 8 262144 histogram $partition; done
+      for partition in equal balanced; do
+        echo "\$ python3 -m dsv4cp.cli.main profile $flash --tokens 1048576 --packing one --warmup 1 --reps 3 --kernel-backend auto --cp 64 --emulate-rank 0,31,63 --partition $partition --out $day/cp64"
+        timeout 200 python3 -m dsv4cp.cli.main profile $flash --tokens 1048576 --packing one --warmup 1 --reps 3 \
+          --kernel-backend auto --cp 64 --emulate-rank 0,31,63 --partition $partition \
+          $([ $partition = balanced ] && echo --calibration $cal) --out "$day/cp64" 2>&1 | quiet
+      done
+    } 2>&1 | tee "$day/more.txt"; save ;;
+esac
+ls -la "$out"

@@ -1,0 +1,85 @@
+"""Kernel options in force through a backward that runs after the forward's ``with`` block ended:
+:func:`dsv4cp.ops.kernel_scope.options_in_backward`, ``DSv4Attention(kernel_options=...)`` and
+``sparse_attention(options=...)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4cp import kernel_options
+from dsv4cp.config import DSv4Config
+from dsv4cp.kernels import triton_available
+from dsv4cp.layer import DSv4Attention
+from dsv4cp.ops import sparse_attention
+from dsv4cp.ops.kernel_scope import options_in_backward
+from dsv4cp.packing import PackedSeqs
+
+needs_triton = pytest.mark.skipif(not triton_available("cpu"), reason="needs Triton's CPU interpreter")
+
+
+class _SeenInBackward(torch.autograd.Function):
+    """Doubles x; its backward records the kernel option ``topk_impl`` in force."""
+
+    seen: list[str] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        _SeenInBackward.seen.append(kernel_options.get("topk_impl"))
+        return 2 * grad
+
+
+def test_options_hold_in_backward_and_leave_after_it(seed, monkeypatch):
+    monkeypatch.delenv("DSV4CP_TOPK_IMPL", raising=False)
+    x = torch.randn(5, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    _SeenInBackward.seen.clear()
+    y, none = options_in_backward((_SeenInBackward.apply(x), None), {"topk_impl": "stream"})
+    assert none is None and kernel_options.get("topk_impl") == "chunked"
+    (3 * y).sum().backward()
+    assert _SeenInBackward.seen == ["stream"] and kernel_options.get("topk_impl") == "chunked"
+    assert torch.equal(x.grad, torch.full_like(x, 6.0))  # the identity node changes no number
+    plain = _SeenInBackward.apply(x.detach().requires_grad_())
+    assert options_in_backward((plain,), {}) == (plain,)
+    with pytest.raises(ValueError, match="^topk_impl: must be one of"):
+        options_in_backward((y,), {"topk_impl": "fast"})
+
+
+@needs_triton
+def test_layer_backward_runs_with_its_options(seed):
+    cfg = DSv4Config.preset("tiny")
+    pin = {"triton_bwd_config": "16,16,4,1", "triton_dq_in_dkv": "0"}
+    torch.manual_seed(seed)
+    layer = DSv4Attention(cfg, 4, backend="triton", kernel_options=pin)
+    x = torch.randn(32, cfg.hidden, requires_grad=True)
+    out = layer(x, PackedSeqs.from_lengths([32]))
+    kernel_options.reset_backends_ran()
+    out.out.square().mean().backward()  # outside any with block: the layer's scope holds
+    ran = kernel_options.backends_ran()
+    assert ran["sparse_attention.bwd"] == "triton"
+    assert ran["sparse_attention.bwd_dq.config"] == "block_h=16,block_k=16,num_warps=4,num_stages=1", ran
+    assert "sparse_attention.bwd_dq_dq_in_dkv.config" not in ran  # triton_dq_in_dkv=0 took effect
+    assert kernel_options.source("triton_bwd_config") != "explicit"
+    with pytest.raises(ValueError, match="^triton_dq_in_dkv: must be '0' or '1'"):
+        DSv4Attention(cfg, 4, kernel_options={"triton_dq_in_dkv": "yes"})
+
+
+@needs_triton
+def test_sparse_attention_options_reach_both_directions(seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(6, 2, 16, generator=gen, requires_grad=True)
+    kv = torch.randn(10, 16, generator=gen, requires_grad=True)
+    idx = torch.randint(-1, 10, (6, 7), generator=gen, dtype=torch.int32)
+    sink = torch.randn(2, generator=gen, requires_grad=True)
+    kernel_options.reset_backends_ran()
+    options = {"triton_fwd_config": "16,16,4,1", "triton_dq_in_dkv": False}
+    out, _ = sparse_attention(q, kv, idx, sink, 0.25, backend="triton", options=options)
+    out.sum().backward()
+    ran = kernel_options.backends_ran()
+    assert ran["sparse_attention.fwd.config"] == "block_h=16,block_k=16,num_warps=4,num_stages=1", ran
+    assert "sparse_attention.bwd_dq.config" in ran and "sparse_attention.bwd_dq_dq_in_dkv.config" not in ran
+    with pytest.raises(ValueError, match="^triton_fwd_config: expected"):
+        sparse_attention(q, kv, idx, sink, 0.25, backend="triton", options={"triton_fwd_config": "16"})
