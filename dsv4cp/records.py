@@ -27,6 +27,7 @@ SCHEMA_VERSION: int = 1
 AXES: tuple[str, ...] = (
     "preset", "ratio", "cp", "tokens", "tokens_per_rank", "packing", "loss", "overlap", "kernel_backend",
     "recompute", "pass", "dtype", "seed", "partition", "emulated_rank", "cuda_graph", "kernel_options",
+    "deterministic", "compile",
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
@@ -41,9 +42,12 @@ eager); ``kernel_options``: in a record every option's value as the point ran
 (:func:`dsv4cp.kernel_options.resolved`, the ``kernel_options=`` keyword of :func:`make_record`), so
 two runs on different kernel variants never look alike; a point's id is built on the options whose value
 differs from the default (:func:`dsv4cp.kernel_options.non_default`; none: left out, the id of a record
-from before the axis existed)."""
+from before the axis existed); ``deterministic``: whether the step ran under
+``torch.use_deterministic_algorithms(True)`` with deterministic kernel backends; ``compile``: the
+``torch.compile`` backend of the layer, None when eager."""
 
-_ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False, "kernel_options": None}
+_ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False, "kernel_options": None,
+                                  "deterministic": False, "compile": None}
 """Axes added after records were first committed -> what a record meant before the axis existed (a
 real run; eager steps). An added axis at that value (or None) is left out of :func:`point_id`, so the
 ids of earlier records (and of every real, eager run) do not change; :func:`make_record` and
@@ -67,6 +71,8 @@ METRICS: tuple[str, ...] = (
     "split",  # list[int]: the ranks' row split points (0 = b_0 <= ... <= b_cp = tokens)
     "calibration",  # str: the calibration the balanced split was computed with; None: the model's bounds
     "slowest_rank", "slowest_rank_ms",  # int, float: of an all-ranks emulation summary; None otherwise
+    "compile_s",  # the first (compiling) step's wall time in s, apart from the timed steps; None when eager
+    "graph_breaks",  # int: graph breaks Dynamo counted while compiling; None when eager
 )
 """What was measured about it; a metric that was not measured is None."""
 

@@ -35,10 +35,12 @@ from dsv4cp.cli.common import (
 )
 from dsv4cp.config import DTYPES
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank, tolerance_summary
+from dsv4cp.cp.check import build_case as build_layer_inputs
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import POLICIES
 from dsv4cp.model.partition import partition
+from dsv4cp.profiling.compilation import COMPILE_BACKENDS, Explanation, check_compile_backend, explain_breaks
 
 HELP = "compare a CP run against CP = 1 (output, gradients, indexer loss)"
 
@@ -53,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partition", choices=POLICIES, default="equal",
                         help="row split over the ranks: equal (T / cp rows each) or balanced (contiguous "
                              "slices sized so every rank's modelled fwd+bwd time is the same)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help=f"run the CP layer under torch.compile (BACKEND one of {', '.join(COMPILE_BACKENDS)}; "
+                             "default inductor) against the eager CP = 1 layer, and list the graph breaks")
     add_dist_backend_option(parser)
     add_memory_options(parser)
 
@@ -60,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_case(args: argparse.Namespace, cp: int, device: torch.device) -> CheckCase:
     """Validate everything on the host, before any process or collective starts."""
     inputs = layer_inputs(args, cp)
+    if args.compile is not None:
+        check_compile_backend(args.compile, "--compile")
     if args.partition == "equal":
         split_rows(inputs.packed.total, cp, inputs.cfg, args.ratio, field="--tokens")
     check_memory(inputs, args.ratio, 1, backward=True, dtype=DTYPES[args.dtype], recompute=args.recompute,
@@ -68,7 +75,7 @@ def build_case(args: argparse.Namespace, cp: int, device: torch.device) -> Check
         preset=args.preset, ratio=args.ratio, lengths=tuple(inputs.lengths), total=inputs.packed.total,
         pad_to_multiple=args.pad_to_multiple, dtype=args.dtype, overlap=args.overlap, recompute=args.recompute,
         backend=args.kernel_backend, seed=args.seed, config_overrides={"indexer_loss": args.loss},
-        partition=args.partition,
+        partition=args.partition, compile=args.compile,
         split=partition(inputs.packed, cp, inputs.cfg, args.ratio, policy=args.partition).bounds,
     )
     case.row_split(cp)  # a balanced split that cannot give every rank its halo fails here, not in the ranks
@@ -117,4 +124,13 @@ def run(args: argparse.Namespace) -> int:
     for c in results:
         worst = f"  (worst: {c.worst})" if c.worst and c.worst != c.quantity else ""
         print(f"{c.quantity:<14}{c.max_rel_error:>15.3e}{c.cosine:>14.9f}  {'ok' if c.passed else 'FAIL'}{worst}")
+    if case.compile is not None:
+        print(f"compiled with {case.compile}; graph breaks of the CP = 1 forward:")
+        print("\n".join(_breaks_at_one_rank(case, device).lines()))
     return 0 if all(c.passed for c in results) else 1
+
+
+def _breaks_at_one_rank(case: CheckCase, device: torch.device) -> Explanation:
+    """Where Dynamo breaks the graph of the layer's forward (one rank: no process group needed)."""
+    layer, packed, x, _ = build_layer_inputs(case, device)
+    return explain_breaks(layer, x, packed)

@@ -1,8 +1,8 @@
-"""Print versions and devices (the environment every run's meta.json records), what the sparse-attention
-backend "auto" resolves to per direction, every backend with whether it can run here and, when it cannot,
-why (the package is missing, no CUDA device, Triton's CPU interpreter off), and every kernel option with
-its value and where that came from (``explicit``: --kernel-option, ``env``: its DSV4CP_* variable,
-``default``).
+"""Print versions and devices (the environment every run's meta.json records), which kernel backends are
+deterministic per op and direction, what the sparse-attention backend "auto" resolves to per direction,
+every backend with whether it can run here and, when it cannot, why (the package is missing, no CUDA
+device, Triton's CPU interpreter off), and every kernel option with its value and where that came from
+(``explicit``: --kernel-option, ``env``: its DSV4CP_* variable, ``default``).
 """
 
 from __future__ import annotations
@@ -86,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
 
     device = parse_device(args.device)
     print("\n".join(environment_lines(device)))
+    from dsv4cp.ops.determinism import registry_lines
+
+    print(f"{'determinism':>17}: on CUDA, per op/backend (on CPU every path is deterministic)")
+    print("\n".join(registry_lines()))
     print("\n".join(option_lines()))
     forward, backward = resolve_backend("auto", device).direction_names
     print(f"{'backends':>17}: on {device}; 'auto' -> forward {forward}, backward {backward}")

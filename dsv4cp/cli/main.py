@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "env": "env",
     "layer": "layer",
     "check-cp": "check_cp",
+    "check-determinism": "check_determinism",
     "profile": "profile",
     "overlap": "overlap",
     "model": "model",
@@ -62,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     Usage errors exit through argparse (code 2, one line: :class:`OneLineErrorParser`); see
     :data:`EXIT_CODES_HELP` for the others.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # named by the sub-command they were given to, not by the top-level parser
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args._argv = argv  # a command that re-runs itself in a fresh process (check-determinism) passes these on
     return run_command(args.command, lambda: _run_with_kernel_options(args))
 
 

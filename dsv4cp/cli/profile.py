@@ -57,6 +57,7 @@ from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import no_machine_reason
 from dsv4cp.model.memory_split import memory_capped_split, trade_off
+from dsv4cp.profiling.compilation import COMPILE_BACKENDS
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.memory_snapshot import check_snapshot_request, snapshot_name
 from dsv4cp.profiling.overlap import attribution_lines
@@ -103,6 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time the step as CUDA-graph replays (no host overhead; traces and memory stay "
                              "eager); CUDA only")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run under torch.use_deterministic_algorithms(True); --kernel-backend auto then picks "
+                             "deterministic backends only (triton-deterministic for Triton)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, choices=COMPILE_BACKENDS,
+                        metavar="BACKEND", help="run the layer under torch.compile (BACKEND one of "
+                        f"{', '.join(COMPILE_BACKENDS)}; default inductor); the compiling first step is timed apart")
     add_dist_backend_option(parser)
     add_machine_options(parser)
     add_memory_options(parser)
@@ -144,6 +151,7 @@ def point_from_args(args: argparse.Namespace, cp: int, device: torch.device) -> 
         "recompute": args.recompute, "pass": "fwd+bwd" if args.backward else "fwd", "dtype": dtype,
         "seed": args.seed, "partition": args.partition, "cuda_graph": args.cuda_graph,
         "kernel_options": kernel_option_values(args) or None,
+        "deterministic": args.deterministic, "compile": args.compile,
     })
 
 
@@ -321,6 +329,12 @@ def _report(point: Point, record: dict, table) -> None:
               + f" ms (imbalance {record['imbalance_max_over_mean']:.2f})")
     if record["cuda_graph"]:
         print("time: CUDA-graph replays (no host overhead); peak memory, memory phases and traced steps are eager")
+    if record["deterministic"]:
+        print(f"deterministic: torch.use_deterministic_algorithms(True), sparse attention "
+              f"{record['resolved_backends']['sparse_attention']}")
+    if record["compile"] is not None:
+        print(f"compile ({record['compile']}): first step {record['compile_s']:.2f} s, not in the timed steps; "
+              f"{record['graph_breaks']} graph break(s)")
     ratio, bound = record["measured_over_bound"], record["bound_ms"]
     bound_text = (f"bound for machine {record['bound_machine']}: {bound:.3g} ms; measured/bound "
                   + (f"{ratio:.2f}" if ratio is not None else "n/a")) if bound is not None else no_machine_reason()

@@ -56,6 +56,8 @@ class CheckCase:
     model computes (:func:`dsv4cp.model.partition.partition`)."""
     split: tuple[int, ...] | None = None
     """Explicit split points ``0 = b_0 <= ... <= b_cp = T``; None: equal slices."""
+    compile: str | None = None
+    """A ``torch.compile`` backend for the CP layer (the CP = 1 reference stays eager); None: eager."""
 
     def __post_init__(self) -> None:
         if self.partition not in POLICIES:
@@ -165,7 +167,8 @@ def run_rank(rank: int, world: int, device: torch.device, case: CheckCase,
     split = case.row_split(world)
     mine = slice(split.start(rank), split.start(rank) + split.rows(rank))
     x_local = x[mine].clone().requires_grad_()
-    local = layer(x_local, packed, cp_group=group, split=split)
+    step = layer if case.compile is None else torch.compile(layer, backend=case.compile)
+    local = step(x_local, packed, cp_group=group, split=split)
     _objective(local.out, weight[mine], local.indexer_loss).backward()
 
     comparisons = [

@@ -7,6 +7,8 @@
 * :mod:`.compress_pool`: the compressor's gated pooling of r-token groups (torch reference, Triton on CUDA);
 * :mod:`.grouped_linear`: the output projection's per-group map, without the copies a batched einsum makes;
 * :mod:`.kernel_scope`: kernel options (:mod:`dsv4cp.kernel_options`) held through a region's later backward.
+* :mod:`.sparse_attention_library`: the attention op as ``torch.library`` custom ops, what ``torch.compile`` traces;
+* :mod:`.determinism`: which backends replay bitwise, per op and direction, and deterministic mode.
 
 The ops read the kernel options, pass the resolved choices to the kernels as keyword arguments and note
 what ran (:func:`dsv4cp.kernel_options.note_backend`).
@@ -14,6 +16,7 @@ what ran (:func:`dsv4cp.kernel_options.note_backend`).
 ``dsv4cp.ops`` imports ``dsv4cp.kernels`` and chooses among them; kernels never import ops.
 """
 
+from dsv4cp.ops import sparse_attention_library  # noqa: F401  (registers the custom ops torch.compile traces)
 from dsv4cp.ops.sparse_attention import backend_names, register_backend, resolve_backend, sparse_attention
 
 __all__ = ["sparse_attention", "register_backend", "resolve_backend", "backend_names"]

@@ -292,6 +292,8 @@ def sparse_attention(
     synchronisation): a violation stops the run with a device-side assertion naming the argument.
     """
     _check_inputs(q, kv, idx, sink, topk_length)
+    if torch.compiler.is_compiling():  # one opaque node per direction: dsv4cp.ops.sparse_attention_library
+        return torch.ops.dsv4cp.sparse_attention_fwd(q, kv, idx, sink, float(scale), topk_length, backend)
     chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
     if options:
         options = dict(options)

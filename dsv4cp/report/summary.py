@@ -222,8 +222,13 @@ def _growth_and_memory_sections(report: ReportParts) -> list[str]:
     return sections.extra_sections(report.df, report.tables)
 
 
+def _determinism_section(report: ReportParts) -> list[str]:
+    return tables_module.determinism_lines(report.table("determinism_cost"))
+
+
 SECTIONS: tuple[Callable[[ReportParts], list[str]], ...] = (
-    _headline_section, _targets_section, _diagnosis_section, _time_section, _growth_and_memory_sections,
+    _headline_section, _targets_section, _diagnosis_section, _time_section, _determinism_section,
+    _growth_and_memory_sections,
     _parity_section, _failures_section, _tables_section, _plots_section,
 )
 """The summary's sections after its title and runs, in order: each returns its markdown lines."""
@@ -239,6 +244,7 @@ def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
         "strong_scaling": tables_module.scaling(df, "strong"),
         "weak_scaling": tables_module.scaling(df, "weak"),
         "overlap": tables_module.overlap_comparison(df),
+        "determinism_cost": tables_module.determinism_cost(df),
         "memory": tables_module.memory(df),
         "memory_peaks": tables_module.memory_peaks(df),
         "imbalance": tables_module.imbalance(df),

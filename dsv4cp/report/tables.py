@@ -198,6 +198,39 @@ def overlap_comparison(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def determinism_cost(df: pd.DataFrame) -> pd.DataFrame:
+    """What bitwise replay costs per configuration: median time and peak memory (GiB, max over ranks) of the
+    eager-default and the deterministic point (``[default]``, ``[deterministic]``), the backend each
+    resolved to, and the ratios deterministic / default. Only configurations measured both ways appear."""
+    points = ok_points(df)
+    shown = [a for a in varying_axes(points) if a != "deterministic"] if len(points) else []
+    rows = []
+    for _, group in points.groupby(group_key(points, ["run", *(a for a in AXES if a != "deterministic")]), sort=False):
+        modes = {bool(point["deterministic"]): point for _, point in group.iterrows()}
+        if set(modes) != {False, True}:
+            continue
+        row = {a: group[a].iloc[0] for a in shown}
+        for flag, name in ((False, "default"), (True, "deterministic")):
+            point = modes[flag]
+            row[f"time_ms_median[{name}]"] = point["time_ms_median"]
+            row[f"peak_gib[{name}]"] = _max_gib(point["peak_allocated_bytes"])
+            row[f"backend[{name}]"] = (point["resolved_backends"] or {}).get("sparse_attention")
+        row["time_ratio"] = row["time_ms_median[deterministic]"] / row["time_ms_median[default]"]
+        row["memory_ratio"] = row["peak_gib[deterministic]"] / row["peak_gib[default]"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def determinism_lines(cost: pd.DataFrame) -> list[str]:
+    """The summary's sentence on the cost of determinism (nothing when no configuration ran both ways)."""
+    if cost.empty:
+        return []
+    return ["## Cost of determinism", "",
+            f"Deterministic / default over {len(cost)} configuration(s): time x{cost['time_ratio'].min():.2f} to "
+            f"x{cost['time_ratio'].max():.2f}, peak memory x{cost['memory_ratio'].min():.2f} to "
+            f"x{cost['memory_ratio'].max():.2f} (table determinism_cost).", ""]
+
+
 def on_cpu(df: pd.DataFrame) -> pd.Series:
     """Per row, whether the point ran on CPU (its ``machine`` label is ``cpu-<n>core``), where the
     record's ``peak_allocated_bytes`` holds the host process's peak RSS instead of the allocator peak."""

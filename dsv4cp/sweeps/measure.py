@@ -36,6 +36,7 @@ from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, this_machine
 from dsv4cp.model.partition import policy_split
+from dsv4cp.ops.determinism import deterministic_algorithms, deterministic_backend
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import record_phase_memory, track_memory
@@ -44,6 +45,7 @@ from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
 from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
 from dsv4cp.profiling.timing import benchmark, graph_replay
 from dsv4cp.profiling.trace import POINT_FILE, capture_trace, load_kineto_dir
+from dsv4cp.sweeps.compiled_step import compile_step
 from dsv4cp.sweeps.spec import MEASURED, Point, RunOptions, point_inputs  # point_inputs: the spec's own shape checks
 
 _PER_STEP_COLUMNS = ("compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms")
@@ -157,8 +159,16 @@ def point_step(point: Point, cfg: DSv4Config, packed: PackedSeqs, split: RowSpli
                 group: dist.ProcessGroup | None = None) -> LayerStep:
     """The point's seeded training step on this process's rank of ``group`` (:mod:`dsv4cp.layer.step`)."""
     return build_step(cfg, point.ratio, packed, seed=point.seed, backward=point.backward, device=device,
-                      dtype=DTYPES[point.dtype], backend=point.kernel_backend, overlap=point.overlap,
+                      dtype=DTYPES[point.dtype], backend=point_backend(point, cfg, device), overlap=point.overlap,
                       recompute=point.recompute, cp_group=group, split=split)
+
+
+def point_backend(point: Point, cfg: DSv4Config, device: torch.device) -> str:
+    """The sparse-attention backend the point's layer asks for: a deterministic point's "auto" picks
+    deterministic backends only (:func:`dsv4cp.ops.determinism.deterministic_backend`)."""
+    if not point.deterministic:
+        return point.kernel_backend
+    return deterministic_backend(point.kernel_backend, device, head_dim=cfg.head_dim)
 
 
 def _gather(value, group: dist.ProcessGroup | None) -> list:
@@ -208,7 +218,8 @@ def measure_point(
     output, indexer loss or gradients are not finite on any rank (checked once, after timing), and
     whatever the step raises (``torch.OutOfMemoryError``, ...).
     """
-    with kernel_options.overrides(point.kernel_options or {}):
+    # the whole point in deterministic mode when it asks for it: timing, memory, traces, parity
+    with kernel_options.overrides(point.kernel_options or {}), deterministic_algorithms(point.deterministic):
         return _measure(point, group, device, run, machine=machine, trace_dir=trace_dir, nsys=nsys, check=check,
                         on_step=on_step, memory_phases=memory_phases, calibration=calibration,
                         memory_snapshot=memory_snapshot, split=split)
@@ -252,12 +263,14 @@ def _measure(
         split.validate(point.tokens, point.cp, floor_rows(cfg, point.ratio, point.cp, None), field="split")
     # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
     bound = estimate(cfg, point.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(point.direction)
-    resolved = {"sparse_attention": resolve_backend(point.kernel_backend, device, head_dim=cfg.head_dim).name}
+    resolved = {"sparse_attention": resolve_backend(point_backend(point, cfg, device), device,
+                                                    head_dim=cfg.head_dim).name}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
     packed = packed.to(device)
 
     step = point_step(point, cfg, packed, split, device, group)
+    compiled = compile_step(step, point.compile, device) if point.compile is not None else None
 
     kernel_options.reset_backends_ran()  # what ran in the warm-up and timed steps, nothing from before
     timed = step
@@ -299,6 +312,8 @@ def _measure(
         "measured_over_bound": seconds / bound.bound_overlap_s if machine is not None and bound.bound_overlap_s > 0
         else None,
         "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],
+        "compile_s": compiled.seconds if compiled else None,
+        "graph_breaks": compiled.graph_breaks if compiled else None,
     }
 
     if memory_phases:  # a step of its own: the recorder resets the allocator peak at every phase edge
@@ -343,7 +358,7 @@ def _measure(
     if check and cp > 1:
         case = CheckCase(preset=point.preset, ratio=point.ratio, lengths=tuple(lengths), total=point.tokens,
                          dtype=point.dtype, overlap=point.overlap, recompute=point.recompute,
-                         backend=point.kernel_backend, seed=point.seed,
+                         backend=point_backend(point, cfg, device), seed=point.seed, compile=point.compile,
                          config_overrides={"indexer_loss": point.loss}, split=split.bounds)
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]

@@ -52,6 +52,7 @@ from dsv4cp.cp.comm import OVERLAP_MODES
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import POLICIES
 from dsv4cp.ops.sparse_attention import check_backend_name, check_head_dim
+from dsv4cp.profiling.compilation import COMPILE_BACKENDS
 from dsv4cp.records import AXES, point_id
 from dsv4cp.sweeps.strict_yaml import DuplicateKeyError, load_strict
 from dsv4cp.targets import Target, parse_targets
@@ -127,6 +128,10 @@ class Point:
     :func:`dsv4cp.sweeps.measure.check_cuda_graph`); peak memory and traces stay eager steps."""
     kernel_options: Mapping[str, str] | None = None
     """Kernel options in force while the point is measured (``{name: text}``, sorted; None: none)."""
+    deterministic: bool = False
+    """Run under ``torch.use_deterministic_algorithms(True)``; "auto" then picks deterministic backends only."""
+    compile: str | None = None
+    """The layer's ``torch.compile`` backend (:data:`dsv4cp.profiling.compilation.COMPILE_BACKENDS`); None: eager."""
 
     @property
     def backward(self) -> bool:
@@ -150,7 +155,8 @@ class Point:
                 f"{self.overlap}{' recompute' if self.recompute else ''} {self.kernel_backend}"
                 f"{'' if self.partition == 'equal' else ' ' + self.partition}"
                 f"{'' if self.emulated_rank is None else f' emulated rank {self.emulated_rank}'}"
-                f"{' cuda-graph' if self.cuda_graph else ''}"
+                f"{' cuda-graph' if self.cuda_graph else ''}{' deterministic' if self.deterministic else ''}"
+                f"{'' if self.compile is None else ' compile ' + self.compile}"
                 f"{''.join(f' {k}={v}' for k, v in (self.kernel_options or {}).items())}")
 
 
@@ -217,6 +223,11 @@ def _real_ranks_only(where: str, value: Any) -> None:
                          f"'dsv4cp profile --cp N --emulate-rank R', got {value!r}")
 
 
+def _compile_backend(where: str, value: Any) -> None:
+    if value is not None and value not in COMPILE_BACKENDS:
+        raise ValueError(f"{where}: must be null (eager) or one of {list(COMPILE_BACKENDS)}, got {value!r}")
+
+
 def _kernel_options(where: str, value: Any) -> None:
     if value is None:
         return
@@ -253,6 +264,8 @@ _CHECKS = {
     "emulated_rank": _real_ranks_only,
     "cuda_graph": _boolean,  # whether the point's device can replay a graph is known when it runs
     "kernel_options": _kernel_options,
+    "deterministic": _boolean,
+    "compile": _compile_backend,
 }
 assert set(_CHECKS) == set(AXES), "every record axis needs a check"
 

@@ -1,0 +1,67 @@
+"""``sparse_attention`` as ``torch.library`` custom ops, the form ``torch.compile`` traces through.
+
+Dynamo cannot trace the op's autograd function (it carries a backend object, and the backends launch
+Triton or library kernels and read index ranges on the host). As custom ops with fake (shape-only)
+implementations the forward and the backward are single opaque nodes of the graph instead: no graph
+break, and AOTAutograd places the backward op through :func:`torch.library.register_autograd`.
+
+``dsv4cp::sparse_attention_fwd(q, kv, idx, sink, scale, topk_length, backend) -> (out, lse)`` and
+``dsv4cp::sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, topk_length, backend) ->
+(dq, dkv, dsink)`` take the backend by its registered name and check index ranges inside (the eager op
+checks them before its autograd function; in a graph the check would be a host read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4cp.ops.sparse_attention import _check_index_values, resolve_backend
+
+
+@torch.library.custom_op("dsv4cp::sparse_attention_fwd", mutates_args=())
+def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
+                         topk_length: torch.Tensor | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_index_values(kv.shape[0], idx, topk_length)
+    chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
+    out, lse = chosen.forward(q, kv, idx, sink, scale, topk_length)
+    return out.clone() if out is q else out, lse  # a custom op's outputs must not alias its inputs
+
+
+@sparse_attention_fwd.register_fake
+def _(q, kv, idx, sink, scale, topk_length, backend):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype)
+
+
+@torch.library.custom_op("dsv4cp::sparse_attention_bwd", mutates_args=())
+def sparse_attention_bwd(dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+                         sink: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
+                         topk_length: torch.Tensor | None, backend: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
+    dq, dkv, dsink = chosen.backward(dout.contiguous(), q, kv, idx, sink, scale, out, lse, topk_length)
+    return dq, dkv, dsink.to(sink.dtype)
+
+
+@sparse_attention_bwd.register_fake
+def _(dout, q, kv, idx, sink, scale, out, lse, topk_length, backend):
+    return torch.empty_like(q), torch.empty_like(kv), torch.empty_like(sink)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, kv, idx, sink, scale, topk_length, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, idx, sink, out, lse, *(() if topk_length is None else (topk_length,)))
+    ctx.scale, ctx.backend, ctx.has_length = scale, backend, topk_length is not None
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, kv, idx, sink, out, lse, *length = ctx.saved_tensors
+    dq, dkv, dsink = sparse_attention_bwd(dout, q, kv, idx, sink, ctx.scale, out, lse,
+                                          length[0] if ctx.has_length else None, ctx.backend)
+    return dq, dkv, None, dsink, None, None, None
+
+
+sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
