@@ -25,16 +25,17 @@ save() { tar czf "$out/$part.tar.gz" "$day"; }
 mkdir -p "$day"
 cal=results/baselines/h200/calibration.json
 flash="--preset flash --ratio 4 --backward --dtype bf16 --progress off"
-emulate() {  # emulate CP TOKENS PACKING PARTITION [more flags]: every rank in turn
+emulate() {  # emulate CP TOKENS PACKING PARTITION [more flags]: every rank in turn, into $day/<packing's run>
   local cp=$1 tokens=$2 packing=$3 partition=$4; shift 4
+  local run=$day/$([ "$packing" = one ] && echo one-document || echo "$packing")
   local extra=(); [ "$partition" != equal ] && extra=(--calibration "$cal")
   [ "$partition" = measured ] && extra+=(--save-split "$day/split-cp$cp-$tokens-$packing.json"
                                          --save-calibration "$day/calibration-cp$cp-$tokens-$packing.json")
-  echo "\$ python3 -m dsv4cp.cli.main profile $flash --tokens $tokens --packing $packing --warmup 1 --reps 4 --kernel-backend auto --cp $cp --emulate-rank all --partition $partition ${extra[*]} $* --out $day/emulated"
+  echo "\$ python3 -m dsv4cp.cli.main profile $flash --tokens $tokens --packing $packing --warmup 1 --reps 4 --kernel-backend auto --cp $cp --emulate-rank all --partition $partition ${extra[*]} $* --out $run"
   local start=$(date +%s)
   timeout 400 python3 -m dsv4cp.cli.main profile $flash --tokens "$tokens" --packing "$packing" --warmup 1 --reps 4 \
     --kernel-backend auto --cp "$cp" --emulate-rank all --partition "$partition" "${extra[@]}" "$@" \
-    --out "$day/emulated" 2>&1 | quiet
+    --out "$run" 2>&1 | quiet
   echo "(took $(( $(date +%s) - start )) s)"
 }
 case $part in
