@@ -18,6 +18,8 @@ import os
 import platform
 import socket
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -109,3 +111,25 @@ def environment(device: torch.device | str | None = None, world: int = 1) -> dic
         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else (str(nccl) if nccl else None),
         "optional_backends": {name: module_version(module) for name, module in OPTIONAL_PACKAGES.items()},
     }
+
+
+CUBLAS_WORKSPACE = ":4096:8"
+"""cuBLAS reuses its workspace deterministically only with a fixed workspace configuration; torch raises in
+deterministic mode without ``CUBLAS_WORKSPACE_CONFIG`` set (before the first matrix product)."""
+
+
+@contextmanager
+def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True)`` for the block when ``enabled``, then the previous
+    setting; with ``enabled`` False the setting is left as it is.
+
+    Sets ``CUBLAS_WORKSPACE_CONFIG`` (unless already set) so that matrix products are allowed in the mode.
+    """
+    previous = torch.are_deterministic_algorithms_enabled()
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)

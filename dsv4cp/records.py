@@ -155,7 +155,7 @@ COLUMN_TYPES: dict[str, FieldType] = {
     "recompute": FLAG, "pass": TEXT, "dtype": TEXT, "seed": _int_at_least(0), "partition": TEXT,
     "emulated_rank": FieldType("an integer >= 0 or \"all\"",
                                lambda value: (_is_int(value) and value >= 0) or value == "all"),
-    "cuda_graph": FLAG,
+    "cuda_graph": FLAG, "deterministic": FLAG, "compile": TEXT,
     # metrics
     "time_ms_median": NUMBER, "time_ms_p20": NUMBER, "time_ms_p80": NUMBER, "time_ms_samples": NUMBERS,
     "rank_time_ms_median": NUMBERS_OR_NULLS, "imbalance_max_over_mean": NUMBER, "tokens_per_s": NUMBER,
@@ -163,7 +163,8 @@ COLUMN_TYPES: dict[str, FieldType] = {
     "measured_over_bound": NUMBER, "peak_allocated_bytes": INTS_OR_NULLS, "device_used_bytes": INTS_OR_NULLS,
     "exposed_comm_ms": NUMBER, "comm_ms": NUMBER, "overlap_ratio": NUMBER, "phases": OBJECTS,
     "parity": OBJECTS, "memory_phases": OBJECTS_OR_NULLS, "split": INTS, "calibration": TEXT,
-    "slowest_rank": _int_at_least(0), "slowest_rank_ms": NUMBER,
+    "slowest_rank": _int_at_least(0), "slowest_rank_ms": NUMBER, "compile_s": NUMBER,
+    "graph_breaks": _int_at_least(0),
     # how the point ran
     "resolved_backends": TEXT_MAPPING, "error": TEXT,
     "kernel_options": SCALAR_MAPPING,  # option -> value, of the kernel-option registry

@@ -40,7 +40,8 @@ from dsv4cp.cp.determinism import (
     whole_selection,
 )
 from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
-from dsv4cp.ops.determinism import attention_replays_bitwise, deterministic_algorithms
+from dsv4cp.environment import deterministic_algorithms
+from dsv4cp.ops.determinism import attention_replays_bitwise
 from dsv4cp.ops.sparse_attention import resolve_backend
 
 HELP = "replay the same step and compare every output and gradient bit for bit"

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from dsv4cp.cp.check import CheckCase, build_case
 from dsv4cp.cp.layout import RankLayout, build_layout
+from dsv4cp.environment import deterministic_algorithms
 from dsv4cp.layer import attention as attention_module
-from dsv4cp.ops.determinism import deterministic_algorithms
 
 Snapshot = dict[str, torch.Tensor]
 """Quantity name -> CPU tensor: ``out``, ``indexer_loss``, ``selected``, ``x_grad``, ``grad/<param>``."""

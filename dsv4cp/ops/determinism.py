@@ -15,19 +15,15 @@ configuration that claims determinism differs between replays) read.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from dsv4cp.environment import deterministic_algorithms
+
 ALWAYS, UNDER_MODE, NEVER, NOT_APPLICABLE = "deterministic", "under deterministic mode", "not deterministic", "n/a"
 VERDICTS = (ALWAYS, UNDER_MODE, NEVER, NOT_APPLICABLE)
 
-CUBLAS_WORKSPACE = ":4096:8"
-"""cuBLAS reuses its workspace deterministically only with a fixed workspace configuration; torch raises in
-deterministic mode without ``CUBLAS_WORKSPACE_CONFIG`` set (before the first matrix product)."""
 
 
 @dataclass(frozen=True)
@@ -121,23 +117,6 @@ def registry_lines() -> list[str]:
 
     return [f"{e.op + '/' + e.backend:>38}: forward {shown(e.forward)}; backward {shown(e.backward)}"
             for e in REGISTRY]
-
-
-@contextmanager
-def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(True)`` for the block when ``enabled``, then the previous
-    setting; with ``enabled`` False the setting is left as it is.
-
-    Sets ``CUBLAS_WORKSPACE_CONFIG`` (unless already set) so that matrix products are allowed in the mode.
-    """
-    previous = torch.are_deterministic_algorithms_enabled()
-    if enabled:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-        torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def deterministic_backend(name: str, device: torch.device, head_dim: int | None = None) -> str:

@@ -30,13 +30,14 @@ from dsv4cp.config import DTYPES, DSv4Config
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank
 from dsv4cp.cp.emulate import emulated_rank
 from dsv4cp.cp.partition import RowSplit, floor_rows
+from dsv4cp.environment import deterministic_algorithms
 from dsv4cp.layer import AttentionOutput
 from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, this_machine
 from dsv4cp.model.partition import policy_split
-from dsv4cp.ops.determinism import deterministic_algorithms, deterministic_backend
+from dsv4cp.ops.determinism import deterministic_backend
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.memory import record_phase_memory, track_memory
