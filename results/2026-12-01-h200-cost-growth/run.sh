@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One H200, no carried wheels (so `auto` resolves to the Triton kernels: the record's `backends` says so): the
+# cost-growth sweep, profiled, packed into one archive. Then, on any machine, the report:
+#   device call: DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-cost-growth/run.sh $OUT
+#   here:        dsv4cp report results/2026-12-01-h200-cost-growth/run --out results/2026-12-01-h200-cost-growth/report
+set -uo pipefail
+out=${1:-.}
+day=results/2026-12-01-h200-cost-growth
+export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 DSV4CP_GIT_SHA=${DSV4CP_GIT_SHA:-}
+timeout 280 python3 -m dsv4cp.cli.main sweep sweeps/cost_growth.yaml --out "$day/run" --profile --progress off 2>&1 \
+  | grep -v -e UserWarning -e "return Variable" | tee "$day/sweep.txt"
+gzip -f "$day"/run/traces/*/*.json 2>/dev/null
+tar czf "$out/cost_growth.tar.gz" "$day"
