@@ -228,10 +228,26 @@ def configuration(values: Mapping[str, object] | None) -> dict[str, str] | None:
     """The options that differ from their defaults once ``values`` are set over the environment
     (:func:`non_default` of :func:`resolved_with`), None when none does: the kernel configuration a
     point runs, as its id names it. Cached on the values and the variables' current text."""
-    settings = tuple(sorted(canonical(values or {}).items()))
-    environment = tuple(os.environ.get(option.env, "").strip() for option in OPTIONS.values())
-    found = _configuration(settings, environment)
+    settings = tuple(sorted(canonical(values).items())) if values else ()
+    found = _configuration(settings, _variables())
     return None if found is None else dict(found)  # the caller's to keep: never the cached one
+
+
+_VARIABLES = tuple(option.env for option in OPTIONS.values())
+
+
+def _variables() -> tuple:
+    """The options' variables as they stand, raw: a cache key only (a sweep's expansion asks once per point,
+    so this is read through the environment's own mapping, without decoding every variable)."""
+    data = getattr(os.environ, "_data", None)  # CPython's encoded store behind os.environ
+    if data is None:
+        return tuple(os.environ.get(name) for name in _VARIABLES)
+    return tuple(data.get(key) for key in _encoded_variables())
+
+
+@functools.lru_cache(maxsize=1)
+def _encoded_variables() -> tuple:
+    return tuple(os.environ.encodekey(name) for name in _VARIABLES)
 
 
 @functools.lru_cache(maxsize=256)

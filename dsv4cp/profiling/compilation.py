@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch._dynamo.utils import counters
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 """``torch.compile`` backends: Inductor (generated kernels), AOTAutograd without codegen (traces forward
@@ -54,6 +53,8 @@ class Explanation:
 
 def explain_breaks(fn: Callable, *args, **kwargs) -> Explanation:
     """What Dynamo made of one call of ``fn(*args, **kwargs)`` under ``torch._dynamo.explain``."""
+    from torch._dynamo.utils import counters  # Dynamo's import costs seconds: only where something compiles
+
     counters.clear()
     explained = torch._dynamo.explain(fn)(*args, **kwargs)
     counted: dict[tuple[str, str], int] = {}
