@@ -15,7 +15,6 @@ Every rank also runs the CP = 1 reference on the whole batch, so memory grows wi
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -32,6 +31,7 @@ from dsv4cp.cli.common import (
     layer_inputs,
     positive_int,
     resolve_dist_backend,
+    torchrun_world,
 )
 from dsv4cp.config import DTYPES
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank, tolerance_summary
@@ -95,9 +95,7 @@ def run(args: argparse.Namespace) -> int:
     backend = resolve_dist_backend(args, distributed=True)  # before any process group exists
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     if under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
-        if args.cp is not None and args.cp != world:
-            raise ValueError(f"--cp: {args.cp} differs from torchrun's world size {world}; drop --cp under torchrun")
+        world = torchrun_world(args.cp)
         case = build_case(args, world, device)
         device = init_from_env(backend)
         try:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from dsv4cp.cli.check_cp import add_arguments as add_check_cp_arguments
 from dsv4cp.cli.check_cp import build_case as build_check_case
-from dsv4cp.cli.common import check_args_agree, positive_int, resolve_dist_backend
+from dsv4cp.cli.common import check_args_agree, positive_int, resolve_dist_backend, torchrun_world
 from dsv4cp.cp.determinism import (
     Difference,
     ReplayCase,
@@ -82,9 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_under_torchrun(args: argparse.Namespace, backend: str, device: torch.device) -> int:
-    world = int(os.environ["WORLD_SIZE"])
-    if args.cp is not None and args.cp != world:
-        raise ValueError(f"--cp: {args.cp} differs from torchrun's world size {world}; drop --cp under torchrun")
+    world = torchrun_world(args.cp)
     case = _replay_case(args, world, device)
     device = init_from_env(backend)
     try:

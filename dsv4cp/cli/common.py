@@ -585,3 +585,12 @@ def check_args_agree(args: argparse.Namespace, group) -> None:
     }
     check_ranks_agree({k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
                        for k, v in fields.items()}, group)
+
+
+def torchrun_world(cp_flag: int | None) -> int:
+    """torchrun's world size; ``ValueError`` naming ``--cp`` when the flag asks for another (under torchrun
+    the ranks are the processes, so the flag can only repeat their number)."""
+    world = int(os.environ["WORLD_SIZE"])
+    if cp_flag is not None and cp_flag != world:
+        raise ValueError(f"--cp: {cp_flag} differs from torchrun's world size {world}; drop --cp under torchrun")
+    return world
