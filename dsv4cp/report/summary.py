@@ -105,12 +105,17 @@ def _short_status(status: str, limit: int = 100) -> str:
 
 
 def _headline_section(report: ReportParts) -> list[str]:
-    return ["## Headline", "",
-            "Per point: median step time [p20, p80] in ms (max over ranks per repetition), tokens/s, TFLOP/s per "
-            "GPU, MFU, measured / model bound, peak memory per rank (GiB, max over ranks), exposed "
-            "communication as % of communication time (profiled points only), parity with CP = 1 "
-            "(`sweep --check`; blank when not checked).", "",
-            tables_module.to_markdown(_measured(report.table("headline")))]
+    lines = ["## Headline", "",
+             "Per point: median step time [p20, p80] in ms (max over ranks per repetition), tokens/s, TFLOP/s per "
+             "GPU, MFU, measured / model bound, peak memory per rank (GiB, max over ranks), exposed "
+             "communication as % of communication time (profiled points only), parity with CP = 1 "
+             "(`sweep --check`; blank when not checked).", ""]
+    emulated = report.df["emulated_rank"].notna() if "emulated_rank" in report.df else pd.Series(dtype=bool)
+    if emulated.any():
+        lines += [f"{int(emulated.sum())} point(s) with an `emulated_rank` are **compute only**: ranks measured alone "
+                  "on one device (`all`: every rank in turn, its time the slowest rank's), collectives replaced by "
+                  "no-ops, so they hold no communication and no waiting for peers.", ""]
+    return lines + [tables_module.to_markdown(_measured(report.table("headline")))]
 
 
 def _targets_section(report: ReportParts) -> list[str]:

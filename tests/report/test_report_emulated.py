@@ -52,5 +52,8 @@ def test_emulated_points_stay_apart_from_real_ones(tmp_path, seed):
     assert len(alone) == 2 and (alone["reason"] == "no measured partner with cp = 1").all()
     target = paired.iloc[0]
     assert target["measured"] == real_cp2["time_ms_median"] / df[df["cp"] == 1].iloc[0]["time_ms_median"]
-    for name, table in report_summary.all_tables(df).items():
+    tables_by_name = report_summary.all_tables(df)
+    for name, table in tables_by_name.items():
         assert isinstance(table, type(df)), name
+    text = report_summary.render_summary(df, tables_by_name, {})
+    assert "2 point(s) with an `emulated_rank` are **compute only**" in text
