@@ -130,6 +130,14 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture
+def single_process(monkeypatch) -> None:
+    """No torchrun variables: a command run in this test process acts as one process on its own (as it
+    would without torchrun), whatever launched pytest."""
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
 def gen(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

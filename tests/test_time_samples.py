@@ -13,10 +13,7 @@ from dsv4cp.records import check_record, read_records
 REPS = 5
 
 
-@pytest.fixture(autouse=True)
-def single_process(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("single_process")  # tests/conftest.py
 
 
 def test_profile_records_every_repetitions_time(tmp_path, seed, capsys):

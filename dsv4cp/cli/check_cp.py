@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 
 from dsv4cp import kernel_options
 from dsv4cp.cli.common import (
     add_dist_backend_option,
     add_layer_options,
     add_memory_options,
-    check_args_agree,
     check_memory,
+    gather_torchrun_ranks,
     kernel_option_values,
     kernels_line,
     layer_inputs,
@@ -36,7 +35,7 @@ from dsv4cp.cli.common import (
 from dsv4cp.config import DTYPES
 from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank, tolerance_summary
 from dsv4cp.cp.check import build_case as build_layer_inputs
-from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
+from dsv4cp.cp.launch import spawn, under_torchrun
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import POLICIES
 from dsv4cp.model.partition import partition
@@ -97,15 +96,8 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun():
         world = torchrun_world(args.cp)
         case = build_case(args, world, device)
-        device = init_from_env(backend)
-        try:
-            check_args_agree(args, dist.group.WORLD)
-            rank = dist.get_rank()
-            mine = checked_rank(rank, world, device, case, options)
-            gathered: list = [None] * world
-            dist.all_gather_object(gathered, mine)
-        finally:
-            dist.destroy_process_group()
+        rank, gathered = gather_torchrun_ranks(
+            args, backend, lambda rank, world, device: checked_rank(rank, world, device, case, options))
         if rank != 0:
             return 0
     else:

@@ -25,11 +25,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dsv4cp.cli.check_cp import add_arguments as add_check_cp_arguments
 from dsv4cp.cli.check_cp import build_case as build_check_case
-from dsv4cp.cli.common import check_args_agree, positive_int, resolve_dist_backend, torchrun_world
+from dsv4cp.cli.common import gather_torchrun_ranks, positive_int, resolve_dist_backend, torchrun_world
 from dsv4cp.cp.determinism import (
     Difference,
     ReplayCase,
@@ -39,7 +38,7 @@ from dsv4cp.cp.determinism import (
     tie_rule_violations,
     whole_selection,
 )
-from dsv4cp.cp.launch import init_from_env, spawn, under_torchrun
+from dsv4cp.cp.launch import spawn, under_torchrun
 from dsv4cp.environment import deterministic_algorithms
 from dsv4cp.ops.determinism import attention_replays_bitwise
 from dsv4cp.ops.sparse_attention import resolve_backend
@@ -84,19 +83,15 @@ def run(args: argparse.Namespace) -> int:
 def _run_under_torchrun(args: argparse.Namespace, backend: str, device: torch.device) -> int:
     world = torchrun_world(args.cp)
     case = _replay_case(args, world, device)
-    device = init_from_env(backend)
-    try:
-        check_args_agree(args, dist.group.WORLD)
-        rank = dist.get_rank()
-        at_one = replay_rank(0, 1, device, case)
-        mine = replay_rank(rank, world, device, case)
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, mine)
-    finally:
-        dist.destroy_process_group()
+
+    def measure(rank: int, world: int, device: torch.device) -> tuple:
+        # every rank replays CP = 1 too (the ranks stay in step); rank 0's is the one reported
+        return replay_rank(0, 1, device, case), replay_rank(rank, world, device, case)
+
+    rank, gathered = gather_torchrun_ranks(args, backend, measure)
     if rank != 0:
         return 0
-    runs = {1: [at_one], world: gathered}
+    runs = {1: [gathered[0][0]], world: [mine for _, mine in gathered]}
     fresh = _fresh_process(args, extra=["--cp", "1"])
     return _report(args, case, device, runs, fresh)
 

@@ -594,3 +594,24 @@ def torchrun_world(cp_flag: int | None) -> int:
     if cp_flag is not None and cp_flag != world:
         raise ValueError(f"--cp: {cp_flag} differs from torchrun's world size {world}; drop --cp under torchrun")
     return world
+
+
+def gather_torchrun_ranks(args: argparse.Namespace, backend: str,
+                          measure: Callable[[int, int, torch.device], object]) -> tuple[int, list]:
+    """Under torchrun: join the process group, check every rank parsed the same options, run
+    ``measure(rank, world, device)`` on each rank, gather the results on every rank and leave the group.
+    Returns this rank and the rank-major results (the group is destroyed also when ``measure`` raises)."""
+    import torch.distributed as dist
+
+    from dsv4cp.cp.launch import init_from_env
+
+    device = init_from_env(backend)
+    try:
+        check_args_agree(args, dist.group.WORLD)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = measure(rank, world, device)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+    finally:
+        dist.destroy_process_group()
+    return rank, gathered

@@ -24,10 +24,7 @@ COMMON = ["profile", "--preset", "tiny", "--tokens", "256", "--ratio", "4", "--b
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(autouse=True)
-def single_process(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("single_process")  # tests/conftest.py
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

@@ -21,10 +21,7 @@ COMMON = ["profile", "--preset", "tiny", "--tokens", "512", "--ratio", "4", "--k
           "--warmup", "0", "--reps", "2", "--progress", "off", "--backward"]
 
 
-@pytest.fixture(autouse=True)
-def single_process(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("single_process")  # tests/conftest.py
 
 
 def _rank_metrics(rank: int, cp: int, rng: random.Random) -> dict:

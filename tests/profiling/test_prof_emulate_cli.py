@@ -19,10 +19,7 @@ COMMON = ["profile", "--preset", "tiny", "--tokens", "256", "--ratio", "4", "--k
           "--warmup", "0", "--reps", "2", "--progress", "off"]
 
 
-@pytest.fixture(autouse=True)
-def single_process(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("single_process")  # tests/conftest.py
 
 
 def test_emulated_profile_records_one_rank(tmp_path, capsys, seed):
