@@ -6,17 +6,67 @@ Kernels (``_gather_fwd_kernel``, ``_gather_bwd_kernel``): one program per query;
 its heads sit on the matrix-unit M dimension (``Hi = 64`` = one wgmma M), the selected key rows are
 gathered ``BLOCK_K`` at a time (``[BLOCK_K, Di]``, loaded once per block and used in every product of
 the block). Backward recomputes ``s = q k^T``, accumulates ``dw`` and ``dq = ds k`` per query in
-registers (no atomics) and adds ``dk = ds^T q`` into the fp32 key gradient with ``tl.atomic_add``
-(``ds = [s > 0] w g`` is rounded to q's dtype for the two products, as the attention kernels do). The
-atomics are relaxed: with Triton's default order (acq_rel) every 16-byte vector atomic compiles, on
-sm_90, to a returning ``ATOMG`` wrapped in ``MEMBAR.ALL.GPU`` and an L1 invalidation (``CCTL.IVALL``),
-8 of them per thread and step, each fence waiting for all of the program's outstanding memory traffic;
-relaxed ones are fire-and-forget ``REDG.E.ADD.F32x4`` (read off the SASS of both builds). The sum only
-needs atomicity, and the kernel's end orders it before any reader. The acq_rel build stays selectable
-(:class:`GatherBwdConfig` ``relaxed_atomics=False``, the kernel option ``triton_gather_bwd_config``) to
-measure against. In deterministic mode (:func:`dsv4cp.kernels.is_deterministic`) it stores
-per-(query, slot) contributions instead, which ``_contrib_reduce_kernel`` sums per key row in the fixed
-order of a stable sort (bitwise reproducible).
+registers (no atomics) and produces ``dk = ds^T q`` per (query, slot) (``ds = [s > 0] w g`` is rounded
+to q's dtype for the two products, as the attention kernels do). The key gradient ``dkeys [G, Di]``
+sums those per key row; how is the *reduction* (:data:`REDUCTIONS`, the kernel option
+``triton_scores_bwd_reduce``):
+
+* ``atomic`` (default): ``tl.atomic_add`` of each ``dk`` row into fp32 ``dkeys``, relaxed. With
+  Triton's default order (acq_rel) every 16-byte vector atomic compiles, on sm_90, to a returning
+  ``ATOMG`` wrapped in ``MEMBAR.ALL.GPU`` and an L1 invalidation (``CCTL.IVALL``), each fence waiting for
+  all of the program's outstanding memory traffic; relaxed ones are fire-and-forget
+  ``REDG.E.ADD.F32x4`` (read off the SASS of both builds). The acq_rel build stays selectable
+  (:class:`GatherBwdConfig` ``relaxed_atomics=False``, the kernel option ``triton_gather_bwd_config``).
+  The order of the adds is the hardware's: not deterministic.
+* ``sorted`` / ``sorted-bf16``: a sorted-destination reduction, bitwise deterministic by construction.
+  Per chunk of queries, the chunk's valid slots are sorted by key row (``torch.sort``, stable: by key
+  row, then query, then slot, a function of ``idx`` alone) and ``_invert_permutation_kernel`` gives every
+  slot its position in that order (``dest``, int32); the backward kernel stores each ``dk`` row there
+  (plain 16-byte vector row stores, no atomics) in fp32 or, ``sorted-bf16``, rounded to bf16; then
+  ``_segment_reduce_kernel`` (one program per key row) streams the row's contiguous segment, 32 rows
+  a step, accumulating in fp32 in an order fixed by the segment's length, and adds the sum to ``dkeys``;
+  the chunks add in order. Replays give identical bits; the chunk count changes the rounding only (with
+  exact sums, nothing: tested). Deterministic mode (:func:`dsv4cp.kernels.is_deterministic`:
+  ``torch.use_deterministic_algorithms(True)`` or :func:`dsv4cp.kernels.set_deterministic`) turns
+  ``atomic`` into ``sorted`` (:func:`resolve_reduction`).
+
+Error of ``sorted-bf16``: each fp32 contribution ``c_i`` is stored as ``c_i (1 + d_i)`` with ``|d_i| <=
+u = 2^-8`` (round to nearest: the sm_90 build converts with ``cvt.rn.bf16x2.f32``), so a key row's
+fp32 sum differs from the fp32 contributions' by at most ``u * sum_i |c_i|`` (plus fp32 summation
+error); the errors are unbiased, typically ``~ u sqrt(sum_i c_i^2) / sqrt(3)``. That is the bound of an
+error every bf16 path already has: ``ds`` is rounded to bf16 before the same products, and the returned
+``dkeys`` is rounded to the keys' dtype. Tested against the fp32 reduction elementwise with that bound
+(``tests/kernels/test_indexer_scores_reduce.py``; Triton 3.9's interpreter truncates: 2^-7 there).
+
+Traffic and time model at the 64K flash shapes (T = 65536, Hi = 64, Di = 128, K = 512, G = 16384, bf16;
+n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gradient values):
+
+* ``atomic``: 4.2 G fp32 additions (17 GB of ``REDG.F32x4`` payload) into the 8 MB ``dkeys``, which
+  stays in L2: bound by the L2's reduction throughput. Measured on an H200: ``_gather_bwd_kernel``
+  12.0 ms (``results/2026-12-01-h200-speed4/trace-auto/kernels.csv``), against 2.57 ms for the forward
+  kernel, which gathers the same key rows (8.6 GB from L2) for one of the three products.
+* ``sorted``: the contributions are written once and read once, 2 x 16.9 GB of HBM traffic (a chunk's
+  2 GiB does not fit L2): ~8.5 ms at 4 TB/s; the sort of the int32 keys with int64 values, the inverse
+  permutation and the destinations' reads add ~100 B per slot, ~3.3 GB (~1 ms) expected. Expected no
+  faster than ``atomic``: it is the deterministic one (the torch reference it replaces in deterministic
+  mode made a 64K step 4.6x slower, ``results/2026-12-01-h200-determinism``).
+* ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same ~1 ms of sorting: expected ~5 ms of reduction
+  traffic against the ~9 ms the atomics add to the kernel. Not measured here. Per-slot contributions
+  cannot reach the loss + scores backward's 2.5x-bound target of 3.45 ms (its model bound, 1.38 ms,
+  counts no reduction traffic): even in bf16 their bytes take longer than that.
+
+Memory: the sorted reductions' scratch per chunk is the ``[chunk * K, Di]`` contributions plus an
+estimated :data:`INDEX_BYTES_PER_SLOT` per slot of sort buffers, at most :data:`BWD_SCRATCH_BYTES`
+(2 GiB; the kernel option ``triton_scores_bwd_scratch`` in MiB, the keyword ``scratch_bytes``),
+equal chunks: at 64K, 9 chunks of 7282 queries (fp32, 1.94 GiB) or 5 of 13108 (bf16, 1.90 GiB). In
+deterministic mode torch fills every ``torch.empty`` (``fill_uninitialized_memory``): one extra write of
+the contributions buffer per backward.
+
+Resources (``triton.compile`` for sm_90 with Triton 3.9, the JIT's 16-byte alignment, Di = 128,
+Hi = 64, bf16; registers per thread / shared memory, no spill anywhere): backward ``(32, 4, 2)``
+atomic 224 / 56 KB, sorted fp32 200 / 56 KB, sorted bf16 188 / 52 KB; ``(64, 8, 2)`` 175 / 80 KB,
+190 / 80 KB, 183 / 64 KB. ``_segment_reduce_kernel`` (32 rows, 4 warps): 56 registers, 16-byte
+vector loads (``ld.global.v4.b32``); ``_invert_permutation_kernel``: 32 registers.
 """
 
 from __future__ import annotations
@@ -318,11 +368,12 @@ def _gather_backward(q, w, keys, idx, grad, reduction: str, config: GatherBwdCon
     t, hi, di = q.shape
     g, ksel = keys.shape[0], idx.shape[1]
     dev = q.device
-    dq = torch.zeros_like(q)
-    dw = torch.zeros(t, hi, dtype=torch.float32, device=dev)
     dkeys = torch.zeros(g, di, dtype=torch.float32, device=dev)
     if t == 0 or ksel == 0 or g == 0:
-        return dq, dw, dkeys
+        return torch.zeros_like(q), torch.zeros(t, hi, dtype=torch.float32, device=dev), dkeys
+    # every query's program writes its whole dq and dw rows: no fill (1 GB of dq at 64K: 0.32 ms on an H200)
+    dq = torch.empty_like(q)
+    dw = torch.empty(t, hi, dtype=torch.float32, device=dev)
     block_d = triton.next_power_of_2(di)
     block_h = max(16, triton.next_power_of_2(hi))
     kernel = _build("_gather_bwd_kernel", dev)
