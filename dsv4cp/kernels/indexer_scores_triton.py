@@ -46,8 +46,9 @@ n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gra
   12.0 ms (``results/2026-12-01-h200-speed4/trace-auto/kernels.csv``), against 2.57 ms for the forward
   kernel, which gathers the same key rows (8.6 GB from L2) for one of the three products.
 * ``sorted``: the contributions are written once and read once, 2 x 16.9 GB of HBM traffic (a chunk's
-  2 GiB does not fit L2): ~8.5 ms at 4 TB/s; the sort of the int32 keys with int64 values, the inverse
-  permutation and the destinations' reads add ~100 B per slot, ~3.3 GB (~1 ms) expected. Expected no
+  2 GiB does not fit L2): ~8.5 ms at 4 TB/s; the sort (int16 keys while G < 2^15, int64 values: two
+  radix passes), the inverse permutation and the destinations' reads add ~60 B per slot, ~2 GB
+  (~0.5-1 ms) expected. Expected no
   faster than ``atomic``: it is the deterministic one (the torch reference it replaces in deterministic
   mode made a 64K step 4.6x slower, ``results/2026-12-01-h200-determinism``).
 * ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same ~1 ms of sorting: expected ~5 ms of reduction
@@ -103,7 +104,7 @@ contributions and the sort's index tensors (:data:`INDEX_BYTES_PER_SLOT`)."""
 
 INDEX_BYTES_PER_SLOT = 48
 """Bytes per slot the sort of one chunk holds at its peak (an upper estimate): the int64 rows and their
-int32 keys, the sorted keys (int32) and permutation (int64), the destinations (int32) and the radix
+int16 / int32 keys, the sorted keys and permutation (int64), the destinations (int32) and the radix
 sort's double buffers."""
 
 REDUCE_BLOCK_ROWS = 32
@@ -349,9 +350,11 @@ def _sorted_destinations(idx: torch.Tensor, g: int) -> tuple[torch.Tensor, torch
     int64, key row g's segment ``seg[g] : seg[g + 1]`` of that order. Empty slots sort last, past
     ``seg[G]``. The order (by key row, then query, then slot) is a function of ``idx`` alone."""
     flat = idx.reshape(-1)
-    key = torch.where((flat >= 0) & (flat < g), flat, g).to(torch.int32)  # int32: half the sort's key bytes
+    # the narrowest key that holds G: a radix sort's passes (and key bytes) follow the key's width
+    key_dtype = torch.int16 if g < 2**15 else torch.int32
+    key = torch.where((flat >= 0) & (flat < g), flat, g).to(key_dtype)
     sorted_key, perm = torch.sort(key, stable=True)
-    seg = torch.searchsorted(sorted_key, torch.arange(g + 1, dtype=torch.int32, device=idx.device))
+    seg = torch.searchsorted(sorted_key, torch.arange(g + 1, dtype=key_dtype, device=idx.device))
     dest = torch.empty(flat.numel(), dtype=torch.int32, device=idx.device)
     block = 1024
     _build("_invert_permutation_kernel", idx.device)[(triton.cdiv(flat.numel(), block),)](

@@ -149,11 +149,13 @@ def test_chunking_changes_nothing_with_exact_arithmetic(dtype, seed):
             assert torch.equal(got, ref), f"seed={seed} {reduce} {dtype}: {rows} queries per chunk"
 
 
-def test_sorted_destinations_order_slots_by_key_row_then_slot(seed):
+@pytest.mark.parametrize("g", [11, 2**15 + 3], ids=["int16-keys", "int32-keys"])
+def test_sorted_destinations_order_slots_by_key_row_then_slot(g, seed):
     """``dest`` is a permutation placing each valid slot inside its key row's segment, in query-major slot
-    order within the segment, and every empty slot past the last segment."""
+    order within the segment, and every empty slot past the last segment (both widths of sort key)."""
     _, _, _, idx, _ = scores_case(seed)
-    g = 11
+    idx = torch.where(idx >= 0, idx * (g // 11), idx)  # spread over the G rows (the last ones included)
+    idx[1, 1] = g - 1
     idx[0, 0] = g  # out of range: empty like -1
     dest, seg = _sorted_destinations(idx, g)
     flat = idx.reshape(-1)
@@ -166,6 +168,7 @@ def test_sorted_destinations_order_slots_by_key_row_then_slot(seed):
     for row in range(g):
         members = torch.nonzero(flat == row).flatten()  # query-major order
         assert torch.equal(dest[members].long(), torch.arange(seg[row], seg[row + 1])), f"seed={seed} row {row}"
+    assert seg[g] - seg[g - 1] >= 1, "the last key row has its segment"
 
 
 def test_chunk_plan_respects_the_budget_and_balances_the_chunks():
