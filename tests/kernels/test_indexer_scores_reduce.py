@@ -267,17 +267,22 @@ def flash_case(seed: int, t: int = 8192, hi: int = 64, di: int = 128, kk: int = 
 @needs_cuda
 @pytest.mark.parametrize("reduce", SORTED)
 def test_gpu_sorted_reductions_match_atomic_and_replay_bitwise(reduce, seed):
-    """Flash shapes, bf16: each sorted reduction against the atomic one (relative error of dkeys), replayed
-    bitwise; dq and dw do not depend on the reduction."""
+    """Flash shapes, bf16: each sorted reduction against the atomic one, replayed bitwise; dq and dw do not
+    depend on the reduction. dkeys' relative error (norm): fp32 contributions differ from the atomics in
+    the order of ~2K-term sums only (expected ~1e-6), bf16 ones by their rounding (expected ~u / 2 with
+    u = 2^-8; bounded here by 2u)."""
     case = flash_case(seed)
     ref = grads(indexer_scores_triton, *case, reduce="atomic")
     first = grads(indexer_scores_triton, *case, reduce=reduce)
     second = grads(indexer_scores_triton, *case, reduce=reduce, scratch_bytes=BWD_SCRATCH_BYTES)
     for name, a, b in zip(("dq", "dw", "dkeys"), first, second):
         assert torch.equal(a, b), f"seed={seed} {reduce}: {name} differs between replays"
-    assert torch.equal(first[0], ref[0]) and torch.equal(first[1], ref[1]), f"seed={seed}"
-    err = ((first[2] - ref[2]).norm() / ref[2].norm()).item()
-    assert err < (1e-6 if reduce == "sorted" else 4e-3), f"seed={seed} {reduce}: relative error {err}"
+    for name, a, b in zip(("dq", "dw"), first, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"seed={seed} {reduce}: {name}"
+    err = relative_error(first[2], ref[2])
+    assert err < (1e-4 if reduce == "sorted" else 2 * bf16_rounding(ref[2].device)), \
+        f"seed={seed} {reduce}: relative error {err}"
+    assert reduce == "sorted" or err > 1e-5, f"seed={seed}: the contributions were not rounded to bf16"
 
 
 @pytest.mark.gpu
@@ -288,4 +293,8 @@ def test_gpu_sorted_reduction_chunks_add_in_a_fixed_order(seed):
     one = grads(indexer_scores_triton, *case, reduce="sorted")[2]
     many = [grads(indexer_scores_triton, *case, reduce="sorted", scratch_bytes=2**20)[2] for _ in range(2)]
     assert torch.equal(many[0], many[1]), f"seed={seed}"
-    assert torch.allclose(many[0], one, rtol=1e-5, atol=1e-6), f"seed={seed}"
+    assert relative_error(many[0], one) < 1e-4, f"seed={seed}"
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).norm() / ref.norm()).item()
