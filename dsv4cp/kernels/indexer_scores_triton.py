@@ -51,10 +51,12 @@ n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gra
   (~0.5-1 ms) expected. Expected no
   faster than ``atomic``: it is the deterministic one (the torch reference it replaces in deterministic
   mode made a 64K step 4.6x slower, ``results/2026-12-01-h200-determinism``).
-* ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same ~1 ms of sorting: expected ~5 ms of reduction
-  traffic against the ~9 ms the atomics add to the kernel. Not measured here. Per-slot contributions
-  cannot reach the loss + scores backward's 2.5x-bound target of 3.45 ms (its model bound, 1.38 ms,
-  counts no reduction traffic): even in bf16 their bytes take longer than that.
+* ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same sorting: ~5 ms of reduction traffic expected,
+  against the atomics' share of the kernel's 12.0 ms (~9 ms, if the gathers and products took what the
+  forward's gathers take). Per-slot contributions cannot reach the loss + scores backward's target of
+  2.5x its 1.38 ms bound (3.45 ms): the bound counts no reduction traffic, and the kernel's own stores of
+  the bf16 contributions compete for L2 with its gathers of the same volume (8.6 GB), so a backward of
+  ~7-8 ms is expected at best. Not measured yet.
 
 Memory: the sorted reductions' scratch per chunk is the ``[chunk * K, Di]`` contributions plus an
 estimated :data:`INDEX_BYTES_PER_SLOT` per slot of sort buffers, at most :data:`BWD_SCRATCH_BYTES`
