@@ -13,11 +13,7 @@ import torch
 from dsv4cp import kernel_options
 from dsv4cp.environment import deterministic_algorithms
 from dsv4cp.kernels import interpreted, set_deterministic, triton_available
-
-pytestmark = pytest.mark.skipif(not triton_available("cpu") and not torch.cuda.is_available(),
-                                reason="triton cannot run here (needs CUDA or TRITON_INTERPRET=1)")
-
-from dsv4cp.kernels.indexer_scores_triton import (  # noqa: E402
+from dsv4cp.kernels.indexer_scores_triton import (
     BWD_SCRATCH_BYTES,
     INDEX_BYTES_PER_SLOT,
     REDUCTIONS,
@@ -26,7 +22,10 @@ from dsv4cp.kernels.indexer_scores_triton import (  # noqa: E402
     resolve_reduction,
     sorted_chunk_rows,
 )
-from dsv4cp.ops.indexer import indexer_scores  # noqa: E402
+from dsv4cp.ops.indexer import indexer_scores
+
+pytestmark = pytest.mark.skipif(not triton_available("cpu") and not torch.cuda.is_available(),
+                                reason="triton cannot run here (needs CUDA or TRITON_INTERPRET=1)")
 
 REDUCE_ENV = kernel_options.OPTIONS["triton_scores_bwd_reduce"].env
 SCRATCH_ENV = kernel_options.OPTIONS["triton_scores_bwd_scratch"].env
@@ -41,7 +40,7 @@ def bf16_rounding(device: torch.device) -> float:
 
 def scores_case(seed: int, t: int = 13, hi: int = 3, di: int = 32, g: int = 11, kk: int = 19,
                 dtype: torch.dtype = torch.float32, exact: bool = False):
-    """Random ``q, w, keys, idx, grad`` (never zeros): about a quarter of the slots empty (-1), one query
+    """Random ``q, w, keys, idx, grad`` (never all zeros): about a quarter of the slots empty (-1), one query
     with no slot at all, repeated key rows within queries, few key rows (long segments), ragged sizes.
     ``exact``: small integers (w in halves) whose products and sums are exact in fp32 and whose per-slot
     key gradients are exact in bf16, so any order of summation gives the same bits."""
