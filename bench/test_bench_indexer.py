@@ -41,7 +41,9 @@ radix selection alone at 64K under each launch of ``SELECT_SWEEP`` (pinned); and
 ``test_indexer_scores_fwd_bwd``: the differentiable scores at K = 512 given entries per query (the
 indexer loss's prediction), forward + backward, torch vs Triton: the default, the original backward
 (acq_rel atomics), the deterministic one and (GPU only) the backward pinned to each ladder tile (FLOPs
-``3 * 2 * Hi * Di`` per valid slot: the forward, and the backward's ``dq`` and ``dkeys`` products).
+``3 * 2 * Hi * Di`` per valid slot: the forward, and the backward's ``dq`` and ``dkeys`` products);
+``test_indexer_scores_reduce``: the backward's three key-gradient reductions (``atomic``, ``sorted``,
+``sorted-bf16``) side by side, forward + backward and the backward alone (GPU: 64K; CPU: tiny).
 
 ``benchmark.extra_info``: FLOPs ``2 * Hi * Di`` per (query, VISIBLE entry) (DESIGN 4.3: causally
 invisible pairs are not counted, whatever a backend computes) and the TFLOP/s of the median;
@@ -400,6 +402,19 @@ _SCORES_BACKENDS = ["torch", "triton", "triton-deterministic", "triton-acqrel"] 
 ]
 
 
+def _selection(shape: Shape, entry: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(idx, grad, valid slots)`` of the scores benchmarks: up to K random entries among each query's
+    visible ones (``-1`` beyond), and a random upstream gradient, zero at the empty slots."""
+    device = entry["q"].device
+    g = torch.Generator(device=device).manual_seed(99)
+    limit = entry["query_limit"].clamp_max(shape.n_keys)
+    slots = torch.arange(shape.topk, device=device)
+    idx = (torch.rand(shape.tokens, shape.topk, device=device, generator=g) * limit[:, None]).long()
+    idx = torch.where(slots[None, :] < limit[:, None], idx, -1)
+    grad = torch.randn(idx.shape, device=device, generator=g) * (idx >= 0)
+    return idx, grad, int((idx >= 0).sum().item())
+
+
 @pytest.mark.parametrize("backend", _SCORES_BACKENDS)
 @pytest.mark.parametrize("shape_name", _SCORES_PARAMS)
 def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeypatch):
@@ -428,13 +443,7 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
         from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton as fn
     else:
         fn = indexer_scores
-    g = torch.Generator(device=q.device).manual_seed(99)
-    limit = entry["query_limit"].clamp_max(shape.n_keys)
-    slots = torch.arange(shape.topk, device=q.device)
-    idx = (torch.rand(shape.tokens, shape.topk, device=q.device, generator=g) * limit[:, None]).long()
-    idx = torch.where(slots[None, :] < limit[:, None], idx, -1)  # up to K entries among the visible ones
-    valid = int((idx >= 0).sum().item())
-    grad = torch.randn(idx.shape, device=q.device, generator=g) * (idx >= 0)
+    idx, grad, valid = _selection(shape, entry)
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, w, keys)]
 
     def step():
@@ -455,3 +464,50 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
     out = measure(step, None, flops=3 * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),
                   rounds=rounds, warmup_rounds=warmup, device=q.device)
     assert out.shape == idx.shape
+
+
+_REDUCE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("64k", id="64k", marks=GPU_ONLY)]
+
+
+@pytest.mark.parametrize("part", ["fwd_bwd", "bwd"])
+@pytest.mark.parametrize("reduce", ["atomic", "sorted", "sorted-bf16"])
+@pytest.mark.parametrize("shape_name", _REDUCE_PARAMS)
+def test_indexer_scores_reduce(benchmark, measure, shape_name, reduce, part):
+    """The key-gradient reductions side by side (``reduce=`` of
+    :func:`~dsv4cp.kernels.indexer_scores_triton.indexer_scores_triton`, the kernel option
+    ``triton_scores_bwd_reduce``): fp32 atomics, and per-slot fp32 / bf16 contributions stored in key-row
+    order and summed per key row (the sort, the backward kernel and the segment sums). ``fwd_bwd``: one
+    forward + backward; ``bwd``: the backward alone, of one saved forward (FLOPs: the backward's ``dq``
+    and ``dkeys`` products, ``2 * 2 * Hi * Di`` per valid slot; the recompute of ``s`` is not counted)."""
+    from dsv4cp.kernels import triton_available
+
+    shape = SHAPES[shape_name]
+    entry = _inputs(shape)
+    if not triton_available(entry["q"].device):
+        pytest.skip(f"triton cannot run on {entry['q'].device} here")
+    from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton
+
+    idx, grad, valid = _selection(shape, entry)
+    leaves = [entry[name].detach().clone().requires_grad_(True) for name in ("q", "w", "keys")]
+    if part == "fwd_bwd":
+        def step():
+            out = indexer_scores_triton(*leaves, idx, reduce=reduce)
+            torch.autograd.grad(out, leaves, grad)
+            return out
+        flops = 3 * 2.0 * shape.heads * shape.dim * valid
+    else:
+        saved = indexer_scores_triton(*leaves, idx, reduce=reduce)
+
+        def step():
+            return torch.autograd.grad(saved, leaves, grad, retain_graph=True)[2]
+        flops = 2 * 2.0 * shape.heads * shape.dim * valid
+
+    step()
+    benchmark.group = f"indexer.scores.reduce.{part}.{shape.name}"
+    peak = _peak_extra_bytes(step)
+    benchmark.extra_info.update(reduce=reduce, part=part, shape=shape.name, T=shape.tokens, Hi=shape.heads,
+                                Di=shape.dim, K=shape.topk, valid_slots=valid, dtype=str(leaves[0].dtype),
+                                peak_extra_bytes=peak, peak_extra_gib=None if peak is None else peak / 2**30)
+    rounds, warmup = _rounds(shape)
+    measure(step, None, flops=flops, bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup,
+            device=leaves[0].device)

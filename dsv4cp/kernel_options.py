@@ -144,6 +144,12 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
           "pins the radix select kernel's launch"),
     _tile("triton_gather_bwd_config", "indexer_scores", ("block_k", "num_warps", "num_stages", "relaxed_atomics"),
           "pins the gathered indexer scores' backward launch (relaxed_atomics 0 or 1)"),
+    KernelOption("triton_scores_bwd_reduce", "DSV4CP_TRITON_SCORES_BWD_REDUCE", CHOICE, "indexer_scores",
+                 "indexer scores backward's key-gradient sum: fp32 atomics, or per-slot fp32 / bf16 contributions "
+                 "summed per key row in sorted order (deterministic; deterministic mode turns atomic into sorted)",
+                 "atomic", ("atomic", "sorted", "sorted-bf16")),
+    _tile("triton_scores_bwd_scratch", "indexer_scores", ("mib",),
+          "caps the sorted key-gradient reductions' scratch per chunk of queries, in MiB (auto: 2048)"),
     _tile("triton_fwd_config", "sparse_attention", _KERNEL_TILE, "pins the Triton attention forward's launch"),
     _tile("triton_bwd_config", "sparse_attention", _KERNEL_TILE,
           "pins the Triton attention backward's first (dq / scores) kernel"),
