@@ -62,6 +62,9 @@ sizes only), as for the attention kernels.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -70,6 +73,7 @@ from dsv4cp import kernel_options
 from dsv4cp.kernels._triton_gather import gather_rows
 from dsv4cp.kernels._triton_launch import Kernels
 from dsv4cp.kernels._triton_launch import pinned as _pinned
+from dsv4cp.kernels._triton_launch import pinned_config as _pinned_config
 from dsv4cp.kernels.sparse_attention_triton import (
     _SUPPORTED_DTYPES,
     LOG2E,
@@ -81,10 +85,38 @@ from dsv4cp.kernels.sparse_attention_triton import (
     _precision,
 )
 
-__all__ = ["MAX_HEAD_DIM", "SLOTS_ON_M_ENV", "KernelConfig", "head_summed_probs_triton", "logsumexp_over_triton"]
+__all__ = [
+    "MAX_HEAD_DIM",
+    "PROBS_KERNELS",
+    "SLOTS_ON_M_ENV",
+    "ChunkConfig",
+    "KernelConfig",
+    "head_summed_probs_triton",
+    "logsumexp_over_triton",
+]
 
 SLOTS_ON_M_ENV = kernel_options.OPTIONS["triton_probs_slots_on_m"].env
 """Which operand order the probabilities kernel's logits use with one head block (see :func:`_slots_on_m`)."""
+
+PROBS_KERNELS = kernel_options.OPTIONS["triton_probs_kernel"].choices
+"""The probabilities kernels: ``whole_d`` (``_head_probs_kernel``), ``d_chunks`` (``_head_probs_chunked_kernel``)."""
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """``d_chunks`` probabilities launch: heads per head block (``block_h``), slots per work item
+    (``block_k``), head-dim columns per step (``block_d``, capped at D's power of two), warps, stages, the
+    logits' layout (``slots_on_m`` 1: ``[block_k, block_h]``, 0: ``[block_h, block_k]``) and the grid
+    (``programs_per_sm`` 0: one program per (query, slot block); n > 0: a persistent grid of n programs
+    per multiprocessor)."""
+
+    block_h: int
+    block_k: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    slots_on_m: int
+    programs_per_sm: int
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,6 +177,78 @@ def _head_probs_kernel(
         tl.store(OUT + t * stride_ot + slots, tl.where(valid, acc, 0.0), mask=in_row)
 
 
+def _head_probs_chunked_kernel(
+    Q, KEYS, IDX, LDEN, OUT,  # pointers
+    qk_scale2,  # fp32: scale * log2(e)
+    H, N, KT, N_ITEMS, N_SB, N_HB,  # heads, key rows, slots per query, (query, slot block) items, slot / head blocks
+    stride_qt, stride_qh, stride_kn, stride_it, stride_lt, stride_lh, stride_ot,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DC: tl.constexpr,
+    SLOTS_ON_M: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Head-summed probabilities with the head dim as the matrix product's reduction loop.
+
+    Same tensors as ``_head_probs_kernel``. Work item = (query t, block of ``BLOCK_K`` slots); program p
+    takes items p, p + P, p + 2P, ... (P = the grid: one item per program, or a persistent grid). One flat
+    loop runs over the program's (item, head block, head-dim chunk) steps, so the software pipeline never
+    drains between items: each step gathers the ``[BLOCK_K, BLOCK_DC]`` key columns and the matching
+    ``[BLOCK_H, BLOCK_DC]`` q columns (q re-read from L2 per slot block) and accumulates the logits; the
+    last chunk of a head block turns them into probabilities and adds their head sum, the last head
+    block stores it. The head blocks are summed in a fixed order: deterministic.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    N_DC: tl.constexpr = (D + BLOCK_DC - 1) // BLOCK_DC
+    EVEN_D: tl.constexpr = D % BLOCK_DC == 0
+    steps = tl.cdiv(N_ITEMS - pid, n_prog) * N_HB * N_DC
+    dcol = tl.arange(0, BLOCK_DC)
+    h_off = tl.arange(0, BLOCK_H)
+    k_off = tl.arange(0, BLOCK_K)
+    if SLOTS_ON_M:
+        acc = tl.zeros([BLOCK_K, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+    total = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for step in range(0, steps):
+        dc = step % N_DC
+        hb = (step // N_DC) % N_HB
+        item = pid + (step // (N_DC * N_HB)) * n_prog
+        t = (item // N_SB).to(tl.int64)
+        slots = (item % N_SB) * BLOCK_K + k_off
+        in_row = slots < KT
+        d = dc * BLOCK_DC + dcol
+        rows = tl.load(IDX + t * stride_it + slots, mask=in_row, other=-1).to(tl.int64)
+        valid = (rows >= 0) & (rows < N)
+        heads = hb * BLOCK_H + h_off
+        hmask = heads < H
+        if EVEN_D:  # masks by row only: fewer predicates on the gather
+            kmask = valid[:, None]
+            qmask = hmask[:, None]
+        else:
+            kmask = valid[:, None] & (d < D)[None, :]
+            qmask = hmask[:, None] & (d < D)[None, :]
+        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=kmask, other=0.0)
+        qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: fp32 products there
+            keys = keys.to(tl.float32)
+            qc = qc.to(tl.float32)
+        if SLOTS_ON_M:  # [BLOCK_K, BLOCK_H]: the head sum runs along each thread's registers
+            acc = tl.dot(keys, tl.trans(qc), acc, input_precision=PRECISION)
+        else:  # [BLOCK_H, BLOCK_K]: slots on the matrix unit's N (m64nBLOCK_K), the head sum crosses warps
+            acc = tl.dot(qc, tl.trans(keys), acc, input_precision=PRECISION)
+        if dc == N_DC - 1:
+            # padding heads: denominator +inf -> 2^(s - inf) = 0
+            lden2 = tl.load(LDEN + t * stride_lt + heads * stride_lh, mask=hmask,
+                            other=float("inf")) * 1.4426950408889634
+            if SLOTS_ON_M:
+                total += tl.sum(tl.math.exp2(acc * qk_scale2 - lden2[None, :]), 1)
+            else:
+                total += tl.sum(tl.math.exp2(acc * qk_scale2 - lden2[:, None]), 0)
+            if hb == N_HB - 1:
+                tl.store(OUT + t * stride_ot + slots, tl.where(valid, total, 0.0), mask=in_row)
+                total = tl.zeros([BLOCK_K], dtype=tl.float32)
+            acc = tl.zeros_like(acc)
+
+
 def _lse_kernel(
     Q, KEYS, IDX, LSE,  # pointers
     qk_scale2,  # fp32: scale * log2(e)
@@ -186,7 +290,8 @@ def _lse_kernel(
     tl.store(LSE + t * H + heads, lse, mask=hmask)
 
 
-_KERNELS = Kernels("attention_probs triton", _head_probs_kernel, _lse_kernel, op="attention_probs")
+_KERNELS = Kernels("attention_probs triton", _head_probs_kernel, _head_probs_chunked_kernel, _lse_kernel,
+                   op="attention_probs")
 _build, _launch = _KERNELS.build, _KERNELS.launch
 
 
@@ -208,6 +313,46 @@ def _ladder(block_d: int, heads: int, dtype: torch.dtype, head_loop: bool = Fals
     else:
         ladder = [(bh, 64, 4, 2), (bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
     return [KernelConfig(*c) for c in ladder]
+
+
+def _chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[ChunkConfig]:
+    """``d_chunks`` configurations to try in order (resources at the flash shape: the module docstring).
+    Triton pipelines the index load and the gather in separate stages: ``num_stages`` s keeps
+    ``(s - 1) // 2 + 1`` gathered tiles in shared memory."""
+    bh = _block_h(heads)
+    if dtype == torch.float32:  # fp32 products on the CUDA cores ("ieee"): small tiles
+        ladder = [(min(bh, 32), 32, 32, 8, 3, 1, 0), (16, 16, 32, 4, 1, 1, 0)]
+    elif block_d >= 256:
+        ladder = [(bh, 512, 32, 8, 7, 1, 1), (bh, 256, 32, 8, 7, 1, 1), (bh, 128, 64, 8, 5, 1, 2),
+                  (bh, 64, 64, 4, 5, 1, 4), (min(bh, 32), 32, 64, 4, 3, 1, 0)]
+    else:
+        ladder = [(bh, 64, 32, 4, 3, 1, 2), (bh, 32, 32, 4, 1, 1, 0)]
+    return [ChunkConfig(*c) for c in ladder]
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for the interpreter (its programs run one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _probs_kernel(explicit: str | None) -> str:
+    """``explicit``, else the kernel option ``triton_probs_kernel`` (``whole_d`` default, ``d_chunks``)."""
+    name = kernel_options.get("triton_probs_kernel") if explicit is None else explicit
+    if name not in PROBS_KERNELS:
+        raise ValueError(f"kernel: must be one of {', '.join(PROBS_KERNELS)}, got {name!r}")
+    return name
+
+
+def _check_chunk_config(cfg: ChunkConfig | None, source: str) -> None:
+    """The fields :func:`dsv4cp.kernels._triton_launch.pinned_config` does not check; errors start with
+    ``source`` (where the pin came from)."""
+    if cfg is None:
+        return
+    if cfg.slots_on_m not in (0, 1):
+        raise ValueError(f"{source}.slots_on_m: must be 0 or 1, got {cfg.slots_on_m}")
+    if cfg.programs_per_sm < 0:
+        raise ValueError(f"{source}.programs_per_sm: must be >= 0, got {cfg.programs_per_sm}")
 
 
 def _slots_on_m(explicit: bool | None) -> bool:
@@ -325,6 +470,8 @@ def head_summed_probs_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     slots_on_m: bool | None = None,
+    kernel: str | None = None,
+    chunk_config: ChunkConfig | None = None,
 ) -> torch.Tensor:
     """``[T, K]`` fp32: ``sum_h exp(scale * <q[t, h], keys[idx[t, k]]> - log_denominator[t, h])``.
 
@@ -333,8 +480,13 @@ def head_summed_probs_triton(
         log_denominator: ``[T, H]`` floating (read as fp32), natural log.
         block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder);
             ``H > block_h`` loops over head blocks inside each program.
-        slots_on_m: the logits' operand order with one head block (default: the kernel option
-            ``triton_probs_slots_on_m``; see :func:`_slots_on_m`).
+        slots_on_m: the ``whole_d`` kernel's logits operand order with one head block (default: the
+            kernel option ``triton_probs_slots_on_m``; see :func:`_slots_on_m`).
+        kernel: ``whole_d`` (``_head_probs_kernel``, launched by ``block_h`` ... ``slots_on_m``) or
+            ``d_chunks`` (``_head_probs_chunked_kernel``, launched by ``chunk_config``); default: the
+            kernel option ``triton_probs_kernel``.
+        chunk_config: pins the ``d_chunks`` launch (default: the kernel option
+            ``triton_probs_chunk_config``, else its ladder).
 
     Returns: 0 at empty slots (same contract as :func:`dsv4cp.ops.attention_probs.head_summed_probs`).
     """
@@ -356,6 +508,12 @@ def head_summed_probs_triton(
     if h == 0:
         return out.zero_()
     block_d = triton.next_power_of_2(d)
+    if _probs_kernel(kernel) == "d_chunks":
+        pinned = _pinned_config(chunk_config, "triton_probs_chunk_config", ChunkConfig, "chunk_config")
+        _check_chunk_config(pinned, "chunk_config" if chunk_config is not None
+                            else kernel_options.where("triton_probs_chunk_config"))
+        _launch_chunked(q, keys, idx, scale, lden, out, block_d, pinned)
+        return out
     on_m = _slots_on_m(slots_on_m)
     ladder = _ladder(block_d, h, q.dtype, head_loop=h > _block_h(h))
     pinned = _pinned("triton_probs_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
@@ -375,3 +533,27 @@ def head_summed_probs_triton(
 
     _launch("probs_sum", _config_key(q), ladder, pinned, launch)
     return out
+
+
+def _launch_chunked(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float, lden: torch.Tensor,
+                    out: torch.Tensor, block_d: int, pinned: ChunkConfig | None) -> None:
+    """Fill ``out`` ``[T, K]`` with the ``d_chunks`` kernel (checked inputs, ``T, K, H > 0``)."""
+    t, h, d = q.shape
+    kt = idx.shape[1]
+    kernel = _build("_head_probs_chunked_kernel", q.device)
+
+    def launch(cfg: ChunkConfig) -> None:
+        n_sb, n_hb = triton.cdiv(kt, cfg.block_k), triton.cdiv(h, cfg.block_h)
+        items = t * n_sb
+        programs = items if cfg.programs_per_sm == 0 else min(items, cfg.programs_per_sm * _multiprocessors(q.device))
+        kernel[(programs,)](
+            q, keys, idx, lden, out,
+            float(scale) * LOG2E, h, keys.shape[0], kt, items, n_sb, n_hb,
+            q.stride(0), q.stride(1), keys.stride(0), idx.stride(0), lden.stride(0), lden.stride(1),
+            out.stride(0),
+            D=d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, BLOCK_DC=min(cfg.block_d, block_d),
+            SLOTS_ON_M=bool(cfg.slots_on_m), PRECISION=_precision(q), DOT_F32=_dot_f32(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _launch("probs_chunks", _config_key(q), _chunk_ladder(block_d, h, q.dtype), pinned, launch)
