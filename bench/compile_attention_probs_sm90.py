@@ -37,22 +37,25 @@ REGISTERS_PER_SM = 65536
 D, H = 512, 64
 
 _POINTERS = {"Q": "*bf16", "KEYS": "*bf16", "IDX": "*i64", "LDEN": "*fp32", "OUT": "*fp32"}
+_FP32_POINTERS = {**_POINTERS, "Q": "*fp32", "KEYS": "*fp32"}
 _WHOLE_D_ARGS = ["H", "N", "KT", "stride_qt", "stride_qh", "stride_kn", "stride_it", "stride_lt", "stride_lh",
                  "stride_ot"]
 _CHUNK_ARGS = ["H", "N", "KT", "N_ITEMS", "N_SB", "N_HB", "stride_qt", "stride_qh", "stride_kn", "stride_it",
                "stride_lt", "stride_lh", "stride_ot"]
 
 
-def _signature(ints: list[str], constexprs: dict) -> tuple[dict, dict]:
+def _signature(ints: list[str], constexprs: dict, fp32: bool) -> tuple[dict, dict]:
     """Triton signature and divisibility attributes (pointers, strides and KT divisible by 16)."""
-    sig = {**_POINTERS, "qk_scale2": "fp32", **{name: "i32" for name in ints}, **{k: "constexpr" for k in constexprs}}
+    sig = {**(_FP32_POINTERS if fp32 else _POINTERS), "qk_scale2": "fp32", **{name: "i32" for name in ints},
+           **{k: "constexpr" for k in constexprs}}
     aligned = [i for i, name in enumerate(sig) if name in _POINTERS or name.startswith("stride") or name == "KT"]
     return sig, {(i,): [["tt.divisibility", 16]] for i in aligned}
 
 
-def compile_resources(body, constexprs: dict, ints: list[str], num_warps: int, num_stages: int) -> dict:
-    """Resources of ``body`` compiled for sm_90 with ``constexprs``."""
-    sig, attrs = _signature(ints, constexprs)
+def compile_resources(body, constexprs: dict, ints: list[str], num_warps: int, num_stages: int,
+                      fp32: bool = False) -> dict:
+    """Resources of ``body`` compiled for sm_90 with ``constexprs`` (bf16 q and keys, else fp32)."""
+    sig, attrs = _signature(ints, constexprs, fp32)
     kernel = triton.compile(ASTSource(triton.jit(body), sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -65,7 +68,7 @@ def compile_resources(body, constexprs: dict, ints: list[str], num_warps: int, n
     regs = int(fields["REG"])
     by_shared = SHARED_PER_SM // (shared + RESERVED_PER_PROGRAM)
     by_regs = REGISTERS_PER_SM // (max(regs, 1) * 32 * num_warps)
-    buffers = re.findall(r"memdesc<(\d+)x\d+x\d+xbf16", kernel.asm["ttgir"])
+    buffers = re.findall(r"memdesc<(\d+)x\d+x\d+x(?:bf16|f32)", kernel.asm["ttgir"])
     return {"shared_kb": shared / 1024, "regs": regs, "spill": int(fields["STACK"]) + int(fields["LOCAL"]),
             "buffers": max(map(int, buffers)) if buffers else 0, "programs_per_sm": min(by_shared, by_regs)}
 
@@ -76,10 +79,11 @@ def whole_d(cfg: KernelConfig, slots_on_m: bool = True) -> dict:
     return compile_resources(probs._head_probs_kernel, constexprs, _WHOLE_D_ARGS, cfg.num_warps, cfg.num_stages)
 
 
-def d_chunks(cfg: probs.ChunkConfig) -> dict:
+def d_chunks(cfg: probs.ChunkConfig, fp32: bool = False) -> dict:
     constexprs = {"D": D, "BLOCK_H": cfg.block_h, "BLOCK_K": cfg.block_k, "BLOCK_DC": cfg.block_d,
-                  "SLOTS_ON_M": bool(cfg.slots_on_m), "PRECISION": "tf32", "DOT_F32": False}
-    return compile_resources(probs._head_probs_chunked_kernel, constexprs, _CHUNK_ARGS, cfg.num_warps, cfg.num_stages)
+                  "SLOTS_ON_M": bool(cfg.slots_on_m), "PRECISION": "ieee" if fp32 else "tf32", "DOT_F32": False}
+    return compile_resources(probs._head_probs_chunked_kernel, constexprs, _CHUNK_ARGS, cfg.num_warps, cfg.num_stages,
+                             fp32)
 
 
 def _row(kind: str, cfg, res: dict) -> str:
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     variants = (probs.ChunkConfig(*v) for v in CHUNK_VARIANTS)
     for cfg in dict.fromkeys([*probs._chunk_ladder(D, H, torch.bfloat16), *variants]):
         print(_row("d_chunks", cfg, d_chunks(cfg)))
+    for cfg in probs._chunk_ladder(D, H, torch.float32):
+        print(_row("fp32", cfg, d_chunks(cfg, fp32=True)))
 
 
 if __name__ == "__main__":

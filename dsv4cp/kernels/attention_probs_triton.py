@@ -27,7 +27,16 @@ Kernels:
   warps through shared memory: 5.65 against 4.63 ms at T = 32K on an H200,
   results/2026-12-01-h200-speed4/graph). Otherwise the program loops over the head blocks inside each
   slot block (the keys stay loaded, q re-read from L2, heads on M), accumulating the head sum in a fixed
-  order: no atomics, deterministic.
+  order: no atomics, deterministic. Measured: 11.5 ms at the flash shape with T = 65536 on an H200
+  (results/2026-12-01-h200-speed4/trace-auto/kernels.csv), ~3 TB/s of gathered rows.
+* ``_head_probs_chunked_kernel`` (kernel option ``triton_probs_kernel=d_chunks``): the head dim is the
+  matrix product's reduction loop. A work item is (query, block of ``BLOCK_K`` slots); each step
+  gathers ``[BLOCK_K, BLOCK_DC]`` key columns and the matching ``[BLOCK_H, BLOCK_DC]`` q columns into
+  shared memory and accumulates the ``[BLOCK_K, BLOCK_H]`` (or, ``slots_on_m=0``, ``[BLOCK_H, BLOCK_K]``)
+  logits in registers; the last chunk of a head block adds its probabilities' head sum, the last head
+  block stores the item. The steps of all the program's items form ONE flat loop (persistent grid:
+  ``programs_per_sm`` programs per multiprocessor; 0: one program per item), so the cp.async pipeline
+  keeps several small gathers in flight and never drains between items or queries.
 * ``_lse_kernel``: one program per (query token, block of ``BLOCK_H`` heads), the sparse-attention
   forward without the value product: online max / sum over slot blocks in fp32 with ``exp2``.
 
@@ -51,9 +60,38 @@ Resources at ``D = 512`` on sm_90, checked by compiling for sm_90 with Triton 3.
 * fp32 (fp32 products, on the CUDA cores): ``32, 32, 8 warps, 1 stage``: 128 KB, 98 registers, no spill
   (4 warps spill heavily).
 
+Why the ``d_chunks`` kernel (a model, to be measured): compiled for sm_90, the ``whole_d`` kernel's loop
+waits for its gathered block, copies q (64 KB, held in registers: 128 of its registers) back to shared
+memory for the wgmma, multiplies, and only then issues the next block's gather: the 64 KB gather and
+the 2K-cycle product run one after the other, one program per multiprocessor, nothing else to hide the
+gather's latency. ``d_chunks`` keeps 3-5 steps of gathers in flight (Triton pipelines the index load and
+the gather in separate stages: ``num_stages`` s keeps ``(s - 1) // 2 + 1`` gathered tiles) and reads q
+from L2 in ``[64, BLOCK_DC]`` chunks instead of keeping it. Its L2 bytes per query are the 512 KB of
+rows, q's 64 KB once per slot block and the indices (``8 BLOCK_K`` bytes per step with int64): at
+``BLOCK_K = 512`` ~38.7 GB at T = 65536 (q read once), ``256`` ~43 GB, ``128`` ~52 GB; at ~7 TB/s of L2
+that is an expected ~5.5 / 6.1 / 7.4 ms, against ~2.2 ms of wgmma that now overlaps the gathers.
+The exp and head sum (T H K = 2.1 G ``exp2``, ~0.5 ms of the multi-function units) run once per item
+while the next item's gathers are in flight.
+
+``d_chunks`` resources at the flash shape (bf16, H = 64, D = 512; ``python -m
+bench.compile_attention_probs_sm90``, Triton 3.6 (the GPU machine's) / 3.9; launch fields
+``block_h, block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spill in any:
+
+* ``64,512,32,8,7,1,1`` (first on the ladder): 158 KB shared (4 gathered ``[512, 32]`` tiles + q chunks),
+  246 / 239 registers (the ``[512, 64]`` fp32 logits are 128 of them), 1 program per multiprocessor;
+  ``64,512,32,8,9,1,1``: 5 tiles, 198 KB, 247 / 238 registers.
+* ``64,256,32,8,7,1,1``: 87 KB, 177 / 175 registers: 1 program (registers); ``64,256,64,8,5,0,1`` (heads
+  on M, ``wgmma m64n128`` per warpgroup): 128 / 126 KB, 179 / 181 registers.
+* ``64,128,64,8,5,1,2``: 74.5 KB, 123 registers: 2 programs per multiprocessor (8 warps each);
+  ``64,128,64,4,7,1,2``: 99.5 KB, 168 / 159 registers, 2 programs; ``64,64,64,4,5,1,4``: 49 KB,
+  102 / 122 registers, 4 programs. ``64,128,64,8,7,1,2`` (4 tiles) needs 143 registers with Triton
+  3.6: one program only, so it is not on the ladder.
+* fp32: ``32,32,32,8,3,1,0`` (fp32 products on the CUDA cores), then ``16,16,32,4,1,1,0``.
+
 ``DSV4CP_TRITON_PROBS_CONFIG`` / ``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``)
 or the wrappers' keyword arguments pin a configuration; otherwise the first of the ladder that compiles
-(``OutOfResources`` moves on) is used and cached per shape class. The kernels are built (and show up in
+(``OutOfResources`` moves on) is used and cached per shape class; ``DSV4CP_TRITON_PROBS_CHUNK_CONFIG``
+or ``chunk_config`` pins the ``d_chunks`` launch. The kernels are built (and show up in
 :func:`dsv4cp.kernels.report.compiled_resources`) through the attention module's builder.
 
 CPU tensors run on Triton's interpreter (``TRITON_INTERPRET=1`` before triton's first import; tiny
