@@ -1,16 +1,17 @@
-"""Compile the head-summed probabilities kernels for sm_90 without a GPU and print their resources.
+"""Compile the head-summed probabilities and log-sum-exp kernels for sm_90 without a GPU; print resources.
 
-For each launch configuration of ``_head_probs_kernel`` (``whole_d``) and ``_head_probs_chunked_kernel``
-(``d_chunks``) at the flash shape (bf16, H = 64, D = 512, K = 512; the launch's 16-byte divisibility
-specialisation of pointers and strides): shared memory, registers per thread, spill bytes (stack and
-local memory, from ``cuobjdump -res-usage``), the gathered-key buffers the software pipeline keeps
-(from the TTGIR) and how many programs fit one H200 multiprocessor (228 KB shared, 1 KB reserved per
-program; 64K registers). The figures in the kernels' docstring come from this script.
+For each launch configuration of ``_head_probs_kernel`` (``whole_d``), ``_head_probs_chunked_kernel``
+(``d_chunks``) and ``_lse_chunked_kernel`` at the flash shape (bf16, H = 64, D = 512, K = 512; the
+launch's 16-byte divisibility specialisation of pointers and strides): shared memory, registers per
+thread, spill bytes (stack and local memory, from ``cuobjdump -res-usage``), the gathered-key buffers
+the software pipeline keeps (from the TTGIR) and how many programs fit one H200 multiprocessor (228 KB
+shared, 1 KB reserved per program; 64K registers). The figures in the kernels' docstring come from
+this script.
 
 Not collected by pytest; run from the repository root (no GPU needed, a few seconds per config)::
 
     python -m bench.compile_attention_probs_sm90            # the ladders and the bench's variants
-    python -m bench.compile_attention_probs_sm90 --chunk 64,128,64,8,7,1,2
+    python -m bench.compile_attention_probs_sm90 --chunk 64,128,64,8,7,1,2 --lse-chunk 64,128,64,4,7,2
 
 Prepend another Triton to ``PYTHONPATH`` to check the figures of the GPU machine's version.
 """
@@ -42,20 +43,25 @@ _WHOLE_D_ARGS = ["H", "N", "KT", "stride_qt", "stride_qh", "stride_kn", "stride_
                  "stride_ot"]
 _CHUNK_ARGS = ["H", "N", "KT", "N_ITEMS", "N_SB", "N_HB", "stride_qt", "stride_qh", "stride_kn", "stride_it",
                "stride_lt", "stride_lh", "stride_ot"]
+_LSE_CHUNK_ARGS = ["H", "N", "KT", "N_ITEMS", "N_SB", "N_HB", "stride_qt", "stride_qh", "stride_kn", "stride_it"]
+_LSE_POINTERS = ("Q", "KEYS", "IDX", "LSE")
 
 
-def _signature(ints: list[str], constexprs: dict, fp32: bool) -> tuple[dict, dict]:
+def _signature(ints: list[str], constexprs: dict, fp32: bool, lse: bool) -> tuple[dict, dict]:
     """Triton signature and divisibility attributes (pointers, strides and KT divisible by 16)."""
-    sig = {**(_FP32_POINTERS if fp32 else _POINTERS), "qk_scale2": "fp32", **{name: "i32" for name in ints},
-           **{k: "constexpr" for k in constexprs}}
-    aligned = [i for i, name in enumerate(sig) if name in _POINTERS or name.startswith("stride") or name == "KT"]
+    pointers = _FP32_POINTERS if fp32 else _POINTERS
+    if lse:  # Q, KEYS, IDX, then the fp32 output
+        pointers = {**{k: pointers[k] for k in _LSE_POINTERS[:3]}, "LSE": "*fp32"}
+    sig = {**pointers, "qk_scale2": "fp32", **{name: "i32" for name in ints}, **{k: "constexpr" for k in constexprs}}
+    aligned = [i for i, name in enumerate(sig) if name in pointers or name.startswith("stride") or name == "KT"]
     return sig, {(i,): [["tt.divisibility", 16]] for i in aligned}
 
 
 def compile_resources(body, constexprs: dict, ints: list[str], num_warps: int, num_stages: int,
-                      fp32: bool = False) -> dict:
-    """Resources of ``body`` compiled for sm_90 with ``constexprs`` (bf16 q and keys, else fp32)."""
-    sig, attrs = _signature(ints, constexprs, fp32)
+                      fp32: bool = False, lse: bool = False) -> dict:
+    """Resources of ``body`` compiled for sm_90 with ``constexprs`` (bf16 q and keys, else fp32; ``lse``:
+    the log-sum-exp kernels' pointers)."""
+    sig, attrs = _signature(ints, constexprs, fp32, lse)
     kernel = triton.compile(ASTSource(triton.jit(body), sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -86,6 +92,13 @@ def d_chunks(cfg: probs.ChunkConfig, fp32: bool = False) -> dict:
                              fp32)
 
 
+def lse_chunks(cfg: probs.LseChunkConfig) -> dict:
+    constexprs = {"D": D, "BLOCK_H": cfg.block_h, "BLOCK_K": cfg.block_k, "BLOCK_DC": cfg.block_d,
+                  "PRECISION": "tf32", "DOT_F32": False}
+    return compile_resources(probs._lse_chunked_kernel, constexprs, _LSE_CHUNK_ARGS, cfg.num_warps, cfg.num_stages,
+                             lse=True)
+
+
 def _row(kind: str, cfg, res: dict) -> str:
     return (f"{kind:8s} {','.join(map(str, astuple(cfg))):20s} shared {res['shared_kb']:6.1f} KB  "
             f"regs {res['regs']:3d}  spill {res['spill']:4d} B  gathered buffers {res['buffers']}  "
@@ -97,16 +110,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", action="append", default=[],
                         help="a d_chunks config 'block_h,block_k,block_d,num_warps,num_stages,slots_on_m,"
                              "programs_per_sm' (repeatable; default: the ladders and the bench's variants)")
+    parser.add_argument("--lse-chunk", action="append", default=[],
+                        help="a d_chunks log-sum-exp config 'block_h,block_k,block_d,num_warps,num_stages,"
+                             "programs_per_sm' (repeatable)")
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90, bf16, H={H}, D={D}")
-    if args.chunk:
+    if args.chunk or args.lse_chunk:
         for text in args.chunk:
             cfg = probs.ChunkConfig(*(int(v) for v in text.split(",")))
             print(_row("d_chunks", cfg, d_chunks(cfg)))
+        for text in args.lse_chunk:
+            cfg = probs.LseChunkConfig(*(int(v) for v in text.split(",")))
+            print(_row("lse", cfg, lse_chunks(cfg)))
         return
     import torch
 
-    from bench.test_bench_attention_probs import CHUNK_VARIANTS
+    from bench.test_bench_attention_probs import CHUNK_VARIANTS, LSE_CHUNK_VARIANTS
 
     for cfg in probs._ladder(D, H, torch.bfloat16)[:3]:
         print(_row("whole_d", cfg, whole_d(cfg)))
@@ -115,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         print(_row("d_chunks", cfg, d_chunks(cfg)))
     for cfg in probs._chunk_ladder(D, H, torch.float32):
         print(_row("fp32", cfg, d_chunks(cfg, fp32=True)))
+    lse_variants = (probs.LseChunkConfig(*v) for v in LSE_CHUNK_VARIANTS)
+    for cfg in dict.fromkeys([*probs._lse_chunk_ladder(D, H, torch.bfloat16), *lse_variants]):
+        print(_row("lse", cfg, lse_chunks(cfg)))
 
 
 if __name__ == "__main__":

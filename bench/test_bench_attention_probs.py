@@ -14,7 +14,8 @@ Bytes: q, idx, the denominator, the output and every valid gathered key row once
 fp32 on CPU. ``test_head_summed_probs_config`` times the Triton kernel per launch configuration at the
 flash shape (which tile is fastest on the H200); ``test_head_summed_probs_kernel`` times the ``whole_d``
 kernel (its default tile) next to every ``d_chunks`` variant of :data:`CHUNK_VARIANTS` at the flash shape
-(T = 32768), each checked against the ``whole_d`` result first.
+(T = 32768), each checked against the ``whole_d`` result first; ``test_logsumexp_kernel`` does the same
+for the log-sum-exp kernels (:data:`LSE_CHUNK_VARIANTS`, same inputs and byte count, no denominator).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ CHUNK_VARIANTS = [
     (64, 128, 64, 8, 5, 1, 0),  # the same, one program per (query, slot block): no persistent loop
     (64, 128, 64, 4, 7, 1, 2),  # one warpgroup, 4 gathered buffers, two programs per multiprocessor
     (64, 64, 64, 4, 5, 1, 4),  # small tiles, four programs per multiprocessor
+]
+# d_chunks log-sum-exp launches (block_h, block_k, block_d, num_warps, num_stages, programs_per_sm)
+LSE_CHUNK_VARIANTS = [
+    (64, 128, 64, 4, 7, 2),  # the ladder's first: 4 gathered buffers, two programs per multiprocessor
+    (64, 256, 32, 8, 7, 1),
+    (64, 512, 32, 8, 7, 1),  # every slot in one step: q read once per query
+    (64, 64, 64, 4, 5, 2),
 ]
 
 
@@ -71,6 +79,13 @@ def _triton():
     from dsv4cp.kernels.attention_probs_triton import head_summed_probs_triton
 
     return head_summed_probs_triton
+
+
+def _triton_lse():
+    _triton()
+    from dsv4cp.kernels.attention_probs_triton import logsumexp_over_triton
+
+    return logsumexp_over_triton
 
 
 _INPUTS: dict = {}
@@ -208,4 +223,33 @@ def test_head_summed_probs_kernel(benchmark, measure, variant):
         assert err < 1e-3, f"{_kernel_id(variant)}: relative error {err:.2e} against whole_d"
     rounds, warmup = _rounds()
     measure(lambda: fn(q, keys, idx, scale, lden, **kw), None, flops=_flops(shape, entry["valid"]),
+            bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup, device=q.device)
+
+
+def _lse_kernel_id(variant) -> str:
+    return "whole_d" if variant is None else "d_chunks-bh{}-bk{}-bd{}-w{}-s{}-p{}".format(*variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")
+@pytest.mark.parametrize("variant", [None, *LSE_CHUNK_VARIANTS], ids=_lse_kernel_id)
+def test_logsumexp_kernel(benchmark, measure, variant):
+    """The ``whole_d`` log-sum-exp kernel (default tile) and each ``d_chunks`` variant at the flash shape;
+    a variant must match the ``whole_d`` result (relative Frobenius error < 1e-4) before it is timed."""
+    from dsv4cp.kernels.attention_probs_triton import LseChunkConfig
+
+    fn = _triton_lse()
+    shape = SHAPES["flash"]
+    entry = _inputs(shape)
+    q, keys, idx, scale, _ = entry["args"]
+    kw = {"kernel": "whole_d"} if variant is None else {"kernel": "d_chunks", "chunk_config": LseChunkConfig(*variant)}
+    benchmark.group = "indexer_loss.logsumexp.flash.kernel"
+    benchmark.extra_info.update(backend="triton", shape=shape.name, kernel=_lse_kernel_id(variant), dtype=str(q.dtype))
+    out = fn(q, keys, idx, scale, **kw)
+    if variant is not None:
+        ref = fn(q, keys, idx, scale, kernel="whole_d").double()
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-4, f"{_lse_kernel_id(variant)}: relative error {err:.2e} against whole_d"
+    rounds, warmup = _rounds()
+    measure(lambda: fn(q, keys, idx, scale, **kw), None, flops=_flops(shape, entry["valid"]),
             bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup, device=q.device)

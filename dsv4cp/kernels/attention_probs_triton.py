@@ -39,6 +39,10 @@ Kernels:
   keeps several small gathers in flight and never drains between items or queries.
 * ``_lse_kernel``: one program per (query token, block of ``BLOCK_H`` heads), the sparse-attention
   forward without the value product: online max / sum over slot blocks in fp32 with ``exp2``.
+* ``_lse_chunked_kernel`` (kernel option ``triton_lse_kernel=d_chunks``): the same online max / sum with
+  the head dim as the reduction loop, over one flat loop of (item = (query, head block), slot block,
+  chunk) steps like ``_head_probs_chunked_kernel``; heads on M, so the max and the sum over slots stay in
+  a thread's row and its lane quad.
 
 Traffic at the flash shape (T = 32768, H = 64, D = 512, K = 512, bf16): each query reads its 512
 gathered rows once (512 KB) and its q once (64 KB), ~19 GB in all (the torch path moves ~34 GB through
@@ -87,12 +91,16 @@ bench.compile_attention_probs_sm90``, Triton 3.6 (the GPU machine's) / 3.9; laun
   102 / 122 registers, 4 programs. ``64,128,64,8,7,1,2`` (4 tiles) needs 143 registers with Triton
   3.6: one program only, so it is not on the ladder.
 * fp32: ``32,32,32,8,3,1,0`` (fp32 products on the CUDA cores), then ``16,16,32,4,1,1,0``.
+* log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``): ``64,128,64,4,7,2``
+  (first): 99 KB, 185 / 163 registers, 2 programs per multiprocessor; ``64,256,32,8,7,1``: 87 KB,
+  174 / 170 registers; ``64,512,32,8,7,1`` (q read once per query at K = 512): 157 KB, 254 / 249
+  registers; ``64,64,64,4,5,2``: 49 KB, 119 / 133 registers. No spill in any.
 
 ``DSV4CP_TRITON_PROBS_CONFIG`` / ``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``)
 or the wrappers' keyword arguments pin a configuration; otherwise the first of the ladder that compiles
 (``OutOfResources`` moves on) is used and cached per shape class; ``DSV4CP_TRITON_PROBS_CHUNK_CONFIG``
-or ``chunk_config`` pins the ``d_chunks`` launch. The kernels are built (and show up in
-:func:`dsv4cp.kernels.report.compiled_resources`) through the attention module's builder.
+/ ``DSV4CP_TRITON_LSE_CHUNK_CONFIG`` or ``chunk_config`` pins a ``d_chunks`` launch. The kernels are
+built by this module's own kernel set (listed by :func:`dsv4cp.kernels.report.compiled_resources`).
 
 CPU tensors run on Triton's interpreter (``TRITON_INTERPRET=1`` before triton's first import; tiny
 sizes only), as for the attention kernels.
@@ -124,11 +132,12 @@ from dsv4cp.kernels.sparse_attention_triton import (
 )
 
 __all__ = [
+    "KERNEL_CHOICES",
     "MAX_HEAD_DIM",
-    "PROBS_KERNELS",
     "SLOTS_ON_M_ENV",
     "ChunkConfig",
     "KernelConfig",
+    "LseChunkConfig",
     "head_summed_probs_triton",
     "logsumexp_over_triton",
 ]
@@ -136,8 +145,9 @@ __all__ = [
 SLOTS_ON_M_ENV = kernel_options.OPTIONS["triton_probs_slots_on_m"].env
 """Which operand order the probabilities kernel's logits use with one head block (see :func:`_slots_on_m`)."""
 
-PROBS_KERNELS = kernel_options.OPTIONS["triton_probs_kernel"].choices
-"""The probabilities kernels: ``whole_d`` (``_head_probs_kernel``), ``d_chunks`` (``_head_probs_chunked_kernel``)."""
+KERNEL_CHOICES = kernel_options.OPTIONS["triton_probs_kernel"].choices
+"""Each op's kernels: ``whole_d`` (``_head_probs_kernel``, ``_lse_kernel``) and ``d_chunks``
+(``_head_probs_chunked_kernel``, ``_lse_chunked_kernel``)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,20 @@ class ChunkConfig:
     num_warps: int
     num_stages: int
     slots_on_m: int
+    programs_per_sm: int
+
+
+@dataclass(frozen=True)
+class LseChunkConfig:
+    """``d_chunks`` log-sum-exp launch: heads per work item (``block_h``, matrix-unit M), slots per step
+    (``block_k``), head-dim columns per step (``block_d``, capped at D's power of two), warps, stages and
+    the grid (``programs_per_sm`` 0: one program per (query, head block); n > 0: n per multiprocessor)."""
+
+    block_h: int
+    block_k: int
+    block_d: int
+    num_warps: int
+    num_stages: int
     programs_per_sm: int
 
 
@@ -281,8 +305,10 @@ def _head_probs_chunked_kernel(
                 total += tl.sum(tl.math.exp2(acc * qk_scale2 - lden2[None, :]), 1)
             else:
                 total += tl.sum(tl.math.exp2(acc * qk_scale2 - lden2[:, None]), 0)
-            if hb == N_HB - 1:
-                tl.store(OUT + t * stride_ot + slots, tl.where(valid, total, 0.0), mask=in_row)
+            if hb == N_HB - 1:  # the rows again, in the sum's layout (here, not in every step's)
+                rows_out = tl.load(IDX + t * stride_it + slots, mask=in_row, other=-1)
+                filled = (rows_out >= 0) & (rows_out < N)
+                tl.store(OUT + t * stride_ot + slots, tl.where(filled, total, 0.0), mask=in_row)
                 total = tl.zeros([BLOCK_K], dtype=tl.float32)
             acc = tl.zeros_like(acc)
 
@@ -328,8 +354,77 @@ def _lse_kernel(
     tl.store(LSE + t * H + heads, lse, mask=hmask)
 
 
+def _lse_chunked_kernel(
+    Q, KEYS, IDX, LSE,  # pointers
+    qk_scale2,  # fp32: scale * log2(e)
+    H, N, KT, N_ITEMS, N_SB, N_HB,  # heads, key rows, slots per query, (query, head block) items, slot / head blocks
+    stride_qt, stride_qh, stride_kn, stride_it,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DC: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Log-sum-exp with the head dim as the matrix product's reduction loop (tensors as ``_lse_kernel``).
+
+    Work item = (query t, block of ``BLOCK_H`` heads); program p takes items p, p + P, ... One flat loop
+    runs over the program's (item, slot block, head-dim chunk) steps, as in ``_head_probs_chunked_kernel``:
+    each step gathers ``[BLOCK_K, BLOCK_DC]`` key columns and the ``[BLOCK_H, BLOCK_DC]`` q columns and
+    accumulates the ``[BLOCK_H, BLOCK_K]`` logits (heads on M: the max and sum over slots stay in a
+    thread's row and its lane quad); the last chunk of a slot block updates the online max / sum, the
+    last slot block stores the item.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    N_DC: tl.constexpr = (D + BLOCK_DC - 1) // BLOCK_DC
+    EVEN_D: tl.constexpr = D % BLOCK_DC == 0
+    steps = tl.cdiv(N_ITEMS - pid, n_prog) * N_SB * N_DC
+    dcol = tl.arange(0, BLOCK_DC)
+    h_off = tl.arange(0, BLOCK_H)
+    k_off = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of 2^(s - m_i)
+    for step in range(0, steps):
+        dc = step % N_DC
+        sb = (step // N_DC) % N_SB
+        item = pid + (step // (N_DC * N_SB)) * n_prog
+        t = (item // N_HB).to(tl.int64)
+        heads = (item % N_HB) * BLOCK_H + h_off
+        hmask = heads < H
+        slots = sb * BLOCK_K + k_off
+        d = dc * BLOCK_DC + dcol
+        rows = tl.load(IDX + t * stride_it + slots, mask=slots < KT, other=-1).to(tl.int64)
+        valid = (rows >= 0) & (rows < N)
+        if EVEN_D:
+            kmask = valid[:, None]
+            qmask = hmask[:, None]
+        else:
+            kmask = valid[:, None] & (d < D)[None, :]
+            qmask = hmask[:, None] & (d < D)[None, :]
+        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=kmask, other=0.0)
+        qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: fp32 products there
+            keys = keys.to(tl.float32)
+            qc = qc.to(tl.float32)
+        acc = tl.dot(qc, tl.trans(keys), acc, input_precision=PRECISION)
+        if dc == N_DC - 1:  # the slots' validity again, in the logits' layout (here, not in every step's)
+            rows_s = tl.load(IDX + t * stride_it + slots, mask=slots < KT, other=-1)
+            s = tl.where(((rows_s >= 0) & (rows_s < N))[None, :], acc * qk_scale2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: avoid -inf - -inf
+            l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(s - m_use[:, None]), 1)
+            m_i = m_new
+            if sb == N_SB - 1:
+                has_key = l_i > 0.0
+                m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+                lse = tl.where(has_key, (m_fin + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                               float("-inf"))
+                tl.store(LSE + t * H + heads, lse, mask=hmask)
+                m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros_like(acc)
+
+
 _KERNELS = Kernels("attention_probs triton", _head_probs_kernel, _head_probs_chunked_kernel, _lse_kernel,
-                   op="attention_probs")
+                   _lse_chunked_kernel, op="attention_probs")
 _build, _launch = _KERNELS.build, _KERNELS.launch
 
 
@@ -374,20 +469,34 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _probs_kernel(explicit: str | None) -> str:
-    """``explicit``, else the kernel option ``triton_probs_kernel`` (``whole_d`` default, ``d_chunks``)."""
-    name = kernel_options.get("triton_probs_kernel") if explicit is None else explicit
-    if name not in PROBS_KERNELS:
-        raise ValueError(f"kernel: must be one of {', '.join(PROBS_KERNELS)}, got {name!r}")
+def _kernel_choice(explicit: str | None, option: str) -> str:
+    """``explicit``, else the kernel option ``option`` (``triton_probs_kernel`` / ``triton_lse_kernel``:
+    ``whole_d`` default, ``d_chunks``)."""
+    name = kernel_options.get(option) if explicit is None else explicit
+    if name not in KERNEL_CHOICES:
+        raise ValueError(f"kernel: must be one of {', '.join(KERNEL_CHOICES)}, got {name!r}")
     return name
 
 
-def _check_chunk_config(cfg: ChunkConfig | None, source: str) -> None:
+def _lse_chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[LseChunkConfig]:
+    """``d_chunks`` log-sum-exp configurations to try in order (heads on M; resources: the module
+    docstring)."""
+    bh = _block_h(heads)
+    if dtype == torch.float32:
+        ladder = [(min(bh, 32), 32, 32, 8, 3, 0), (16, 16, 32, 4, 1, 0)]
+    elif block_d >= 256:
+        ladder = [(bh, 128, 64, 4, 7, 2), (bh, 256, 32, 8, 7, 1), (bh, 64, 64, 4, 5, 2), (min(bh, 32), 32, 64, 4, 3, 0)]
+    else:
+        ladder = [(bh, 64, 32, 4, 3, 2), (bh, 32, 32, 4, 1, 0)]
+    return [LseChunkConfig(*c) for c in ladder]
+
+
+def _check_chunk_config(cfg: ChunkConfig | LseChunkConfig | None, source: str) -> None:
     """The fields :func:`dsv4cp.kernels._triton_launch.pinned_config` does not check; errors start with
     ``source`` (where the pin came from)."""
     if cfg is None:
         return
-    if cfg.slots_on_m not in (0, 1):
+    if getattr(cfg, "slots_on_m", 0) not in (0, 1):
         raise ValueError(f"{source}.slots_on_m: must be 0 or 1, got {cfg.slots_on_m}")
     if cfg.programs_per_sm < 0:
         raise ValueError(f"{source}.programs_per_sm: must be >= 0, got {cfg.programs_per_sm}")
@@ -452,6 +561,8 @@ def logsumexp_over_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kernel: str | None = None,
+    chunk_config: LseChunkConfig | None = None,
 ) -> torch.Tensor:
     """``[T, H]`` fp32 log-sum-exp of ``scale * <q[t, h], keys[idx[t, k]]>`` over the valid slots.
 
@@ -461,7 +572,11 @@ def logsumexp_over_triton(
         idx: ``[T, K]`` int32 / int64 rows of ``keys``; negative entries (``-1``) are empty slots, rows
             ``>= N`` are treated as empty too (no memory fault).
         scale: logit scale.
-        block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder).
+        block_h, block_k, num_warps, num_stages: pin the ``whole_d`` launch (default: the ladder).
+        kernel: ``whole_d`` (``_lse_kernel``) or ``d_chunks`` (``_lse_chunked_kernel``, launched by
+            ``chunk_config``); default: the kernel option ``triton_lse_kernel``.
+        chunk_config: pins the ``d_chunks`` launch (default: the kernel option
+            ``triton_lse_chunk_config``, else its ladder).
 
     Returns: natural-log lse, ``-inf`` where a query has no valid slot (same contract as
     :func:`dsv4cp.ops.attention_probs.logsumexp_over`).
@@ -475,6 +590,12 @@ def logsumexp_over_triton(
     if idx.shape[1] == 0:
         return lse.fill_(float("-inf"))
     block_d = triton.next_power_of_2(d)
+    if _kernel_choice(kernel, "triton_lse_kernel") == "d_chunks":
+        pinned_chunks = _pinned_config(chunk_config, "triton_lse_chunk_config", LseChunkConfig, "chunk_config")
+        _check_chunk_config(pinned_chunks, "chunk_config" if chunk_config is not None
+                            else kernel_options.where("triton_lse_chunk_config"))
+        _launch_lse_chunked(q, keys, idx, scale, lse, block_d, pinned_chunks)
+        return lse
     ladder = _ladder(block_d, h, q.dtype)
     pinned = _pinned("triton_lse_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
@@ -546,7 +667,7 @@ def head_summed_probs_triton(
     if h == 0:
         return out.zero_()
     block_d = triton.next_power_of_2(d)
-    if _probs_kernel(kernel) == "d_chunks":
+    if _kernel_choice(kernel, "triton_probs_kernel") == "d_chunks":
         pinned = _pinned_config(chunk_config, "triton_probs_chunk_config", ChunkConfig, "chunk_config")
         _check_chunk_config(pinned, "chunk_config" if chunk_config is not None
                             else kernel_options.where("triton_probs_chunk_config"))
@@ -595,3 +716,26 @@ def _launch_chunked(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scal
         )
 
     _launch("probs_chunks", _config_key(q), _chunk_ladder(block_d, h, q.dtype), pinned, launch)
+
+
+def _launch_lse_chunked(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float, lse: torch.Tensor,
+                        block_d: int, pinned: LseChunkConfig | None) -> None:
+    """Fill ``lse`` ``[T, H]`` (contiguous) with the ``d_chunks`` kernel (checked inputs, ``T, H, K > 0``)."""
+    t, h, d = q.shape
+    kt = idx.shape[1]
+    kernel = _build("_lse_chunked_kernel", q.device)
+
+    def launch(cfg: LseChunkConfig) -> None:
+        n_sb, n_hb = triton.cdiv(kt, cfg.block_k), triton.cdiv(h, cfg.block_h)
+        items = t * n_hb
+        programs = items if cfg.programs_per_sm == 0 else min(items, cfg.programs_per_sm * _multiprocessors(q.device))
+        kernel[(programs,)](
+            q, keys, idx, lse,
+            float(scale) * LOG2E, h, keys.shape[0], kt, items, n_sb, n_hb,
+            q.stride(0), q.stride(1), keys.stride(0), idx.stride(0),
+            D=d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, BLOCK_DC=min(cfg.block_d, block_d),
+            PRECISION=_precision(q), DOT_F32=_dot_f32(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _launch("lse_chunks", _config_key(q), _lse_chunk_ladder(block_d, h, q.dtype), pinned, launch)

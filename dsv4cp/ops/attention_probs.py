@@ -56,7 +56,7 @@ def logsumexp_over(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale
     kernels = _triton_kernels(q)
     kernel_options.note_backend("attention_probs.lse", "torch" if kernels is None else "triton")
     if kernels is not None:
-        return kernels.logsumexp_over_triton(q, keys, idx, scale)
+        return kernels.logsumexp_over_triton(q, keys, idx, scale, kernel=kernel_options.get("triton_lse_kernel"))
     return logsumexp_over_torch(q, keys, idx, scale)
 
 

@@ -5,9 +5,9 @@ CPU (Triton's interpreter, fp32, tiny sizes: T <= 12, H in {1, 3, 5, 8}, D in {1
 :mod:`dsv4cp.ops.attention_probs` (relative error 1e-4), plus the head loop (H over several head blocks),
 int32 / int64 indices, strided inputs, out-of-range rows, bf16 through the interpreter, determinism,
 degenerate shapes, input validation and the dispatch (CPU and fp64 stay on torch). The ``d_chunks``
-kernel the same way, per launch shape: both logit layouts, one program per item or a persistent grid,
-head loops with a padded last head block, D not a multiple of the chunk, ragged slot blocks; its result
-does not depend on the grid.
+kernels the same way, per launch shape: both logit layouts (probabilities), one program per item or a
+persistent grid, head loops / head blocks with a padded last block, D not a multiple of the chunk,
+ragged slot blocks; their results do not depend on the grid.
 
 GPU (marked ``gpu``): T = 2048, H = 64, D = 512, K = 512 in bf16 against the torch path in fp32 (relative
 error < 1e-2), the head loop at H = 128, fp32 at D = 512 (the fp32 ladder), and the dispatch on CUDA;
@@ -30,6 +30,7 @@ from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.attention_probs_triton import (
     SLOTS_ON_M_ENV,
     ChunkConfig,
+    LseChunkConfig,
     head_summed_probs_triton,
     logsumexp_over_triton,
 )
@@ -245,6 +246,18 @@ def test_d_chunks_matches_torch_fp32(h, d, k, config, seed):
     assert p[1].abs().max().item() == 0.0, f"{msg}: a query without slots has zero mass"
 
 
+@pytest.mark.parametrize("h, d, k, config", _CHUNK_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
+                         else str(v))
+def test_lse_d_chunks_matches_torch_fp32(h, d, k, config, seed):
+    """The same shapes and tiles for the log-sum-exp (the layout field dropped: heads on M), with empty
+    slots, a query without any (``-inf``) and several slot blocks of online max / sum."""
+    bh, bk, bd, warps, stages, _, programs = config
+    q, keys, idx, scale, _ = make_case(seed, 7, h, d, 3 * k + 7, k)
+    lse = logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks",
+                                chunk_config=LseChunkConfig(bh, bk, bd, warps, stages, programs))
+    check_lse(lse, il.logsumexp_over_torch(q, keys, idx, scale), 1e-4, f"seed={seed} H={h} D={d} K={k} {config}")
+
+
 def test_d_chunks_bf16_ladder_and_grid_independence(seed):
     """bf16 through the interpreter with the kernel's own ladder (the option's ``auto``); int32 indices,
     strided views and out-of-range rows; the same tile on a persistent grid or one program per item gives
@@ -265,6 +278,11 @@ def test_d_chunks_bf16_ladder_and_grid_independence(seed):
     grid = head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks",
                                     chunk_config=ChunkConfig(16, 16, 16, 4, 1, 1, 4))
     assert torch.equal(one, grid), f"seed={seed}: the grid changed the result"
+    check_lse(logsumexp_over_triton(qb, kb, far, scale, kernel="d_chunks"),
+              il.logsumexp_over_torch(qb.float(), kb.float(), near, scale), 1e-4, f"seed={seed} lse")
+    one, grid = (logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks",
+                                       chunk_config=LseChunkConfig(16, 16, 16, 4, 1, programs)) for programs in (0, 4))
+    assert torch.equal(one, grid), f"seed={seed}: the grid changed the lse"
 
 
 def test_d_chunks_through_the_options(seed, monkeypatch):
@@ -289,6 +307,15 @@ def test_d_chunks_through_the_options(seed, monkeypatch):
     monkeypatch.setenv("DSV4CP_TRITON_PROBS_KERNEL", "tiles")
     with pytest.raises(ValueError, match="DSV4CP_TRITON_PROBS_KERNEL"):
         head_summed_probs_triton(q, keys, idx, scale, lden)
+    monkeypatch.setenv("DSV4CP_TRITON_LSE_KERNEL", "d_chunks")
+    monkeypatch.setenv("DSV4CP_TRITON_LSE_CHUNK_CONFIG", "16,16,16,4,1,3")
+    check_lse(logsumexp_over_triton(q, keys, idx, scale), il.logsumexp_over_torch(q, keys, idx, scale), 1e-4,
+              f"seed={seed}")
+    assert kernel_options.backends_ran().get("attention_probs.lse_chunks.config") == (
+        "block_h=16,block_k=16,block_d=16,num_warps=4,num_stages=1,programs_per_sm=3")
+    monkeypatch.setenv("DSV4CP_TRITON_LSE_CHUNK_CONFIG", "16,16,16,4,1,-2")
+    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_LSE_CHUNK_CONFIG\.programs_per_sm"):
+        logsumexp_over_triton(q, keys, idx, scale)
 
 
 @pytest.mark.parametrize("config, field", [
@@ -304,6 +331,11 @@ def test_d_chunks_bad_config_names_the_field(config, field):
         head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks", chunk_config=ChunkConfig(*config))
     with pytest.raises(ValueError, match=r"^kernel:"):
         head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole")
+    if field != "slots_on_m":
+        bh, bk, bd, warps, stages, _, programs = config
+        with pytest.raises(ValueError, match=rf"^chunk_config(\.{field}|: num_warps)"):
+            logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks",
+                                  chunk_config=LseChunkConfig(bh, bk, bd, warps, stages, programs))
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -395,11 +427,23 @@ def test_gpu_d_chunks_flash_shape_bf16(config, seed):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("config", [None, (64, 128, 64, 4, 7, 2), (64, 256, 32, 8, 7, 1), (64, 512, 32, 8, 7, 1)],
+                         ids=lambda c: "ladder" if c is None else "x".join(map(str, c)))
+def test_gpu_lse_d_chunks_flash_shape_bf16(config, seed):
+    q, keys, idx, scale, _, _, _, ref_lse = _gpu_case(seed, 2048, 64, 512, 512, torch.bfloat16)
+    cfg = None if config is None else LseChunkConfig(*config)
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks", chunk_config=cfg), ref_lse, 1e-2,
+              f"seed={seed} {config}")
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_d_chunks_head_loop_and_fp32(dtype, seed):
-    """H = 128 (two head blocks of 64) in bf16, and fp32 at D = 512 (the fp32 ladder)."""
+    """H = 128 (two head blocks of 64) in bf16, and fp32 at D = 512 (the fp32 ladders): both ops."""
     h, t = (128, 512) if dtype == torch.bfloat16 else (64, 128)
-    q, keys, idx, scale, lden, q32, k32, _ = _gpu_case(seed, t, h, 512, 512, dtype)
+    q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, t, h, 512, 512, dtype)
     p = head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks")
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
     check_probs(p, il.head_summed_probs_torch(q32, k32, idx, scale, lden), idx, tol, f"seed={seed}")
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks"), ref_lse, tol, f"seed={seed}")
