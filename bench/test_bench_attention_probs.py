@@ -41,6 +41,7 @@ CHUNK_VARIANTS = [
     (64, 128, 64, 8, 5, 1, 2),  # two programs per multiprocessor
     (64, 128, 64, 8, 5, 1, 0),  # the same, one program per (query, slot block): no persistent loop
     (64, 128, 64, 4, 7, 1, 2),  # one warpgroup, 4 gathered buffers, two programs per multiprocessor
+    (64, 128, 64, 4, 7, 0, 2),  # the same with heads on M: one wgmma m64n128 per k-step
     (64, 64, 64, 4, 5, 1, 4),  # small tiles, four programs per multiprocessor
 ]
 # d_chunks log-sum-exp launches (block_h, block_k, block_d, num_warps, num_stages, programs_per_sm)

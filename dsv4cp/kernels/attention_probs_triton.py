@@ -89,9 +89,11 @@ bench.compile_attention_probs_sm90``, Triton 3.6 (the GPU machine's) / 3.9; laun
 * ``64,256,32,8,7,1,1``: 87 KB, 177 / 175 registers: 1 program (registers); ``64,256,64,8,5,0,1`` (heads
   on M, ``wgmma m64n128`` per warpgroup): 128 / 126 KB, 179 / 181 registers.
 * ``64,128,64,8,5,1,2``: 74.5 KB, 123 registers: 2 programs per multiprocessor (8 warps each);
-  ``64,128,64,4,7,1,2``: 99.5 KB, 168 / 159 registers, 2 programs; ``64,64,64,4,5,1,4``: 49 KB,
+  ``64,128,64,4,7,1,2``: 99.5 KB, 168 / 159 registers, 2 programs (``64,128,64,4,7,0,2``, heads on M,
+  one ``wgmma m64n128``: 101 KB, 199 registers (3.6), 2 programs); ``64,64,64,4,5,1,4``: 49 KB,
   102 / 122 registers, 4 programs. ``64,128,64,8,7,1,2`` (4 tiles) needs 143 registers with Triton
-  3.6: one program only, so it is not on the ladder.
+  3.6: one program only, so it is not on the ladder; one warpgroup with heads on M and 256 slots
+  (``wgmma m64n256``, a 128-register accumulator) spills ~50 bytes.
 * fp32: ``32,32,32,8,3,1,0`` (fp32 products on the CUDA cores), then ``16,16,32,4,1,1,0``.
 * log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``): ``64,128,64,4,7,2``
   (first): 99 KB, 185 / 163 registers, 2 programs per multiprocessor; ``64,256,32,8,7,1``: 87 KB,
