@@ -55,7 +55,8 @@ Resources at ``D = 512`` on sm_90, checked by compiling for sm_90 with Triton 3.
 
 * bf16, ``H <= 64`` (both kernels): ``BLOCK_H = 64, BLOCK_K = 64, 4 warps, 2 stages``: 192 KB shared
   (q 64 KB + 2 x 64 KB of cp.async-pipelined gathered rows), one warpgroup issuing ``wgmma m64n64``,
-  126 (probs) / 128 (lse) registers, no spill. There is no ``[64, 512]`` fp32 accumulator (the
+  126 (probs) / 128 (lse) registers, no spill (``bench/compile_attention_probs_sm90.py``: 128 for the
+  probabilities with Triton 3.6, 215 with 3.9). There is no ``[64, 512]`` fp32 accumulator (the
   forward's), only the ``[64, BLOCK_K]`` logits; 8 warps would make both warpgroups compute the same
   product (Triton lays the logits out over warps [8, 1]). Next on the ladder: ``BLOCK_K = 32, 3 stages``
   (128 KB, 104 registers) and ``BLOCK_K = 16, 3 stages`` (96 KB).
@@ -64,16 +65,19 @@ Resources at ``D = 512`` on sm_90, checked by compiling for sm_90 with Triton 3.
 * fp32 (fp32 products, on the CUDA cores): ``32, 32, 8 warps, 1 stage``: 128 KB, 98 registers, no spill
   (4 warps spill heavily).
 
-Why the ``d_chunks`` kernel (a model, to be measured): compiled for sm_90, the ``whole_d`` kernel's loop
-waits for its gathered block, copies q (64 KB, held in registers: 128 of its registers) back to shared
-memory for the wgmma, multiplies, and only then issues the next block's gather: the 64 KB gather and
-the 2K-cycle product run one after the other, one program per multiprocessor, nothing else to hide the
-gather's latency. ``d_chunks`` keeps 3-5 steps of gathers in flight (Triton pipelines the index load and
-the gather in separate stages: ``num_stages`` s keeps ``(s - 1) // 2 + 1`` gathered tiles) and reads q
-from L2 in ``[64, BLOCK_DC]`` chunks instead of keeping it. Its L2 bytes per query are the 512 KB of
-rows, q's 64 KB once per slot block and the indices (``8 BLOCK_K`` bytes per step with int64): at
-``BLOCK_K = 512`` ~38.7 GB at T = 65536 (q read once), ``256`` ~43 GB, ``128`` ~52 GB; at ~7 TB/s of L2
-that is an expected ~5.5 / 6.1 / 7.4 ms, against ~2.2 ms of wgmma that now overlaps the gathers.
+Why the ``d_chunks`` kernel (a model, to be measured): compiled for sm_90 with Triton 3.6 (the PTX of
+``64,64,4,2``), the ``whole_d`` kernel's loop waits for its gathered block, multiplies, forms the
+probabilities and only then issues the next block's gather (Triton 3.9 also copies q, held in
+registers, back to shared memory in every iteration): the 64 KB gather, the 2K-cycle product and the
+epilogue run one after the other, one program per multiprocessor, nothing else to hide the gather's
+latency; its 3-stage entries keep a single gathered buffer. ``d_chunks`` keeps 3-5 steps of gathers in
+flight (Triton pipelines the index load and the gather in separate stages: ``num_stages`` s keeps
+``(s - 1) // 2 + 1`` gathered tiles) and reads q from L2 in ``[64, BLOCK_DC]`` chunks instead of keeping
+it. Its L2 bytes per query are the 512 KB of rows, q's 64 KB once per slot block and the indices
+(``8 BLOCK_K`` bytes per step with int64, re-read each step, mostly from L1): rows and q come to
+~38.7 GB at T = 65536 with ``BLOCK_K = 512`` (q read once), ~43 GB with ``256``, ~52 GB with ``128``; at
+~7 TB/s of L2 that is an expected ~5.5 / 6.1 / 7.4 ms, against ~2.2 ms of wgmma that now overlaps the
+gathers.
 The exp and head sum (T H K = 2.1 G ``exp2``, ~0.5 ms of the multi-function units) run once per item
 while the next item's gathers are in flight.
 
