@@ -35,6 +35,7 @@ CHUNK_VARIANTS = [
     (64, 512, 32, 8, 7, 1, 1),  # every slot of a query in one item: q read once; 4 gathered buffers
     (64, 512, 32, 8, 9, 1, 1),  # the same with 5 buffers
     (64, 512, 64, 8, 5, 1, 1),  # 128-byte row pieces (whole L2 lines), 3 buffers: 226 KB of shared memory
+    (64, 512, 64, 16, 5, 1, 1),  # the same over four warpgroups: 128 registers, more warps to hide latency
     (64, 256, 64, 8, 7, 1, 1),  # 128-byte row pieces, 4 buffers, q read twice
     (64, 256, 32, 8, 7, 1, 1),  # q read twice
     (64, 256, 64, 8, 5, 0, 1),  # heads on M: m64n128 per warpgroup, the head sum crosses warps

@@ -88,7 +88,9 @@ bench.compile_attention_probs_sm90``, Triton 3.6 (the GPU machine's) / 3.9; laun
 * ``64,512,32,8,7,1,1`` (first on the ladder): 158 KB shared (4 gathered ``[512, 32]`` tiles + q chunks),
   246 / 239 registers (the ``[512, 64]`` fp32 logits are 128 of them), 1 program per multiprocessor;
   ``64,512,32,8,9,1,1``: 5 tiles, 198 KB, 247 / 238 registers; ``64,512,64,8,5,1,1`` (each step reads
-  128-byte row pieces, whole L2 lines, and half the index loads): 3 tiles, 226 KB, 230 registers (3.6).
+  128-byte row pieces, whole L2 lines, and half the index loads): 3 tiles, 226 KB, 230 registers (3.6);
+  ``64,512,64,16,5,1,1``: the same over four warpgroups, 128 registers (3.6; 24 bytes of spill with
+  ``block_d = 32``).
 * ``64,256,64,8,7,1,1``: 167 KB, 176 registers (3.6).
 * ``64,256,32,8,7,1,1``: 87 KB, 177 / 175 registers: 1 program (registers); ``64,256,64,8,5,0,1`` (heads
   on M, ``wgmma m64n128`` per warpgroup): 128 / 126 KB, 179 / 181 registers.
