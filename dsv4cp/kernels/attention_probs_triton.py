@@ -82,29 +82,29 @@ The exp and head sum (T H K = 2.1 G ``exp2``, ~0.5 ms of the multi-function unit
 while the next item's gathers are in flight.
 
 ``d_chunks`` resources at the flash shape (bf16, H = 64, D = 512; ``python -m
-bench.compile_attention_probs_sm90``, Triton 3.6 (the GPU machine's) / 3.9; launch fields
-``block_h, block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spill in any:
+bench.compile_attention_probs_sm90`` with Triton 3.6, the GPU machine's; launch fields ``block_h,
+block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spill in any:
 
 * ``64,512,32,8,7,1,1`` (first on the ladder): 158 KB shared (4 gathered ``[512, 32]`` tiles + q chunks),
-  246 / 239 registers (the ``[512, 64]`` fp32 logits are 128 of them), 1 program per multiprocessor;
-  ``64,512,32,8,9,1,1``: 5 tiles, 198 KB, 247 / 238 registers; ``64,512,64,8,5,1,1`` (each step reads
-  128-byte row pieces, whole L2 lines, and half the index loads): 3 tiles, 226 KB, 230 registers (3.6);
-  ``64,512,64,16,5,1,1``: the same over four warpgroups, 128 registers (3.6; 24 bytes of spill with
+  238 registers (the ``[512, 64]`` fp32 logits are 128 of them), 1 program per multiprocessor;
+  ``64,512,32,8,9,1,1``: 5 tiles, 198 KB, 249 registers; ``64,512,64,8,5,1,1`` (each step reads
+  128-byte row pieces, whole L2 lines, and half the index loads): 3 tiles, 226 KB, 230 registers;
+  ``64,512,64,16,5,1,1``: the same over four warpgroups, 128 registers (24 bytes of spill with
   ``block_d = 32``).
-* ``64,256,64,8,7,1,1``: 167 KB, 176 registers (3.6).
-* ``64,256,32,8,7,1,1``: 87 KB, 177 / 175 registers: 1 program (registers); ``64,256,64,8,5,0,1`` (heads
-  on M, ``wgmma m64n128`` per warpgroup): 128 / 126 KB, 179 / 181 registers.
-* ``64,128,64,8,5,1,2``: 74.5 KB, 123 registers: 2 programs per multiprocessor (8 warps each);
-  ``64,128,64,4,7,1,2``: 99.5 KB, 168 / 159 registers, 2 programs (``64,128,64,4,7,0,2``, heads on M,
-  one ``wgmma m64n128``: 101 KB, 199 registers (3.6), 2 programs); ``64,64,64,4,5,1,4``: 49 KB,
-  102 / 122 registers, 4 programs. ``64,128,64,8,7,1,2`` (4 tiles) needs 143 registers with Triton
-  3.6: one program only, so it is not on the ladder; one warpgroup with heads on M and 256 slots
-  (``wgmma m64n256``, a 128-register accumulator) spills ~50 bytes.
+* ``64,256,32,8,7,1,1``: 87 KB, 177 registers: 1 program (registers); ``64,256,64,8,7,1,1``: 167 KB,
+  176 registers; ``64,256,64,8,5,0,1`` (heads on M, ``wgmma m64n128`` per warpgroup): 128 KB, 176
+  registers.
+* ``64,128,64,8,5,1,2``: 74.5 KB, 124 registers: 2 programs per multiprocessor (8 warps each);
+  ``64,128,64,4,7,1,2``: 99.5 KB, 176 registers, 2 programs (``64,128,64,4,7,0,2``, heads on M, one
+  ``wgmma m64n128``: 101 KB, 199 registers, 2 programs); ``64,64,64,4,5,1,4``: 49 KB, 105 registers,
+  4 programs. ``64,128,64,8,7,1,2`` (4 tiles) needs 143 registers: one program only, so it is not on
+  the ladder; one warpgroup with heads on M and 256 slots (``wgmma m64n256``, a 128-register
+  accumulator) spills ~50 bytes.
 * fp32: ``32,32,32,8,3,1,0`` (fp32 products on the CUDA cores), then ``16,16,32,4,1,1,0``.
 * log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``): ``64,128,64,4,7,2``
-  (first): 99 KB, 185 / 163 registers, 2 programs per multiprocessor; ``64,256,32,8,7,1``: 87 KB,
-  174 / 170 registers; ``64,512,32,8,7,1`` (q read once per query at K = 512): 157 KB, 254 / 249
-  registers; ``64,64,64,4,5,2``: 49 KB, 119 / 133 registers. No spill in any.
+  (first): 99 KB, 185 registers, 2 programs per multiprocessor; ``64,256,32,8,7,1``: 87 KB, 174
+  registers; ``64,512,32,8,7,1`` (q read once per query at K = 512): 157 KB, 254 registers;
+  ``64,64,64,4,5,2``: 49 KB, 119 registers. No spill in any.
 
 ``DSV4CP_TRITON_PROBS_CONFIG`` / ``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``)
 or the wrappers' keyword arguments pin a configuration; otherwise the first of the ladder that compiles
