@@ -47,8 +47,8 @@ CHUNK_VARIANTS = [
 ]
 # d_chunks log-sum-exp launches (block_h, block_k, block_d, num_warps, num_stages, programs_per_sm)
 LSE_CHUNK_VARIANTS = [
-    (64, 128, 64, 4, 7, 2),  # the ladder's first: 4 gathered buffers, two programs per multiprocessor
-    (64, 256, 32, 8, 7, 1),
+    (64, 256, 32, 8, 7, 1),  # the ladder's first: q read twice per query
+    (64, 128, 64, 4, 7, 2),  # 4 gathered buffers, two programs per multiprocessor
     (64, 512, 32, 8, 7, 1),  # every slot in one step: q read once per query
     (64, 64, 64, 4, 5, 2),
 ]

@@ -101,9 +101,9 @@ block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spil
   the ladder; one warpgroup with heads on M and 256 slots (``wgmma m64n256``, a 128-register
   accumulator) spills ~50 bytes.
 * fp32: ``32,32,32,8,3,1,0`` (fp32 products on the CUDA cores), then ``16,16,32,4,1,1,0``.
-* log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``): ``64,128,64,4,7,2``
-  (first): 99 KB, 185 registers, 2 programs per multiprocessor; ``64,256,32,8,7,1``: 87 KB, 174
-  registers; ``64,512,32,8,7,1`` (q read once per query at K = 512): 157 KB, 254 registers;
+* log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``): ``64,256,32,8,7,1``
+  (first): 87 KB, 174 registers; ``64,128,64,4,7,2``: 99 KB, 185 registers, 2 programs per
+  multiprocessor; ``64,512,32,8,7,1`` (q read once per query at K = 512): 157 KB, 254 registers;
   ``64,64,64,4,5,2``: 49 KB, 119 registers. No spill in any.
 
 ``DSV4CP_TRITON_PROBS_CONFIG`` / ``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``)
@@ -495,7 +495,9 @@ def _lse_chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[LseC
     if dtype == torch.float32:
         ladder = [(min(bh, 32), 32, 32, 8, 3, 0), (16, 16, 32, 4, 1, 0)]
     elif block_d >= 256:
-        ladder = [(bh, 128, 64, 4, 7, 2), (bh, 256, 32, 8, 7, 1), (bh, 64, 64, 4, 5, 2), (min(bh, 32), 32, 64, 4, 3, 0)]
+        # 256 slots first: q is re-read once per slot block (128: 50% more L2 bytes than the rows; 512
+        # wastes matrix work on short slot lists such as the dense variant's window)
+        ladder = [(bh, 256, 32, 8, 7, 1), (bh, 128, 64, 4, 7, 2), (bh, 64, 64, 4, 5, 2), (min(bh, 32), 32, 64, 4, 3, 0)]
     else:
         ladder = [(bh, 64, 32, 4, 3, 2), (bh, 32, 32, 4, 1, 0)]
     return [LseChunkConfig(*c) for c in ladder]
