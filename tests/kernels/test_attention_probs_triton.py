@@ -283,6 +283,9 @@ def test_d_chunks_bf16_ladder_and_grid_independence(seed):
     one, grid = (logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks",
                                        chunk_config=LseChunkConfig(16, 16, 16, 4, 1, programs)) for programs in (0, 4))
     assert torch.equal(one, grid), f"seed={seed}: the grid changed the lse"
+    empty = torch.full_like(idx, -1)  # every slot empty: -inf lse, zero mass
+    assert torch.isneginf(logsumexp_over_triton(q, keys, empty, scale, kernel="d_chunks")).all()
+    assert (head_summed_probs_triton(q, keys, empty, scale, lden, kernel="d_chunks") == 0).all()
 
 
 def test_d_chunks_through_the_options(seed, monkeypatch):
