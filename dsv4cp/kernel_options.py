@@ -159,8 +159,24 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "Triton attention backward accumulates dq in the dkv kernel (1) or in the dq kernel (0)", True),
     _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),
     _tile("triton_lse_config", "attention_probs", _KERNEL_TILE, "pins the log-sum-exp kernel"),
+    KernelOption("triton_lse_kernel", "DSV4CP_TRITON_LSE_KERNEL", CHOICE, "attention_probs",
+                 "log-sum-exp kernel: whole key rows per slot block (whole_d) or the head dim in pipelined "
+                 "chunks over a flat (query, head block, slot block, chunk) loop (d_chunks)",
+                 "whole_d", ("whole_d", "d_chunks")),
+    _tile("triton_lse_chunk_config", "attention_probs",
+          ("block_h", "block_k", "block_d", "num_warps", "num_stages", "programs_per_sm"),
+          "pins the d_chunks log-sum-exp kernel (programs_per_sm 0: one program per (query, head block), "
+          "else a persistent grid)"),
     KernelOption("triton_probs_slots_on_m", "DSV4CP_TRITON_PROBS_SLOTS_ON_M", FLAG, "attention_probs",
                  "probabilities kernel puts the slots on the matrix unit's M (1) or the heads (0)", True),
+    KernelOption("triton_probs_kernel", "DSV4CP_TRITON_PROBS_KERNEL", CHOICE, "attention_probs",
+                 "head-summed probabilities kernel: whole key rows per slot block (whole_d) or the head dim "
+                 "in pipelined chunks over a flat (query, slot block, chunk) loop (d_chunks)",
+                 "whole_d", ("whole_d", "d_chunks")),
+    _tile("triton_probs_chunk_config", "attention_probs",
+          ("block_h", "block_k", "block_d", "num_warps", "num_stages", "slots_on_m", "programs_per_sm"),
+          "pins the d_chunks probabilities kernel (slots_on_m 0 or 1; programs_per_sm 0: one program per "
+          "(query, slot block), else a persistent grid)"),
     _tile("triton_norm_rope_config", "norm_rope", ("block_h", "num_warps"),
           "pins the fused norm / RoPE kernels' launch (powers of two)"),
 )}
