@@ -17,6 +17,9 @@ Backends:
 * ``triton-chunked-radix``: the chunked path with ``DSV4CP_TOPK_SELECT=radix`` (fp32 score buffers
   planned at 4 bytes per score, selected by the Triton radix select of
   :mod:`dsv4cp.kernels.select_top_triton`);
+* ``triton-chunked-radix-bounded``: the same with ``DSV4CP_TOPK_SELECT_VARIANT=bounded`` (the radix
+  select's kernel that finds the largest score and a lower bound on the cut first, then starts its
+  radix passes below their common bits; ``triton-chunked-radix`` pins ``plain``, the kernel before it);
 * ``triton-chunked-torch``: the same with ``DSV4CP_TOPK_SELECT=torch`` (the kernel's epilogue writes
   int64 selection keys into the buffer, then one ``torch.topk`` over them: ``select_top_packed``;
   ``DSV4CP_TOPK_KEYS=packed``: the default before the radix select);
@@ -37,7 +40,8 @@ once beforehand (``radix``: :func:`~dsv4cp.kernels.select_top_triton.select_top_
 chunks, also ``radix-static``: the static plan's chunks with their row limits, as the layer runs it;
 ``torch``: ``select_top_packed`` over the int64 key chunks; TFLOP/s: the top-k's scoring FLOPs over the
 selection's time, an effective figure to set beside the others); ``test_indexer_select_config``: the
-radix selection alone at 64K under each launch of ``SELECT_SWEEP`` (pinned); and
+radix selection alone at 64K under each launch of ``SELECT_SWEEP`` (pinned);
+``test_indexer_select_bounded_config``: the same for the ``bounded`` kernel (``BOUNDED_SELECT_SWEEP``); and
 ``test_indexer_scores_fwd_bwd``: the differentiable scores at K = 512 given entries per query (the
 indexer loss's prediction), forward + backward, torch vs Triton: the default, the original backward
 (acq_rel atomics), the deterministic one and (GPU only) the backward pinned to each ladder tile (FLOPs
@@ -61,13 +65,21 @@ import pytest
 import torch
 
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
+from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.ops.indexer import indexer_topk
 
-BACKENDS = ["torch", "triton", "triton-chunked", "triton-chunked-radix", "triton-chunked-torch",
-            "triton-chunked-scores", "triton-stream", "triton-score", "triton-score-packed", "triton-score-radix"]
+_VARIANT_ENV = OPTIONS["topk_select_variant"].env
 
-_SELECT = {"triton-chunked-radix": "radix", "triton-chunked-torch": "torch", "triton-chunked-scores": "torch"}
+BACKENDS = ["torch", "triton", "triton-chunked", "triton-chunked-radix", "triton-chunked-radix-bounded",
+            "triton-chunked-torch", "triton-chunked-scores", "triton-stream", "triton-score", "triton-score-packed",
+            "triton-score-radix"]
+
+_SELECT = {"triton-chunked-radix": "radix", "triton-chunked-radix-bounded": "radix", "triton-chunked-torch": "torch",
+           "triton-chunked-scores": "torch"}
 """``DSV4CP_TOPK_SELECT`` per backend (the others run the default)."""
+
+_SELECT_VARIANT = {"triton-chunked-radix": "plain", "triton-chunked-radix-bounded": "bounded"}
+"""``DSV4CP_TOPK_SELECT_VARIANT`` per backend (the radix select's kernel; the others run the default)."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +166,7 @@ def _runner(backend: str, shape: Shape, entry: dict):
     from dsv4cp.ops.indexer import fused_indexer_topk
 
     select = kernel_options.get("topk_select")
-    radix = backend in ("triton-chunked-radix", "triton-score-radix") or (
+    radix = backend in ("triton-chunked-radix", "triton-chunked-radix-bounded", "triton-score-radix") or (
         backend in ("triton", "triton-chunked")
         and (select == "radix" or (select == "auto" and not interpreted(q.device))))  # the op's rule
     fp32 = backend in ("triton-chunked-scores", "triton-score")
@@ -224,6 +236,10 @@ def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
         monkeypatch.setenv(TOPK_SELECT_ENV, _SELECT[backend])
     else:
         monkeypatch.delenv(TOPK_SELECT_ENV, raising=False)
+    if backend in _SELECT_VARIANT:
+        monkeypatch.setenv(_VARIANT_ENV, _SELECT_VARIANT[backend])
+    else:
+        monkeypatch.delenv(_VARIANT_ENV, raising=False)
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
     fn, info = _runner(backend, shape, entry)
@@ -308,7 +324,7 @@ def test_indexer_topk_stream_config(benchmark, measure, cfg):
                       K=SHAPES["32k"].topk)
 
 
-SELECT_BACKENDS = ["radix", "radix-static", "torch"]
+SELECT_BACKENDS = ["radix", "radix-static", "radix-bounded", "radix-static-bounded", "torch"]
 
 
 @pytest.mark.gpu
@@ -318,7 +334,8 @@ SELECT_BACKENDS = ["radix", "radix-static", "torch"]
 def test_indexer_select(benchmark, measure, shape_name, backend):
     """The chunked top-k's selection alone: every chunk of the path's plan is scored once (kept, cloned),
     then the timed call selects all of them (``radix``: fp32 chunks at 4 bytes per score, exact plan;
-    ``radix-static``: the static plan of ``key_row_limit = (0, 4)`` with each chunk's row limit;
+    ``radix-static``: the static plan of ``key_row_limit = (0, 4)`` with each chunk's row limit, as the
+    layer runs it; both on the ``plain`` kernel, and ``-bounded`` on the ``bounded`` one;
     ``torch``: int64 packed-key chunks at 16 bytes per score and ``select_top_packed``)."""
     _time_selection(benchmark, measure, shape_name, backend, None, f"indexer.select.{shape_name}")
 
@@ -333,7 +350,8 @@ def _time_selection(benchmark, measure, shape_name: str, backend: str, config, g
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
     radix = backend != "torch"
-    limit = (0, 4) if backend == "radix-static" else None
+    limit = (0, 4) if backend.startswith("radix-static") else None
+    variant = "bounded" if backend.endswith("-bounded") else "plain"
     per_score = it.TOPK_RADIX_BYTES_PER_SCORE if radix else it.TOPK_BYTES_PER_SCORE
     chunks = [(s, col0, block.clone()) for s, _, col0, block in it.iter_score_chunks(
         entry["q"], entry["w"], entry["keys"], *_vis_args(entry), packed=not radix, bytes_per_score=per_score,
@@ -345,7 +363,7 @@ def _time_selection(benchmark, measure, shape_name: str, backend: str, config, g
             keep = min(shape.topk, block.shape[1])
             if radix:
                 row_limit = None if limit is None else (limit[0] - col0, limit[1], s)
-                last = select_top_triton(block, keep, row_limit=row_limit, config=config)
+                last = select_top_triton(block, keep, row_limit=row_limit, config=config, variant=variant)
             else:
                 last = select_top_packed(block, keep)
         return last
@@ -380,6 +398,28 @@ def test_indexer_select_config(benchmark, measure, cfg):
     from dsv4cp.kernels.select_top_triton import SelectConfig
 
     _time_selection(benchmark, measure, "64k", "radix", SelectConfig(*cfg), "indexer.select.config.64k")
+    benchmark.extra_info.update(config=list(cfg))
+
+
+BOUNDED_SELECT_SWEEP = [(2048, 8, 4, 2), (1024, 8, 4, 2), (2048, 8, 8, 2), (1024, 10, 4, 2), (2048, 10, 8, 2),
+                        (1024, 6, 4, 2), (4096, 8, 8, 2), (512, 8, 4, 2)]
+"""Launches of the ``bounded`` radix select timed by ``test_indexer_select_bounded_config`` (``block_n,
+radix_bits, num_warps, num_stages``; the first is the ladder's default): its first digit starts below the
+bits its candidates share, so a histogram pass no longer piles into a few bins and wider digits (fewer
+passes) may pay; 2048 x 8 x 4 compiles to 129 registers (sm_90a, Triton 3.9), 1024 columns per step
+to fewer."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="config sweep needs CUDA")
+@pytest.mark.parametrize("cfg", BOUNDED_SELECT_SWEEP, ids=lambda c: "x".join(map(str, c)))
+def test_indexer_select_bounded_config(benchmark, measure, cfg):
+    """The ``bounded`` radix selection alone at T = 64K (the static plan's fp32 chunks and row limits, as
+    the layer runs it) under each pinned launch."""
+    from dsv4cp.kernels.select_top_triton import SelectConfig
+
+    _time_selection(benchmark, measure, "64k", "radix-static-bounded", SelectConfig(*cfg),
+                    "indexer.select.bounded.config.64k")
     benchmark.extra_info.update(config=list(cfg))
 
 
