@@ -145,12 +145,18 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     _tile("triton_gather_bwd_config", "indexer_scores", ("block_k", "num_warps", "num_stages", "relaxed_atomics"),
           "pins the gathered indexer scores' backward launch (relaxed_atomics 0 or 1)"),
     _tile("triton_fwd_config", "sparse_attention", _KERNEL_TILE, "pins the Triton attention forward's launch"),
+    KernelOption("triton_fwd_split_logits", "DSV4CP_TRITON_FWD_SPLIT_LOGITS", FLAG, "sparse_attention",
+                 "Triton attention forward splits the logits' slots between its two warpgroups (1) or has both "
+                 "compute all of them (0)", False),
     _tile("triton_bwd_config", "sparse_attention", _KERNEL_TILE,
           "pins the Triton attention backward's first (dq / scores) kernel"),
     _tile("triton_dkv_config", "sparse_attention", ("block_k", "block_d", "num_warps", "num_stages"),
           "pins the Triton attention backward's dkv kernel"),
     KernelOption("triton_dq_in_dkv", "DSV4CP_TRITON_DQ_IN_DKV", FLAG, "sparse_attention",
                  "Triton attention backward accumulates dq in the dkv kernel (1) or in the dq kernel (0)", True),
+    KernelOption("triton_dkv_one_product", "DSV4CP_TRITON_DKV_ONE_PRODUCT", FLAG, "sparse_attention",
+                 "Triton attention dkv kernel forms ds^T q + p^T dO as one product over ds and p side by side (1) "
+                 "or as two chained products (0)", False),
     _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),
     _tile("triton_lse_config", "attention_probs", _KERNEL_TILE, "pins the log-sum-exp kernel"),
     KernelOption("triton_probs_slots_on_m", "DSV4CP_TRITON_PROBS_SLOTS_ON_M", FLAG, "attention_probs",
