@@ -51,26 +51,29 @@ class Candidate:
     note: str = ""
     split_logits: bool = False
     one_product: bool = False
+    index_ahead: bool = False
 
     @property
     def name(self) -> str:
         text = "x".join(map(str, self.config))
-        if self.direction == "fwd":
-            return text + (" split-logits" if self.split_logits else "")
-        return (text + " / dkv " + "x".join(map(str, self.dkv)) + (" dq-in-dkv" if self.dq_in_dkv else "")
-                + (" one-product" if self.one_product else ""))
+        if self.direction == "bwd":
+            text += (" / dkv " + "x".join(map(str, self.dkv)) + (" dq-in-dkv" if self.dq_in_dkv else "")
+                     + (" one-product" if self.one_product else ""))
+        return text + (" split-logits" if self.split_logits else "") + (" index-ahead" if self.index_ahead else "")
 
     @property
     def env(self) -> dict[str, str]:
         """The environment that pins this candidate without keyword arguments."""
-        join = ",".join
+        join, flag = ",".join, lambda on: "1" if on else "0"
         if self.direction == "fwd":
             return {"DSV4CP_TRITON_FWD_CONFIG": join(map(str, self.config)),
-                    "DSV4CP_TRITON_FWD_SPLIT_LOGITS": "1" if self.split_logits else "0"}
+                    "DSV4CP_TRITON_FWD_SPLIT_LOGITS": flag(self.split_logits),
+                    "DSV4CP_TRITON_FWD_INDEX_AHEAD": flag(self.index_ahead)}
         return {"DSV4CP_TRITON_BWD_CONFIG": join(map(str, self.config)),
                 "DSV4CP_TRITON_DKV_CONFIG": join(map(str, self.dkv)),
-                "DSV4CP_TRITON_DQ_IN_DKV": "1" if self.dq_in_dkv else "0",
-                "DSV4CP_TRITON_DKV_ONE_PRODUCT": "1" if self.one_product else "0"}
+                "DSV4CP_TRITON_DQ_IN_DKV": flag(self.dq_in_dkv),
+                "DSV4CP_TRITON_DKV_ONE_PRODUCT": flag(self.one_product),
+                "DSV4CP_TRITON_BWD_INDEX_AHEAD": flag(self.index_ahead)}
 
 
 # Candidates: the ones that compile for sm_90a with Triton 3.6 (the GPU machine's) within the shared
@@ -84,6 +87,10 @@ CANDIDATES = [
     Candidate("fwd", (64, 64, 8, 2), split_logits=True, note="246 regs, 208 KB (H 128: 40 B stack)"),
     Candidate("fwd", (64, 32, 8, 3), split_logits=True, note="233 regs, 136 KB (H 128: 40 B stack)"),
     Candidate("fwd", (64, 64, 8, 1), split_logits=True, note="255 regs, 144 KB, no spill"),
+    Candidate("fwd", (64, 64, 8, 2), index_ahead=True, note="255 regs, 192 KB, 8 B stack (H 128: 80 B)"),
+    Candidate("fwd", (64, 64, 8, 2), split_logits=True, index_ahead=True,
+              note="255 regs, 208 KB, 8 B stack (H 128: 72 B)"),
+    Candidate("fwd", (64, 64, 8, 1), split_logits=True, index_ahead=True, note="255 regs, 144 KB, 8 B stack"),
     Candidate("bwd", (32, 64, 8, 2), (64, 256, 8, 2), heads=(64,), note="default; dq mma.sync 225 regs"),
     Candidate("bwd", (32, 32, 8, 2), (64, 256, 8, 2), heads=(64,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 256, 8, 2), True, heads=(64,), note="wgmma 140 regs; dkv 252 regs 224 KB"),
@@ -97,6 +104,12 @@ CANDIDATES = [
               note="dkv 16 warps, 128 regs, 128 KB"),
     Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 2), True, heads=(64,), one_product=True,
               note="dkv 138 regs, 112 KB, 2x p/ds reads"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), index_ahead=True,
+              note="scores 186 regs; dkv 255 regs, 104 B stack"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), one_product=True, index_ahead=True,
+              note="scores 186 regs; dkv 230 regs, 208 KB, no spill"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 1), True, heads=(64,), one_product=True, index_ahead=True,
+              note="scores 186 regs; dkv 253 regs, 128 KB, 1 stage"),
     Candidate("bwd", (32, 64, 8, 2), (64, 128, 8, 2), heads=(128,), note="default"),
     Candidate("bwd", (32, 32, 8, 2), (64, 128, 8, 2), heads=(128,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(128,), note="dkv 224 regs, 192 KB"),
@@ -105,6 +118,8 @@ CANDIDATES = [
               note="dkv 227 regs, 160 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 64, 8, 2), True, heads=(128,), one_product=True,
               note="dkv 112 regs, 96 KB, 2x p/ds reads"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 2), True, heads=(128,), one_product=True, index_ahead=True,
+              note="scores 186 regs; dkv 232 regs, 160 KB"),
 ]
 
 
@@ -136,7 +151,7 @@ def fwd_call(cand: Candidate, q, kv, idx, sink, scale):
 
     bh, bk, nw, ns = cand.config
     return sparse_attention_fwd(q, kv, idx, sink, scale, block_h=bh, block_k=bk, num_warps=nw, num_stages=ns,
-                                split_logits=cand.split_logits)
+                                split_logits=cand.split_logits, index_ahead=cand.index_ahead)
 
 
 def bwd_call(cand: Candidate, dout, q, kv, idx, sink, scale, out, lse):
@@ -145,7 +160,8 @@ def bwd_call(cand: Candidate, dout, q, kv, idx, sink, scale, out, lse):
     bh, bk, nw, ns = cand.config
     return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, deterministic=False, block_h=bh,
                                 block_k=bk, num_warps=nw, num_stages=ns, dkv_config=DkvConfig(*cand.dkv),
-                                dq_in_dkv=cand.dq_in_dkv, dkv_one_product=cand.one_product)
+                                dq_in_dkv=cand.dq_in_dkv, dkv_one_product=cand.one_product,
+                                index_ahead=cand.index_ahead)
 
 
 def reference(args, dout, check_tokens: int):

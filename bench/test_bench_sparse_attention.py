@@ -16,9 +16,11 @@ at the head dims it supports (not ``tiny``); a direction a backend lacks is skip
 Kernel variants of the triton backend are timed beside it (the same call with a kernel option set):
 ``triton-dq-in-dkv`` (backward: dq accumulated by the dkv kernel, ``DSV4CP_TRITON_DQ_IN_DKV=1``),
 ``triton-split-logits`` (forward: the two warpgroups split the logits' slots,
-``DSV4CP_TRITON_FWD_SPLIT_LOGITS=1``) and ``triton-dkv-one-product`` (backward: the dkv kernel's
-``ds^T q + p^T dO`` as one product, ``DSV4CP_TRITON_DKV_ONE_PRODUCT=1``). The current kernels against
-the new ones at the flash shape::
+``DSV4CP_TRITON_FWD_SPLIT_LOGITS=1``), ``triton-dkv-one-product`` (backward: the dkv kernel's
+``ds^T q + p^T dO`` as one product, ``DSV4CP_TRITON_DKV_ONE_PRODUCT=1``), ``triton-index-ahead`` (each
+direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TRITON_FWD_INDEX_AHEAD=1`` /
+``DSV4CP_TRITON_BWD_INDEX_AHEAD=1``) and the two combined. The current kernels against the new ones at
+the flash shape::
 
     pytest bench/test_bench_sparse_attention.py -m gpu -k "flash and triton and not deterministic"
 
@@ -38,9 +40,14 @@ from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
-FORWARD_VARIANTS = {"triton-split-logits": {"triton_fwd_split_logits": "1"}}
+FORWARD_VARIANTS = {"triton-split-logits": {"triton_fwd_split_logits": "1"},
+                    "triton-index-ahead": {"triton_fwd_index_ahead": "1"},
+                    "triton-split-logits-index-ahead": {"triton_fwd_split_logits": "1", "triton_fwd_index_ahead": "1"}}
 BACKWARD_VARIANTS = {"triton-dq-in-dkv": {"triton_dq_in_dkv": "1"},
-                     "triton-dkv-one-product": {"triton_dkv_one_product": "1"}}
+                     "triton-dkv-one-product": {"triton_dkv_one_product": "1"},
+                     "triton-index-ahead": {"triton_bwd_index_ahead": "1"},
+                     "triton-dkv-one-product-index-ahead": {"triton_dkv_one_product": "1",
+                                                            "triton_bwd_index_ahead": "1"}}
 """Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set."""
 LIBRARY_HEAD_DIMS = {flashmla.NAME: flashmla.SUPPORTED_HEAD_DIMS, cudnn_dsa.NAME: cudnn_dsa.SUPPORTED_HEAD_DIMS}
 

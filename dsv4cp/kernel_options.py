@@ -148,6 +148,8 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     KernelOption("triton_fwd_split_logits", "DSV4CP_TRITON_FWD_SPLIT_LOGITS", FLAG, "sparse_attention",
                  "Triton attention forward splits the logits' slots between its two warpgroups (1) or has both "
                  "compute all of them (0)", False),
+    KernelOption("triton_fwd_index_ahead", "DSV4CP_TRITON_FWD_INDEX_AHEAD", FLAG, "sparse_attention",
+                 "Triton attention forward loads each step's kv-row indices one step ahead (1)", False),
     _tile("triton_bwd_config", "sparse_attention", _KERNEL_TILE,
           "pins the Triton attention backward's first (dq / scores) kernel"),
     _tile("triton_dkv_config", "sparse_attention", ("block_k", "block_d", "num_warps", "num_stages"),
@@ -157,6 +159,8 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     KernelOption("triton_dkv_one_product", "DSV4CP_TRITON_DKV_ONE_PRODUCT", FLAG, "sparse_attention",
                  "Triton attention dkv kernel forms ds^T q + p^T dO as one product over ds and p side by side (1) "
                  "or as two chained products (0)", False),
+    KernelOption("triton_bwd_index_ahead", "DSV4CP_TRITON_BWD_INDEX_AHEAD", FLAG, "sparse_attention",
+                 "Triton attention backward's two kernels load each step's kv-row indices one step ahead (1)", False),
     _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),
     _tile("triton_lse_config", "attention_probs", _KERNEL_TILE, "pins the log-sum-exp kernel"),
     KernelOption("triton_probs_slots_on_m", "DSV4CP_TRITON_PROBS_SLOTS_ON_M", FLAG, "attention_probs",

@@ -73,6 +73,14 @@ strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from 
   ``64, 256, 8, 1``: 128 KB, 254 registers; ``64, 256, 16, 1``: 128 KB, 128 registers; at H = 128
   ``64, 128, 8, 2``: 160 KB, 227 registers. Expected (a model): the kernel's matrix work per warpgroup
   x 0.75 and no 64 KB layout conversion per step.
+* indices one step ahead (``INDEX_AHEAD``, kernel options ``triton_fwd_index_ahead`` /
+  ``triton_bwd_index_ahead``). Triton 3.6's two-stage pipeline of a gather issues, at the end of a step,
+  a blocking load of the next step's indices and then the next step's row copies, which the next step
+  waits for at once: the index load's latency sits in every step. Loaded a step ahead (registers, no
+  shared memory), the copies start without it. Forward ``64, 64, 8, 2``: 255 registers and 8 B of stack
+  (H = 128: 80 B), split logits the same at 208 KB (72 B); scores ``64, 64, 8, 1``: 186 registers
+  against 160; dkv one product ``64, 256, 8, 2``: 230 registers, no spill (two products: 104 B of
+  stack).
 
 A single fused backward (dq and dkv in one loop) needs two [*, 512] fp32 accumulators and a second copy
 of q and dO in shared memory (~300 KB): it does not fit, hence (b) + (c) at the price of writing p and
@@ -98,7 +106,7 @@ import triton.language as tl
 
 from dsv4cp import kernel_options
 from dsv4cp.kernels import is_deterministic
-from dsv4cp.kernels._triton_gather import gather_rows
+from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows
 from dsv4cp.kernels._triton_launch import Kernels, OutOfResources  # noqa: F401  (OutOfResources: re-exported)
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels._triton_launch import pinned as _pinned
@@ -174,6 +182,7 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_LOGITS: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr,
 ):
     """Forward of one (query token t, head block).
 
@@ -186,6 +195,10 @@ def _fwd_kernel(
     compute the same ``[64, BLOCK_K]`` logits. The branch's results are not in the logits' forward slice,
     so the logits get the ordinary ``[4, 2]`` layout: each warpgroup computes half of the slots, the
     softmax's row max and sum cross the warpgroups and p goes to the value product through shared memory.
+
+    INDEX_AHEAD: each step loads the next step's row indices and gathers the rows of indices loaded one
+    step earlier. Triton's two-stage pipeline issues the next step's gather at the end of a step, right
+    after loading (and waiting for) the indices it needs; loaded ahead, they are there already.
     """
     pid = tl.program_id(0)
     t = (pid // N_HB).to(tl.int64)
@@ -206,10 +219,18 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of 2^(s - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if INDEX_AHEAD:
+        rows_next = tl.load(IDX + t * stride_it + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < kt_len,
+                            other=-1)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
-        rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, slots < kt_len, N, stride_kvn, d, dmask,
-                                      D, BLOCK_D, DOT_F32)  # K and V
+        if INDEX_AHEAD:
+            rows_here = rows_next
+            rows_next = tl.load(IDX + t * stride_it + slots + BLOCK_K, mask=slots + BLOCK_K < kt_len, other=-1)
+            rows, valid, kv = gather_loaded_rows(KV, rows_here, N, stride_kvn, d, dmask, D, BLOCK_D, DOT_F32)
+        else:
+            rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, slots < kt_len, N, stride_kvn, d, dmask,
+                                          D, BLOCK_D, DOT_F32)  # K and V
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -275,6 +296,7 @@ def _bwd_dq_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh, stride_dqt, stride_dqh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_TOPK: tl.constexpr, ACC_DQ: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr,
 ):
     """dq of one (query token t = T0 + pid // N_HB, head block), and its p / ds scratch.
 
@@ -284,7 +306,8 @@ def _bwd_dq_kernel(
     each, or the two halves of one ``[chunk, KT, 2, H]``) at ``(t - T0, slot, head)``:
     p = e^{l - logaddexp(lse, sink)} and ds = p (<dO, kv> - delta) scale (0 on empty slots); with
     ACC_DQ also DQ ``[T, H, D]`` (Q's dtype). Without ACC_DQ (dq left to ``_bwd_dkv_kernel``) no
-    ``[BLOCK_H, D]`` accumulator lives in registers, so 64 heads fit one program on wgmma.
+    ``[BLOCK_H, D]`` accumulator lives in registers, so 64 heads fit one program on wgmma. INDEX_AHEAD:
+    as in ``_fwd_kernel``.
     """
     pid = tl.program_id(0)
     t_local = (pid // N_HB).to(tl.int64)
@@ -317,11 +340,19 @@ def _bwd_dq_kernel(
 
     if ACC_DQ:
         dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if INDEX_AHEAD:
+        rows_next = tl.load(IDX + t * stride_it + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < kt_len,
+                            other=-1)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         in_len = slots < kt_len
-        rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, in_len, N, stride_kvn, d, dmask,
-                                      D, BLOCK_D, DOT_F32)
+        if INDEX_AHEAD:
+            rows_here = rows_next
+            rows_next = tl.load(IDX + t * stride_it + slots + BLOCK_K, mask=slots + BLOCK_K < kt_len, other=-1)
+            rows, valid, kv = gather_loaded_rows(KV, rows_here, N, stride_kvn, d, dmask, D, BLOCK_D, DOT_F32)
+        else:
+            rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, in_len, N, stride_kvn, d, dmask,
+                                          D, BLOCK_D, DOT_F32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
         p = tl.math.exp2(s - lt2[:, None])
         p = tl.where(valid[None, :], p, 0.0)  # [BLOCK_H, BLOCK_K] probabilities (sink in denominator)
@@ -344,7 +375,7 @@ def _bwd_dkv_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh, stride_dqt, stride_dqh,
     D: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_TOPK: tl.constexpr, DETERMINISTIC: tl.constexpr, ACC_DQ: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr, ONE_PRODUCT: tl.constexpr,
+    DOT_F32: tl.constexpr, ONE_PRODUCT: tl.constexpr, INDEX_AHEAD: tl.constexpr,
 ):
     """kv-row gradients of one query token t = T0 + pid // cdiv(D, BLOCK_DC), head-dim columns
     ``[(pid % cdiv(D, BLOCK_DC)) * BLOCK_DC, +BLOCK_DC)``: ``g[slot] = ds[:, slot]^T q + p[:, slot]^T dO``
@@ -362,6 +393,7 @@ def _bwd_dkv_kernel(
     result of the first) Triton lays the first out over warps ``[num_warps, 1]``: at 64 slots and 8 warps
     both warpgroups compute the same ``ds^T q``, and its ``[BLOCK_K, BLOCK_DC]`` fp32 result crosses to
     the second product's layout through shared memory on every step. One product has neither.
+    INDEX_AHEAD: the next step's row indices are loaded one step ahead (as in ``_fwd_kernel``).
     """
     # The column blocks of one query are neighbouring programs: they run together, so the query's p / ds
     # scratch (read by each of them) comes from L2 after the first.
@@ -397,10 +429,17 @@ def _bwd_dkv_kernel(
         kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
     if ACC_DQ:
         dq = tl.zeros([BLOCK_HK, BLOCK_DC], dtype=tl.float32)
+    if INDEX_AHEAD:
+        rows_next = tl.load(IDX + t * stride_it + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < kt_len,
+                            other=-1)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         in_len = slots < kt_len
-        rows = tl.load(IDX + t * stride_it + slots, mask=in_len, other=-1).to(tl.int64)
+        if INDEX_AHEAD:
+            rows = rows_next.to(tl.int64)
+            rows_next = tl.load(IDX + t * stride_it + slots + BLOCK_K, mask=slots + BLOCK_K < kt_len, other=-1)
+        else:
+            rows = tl.load(IDX + t * stride_it + slots, mask=in_len, other=-1).to(tl.int64)
         valid = (rows >= 0) & (rows < N)
         srow = (t_local * KT + slots)[:, None] * SCRATCH_ROW
         scratch = srow + heads[None, :]
@@ -619,6 +658,7 @@ def sparse_attention_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     split_logits: bool | None = None,
+    index_ahead: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of sparse multi-query attention with a sink (Triton).
 
@@ -634,6 +674,8 @@ def sparse_attention_fwd(
         split_logits: ``True``: each warpgroup computes half of the logits' slots (``SPLIT_LOGITS`` of
             ``_fwd_kernel``); ``False``: both compute all of them; ``None``: the kernel option
             ``triton_fwd_split_logits``.
+        index_ahead: ``True``: each step loads the next step's row indices (``INDEX_AHEAD``); ``None``:
+            the kernel option ``triton_fwd_index_ahead``.
 
     Returns:
         ``out [T, H, D]`` in q's dtype and ``lse [T, H]`` fp32 (natural log, sink excluded, -inf for a
@@ -650,6 +692,7 @@ def sparse_attention_fwd(
     topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
     block_d = triton.next_power_of_2(d)
     split = _option_flag("triton_fwd_split_logits", split_logits)
+    ahead = _option_flag("triton_fwd_index_ahead", index_ahead)
     ladder = _fwd_ladder(block_d, h, q.dtype)  # the same tiles fit both variants at D = 512
     pinned = _pinned("triton_fwd_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
@@ -663,10 +706,11 @@ def sparse_attention_fwd(
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
             D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
             HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q), SPLIT_LOGITS=split,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch("fwd_split_logits" if split else "fwd", _config_key(q), ladder, pinned, launch)
+    kind = "fwd" + ("_split_logits" if split else "") + ("_index_ahead" if ahead else "")
+    _launch(kind, _config_key(q), ladder, pinned, launch)
     return out, lse
 
 
@@ -690,6 +734,7 @@ def sparse_attention_bwd(
     scratch_bytes: int | None = None,
     dq_in_dkv: bool | None = None,
     dkv_one_product: bool | None = None,
+    index_ahead: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`sparse_attention_fwd` (Triton).
 
@@ -710,6 +755,8 @@ def sparse_attention_bwd(
         dkv_one_product: ``True``: the dkv kernel forms ``ds^T q + p^T dO`` as one product over
             ``[ds | p]`` (p and ds share one scratch buffer, row by row); ``False``: two chained products;
             ``None``: the kernel option ``triton_dkv_one_product``.
+        index_ahead: ``True``: both kernels load the next step's row indices one step ahead; ``None``: the
+            kernel option ``triton_bwd_index_ahead``.
 
     Returns:
         ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
@@ -730,6 +777,7 @@ def sparse_attention_bwd(
         deterministic = is_deterministic()
     acc_dq_in_dkv = _dq_in_dkv(dq_in_dkv)
     one_product = _option_flag("triton_dkv_one_product", dkv_one_product)
+    ahead = _option_flag("triton_bwd_index_ahead", index_ahead)
     sink_dtype = sink.dtype
     q, kv, idx, dout, out = q.contiguous(), kv.contiguous(), idx.contiguous(), dout.contiguous(), out.contiguous()
     sink = sink.to(torch.float32).contiguous()
@@ -793,7 +841,7 @@ def sparse_attention_bwd(
                 dq.stride(0), dq.stride(1),
                 D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
                 HAS_TOPK=has_topk, ACC_DQ=not acc_dq_in_dkv, PRECISION=precision, DOT_F32=dot_f32,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
         def launch_dkv(cfg: DkvConfig, t0: int = t0, rows: int = rows) -> None:
@@ -804,11 +852,12 @@ def sparse_attention_bwd(
                 dq.stride(0), dq.stride(1),
                 D=d, BLOCK_DC=cfg.block_d, BLOCK_HK=block_hk, BLOCK_K=cfg.block_k,
                 HAS_TOPK=has_topk, DETERMINISTIC=deterministic, ACC_DQ=acc_dq_in_dkv, PRECISION=precision,
-                DOT_F32=dot_f32, ONE_PRODUCT=one_product,
+                DOT_F32=dot_f32, ONE_PRODUCT=one_product, INDEX_AHEAD=ahead,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        mode = "_dq_in_dkv" if acc_dq_in_dkv else ""  # the two placements fit different configurations
+        # the two placements fit different configurations; each variant caches its own
+        mode = ("_dq_in_dkv" if acc_dq_in_dkv else "") + ("_index_ahead" if ahead else "")
         _launch("bwd_dq" + mode, key, dq_ladder, dq_pinned, launch_dq)
         _launch("bwd_dkv" + mode + ("_one_product" if one_product else ""), key, dkv_ladder, dkv_pinned,
                 launch_dkv)
