@@ -12,8 +12,8 @@ machine (it imports ``bench.test_bench_sparse_attention``)::
 
     python -m bench.sweep_sparse_attention_configs --json sweep_sparse_attention.json
 
-Every candidate compiles once (about 10-20 s each, which dominates the run); ``--shapes`` and
-``--only`` narrow the sweep.
+Every candidate compiles once (about 10-20 s each, which dominates the run); ``--shapes``, ``--only``
+and ``--match`` (a part of the candidates' names, e.g. ``split-logits``) narrow the sweep.
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ CANDIDATES = [
     Candidate("fwd", (64, 64, 8, 2), split_logits=True, index_ahead=True,
               note="255 regs, 208 KB, 8 B stack (H 128: 72 B)"),
     Candidate("fwd", (64, 64, 8, 1), split_logits=True, index_ahead=True, note="255 regs, 144 KB, 8 B stack"),
+    Candidate("fwd", (64, 64, 8, 3), note="3 stages: indices a step ahead by the pipeliner; 255 regs, 192 KB"),
+    Candidate("fwd", (64, 64, 8, 3), split_logits=True, note="3 stages; 252 regs, 208 KB (H 128: 40 B stack)"),
     Candidate("bwd", (32, 64, 8, 2), (64, 256, 8, 2), heads=(64,), note="default; dq mma.sync 225 regs"),
     Candidate("bwd", (32, 32, 8, 2), (64, 256, 8, 2), heads=(64,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 256, 8, 2), True, heads=(64,), note="wgmma 140 regs; dkv 252 regs 224 KB"),
@@ -110,6 +112,8 @@ CANDIDATES = [
               note="scores 186 regs; dkv 230 regs, 208 KB, no spill"),
     Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 1), True, heads=(64,), one_product=True, index_ahead=True,
               note="scores 186 regs; dkv 253 regs, 128 KB, 1 stage"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 3), True, heads=(64,), one_product=True,
+              note="dkv 3 stages: indices a step ahead by the pipeliner; 230 regs, 208 KB"),
     Candidate("bwd", (32, 64, 8, 2), (64, 128, 8, 2), heads=(128,), note="default"),
     Candidate("bwd", (32, 32, 8, 2), (64, 128, 8, 2), heads=(128,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(128,), note="dkv 224 regs, 192 KB"),
@@ -120,6 +124,8 @@ CANDIDATES = [
               note="dkv 112 regs, 96 KB, 2x p/ds reads"),
     Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 2), True, heads=(128,), one_product=True, index_ahead=True,
               note="scores 186 regs; dkv 232 regs, 160 KB"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 3), True, heads=(128,), one_product=True,
+              note="dkv 3 stages; 231 regs, 160 KB"),
 ]
 
 
@@ -219,6 +225,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, required=True, help="where to write the rows (JSON)")
     parser.add_argument("--shapes", default="flash,pro", help="comma-separated: flash, pro")
     parser.add_argument("--only", choices=("fwd", "bwd"), help="one direction only")
+    parser.add_argument("--match", default="", help="only candidates whose name holds this text (e.g. one-product)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per candidate (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
     parser.add_argument("--check-tokens", type=int, default=1024, help="queries checked against torch")
@@ -254,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         ref = reference(entry["args"], dout, min(args.check_tokens, shape.tokens))
         fwd_out = fwd_call(CANDIDATES[0], *entry["args"])  # the backward's out and lse
         for cand in CANDIDATES:
-            if (args.only and cand.direction != args.only) or shape.heads not in cand.heads:
+            if (args.only and cand.direction != args.only) or shape.heads not in cand.heads or \
+                    args.match not in cand.name:
                 continue
             begin = time.perf_counter()
             row = run_candidate(cand, shape, entry, fwd_out, dout, ref, args.reps, args.warmup,
