@@ -63,7 +63,9 @@ through :class:`dsv4cp.kernels._triton_launch.Kernels`.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -225,21 +227,23 @@ def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tens
     Kept for the :data:`MAX_TABLES` most recent ``(positions, freqs)``: a layer's positions come from its
     batch's layout, built once per batch (:mod:`dsv4cp.cp.layout_cache`), and every rotation of a step
     (forward and backward of the queries, keys, compressed entries and outputs) reads one of three tables,
-    so each is formed once instead of ~12 times a step (6 small kernels each). The same tensors (same
-    memory, shape, strides; entries hold both tensors, so their memory cannot be reused while kept) not
-    written since (autograd version counters) give the kept table. Formed afresh, and not kept, while a
-    CUDA graph is captured (the graph must compute it) or ``torch.compile`` traces."""
+    so each is formed once instead of ~12 times a step (6 small kernels each). A kept table is reused for
+    the same memory, shape and strides of both tensors, neither written since (autograd version
+    counters), while the tensor the positions view is alive (held weakly: a batch's tables go with its
+    layout; the frequencies, a few numbers, are held). Formed afresh, and not kept, while a CUDA graph is
+    captured (the graph must compute it) or ``torch.compile`` traces."""
     if torch.compiler.is_compiling() or (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
         return _form_table(positions, freqs)
+    base = positions if positions._base is None else positions._base
     key = (positions.data_ptr(), positions.shape, positions.stride(), positions.dtype, positions.device,
            freqs.data_ptr(), freqs.shape, freqs.stride(), freqs.dtype, freqs.device)
     versions = (positions._version, freqs._version)
     kept = _TABLES.get(key)
-    if kept is not None and kept[1] == versions:
+    if kept is not None and kept.base() is base and kept.versions == versions:
         _TABLES.move_to_end(key)
-        return kept[2]
+        return kept.table
     table = _form_table(positions, freqs)
-    _TABLES[key] = ((positions, freqs), versions, table)
+    _TABLES[key] = _KeptTable(weakref.ref(base, lambda _ref, key=key: _drop_table(key)), freqs, versions, table)
     _TABLES.move_to_end(key)
     while len(_TABLES) > MAX_TABLES:
         _TABLES.popitem(last=False)
@@ -249,8 +253,21 @@ def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tens
 MAX_TABLES = 8
 """RoPE tables kept (least recently used dropped first): three per layer kind of a batch."""
 
-_TABLES: OrderedDict[tuple, tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int],
-                                  tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+
+class _KeptTable(NamedTuple):
+    base: weakref.ref  # the tensor the positions view; dead once the batch's layout is gone
+    freqs: torch.Tensor  # held: its memory cannot be reused while the table is kept
+    versions: tuple[int, int]
+    table: tuple[torch.Tensor, torch.Tensor]
+
+
+_TABLES: OrderedDict[tuple, _KeptTable] = OrderedDict()
+
+
+def _drop_table(key: tuple) -> None:
+    kept = _TABLES.get(key)
+    if kept is not None and kept.base() is None:
+        del _TABLES[key]
 
 
 def clear_rope_tables() -> None:

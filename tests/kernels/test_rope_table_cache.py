@@ -39,6 +39,17 @@ def test_kept_tables_equal_fresh_ones_and_follow_writes(seed):
     _assert_table(rope_table(base[4:], freqs), base[4:], freqs)
 
 
+def test_tables_go_with_the_positions(seed):
+    clear_rope_tables()
+    gen = torch.Generator().manual_seed(seed)
+    freqs = torch.rand(4, generator=gen, dtype=torch.float64)
+    base = torch.randint(0, 100, (16,), generator=gen)
+    rope_table(base[2:], freqs)
+    assert len(norm_rope_triton._TABLES) == 1
+    del base
+    assert not norm_rope_triton._TABLES
+
+
 def test_at_most_max_tables_are_kept(seed):
     clear_rope_tables()
     gen = torch.Generator().manual_seed(seed)
