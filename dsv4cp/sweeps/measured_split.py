@@ -5,8 +5,10 @@ measured; the best measured split wins.
 Every round measures one split: the real ranks of a CP run (each rank's own median, gathered), or every
 rank emulated in turn on one device (:mod:`dsv4cp.sweeps.emulation`: compute only). The refit
 (:func:`dsv4cp.model.refit.refit`) uses every round so far, per phase class, so the calibration it ends
-with transfers to other packings and token counts; the split is then the model's balanced split under it
-(:func:`dsv4cp.model.partition.policy_split`, refined on the model's per-rank evaluation). Both are
+with transfers to other packings and token counts, plus one factor per rank for what no class expresses
+(damped: the geometric mean of every round's estimate); the split is then the model's balanced split under
+it (:func:`model_split`: :func:`dsv4cp.model.partition.policy_split`, refined on the model's per-rank
+evaluation, where the per-rank factors apply). At another cp the per-rank factors are ignored. Both are
 written to files (:func:`save_split`, ``Calibration.save``) that ``--split-file`` and ``--calibration``
 take, so a layout is tuned once and reused.
 
@@ -63,7 +65,8 @@ class MeasuredSplit:
 
     rounds: tuple[SplitRound, ...]
     best: int
-    """Index of the round with the smallest slowest-rank time (the step waits for it)."""
+    """Index of the round with the smallest slowest-rank time (the step waits for it), ties to the smaller
+    max/mean."""
     calibration: Calibration
 
     @property
@@ -79,10 +82,12 @@ def refine_by_measurement(
     point: Point, measure_ranks: MeasureRanks, *, machine: Machine | None = None,
     calibration: Calibration | None = None, target: float = TARGET_IMBALANCE, max_rounds: int = MAX_ROUNDS,
     on_round: Callable[[int, SplitRound], object] | None = None, max_rank_bytes: int | None = None,
+    per_rank: bool = True,
 ) -> tuple[MeasuredSplit, list]:
     """Run the rounds (see the module docstring); also returns what ``measure_ranks`` kept per round.
     ``max_rank_bytes``: every split measured keeps each rank's estimated peak memory at most this
-    (:func:`dsv4cp.model.memory_split.memory_capped_split`)."""
+    (:func:`dsv4cp.model.memory_split.memory_capped_split`). ``per_rank=False``: the refit without per-rank
+    factors (phase classes only)."""
     if point.cp < 2:
         raise ValueError(f"cp: a measured split needs cp >= 2, got {point.cp}")
     if not target >= 1.0:
@@ -93,13 +98,7 @@ def refine_by_measurement(
     cfg, lengths = point_inputs(point)
 
     def balanced(under: Calibration | None) -> RowSplit:
-        split = policy_split(cfg, point.ratio, lengths, point.cp, "balanced", machine, total=point.tokens,
-                             direction=point.direction, calibration=under)
-        if max_rank_bytes is None:
-            return split
-        return memory_capped_split(cfg, point.ratio, lengths, split, max_rank_bytes, dtype=DTYPES[point.dtype],
-                                   direction=point.direction, recompute=point.recompute, machine=machine,
-                                   calibration=under)
+        return model_split(point, under, machine, max_rank_bytes)
 
     split = balanced(calibration)
     rounds, kept, samples, fitted = [], [], [], calibration
@@ -112,15 +111,29 @@ def refine_by_measurement(
         est = estimate(cfg, point.ratio, lengths, point.cp, machine, point.tokens, split=split)
         samples.append(RankTimes(est, tuple(rank_ms)))
         fitted = refit(samples, prior=calibration, direction=point.direction,
-                       source=f"measured split of {point.label()} ({len(samples)} rounds)")
+                       source=f"measured split of {point.label()} ({len(samples)} rounds)", per_rank=per_rank)
         if rounds[-1].imbalance <= target or index == max_rounds - 1:
             break
         following = balanced(fitted)
         if following.bounds in {r.split for r in rounds}:
             break  # the model returns a split already measured: more rounds would repeat it
         split = following
-    best = min(range(len(rounds)), key=lambda i: max(rounds[i].rank_ms))
+    best = min(range(len(rounds)), key=lambda i: (max(rounds[i].rank_ms), rounds[i].imbalance))
     return MeasuredSplit(tuple(rounds), best, fitted), kept
+
+
+def model_split(point: Point, calibration: Calibration | None, machine: Machine,
+                max_rank_bytes: int | None = None) -> RowSplit:
+    """The split a round measures: the model's balanced split of ``point`` under ``calibration`` (its
+    per-rank factors included at their cp), within ``max_rank_bytes`` of estimated peak memory per rank."""
+    cfg, lengths = point_inputs(point)
+    split = policy_split(cfg, point.ratio, lengths, point.cp, "balanced", machine, total=point.tokens,
+                         direction=point.direction, calibration=calibration)
+    if max_rank_bytes is None:
+        return split
+    return memory_capped_split(cfg, point.ratio, lengths, split, max_rank_bytes, dtype=DTYPES[point.dtype],
+                               direction=point.direction, recompute=point.recompute, machine=machine,
+                               calibration=calibration)
 
 
 def measure_measured_point(
@@ -190,6 +203,22 @@ def load_split(path: str | Path, cp: int, tokens: int) -> RowSplit:
         raise ValueError(f"{where}: made for cp {values.get('cp')} and {values.get('tokens')} tokens, not cp {cp} "
                          f"and {tokens} tokens")
     return RowSplit(tuple(bounds))
+
+
+def load_rounds(path: str | Path, cp: int, tokens: int) -> tuple[SplitRound, ...]:
+    """Every round of a file :func:`save_split` wrote (checked as :func:`load_split` checks its split)."""
+    load_split(path, cp, tokens)
+    rounds = json.loads(Path(path).read_text()).get("rounds")
+    where = f"--split-file {path}"
+    if not isinstance(rounds, list) or not rounds:
+        raise ValueError(f"{where}: 'rounds' must be a non-empty list, got {rounds!r}")
+    out = []
+    for index, item in enumerate(rounds):
+        split, times = (item.get("split"), item.get("rank_ms")) if isinstance(item, dict) else (None, None)
+        if not isinstance(split, list) or not isinstance(times, list) or len(times) != cp:
+            raise ValueError(f"{where}: rounds[{index}] needs a 'split' and {cp} 'rank_ms', got {item!r}")
+        out.append(SplitRound(tuple(split), tuple(float(t) for t in times)))
+    return tuple(out)
 
 
 def measure_under_partition(point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions,
