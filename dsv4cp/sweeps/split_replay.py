@@ -83,12 +83,13 @@ class Hindcast:
 
 
 def hindcast(point: Point, rounds: Sequence[SplitRound], machine: Machine, *, calibration: Calibration | None = None,
-             per_rank: bool = True) -> list[Hindcast]:
-    """For every round ``k >= 1``: fit on rounds ``0 .. k-1``, predict round ``k``'s rank times on its split."""
+             per_rank: bool = True, ridge: float = 1e-2) -> list[Hindcast]:
+    """For every round ``k >= 1``: fit on rounds ``0 .. k-1`` (``ridge``: the refit's, towards ``calibration``),
+    predict round ``k``'s rank times on its split."""
     samples = _samples(point, rounds, machine)
     out = []
     for index in range(1, len(rounds)):
-        fitted = refit(samples[:index], prior=calibration, direction=point.direction, per_rank=per_rank)
+        fitted = refit(samples[:index], prior=calibration, direction=point.direction, per_rank=per_rank, ridge=ridge)
         predicted = fitted.rank_compute_s(samples[index].est, point.direction) * 1e3
         out.append(Hindcast(index, tuple(float(e) for e in predicted / np.asarray(rounds[index].rank_ms) - 1.0)))
     return out
