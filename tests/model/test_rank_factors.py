@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dsv4cp.cli.main import main
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import Machine, estimate
@@ -172,3 +173,15 @@ def test_calibration_files_with_and_without_rank_factors(tmp_path, seed):
         path.write_text(json.dumps(values))
         with pytest.raises(ValueError, match=match):
             Calibration.load(path)
+
+
+def test_model_cli_notes_rank_factors_ignored_at_another_cp(tmp_path, capsys, seed):
+    rng = random.Random(seed)
+    path = tmp_path / "cal.json"
+    dataclasses.replace(_classes(rng), rank_factors=_planted(rng, 2), source="a cp 2 refit").save(path)
+    point = ["model", "--preset", "tiny", "--ratio", "4", "--tokens", "1024", "--calibration", str(path)]
+    assert main([*point, "--cp", "4"]) == 0
+    note = "note: a cp 2 refit: its per-rank factors were fitted at cp 2 and are ignored at cp 4"
+    assert note in capsys.readouterr().out
+    assert main([*point, "--cp", "2"]) == 0
+    assert "per-rank factors" not in capsys.readouterr().out
