@@ -19,17 +19,19 @@ is an ordinary calibration file (``--calibration``).
 Then, when every sample has the same cp, a per-rank residual: the part of each rank's time no class
 factor expresses, as one multiplicative factor per rank (``Calibration.rank_factors``), fitted on the
 class fit's residual: ``m[k, r] = g_r sum_c f_c b[k, r, c]`` with ``f`` the class-only fit. Not jointly:
-the rank factors and the classes trade along one direction (a factor rising with the rank mimics the
-indexer's and attention's share, which rises with the rank), and on the committed H200 rounds a joint fit
-(alternating the two to convergence) drifts there, to rank factors from 0.67 to 1.37 while the class-only
-residuals are +-1.4%; the class factors then no longer transfer. Fitted after the classes, the rank factors
-take only what no class factor can.
+rank factors and classes trade along directions a few rounds of nearby splits barely constrain (a factor
+rising with the rank mimics the indexer's and attention's share, which rises with the rank); fitted after
+the classes, the rank factors take only what no class factor can, and the class factors, the part that
+transfers, stay those of the class-only fit. For the same reason the indexer scan is chosen on the classes
+alone: on the committed one-document H200 rounds the ``visible`` scan with rank factors fits as well as
+``prefix`` with them (relative RMS 0.00646 against 0.00648, a tie within the noise) although its classes
+alone fit worse (0.0182 against 0.0103), and its next split would give rank 0 13% more rows.
 Multiplicative, not an additive fixed cost plus a factor: on the committed H200 rounds (one 256K document,
-cp 8, ``results/2026-12-01-h200-emulate-all``) the splits of rounds 1-3 differ by under 0.5% of any rank's
+cp 8, ``results/2026-12-01-h200-emulate-all``) the splits of rounds 1-3 differ by under 1% of any rank's
 rows, so a rank's fixed and proportional parts cannot be told apart from them (two unknowns per rank, one
 value per rank that barely moves); one factor is identifiable from a single round, keeps its meaning when
-the split moves rows, and the residuals it must carry there are 1-2% (rank 4 ~1.5% slower, ranks 1 and 7
-~1% faster than the class fit in every round), not a fixed offset of several milliseconds.
+the split moves rows, and the residuals it must carry there are small: the fitted factors are 0.991-1.014
+(one document) and 0.982-1.026 (histogram packing), not a fixed offset of several milliseconds.
 """
 
 from __future__ import annotations
