@@ -48,6 +48,8 @@ class SplitRound:
 
     split: tuple[int, ...]
     rank_ms: tuple[float, ...]
+    predicted_ms: tuple[float, ...] | None = None
+    """The model's rank times for the split under the calibration that chose it (None without one)."""
 
     @property
     def imbalance(self) -> float:
@@ -55,8 +57,12 @@ class SplitRound:
 
     def line(self, index: int) -> str:
         times = ", ".join(f"{t:.2f}" for t in self.rank_ms)
-        return (f"round {index}: split {list(self.split)}; rank ms [{times}]; max/mean {self.imbalance:.3f}; "
+        text = (f"round {index}: split {list(self.split)}; rank ms [{times}]; max/mean {self.imbalance:.3f}; "
                 f"slowest {max(self.rank_ms):.2f} ms")
+        if self.predicted_ms is None:
+            return text
+        predicted = max(self.predicted_ms) * len(self.predicted_ms) / sum(self.predicted_ms)
+        return f"{text} (model predicted max/mean {predicted:.3f}, slowest {max(self.predicted_ms):.2f} ms)"
 
 
 @dataclass(frozen=True)
@@ -104,11 +110,12 @@ def refine_by_measurement(
     rounds, kept, samples, fitted = [], [], [], calibration
     for index in range(max_rounds):
         rank_ms, measurement = measure_ranks(split)
-        rounds.append(SplitRound(split.bounds, tuple(rank_ms)))
+        est = estimate(cfg, point.ratio, lengths, point.cp, machine, point.tokens, split=split)
+        predicted = None if fitted is None else tuple(map(float, fitted.rank_compute_s(est, point.direction) * 1e3))
+        rounds.append(SplitRound(split.bounds, tuple(rank_ms), predicted))
         kept.append(measurement)
         if on_round is not None:
             on_round(index, rounds[-1])
-        est = estimate(cfg, point.ratio, lengths, point.cp, machine, point.tokens, split=split)
         samples.append(RankTimes(est, tuple(rank_ms)))
         fitted = refit(samples, prior=calibration, direction=point.direction,
                        source=f"measured split of {point.label()} ({len(samples)} rounds)", per_rank=per_rank)
@@ -181,7 +188,8 @@ def save_split(path: str | Path, point: Point, result: MeasuredSplit) -> None:
     Path(path).write_text(json.dumps({
         "schema": SPLIT_FILE_SCHEMA, "point": point.label(), "cp": point.cp, "tokens": point.tokens,
         "split": list(result.split.bounds),
-        "rounds": [{"split": list(r.split), "rank_ms": list(r.rank_ms), "max_over_mean": r.imbalance}
+        "rounds": [{"split": list(r.split), "rank_ms": list(r.rank_ms), "max_over_mean": r.imbalance,
+                    **({} if r.predicted_ms is None else {"predicted_ms": list(r.predicted_ms)})}
                    for r in result.rounds],
     }, indent=2) + "\n")
 
@@ -217,7 +225,11 @@ def load_rounds(path: str | Path, cp: int, tokens: int) -> tuple[SplitRound, ...
         split, times = (item.get("split"), item.get("rank_ms")) if isinstance(item, dict) else (None, None)
         if not isinstance(split, list) or not isinstance(times, list) or len(times) != cp:
             raise ValueError(f"{where}: rounds[{index}] needs a 'split' and {cp} 'rank_ms', got {item!r}")
-        out.append(SplitRound(tuple(split), tuple(float(t) for t in times)))
+        predicted = item.get("predicted_ms")  # absent in files written before it was recorded
+        if predicted is not None and (not isinstance(predicted, list) or len(predicted) != cp):
+            raise ValueError(f"{where}: rounds[{index}].predicted_ms needs {cp} times, got {predicted!r}")
+        out.append(SplitRound(tuple(split), tuple(float(t) for t in times),
+                              None if predicted is None else tuple(float(t) for t in predicted)))
     return tuple(out)
 
 

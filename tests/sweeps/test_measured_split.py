@@ -57,6 +57,7 @@ def test_rounds_reach_the_target_on_synthetic_ranks(cp, tokens, packing, seed):
     rounds = result.rounds
     assert 1 <= len(rounds) <= 4 and shown == list(range(len(rounds))) and len(kept) == len(rounds)
     assert kept[result.best] == rounds[result.best].split
+    assert rounds[0].predicted_ms is None and all(len(r.predicted_ms) == cp for r in rounds[1:])  # no prior
     assert max(rounds[result.best].rank_ms) <= max(rounds[0].rank_ms)
     assert result.best == min(range(len(rounds)), key=lambda i: max(rounds[i].rank_ms))
     best = rounds[result.best].imbalance
@@ -104,6 +105,8 @@ def test_a_correct_prior_is_balanced_in_one_round(seed):
                         "dtype": "bf16"})
     result, _ = refine_by_measurement(point, _measurer(point, hardware, 0.0, 0.0, rng), calibration=hardware)
     assert len(result.rounds) == 1 and result.rounds[0].imbalance <= 1.02
+    assert result.rounds[0].predicted_ms == pytest.approx(result.rounds[0].rank_ms, rel=1e-9)  # the model is right
+    assert "model predicted max/mean" in result.rounds[0].line(0)
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"target": 0.9}, "target"), ({"max_rounds": 0}, "max_rounds")])
