@@ -14,7 +14,8 @@
 # Device calls made back to back (the machine stays warm 30 s); wheels from ../shared/gpu/fetch_wheels.sh:
 #   call 1, carrying .whl  : mkdir -p $HOME/wheels && cp .whl/* $HOME/wheels/
 #   call 2, carrying .whl3 : mkdir -p $HOME/wheels && cp .whl3/* $HOME/wheels/
-#   call 3, carrying .whl2 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-measured-split/run.sh $OUT
+#   call 3, carrying .whl2 : DSV4CP_GIT_SHA=<commit> [PACKINGS=one] bash results/2026-12-02-h200-measured-split/run.sh $OUT
+# (PACKINGS: the points to run, default "one histogram"; the device time left on 2026-12-02 ran only "one")
 # Budget: under 8 minutes in all (last time each measured point took ~150 s with --reps 4; 8 reps add ~20 s);
 # each point is cut at 220 s. Outputs under this folder, packed into $OUT/measured-split.tar.gz after every
 # point; unpack from the repository root. Afterwards, offline (no device), the refit's view of the rounds:
@@ -40,6 +41,6 @@ measured() {  # measured PACKING: every rank of cp 8 in turn per round, at most 
     "${files[@]}" --out "$run" 2>&1 | quiet
   echo "(took $(( $(date +%s) - start )) s)"
 }
-{ measured one; save; measured histogram; } 2>&1 | tee "$day/measured-split.txt"
+{ for packing in ${PACKINGS:-one histogram}; do measured "$packing"; save; done; } 2>&1 | tee -a "$day/measured-split.txt"
 save
 ls -la "$out"
