@@ -48,15 +48,20 @@ n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gra
 * ``sorted``: the contributions are written once and read once, 2 x 16.9 GB of HBM traffic (a chunk's
   2 GiB does not fit L2): ~8.5 ms at 4 TB/s; the sort (int16 keys while G < 2^15, int64 values: two
   radix passes), the inverse permutation and the destinations' reads add ~60 B per slot, ~2 GB
-  (~0.5-1 ms) expected. Expected no
-  faster than ``atomic``: it is the deterministic one (the torch reference it replaces in deterministic
-  mode made a 64K step 4.6x slower, ``results/2026-12-01-h200-determinism``).
-* ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same sorting: ~5 ms of reduction traffic expected,
-  against the atomics' share of the kernel's 12.0 ms (~9 ms, if the gathers and products took what the
-  forward's gathers take). Per-slot contributions cannot reach the loss + scores backward's target of
-  2.5x its 1.38 ms bound (3.45 ms): the bound counts no reduction traffic, and the kernel's own stores of
-  the bf16 contributions compete for L2 with its gathers of the same volume (8.6 GB), so a backward of
-  ~7-8 ms is expected at best. Not measured yet.
+  (~0.5-1 ms) expected.
+* ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same sorting: ~5 ms of reduction traffic expected.
+
+Measured on an H200 at these shapes (``bench/test_bench_indexer.py::test_indexer_scores_reduce``,
+``results/2026-12-02-h200-speed5/kernels/scores_reduce.txt``): backward alone ``atomic`` 11.78 ms,
+``sorted`` 19.95 ms, ``sorted-bf16`` 16.26 ms (forward + backward 13.98 / 21.78 / 18.42 ms). The model's
+mistake: it charged the atomics ~9 ms of the kernel, but replacing them by plain stores of the same
+bytes leaves the kernel about as slow, so the sorted reductions add their sort and segment sums on top;
+``test_indexer_scores_reduce_parts`` times each part alone (sort and destinations, kernel, sums) to
+say which. The sorted reductions are the deterministic path (the torch reference they replace in
+deterministic mode made a 64K step 4.6x slower, ``results/2026-12-01-h200-determinism``); ``atomic``
+stays the default. Per-slot contributions cannot reach the loss + scores backward's target of 2.5x its
+1.38 ms bound (3.45 ms): the bound counts no reduction traffic, and the kernel gathers 8.6 GB of key
+rows besides (the forward kernel, one product over the same gathers, takes 2.57 ms).
 
 Memory: the sorted reductions' scratch per chunk is the ``[chunk * K, Di]`` contributions plus an
 estimated :data:`INDEX_BYTES_PER_SLOT` per slot of sort buffers, at most :data:`BWD_SCRATCH_BYTES`
