@@ -47,7 +47,9 @@ indexer loss's prediction), forward + backward, torch vs Triton: the default, th
 (acq_rel atomics), the deterministic one and (GPU only) the backward pinned to each ladder tile (FLOPs
 ``3 * 2 * Hi * Di`` per valid slot: the forward, and the backward's ``dq`` and ``dkeys`` products);
 ``test_indexer_scores_reduce``: the backward's three key-gradient reductions (``atomic``, ``sorted``,
-``sorted-bf16``) side by side, forward + backward and the backward alone (GPU: 64K; CPU: tiny).
+``sorted-bf16``) side by side, forward + backward and the backward alone (GPU: 64K; CPU: tiny);
+``test_indexer_scores_reduce_parts``: each part of those backwards timed alone (the sort and destinations,
+the backward kernel, the segment sums; and the forward kernel for the gathers' share).
 
 ``benchmark.extra_info``: FLOPs ``2 * Hi * Di`` per (query, VISIBLE entry) (DESIGN 4.3: causally
 invisible pairs are not counted, whatever a backend computes) and the TFLOP/s of the median;
@@ -551,3 +553,60 @@ def test_indexer_scores_reduce(benchmark, measure, shape_name, reduce, part):
     rounds, warmup = _rounds(shape)
     measure(step, None, flops=flops, bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup,
             device=leaves[0].device)
+
+
+_PARTS = [("atomic", "kernel"), ("atomic", "forward")] + [
+    (reduce, part) for reduce in ("sorted", "sorted-bf16") for part in ("destinations", "kernel", "reduce")]
+
+
+@pytest.mark.parametrize("reduce,part", _PARTS, ids=lambda v: v)
+@pytest.mark.parametrize("shape_name", _REDUCE_PARAMS)
+def test_indexer_scores_reduce_parts(benchmark, measure, shape_name, reduce, part):
+    """Where a backward's time goes, each part alone over all of its chunks
+    (:class:`~dsv4cp.kernels.indexer_scores_triton.BackwardPlan`): ``destinations`` (per chunk the
+    stable sort of its slots by key row, the segments and the inverse permutation), ``kernel``
+    (``_gather_bwd_kernel``: the products, dq and dw, and the key gradients' atomics or scattered row
+    stores, with the destinations built beforehand), ``reduce`` (``_segment_reduce_kernel``: the
+    contributions' streaming sums per key row); ``atomic`` / ``forward``: the forward kernel, which
+    gathers the same key rows for one product (what the backward's gathers alone cost)."""
+    from dsv4cp.kernels import triton_available
+
+    shape = SHAPES[shape_name]
+    entry = _inputs(shape)
+    q, w, keys = entry["q"], entry["w"], entry["keys"]
+    if not triton_available(q.device):
+        pytest.skip(f"triton cannot run on {q.device} here")
+    from dsv4cp.kernels import indexer_scores_triton as ist
+
+    idx, grad, valid = _selection(shape, entry)
+    grad = grad.float().contiguous()
+    plan = ist.BackwardPlan.new(q.contiguous(), w.contiguous(), keys.contiguous(), idx, grad, reduce)
+    starts = list(plan.starts())
+    if part == "forward":
+        def step():
+            return ist._gather_forward(plan.q, plan.w, plan.keys, idx)
+    elif part == "destinations":
+        def step():
+            return [plan.destinations(t0) for t0 in starts]
+    else:
+        built = [plan.destinations(t0) for t0 in starts] if reduce != "atomic" else [(None, None)] * len(starts)
+        if part == "kernel":
+            def step():
+                for t0, (dest, _) in zip(starts, built):
+                    plan.run_kernel(t0, dest)
+        else:
+            plan.contrib.zero_()  # finite values: the sums' speed must not depend on leftover bits
+
+            def step():
+                for _, seg in built:
+                    plan.reduce(seg)
+
+    step()
+    benchmark.group = f"indexer.scores.reduce.parts.{shape.name}"
+    benchmark.extra_info.update(reduce=reduce, part=part, shape=shape.name, T=shape.tokens, Hi=shape.heads,
+                                Di=shape.dim, K=shape.topk, valid_slots=valid, chunks=len(starts),
+                                chunk_rows=plan.chunk, dtype=str(q.dtype))
+    rounds, warmup = _rounds(shape)
+    products = {"forward": 1, "kernel": 3}.get(part, 0)
+    measure(step, None, flops=products * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),
+            rounds=rounds, warmup_rounds=warmup, device=q.device)

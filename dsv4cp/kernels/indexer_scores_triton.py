@@ -48,15 +48,20 @@ n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gra
 * ``sorted``: the contributions are written once and read once, 2 x 16.9 GB of HBM traffic (a chunk's
   2 GiB does not fit L2): ~8.5 ms at 4 TB/s; the sort (int16 keys while G < 2^15, int64 values: two
   radix passes), the inverse permutation and the destinations' reads add ~60 B per slot, ~2 GB
-  (~0.5-1 ms) expected. Expected no
-  faster than ``atomic``: it is the deterministic one (the torch reference it replaces in deterministic
-  mode made a 64K step 4.6x slower, ``results/2026-12-01-h200-determinism``).
-* ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same sorting: ~5 ms of reduction traffic expected,
-  against the atomics' share of the kernel's 12.0 ms (~9 ms, if the gathers and products took what the
-  forward's gathers take). Per-slot contributions cannot reach the loss + scores backward's target of
-  2.5x its 1.38 ms bound (3.45 ms): the bound counts no reduction traffic, and the kernel's own stores of
-  the bf16 contributions compete for L2 with its gathers of the same volume (8.6 GB), so a backward of
-  ~7-8 ms is expected at best. Not measured yet.
+  (~0.5-1 ms) expected.
+* ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same sorting: ~5 ms of reduction traffic expected.
+
+Measured on an H200 at these shapes (``bench/test_bench_indexer.py::test_indexer_scores_reduce``,
+``results/2026-12-02-h200-speed5/kernels/scores_reduce.txt``): backward alone ``atomic`` 11.78 ms,
+``sorted`` 19.95 ms, ``sorted-bf16`` 16.26 ms (forward + backward 13.98 / 21.78 / 18.42 ms). The model's
+mistake: it charged the atomics ~9 ms of the kernel, but replacing them by plain stores of the same
+bytes leaves the kernel about as slow, so the sorted reductions add their sort and segment sums on top;
+``test_indexer_scores_reduce_parts`` times each part alone (sort and destinations, kernel, sums) to
+say which. The sorted reductions are the deterministic path (the torch reference they replace in
+deterministic mode made a 64K step 4.6x slower, ``results/2026-12-01-h200-determinism``); ``atomic``
+stays the default. Per-slot contributions cannot reach the loss + scores backward's target of 2.5x its
+1.38 ms bound (3.45 ms): the bound counts no reduction traffic, and the kernel gathers 8.6 GB of key
+rows besides (the forward kernel, one product over the same gathers, takes 2.57 ms).
 
 Memory: the sorted reductions' scratch per chunk is the ``[chunk * K, Di]`` contributions plus an
 estimated :data:`INDEX_BYTES_PER_SLOT` per slot of sort buffers, at most :data:`BWD_SCRATCH_BYTES`
@@ -89,7 +94,8 @@ from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels.indexer_triton import _check_qwk, _dot_f32, _precision
 
 __all__ = ["BWD_CONFIG_ENV", "BWD_SCRATCH_BYTES", "GATHER_BWD_CONFIGS", "INDEX_BYTES_PER_SLOT", "REDUCTIONS",
-           "GatherBwdConfig", "GatherConfig", "indexer_scores_triton", "resolve_reduction", "sorted_chunk_rows"]
+           "BackwardPlan", "GatherBwdConfig", "GatherConfig", "indexer_scores_triton", "resolve_reduction",
+           "sorted_chunk_rows"]
 
 BWD_CONFIG_ENV = kernel_options.OPTIONS["triton_gather_bwd_config"].env
 """The variable of the kernel option ``triton_gather_bwd_config``: pins the ``indexer_scores``
@@ -364,6 +370,89 @@ def _sorted_destinations(idx: torch.Tensor, g: int) -> tuple[torch.Tensor, torch
     return dest, seg
 
 
+@dataclass
+class BackwardPlan:
+    """One backward's tensors and its chunks of queries (``chunk`` each, the last one shorter): the
+    inputs, the outputs ``dq`` (q's dtype), ``dw`` and ``dkeys`` (fp32), and for the sorted reductions
+    the contributions buffer ``[chunk * K, Di]`` (fp32 or bf16; None for ``atomic``, one chunk).
+    :func:`_gather_backward` runs, per chunk, :meth:`destinations`, :meth:`run_kernel` and
+    :meth:`reduce`; the benchmarks time each of them alone."""
+
+    q: torch.Tensor
+    w: torch.Tensor
+    keys: torch.Tensor
+    idx: torch.Tensor
+    grad: torch.Tensor
+    dq: torch.Tensor
+    dw: torch.Tensor
+    dkeys: torch.Tensor
+    contrib: torch.Tensor | None
+    chunk: int
+    reduction: str
+    config: GatherBwdConfig | None
+
+    @classmethod
+    def new(cls, q, w, keys, idx, grad, reduction: str, config: GatherBwdConfig | None = None,
+            scratch_bytes: int = BWD_SCRATCH_BYTES) -> BackwardPlan:
+        """The plan of a non-empty backward (``T, K, G > 0``): ``reduction`` one of :data:`REDUCTIONS`
+        (resolved), ``config`` a checked pin or None (the ladder), ``scratch_bytes`` the sorted
+        reductions' per-chunk budget (:func:`sorted_chunk_rows`)."""
+        t, _, di = q.shape
+        ksel = idx.shape[1]
+        contrib, chunk = None, t
+        if reduction != "atomic":
+            contrib_dtype = torch.bfloat16 if reduction == "sorted-bf16" else torch.float32
+            chunk = sorted_chunk_rows(t, ksel, di, contrib_dtype.itemsize, scratch_bytes)
+            contrib = torch.empty(chunk * ksel, di, dtype=contrib_dtype, device=q.device)
+        # every query's program writes its whole dq and dw rows: no fill (1 GB of dq at 64K: 0.32 ms on an H200)
+        return cls(q, w, keys, idx, grad, torch.empty_like(q), torch.empty(t, q.shape[1], dtype=torch.float32,
+                   device=q.device), torch.zeros(keys.shape[0], di, dtype=torch.float32, device=q.device),
+                   contrib, chunk, reduction, config)
+
+    def starts(self) -> range:
+        """The first query of every chunk."""
+        return range(0, self.q.shape[0], self.chunk)
+
+    def destinations(self, t0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dest, seg)`` of the chunk starting at ``t0`` (:func:`_sorted_destinations`)."""
+        return _sorted_destinations(self.idx[t0:t0 + self.chunk], self.keys.shape[0])
+
+    def run_kernel(self, t0: int, dest: torch.Tensor | None = None) -> None:
+        """``_gather_bwd_kernel`` over the chunk starting at ``t0``: dq and dw of its queries, and their
+        key gradients added into ``dkeys`` (``atomic``) or stored to ``contrib`` at ``dest``."""
+        q, dev = self.q, self.q.device
+        t, hi, di = q.shape
+        rows = min(self.chunk, t - t0)
+        block_d = triton.next_power_of_2(di)
+        block_h = max(16, triton.next_power_of_2(hi))
+        is_sorted = self.contrib is not None
+        kernel = _build("_gather_bwd_kernel", dev)
+        dest = dest if is_sorted else self.dkeys  # the atomic build never reads DEST nor CONTRIB
+        contrib = self.contrib if is_sorted else self.dkeys
+
+        def launch(cfg: GatherBwdConfig) -> None:
+            kernel[(rows,)](
+                q, self.w, self.keys, self.idx, self.grad, self.dq, self.dw, self.dkeys, dest, contrib, hi,
+                self.keys.shape[0], self.idx.shape[1], t0,
+                q.stride(0), q.stride(1), self.w.stride(0), self.keys.stride(0), self.idx.stride(0),
+                self.grad.stride(0), self.dq.stride(0), self.dq.stride(1), self.dkeys.stride(0),
+                DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k, SORTED=is_sorted,
+                RELAXED=cfg.relaxed_atomics, PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+
+        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, self.reduction),
+                _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev)), self.config, launch)
+
+    def reduce(self, seg: torch.Tensor) -> None:
+        """``_segment_reduce_kernel``: add the chunk's contributions, segment ``seg`` by segment, to
+        ``dkeys`` (chunk after chunk: the same order of additions on every replay)."""
+        g, di = self.dkeys.shape
+        _build("_segment_reduce_kernel", self.q.device)[(g,)](
+            self.contrib, seg, self.dkeys, self.dkeys.stride(0), DI=di, BLOCK_D=triton.next_power_of_2(di),
+            BLOCK_C=REDUCE_BLOCK_ROWS, num_warps=4)
+
+
 def _gather_backward(q, w, keys, idx, grad, reduction: str, config: GatherBwdConfig | None = None,
                      scratch_bytes: int = BWD_SCRATCH_BYTES):
     """``(dq, dw fp32, dkeys fp32)`` of :func:`indexer_scores_triton` for the upstream fp32 ``grad
@@ -372,46 +461,18 @@ def _gather_backward(q, w, keys, idx, grad, reduction: str, config: GatherBwdCon
     sorted reductions' per-chunk budget (:func:`sorted_chunk_rows`)."""
     t, hi, di = q.shape
     g, ksel = keys.shape[0], idx.shape[1]
-    dev = q.device
-    dkeys = torch.zeros(g, di, dtype=torch.float32, device=dev)
     if t == 0 or ksel == 0 or g == 0:
-        return torch.zeros_like(q), torch.zeros(t, hi, dtype=torch.float32, device=dev), dkeys
-    # every query's program writes its whole dq and dw rows: no fill (1 GB of dq at 64K: 0.32 ms on an H200)
-    dq = torch.empty_like(q)
-    dw = torch.empty(t, hi, dtype=torch.float32, device=dev)
-    block_d = triton.next_power_of_2(di)
-    block_h = max(16, triton.next_power_of_2(hi))
-    kernel = _build("_gather_bwd_kernel", dev)
-    is_sorted = reduction != "atomic"
-    if is_sorted:
-        contrib_dtype = torch.bfloat16 if reduction == "sorted-bf16" else torch.float32
-        chunk = sorted_chunk_rows(t, ksel, di, contrib_dtype.itemsize, scratch_bytes)
-        contrib = torch.empty(chunk * ksel, di, dtype=contrib_dtype, device=dev)
-        reduce_kernel = _build("_segment_reduce_kernel", dev)
-    else:
-        chunk, contrib = t, dkeys
-    dest = dkeys  # read only by the sorted reductions, which replace it per chunk
-    ladder = _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev))
-    for t0 in range(0, t, chunk):
-        rows = min(chunk, t - t0)
-        if is_sorted:
-            dest, seg = _sorted_destinations(idx[t0:t0 + rows], g)
-
-        def launch(cfg: GatherBwdConfig, rows: int = rows, t0: int = t0, dest: torch.Tensor = dest) -> None:
-            kernel[(rows,)](
-                q, w, keys, idx, grad, dq, dw, dkeys, dest, contrib, hi, g, ksel, t0,
-                q.stride(0), q.stride(1), w.stride(0), keys.stride(0), idx.stride(0), grad.stride(0),
-                dq.stride(0), dq.stride(1), dkeys.stride(0),
-                DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k, SORTED=is_sorted,
-                RELAXED=cfg.relaxed_atomics, PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-
-        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, reduction), ladder, config, launch)
-        if is_sorted:  # chunk after chunk: the same order of additions into dkeys on every replay
-            reduce_kernel[(g,)](contrib, seg, dkeys, dkeys.stride(0), DI=di, BLOCK_D=block_d,
-                                BLOCK_C=REDUCE_BLOCK_ROWS, num_warps=4)
-    return dq, dw, dkeys
+        return (torch.zeros_like(q), torch.zeros(t, hi, dtype=torch.float32, device=q.device),
+                torch.zeros(g, di, dtype=torch.float32, device=q.device))
+    plan = BackwardPlan.new(q, w, keys, idx, grad, reduction, config, scratch_bytes)
+    for t0 in plan.starts():
+        if reduction == "atomic":
+            plan.run_kernel(t0)
+        else:
+            dest, seg = plan.destinations(t0)
+            plan.run_kernel(t0, dest)
+            plan.reduce(seg)
+    return plan.dq, plan.dw, plan.dkeys
 
 
 def resolve_reduction(reduction: str, deterministic: bool) -> str:
