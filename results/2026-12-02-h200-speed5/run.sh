@@ -7,6 +7,9 @@
 #   call 2, carrying .whl3 : mkdir -p $HOME/wheels && cp .whl3/* $HOME/wheels/
 #   call 3, carrying .whl2 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-speed5/run.sh kernels $OUT
 #   call 4                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-speed5/run.sh layer $OUT
+# Second pass, at the commit with the chosen defaults (TAG names the output folder):
+#   wheels as calls 1-2, then carrying .whl2: TAG=kernels2 bash ... kernels2 $OUT; bash ... determinism $OUT
+#   TAG=final KB="auto triton" PACKINGS=... bash ... layer $OUT
 # Outputs under this folder (PART/ per part), packed into $OUT/<part>.tar.gz after every step; unpack from
 # the repository root. Pass DSV4CP_GIT_SHA from your checkout: the device's copy has a stale .git.
 set -uo pipefail
@@ -43,6 +46,23 @@ case $part in
     bench topk bench/test_bench_indexer.py "test_indexer_topk and 64k and (triton-chunked-radix) and not config" 60
     bench probs bench/test_bench_attention_probs.py "test_head_summed_probs_kernel" 90
     bench sparse_attn bench/test_bench_sparse_attention.py "flash and not torch and not pro" 120 ;;
+  kernels2)  # after the first pass: the chosen defaults against the kernels they replaced, and the breakdowns
+    bench scores_parts bench/test_bench_indexer.py "test_indexer_scores_reduce and 64k" 90
+    bench select bench/test_bench_indexer.py "test_indexer_select and 64k and not config" 60
+    bench probs bench/test_bench_attention_probs.py "test_head_summed_probs_kernel" 90
+    bench sparse_attn bench/test_bench_sparse_attention.py "flash and not torch and not pro" 150 ;;
+  determinism)  # the cost of determinism and the layer under Inductor (flash C, 64K, one document)
+    flash="$common --packing one"
+    { for case in "--kernel-backend auto --deterministic" "--kernel-backend auto --compile"; do
+        echo "\$ python3 -m dsv4cp.cli.main profile $flash $case --out $dir/profile"
+        timeout 200 python3 -m dsv4cp.cli.main profile $flash $case --out "$dir/profile" 2>&1 | quiet | tail -40
+        echo "(exit ${PIPESTATUS[0]})"; save
+      done
+      replay="--cp 1 --preset flash --ratio 4 --lengths 8000,4000,4384 --dtype bf16 --replays 3"
+      echo "\$ python3 -m dsv4cp.cli.main check-determinism $replay --kernel-backend auto --deterministic"
+      timeout 120 python3 -m dsv4cp.cli.main check-determinism $replay --kernel-backend auto --deterministic 2>&1 | quiet
+      echo "(exit ${PIPESTATUS[0]})"
+    } 2>&1 | tee "$dir/run.txt"; save ;;
   layer)  # KB: kernel backends; LAYER_OPTS: extra profile options (e.g. --kernel-option NAME=VALUE ...)
     for kb in ${KB:-auto}; do
       for packing in ${PACKINGS:-one histogram}; do
