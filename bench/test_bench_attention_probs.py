@@ -8,6 +8,7 @@ finite ``[T, H]`` log-normaliser):
 
 * ``flash``: T = 32768, H = 64, D = 512, K = 512 (GPU only; one rank's rows of the flash preset)
 * ``tiny``:  T = 8,     H = 4,  D = 32,  K = 16  (CPU and GPU)
+* ``pro``:   T = 16384, H = 128, D = 512, K = 512 (GPU only; ``test_head_summed_probs_pro_kernel``)
 
 FLOPs: ``2 D`` per (query, head, valid slot) for the logits (the exp and the head sum not counted).
 Bytes: q, idx, the denominator, the output and every valid gathered key row once per query. bf16 on GPU,
@@ -82,6 +83,7 @@ class Shape:
 SHAPES = {
     "tiny": Shape("tiny", 8, 4, 32, 16),
     "flash": Shape("flash", 32768, 64, 512, 512),
+    "pro": Shape("pro", 16384, 128, 512, 512),  # the pro preset's 128 heads (its K is 1024; 512 here)
 }
 SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("flash", id="flash", marks=GPU_ONLY)]
 
@@ -287,4 +289,33 @@ def test_head_summed_probs_index_dtype(benchmark, measure, idx_dtype):
     fn(q, keys, idx, scale, lden, kernel="d_chunks")
     rounds, warmup = _rounds()
     measure(lambda: fn(q, keys, idx, scale, lden, kernel="d_chunks"), None, flops=_flops(shape, entry["valid"]),
+            bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup, device=q.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")
+@pytest.mark.parametrize("variant", [None, "ladder", (64, 512, 64, 16, 5, 1, 1)],
+                         ids=lambda v: "d_chunks-ladder" if v == "ladder" else _kernel_id(v))
+def test_head_summed_probs_pro_kernel(benchmark, measure, variant):
+    """128 heads: the ``whole_d`` kernel, the ``d_chunks`` ladder (128 heads a step: rows gathered once)
+    and the flash default (64-head blocks: rows gathered once per head block), checked as above."""
+    from dsv4cp.kernels.attention_probs_triton import ChunkConfig
+
+    fn = _triton()
+    shape = SHAPES["pro"]
+    entry = _inputs(shape)
+    q, keys, idx, scale, lden = entry["args"]
+    if variant is None:
+        kw = {"kernel": "whole_d"}
+    else:
+        kw = {"kernel": "d_chunks", "chunk_config": None if variant == "ladder" else ChunkConfig(*variant)}
+    benchmark.group = "indexer_loss.head_summed_probs.pro.kernel"
+    benchmark.extra_info.update(backend="triton", shape=shape.name, kernel=str(variant), dtype=str(q.dtype))
+    out = fn(q, keys, idx, scale, lden, **kw)
+    if variant is not None:
+        ref = fn(q, keys, idx, scale, lden, kernel="whole_d").double()
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-3, f"{variant}: relative error {err:.2e} against whole_d"
+    rounds, warmup = _rounds()
+    measure(lambda: fn(q, keys, idx, scale, lden, **kw), None, flops=_flops(shape, entry["valid"]),
             bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup, device=q.device)

@@ -114,6 +114,9 @@ block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spil
   4 programs. ``64,128,64,8,7,1,2`` (4 tiles) needs 143 registers: one program only, so it is not on
   the ladder; one warpgroup with heads on M and 256 slots (``wgmma m64n256``, a 128-register
   accumulator) spills ~50 bytes.
+* ``H > 64`` (128 in the pro preset): ``128,256,64,8,5,1,1`` first, 128 heads a step so that the rows
+  are gathered once per query (a 64-head block gathers them once per head block): 149 KB, 235
+  registers; 16 warps spill 104 bytes. Not measured yet.
 * fp32: ``32,32,32,8,3,1,0`` (fp32 products on the CUDA cores), then ``16,16,32,4,1,1,0``.
 * log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``):
   ``64,256,64,16,7,1`` (first, not measured yet): 167 KB, 128 registers, no spill; ``64,512,64,16,5,1``:
@@ -480,6 +483,11 @@ def _chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[ChunkCon
     bh = _block_h(heads)
     if dtype == torch.float32:  # fp32 products on the CUDA cores ("ieee"): small tiles
         ladder = [(min(bh, 32), 32, 32, 8, 3, 1, 0), (16, 16, 32, 4, 1, 1, 0)]
+    elif block_d >= 256 and heads > 64:
+        # 128 heads a step: the rows are gathered once per query (64: once per head block), q twice;
+        # 149 KB, 235 registers with 8 warps (16 warps spill)
+        ladder = [(128, 256, 64, 8, 5, 1, 1), (bh, 512, 64, 16, 5, 1, 1), (bh, 512, 32, 8, 7, 1, 1),
+                  (bh, 64, 64, 4, 5, 1, 4), (min(bh, 32), 32, 64, 4, 3, 1, 0)]
     elif block_d >= 256:
         # in the order an H200 measured them (bench/test_bench_attention_probs.py, T = 32768): 3.96, 4.35,
         # 4.67, 5.13, 5.17 ms (the whole_d kernel: 4.73 ms); the 226 KB tiles first, smaller ones next

@@ -236,6 +236,7 @@ _CHUNK_CASES = [
     (20, 32, 37, (16, 32, 32, 4, 1, 0, 0)),  # head loop, heads on M
     (1, 48, 5, (16, 16, 32, 4, 1, 1, 3)),  # D = 48 in chunks of 32: a masked last chunk
     (1, 48, 5, (16, 16, 32, 4, 1, 0, 0)),
+    (130, 16, 13, (128, 16, 16, 4, 1, 1, 2)),  # 128-head blocks (the ladder's for H > 64), the second padded
 ]
 
 
