@@ -530,13 +530,15 @@ def _lse_chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[LseC
     return [LseChunkConfig(*c) for c in ladder]
 
 
-def _refuse_whole_d_pins(**pins: int | None) -> None:
-    """The ``whole_d`` launch's keyword arguments do not apply to ``d_chunks``: refuse them rather than
-    ignore them (``chunk_config`` pins that kernel)."""
+def _refuse_whole_d_pins(tile_option: str, **pins: int | None) -> None:
+    """The ``whole_d`` launch's keyword arguments and tile option (``tile_option``) do not apply to
+    ``d_chunks``: refuse them rather than ignore them (``chunk_config`` pins that kernel)."""
     given = [name for name, value in pins.items() if value is not None]
+    if not given and kernel_options.get(tile_option) is not None:
+        given = [kernel_options.where(tile_option)]
     if given:
-        raise ValueError(f"{given[0]}: pins the whole_d kernel, but the kernel is d_chunks (pin it with "
-                         f"chunk_config, or pass kernel='whole_d')")
+        raise ValueError(f"{given[0]}: pins the whole_d kernel, but the kernel is d_chunks (pin that one with "
+                         f"chunk_config, or choose kernel='whole_d')")
 
 
 def _check_chunk_config(cfg: ChunkConfig | LseChunkConfig | None, source: str) -> None:
@@ -639,7 +641,8 @@ def logsumexp_over_triton(
         return lse.fill_(float("-inf"))
     block_d = triton.next_power_of_2(d)
     if _kernel_choice(kernel, "triton_lse_kernel") == "d_chunks":
-        _refuse_whole_d_pins(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+        _refuse_whole_d_pins("triton_lse_config", block_h=block_h, block_k=block_k, num_warps=num_warps,
+                             num_stages=num_stages)
         pinned_chunks = _pinned_config(chunk_config, "triton_lse_chunk_config", LseChunkConfig, "chunk_config")
         _check_chunk_config(pinned_chunks, "chunk_config" if chunk_config is not None
                             else kernel_options.where("triton_lse_chunk_config"))
@@ -717,7 +720,8 @@ def head_summed_probs_triton(
         return out.zero_()
     block_d = triton.next_power_of_2(d)
     if _kernel_choice(kernel, "triton_probs_kernel") == "d_chunks":
-        _refuse_whole_d_pins(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+        _refuse_whole_d_pins("triton_probs_config", block_h=block_h, block_k=block_k, num_warps=num_warps,
+                             num_stages=num_stages)
         pinned = _pinned_config(chunk_config, "triton_probs_chunk_config", ChunkConfig, "chunk_config")
         _check_chunk_config(pinned, "chunk_config" if chunk_config is not None
                             else kernel_options.where("triton_probs_chunk_config"))

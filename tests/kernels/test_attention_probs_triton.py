@@ -312,6 +312,10 @@ def test_d_chunks_through_the_options(seed, monkeypatch):
     monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", "16,16,16,4,1")
     with pytest.raises(ValueError, match="DSV4CP_TRITON_PROBS_CHUNK_CONFIG"):
         head_summed_probs_triton(q, keys, idx, scale, lden)
+    monkeypatch.setenv("DSV4CP_TRITON_PROBS_CONFIG", "16,16,4,1")  # the whole_d tile: refused, not ignored
+    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_PROBS_CONFIG: pins the whole_d kernel"):
+        head_summed_probs_triton(q, keys, idx, scale, lden)
+    monkeypatch.delenv("DSV4CP_TRITON_PROBS_CONFIG")
     monkeypatch.setenv("DSV4CP_TRITON_PROBS_KERNEL", "tiles")
     with pytest.raises(ValueError, match="DSV4CP_TRITON_PROBS_KERNEL"):
         head_summed_probs_triton(q, keys, idx, scale, lden)
