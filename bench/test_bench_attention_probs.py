@@ -54,6 +54,7 @@ CHUNK_VARIANTS = [
     (64, 512, 32, 16, 7, 1, 1),  # 64-byte pieces, 4 buffers, 16 warps (24 bytes of spill)
     (64, 512, 32, 16, 9, 1, 1),  # 5 buffers (88 bytes of spill)
     (64, 512, 64, 32, 5, 1, 1),  # eight warpgroups: 64 registers a thread (80 bytes of spill)
+    (64, 256, 64, 16, 7, 1, 1),  # q read twice, but 4 buffers of 128-byte pieces over 16 warps (167 KB)
 ]
 # d_chunks log-sum-exp launches (block_h, block_k, block_d, num_warps, num_stages, programs_per_sm)
 LSE_CHUNK_VARIANTS = [
