@@ -1,7 +1,7 @@
 """Compile the head-summed probabilities and log-sum-exp kernels for sm_90 without a GPU; print resources.
 
 For each launch configuration of ``_head_probs_kernel`` (``whole_d``), ``_head_probs_chunked_kernel``
-(``d_chunks``) and ``_lse_chunked_kernel`` at the flash shape (bf16, H = 64, D = 512, K = 512; the
+(``d_chunks``) and ``_lse_chunked_kernel`` at the flash shape (bf16, H = 64 (``--heads``), D = 512; the
 launch's 16-byte divisibility specialisation of pointers and strides): shared memory, registers per
 thread, spill bytes (stack and local memory, from ``cuobjdump -res-usage``), the gathered-key buffers
 the software pipeline keeps (from the TTGIR) and how many programs fit one H200 multiprocessor (228 KB
@@ -35,7 +35,7 @@ from dsv4cp.kernels.sparse_attention_triton import KernelConfig
 SHARED_PER_SM = 228 * 1024
 RESERVED_PER_PROGRAM = 1024
 REGISTERS_PER_SM = 65536
-D, H = 512, 64
+D = 512
 
 _POINTERS = {"Q": "*bf16", "KEYS": "*bf16", "IDX": "*i64", "LDEN": "*fp32", "OUT": "*fp32"}
 _FP32_POINTERS = {**_POINTERS, "Q": "*fp32", "KEYS": "*fp32"}
@@ -79,9 +79,10 @@ def compile_resources(body, constexprs: dict, ints: list[str], num_warps: int, n
             "buffers": max(map(int, buffers)) if buffers else 0, "programs_per_sm": min(by_shared, by_regs)}
 
 
-def whole_d(cfg: KernelConfig, slots_on_m: bool = True) -> dict:
+def whole_d(cfg: KernelConfig, heads: int, slots_on_m: bool = True) -> dict:
     constexprs = {"D": D, "BLOCK_D": D, "BLOCK_H": cfg.block_h, "BLOCK_K": cfg.block_k,
-                  "ONE_HEAD_BLOCK": H <= cfg.block_h, "SLOTS_ON_M": slots_on_m, "PRECISION": "tf32", "DOT_F32": False}
+                  "ONE_HEAD_BLOCK": heads <= cfg.block_h, "SLOTS_ON_M": slots_on_m, "PRECISION": "tf32",
+                  "DOT_F32": False}
     return compile_resources(probs._head_probs_kernel, constexprs, _WHOLE_D_ARGS, cfg.num_warps, cfg.num_stages)
 
 
@@ -113,8 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lse-chunk", action="append", default=[],
                         help="a d_chunks log-sum-exp config 'block_h,block_k,block_d,num_warps,num_stages,"
                              "programs_per_sm' (repeatable)")
+    parser.add_argument("--heads", type=int, default=64, help="query heads (64 flash, 128 pro): the ladders'")
     args = parser.parse_args(argv)
-    print(f"triton {triton.__version__}, sm_90, bf16, H={H}, D={D}")
+    if args.heads < 1:
+        parser.error(f"--heads: must be positive, got {args.heads}")
+    heads = args.heads
+    print(f"triton {triton.__version__}, sm_90, bf16, H={heads}, D={D}")
     if args.chunk or args.lse_chunk:
         for text in args.chunk:
             cfg = probs.ChunkConfig(*(int(v) for v in text.split(",")))
@@ -127,15 +132,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from bench.test_bench_attention_probs import CHUNK_VARIANTS, LSE_CHUNK_VARIANTS
 
-    for cfg in probs._ladder(D, H, torch.bfloat16)[:3]:
-        print(_row("whole_d", cfg, whole_d(cfg)))
+    for cfg in probs._ladder(D, heads, torch.bfloat16, head_loop=heads > 64)[:3]:
+        print(_row("whole_d", cfg, whole_d(cfg, heads)))
     variants = (probs.ChunkConfig(*v) for v in CHUNK_VARIANTS)
-    for cfg in dict.fromkeys([*probs._chunk_ladder(D, H, torch.bfloat16), *variants]):
+    for cfg in dict.fromkeys([*probs._chunk_ladder(D, heads, torch.bfloat16), *variants]):
         print(_row("d_chunks", cfg, d_chunks(cfg)))
-    for cfg in probs._chunk_ladder(D, H, torch.float32):
+    for cfg in probs._chunk_ladder(D, heads, torch.float32):
         print(_row("fp32", cfg, d_chunks(cfg, fp32=True)))
     lse_variants = (probs.LseChunkConfig(*v) for v in LSE_CHUNK_VARIANTS)
-    for cfg in dict.fromkeys([*probs._lse_chunk_ladder(D, H, torch.bfloat16), *lse_variants]):
+    for cfg in dict.fromkeys([*probs._lse_chunk_ladder(D, heads, torch.bfloat16), *lse_variants]):
         print(_row("lse", cfg, lse_chunks(cfg)))
 
 

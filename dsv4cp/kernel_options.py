@@ -183,9 +183,9 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     KernelOption("triton_probs_slots_on_m", "DSV4CP_TRITON_PROBS_SLOTS_ON_M", FLAG, "attention_probs",
                  "probabilities kernel puts the slots on the matrix unit's M (1) or the heads (0)", True),
     KernelOption("triton_probs_kernel", "DSV4CP_TRITON_PROBS_KERNEL", CHOICE, "attention_probs",
-                 "head-summed probabilities kernel: whole key rows per slot block (whole_d) or the head dim "
-                 "in pipelined chunks over a flat (query, slot block, chunk) loop (d_chunks)",
-                 "whole_d", ("whole_d", "d_chunks")),
+                 "head-summed probabilities kernel: the head dim in pipelined chunks over a flat (query, slot "
+                 "block, chunk) loop (d_chunks) or whole key rows per slot block (whole_d)",
+                 "d_chunks", ("d_chunks", "whole_d")),
     _tile("triton_probs_chunk_config", "attention_probs",
           ("block_h", "block_k", "block_d", "num_warps", "num_stages", "slots_on_m", "programs_per_sm"),
           "pins the d_chunks probabilities kernel (slots_on_m 0 or 1; programs_per_sm 0: one program per "

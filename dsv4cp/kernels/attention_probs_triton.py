@@ -27,9 +27,11 @@ Kernels:
   warps through shared memory: 5.65 against 4.63 ms at T = 32K on an H200,
   results/2026-12-01-h200-speed4/graph). Otherwise the program loops over the head blocks inside each
   slot block (the keys stay loaded, q re-read from L2, heads on M), accumulating the head sum in a fixed
-  order: no atomics, deterministic. Measured: 11.5 ms at the flash shape with T = 65536 on an H200
-  (results/2026-12-01-h200-speed4/trace-auto/kernels.csv), ~3 TB/s of gathered rows.
-* ``_head_probs_chunked_kernel`` (kernel option ``triton_probs_kernel=d_chunks``): the head dim is the
+  order: no atomics, deterministic. Measured on an H200: 11.5 ms in the layer at the flash shape with
+  T = 65536 (results/2026-12-01-h200-speed4/trace-auto/kernels.csv; 9.47 ms in a later trace), 4.73 ms
+  in bench/test_bench_attention_probs.py at T = 32768 (~4 TB/s of gathered rows and q).
+* ``_head_probs_chunked_kernel`` (kernel option ``triton_probs_kernel=d_chunks``, the default): the
+  head dim is the
   matrix product's reduction loop. A work item is (query, block of ``BLOCK_K`` slots); each step
   gathers ``[BLOCK_K, BLOCK_DC]`` key columns and the matching ``[BLOCK_H, BLOCK_DC]`` q columns into
   shared memory and accumulates the ``[BLOCK_K, BLOCK_H]`` (or, ``slots_on_m=0``, ``[BLOCK_H, BLOCK_K]``)
@@ -65,7 +67,17 @@ Resources at ``D = 512`` on sm_90, checked by compiling for sm_90 with Triton 3.
 * fp32 (fp32 products, on the CUDA cores): ``32, 32, 8 warps, 1 stage``: 128 KB, 98 registers, no spill
   (4 warps spill heavily).
 
-Why the ``d_chunks`` kernel (a model, to be measured): compiled for sm_90 with Triton 3.6 (the PTX of
+Measured on an H200 (bench/test_bench_attention_probs.py, T = 32768, launch fields below): the
+``d_chunks`` default ``64,512,64,16,5,1,1`` 3.96 ms (4.8 TB/s of rows and q, 278 TFLOP/s) against
+4.73 ms for ``whole_d``; ``64,512,64,8,5,1,1`` 4.35, ``64,512,32,8,7,1,1`` 4.67, ``64,512,32,8,9,1,1``
+4.86, ``64,256,64,8,7,1,1`` 5.48, ``64,256,32,8,7,1,1`` 6.41, ``64,256,64,8,5,0,1`` 5.31,
+``64,128,64,8,5,1,2`` 5.25 (5.96 with one program per item), ``64,128,64,4,7,1,2`` 5.13 (heads on M
+5.45), ``64,64,64,4,5,1,4`` 5.17 ms. What helped: every slot of a query in one item (q read once),
+128-byte row pieces (whole L2 lines, half the per-step index loads) and more warps (the epilogue and
+the gathers' address work spread over 512 threads). Both kernels move rows at ~4-5 TB/s, so the gathers
+from L2 bound them; the next gains are in bytes (cross-query reuse of rows) rather than in the tiling.
+
+Why the ``d_chunks`` kernel (the model it was built on): compiled for sm_90 with Triton 3.6 (the PTX of
 ``64,64,4,2``), the ``whole_d`` kernel's loop waits for its gathered block, multiplies, forms the
 probabilities and only then issues the next block's gather (Triton 3.9 also copies q, held in
 registers, back to shared memory in every iteration): the 64 KB gather, the 2K-cycle product and the
@@ -83,14 +95,16 @@ while the next item's gathers are in flight.
 
 ``d_chunks`` resources at the flash shape (bf16, H = 64, D = 512; ``python -m
 bench.compile_attention_probs_sm90`` with Triton 3.6, the GPU machine's; launch fields ``block_h,
-block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spill in any:
+block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spill unless said:
 
-* ``64,512,32,8,7,1,1`` (first on the ladder): 158 KB shared (4 gathered ``[512, 32]`` tiles + q chunks),
+* ``64,512,64,16,5,1,1`` (first on the ladder): 3 gathered ``[512, 64]`` tiles, 226 KB shared, 128
+  registers (the most 16 warps can have), no spill.
+* ``64,512,32,8,7,1,1``: 158 KB shared (4 gathered ``[512, 32]`` tiles + q chunks),
   238 registers (the ``[512, 64]`` fp32 logits are 128 of them), 1 program per multiprocessor;
   ``64,512,32,8,9,1,1``: 5 tiles, 198 KB, 249 registers; ``64,512,64,8,5,1,1`` (each step reads
   128-byte row pieces, whole L2 lines, and half the index loads): 3 tiles, 226 KB, 230 registers;
-  ``64,512,64,16,5,1,1``: the same over four warpgroups, 128 registers (24 bytes of spill with
-  ``block_d = 32``).
+  over four warpgroups with ``block_d = 32`` (``64,512,32,16,7,1,1``): 24 bytes of spill, with 5 tiles
+  88; eight warpgroups (``64,512,64,32,5,1,1``, 64 registers): 80 bytes.
 * ``64,256,32,8,7,1,1``: 87 KB, 177 registers: 1 program (registers); ``64,256,64,8,7,1,1``: 167 KB,
   176 registers; ``64,256,64,8,5,0,1`` (heads on M, ``wgmma m64n128`` per warpgroup): 128 KB, 176
   registers.
@@ -100,11 +114,15 @@ block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spil
   4 programs. ``64,128,64,8,7,1,2`` (4 tiles) needs 143 registers: one program only, so it is not on
   the ladder; one warpgroup with heads on M and 256 slots (``wgmma m64n256``, a 128-register
   accumulator) spills ~50 bytes.
+* ``H > 64`` (128 in the pro preset): ``128,256,64,8,5,1,1`` first, 128 heads a step so that the rows
+  are gathered once per query (a 64-head block gathers them once per head block): 149 KB, 235
+  registers; 16 warps spill 104 bytes. Not measured yet.
 * fp32: ``32,32,32,8,3,1,0`` (fp32 products on the CUDA cores), then ``16,16,32,4,1,1,0``.
-* log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``): ``64,256,32,8,7,1``
-  (first): 87 KB, 174 registers; ``64,128,64,4,7,2``: 99 KB, 185 registers, 2 programs per
-  multiprocessor; ``64,512,32,8,7,1`` (q read once per query at K = 512): 157 KB, 254 registers;
-  ``64,64,64,4,5,2``: 49 KB, 119 registers. No spill in any.
+* log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``):
+  ``64,256,64,16,7,1`` (first, not measured yet): 167 KB, 128 registers, no spill; ``64,512,64,16,5,1``:
+  225 KB, 16 bytes of spill; ``64,256,32,8,7,1``: 87 KB, 174 registers; ``64,128,64,4,7,2``: 99 KB,
+  185 registers, 2 programs per multiprocessor; ``64,512,32,8,7,1`` (q read once per query at K = 512):
+  157 KB, 254 registers; ``64,64,64,4,5,2``: 49 KB, 119 registers; none of these four spills.
 
 ``DSV4CP_TRITON_PROBS_CONFIG`` / ``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``)
 or the wrappers' keyword arguments pin a configuration; otherwise the first of the ladder that compiles
@@ -465,9 +483,16 @@ def _chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[ChunkCon
     bh = _block_h(heads)
     if dtype == torch.float32:  # fp32 products on the CUDA cores ("ieee"): small tiles
         ladder = [(min(bh, 32), 32, 32, 8, 3, 1, 0), (16, 16, 32, 4, 1, 1, 0)]
-    elif block_d >= 256:
-        ladder = [(bh, 512, 32, 8, 7, 1, 1), (bh, 256, 32, 8, 7, 1, 1), (bh, 128, 64, 8, 5, 1, 2),
+    elif block_d >= 256 and heads > 64:
+        # 128 heads a step: the rows are gathered once per query (64: once per head block), q twice;
+        # 149 KB, 235 registers with 8 warps (16 warps spill)
+        ladder = [(128, 256, 64, 8, 5, 1, 1), (bh, 512, 64, 16, 5, 1, 1), (bh, 512, 32, 8, 7, 1, 1),
                   (bh, 64, 64, 4, 5, 1, 4), (min(bh, 32), 32, 64, 4, 3, 1, 0)]
+    elif block_d >= 256:
+        # in the order an H200 measured them (bench/test_bench_attention_probs.py, T = 32768): 3.96, 4.35,
+        # 4.67, 5.13, 5.17 ms (the whole_d kernel: 4.73 ms); the 226 KB tiles first, smaller ones next
+        ladder = [(bh, 512, 64, 16, 5, 1, 1), (bh, 512, 64, 8, 5, 1, 1), (bh, 512, 32, 8, 7, 1, 1),
+                  (bh, 128, 64, 4, 7, 1, 2), (bh, 64, 64, 4, 5, 1, 4), (min(bh, 32), 32, 64, 4, 3, 1, 0)]
     else:
         ladder = [(bh, 64, 32, 4, 3, 1, 2), (bh, 32, 32, 4, 1, 1, 0)]
     return [ChunkConfig(*c) for c in ladder]
@@ -480,8 +505,8 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def _kernel_choice(explicit: str | None, option: str) -> str:
-    """``explicit``, else the kernel option ``option`` (``triton_probs_kernel`` / ``triton_lse_kernel``:
-    ``whole_d`` default, ``d_chunks``)."""
+    """``explicit``, else the kernel option ``option`` (``triton_probs_kernel``: ``d_chunks`` default,
+    ``whole_d``; ``triton_lse_kernel``: ``whole_d`` default, ``d_chunks``)."""
     name = kernel_options.get(option) if explicit is None else explicit
     if name not in KERNEL_CHOICES:
         raise ValueError(f"kernel: must be one of {', '.join(KERNEL_CHOICES)}, got {name!r}")
@@ -495,12 +520,25 @@ def _lse_chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[LseC
     if dtype == torch.float32:
         ladder = [(min(bh, 32), 32, 32, 8, 3, 0), (16, 16, 32, 4, 1, 0)]
     elif block_d >= 256:
-        # 256 slots first: q is re-read once per slot block (128: 50% more L2 bytes than the rows; 512
-        # wastes matrix work on short slot lists such as the dense variant's window)
-        ladder = [(bh, 256, 32, 8, 7, 1), (bh, 128, 64, 4, 7, 2), (bh, 64, 64, 4, 5, 2), (min(bh, 32), 32, 64, 4, 3, 0)]
+        # the probabilities kernel's trend on an H200: 128-byte row pieces and 16 warps; 256 slots per step
+        # (q re-read once per slot block; 512 wastes matrix work on short slot lists such as the dense
+        # variant's window)
+        ladder = [(bh, 256, 64, 16, 7, 1), (bh, 256, 32, 8, 7, 1), (bh, 128, 64, 4, 7, 2), (bh, 64, 64, 4, 5, 2),
+                  (min(bh, 32), 32, 64, 4, 3, 0)]
     else:
         ladder = [(bh, 64, 32, 4, 3, 2), (bh, 32, 32, 4, 1, 0)]
     return [LseChunkConfig(*c) for c in ladder]
+
+
+def _refuse_whole_d_pins(tile_option: str, **pins: int | None) -> None:
+    """The ``whole_d`` launch's keyword arguments and tile option (``tile_option``) do not apply to
+    ``d_chunks``: refuse them rather than ignore them (``chunk_config`` pins that kernel)."""
+    given = [name for name, value in pins.items() if value is not None]
+    if not given and kernel_options.get(tile_option) is not None:
+        given = [kernel_options.where(tile_option)]
+    if given:
+        raise ValueError(f"{given[0]}: pins the whole_d kernel, but the kernel is d_chunks (pin that one with "
+                         f"chunk_config, or choose kernel='whole_d')")
 
 
 def _check_chunk_config(cfg: ChunkConfig | LseChunkConfig | None, source: str) -> None:
@@ -603,6 +641,8 @@ def logsumexp_over_triton(
         return lse.fill_(float("-inf"))
     block_d = triton.next_power_of_2(d)
     if _kernel_choice(kernel, "triton_lse_kernel") == "d_chunks":
+        _refuse_whole_d_pins("triton_lse_config", block_h=block_h, block_k=block_k, num_warps=num_warps,
+                             num_stages=num_stages)
         pinned_chunks = _pinned_config(chunk_config, "triton_lse_chunk_config", LseChunkConfig, "chunk_config")
         _check_chunk_config(pinned_chunks, "chunk_config" if chunk_config is not None
                             else kernel_options.where("triton_lse_chunk_config"))
@@ -680,6 +720,8 @@ def head_summed_probs_triton(
         return out.zero_()
     block_d = triton.next_power_of_2(d)
     if _kernel_choice(kernel, "triton_probs_kernel") == "d_chunks":
+        _refuse_whole_d_pins("triton_probs_config", block_h=block_h, block_k=block_k, num_warps=num_warps,
+                             num_stages=num_stages)
         pinned = _pinned_config(chunk_config, "triton_probs_chunk_config", ChunkConfig, "chunk_config")
         _check_chunk_config(pinned, "chunk_config" if chunk_config is not None
                             else kernel_options.where("triton_probs_chunk_config"))

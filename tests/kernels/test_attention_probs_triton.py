@@ -90,15 +90,18 @@ def check_probs(p: torch.Tensor, ref: torch.Tensor, idx: torch.Tensor, tol: floa
 
 
 # ------------------------------------------------------------------------------------------ CPU
+@pytest.mark.parametrize("kernel", ["whole_d", "d_chunks"])
 @pytest.mark.parametrize("k", [5, 13, 70])
 @pytest.mark.parametrize("d", [16, 32])
 @pytest.mark.parametrize("h", [1, 3, 5, 8])
-def test_matches_torch_fp32(h, d, k, seed):
+def test_matches_torch_fp32(h, d, k, kernel, seed):
+    """Both kernels of each op, with their ladders' first tiles."""
     t = 12 if k < 70 else 6
     q, keys, idx, scale, lden = make_case(seed, t, h, d, 3 * k + 7, k)
-    msg = f"seed={seed} T={t} H={h} D={d} K={k}"
-    check_lse(logsumexp_over_triton(q, keys, idx, scale), il.logsumexp_over_torch(q, keys, idx, scale), 1e-4, msg)
-    p = head_summed_probs_triton(q, keys, idx, scale, lden)
+    msg = f"seed={seed} T={t} H={h} D={d} K={k} {kernel}"
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel=kernel), il.logsumexp_over_torch(q, keys, idx, scale),
+              1e-4, msg)
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, kernel=kernel)
     check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, msg)
     assert p[1].abs().max().item() == 0.0, f"{msg}: a query without slots has zero mass"
 
@@ -110,18 +113,18 @@ def test_heads_on_m_layout_matches_torch(h, seed, monkeypatch):
     is refused."""
     q, keys, idx, scale, lden = make_case(seed, 6, h, 32, 60, 40)
     monkeypatch.setenv(SLOTS_ON_M_ENV, "0")
-    p = head_summed_probs_triton(q, keys, idx, scale, lden, block_k=16, num_warps=4, num_stages=1)
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, block_k=16, num_warps=4, num_stages=1, kernel="whole_d")
     check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, f"seed={seed} H={h}")
     monkeypatch.setenv(SLOTS_ON_M_ENV, "yes")
     with pytest.raises(ValueError, match=SLOTS_ON_M_ENV):
-        head_summed_probs_triton(q, keys, idx, scale, lden)
+        head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d")
 
 
 def test_head_loop_and_slot_blocks(seed):
     """H = 20 over head blocks of 16 (the second one 4/16 full): the probabilities kernel loops over head
     blocks inside each slot block (blocks of 16 slots), the lse kernel runs two programs per query."""
     q, keys, idx, scale, lden = make_case(seed, 4, 20, 32, 24, 37)
-    kw = {"block_h": 16, "block_k": 16, "num_warps": 4, "num_stages": 1}
+    kw = {"block_h": 16, "block_k": 16, "num_warps": 4, "num_stages": 1, "kernel": "whole_d"}
     check_lse(logsumexp_over_triton(q, keys, idx, scale, **kw), il.logsumexp_over_torch(q, keys, idx, scale),
               1e-4, f"seed={seed}")
     p = head_summed_probs_triton(q, keys, idx, scale, lden, **kw)
@@ -163,9 +166,10 @@ def test_bf16_through_interpreter_vs_fp32_reference(seed):
 
 def test_deterministic_and_degenerate_shapes(seed):
     q, keys, idx, scale, lden = make_case(seed, 5, 20, 16, 12, 9)
-    kw = {"block_h": 16, "block_k": 16}
-    first = head_summed_probs_triton(q, keys, idx, scale, lden, **kw)
-    assert torch.equal(first, head_summed_probs_triton(q, keys, idx, scale, lden, **kw)), f"seed={seed}"
+    for kw in ({"block_h": 16, "block_k": 16, "kernel": "whole_d"},
+               {"chunk_config": ChunkConfig(16, 16, 16, 4, 1, 1, 2), "kernel": "d_chunks"}):
+        first = head_summed_probs_triton(q, keys, idx, scale, lden, **kw)
+        assert torch.equal(first, head_summed_probs_triton(q, keys, idx, scale, lden, **kw)), f"seed={seed} {kw}"
     # no slots at all, no queries
     none = idx[:, :0]
     assert torch.isneginf(logsumexp_over_triton(q, keys, none, scale)).all()
@@ -232,6 +236,7 @@ _CHUNK_CASES = [
     (20, 32, 37, (16, 32, 32, 4, 1, 0, 0)),  # head loop, heads on M
     (1, 48, 5, (16, 16, 32, 4, 1, 1, 3)),  # D = 48 in chunks of 32: a masked last chunk
     (1, 48, 5, (16, 16, 32, 4, 1, 0, 0)),
+    (130, 16, 13, (128, 16, 16, 4, 1, 1, 2)),  # 128-head blocks (the ladder's for H > 64), the second padded
 ]
 
 
@@ -307,6 +312,10 @@ def test_d_chunks_through_the_options(seed, monkeypatch):
     monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", "16,16,16,4,1")
     with pytest.raises(ValueError, match="DSV4CP_TRITON_PROBS_CHUNK_CONFIG"):
         head_summed_probs_triton(q, keys, idx, scale, lden)
+    monkeypatch.setenv("DSV4CP_TRITON_PROBS_CONFIG", "16,16,4,1")  # the whole_d tile: refused, not ignored
+    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_PROBS_CONFIG: pins the whole_d kernel"):
+        head_summed_probs_triton(q, keys, idx, scale, lden)
+    monkeypatch.delenv("DSV4CP_TRITON_PROBS_CONFIG")
     monkeypatch.setenv("DSV4CP_TRITON_PROBS_KERNEL", "tiles")
     with pytest.raises(ValueError, match="DSV4CP_TRITON_PROBS_KERNEL"):
         head_summed_probs_triton(q, keys, idx, scale, lden)
@@ -334,6 +343,10 @@ def test_d_chunks_bad_config_names_the_field(config, field):
         head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks", chunk_config=ChunkConfig(*config))
     with pytest.raises(ValueError, match=r"^kernel:"):
         head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole")
+    with pytest.raises(ValueError, match=r"^block_k: pins the whole_d kernel"):
+        head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks", block_k=16)
+    with pytest.raises(ValueError, match=r"^num_warps: pins the whole_d kernel"):
+        logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks", num_warps=4)
     if field != "slots_on_m":
         bh, bk, bd, warps, stages, _, programs = config
         with pytest.raises(ValueError, match=rf"^chunk_config(\.{field}|: num_warps)"):
@@ -372,28 +385,30 @@ def test_gpu_flash_shape_bf16(idx_dtype, slots_on_m, seed, monkeypatch):
     q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 2048, 64, 512, 512, torch.bfloat16)
     idx = idx.to(idx_dtype)
     msg = f"seed={seed}"
-    check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-2, msg)
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="whole_d"), ref_lse, 1e-2, msg)
     ref_p = il.head_summed_probs_torch(q32, k32, idx, scale, lden)
-    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref_p, idx, 1e-2, msg)
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d"), ref_p, idx, 1e-2, msg)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_head_loop_bf16(seed):
-    """H = 128 (pro preset): the probabilities kernel loops over two head blocks of 64."""
+    """H = 128 (pro preset): the whole_d probabilities kernel loops over two head blocks of 64."""
     q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 512, 128, 512, 512, torch.bfloat16)
-    check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-2, f"seed={seed}")
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="whole_d"), ref_lse, 1e-2, f"seed={seed}")
     ref_p = il.head_summed_probs_torch(q32, k32, idx, scale, lden)
-    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref_p, idx, 1e-2, f"seed={seed}")
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d"), ref_p, idx, 1e-2,
+                f"seed={seed}")
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_fp32_d512(seed):
     q, keys, idx, scale, lden, _, _, ref_lse = _gpu_case(seed, 128, 64, 512, 512, torch.float32)
-    check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-4, f"seed={seed}")
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="whole_d"), ref_lse, 1e-4, f"seed={seed}")
     ref_p = il.head_summed_probs_torch(q, keys, idx, scale, lden)
-    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref_p, idx, 1e-4, f"seed={seed}")
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d"), ref_p, idx, 1e-4,
+                f"seed={seed}")
 
 
 @pytest.mark.gpu
