@@ -17,7 +17,16 @@ from typing import Any
 
 from dsv4cp import kernel_options as kernel_option_registry
 from dsv4cp.records import ID_AXES, id_fragment, id_of_fragments
-from dsv4cp.sweeps.spec import LABEL_PARTS, ROW_INDEX, SweepSpec, iter_rows, row_problem
+from dsv4cp.sweeps.spec import (
+    LABEL_PARTS,
+    PACKING_AXES,
+    ROW_INDEX,
+    SHAPE_AXES,
+    SweepSpec,
+    iter_rows,
+    packing_problem,
+    shape_problem,
+)
 
 MEMO_LIMIT = 1 << 16
 """Values kept per axis; past it an axis's pieces are made again (a spec of a million seeds stays small)."""
@@ -27,11 +36,11 @@ class _Memo(dict):
     """``value -> make(value)``, made on first use. A row's axis holds values of one type (the spec's checks
     see to it: no ``True`` beside a ``1``), so equal keys mean equal texts."""
 
-    def __init__(self, make: Callable[[Any], str]) -> None:
+    def __init__(self, make: Callable[[Any], Any]) -> None:
         super().__init__()
         self.make = make
 
-    def __missing__(self, value: Any) -> str:
+    def __missing__(self, value: Any) -> Any:
         if len(self) >= MEMO_LIMIT:
             self.clear()
         text = self[value] = self.make(value)
@@ -51,8 +60,13 @@ def iter_listing(spec: SweepSpec) -> Iterator[tuple[str, str, str | None, int]]:
     id_values = itemgetter(*(ROW_INDEX[axis] for axis in ID_AXES))
     label_pieces = [_Memo(part) for _, part in LABEL_PARTS]
     label_values = itemgetter(*(ROW_INDEX[axis] for axis, _ in LABEL_PARTS))
+    shape_problems = _Memo(lambda shape: shape_problem(*shape))  # as point_problem, asked once per shape
+    shape_of = itemgetter(*(ROW_INDEX[axis] for axis in SHAPE_AXES))
+    packing_problems = _Memo(lambda documents: packing_problem(*documents))
+    documents_of = itemgetter(*(ROW_INDEX[axis] for axis in PACKING_AXES))
     cp_at = ROW_INDEX["cp"]
     for row in iter_rows(spec):
         point_id = id_of_fragments("".join(map(getitem, id_pieces, id_values(row))))
         label = "".join(map(getitem, label_pieces, label_values(row)))[1:]
-        yield point_id, label, row_problem(row), row[cp_at]
+        problem = shape_problems[shape_of(row)] or packing_problems[documents_of(row)]
+        yield point_id, label, problem, row[cp_at]

@@ -654,9 +654,9 @@ def point_problem(point: Point) -> str | None:
 
 
 SHAPE_AXES = ("preset", "loss", "ratio", "cp", "tokens", "partition", "kernel_backend")
-"""The axes a point's shape checks read (:func:`shape_problem`)."""
+"""The axes a point's shape checks read, in :func:`shape_problem`'s order."""
 PACKING_AXES = ("packing", "tokens", "cp", "ratio", "seed")
-"""The axes its documents are drawn from (:func:`packing_problem`)."""
+"""The axes its documents are drawn from, in :func:`packing_problem`'s order."""
 _shape_of = itemgetter(*(ROW_INDEX[axis] for axis in SHAPE_AXES))
 _packing_of = itemgetter(*(ROW_INDEX[axis] for axis in PACKING_AXES))
 
