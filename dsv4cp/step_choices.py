@@ -15,7 +15,7 @@ Standard library only.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 
 OVERLAP_MODES = ("none", "async")
 """``none``: a collective completes where it is issued; ``async``: the forward all-gather is waited for
@@ -53,9 +53,8 @@ def check_runs_head_dim(name: str, head_dims: tuple[int, ...] | None, head_dim: 
                          "use 'auto', 'triton' or 'torch'")
 
 
-def check_head_dim(name: str, head_dim: int,
-                   head_dims: Mapping[str, tuple[int, ...] | None] = ATTENTION_BACKEND_HEAD_DIMS) -> None:
-    """``ValueError`` when a backend ``name`` (valid: :func:`check_backend_name`) names explicitly cannot
-    run ``head_dim`` on any device ("auto" passes over such backends)."""
+def check_head_dim(name: str, head_dim: int) -> None:
+    """``ValueError`` when a built-in backend ``name`` (valid: :func:`check_backend_name`) names explicitly
+    cannot run ``head_dim`` on any device ("auto" passes over such backends)."""
     for part in [] if name == "auto" else name.split("+"):
-        check_runs_head_dim(part, head_dims[part], head_dim)
+        check_runs_head_dim(part, ATTENTION_BACKEND_HEAD_DIMS[part], head_dim)

@@ -474,16 +474,11 @@ def iter_rows(spec: SweepSpec) -> Iterator[tuple]:
         combos = itertools.product(*([tuple(_stored(axis, value) for axis, value in entry.items()) for entry in factor]
                                      for factor in factors))
         flat = (head + tuple(itertools.chain.from_iterable(combo)) for combo in combos)
-    empty = True
     for values in flat:
         cp = values[cp_at]
         tokens = values[tokens_at] * cp if per_rank else values[tokens_at]
-        if values[partition_at] == MEASURED and cp < 2:
-            _check_measured(MEASURED, cp)
-        empty = False
+        _check_measured(values[partition_at], cp)
         yield in_axis_order(values + (tokens, tokens // cp if tokens % cp == 0 else None))
-    if empty:
-        raise ValueError(f"spec {spec.name!r}: no point left after the exclude rules")
 
 
 def _rows_after_rules(spec: SweepSpec, factors: list[list[dict]]) -> Iterator[tuple]:
@@ -567,7 +562,7 @@ def _stored(axis: str, value: Any) -> Any:
     return value
 
 
-def _check_measured(partition: str, cp: int) -> None:
+def _check_measured(partition: str | None, cp: int) -> None:
     if partition == MEASURED and cp < 2:
         raise ValueError(f"partition: a measured split needs cp >= 2 ranks to measure, got cp {cp}")
 
@@ -663,8 +658,9 @@ _packing_of = itemgetter(*(ROW_INDEX[axis] for axis in PACKING_AXES))
 
 def row_problem(row: Sequence) -> str | None:
     """:func:`point_problem` of a row of :func:`iter_rows`. Only the axes that shape the step are looked at,
-    in two groups whose answers are cached apart: the axes neither reads (dtype, pass, overlap, recompute, ...)
-    multiply a spec's points without multiplying this work, nor does the seed the shape checks."""
+    in two groups whose answers are cached apart: the axes neither group reads (dtype, pass, overlap,
+    recompute, ...) multiply a spec's points without multiplying this work, and the seed multiplies only
+    the documents' checks."""
     return shape_problem(*_shape_of(row)) or packing_problem(*_packing_of(row))
 
 
