@@ -445,14 +445,21 @@ def expand(spec: SweepSpec) -> list[Point]:
 def iter_rows(spec: SweepSpec) -> Iterator[tuple]:
     """The points of :func:`iter_points` as rows, without building a :class:`Point`: tuples of every axis
     value in :data:`AXES` order (:data:`ROW_INDEX`), ``tokens`` and ``tokens_per_rank`` derived, an axis
-    the spec does not give at its default, ``kernel_options`` canonical as ``(name, text)`` pairs or None.
+    the spec does not give at its default, ``kernel_options`` canonical as ``(name, text)`` pairs or None."""
+    return itertools.chain.from_iterable(iter_row_blocks(spec))
+
+
+def iter_row_blocks(spec: SweepSpec) -> Iterator[Iterator[tuple]]:
+    """The rows of :func:`iter_rows` in blocks, each block an iterator to consume before the next: per
+    combination of the values of every factor but the last, the rows of the last factor's values (only the
+    axes :func:`block_axes` names differ between the rows of a block). With exclude rules, one row a block.
 
     A point is its fixed values followed by its factors' values as the product gives them, put in axis
     order by one ``itemgetter``: no dict per point, unless exclude rules need its values by name.
     """
     factors = _factors(spec)
     if spec.exclude:
-        yield from _rows_after_rules(spec, factors)
+        yield from (iter((row,)) for row in _rows_after_rules(spec, factors))
         return
     varied = [axis for factor in factors for axis in factor[0]]
     fixed = {axis: _stored(axis, value) for axis, value in spec.base.items()}
@@ -465,20 +472,31 @@ def iter_rows(spec: SweepSpec) -> Iterator[tuple]:
     per_rank = "tokens" not in where
     tokens_at, cp_at = where["tokens_per_rank" if per_rank else "tokens"], where["cp"]
     partition_at = where["partition"]
+
+    def block(start: tuple, last: list[tuple]) -> Iterator[tuple]:
+        for entry in last:
+            values = start + entry
+            cp = values[cp_at]
+            tokens = values[tokens_at] * cp if per_rank else values[tokens_at]
+            _check_measured(values[partition_at], cp)
+            yield in_axis_order(values + (tokens, tokens // cp if tokens % cp == 0 else None))
+
+    entries = [[tuple(_stored(axis, value) for axis, value in entry.items()) for entry in factor] for factor in factors]
+    last = entries.pop() if entries else [()]
     head = tuple(fixed.values())
-    if all(len(factor[0]) == 1 for factor in factors):  # one axis per factor: the product is the values
-        combos: Iterator[tuple] = itertools.product(*([_stored(axis, entry[axis]) for entry in factor]
-                                                      for factor in factors for axis in factor[0]))
-        flat = (head + combo for combo in combos)
-    else:
-        combos = itertools.product(*([tuple(_stored(axis, value) for axis, value in entry.items()) for entry in factor]
-                                     for factor in factors))
-        flat = (head + tuple(itertools.chain.from_iterable(combo)) for combo in combos)
-    for values in flat:
-        cp = values[cp_at]
-        tokens = values[tokens_at] * cp if per_rank else values[tokens_at]
-        _check_measured(values[partition_at], cp)
-        yield in_axis_order(values + (tokens, tokens // cp if tokens % cp == 0 else None))
+    for outer in itertools.product(*entries):
+        yield block(head + tuple(itertools.chain.from_iterable(outer)), last)
+
+
+def block_axes(spec: SweepSpec) -> tuple[str, ...]:
+    """The axes whose values differ between the rows of one block of :func:`iter_row_blocks`: the last
+    factor's, and tokens and tokens_per_rank when it holds either or cp (none with exclude rules)."""
+    if spec.exclude or not spec.axes:
+        return ()
+    last = tuple(_factors(spec)[-1][0])
+    if {"cp", "tokens", "tokens_per_rank"} & set(last):
+        return tuple(dict.fromkeys((*last, "tokens", "tokens_per_rank")))
+    return last
 
 
 def _rows_after_rules(spec: SweepSpec, factors: list[list[dict]]) -> Iterator[tuple]:
