@@ -450,9 +450,9 @@ def iter_rows(spec: SweepSpec) -> Iterator[tuple]:
 
 
 def iter_row_blocks(spec: SweepSpec) -> Iterator[Iterator[tuple]]:
-    """The rows of :func:`iter_rows` in blocks, each block an iterator to consume before the next: per
-    combination of the values of every factor but the last, the rows of the last factor's values (only the
-    axes :func:`block_axes` names differ between the rows of a block). With exclude rules, one row a block.
+    """The rows of :func:`iter_rows` in blocks, each a lazy iterator: per combination of the values of every
+    factor but the last, the rows of the last factor's values (only the axes :func:`block_axes` names differ
+    between the rows of a block). With exclude rules, one row a block.
 
     A point is its fixed values followed by its factors' values as the product gives them, put in axis
     order by one ``itemgetter``: no dict per point, unless exclude rules need its values by name.
