@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from dsv4cp.step_choices import ATTENTION_BACKEND_HEAD_DIMS
 from dsv4cp.sweeps.listing import iter_listing
 from dsv4cp.sweeps.spec import iter_points, iter_rows, parse_spec, point_problem
+from dsv4cp.sweeps.strict_yaml import load_strict
 from tests.sweeps.test_spec_scale import run_cli_reporting
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -134,6 +135,4 @@ def _slow_listing(spec) -> list[tuple]:
 
 
 def _yaml(path: Path) -> dict:
-    from dsv4cp.sweeps.strict_yaml import load_strict
-
     return load_strict(path.read_text())
