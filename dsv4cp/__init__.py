@@ -1,6 +1,6 @@
 """dsv4cp: context-parallel DeepSeek-V4 attention, its kernels, and the tools that measure them."""
 
-import importlib
+from dsv4cp.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 __all__ = ["DSv4Config", "PackedSeqs", "DSv4Attention", "AttentionOutput", "__version__"]
@@ -10,10 +10,4 @@ _PUBLIC = {"DSv4Config": "dsv4cp.config", "PackedSeqs": "dsv4cp.packing", "DSv4A
 """Public name -> the module defining it, imported on first use: importing one submodule (a sweep spec's
 dry run reads no tensor) must not import torch."""
 
-
-def __getattr__(name: str) -> object:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _PUBLIC)

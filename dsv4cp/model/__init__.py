@@ -10,7 +10,7 @@ roofline lower bounds from a :class:`Machine`'s ceilings, computed in closed for
 * :func:`rank_counts`: the integer work counts underneath (valid keys, visible entries, owned groups).
 """
 
-import importlib
+from dsv4cp.lazy_exports import lazy_exports
 
 _PUBLIC = {
     **dict.fromkeys(("BOTH", "COLUMNS", "COMM_PHASES", "DIRECTIONS", "PHASES", "DirectionSummary", "LayerEstimate",
@@ -26,9 +26,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> object:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _PUBLIC)
