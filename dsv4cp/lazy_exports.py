@@ -1,8 +1,9 @@
 """A package's public names imported on first use (a module ``__getattr__``, PEP 562).
 
 A package whose ``__init__`` imported its submodules' names eagerly would import torch for whoever imports
-any one of its modules; ``dsv4cp sweep SPEC --dry-run`` reads the torch-free ones only (the row-split
-checks of :mod:`dsv4cp.cp.partition`, the machine presets of :mod:`dsv4cp.model.machine`). Standard library only.
+any one of its modules; ``dsv4cp sweep SPEC --dry-run`` reads torch-free ones only (:mod:`dsv4cp.choices`,
+the row-split checks of :mod:`dsv4cp.cp.partition`). A public name must not be a submodule's name too (a
+submodule, once imported, is an attribute of its package that hides the lazy name). Standard library only.
 """
 
 from __future__ import annotations

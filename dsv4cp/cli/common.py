@@ -328,7 +328,7 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
 
 def add_machine_options(parser: argparse.ArgumentParser) -> None:
     """``--machine``, ``--machine-file``, ``--bandwidth``: the ceilings that bounds are computed for."""
-    from dsv4cp.model.machine import MACHINE_PRESETS
+    from dsv4cp.choices import MACHINE_PRESETS  # not through dsv4cp.model, which imports torch
 
     parser.add_argument("--machine", choices=MACHINE_PRESETS, default=None,
                         help="hardware ceilings of the bounds (default: the one a --calibration was fitted "

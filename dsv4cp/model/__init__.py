@@ -10,20 +10,27 @@ roofline lower bounds from a :class:`Machine`'s ceilings, computed in closed for
 * :func:`rank_counts`: the integer work counts underneath (valid keys, visible entries, owned groups).
 """
 
-from dsv4cp.lazy_exports import lazy_exports
+from dsv4cp.model.costs import (
+    BOTH,
+    COLUMNS,
+    COMM_PHASES,
+    DIRECTIONS,
+    PHASES,
+    DirectionSummary,
+    LayerEstimate,
+    estimate,
+    layer_phases,
+    nvtx_ranges,
+    phase_directions,
+    range_to_phase,
+)
+from dsv4cp.model.counts import RankCounts, document_extents, rank_counts
+from dsv4cp.model.extrapolate import EXTRAPOLATE_COLUMNS, extrapolate, measured_vs_bound
+from dsv4cp.model.machine import MACHINE_PRESETS, Machine
 
-_PUBLIC = {
-    **dict.fromkeys(("BOTH", "COLUMNS", "COMM_PHASES", "DIRECTIONS", "PHASES", "DirectionSummary", "LayerEstimate",
-                     "estimate", "layer_phases", "nvtx_ranges", "phase_directions", "range_to_phase"),
-                    "dsv4cp.model.costs"),
-    **dict.fromkeys(("RankCounts", "document_extents", "rank_counts"), "dsv4cp.model.counts"),
-    **dict.fromkeys(("EXTRAPOLATE_COLUMNS", "extrapolate", "measured_vs_bound"), "dsv4cp.model.extrapolate"),
-    **dict.fromkeys(("MACHINE_PRESETS", "Machine"), "dsv4cp.model.machine"),
-}
-"""Public name -> the module defining it, imported on first use: the machine presets (a command's
-``--machine`` choices) are read without the cost model's modules, which import torch."""
-
-__all__ = sorted(_PUBLIC)
-
-
-__getattr__ = lazy_exports(__name__, _PUBLIC)
+__all__ = [
+    "BOTH", "COLUMNS", "COMM_PHASES", "DIRECTIONS", "EXTRAPOLATE_COLUMNS", "MACHINE_PRESETS", "PHASES",
+    "DirectionSummary", "LayerEstimate", "Machine", "RankCounts", "document_extents", "estimate",
+    "extrapolate", "layer_phases", "measured_vs_bound", "nvtx_ranges", "phase_directions", "range_to_phase",
+    "rank_counts",
+]

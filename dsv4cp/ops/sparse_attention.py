@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4cp import kernel_options, kernels, step_choices
+from dsv4cp import choices, kernel_options, kernels
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
@@ -79,7 +79,7 @@ def backend_names() -> list[str]:
 
 def check_backend_name(name: str) -> None:
     """Raise ``ValueError`` for a name no registered backend (or pair of them) answers to, before any work."""
-    step_choices.check_backend_name(name, _BACKENDS)
+    choices.check_backend_name(name, _BACKENDS)
 
 
 def resolve_backend(name: str, device: torch.device, head_dim: int | None = None) -> SparseAttentionBackend:
@@ -125,7 +125,7 @@ def check_head_dim(name: str, head_dim: int) -> None:
 
 def _check_head_dim(backend: SparseAttentionBackend, head_dim: int | None) -> None:
     """An explicitly named backend that cannot run ``head_dim`` fails here, before any collective."""
-    step_choices.check_runs_head_dim(backend.name, backend.head_dims, head_dim)
+    choices.check_runs_head_dim(backend.name, backend.head_dims, head_dim)
 
 
 def _auto_choice(order: list[str], side: str, device: torch.device, head_dim: int | None) -> SparseAttentionBackend:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4cp.step_choices import COMPILE_BACKENDS  # the backends' names: checked without torch
+from dsv4cp.choices import COMPILE_BACKENDS  # the backends' names: checked without torch
 
 UNPLACED = "no line reported: a frame Dynamo skipped"
 

@@ -48,10 +48,10 @@ from typing import Any
 import yaml
 
 from dsv4cp import kernel_options as kernel_option_registry
+from dsv4cp.choices import COMPILE_BACKENDS, OVERLAP_MODES, check_backend_name, check_head_dim
 from dsv4cp.config import DTYPE_NAMES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config
 from dsv4cp.cp.partition import POLICIES, split_rows
 from dsv4cp.records import AXES, point_id
-from dsv4cp.step_choices import COMPILE_BACKENDS, OVERLAP_MODES, check_backend_name, check_head_dim
 from dsv4cp.sweeps.strict_yaml import DuplicateKeyError, load_strict
 from dsv4cp.targets import Target, parse_targets
 from dsv4cp.workloads import packing_lengths, parse_packing

@@ -5,6 +5,7 @@ labels and problems, byte for byte), it imports no torch, and its fast pieces ag
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4cp.step_choices import ATTENTION_BACKEND_HEAD_DIMS
+from dsv4cp.choices import ATTENTION_BACKEND_HEAD_DIMS
 from dsv4cp.sweeps.listing import iter_listing
 from dsv4cp.sweeps.spec import iter_points, iter_rows, parse_spec, point_problem
 from dsv4cp.sweeps.strict_yaml import load_strict
@@ -60,6 +61,17 @@ def test_the_torch_free_backend_names_are_the_registered_ones():
     registry = importlib.import_module("dsv4cp.ops.sparse_attention")._BACKENDS  # the module, not the op
     registered = {name: backend.head_dims for name, backend in registry.items()}
     assert list(registered.items()) == list(ATTENTION_BACKEND_HEAD_DIMS.items())  # names, head dims and order
+
+
+@pytest.mark.parametrize("package", ["dsv4cp", "dsv4cp.cp"])
+def test_names_imported_on_first_use_are_the_defining_modules_and_no_submodule(package):
+    module = importlib.import_module(package)
+    submodules = {info.name for info in pkgutil.iter_modules(module.__path__)}
+    assert not set(module._PUBLIC) & submodules  # an imported submodule would hide the lazy name
+    for name, defining in module._PUBLIC.items():
+        assert getattr(module, name) is getattr(importlib.import_module(defining), name)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        module.not_a_name  # noqa: B018
 
 
 _AXIS_VALUES = {

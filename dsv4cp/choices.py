@@ -1,4 +1,5 @@
-"""The names a step's choices may take, without torch: what a sweep spec or a flag is checked against.
+"""The names that a step's and a command's choices may take, without torch: what a sweep spec or a flag is
+checked against.
 
 A sweep spec is loaded, expanded and checked point by point (``dsv4cp sweep SPEC --dry-run``) before
 anything runs, and that path imports no torch (seconds and hundreds of MB). So the names it checks live
@@ -8,7 +9,9 @@ here, in the bottom layer, and the modules that implement them import them from 
 * :data:`COMPILE_BACKENDS`: the layer's ``torch.compile`` backends (:mod:`dsv4cp.profiling.compilation`);
 * :data:`ATTENTION_BACKEND_HEAD_DIMS`: the built-in sparse-attention backends and the head dims each
   runs (the registry of :mod:`dsv4cp.ops.sparse_attention` registers these names; a test holds the two
-  equal), with the name and head-dim checks that registry shares.
+  equal), with the name and head-dim checks that registry shares;
+* :data:`MACHINE_PRESETS`: the machines whose ceilings a bound is computed for (``--machine``;
+  :mod:`dsv4cp.model.machine`).
 
 Standard library only.
 """
@@ -24,6 +27,9 @@ where its rows are needed and the backward reduce-scatter's wait is held back (:
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 """``torch.compile`` backends: Inductor (generated kernels), AOTAutograd without codegen (traces forward
 and backward, runs them eagerly: a tracing check that is fast on CPU), and Dynamo's graphs run eagerly."""
+
+MACHINE_PRESETS = ("h200x2", "internode", "cpu", "cpu-estimate")
+"""The machine presets of :meth:`dsv4cp.model.machine.Machine.preset`."""
 
 ATTENTION_BACKEND_HEAD_DIMS: dict[str, tuple[int, ...] | None] = {
     "torch": None,
