@@ -122,7 +122,7 @@ def _specs(draw) -> dict:
     return spec
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(_specs())
 def test_fast_listing_agrees_with_the_points_on_drawn_specs(data):
     spec = parse_spec(data)
