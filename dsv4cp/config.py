@@ -5,20 +5,35 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 INDEXER_RATIO = 4
 """Ratio 4 always means the overlapping CSA compressor with the lightning indexer."""
 
 LOSS_VARIANTS = ("sparse", "dense")
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
-"""The dtype names every command and record uses."""
+DTYPE_NAMES = ("fp64", "fp32", "bf16")
+"""The dtype names every command and record uses; :data:`DTYPES` maps them to torch dtypes."""
+
+
+def __getattr__(name: str) -> object:
+    # DTYPES is built on first use: shapes and names (a sweep spec's checks) need this module, not torch.
+    if name == "DTYPES":
+        import torch
+
+        dtypes = dict(zip(DTYPE_NAMES, (torch.float64, torch.float32, torch.bfloat16), strict=True))
+        globals()["DTYPES"] = dtypes
+        return dtypes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs (what the model trains in), fp32 elsewhere."""
+    import torch
+
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 

@@ -297,19 +297,35 @@ def check_meta(meta: object) -> str | None:
 
 
 def point_id(axes: dict) -> str:
-    """A stable 12-hex-digit id of a point: the sha1 of the sorted JSON of its :data:`AXES` values.
+    """A stable 12-hex-digit id of a point: the sha1 of the sorted JSON of its :data:`AXES` values
+    (no spaces), built as :data:`ID_AXES`' :func:`id_fragment` texts joined (:func:`id_of_fragments`).
 
     Keys outside :data:`AXES` are ignored; a missing axis counts as None (an axis of
     :data:`_ADDED_AXES` that is None or at its value from before it existed is left out).
     """
-    values = {name: axes.get(name) for name in AXES}
-    if isinstance(values["kernel_options"], dict):  # a configuration is named by what differs from the defaults
-        values["kernel_options"] = kernel_option_registry.non_default(values["kernel_options"]) or None
+    return id_of_fragments("".join(id_fragment(name, axes.get(name)) for name in ID_AXES))
+
+
+ID_AXES: tuple[str, ...] = tuple(sorted(AXES))
+"""The axes in the order their values appear in the JSON a point id hashes (sorted keys)."""
+
+
+def id_fragment(axis: str, value: object) -> str:
+    """What ``axis`` at ``value`` adds to the JSON a point id hashes: ``,"<axis>":<value as JSON>``, or
+    nothing for an axis of :data:`_ADDED_AXES` at None or at its value from before it existed. A caller
+    naming many points (a sweep's dry run) keeps these per value and joins its own, in :data:`ID_AXES` order."""
+    if axis == "kernel_options" and isinstance(value, dict):  # a configuration: what differs from the defaults
+        value = kernel_option_registry.non_default(value) or None
     # ``is``, not ``==``: only the old value itself is left out, never a number equal to it (0 == False)
-    values = {name: value for name, value in values.items()
-              if name not in _ADDED_AXES or not (value is None or value is _ADDED_AXES[name])}
-    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha1(canonical.encode()).hexdigest()[:12]
+    if axis in _ADDED_AXES and (value is None or value is _ADDED_AXES[axis]):
+        return ""
+    return f",{json.dumps(axis)}:{json.dumps(value, sort_keys=True, separators=(',', ':'))}"
+
+
+def id_of_fragments(fragments: str) -> str:
+    """The point id of :func:`id_fragment` texts joined in :data:`ID_AXES` order: the first 12 hex digits
+    of the sha1 of ``{...}`` around them (their leading comma dropped)."""
+    return hashlib.sha1(f"{{{fragments[1:]}}}".encode()).hexdigest()[:12]
 
 
 def match_id(record: dict) -> str:

@@ -51,13 +51,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dsv4cp import kernel_options
-from dsv4cp.config import DTYPES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config, default_dtype
-from dsv4cp.packing import PackedSeqs
-from dsv4cp.profiling.memory import is_out_of_memory, proc_field_bytes
+from dsv4cp.config import DTYPE_NAMES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config, default_dtype
+
+if TYPE_CHECKING:  # imported where used: a command that reads no tensor (sweep --dry-run) never imports torch
+    import torch
+
+    from dsv4cp.packing import PackedSeqs
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -155,7 +157,9 @@ def run_command(command: str, fn: Callable[[], int | None]) -> int:
     except _USER_INPUT_ERRORS as err:
         print(f"{prog}: error: {_rank_prefix()}{_describe(err)}", file=sys.stderr)
         return EXIT_USAGE
-    except (torch.OutOfMemoryError, RuntimeError) as err:
+    except RuntimeError as err:  # torch.OutOfMemoryError is one
+        from dsv4cp.profiling.memory import is_out_of_memory
+
         if not is_out_of_memory(err):
             raise
         lines = str(err).strip().splitlines() or [type(err).__name__]
@@ -249,7 +253,7 @@ def add_layer_options(
     parser.add_argument("--pad-to-multiple", type=positive_int, default=1,
                         help="pad every document to a multiple of this many rows")
     device_default = "" if dtype else " (default: bf16 on GPU, fp32 on CPU)"
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default=dtype,
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=dtype,
                         help=f"parameter and activation dtype{device_default}")
     parser.add_argument("--kernel-backend", default="auto",
                         help=f"sparse-attention kernel backend: one of {', '.join(backend_names())} "
@@ -324,7 +328,7 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
 
 def add_machine_options(parser: argparse.ArgumentParser) -> None:
     """``--machine``, ``--machine-file``, ``--bandwidth``: the ceilings that bounds are computed for."""
-    from dsv4cp.model.machine import MACHINE_PRESETS
+    from dsv4cp.choices import MACHINE_PRESETS  # not through dsv4cp.model, which imports torch
 
     parser.add_argument("--machine", choices=MACHINE_PRESETS, default=None,
                         help="hardware ceilings of the bounds (default: the one a --calibration was fitted "
@@ -381,6 +385,7 @@ class LayerInputs:
 def layer_inputs(args: argparse.Namespace, cp: int = 1) -> LayerInputs:
     """Resolve :func:`add_layer_options`' values for ``cp`` ranks (the adversarial packing straddles
     their boundaries); every error names its flag."""
+    from dsv4cp.packing import PackedSeqs
     from dsv4cp.workloads import pack_lengths
 
     cfg = DSv4Config.preset(args.preset, indexer_loss=args.loss)
@@ -412,11 +417,15 @@ def layer_inputs(args: argparse.Namespace, cp: int = 1) -> LayerInputs:
 
 
 def resolve_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    from dsv4cp.config import DTYPES
+
     return DTYPES[args.dtype] if args.dtype else default_dtype(device)
 
 
 def parse_device(text: str | None, flag: str = "--device") -> torch.device:
     """``cpu`` or ``cuda[:N]`` that exists here; None means cuda when available, else cpu."""
+    import torch
+
     if text is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -440,6 +449,8 @@ def resolve_dist_backend(args: argparse.Namespace, *, distributed: bool) -> str:
     ``distributed`` says whether this run uses torch.distributed at all: an explicit
     ``--dist-backend`` on a run that does not is refused rather than silently ignored.
     """
+    import torch
+
     cuda = torch.cuda.is_available()
     backend = args.dist_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
@@ -543,6 +554,7 @@ def check_memory(
 def _tokens_that_fit(inputs: LayerInputs, ratio, cp, direction, dtype, recompute, free) -> int:
     """The largest one-document token count (a multiple of 1024 * cp) whose estimate fits in ``free``."""
     from dsv4cp.model.memory import peak_bytes_estimate
+    from dsv4cp.packing import PackedSeqs
 
     step = 1024 * cp
     low, high = 0, max(1, inputs.packed.total // step)
@@ -559,6 +571,10 @@ def _tokens_that_fit(inputs: LayerInputs, ratio, cp, direction, dtype, recompute
 def free_bytes(device: torch.device) -> int | None:
     """Memory free for this step: CUDA ``mem_get_info``; on CPU ``MemAvailable`` of /proc/meminfo
     (None where that file does not exist: the check is then skipped)."""
+    import torch
+
+    from dsv4cp.profiling.memory import proc_field_bytes
+
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return proc_field_bytes("/proc/meminfo", "MemAvailable")

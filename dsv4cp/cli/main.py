@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Iterable
 from typing import NoReturn
 
 from dsv4cp.cli.common import EXIT_CODES_HELP, EXIT_USAGE, HelpFormatter, kernel_options_in_force, run_command
 
 # Sub-command name -> module under dsv4cp.cli defining ``HELP``, ``add_arguments(parser)`` and
-# ``run(args) -> int``. Modules are imported when the parser is built, in this order.
+# ``run(args) -> int``. Modules are imported when the parser is built, in this order: only the named
+# command's when a command is named (most import torch, which ``sweep --dry-run`` never needs).
 COMMANDS: dict[str, str] = {
     "env": "env",
     "layer": "layer",
@@ -44,12 +46,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The parser of ``commands`` (names of :data:`COMMANDS`; default: all of them)."""
     parser = OneLineErrorParser(prog="dsv4cp", description=__doc__, epilog=EXIT_CODES_HELP,
                                 formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module_name in COMMANDS.items():
-        module = importlib.import_module(f"dsv4cp.cli.{module_name}")
+    for name in commands:
+        module = importlib.import_module(f"dsv4cp.cli.{COMMANDS[name]}")
         cmd = sub.add_parser(name, help=module.HELP, description=module.__doc__, epilog=EXIT_CODES_HELP,
                              formatter_class=HelpFormatter)
         module.add_arguments(cmd)
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     :data:`EXIT_CODES_HELP` for the others.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, unknown = build_parser().parse_known_args(argv)
+    named = argv[:1] if argv and argv[0] in COMMANDS else COMMANDS  # anything else: the full list, in help or error
+    args, unknown = build_parser(named).parse_known_args(argv)
     if unknown:  # named by the sub-command they were given to, not by the top-level parser
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args._argv = argv  # a command that re-runs itself in a fresh process (check-determinism) passes these on

@@ -40,11 +40,16 @@ from dsv4cp.cli.common import (
     progress_enabled,
     resolve_dist_backend,
 )
-from dsv4cp.cp.launch import under_torchrun
-from dsv4cp.model.calibration import Calibration
-from dsv4cp.profiling.memory_snapshot import check_snapshot_request
-from dsv4cp.sweeps.runner import SweepOptions, cannot_run_message, check_points_can_run, default_nproc, run_sweep
-from dsv4cp.sweeps.spec import SweepSpec, expand, iter_points, load_spec, point_problem, with_kernel_options
+from dsv4cp.cp.torchrun import under_torchrun
+from dsv4cp.sweeps.listing import iter_listing
+from dsv4cp.sweeps.spec import (
+    SweepSpec,
+    cannot_run_message,
+    check_points_can_run,
+    expand,
+    load_spec,
+    with_kernel_options,
+)
 
 HELP = "run a sweep spec (YAML) and record every point (RUN_DIR/records.jsonl + meta.json)"
 
@@ -84,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
     if args.dry_run:
         return _dry_run(spec, args.nproc) if rank == 0 else EXIT_OK
+    # Imported here, where points are measured: the dry run above imports no torch.
+    from dsv4cp.model.calibration import Calibration
+    from dsv4cp.profiling.memory_snapshot import check_snapshot_request
+    from dsv4cp.sweeps.runner import SweepOptions, default_nproc, run_sweep
+
     check_snapshot_request(args.memory_snapshot, args.profile, "--profile")
     out = Path(args.out) if args.out else Path("runs") / spec.name
     points = expand(spec)  # the one expansion: checked, then measured
@@ -119,18 +129,18 @@ def _dry_run(spec: SweepSpec, nproc: int | None) -> int:
     """List the points one at a time (a spec of any size), marking those that cannot run; ``ValueError``
     (exit 2) naming the first of them after the list."""
     total = widest = cannot = 0
-    first: tuple | None = None  # the first point that cannot run, and why
+    first: tuple | None = None  # the first point that cannot run: its id, label and why
     write = sys.stdout.write
-    for point in iter_points(spec):
-        problem = point_problem(point)
+    for point_id, label, problem, cp in iter_listing(spec):
         total += 1
-        widest = max(widest, point.cp)
+        if cp > widest:
+            widest = cp
         if problem is None:
-            write(f"{point.point_id}  {point.label()}\n")
+            write(f"{point_id}  {label}\n")
             continue
-        write(f"{point.point_id}  {point.label()}  CANNOT RUN: {problem}\n")
+        write(f"{point_id}  {label}  CANNOT RUN: {problem}\n")
         cannot += 1
-        first = first or (point, problem)
+        first = first or (point_id, label, problem)
     print(f"{total} points{f' ({cannot} cannot run)' if cannot else ''}, spawning {nproc or widest} ranks "
           "without torchrun")
     if first is not None:

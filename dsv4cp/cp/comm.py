@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dsv4cp.choices import OVERLAP_MODES  # noqa: F401  (the modes' names: checked without torch)
 from dsv4cp.cp.emulate import emulated_shift, fill_all_gather, fill_reduce_scatter, is_emulated
 from dsv4cp.profiling.nvtx import nvtx_range
-
-OVERLAP_MODES = ("none", "async")
 
 
 def _all_gather_tensor(*args, **kwargs):

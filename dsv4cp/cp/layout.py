@@ -19,29 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from dsv4cp.config import DSv4Config, layer_kind
-from dsv4cp.cp.partition import RowSplit, as_split, compression_reach, halo_rows
+from dsv4cp.cp.partition import RowSplit, as_split, compression_reach, halo_rows, split_rows
 from dsv4cp.packing import PackedSeqs
 
 __all__ = [
     "RankLayout", "RowSplit", "build_layout", "compression_reach", "entry_capacity", "halo_rows", "split_rows",
 ]
-
-
-def split_rows(
-    total: int, cp: int, cfg: DSv4Config, compress_ratio: int, field: str = "packed.total"
-) -> tuple[int, int]:
-    """``(rows per rank, halo rows)`` of ``total`` rows over ``cp`` ranks; ``ValueError`` naming ``field``
-    when the rows do not divide evenly or a rank would hold fewer rows than the halo it must send."""
-    if total % cp:
-        raise ValueError(f"{field}: {total} rows are not divisible by cp={cp}")
-    rows = total // cp
-    halo = halo_rows(cfg, compress_ratio, cp)
-    if rows < halo:
-        raise ValueError(
-            f"{field}: each of the {cp} ranks holds {rows} rows, fewer than the halo of {halo} rows "
-            f"(max(window, compression reach)); use fewer ranks or more tokens"
-        )
-    return rows, halo
 
 
 def entry_capacity(rows: int, compress_ratio: int) -> int:

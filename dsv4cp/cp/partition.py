@@ -121,6 +121,23 @@ def halo_rows(cfg: DSv4Config, compress_ratio: int, cp: int) -> int:
     return 0 if cp == 1 else max(cfg.window, compression_reach(compress_ratio))
 
 
+def split_rows(
+    total: int, cp: int, cfg: DSv4Config, compress_ratio: int, field: str = "packed.total"
+) -> tuple[int, int]:
+    """``(rows per rank, halo rows)`` of ``total`` rows over ``cp`` ranks; ``ValueError`` naming ``field``
+    when the rows do not divide evenly or a rank would hold fewer rows than the halo it must send."""
+    if total % cp:
+        raise ValueError(f"{field}: {total} rows are not divisible by cp={cp}")
+    rows = total // cp
+    halo = halo_rows(cfg, compress_ratio, cp)
+    if rows < halo:
+        raise ValueError(
+            f"{field}: each of the {cp} ranks holds {rows} rows, fewer than the halo of {halo} rows "
+            f"(max(window, compression reach)); use fewer ranks or more tokens"
+        )
+    return rows, halo
+
+
 def floor_rows(cfg: DSv4Config, ratio: int, cp: int, min_rows: int | None) -> int:
     """The fewest rows a rank may hold: ``min_rows`` (checked to be a positive int), default the
     layer's halo, at least 1."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dsv4cp.choices import MACHINE_PRESETS  # the presets' names: a --machine flag is checked without torch
+
 GB = 1e9
 """Bandwidths are quoted in decimal GB/s, as NCCL's tests do."""
 
@@ -90,7 +92,6 @@ class Machine:
 INTERNODE_BANDWIDTH = 40 * GB
 """Default per-GPU inter-node bandwidth of the ``internode`` preset (an example figure)."""
 
-MACHINE_PRESETS = ("h200x2", "internode", "cpu", "cpu-estimate")
 
 LOOPBACK_BANDWIDTH = 0.5 * GB
 """Communication ceiling of the ``cpu`` machines: gloo all-gather bus bandwidth between two local

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4cp import kernel_options, kernels
+from dsv4cp import choices, kernel_options, kernels
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
@@ -78,12 +78,8 @@ def backend_names() -> list[str]:
 
 
 def check_backend_name(name: str) -> None:
-    """Raise ``ValueError`` for a name no backend (or pair of backends) answers to, before any work."""
-    parts = (name.split("+") if "+" in name else [name]) if isinstance(name, str) else [name]
-    unknown = [p for p in parts if p not in _BACKENDS and not (p == "auto" and len(parts) == 1)]
-    if not isinstance(name, str) or len(parts) > 2 or unknown:
-        raise ValueError(f"backend: unknown sparse-attention backend {name!r}; choose from {['auto', *_BACKENDS]} "
-                         f"or a pair 'forward+backward'")
+    """Raise ``ValueError`` for a name no registered backend (or pair of them) answers to, before any work."""
+    choices.check_backend_name(name, _BACKENDS)
 
 
 def resolve_backend(name: str, device: torch.device, head_dim: int | None = None) -> SparseAttentionBackend:
@@ -129,9 +125,7 @@ def check_head_dim(name: str, head_dim: int) -> None:
 
 def _check_head_dim(backend: SparseAttentionBackend, head_dim: int | None) -> None:
     """An explicitly named backend that cannot run ``head_dim`` fails here, before any collective."""
-    if not backend.runs_head_dim(head_dim):
-        raise ValueError(f"backend: {backend.name!r} runs head dim D in {backend.head_dims}, not {head_dim}; "
-                         "use 'auto', 'triton' or 'torch'")
+    choices.check_runs_head_dim(backend.name, backend.head_dims, head_dim)
 
 
 def _auto_choice(order: list[str], side: str, device: torch.device, head_dim: int | None) -> SparseAttentionBackend:

@@ -13,10 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-"""``torch.compile`` backends: Inductor (generated kernels), AOTAutograd without codegen (traces forward
-and backward, runs them eagerly: a tracing check that is fast on CPU), and Dynamo's graphs run eagerly."""
-
+from dsv4cp.choices import COMPILE_BACKENDS  # the backends' names: checked without torch
 
 UNPLACED = "no line reported: a frame Dynamo skipped"
 

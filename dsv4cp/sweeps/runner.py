@@ -60,7 +60,7 @@ from dsv4cp.sweeps.measure import NonFiniteResult
 from dsv4cp.sweeps.measured_split import measure_under_partition
 from dsv4cp.sweeps.meta import run_meta
 from dsv4cp.sweeps.run_lock import RunDirLock
-from dsv4cp.sweeps.spec import Point, SweepSpec, point_problem
+from dsv4cp.sweeps.spec import Point, SweepSpec
 
 INFLIGHT_FILE = "inflight.json"
 """RUN_DIR file naming the point being measured (and how many runs died measuring it)."""
@@ -147,24 +147,12 @@ def check_out_dir(out: Path, resume: bool) -> None:
                          f"or choose another directory")
 
 
-def cannot_run_message(point: Point, problem: str, invalid: int, total: int) -> str:
-    """The refusal of a spec with ``invalid`` of its ``total`` points unable to run, naming the first."""
-    return (f"point {point.point_id} ({point.label()}) cannot run: {problem}; {invalid} of {total} points cannot "
-            "(--dry-run marks them): exclude them or change the spec")
-
-
-def check_points_can_run(points: Sequence[Point]) -> None:
-    """``ValueError`` naming the first point whose shapes cannot run (:func:`point_problem`), before any launch."""
-    problems = [(point, problem) for point in points if (problem := point_problem(point)) is not None]
-    if problems:
-        raise ValueError(cannot_run_message(*problems[0], len(problems), len(points)))
-
-
 def run_sweep(spec: SweepSpec, points: Sequence[Point], options: SweepOptions,
               nproc: int | None = None) -> SweepSummary:
     """Run ``spec`` (expanded once by the caller into ``points``, each checked with
-    :func:`check_points_can_run`) on torchrun's ranks, or on ``nproc`` spawned gloo ranks (default: the
-    largest cp of the points still to measure; none are started when every point is already recorded).
+    :func:`~dsv4cp.sweeps.spec.check_points_can_run`) on torchrun's ranks, or on ``nproc`` spawned gloo
+    ranks (default: the largest cp of the points still to measure; none are started when every point is
+    already recorded).
 
     Rank 0 (the only one outside torchrun) holds the run directory's lock throughout; before anything
     is measured it refuses a directory another sweep holds, records without ``resume``, and with

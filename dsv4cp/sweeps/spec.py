@@ -39,20 +39,18 @@ import dataclasses
 import functools
 import itertools
 import json
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from dsv4cp import kernel_options as kernel_option_registry
-from dsv4cp.config import DTYPES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config
-from dsv4cp.cp.comm import OVERLAP_MODES
-from dsv4cp.cp.layout import split_rows
-from dsv4cp.cp.partition import POLICIES
-from dsv4cp.ops.sparse_attention import check_backend_name, check_head_dim
-from dsv4cp.profiling.compilation import COMPILE_BACKENDS
+from dsv4cp.choices import COMPILE_BACKENDS, OVERLAP_MODES, check_backend_name, check_head_dim
+from dsv4cp.config import DTYPE_NAMES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config
+from dsv4cp.cp.partition import POLICIES, split_rows
 from dsv4cp.records import AXES, point_id
 from dsv4cp.sweeps.strict_yaml import DuplicateKeyError, load_strict
 from dsv4cp.targets import Target, parse_targets
@@ -150,19 +148,61 @@ class Point:
 
     def label(self) -> str:
         """A short human-readable name for progress bars and logs."""
-        tokens = f"{self.tokens // 1024}K" if self.tokens % 1024 == 0 else str(self.tokens)
-        return (f"{self.preset} r{self.ratio} cp{self.cp} {tokens} {self.packing} {self.direction} {self.dtype} "
-                f"{self.overlap}{' recompute' if self.recompute else ''} {self.kernel_backend}"
-                f"{'' if self.partition == 'equal' else ' ' + self.partition}"
-                f"{'' if self.emulated_rank is None else f' emulated rank {self.emulated_rank}'}"
-                f"{' cuda-graph' if self.cuda_graph else ''}{' deterministic' if self.deterministic else ''}"
-                f"{'' if self.compile is None else ' compile ' + self.compile}"
-                f"{''.join(f' {k}={v}' for k, v in (self.kernel_options or {}).items())}")
+        return row_label(self.row())
+
+    def row(self) -> tuple:
+        """The point as a row of :func:`iter_rows`."""
+        return tuple(_options_pairs(value) if axis == "kernel_options" else value
+                     for axis, value in zip(AXES, (getattr(self, attribute) for _, attribute in _AXIS_ATTRIBUTES)))
 
 
 _AXIS_ATTRIBUTES: tuple[tuple[str, str], ...] = tuple((axis, "direction" if axis == "pass" else axis) for axis in AXES)
 """(record axis, :class:`Point` attribute) pairs, in :data:`AXES` order."""
 assert {attribute for _, attribute in _AXIS_ATTRIBUTES} == {f.name for f in fields(Point)}, "a Point field per axis"
+
+ROW_INDEX: dict[str, int] = {axis: i for i, axis in enumerate(AXES)}
+"""Where each axis sits in a row of :func:`iter_rows` (:data:`AXES` order)."""
+
+_DEFAULTS: dict[str, Any] = {axis: f.default for axis, f in zip(AXES, (Point.__dataclass_fields__[attribute]
+                                                                        for _, attribute in _AXIS_ATTRIBUTES))
+                             if f.default is not MISSING}
+"""An axis a spec does not give -> its value in every point (tokens has none: a spec gives it or tokens_per_rank)."""
+
+
+def _options_pairs(options: Mapping[str, str] | None) -> tuple[tuple[str, str], ...] | None:
+    """Canonical kernel options (``{name: text}``, sorted) as a row holds them: their pairs, None for none."""
+    return tuple(options.items()) if options else None
+
+
+def _tokens_text(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
+LABEL_PARTS: tuple[tuple[str, Callable[[Any], str]], ...] = (
+    ("preset", lambda value: f" {value}"),
+    ("ratio", lambda value: f" r{value}"),
+    ("cp", lambda value: f" cp{value}"),
+    ("tokens", lambda value: f" {_tokens_text(value)}"),
+    ("packing", lambda value: f" {value}"),
+    ("pass", lambda value: f" {value}"),
+    ("dtype", lambda value: f" {value}"),
+    ("overlap", lambda value: f" {value}"),
+    ("recompute", lambda value: " recompute" if value else ""),
+    ("kernel_backend", lambda value: f" {value}"),
+    ("partition", lambda value: "" if value == "equal" else f" {value}"),
+    ("emulated_rank", lambda value: "" if value is None else f" emulated rank {value}"),
+    ("cuda_graph", lambda value: " cuda-graph" if value else ""),
+    ("deterministic", lambda value: " deterministic" if value else ""),
+    ("compile", lambda value: "" if value is None else f" compile {value}"),
+    ("kernel_options", lambda pairs: "".join(f" {name}={text}" for name, text in pairs or ())),
+)
+"""A point's label, axis by axis: each value's text (with its leading space; empty for a default the label
+leaves out), in the label's order. :func:`row_label` joins them; a listing of many points keeps them per value."""
+
+
+def row_label(row: Sequence) -> str:
+    """The label (:meth:`Point.label`) of a row of :func:`iter_rows`."""
+    return "".join(part(row[ROW_INDEX[axis]]) for axis, part in LABEL_PARTS)[1:]
 
 
 ALL_RANKS = "all"
@@ -258,7 +298,7 @@ _CHECKS = {
     "kernel_backend": _kernel_backend,
     "recompute": _boolean,
     "pass": _choice(PASSES),
-    "dtype": _choice(tuple(DTYPES)),
+    "dtype": _choice(DTYPE_NAMES),
     "seed": _int_at_least(0),
     "partition": _choice(PARTITIONS),
     "emulated_rank": _real_ranks_only,
@@ -394,26 +434,89 @@ def iter_points(spec: SweepSpec) -> Iterator[Point]:
     Points that cannot run are yielded too (:func:`point_problem` says why). Raises ``ValueError``
     when nothing is left after the exclude rules.
     """
-    empty = True
-    base = dict(spec.base)
-    for combo in itertools.product(*_factors(spec)):
-        values = base.copy()
-        for part in combo:
-            values.update(part)
-        if spec.exclude and _excluded(values, spec.exclude):  # before building: a rule may drop what it rejects
-            continue
-        point = _build_point(values)
-        if spec.exclude and _excluded(point.axes(), spec.exclude):  # rules naming a default or a derived axis
-            continue
-        empty = False
-        yield point
-    if empty:
-        raise ValueError(f"spec {spec.name!r}: no point left after the exclude rules")
+    return map(_point_of_row, iter_rows(spec))
 
 
 def expand(spec: SweepSpec) -> list[Point]:
     """Every point of :func:`iter_points`, as a list (for a run, which measures them all anyway)."""
     return list(iter_points(spec))
+
+
+def iter_rows(spec: SweepSpec) -> Iterator[tuple]:
+    """The points of :func:`iter_points` as rows, without building a :class:`Point`: tuples of every axis
+    value in :data:`AXES` order (:data:`ROW_INDEX`), ``tokens`` and ``tokens_per_rank`` derived, an axis
+    the spec does not give at its default, ``kernel_options`` canonical as ``(name, text)`` pairs or None."""
+    return itertools.chain.from_iterable(iter_row_blocks(spec))
+
+
+def iter_row_blocks(spec: SweepSpec) -> Iterator[Iterator[tuple]]:
+    """The rows of :func:`iter_rows` in blocks, each a lazy iterator: per combination of the values of every
+    factor but the last, the rows of the last factor's values (only the axes :func:`block_axes` names differ
+    between the rows of a block). With exclude rules, one row a block.
+
+    A point is its fixed values followed by its factors' values as the product gives them, put in axis
+    order by one ``itemgetter``: no dict per point, unless exclude rules need its values by name.
+    """
+    factors = _factors(spec)
+    if spec.exclude:
+        yield from (iter((row,)) for row in _rows_after_rules(spec, factors))
+        return
+    varied = [axis for factor in factors for axis in factor[0]]
+    fixed = {axis: _stored(axis, value) for axis, value in spec.base.items()}
+    fixed.update((axis, value) for axis, value in _DEFAULTS.items()
+                 if axis not in fixed and axis not in varied and axis != "tokens_per_rank")
+    layout = [*fixed, *varied]  # a point's values before its tokens and tokens_per_rank are derived
+    where = {axis: i for i, axis in enumerate(layout)}
+    derived = {"tokens": len(layout), "tokens_per_rank": len(layout) + 1}  # appended to each point's values
+    in_axis_order = itemgetter(*(derived.get(axis, where.get(axis)) for axis in AXES))
+    per_rank = "tokens" not in where
+    tokens_at, cp_at = where["tokens_per_rank" if per_rank else "tokens"], where["cp"]
+    partition_at = where["partition"]
+
+    def block(start: tuple, last: list[tuple]) -> Iterator[tuple]:
+        for entry in last:
+            values = start + entry
+            cp = values[cp_at]
+            tokens = values[tokens_at] * cp if per_rank else values[tokens_at]
+            _check_measured(values[partition_at], cp)
+            yield in_axis_order(values + (tokens, tokens // cp if tokens % cp == 0 else None))
+
+    entries = [[tuple(_stored(axis, value) for axis, value in entry.items()) for entry in factor] for factor in factors]
+    last = entries.pop() if entries else [()]
+    head = tuple(fixed.values())
+    for outer in itertools.product(*entries):
+        yield block(head + tuple(itertools.chain.from_iterable(outer)), last)
+
+
+def block_axes(spec: SweepSpec) -> tuple[str, ...]:
+    """The axes whose values differ between the rows of one block of :func:`iter_row_blocks`: the last
+    factor's, and tokens and tokens_per_rank when it holds either or cp (none with exclude rules)."""
+    if spec.exclude or not spec.axes:
+        return ()
+    last = tuple(_factors(spec)[-1][0])
+    if {"cp", "tokens", "tokens_per_rank"} & set(last):
+        return tuple(dict.fromkeys((*last, "tokens", "tokens_per_rank")))
+    return last
+
+
+def _rows_after_rules(spec: SweepSpec, factors: list[list[dict]]) -> Iterator[tuple]:
+    """:func:`iter_rows` of a spec with exclude rules: each point's values by name, matched against the
+    rules as written and again once derived (a rule may name a default or a derived axis)."""
+    empty = True
+    base = dict(spec.base)
+    for combo in itertools.product(*factors):
+        values = base.copy()
+        for part in combo:
+            values.update(part)
+        if _excluded(values, spec.exclude):  # before building: a rule may drop what it rejects
+            continue
+        row = _row_of_values(values)
+        if _excluded(row_axes(row), spec.exclude):  # rules naming a default or a derived axis
+            continue
+        empty = False
+        yield row
+    if empty:
+        raise ValueError(f"spec {spec.name!r}: no point left after the exclude rules")
 
 
 def _factors(spec: SweepSpec) -> list[list[dict]]:
@@ -465,25 +568,59 @@ def make_point(values: Mapping[str, Any]) -> Point:
     if (tokens is None) == (per_rank is None):
         raise ValueError(f"tokens: give exactly one of tokens and tokens_per_rank per point, got tokens={tokens!r}, "
                          f"tokens_per_rank={per_rank!r}")
-    point = _build_point(dict(values))
-    _check_ratio(point)
+    point = _point_of_row(_row_of_values(values))
+    _checked_config(point.preset, point.loss, point.ratio)
     return point
 
 
-def _build_point(values: dict[str, Any]) -> Point:
-    """A :class:`Point` from checked axis values holding exactly one of tokens and tokens_per_rank
-    (``values`` is the caller's to give away: it is completed in place)."""
+def _stored(axis: str, value: Any) -> Any:
+    """An axis value as a row holds it: kernel options canonical (:func:`_options_pairs`), others as given."""
+    if axis == "kernel_options":
+        return _options_pairs(kernel_option_registry.canonical(value or {}))
+    return value
+
+
+def _check_measured(partition: str | None, cp: int) -> None:
+    if partition == MEASURED and cp < 2:
+        raise ValueError(f"partition: a measured split needs cp >= 2 ranks to measure, got cp {cp}")
+
+
+def _row_of_values(values: Mapping[str, Any]) -> tuple:
+    """The row of checked axis values (record names) holding exactly one of tokens and tokens_per_rank."""
     cp = values.get("cp", 1)
     tokens = values.get("tokens")
     if tokens is None:
         tokens = values["tokens_per_rank"] * cp
-    values["tokens"] = tokens
-    values["tokens_per_rank"] = tokens // cp if tokens % cp == 0 else None
-    if values.get("partition") == MEASURED and cp < 2:
-        raise ValueError(f"partition: a measured split needs cp >= 2 ranks to measure, got cp {cp}")
-    values["direction"] = values.pop("pass", "fwd+bwd")
-    values["kernel_options"] = kernel_option_registry.canonical(values.get("kernel_options") or {}) or None
-    return Point(**values)
+    _check_measured(values.get("partition"), cp)
+    completed = {**_DEFAULTS, **values, "tokens": tokens, "tokens_per_rank": tokens // cp if tokens % cp == 0 else None}
+    return tuple(_stored(axis, completed[axis]) for axis in AXES)
+
+
+def row_axes(row: Sequence) -> dict[str, Any]:
+    """A row's record axes, as :meth:`Point.axes` gives them (its kernel configuration over the environment)."""
+    values = dict(zip(AXES, row))
+    options = values["kernel_options"]
+    values["kernel_options"] = kernel_option_registry.configuration(dict(options) if options else None)
+    return values
+
+
+def _point_of_row(row: Sequence) -> Point:
+    return Point(**{attribute: dict(value) if attribute == "kernel_options" and value else value
+                    for (_, attribute), value in zip(_AXIS_ATTRIBUTES, row)})
+
+
+def cannot_run_message(point_id: str, label: str, problem: str, invalid: int, total: int) -> str:
+    """The refusal of a spec with ``invalid`` of its ``total`` points unable to run, naming the first."""
+    return (f"point {point_id} ({label}) cannot run: {problem}; {invalid} of {total} points cannot "
+            "(--dry-run marks them): exclude them or change the spec")
+
+
+def check_points_can_run(points: Sequence[Point]) -> None:
+    """``ValueError`` naming the first point whose shapes cannot run (:func:`point_problem`), before any launch."""
+    problems = [(point, problem) for point in points if (problem := point_problem(point)) is not None]
+    if problems:
+        point, problem = problems[0]
+        raise ValueError(cannot_run_message(point.point_id, point.label(), problem, len(problems), len(points)))
 
 
 # ------------------------------------------------------------------------------------- validity
@@ -492,13 +629,25 @@ def _config(preset: str, loss: str) -> DSv4Config:
     return DSv4Config.preset(preset, indexer_loss=loss)
 
 
-def _check_ratio(point: Point) -> DSv4Config:
+def _checked_config(preset: str, loss: str, ratio: int) -> DSv4Config:
     """The point's config; ``ValueError`` naming the ratio when the preset cannot build it."""
-    cfg = _config(point.preset, point.loss)
+    cfg = _config(preset, loss)
     try:
-        cfg.check_ratio(point.ratio)
+        cfg.check_ratio(ratio)
     except ValueError as err:
-        raise ValueError(f"ratio: {point.ratio} with preset {point.preset!r}: {err}") from None
+        raise ValueError(f"ratio: {ratio} with preset {preset!r}: {err}") from None
+    return cfg
+
+
+def _shape_config(preset: str, loss: str, ratio: int, cp: int, tokens: int, partition: str,
+                  kernel_backend: str) -> DSv4Config:
+    """The config of a point's shape; ``ValueError`` when the preset cannot build the ratio, a kernel backend
+    named for other head dims, or (under the equal split) tokens not divisible by cp or fewer rows per rank
+    than the halo."""
+    cfg = _checked_config(preset, loss, ratio)
+    check_head_dim(kernel_backend, cfg.head_dim)
+    if partition == "equal":
+        split_rows(tokens, cp, cfg, ratio, field="tokens")
     return cfg
 
 
@@ -506,29 +655,49 @@ def point_inputs(point: Point) -> tuple[DSv4Config, list[int]]:
     """The point's config and document lengths; ``ValueError`` when its shapes cannot run (a ratio
     the preset cannot build, tokens not divisible by cp or fewer rows per rank than the halo under the
     equal split, documents that do not fit the tokens, a kernel backend named for other head dims)."""
-    cfg = _check_ratio(point)
-    check_head_dim(point.kernel_backend, cfg.head_dim)
-    if point.partition == "equal":
-        split_rows(point.tokens, point.cp, cfg, point.ratio, field="tokens")
+    cfg = _shape_config(point.preset, point.loss, point.ratio, point.cp, point.tokens, point.partition,
+                        point.kernel_backend)
     lengths = packing_lengths(point.packing, point.tokens, cp=point.cp, ratio=point.ratio, seed=point.seed)
     return cfg, lengths
 
 
 def point_problem(point: Point) -> str | None:
-    """Why ``point`` cannot run (the message :func:`point_inputs` raises), None when it can. Only the
-    axes that shape the step are looked at, and their answers are cached: the axes that do not (dtype,
-    pass, overlap, recompute, ...) multiply a spec's points without multiplying this work."""
-    return _shape_problem(point.preset, point.loss, point.ratio, point.cp, point.tokens, point.packing, point.seed,
-                          point.partition, point.kernel_backend)
+    """Why ``point`` cannot run (the message :func:`point_inputs` raises), None when it can."""
+    return row_problem(point.row())
+
+
+SHAPE_AXES = ("preset", "loss", "ratio", "cp", "tokens", "partition", "kernel_backend")
+"""The axes a point's shape checks read, in :func:`shape_problem`'s order."""
+PACKING_AXES = ("packing", "tokens", "cp", "ratio", "seed")
+"""The axes its documents are drawn from, in :func:`packing_problem`'s order."""
+_shape_of = itemgetter(*(ROW_INDEX[axis] for axis in SHAPE_AXES))
+_packing_of = itemgetter(*(ROW_INDEX[axis] for axis in PACKING_AXES))
+
+
+def row_problem(row: Sequence) -> str | None:
+    """:func:`point_problem` of a row of :func:`iter_rows`. Only the axes that shape the step are looked at,
+    in two groups whose answers are cached apart: the axes neither group reads (dtype, pass, overlap,
+    recompute, ...) multiply a spec's points without multiplying this work, and the seed multiplies only
+    the documents' checks."""
+    return shape_problem(*_shape_of(row)) or packing_problem(*_packing_of(row))
 
 
 @functools.lru_cache(maxsize=4096)
-def _shape_problem(preset: str, loss: str, ratio: int, cp: int, tokens: int, packing: str, seed: int,
-                   partition: str, kernel_backend: str) -> str | None:
-    shape = Point(preset=preset, loss=loss, ratio=ratio, cp=cp, tokens=tokens, packing=packing, seed=seed,
-                  partition=partition, kernel_backend=kernel_backend)
+def shape_problem(preset: str, loss: str, ratio: int, cp: int, tokens: int, partition: str,
+                  kernel_backend: str) -> str | None:
+    """Why a point of this shape cannot run (:func:`_shape_config`), None when it can."""
     try:
-        point_inputs(shape)
+        _shape_config(preset, loss, ratio, cp, tokens, partition, kernel_backend)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def packing_problem(packing: str, tokens: int, cp: int, ratio: int, seed: int) -> str | None:
+    """Why the documents of this packing do not fit the tokens, None when they do."""
+    try:
+        packing_lengths(packing, tokens, cp=cp, ratio=ratio, seed=seed)
     except ValueError as err:
         return str(err)
     return None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dsv4cp import records
+from dsv4cp import kernel_options, records
 from dsv4cp.records import (
     AXES,
     COLUMNS,
@@ -37,6 +40,23 @@ def test_make_record_fills_every_column_in_order():
     assert record["bound_ms"] is None and record["loss"] is None
     assert record["time_utc"].endswith("Z")
     assert set(AXES) | set(METRICS) <= set(COLUMNS)
+
+
+_ID_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2, 2**40), st.sampled_from(["fwd", "all", "é", ""]),
+                       st.sampled_from([{}, {"topk_impl": "stream"}, {"topk_impl": "chunked"}, {"zz": "1"}]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from([*AXES, "not_an_axis"]), _ID_VALUES))
+def test_point_id_is_the_sha1_of_the_sorted_json_it_documents(axes):
+    # built from per-axis pieces (what a dry run caches), the id is still the documented hash
+    values = {name: axes.get(name) for name in AXES}
+    if isinstance(values["kernel_options"], dict):
+        values["kernel_options"] = kernel_options.non_default(values["kernel_options"]) or None
+    kept = {name: value for name, value in values.items()
+            if name not in records._ADDED_AXES or not (value is None or value is records._ADDED_AXES[name])}
+    text = json.dumps(kept, sort_keys=True, separators=(",", ":"))
+    assert point_id(axes) == hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def test_point_id_depends_on_axis_values_only():
