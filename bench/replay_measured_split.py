@@ -6,9 +6,9 @@ per-rank factors, the split the next round would measure and the model's predict
 
 ``SPLIT_FILE``: the ``--save-split`` file of the run (every round's split and measured rank times); its cp and
 token count come from it, the rest of the point from the flags, which must match the run's. ``--calibration``:
-the prior the run started from. Prints: whether the class-only refit reproduces every split the run measured
-(the replay is faithful), each round predicted from the rounds before it (relative errors), and the next split.
-Every "predicted" figure is the cost model's, NOT a measurement.
+the prior the run started from. Prints: whether the refit (with or without per-rank factors) reproduces every
+split the run measured (the replay is faithful), each round predicted from the rounds before it (relative
+errors), and the next split. Every "predicted" figure is the cost model's, NOT a measurement.
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     for index, measured in enumerate(rounds):
         print(f"  {measured.line(index)}")
     for index in range(1, len(rounds)):
-        again = next_round(point, rounds[:index], machine, calibration=prior, per_rank=False).split.bounds
-        same = "reproduced" if again == rounds[index].split else f"NOT reproduced (replay gives {list(again)})"
-        print(f"round {index}'s split from the class-only refit of rounds 0..{index - 1}: {same}")
+        which = [_KINDS[per_rank] for per_rank in (False, True)
+                 if next_round(point, rounds[:index], machine, calibration=prior, per_rank=per_rank).split.bounds
+                 == rounds[index].split]
+        found = f"reproduced by the refit with {' and by the refit with '.join(which)}" if which else "NOT reproduced"
+        print(f"round {index}'s split from the refit of rounds 0..{index - 1}: {found}")
     for per_rank in (False, True):
         errors = "; ".join(f"round {h.index} rms {h.rms:.4f} worst {h.worst:.4f}"
                            for h in hindcast(point, rounds, machine, calibration=prior, per_rank=per_rank))

@@ -62,7 +62,7 @@ def balanced_split(prefix: np.ndarray, cp: int, min_rows: int = 1, align: int = 
             f"gives every rank {min_rows} rows"
         )
     lo, hi = 0.0, float(prefix[-1] * weights.max())
-    best = _split_within(prefix, grid, min_rows, hi / weights)  # the whole cost always fits
+    best = _split_within(prefix, grid, min_rows, np.full(cp, np.inf))  # no cap: always fits
     for _ in range(_BISECTION_STEPS):
         mid = 0.5 * (lo + hi)
         if not lo < mid < hi:

@@ -13,6 +13,17 @@ written to files (:func:`save_split`, ``Calibration.save``) that ``--split-file`
 take, so a layout is tuned once and reused.
 
 Every rank runs the same rounds on the same gathered times, so all derive the same splits.
+
+Why the first rank of one long document stays lighter than the rest (on an H200 at 256K, cp 8: ~125 ms
+against ~146 ms in every round): by the model's own choice, not a residual it misses. The first two ranks hold
+the most rows, and the largest slice sets the capacity every rank's gathered compressed buffers are padded to;
+under the ``prefix`` scan rank ``rho``'s queries scan ``rho x capacity`` earlier slots. Rank 0 scans none
+(its indexer share is 10 ms against 30-82 ms on ranks 1-7), so to be as slow as the others it would need
+more rows than rank 1, and each row it takes raises the capacity for all: moving 1024 rows from rank 1 to
+rank 0 of the 2026-12-02 H200 split lifts the capacity from 10653 to 10909 slots, rank 0 by 3.3 ms and ranks
+2-7 by 0.9-1.9 ms each, so the slowest rank gets slower (146.1 -> 147.5 ms, refitted model). The split that
+minimises the slowest rank therefore leaves max/mean at ~1.018 in the model; the measured max/mean adds the
+ranks' noise (~1%) on top. The rounds minimise the slowest rank (what the step waits for), not max/mean.
 """
 
 from __future__ import annotations

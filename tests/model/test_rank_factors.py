@@ -6,6 +6,7 @@ a note) at any other, weighed by the balanced split, and carried in the calibrat
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 import shutil
@@ -13,12 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsv4cp.cli.main import main
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import Machine, estimate
-from dsv4cp.model.balanced_split import balanced_split
+from dsv4cp.model.balanced_split import InfeasibleSplitError, balanced_split
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.partition import policy_split
 from dsv4cp.model.refit import RankTimes, refit
@@ -185,3 +188,35 @@ def test_model_cli_notes_rank_factors_ignored_at_another_cp(tmp_path, capsys, se
     assert note in capsys.readouterr().out
     assert main([*point, "--cp", "2"]) == 0
     assert "per-rank factors" not in capsys.readouterr().out
+
+
+def _weighted_brute_force(prefix: np.ndarray, weights: list[float], min_rows: int, align: int) -> float:
+    """The smallest largest weighted slice cost over every split (inner points on multiples of ``align``)."""
+    total, cp = prefix.size - 1, len(weights)
+    best = np.inf
+    for inner in itertools.combinations_with_replacement(range(0, total + 1, align), cp - 1):
+        bounds = (0, *inner, total)
+        if (np.diff(bounds) < min_rows).any():
+            continue
+        best = min(best, max(w * (prefix[e] - prefix[b]) for w, b, e in zip(weights, bounds[:-1], bounds[1:])))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=st.lists(st.integers(0, 50), min_size=1, max_size=12),
+       weights=st.lists(st.floats(0.5, 2.0), min_size=1, max_size=4),
+       min_rows=st.integers(1, 3), align=st.integers(1, 3))
+def test_weighted_balanced_split_is_optimal(costs, weights, min_rows, align):
+    """Every route of the split search (the greedy sweep and, below min_rows, the exact reachability test)
+    minimises the largest weighted slice cost."""
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=float))))
+    want = _weighted_brute_force(prefix, weights, min_rows, align)
+    if want == np.inf:
+        with pytest.raises(InfeasibleSplitError):
+            balanced_split(prefix, len(weights), min_rows, align, weights)
+        return
+    split = balanced_split(prefix, len(weights), min_rows, align, weights)
+    split.validate(len(costs), len(weights), min_rows)
+    assert all(b % align == 0 for b in split.bounds[1:-1]), split
+    got = max(w * (prefix[e] - prefix[b]) for w, b, e in zip(weights, split.bounds[:-1], split.bounds[1:]))
+    assert got <= want * (1 + 1e-9) + 1e-9, (split, got, want)

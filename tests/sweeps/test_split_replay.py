@@ -9,10 +9,11 @@ import random
 
 import pytest
 
+from bench import replay_measured_split
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
-from dsv4cp.sweeps.measured_split import SplitRound, refine_by_measurement
+from dsv4cp.sweeps.measured_split import SplitRound, refine_by_measurement, save_split
 from dsv4cp.sweeps.spec import make_point
 from dsv4cp.sweeps.split_replay import hindcast, next_round, predicted_rank_ms
 
@@ -69,3 +70,17 @@ def test_replay_refuses_no_rounds():
     with pytest.raises(ValueError, match="rounds"):
         next_round(POINT, [], Machine())
 
+
+
+def test_replay_tool_on_a_split_file(tmp_path, capsys, seed):
+    """``bench.replay_measured_split`` on the split file of rounds run against synthetic ranks: every
+    measured split is reproduced, and the next split is printed as a prediction."""
+    rng = random.Random(seed)
+    result, _ = refine_by_measurement(POINT, _measure(_hardware(rng), rng), target=1.0, max_rounds=2)
+    path = tmp_path / "split.json"
+    save_split(path, POINT, result)
+    assert replay_measured_split.main([str(path), "--packing", "histogram"]) == 0
+    text = capsys.readouterr().out
+    reproduced = "reproduced by the refit with class + per-rank factors"
+    assert text.count(reproduced) == len(result.rounds) - 1 and "NOT reproduced" not in text
+    assert text.count("PREDICTED (model, not measured)") == 2
