@@ -1,8 +1,9 @@
 """Every sorted lookup (``searchsorted`` / ``bucketize``) on the layer's path compiles under Inductor.
 
-The failure seen on CUDA (``InductorError: NotImplementedError: SliceView``): Inductor's lowering of
-``searchsorted`` reads the boundary tensor's stride (``_boundaries_helper``), and a view of an
-unrealised computation (``rank_bounds[1:]``, a slice of a stacked tensor) has none. Inductor's C++
+The failure seen on CUDA with torch 2.11 (``InductorError: NotImplementedError: SliceView``): Inductor's
+lowering of ``searchsorted`` realises the boundary tensor and reads its stride (``_boundaries_helper``),
+and a view of an unrealised computation (``rank_bounds[1:]``, a slice of a stacked tensor) stays a
+``SliceView``, which has none (later versions turn such views into strided ones first). Inductor's C++
 backend has no bucketize codegen (it falls back to ATen), so on CPU that lowering never runs; the
 lowering it would get is what these tests pin instead: in the ATen graph Inductor receives (its own
 decompositions, forward and backward), no boundary tensor of a lookup is the output of a view op.
