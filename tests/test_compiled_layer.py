@@ -88,15 +88,20 @@ def triton_paths(monkeypatch):
 
 
 def test_compiled_step_on_the_kernels_custom_ops_matches_eager(triton_paths, seed):
-    """Every kernel of the layer as an opaque custom op: one graph, the eager step's numbers and notes."""
+    """Every kernel of the layer as an opaque custom op: one graph, the eager step's numbers and notes, and
+    the layer's kernel options reaching the kernels of both directions (a compiled graph runs outside the
+    layer's option scope: the ops are handed the options)."""
     layer, packed, x, weight = build_case(
         CheckCase(lengths=(9, 0, 23), total=32, ratio=4, seed=seed, backend="triton"), torch.device("cpu"))
+    layer.kernel_options = kernel_options.canonical({"topk_keys": "scores", "triton_dq_in_dkv": "0"})
     eager = copy.deepcopy(layer)
     kernel_options.reset_backends_ran()
     want, want_dx, want_grads = _step(eager, packed, x, weight)
     want_ran = kernel_options.backends_ran()
     assert {want_ran[k] for k in ("compress_pool", "indexer_scores.bwd", "norm_rope", "sparse_attention.fwd")} \
         == {"triton"}, want_ran
+    assert want_ran["indexer_topk"] == "triton/chunked/torch/scores", want_ran
+    assert not any("dq_in_dkv" in key for key in want_ran), want_ran  # the backward without the fused dq
     torch._dynamo.reset()
     counters.clear()
     kernel_options.reset_backends_ran()
