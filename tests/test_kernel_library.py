@@ -155,11 +155,13 @@ def test_attention_probs_ops_pass_opcheck_and_match_the_reference(seed):
         _close(got, want, f"probs slots_on_m={slots_on_m}")
 
 
-def test_options_in_force_round_trip_and_reach_the_kernels():
+def test_options_in_force_round_trip_and_reach_the_kernels(monkeypatch):
+    for option in kernel_options.OPTIONS.values():
+        monkeypatch.delenv(option.env, raising=False)
     with kernel_options.overrides({"topk_impl": "stream", "triton_norm_rope_config": "2,4"}):
         text = options_in_force()
     assert text == "topk_impl=stream;triton_norm_rope_config=2,4"
-    assert options_in_force() == ""  # the defaults outside the block (no DSV4CP_* variable set by the tests)
+    assert options_in_force() == ""  # every option at its default outside the block
     with options_from(text):
         assert kernel_options.get("topk_impl") == "stream" and kernel_options.get("triton_norm_rope_config") == (2, 4)
     with pytest.raises(ValueError, match="topk_impl"):
