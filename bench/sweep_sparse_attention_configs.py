@@ -12,8 +12,8 @@ machine (it imports ``bench.test_bench_sparse_attention``)::
 
     python -m bench.sweep_sparse_attention_configs --json sweep_sparse_attention.json
 
-Every candidate compiles once (about 10-20 s each, which dominates the run); ``--shapes`` and
-``--only`` narrow the sweep.
+Every candidate compiles once (about 10-20 s each, which dominates the run); ``--shapes``, ``--only``
+and ``--match`` (a part of the candidates' names, e.g. ``split-logits``) narrow the sweep.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ TOLERANCE = 1e-2  # relative Frobenius error of bf16 against fp32 (tests/kernels
 
 @dataclass(frozen=True)
 class Candidate:
-    """One launch to time: the forward's ``(block_h, block_k, num_warps, num_stages)``, or the backward's
-    first kernel (same fields), its dkv kernel ``(block_k, block_d, num_warps, num_stages)`` and where dq
-    is accumulated. ``heads``: the head counts it is meant for (its dkv tiles depend on H)."""
+    """One launch to time: the forward's ``(block_h, block_k, num_warps, num_stages)`` and whether its
+    warpgroups split the logits' slots, or the backward's first kernel (same fields), its dkv kernel
+    ``(block_k, block_d, num_warps, num_stages)``, where dq is accumulated and whether the dkv kernel forms
+    its gradient as one product. ``heads``: the head counts it is meant for (its dkv tiles depend on H)."""
 
     direction: str
     config: tuple[int, int, int, int]
@@ -48,42 +49,83 @@ class Candidate:
     dq_in_dkv: bool = False
     heads: tuple[int, ...] = (64, 128)
     note: str = ""
+    split_logits: bool = False
+    one_product: bool = False
+    index_ahead: bool = False
 
     @property
     def name(self) -> str:
         text = "x".join(map(str, self.config))
         if self.direction == "bwd":
-            text += " / dkv " + "x".join(map(str, self.dkv)) + (" dq-in-dkv" if self.dq_in_dkv else "")
-        return text
+            text += (" / dkv " + "x".join(map(str, self.dkv)) + (" dq-in-dkv" if self.dq_in_dkv else "")
+                     + (" one-product" if self.one_product else ""))
+        return text + (" split-logits" if self.split_logits else "") + (" index-ahead" if self.index_ahead else "")
 
     @property
     def env(self) -> dict[str, str]:
         """The environment that pins this candidate without keyword arguments."""
-        join = ",".join
+        join, flag = ",".join, lambda on: "1" if on else "0"
         if self.direction == "fwd":
-            return {"DSV4CP_TRITON_FWD_CONFIG": join(map(str, self.config))}
+            return {"DSV4CP_TRITON_FWD_CONFIG": join(map(str, self.config)),
+                    "DSV4CP_TRITON_FWD_SPLIT_LOGITS": flag(self.split_logits),
+                    "DSV4CP_TRITON_FWD_INDEX_AHEAD": flag(self.index_ahead)}
         return {"DSV4CP_TRITON_BWD_CONFIG": join(map(str, self.config)),
                 "DSV4CP_TRITON_DKV_CONFIG": join(map(str, self.dkv)),
-                "DSV4CP_TRITON_DQ_IN_DKV": "1" if self.dq_in_dkv else "0"}
+                "DSV4CP_TRITON_DQ_IN_DKV": flag(self.dq_in_dkv),
+                "DSV4CP_TRITON_DKV_ONE_PRODUCT": flag(self.one_product),
+                "DSV4CP_TRITON_BWD_INDEX_AHEAD": flag(self.index_ahead)}
 
 
 # Candidates: the ones that compile for sm_90a with Triton 3.6 (the GPU machine's) within the shared
 # memory and without spills, or with the fewest (triton.compile for target cuda 90 with the launch's
 # 16-byte divisibility specialisation, then cuobjdump -res-usage; no GPU needed): registers per thread,
-# shared memory and stack bytes from spills in the notes. The first row of each direction and shape is
-# today's default.
+# shared memory and stack bytes from spills in the notes (H = 64 unless a row is for 128 heads only). The
+# first row of each direction and shape is today's default.
 CANDIDATES = [
     Candidate("fwd", (64, 64, 8, 2), note="default; 255 regs, 192 KB, no spill"),
     Candidate("fwd", (64, 32, 8, 3), note="128 KB, 40 B stack"),
+    Candidate("fwd", (64, 64, 8, 2), split_logits=True, note="246 regs, 208 KB (H 128: 40 B stack)"),
+    Candidate("fwd", (64, 32, 8, 3), split_logits=True, note="233 regs, 136 KB (H 128: 40 B stack)"),
+    Candidate("fwd", (64, 64, 8, 1), split_logits=True, note="255 regs, 144 KB, no spill"),
+    Candidate("fwd", (64, 64, 8, 2), index_ahead=True, note="255 regs, 192 KB, 8 B stack (H 128: 80 B)"),
+    Candidate("fwd", (64, 64, 8, 2), split_logits=True, index_ahead=True,
+              note="255 regs, 208 KB, 8 B stack (H 128: 72 B)"),
+    Candidate("fwd", (64, 64, 8, 1), split_logits=True, index_ahead=True, note="255 regs, 144 KB, 8 B stack"),
+    Candidate("fwd", (64, 64, 8, 3), note="3 stages: indices a step ahead by the pipeliner; 255 regs, 192 KB"),
+    Candidate("fwd", (64, 64, 8, 3), split_logits=True, note="3 stages; 252 regs, 208 KB (H 128: 40 B stack)"),
     Candidate("bwd", (32, 64, 8, 2), (64, 256, 8, 2), heads=(64,), note="default; dq mma.sync 225 regs"),
     Candidate("bwd", (32, 32, 8, 2), (64, 256, 8, 2), heads=(64,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 256, 8, 2), True, heads=(64,), note="wgmma 140 regs; dkv 252 regs 224 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(64,), note="dkv 153 regs, 2x p/ds reads"),
     Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), note="scores 162 regs, 1 stage"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), one_product=True,
+              note="dkv 242 regs, 208 KB, no spill"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 1), True, heads=(64,), one_product=True,
+              note="dkv 254 regs, 128 KB, 1 stage"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 16, 1), True, heads=(64,), one_product=True,
+              note="dkv 16 warps, 128 regs, 128 KB"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 2), True, heads=(64,), one_product=True,
+              note="dkv 138 regs, 112 KB, 2x p/ds reads"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), index_ahead=True,
+              note="scores 186 regs; dkv 255 regs, 104 B stack"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), one_product=True, index_ahead=True,
+              note="scores 186 regs; dkv 230 regs, 208 KB, no spill"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 1), True, heads=(64,), one_product=True, index_ahead=True,
+              note="scores 186 regs; dkv 253 regs, 128 KB, 1 stage"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 3), True, heads=(64,), one_product=True,
+              note="dkv 3 stages: indices a step ahead by the pipeliner; 230 regs, 208 KB"),
     Candidate("bwd", (32, 64, 8, 2), (64, 128, 8, 2), heads=(128,), note="default"),
     Candidate("bwd", (32, 32, 8, 2), (64, 128, 8, 2), heads=(128,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(128,), note="dkv 224 regs, 192 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 64, 8, 2), True, heads=(128,), note="dkv 142 regs, 2x p/ds reads"),
+    Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(128,), one_product=True,
+              note="dkv 227 regs, 160 KB"),
+    Candidate("bwd", (64, 32, 8, 2), (64, 64, 8, 2), True, heads=(128,), one_product=True,
+              note="dkv 112 regs, 96 KB, 2x p/ds reads"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 2), True, heads=(128,), one_product=True, index_ahead=True,
+              note="scores 186 regs; dkv 232 regs, 160 KB"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 3), True, heads=(128,), one_product=True,
+              note="dkv 3 stages; 231 regs, 160 KB"),
 ]
 
 
@@ -114,7 +156,8 @@ def fwd_call(cand: Candidate, q, kv, idx, sink, scale):
     from dsv4cp.kernels.sparse_attention_triton import sparse_attention_fwd
 
     bh, bk, nw, ns = cand.config
-    return sparse_attention_fwd(q, kv, idx, sink, scale, block_h=bh, block_k=bk, num_warps=nw, num_stages=ns)
+    return sparse_attention_fwd(q, kv, idx, sink, scale, block_h=bh, block_k=bk, num_warps=nw, num_stages=ns,
+                                split_logits=cand.split_logits, index_ahead=cand.index_ahead)
 
 
 def bwd_call(cand: Candidate, dout, q, kv, idx, sink, scale, out, lse):
@@ -123,7 +166,8 @@ def bwd_call(cand: Candidate, dout, q, kv, idx, sink, scale, out, lse):
     bh, bk, nw, ns = cand.config
     return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, deterministic=False, block_h=bh,
                                 block_k=bk, num_warps=nw, num_stages=ns, dkv_config=DkvConfig(*cand.dkv),
-                                dq_in_dkv=cand.dq_in_dkv)
+                                dq_in_dkv=cand.dq_in_dkv, dkv_one_product=cand.one_product,
+                                index_ahead=cand.index_ahead)
 
 
 def reference(args, dout, check_tokens: int):
@@ -181,6 +225,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, required=True, help="where to write the rows (JSON)")
     parser.add_argument("--shapes", default="flash,pro", help="comma-separated: flash, pro")
     parser.add_argument("--only", choices=("fwd", "bwd"), help="one direction only")
+    parser.add_argument("--match", default="", help="only candidates whose name holds this text (e.g. one-product)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per candidate (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
     parser.add_argument("--check-tokens", type=int, default=1024, help="queries checked against torch")
@@ -216,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         ref = reference(entry["args"], dout, min(args.check_tokens, shape.tokens))
         fwd_out = fwd_call(CANDIDATES[0], *entry["args"])  # the backward's out and lse
         for cand in CANDIDATES:
-            if (args.only and cand.direction != args.only) or shape.heads not in cand.heads:
+            if (args.only and cand.direction != args.only) or shape.heads not in cand.heads or \
+                    args.match not in cand.name:
                 continue
             begin = time.perf_counter()
             row = run_candidate(cand, shape, entry, fwd_out, dout, ref, args.reps, args.warmup,

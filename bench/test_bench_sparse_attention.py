@@ -13,8 +13,18 @@ on CPU. Every backend runs in the same session, so one ``--benchmark-json`` hold
 Triton's, cuDNN's DSA backward beside Triton's, and torch's: the one-sided libraries "flashmla" (forward
 only) and "cudnn" (backward only) are timed alone, each where it is available (SM90+ and its package) and
 at the head dims it supports (not ``tiny``); a direction a backend lacks is skipped.
-``triton-dq-in-dkv`` (backward only) is the triton backend with dq accumulated by the dkv kernel
-(``DSV4CP_TRITON_DQ_IN_DKV=1``); ``bench/sweep_sparse_attention_configs.py`` sweeps all launch configurations.
+Kernel variants of the triton backend are timed beside it (the same call with a kernel option set):
+``triton-dq-in-dkv`` (backward: dq accumulated by the dkv kernel, ``DSV4CP_TRITON_DQ_IN_DKV=1``),
+``triton-split-logits`` (forward: the two warpgroups split the logits' slots,
+``DSV4CP_TRITON_FWD_SPLIT_LOGITS=1``), ``triton-dkv-one-product`` (backward: the dkv kernel's
+``ds^T q + p^T dO`` as one product, ``DSV4CP_TRITON_DKV_ONE_PRODUCT=1``), ``triton-index-ahead`` (each
+direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TRITON_FWD_INDEX_AHEAD=1`` /
+``DSV4CP_TRITON_BWD_INDEX_AHEAD=1``) and the two combined. The current kernels against the new ones at
+the flash shape::
+
+    pytest bench/test_bench_sparse_attention.py -m gpu -k "flash and triton and not deterministic"
+
+``bench/sweep_sparse_attention_configs.py`` sweeps all launch configurations.
 """
 
 from __future__ import annotations
@@ -25,12 +35,20 @@ import pytest
 import torch
 
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
+from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
-DQ_IN_DKV_VARIANT = "triton-dq-in-dkv"
-"""Benchmarked beside the backends: the triton backward with its dq accumulated by the dkv kernel."""
+FORWARD_VARIANTS = {"triton-split-logits": {"triton_fwd_split_logits": "1"},
+                    "triton-index-ahead": {"triton_fwd_index_ahead": "1"},
+                    "triton-split-logits-index-ahead": {"triton_fwd_split_logits": "1", "triton_fwd_index_ahead": "1"}}
+BACKWARD_VARIANTS = {"triton-dq-in-dkv": {"triton_dq_in_dkv": "1"},
+                     "triton-dkv-one-product": {"triton_dkv_one_product": "1"},
+                     "triton-index-ahead": {"triton_bwd_index_ahead": "1"},
+                     "triton-dkv-one-product-index-ahead": {"triton_dkv_one_product": "1",
+                                                            "triton_bwd_index_ahead": "1"}}
+"""Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set."""
 LIBRARY_HEAD_DIMS = {flashmla.NAME: flashmla.SUPPORTED_HEAD_DIMS, cudnn_dsa.NAME: cudnn_dsa.SUPPORTED_HEAD_DIMS}
 
 
@@ -78,6 +96,17 @@ def _backend(name: str, shape: Shape):
 
 
 _INPUTS: dict = {}
+
+
+def _impl(name: str, shape: Shape, variants: dict, monkeypatch):
+    """The backend ``name``, or for a variant the triton backend with the variant's kernel options set
+    (through their variables, for this test only)."""
+    if name not in variants:
+        return _backend(name, shape)
+    impl = _backend("triton", shape)
+    for option, value in variants[name].items():
+        monkeypatch.setenv(OPTIONS[option].env, value)
+    return impl
 
 
 def _inputs(shape: Shape):
@@ -139,11 +168,11 @@ def _rounds() -> tuple[int, int]:
     return (5, 2) if HAS_CUDA else (2, 1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, *FORWARD_VARIANTS])
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
-def test_sparse_attention_forward(benchmark, measure, shape_name, backend):
+def test_sparse_attention_forward(benchmark, measure, monkeypatch, shape_name, backend):
     shape = SHAPES[shape_name]
-    impl = _backend(backend, shape)
+    impl = _impl(backend, shape, FORWARD_VARIANTS, monkeypatch)
     entry = _inputs(shape)
     q, kv, idx, sink, scale = entry["args"]
     benchmark.group = f"sparse_attention.fwd.{shape.name}"
@@ -162,17 +191,11 @@ def test_sparse_attention_forward(benchmark, measure, shape_name, backend):
     assert out.shape == q.shape and lse.shape == q.shape[:2]
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS, DQ_IN_DKV_VARIANT])
+@pytest.mark.parametrize("backend", [*BACKENDS, *BACKWARD_VARIANTS])
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
 def test_sparse_attention_backward(benchmark, measure, monkeypatch, shape_name, backend):
     shape = SHAPES[shape_name]
-    if backend == DQ_IN_DKV_VARIANT:
-        impl = _backend("triton", shape)
-        from dsv4cp.kernels.sparse_attention_triton import DQ_IN_DKV_ENV
-
-        monkeypatch.setenv(DQ_IN_DKV_ENV, "1")
-    else:
-        impl = _backend(backend, shape)
+    impl = _impl(backend, shape, BACKWARD_VARIANTS, monkeypatch)
     entry = _inputs(shape)
     q, kv, idx, sink, scale = entry["args"]
     out, lse, dout = _backward_inputs(shape, entry)

@@ -98,8 +98,8 @@ def test_compiled_step_on_the_kernels_custom_ops_matches_eager(triton_paths, see
     kernel_options.reset_backends_ran()
     want, want_dx, want_grads = _step(eager, packed, x, weight)
     want_ran = kernel_options.backends_ran()
-    assert {want_ran[k] for k in ("compress_pool", "indexer_scores.bwd", "norm_rope", "sparse_attention.fwd")} \
-        == {"triton"}, want_ran
+    assert all(want_ran[k].startswith("triton") for k in ("compress_pool", "indexer_scores.bwd", "norm_rope",
+                                                          "sparse_attention.fwd")), want_ran
     assert want_ran["indexer_topk"] == "triton/chunked/torch/scores", want_ran
     assert not any("dq_in_dkv" in key for key in want_ran), want_ran  # the backward without the fused dq
     torch._dynamo.reset()

@@ -143,16 +143,18 @@ def test_attention_probs_ops_pass_opcheck_and_match_the_reference(seed):
     idx = torch.randint(-1, 9, (6, 5), generator=gen)
     idx[2] = -1  # a query with no key: lse -inf, probabilities 0
     denominator = torch.randn(6, 3, generator=gen) + 3.0
-    torch.library.opcheck(attention_probs_library.logsumexp_over, (q, keys, idx, 0.25, ""))
-    torch.library.opcheck(attention_probs_library.head_summed_probs, (q, keys, idx, 0.25, denominator, False, ""))
+    torch.library.opcheck(attention_probs_library.logsumexp_over, (q, keys, idx, 0.25, "whole_d", ""))
+    torch.library.opcheck(attention_probs_library.head_summed_probs,
+                          (q, keys, idx, 0.25, denominator, False, "whole_d", ""))
     want_lse = logsumexp_over_torch(q.double(), keys.double(), idx, 0.25)
-    got_lse = attention_probs_library.logsumexp_over(q, keys, idx, 0.25, "")
-    assert torch.equal(got_lse.isinf(), want_lse.isinf())
-    _close(got_lse.masked_fill(got_lse.isinf(), 0), want_lse.masked_fill(want_lse.isinf(), 0), "lse")
     want = head_summed_probs_torch(q.double(), keys.double(), idx, 0.25, denominator.double())
-    for slots_on_m in (False, True):
-        got = attention_probs_library.head_summed_probs(q, keys, idx, 0.25, denominator, slots_on_m, "")
-        _close(got, want, f"probs slots_on_m={slots_on_m}")
+    for kernel in ("whole_d", "d_chunks"):
+        got_lse = attention_probs_library.logsumexp_over(q, keys, idx, 0.25, kernel, "")
+        assert torch.equal(got_lse.isinf(), want_lse.isinf())
+        _close(got_lse.masked_fill(got_lse.isinf(), 0), want_lse.masked_fill(want_lse.isinf(), 0), f"lse {kernel}")
+        for slots_on_m in (False, True):
+            got = attention_probs_library.head_summed_probs(q, keys, idx, 0.25, denominator, slots_on_m, kernel, "")
+            _close(got, want, f"probs {kernel} slots_on_m={slots_on_m}")
 
 
 def test_options_in_force_round_trip_and_reach_the_kernels(monkeypatch):

@@ -21,7 +21,17 @@ def gather_rows(TABLE, IDX_ROW, slots, slot_mask, n_rows, stride_n, d, dmask, D:
     (rows ``stride_n`` apart, zero at invalid rows and at columns ``d >= D``), upcast to fp32 when
     ``DOT_F32`` (Triton's CPU interpreter multiplies bf16 tiles wrongly). Without head-dim padding
     (``D == BLOCK_D``) the load is masked by row only: fewer predicate registers."""
-    rows = tl.load(IDX_ROW + slots, mask=slot_mask, other=-1).to(tl.int64)
+    rows = tl.load(IDX_ROW + slots, mask=slot_mask, other=-1)
+    return gather_loaded_rows(TABLE, rows, n_rows, stride_n, d, dmask, D, BLOCK_D, DOT_F32)
+
+
+@triton.jit
+def gather_loaded_rows(TABLE, rows, n_rows, stride_n, d, dmask, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       DOT_F32: tl.constexpr):
+    """:func:`gather_rows` for row indices already loaded (``rows [BLOCK_K]`` int32 or int64, ``-1`` for
+    an empty slot): a kernel that loads a step's indices one step ahead keeps their latency off the path
+    to the gather."""
+    rows = rows.to(tl.int64)
     valid = (rows >= 0) & (rows < n_rows)
     if D == BLOCK_D:
         mask = valid[:, None]

@@ -46,7 +46,16 @@ strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from 
   gathered rows), wgmma for both products, 255 registers, no spill. Triton lays the ``[64, BLOCK_K]``
   logits out over warps [8, 1], so both warpgroups compute the same q @ kv^T (the price of splitting the
   accumulator's columns; computing ``kv @ q^T`` instead keeps the [8, 1] layout). ``BLOCK_K=32,
-  3 stages``: 128 KB, 40 B of stack; ``BLOCK_K=128``: over the shared memory.
+  3 stages``: 128 KB, 40 B of stack; ``BLOCK_K=128``: over the shared memory. Measured on an H200
+  (``bench/sweep_sparse_attention_configs.py``, flash shapes): 5.62 ms = 244 TFLOP/s (``BLOCK_K=32``:
+  162 TFLOP/s).
+* forward with split logits (``SPLIT_LOGITS``, kernel option ``triton_fwd_split_logits``; Triton 3.6):
+  the logits get warps [4, 2], each warpgroup computing ``[64, BLOCK_K / 2]``: 36 wgmma instructions in
+  the loop's SASS against 68, matrix work per warpgroup and step 2 units instead of 3 (logits 1 instead
+  of 2, values 1), for two cross-warpgroup row reductions and p's trip through shared memory. Same
+  ladder: ``64, 64, 8, 2``: 208 KB, 246 registers, no spill (H = 128: 255 and 40 B of stack);
+  ``64, 32, 8, 3``: 136 KB, 233 registers; ``64, 64, 8, 1``: 144 KB, 255 registers, no spill. Expected
+  (a model, not measured): up to 1.5x on the matrix work.
 * dq kernel ``BLOCK_H=32, BLOCK_K=64, 8 warps, 2 stages`` (default): 132 KB, mma.sync, 225 registers, no
   spill (``BLOCK_K=32``: 98 KB, 185 registers). With 64 heads (wgmma) it spills 712 B.
   Without its dq accumulator ("dq in dkv"): ``BLOCK_H=64, BLOCK_K=32, 8 warps, 2 stages``: wgmma,
@@ -54,6 +63,24 @@ strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from 
 * dkv kernel ``BLOCK_K=64`` slots x 256 columns (128 when H > 64), 8 warps, 2 stages: wgmma, 160 KB,
   183 (122) registers, no spill; atomics compile to vectorised ``RED.ADD.F32`` (4 floats). With dq: the
   same columns, 224 KB and 252 registers at H = 64, 192 KB and 224 registers at H = 128, no spill.
+  Its two chained products put the first (``ds^T q``) on warps [8, 1]: both warpgroups compute it whole
+  (per warpgroup and step 2 units of matrix work where 1.5 would do, with dq) and its ``[64, 256]`` fp32
+  result (64 KB) crosses to the second product's layout through shared memory.
+* dkv kernel as one product (``ONE_PRODUCT``, kernel option ``triton_dkv_one_product``; p and ds side by
+  side in one ``[chunk, Kt, 2, H]`` scratch): ``[ds | p] [64, 2H] @ [q ; dO] [2H, 256]`` on warps [4, 2],
+  dq's ``ds^T`` read from the same shared-memory tile (a split, no reload). With dq at H = 64
+  ``64, 256, 8, 2``: 208 KB, 242 registers, no spill, 12 wgmma instructions against 16;
+  ``64, 256, 8, 1``: 128 KB, 254 registers; ``64, 256, 16, 1``: 128 KB, 128 registers; at H = 128
+  ``64, 128, 8, 2``: 160 KB, 227 registers. Expected (a model): the kernel's matrix work per warpgroup
+  x 0.75 and no 64 KB layout conversion per step.
+* indices one step ahead (``INDEX_AHEAD``, kernel options ``triton_fwd_index_ahead`` /
+  ``triton_bwd_index_ahead``). Triton 3.6's two-stage pipeline of a gather issues, at the end of a step,
+  a blocking load of the next step's indices and then the next step's row copies, which the next step
+  waits for at once: the index load's latency sits in every step. Loaded a step ahead (registers, no
+  shared memory), the copies start without it. Forward ``64, 64, 8, 2``: 255 registers and 8 B of stack
+  (H = 128: 80 B), split logits the same at 208 KB (72 B); scores ``64, 64, 8, 1``: 186 registers
+  against 160; dkv one product ``64, 256, 8, 2``: 230 registers, no spill (two products: 104 B of
+  stack).
 
 A single fused backward (dq and dkv in one loop) needs two [*, 512] fp32 accumulators and a second copy
 of q and dO in shared memory (~300 KB): it does not fit, hence (b) + (c) at the price of writing p and
@@ -79,7 +106,7 @@ import triton.language as tl
 
 from dsv4cp import kernel_options
 from dsv4cp.kernels import is_deterministic
-from dsv4cp.kernels._triton_gather import gather_rows
+from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows
 from dsv4cp.kernels._triton_launch import Kernels, OutOfResources  # noqa: F401  (OutOfResources: re-exported)
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels._triton_launch import pinned as _pinned
@@ -154,12 +181,24 @@ def _fwd_kernel(
     H, N, KT, N_HB,  # heads, kv rows, slots per query, head blocks per query
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_LOGITS: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr,
 ):
     """Forward of one (query token t, head block).
 
     Q ``[T, H, D]``, KV ``[N, D]`` (same float dtype), IDX ``[T, KT]`` int32/int64, SINK ``[H]`` fp32,
     TOPK ``[T]`` int32 (read iff HAS_TOPK), OUT ``[T, H, D]`` (Q's dtype), LSE ``[T, H]`` fp32.
+
+    SPLIT_LOGITS: p and the rescaled accumulator reach the value product through a branch that is always
+    taken (``k0 < kt_len`` inside the loop). Triton lays out a product whose result feeds another product
+    over all warps along M (``[num_warps, 1]``); at 64 heads and 8 warps that makes both warpgroups
+    compute the same ``[64, BLOCK_K]`` logits. The branch's results are not in the logits' forward slice,
+    so the logits get the ordinary ``[4, 2]`` layout: each warpgroup computes half of the slots, the
+    softmax's row max and sum cross the warpgroups and p goes to the value product through shared memory.
+
+    INDEX_AHEAD: each step loads the next step's row indices and gathers the rows of indices loaded one
+    step earlier. Triton's two-stage pipeline issues the next step's gather at the end of a step, right
+    after loading (and waiting for) the indices it needs; loaded ahead, they are there already.
     """
     pid = tl.program_id(0)
     t = (pid // N_HB).to(tl.int64)
@@ -180,10 +219,18 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of 2^(s - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if INDEX_AHEAD:
+        rows_next = tl.load(IDX + t * stride_it + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < kt_len,
+                            other=-1)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
-        rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, slots < kt_len, N, stride_kvn, d, dmask,
-                                      D, BLOCK_D, DOT_F32)  # K and V
+        if INDEX_AHEAD:
+            rows_here = rows_next
+            rows_next = tl.load(IDX + t * stride_it + slots + BLOCK_K, mask=slots + BLOCK_K < kt_len, other=-1)
+            rows, valid, kv = gather_loaded_rows(KV, rows_here, N, stride_kvn, d, dmask, D, BLOCK_D, DOT_F32)
+        else:
+            rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, slots < kt_len, N, stride_kvn, d, dmask,
+                                          D, BLOCK_D, DOT_F32)  # K and V
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -191,7 +238,16 @@ def _fwd_kernel(
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)
+        if SPLIT_LOGITS:
+            if k0 < kt_len:  # always: hides p's and alpha's origin from the chained-product layout rule
+                p_v = p.to(kv.dtype)
+                acc_v = acc * alpha[:, None]
+            else:
+                p_v = tl.zeros([BLOCK_H, BLOCK_K], dtype=kv.dtype)
+                acc_v = acc
+            acc = tl.dot(p_v, kv, acc_v, input_precision=PRECISION)
+        else:
+            acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     # Sink: denominator 2^m * l + 2^(sink*log2e); a row with no key has acc = 0 -> out = 0.
@@ -236,19 +292,22 @@ def _bwd_preprocess_kernel(
 def _bwd_dq_kernel(
     Q, KV, IDX, TOPK, DOUT, LSE, DELTA, SINK, DQ, PBUF, DSBUF,
     scale, qk_scale2,
-    H, N, KT, N_HB, T0,
+    H, N, KT, N_HB, T0, SCRATCH_ROW,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh, stride_dqt, stride_dqh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_TOPK: tl.constexpr, ACC_DQ: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr,
 ):
     """dq of one (query token t = T0 + pid // N_HB, head block), and its p / ds scratch.
 
     Q, DOUT ``[T, H, D]``, KV ``[N, D]``, IDX ``[T, KT]``, TOPK ``[T]`` (iff HAS_TOPK), LSE, DELTA
     ``[T, H]`` fp32, SINK ``[H]`` fp32. Writes, for the slots below the query's length, PBUF / DSBUF
-    ``[chunk, KT, H]`` (Q's dtype) at ``(t - T0, slot, head)``: p = e^{l - logaddexp(lse, sink)} and
-    ds = p (<dO, kv> - delta) scale (0 on empty slots); with ACC_DQ also DQ ``[T, H, D]`` (Q's dtype).
-    Without ACC_DQ (dq left to ``_bwd_dkv_kernel``) no ``[BLOCK_H, D]`` accumulator lives in registers,
-    so 64 heads fit one program on wgmma.
+    (Q's dtype; ``SCRATCH_ROW`` elements from one (query, slot) row to the next: ``[chunk, KT, H]``
+    each, or the two halves of one ``[chunk, KT, 2, H]``) at ``(t - T0, slot, head)``:
+    p = e^{l - logaddexp(lse, sink)} and ds = p (<dO, kv> - delta) scale (0 on empty slots); with
+    ACC_DQ also DQ ``[T, H, D]`` (Q's dtype). Without ACC_DQ (dq left to ``_bwd_dkv_kernel``) no
+    ``[BLOCK_H, D]`` accumulator lives in registers, so 64 heads fit one program on wgmma. INDEX_AHEAD:
+    as in ``_fwd_kernel``.
     """
     pid = tl.program_id(0)
     t_local = (pid // N_HB).to(tl.int64)
@@ -281,11 +340,19 @@ def _bwd_dq_kernel(
 
     if ACC_DQ:
         dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if INDEX_AHEAD:
+        rows_next = tl.load(IDX + t * stride_it + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < kt_len,
+                            other=-1)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         in_len = slots < kt_len
-        rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, in_len, N, stride_kvn, d, dmask,
-                                      D, BLOCK_D, DOT_F32)
+        if INDEX_AHEAD:
+            rows_here = rows_next
+            rows_next = tl.load(IDX + t * stride_it + slots + BLOCK_K, mask=slots + BLOCK_K < kt_len, other=-1)
+            rows, valid, kv = gather_loaded_rows(KV, rows_here, N, stride_kvn, d, dmask, D, BLOCK_D, DOT_F32)
+        else:
+            rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, in_len, N, stride_kvn, d, dmask,
+                                          D, BLOCK_D, DOT_F32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
         p = tl.math.exp2(s - lt2[:, None])
         p = tl.where(valid[None, :], p, 0.0)  # [BLOCK_H, BLOCK_K] probabilities (sink in denominator)
@@ -293,7 +360,7 @@ def _bwd_dq_kernel(
         ds = (p * (dp - delta[:, None]) * scale).to(kv.dtype)  # d loss / d (q.k), scale folded in
         if ACC_DQ:
             dq = tl.dot(ds, kv, dq, input_precision=PRECISION)
-        scratch = (t_local * KT + slots)[None, :] * H + heads[:, None]
+        scratch = (t_local * KT + slots)[None, :] * SCRATCH_ROW + heads[:, None]
         smask = hmask[:, None] & in_len[None, :]
         tl.store(PBUF + scratch, p.to(PBUF.dtype.element_ty), mask=smask)
         tl.store(DSBUF + scratch, ds.to(DSBUF.dtype.element_ty), mask=smask)
@@ -304,11 +371,11 @@ def _bwd_dq_kernel(
 
 def _bwd_dkv_kernel(
     Q, DOUT, KV, IDX, TOPK, PBUF, DSBUF, DKV, DQ,
-    H, N, KT, T0,
+    H, N, KT, T0, SCRATCH_ROW,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh, stride_dqt, stride_dqh,
     D: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_TOPK: tl.constexpr, DETERMINISTIC: tl.constexpr, ACC_DQ: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, ONE_PRODUCT: tl.constexpr, INDEX_AHEAD: tl.constexpr,
 ):
     """kv-row gradients of one query token t = T0 + pid // cdiv(D, BLOCK_DC), head-dim columns
     ``[(pid % cdiv(D, BLOCK_DC)) * BLOCK_DC, +BLOCK_DC)``: ``g[slot] = ds[:, slot]^T q + p[:, slot]^T dO``
@@ -316,10 +383,17 @@ def _bwd_dkv_kernel(
     ``dq = ds @ kv`` (the ``_bwd_dq_kernel`` launched without ACC_DQ left them), gathering those columns
     of the query's kv rows.
 
-    Q, DOUT ``[T, H, D]``, KV ``[N, D]`` (read iff ACC_DQ); PBUF, DSBUF ``[chunk, KT, H]`` from
-    ``_bwd_dq_kernel``. DKV is an fp32 ``[N, D]`` buffer receiving atomic adds, or with DETERMINISTIC an
-    fp32 ``[chunk, KT, D]`` contribution buffer written at ``(t - T0, slot)`` for the valid slots. DQ
-    ``[T, H, D]`` (Q's dtype) is written iff ACC_DQ.
+    Q, DOUT ``[T, H, D]``, KV ``[N, D]`` (read iff ACC_DQ); PBUF, DSBUF from ``_bwd_dq_kernel``
+    (``SCRATCH_ROW`` elements per (query, slot) row). DKV is an fp32 ``[N, D]`` buffer receiving
+    atomic adds, or with DETERMINISTIC an fp32 ``[chunk, KT, D]`` contribution buffer written at
+    ``(t - T0, slot)`` for the valid slots. DQ ``[T, H, D]`` (Q's dtype) is written iff ACC_DQ.
+
+    ONE_PRODUCT (PBUF = DSBUF + H: the p half of each row right after its ds half): ``g`` is one product
+    ``[ds | p] @ [q ; dO]`` over K = 2 BLOCK_HK. As two products (the accumulator of the second being the
+    result of the first) Triton lays the first out over warps ``[num_warps, 1]``: at 64 slots and 8 warps
+    both warpgroups compute the same ``ds^T q``, and its ``[BLOCK_K, BLOCK_DC]`` fp32 result crosses to
+    the second product's layout through shared memory on every step. One product has neither.
+    INDEX_AHEAD: the next step's row indices are loaded one step ahead (as in ``_fwd_kernel``).
     """
     # The column blocks of one query are neighbouring programs: they run together, so the query's p / ds
     # scratch (read by each of them) comes from L2 after the first.
@@ -332,31 +406,59 @@ def _bwd_dkv_kernel(
     heads = tl.arange(0, BLOCK_HK)
     hmask = heads < H
     qd_mask = hmask[:, None] & dmask[None, :]
-    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
-    do = tl.load(DOUT + t * stride_dt + heads[:, None] * stride_dh + d[None, :], mask=qd_mask, other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    if ONE_PRODUCT:  # [q ; dO] [2 BLOCK_HK, BLOCK_DC]: rows c < BLOCK_HK from q, the others from dO
+        cols = tl.arange(0, 2 * BLOCK_HK)
+        c_head = cols % BLOCK_HK
+        c_from_p = cols >= BLOCK_HK  # the rows of dO meet p's columns of the scratch
+        c_mask = c_head < H
+        qdo_rows = tl.where(c_from_p[:, None], DOUT + t * stride_dt + c_head[:, None] * stride_dh,
+                            Q + t * stride_qt + c_head[:, None] * stride_qh)
+        qdo = tl.load(qdo_rows + d[None, :], mask=c_mask[:, None] & dmask[None, :], other=0.0)
+        pds_cols = tl.where(c_from_p, H, 0) + c_head  # offset in a scratch row: ds then p
+        if DOT_F32:
+            qdo = qdo.to(tl.float32)
+    else:
+        q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+        do = tl.load(DOUT + t * stride_dt + heads[:, None] * stride_dh + d[None, :], mask=qd_mask, other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
 
     kt_len = KT
     if HAS_TOPK:
         kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
     if ACC_DQ:
         dq = tl.zeros([BLOCK_HK, BLOCK_DC], dtype=tl.float32)
+    if INDEX_AHEAD:
+        rows_next = tl.load(IDX + t * stride_it + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < kt_len,
+                            other=-1)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         in_len = slots < kt_len
-        rows = tl.load(IDX + t * stride_it + slots, mask=in_len, other=-1).to(tl.int64)
+        if INDEX_AHEAD:
+            rows = rows_next.to(tl.int64)
+            rows_next = tl.load(IDX + t * stride_it + slots + BLOCK_K, mask=slots + BLOCK_K < kt_len, other=-1)
+        else:
+            rows = tl.load(IDX + t * stride_it + slots, mask=in_len, other=-1).to(tl.int64)
         valid = (rows >= 0) & (rows < N)
-        scratch = (t_local * KT + slots)[:, None] * H + heads[None, :]
+        srow = (t_local * KT + slots)[:, None] * SCRATCH_ROW
+        scratch = srow + heads[None, :]
         smask = in_len[:, None] & hmask[None, :]
-        ds_t = tl.load(DSBUF + scratch, mask=smask, other=0.0)  # [BLOCK_K, BLOCK_HK]
-        p_t = tl.load(PBUF + scratch, mask=smask, other=0.0)
-        if DOT_F32:
-            ds_t = ds_t.to(tl.float32)
-            p_t = p_t.to(tl.float32)
-        g = tl.dot(ds_t, q, input_precision=PRECISION)
-        g = tl.dot(p_t, do, g, input_precision=PRECISION)  # [BLOCK_K, BLOCK_DC] fp32
+        if ONE_PRODUCT:
+            pds = tl.load(DSBUF + srow + pds_cols[None, :], mask=in_len[:, None] & c_mask[None, :], other=0.0)
+            if DOT_F32:
+                pds = pds.to(tl.float32)
+            g = tl.dot(pds, qdo, input_precision=PRECISION)  # [BLOCK_K, BLOCK_DC] fp32
+            if ACC_DQ:  # ds^T for dq: the first half of the same tile (read from shared memory, no reload)
+                ds_t, _ = tl.split(tl.permute(tl.reshape(pds, [BLOCK_K, 2, BLOCK_HK]), (0, 2, 1)))
+        else:
+            ds_t = tl.load(DSBUF + scratch, mask=smask, other=0.0)  # [BLOCK_K, BLOCK_HK]
+            p_t = tl.load(PBUF + scratch, mask=smask, other=0.0)
+            if DOT_F32:
+                ds_t = ds_t.to(tl.float32)
+                p_t = p_t.to(tl.float32)
+            g = tl.dot(ds_t, q, input_precision=PRECISION)
+            g = tl.dot(p_t, do, g, input_precision=PRECISION)  # [BLOCK_K, BLOCK_DC] fp32
         gmask = valid[:, None] & dmask[None, :]
         if ACC_DQ:  # ds is 0 on empty slots, so their (masked, zero) kv columns add nothing
             kv = tl.load(KV + rows[:, None] * stride_kvn + d[None, :], mask=gmask, other=0.0)
@@ -470,12 +572,17 @@ def _dkv_dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConf
     return [DkvConfig(*c) for c in ladder]
 
 
+def _option_flag(option: str, explicit: bool | None) -> bool:
+    """A variant switch: the keyword argument ``explicit``, else the flag kernel option ``option``."""
+    if explicit is not None:
+        return bool(explicit)
+    return bool(kernel_options.get(option))
+
+
 def _dq_in_dkv(explicit: bool | None) -> bool:
     """Where the backward accumulates dq: the keyword argument, else the kernel option ``triton_dq_in_dkv``
     (``0``: in the dq kernel; ``1``: in the dkv kernel; default :data:`DQ_IN_DKV_DEFAULT`)."""
-    if explicit is not None:
-        return bool(explicit)
-    return bool(kernel_options.get("triton_dq_in_dkv"))
+    return _option_flag("triton_dq_in_dkv", explicit)
 
 
 def _dkv_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]:
@@ -550,6 +657,8 @@ def sparse_attention_fwd(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split_logits: bool | None = None,
+    index_ahead: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of sparse multi-query attention with a sink (Triton).
 
@@ -562,6 +671,11 @@ def sparse_attention_fwd(
         scale: logit scale.
         topk_length: optional ``[T]`` int32: query t uses its first ``topk_length[t]`` slots only.
         block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder).
+        split_logits: ``True``: each warpgroup computes half of the logits' slots (``SPLIT_LOGITS`` of
+            ``_fwd_kernel``); ``False``: both compute all of them; ``None``: the kernel option
+            ``triton_fwd_split_logits``.
+        index_ahead: ``True``: each step loads the next step's row indices (``INDEX_AHEAD``); ``None``:
+            the kernel option ``triton_fwd_index_ahead``.
 
     Returns:
         ``out [T, H, D]`` in q's dtype and ``lse [T, H]`` fp32 (natural log, sink excluded, -inf for a
@@ -577,7 +691,9 @@ def sparse_attention_fwd(
         return out, lse
     topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
     block_d = triton.next_power_of_2(d)
-    ladder = _fwd_ladder(block_d, h, q.dtype)
+    split = _option_flag("triton_fwd_split_logits", split_logits)
+    ahead = _option_flag("triton_fwd_index_ahead", index_ahead)
+    ladder = _fwd_ladder(block_d, h, q.dtype)  # the same tiles fit both variants at D = 512
     pinned = _pinned("triton_fwd_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_fwd_kernel", q.device)
@@ -589,11 +705,12 @@ def sparse_attention_fwd(
             float(scale) * LOG2E, h, kv.shape[0], idx.shape[1], n_hb,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
             D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-            HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q), SPLIT_LOGITS=split,
+            INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch("fwd", _config_key(q), ladder, pinned, launch)
+    kind = "fwd" + ("_split_logits" if split else "") + ("_index_ahead" if ahead else "")
+    _launch(kind, _config_key(q), ladder, pinned, launch)
     return out, lse
 
 
@@ -616,6 +733,8 @@ def sparse_attention_bwd(
     dkv_config: DkvConfig | None = None,
     scratch_bytes: int | None = None,
     dq_in_dkv: bool | None = None,
+    dkv_one_product: bool | None = None,
+    index_ahead: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`sparse_attention_fwd` (Triton).
 
@@ -633,6 +752,11 @@ def sparse_attention_bwd(
             accumulates dq (mma.sync, 32 heads per program at D = 512); ``None``: the kernel option
             ``triton_dq_in_dkv`` (:data:`DQ_IN_DKV_ENV`, else :data:`DQ_IN_DKV_DEFAULT`). block_h..num_stages
             pin the first kernel, dkv_config the second.
+        dkv_one_product: ``True``: the dkv kernel forms ``ds^T q + p^T dO`` as one product over
+            ``[ds | p]`` (p and ds share one scratch buffer, row by row); ``False``: two chained products;
+            ``None``: the kernel option ``triton_dkv_one_product``.
+        index_ahead: ``True``: both kernels load the next step's row indices one step ahead; ``None``: the
+            kernel option ``triton_bwd_index_ahead``.
 
     Returns:
         ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
@@ -652,6 +776,8 @@ def sparse_attention_bwd(
     if deterministic is None:
         deterministic = is_deterministic()
     acc_dq_in_dkv = _dq_in_dkv(dq_in_dkv)
+    one_product = _option_flag("triton_dkv_one_product", dkv_one_product)
+    ahead = _option_flag("triton_bwd_index_ahead", index_ahead)
     sink_dtype = sink.dtype
     q, kv, idx, dout, out = q.contiguous(), kv.contiguous(), idx.contiguous(), dout.contiguous(), out.contiguous()
     sink = sink.to(torch.float32).contiguous()
@@ -691,8 +817,13 @@ def sparse_attention_bwd(
     chunk = max(1, min(t, budget // per_query))
     if scratch_bytes is None:  # at least BWD_SCRATCH_MIN_CHUNKS chunks: the scratch shrinks with the rank's rows
         chunk = min(chunk, max(BWD_SCRATCH_MIN_CHUNK_ROWS, -(-t // BWD_SCRATCH_MIN_CHUNKS)))
-    pbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
-    dsbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
+    if one_product:  # one [chunk, kt, 2, h] buffer: each (query, slot) row holds ds then p
+        pds = torch.empty(chunk, kt, 2, h, dtype=q.dtype, device=dev)
+        dsbuf, pbuf, scratch_row = pds[:, :, 0], pds[:, :, 1], 2 * h
+    else:
+        pbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
+        dsbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
+        scratch_row = h
     contrib = torch.empty(chunk * kt, d, dtype=torch.float32, device=dev) if deterministic else None
     precision, dot_f32 = _precision(q), _dot_f32(q)
     has_topk = topk_length is not None
@@ -705,29 +836,31 @@ def sparse_attention_bwd(
             n_hb = triton.cdiv(h, cfg.block_h)
             dq_kernel[(rows * n_hb,)](
                 q, kv, idx, topk, dout, lse, delta, sink, dq, pbuf, dsbuf,
-                float(scale), float(scale) * LOG2E, h, n, kt, n_hb, t0,
+                float(scale), float(scale) * LOG2E, h, n, kt, n_hb, t0, scratch_row,
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
                 dq.stride(0), dq.stride(1),
                 D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
                 HAS_TOPK=has_topk, ACC_DQ=not acc_dq_in_dkv, PRECISION=precision, DOT_F32=dot_f32,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
         def launch_dkv(cfg: DkvConfig, t0: int = t0, rows: int = rows) -> None:
             dkv_kernel[(rows * triton.cdiv(d, cfg.block_d),)](
                 q, dout, kv, idx, topk, pbuf, dsbuf, contrib if deterministic else dkv, dq,
-                h, n, kt, t0,
+                h, n, kt, t0, scratch_row,
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
                 dq.stride(0), dq.stride(1),
                 D=d, BLOCK_DC=cfg.block_d, BLOCK_HK=block_hk, BLOCK_K=cfg.block_k,
                 HAS_TOPK=has_topk, DETERMINISTIC=deterministic, ACC_DQ=acc_dq_in_dkv, PRECISION=precision,
-                DOT_F32=dot_f32,
+                DOT_F32=dot_f32, ONE_PRODUCT=one_product, INDEX_AHEAD=ahead,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        mode = "_dq_in_dkv" if acc_dq_in_dkv else ""  # the two placements fit different configurations
+        # the two placements fit different configurations; each variant caches its own
+        mode = ("_dq_in_dkv" if acc_dq_in_dkv else "") + ("_index_ahead" if ahead else "")
         _launch("bwd_dq" + mode, key, dq_ladder, dq_pinned, launch_dq)
-        _launch("bwd_dkv" + mode, key, dkv_ladder, dkv_pinned, launch_dkv)
+        _launch("bwd_dkv" + mode + ("_one_product" if one_product else ""), key, dkv_ladder, dkv_pinned,
+                launch_dkv)
         if deterministic:
             _reduce_contributions(contrib, idx[t0:t0 + rows], None if topk_length is None else
                                   topk_length[t0:t0 + rows], dkv)

@@ -57,9 +57,10 @@ def logsumexp_over(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale
     kernels = _triton_kernels(q)
     note_eager("attention_probs.lse", "torch" if kernels is None else "triton")
     if kernels is not None and torch.compiler.is_compiling():  # one opaque node: .attention_probs_library
-        return torch.ops.dsv4cp.logsumexp_over(q, keys, idx, float(scale), options_in_force())
+        return torch.ops.dsv4cp.logsumexp_over(q, keys, idx, float(scale), kernel_options.get("triton_lse_kernel"),
+                                               options_in_force())
     if kernels is not None:
-        return kernels.logsumexp_over_triton(q, keys, idx, scale)
+        return kernels.logsumexp_over_triton(q, keys, idx, scale, kernel=kernel_options.get("triton_lse_kernel"))
     return logsumexp_over_torch(q, keys, idx, scale)
 
 
@@ -82,10 +83,12 @@ def head_summed_probs(
     note_eager("attention_probs", "torch" if kernels is None else "triton")
     if kernels is not None:
         slots_on_m = bool(kernel_options.get("triton_probs_slots_on_m"))
+        kernel = kernel_options.get("triton_probs_kernel")
         if torch.compiler.is_compiling():  # one opaque node: .attention_probs_library
             return torch.ops.dsv4cp.head_summed_probs(q, keys, idx, float(scale), log_denominator, slots_on_m,
-                                                      options_in_force())
-        out = kernels.head_summed_probs_triton(q, keys, idx, scale, log_denominator, slots_on_m=slots_on_m)
+                                                      kernel, options_in_force())
+        out = kernels.head_summed_probs_triton(q, keys, idx, scale, log_denominator, slots_on_m=slots_on_m,
+                                               kernel=kernel)
         return out.to(log_denominator.dtype)
     return head_summed_probs_torch(q, keys, idx, scale, log_denominator)
 

@@ -9,7 +9,8 @@ force as text (:mod:`.custom_op_library`), so the compiled step picks the eager 
 * ``dsv4cp::indexer_scores_fwd(q [T, Hi, Di], w [T, Hi], keys [G, Di], idx [T, K], options) -> [T, K]``
   fp32, differentiable in q, w and keys through ``dsv4cp::indexer_scores_bwd(grad, q, w, keys, idx,
   options) -> (dq, dw, dkeys)`` (the kernels of :mod:`dsv4cp.kernels.indexer_scores_triton`; the
-  backward follows deterministic mode when it runs, as the eager one does).
+  backward takes its key-gradient reduction from the options and deterministic mode when it runs, as the
+  eager one does).
 
 The implementations open the ops' phase ranges (``indexer.score.fwd`` / ``.bwd``) themselves: a compiled
 graph runs them eagerly, so the profiler still attributes their kernels.
@@ -63,11 +64,14 @@ def indexer_scores_bwd(grad: torch.Tensor, q: torch.Tensor, w: torch.Tensor, key
                        idx: torch.Tensor, options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from dsv4cp.kernels import indexer_scores_triton as kernels  # lazy: imports triton
 
-    kernel_options.note_backend("indexer_scores.bwd", "triton")
     with options_from(options), nvtx_range("indexer.score.bwd"):
-        pinned = kernels._gather_bwd_pinned(None)  # the kernel option triton_gather_bwd_config, else the ladder
+        # as the eager autograd function: the options' launch pin, reduction and scratch, and deterministic
+        # mode as it stands when the backward runs
+        pinned, scratch = kernels._gather_bwd_pinned(None), kernels._scratch_of(None)
+        reduction = kernels.resolve_reduction(kernels._reduction_of(None), is_deterministic())
+        kernel_options.note_backend("indexer_scores.bwd", f"triton/{reduction}")
         dq, dw, dkeys = kernels._gather_backward(q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous(),
-                                                 grad.to(torch.float32).contiguous(), is_deterministic(), pinned)
+                                                 grad.to(torch.float32).contiguous(), reduction, pinned, scratch)
     return dq, dw.to(w.dtype), dkeys.to(keys.dtype)
 
 

@@ -169,23 +169,125 @@ def test_dq_in_dkv_environment_switch(seed, monkeypatch):
         sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_)
 
 
+@pytest.mark.parametrize("topk", [False, True], ids=["all-slots", "topk_length"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
+def test_forward_split_logits_matches_torch_fp32(case, topk, seed):
+    """The forward whose warpgroups split the logits' slots (the value product fed through a branch)."""
+    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=topk)
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, split_logits=True)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    msg = f"seed={seed} case={case} topk={topk}"
+    assert torch.isfinite(out).all(), msg
+    assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out {rel_fro(out, ref_out):.2e}"
+    check_lse(lse, ref_lse, 1e-4, msg)
+    assert out[1].abs().max().item() == 0.0, f"{msg}: row without key must output 0"
+
+
+@pytest.mark.parametrize("dq_in_dkv", [False, True], ids=["dq-kernel", "dq-in-dkv"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", CPU_CASES[:3], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
+def test_backward_dkv_one_product_matches_torch_fp32(case, deterministic, dq_in_dkv, seed):
+    """The dkv kernel forming ds^T q + p^T dO as one product (p and ds side by side in one scratch);
+    H = 3 and 5 pad the heads to 16 inside the kernel."""
+    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=True)
+    out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=deterministic,
+                               dq_in_dkv=dq_in_dkv, dkv_one_product=True)
+    ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
+    msg = f"seed={seed} case={case} deterministic={deterministic} dq_in_dkv={dq_in_dkv}"
+    for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{msg}: {name} {a.dtype} {a.shape}"
+        assert rel_fro(a, b) < 1e-4, f"{msg}: {name} rel err {rel_fro(a, b):.2e}"
+    assert got[0][1].abs().max().item() == 0.0, f"{msg}: row without key must get dq = 0"
+
+
+@pytest.mark.parametrize("variant", ["plain", "split-one-product"])
+@pytest.mark.parametrize("case", CPU_CASES[:3], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
+def test_index_ahead_matches_torch_fp32(case, variant, seed):
+    """Row indices loaded one step ahead, in the forward and in both backward kernels (both dq placements),
+    over 16-slot steps (Kt = 13, 70, 80: one to five steps, the last one partial), alone and with the
+    other variants."""
+    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=True)
+    others = variant != "plain"
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_k=16, split_logits=others, index_ahead=True)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    msg = f"seed={seed} case={case} variant={variant}"
+    assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out {rel_fro(out, ref_out):.2e}"
+    check_lse(lse, ref_lse, 1e-4, msg)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
+    for dq_in_dkv in (False, True):
+        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, block_k=16,
+                                   dq_in_dkv=dq_in_dkv, dkv_one_product=others, index_ahead=True,
+                                   dkv_config=DkvConfig(block_k=16, block_d=32, num_warps=4, num_stages=1))
+        for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+            assert rel_fro(a, b) < 1e-4, f"{msg} dq_in_dkv={dq_in_dkv}: {name} rel err {rel_fro(a, b):.2e}"
+
+
+VARIANT_VARIABLES = ("DSV4CP_TRITON_FWD_SPLIT_LOGITS", "DSV4CP_TRITON_DKV_ONE_PRODUCT", "DSV4CP_TRITON_FWD_INDEX_AHEAD",
+                     "DSV4CP_TRITON_BWD_INDEX_AHEAD")
+
+
+def test_variant_options_select_the_kernels(seed, monkeypatch):
+    """The variables of the forward's split logits, the dkv kernel's one product and both directions'
+    indices ahead select the variants (each under its own cached configuration) both ways, the keywords
+    win over them, and a value other than 0 / 1 is refused before any kernel runs."""
+    from dsv4cp.kernels import sparse_attention_triton as sat
+
+    q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    dout = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
+    for pinning in ("DSV4CP_TRITON_FWD_CONFIG", "DSV4CP_TRITON_BWD_CONFIG", "DSV4CP_TRITON_DKV_CONFIG"):
+        monkeypatch.delenv(pinning, raising=False)  # a pinned launch caches nothing
+    monkeypatch.delenv(sat.DQ_IN_DKV_ENV, raising=False)
+    variants = {"fwd_split_logits_index_ahead", "bwd_dq_dq_in_dkv_index_ahead",
+                "bwd_dkv_dq_in_dkv_index_ahead_one_product"}
+    plain = {"fwd", "bwd_dq_dq_in_dkv", "bwd_dkv_dq_in_dkv"}
+    for env, keyword, split in (("1", None, True), ("0", None, False), ("1", False, False), ("0", True, True)):
+        for variable in VARIANT_VARIABLES:
+            monkeypatch.setenv(variable, env)
+        sat._CHOSEN.clear()
+        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, split_logits=keyword, index_ahead=keyword)
+        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, dkv_one_product=keyword,
+                                   index_ahead=keyword)
+        kinds = {key[0] for key in sat._CHOSEN}
+        msg = f"seed={seed} env={env} keyword={keyword}"
+        assert kinds == (variants if split else plain), f"{msg}: {kinds}"
+        assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out"
+        assert all(rel_fro(a, b) < 1e-4 for a, b in zip(got, ref)), f"{msg}: gradients"
+    forward = lambda: sparse_attention_fwd(q, kv, idx, sink, scale, tl_)  # noqa: E731
+    backward = lambda: sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)  # noqa: E731
+    for variable in VARIANT_VARIABLES:
+        monkeypatch.setenv(variable, "0")
+    for variable, call in zip(VARIANT_VARIABLES, (forward, backward, forward, backward)):
+        monkeypatch.setenv(variable, "yes")
+        with pytest.raises(ValueError, match=f"^{variable}: .*'yes'"):
+            call()
+        monkeypatch.setenv(variable, "0")
+
+
 def test_multiple_head_and_slot_blocks(seed):
     """H = 20 over head blocks of 16 (the second one 4/16 full), slots in blocks of 16, the kv gradient
     in two 16-column blocks of D, the backward in chunks of 2 queries."""
     q, kv, idx, sink, scale, tl_ = make_case(seed, 4, 20, 32, 24, 37, topk=True)
-    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_h=16, block_k=16)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
-    assert rel_fro(out, ref_out) < 1e-4, f"seed={seed}"
-    check_lse(lse, ref_lse, 1e-4, f"seed={seed}")
+    for split in (False, True):
+        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_h=16, block_k=16, split_logits=split)
+        assert rel_fro(out, ref_out) < 1e-4, f"seed={seed} split={split}"
+        check_lse(lse, ref_lse, 1e-4, f"seed={seed} split={split}")
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
     ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
-    for det, dq_in_dkv in ((False, False), (True, False), (False, True)):
+    for det, dq_in_dkv, one in ((False, False, False), (True, False, False), (False, True, False),
+                                (False, True, True), (True, True, True)):
         two_queries = 2 * (2 * 37 * 20 * 4 + 37 * 32 * 4)  # scratch of 2 queries: several chunks
         got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, deterministic=det,
                                    block_h=16, block_k=16, scratch_bytes=two_queries, dq_in_dkv=dq_in_dkv,
-                                   dkv_config=DkvConfig(block_k=16, block_d=16, num_warps=4, num_stages=1))
+                                   dkv_config=DkvConfig(block_k=16, block_d=16, num_warps=4, num_stages=1),
+                                   dkv_one_product=one)
         for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
-            assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det} dq_in_dkv={dq_in_dkv}: {name}"
+            assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det} dq_in_dkv={dq_in_dkv} one_product={one}: {name}"
 
 
 def test_deterministic_backward_is_bitwise_reproducible(seed):
@@ -223,16 +325,18 @@ def test_bf16_through_interpreter_vs_fp32_reference(seed):
     # The fp32 reference sees the same bf16-rounded inputs, so only the kernel's own rounding is measured.
     q, kv = q.bfloat16(), kv.bfloat16()
     ref_out, ref_lse = torch_forward(q.float(), kv.float(), idx, sink, scale, tl_)
-    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
-    assert out.dtype == torch.bfloat16
-    assert rel_fro(out, ref_out) < 1e-2, f"seed={seed}"
-    check_lse(lse, ref_lse, 1e-2, f"seed={seed}")
+    for split in (False, True):
+        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, split_logits=split, index_ahead=split)
+        assert out.dtype == torch.bfloat16
+        assert rel_fro(out, ref_out) < 1e-2, f"seed={seed} split={split}"
+        check_lse(lse, ref_lse, 1e-2, f"seed={seed} split={split}")
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
     ref = torch_backward(dout.float(), q.float(), kv.float(), idx, sink, scale, out.float(), ref_lse, tl_)
-    for dq_in_dkv in (False, True):
-        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, dq_in_dkv=dq_in_dkv)
+    for dq_in_dkv, one in ((False, False), (True, False), (True, True)):
+        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, dq_in_dkv=dq_in_dkv,
+                                   dkv_one_product=one, index_ahead=one)
         for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
-            assert rel_fro(a, b) < 1e-2, f"seed={seed} dq_in_dkv={dq_in_dkv}: {name}"
+            assert rel_fro(a, b) < 1e-2, f"seed={seed} dq_in_dkv={dq_in_dkv} one_product={one}: {name}"
 
 
 def test_int64_indices_and_topk(seed):
@@ -407,6 +511,31 @@ def test_gpu_full_size_bf16_dq_in_dkv(heads, n_selected, seed):
         assert rel_fro(a, b) < 1e-2, f"seed={seed} H={heads}: {name} {rel_fro(a, b):.2e}"
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "index-ahead"])
+@pytest.mark.parametrize("heads, n_selected", [(64, 512), (128, 1024), (3, 64)], ids=["flash", "pro", "H3"])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_full_size_bf16_variants(heads, n_selected, ahead, seed):
+    """The forward with split logits and the dkv kernel's one product (with or without the indices loaded
+    one step ahead), each at its own default launch ladder at D = 512, against the fp32 reference (atomic
+    and deterministic backward)."""
+    t = 2048 if heads <= 64 else 1024
+    q, kv, idx, sink, scale = gpu_case(seed, t, heads, 512, 128, n_selected, torch.bfloat16)
+    q32, kv32 = q.float(), kv.float()
+    ref_out, ref_lse = torch_forward(q32, kv32, idx, sink, scale)
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, split_logits=True, index_ahead=ahead)
+    msg = f"seed={seed} H={heads} ahead={ahead}"
+    assert rel_fro(out, ref_out) < 1e-2, f"{msg}: out {rel_fro(out, ref_out):.2e}"
+    check_lse(lse, ref_lse, 1e-2, msg)
+    dout = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    ref = torch_backward(dout.bfloat16().float(), q32, kv32, idx, sink, scale, ref_out, ref_lse)
+    for det in (False, True):
+        got = sparse_attention_bwd(dout.bfloat16(), q, kv, idx, sink, scale, ref_out.bfloat16(), ref_lse,
+                                   deterministic=det, dkv_one_product=True, index_ahead=ahead)
+        for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
+            assert rel_fro(a, b) < 1e-2, f"{msg} det={det}: {name} {rel_fro(a, b):.2e}"
+
+
 @pytest.mark.parametrize(
     "case", CPU_CASES + [(64, 7, 512, 300, 200)], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c)
 )
@@ -420,9 +549,18 @@ def test_gpu_fp32_matches_torch(case, seed):
     check_lse(lse, ref_lse, 1e-4, f"seed={seed}")
     dout = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
     ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
-    for det, dq_in_dkv in ((False, False), (True, False), (False, True)):
+    for ahead in (False, True):
+        split_out, split_lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, split_logits=True,
+                                                    index_ahead=ahead)
+        assert rel_fro(split_out, ref_out) < 1e-4, f"seed={seed} ahead={ahead}: split logits"
+        check_lse(split_lse, ref_lse, 1e-4, f"seed={seed} ahead={ahead}: split logits")
+    for det, dq_in_dkv, one, ahead in ((False, False, False, False), (True, False, False, False),
+                                       (False, True, False, False), (False, True, True, False),
+                                       (True, True, True, False), (False, True, True, True),
+                                       (False, False, False, True)):
         got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=det,
-                                   dq_in_dkv=dq_in_dkv)
+                                   dq_in_dkv=dq_in_dkv, dkv_one_product=one, index_ahead=ahead)
         for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
-            assert rel_fro(a, b) < 1e-4, f"seed={seed} det={det} dq_in_dkv={dq_in_dkv}: {name} {rel_fro(a, b):.2e}"
+            assert rel_fro(a, b) < 1e-4, (f"seed={seed} det={det} dq_in_dkv={dq_in_dkv} one_product={one} "
+                                          f"ahead={ahead}: {name} {rel_fro(a, b):.2e}")
 
