@@ -1,5 +1,7 @@
 """A tiny layer step under ``torch.compile`` (AOTAutograd: traces forward and backward; Inductor's C++
-codegen is too slow for CI on CPU) equals the eager step, and the graph breaks are named with a place."""
+codegen of the whole layer takes minutes on CPU) equals the eager step, with no graph break, also on the
+Triton paths (the kernels' custom ops, on Triton's CPU interpreter) and with what ran noted as in eager;
+the breaks left (selective recompute) are named with a place."""
 
 from __future__ import annotations
 
@@ -7,9 +9,13 @@ import copy
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
+from dsv4cp import kernel_options
 from dsv4cp.cli.main import main
 from dsv4cp.cp.check import CheckCase, build_case
+from dsv4cp.kernels import HAS_TRITON
+from dsv4cp.ops import attention_probs, compress_pool, indexer, norm_rope
 from dsv4cp.profiling.compilation import UNPLACED, explain_breaks
 
 
@@ -43,16 +49,71 @@ def test_compiled_step_matches_eager(ratio, seed):
         assert float((a - b).abs().max()) <= 1e-5 * scale, name
 
 
-def test_graph_breaks_are_named_with_their_place(seed):
-    layer, packed, x, _ = build_case(CheckCase(lengths=(9, 23), ratio=0, seed=seed), torch.device("cpu"))
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_the_compiled_layer_is_one_graph(ratio, seed):
+    layer, packed, x, _ = build_case(CheckCase(lengths=(9, 23), ratio=ratio, seed=seed), torch.device("cpu"))
     torch._dynamo.reset()
-    explained = explain_breaks(layer, x, packed)
-    assert explained.graphs >= 1 and explained.breaks >= 0
+    explained = explain_breaks(layer, x.requires_grad_(), packed)
+    assert (explained.graphs, explained.breaks) == (1, 0), explained.lines()
+
+
+def test_graph_breaks_are_named_with_their_place(seed):
+    """Selective recompute's autograd function (a closure over the query path, and a backward that calls
+    autograd) is the one part Dynamo cannot trace: a bounded number of breaks, each with a reason."""
+    layer, packed, x, _ = build_case(CheckCase(lengths=(9, 23), ratio=4, seed=seed, recompute=True),
+                                     torch.device("cpu"))
+    torch._dynamo.reset()
+    explained = explain_breaks(layer, x.requires_grad_(), packed)
+    assert 1 <= explained.breaks <= 3 and explained.graphs == explained.breaks + 1, explained.lines()
     lines = explained.lines()
-    assert lines[0].startswith(f"torch.compile: {explained.graphs} graph(s)")
-    assert explained.breaks == 0 or explained.reasons
+    assert lines[0] == f"torch.compile: {explained.graphs} graph(s), {explained.breaks} graph break(s)"
+    assert explained.reasons and len(lines) == 1 + len(explained.reasons)
     for reason in explained.reasons:
         assert reason.reason and (".py:" in reason.where or reason.where == UNPLACED) and reason.count >= 1
+
+
+@pytest.fixture
+def triton_paths(monkeypatch):
+    """The ops take their Triton paths for CPU tensors (run by Triton's interpreter), as for CUDA ones."""
+    if not HAS_TRITON:
+        pytest.skip("needs triton (its CPU interpreter)")
+
+    def serves(x: torch.Tensor, *_: object) -> bool:
+        return x.dtype != torch.float64 and x.shape[-1] % 16 == 0
+
+    monkeypatch.setattr(indexer, "triton_serves", serves)
+    monkeypatch.setattr(attention_probs, "triton_serves", serves)
+    monkeypatch.setattr(norm_rope, "use_fused", lambda x, freqs=None: serves(x))
+    monkeypatch.setattr(compress_pool, "use_triton", lambda values, gates: serves(values))
+
+
+def test_compiled_step_on_the_kernels_custom_ops_matches_eager(triton_paths, seed):
+    """Every kernel of the layer as an opaque custom op: one graph, the eager step's numbers and notes, and
+    the layer's kernel options reaching the kernels of both directions (a compiled graph runs outside the
+    layer's option scope: the ops are handed the options)."""
+    layer, packed, x, weight = build_case(
+        CheckCase(lengths=(9, 0, 23), total=32, ratio=4, seed=seed, backend="triton"), torch.device("cpu"))
+    layer.kernel_options = kernel_options.canonical({"topk_keys": "scores", "triton_dq_in_dkv": "0"})
+    eager = copy.deepcopy(layer)
+    kernel_options.reset_backends_ran()
+    want, want_dx, want_grads = _step(eager, packed, x, weight)
+    want_ran = kernel_options.backends_ran()
+    assert all(want_ran[k].startswith("triton") for k in ("compress_pool", "indexer_scores.bwd", "norm_rope",
+                                                          "sparse_attention.fwd")), want_ran
+    assert want_ran["indexer_topk"] == "triton/chunked/torch/scores", want_ran
+    assert not any("dq_in_dkv" in key for key in want_ran), want_ran  # the backward without the fused dq
+    torch._dynamo.reset()
+    counters.clear()
+    kernel_options.reset_backends_ran()
+    got, got_dx, got_grads = _step(layer, packed, x, weight, "aot_eager")
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert kernel_options.backends_ran() == want_ran
+    assert set(got_grads) == set(want_grads)
+    pairs = [("out", got.out, want.out), ("x_grad", got_dx, want_dx), ("indexer_loss", got.indexer_loss,
+                                                                          want.indexer_loss)]
+    for name, a, b in pairs + [(f"grad/{n}", got_grads[n], g) for n, g in want_grads.items()]:
+        scale = float(b.abs().max()) or 1.0
+        assert float((a - b).abs().max()) <= 1e-5 * scale, name
 
 
 def test_check_cp_rejects_an_unknown_compile_backend(capsys):

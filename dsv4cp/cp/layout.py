@@ -124,6 +124,12 @@ def layer_split(
     return as_split(split, packed.total, cp, max(halo, 1)), halo
 
 
+def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``[len(values)]`` int64 on ``device``, filled there one scalar each: a host list copied with
+    ``torch.tensor`` would synchronise the host and break CUDA-graph capture."""
+    return torch.stack([torch.full((), v, dtype=torch.int64, device=device) for v in values])
+
+
 def build_layout(
     packed: PackedSeqs, cfg: DSv4Config, compress_ratio: int, rank: int = 0, cp: int = 1,
     capacity: int | None = None, split: RowSplit | None = None,
@@ -183,12 +189,12 @@ def build_layout(
     e_j = eid - doc_first_eid[e_doc] if n_docs else eid
     e_first = cu_p[e_doc] + e_j * r if n_docs else eid * r
     e_last = torch.where(e_valid, e_first + r - 1, total)  # invalid entries sort past every rank
-    # Filled on the device, one scalar each: a host list copied with torch.tensor would synchronise
-    # the host and break CUDA-graph capture.
-    rank_bounds = torch.stack([torch.full((), b, dtype=torch.int64, device=device) for b in split.bounds])
+    rank_bounds = _on_device(split.bounds, device)
     owner_first_eid = torch.searchsorted(e_last, rank_bounds)  # [cp + 1]
-    # owner: the rank whose range [b_rho, b_rho+1) holds the entry's last row
-    owner = torch.searchsorted(rank_bounds[1:], e_last, right=True).clamp_max(cp - 1)
+    # owner: the rank whose range [b_rho, b_rho+1) holds the entry's last row. The ends are a tensor of
+    # their own, not the slice rank_bounds[1:]: Inductor's lookup lowering needs the strides of its
+    # boundaries, which a view of an unrealised tensor lacks (NotImplementedError: SliceView on CUDA).
+    owner = torch.searchsorted(_on_device(split.bounds[1:], device), e_last, right=True).clamp_max(cp - 1)
     slot = eid - owner_first_eid[owner]
     entry_row = torch.where(e_valid, owner * cap + slot, -1)
 

@@ -8,6 +8,10 @@ saved parts again, the queries by re-running their projection once, with autogra
 graph serves the attention backward (its values) and the query backward (its gradient). The
 attention itself is not recomputed: its output and lse are saved as usual.
 
+The attention runs through its custom ops (:mod:`dsv4cp.ops.sparse_attention_library`: the backend by
+name, the forward's kernel options passed to both directions, the ``sparse_attn.*`` ranges opened
+inside), the same opaque nodes a compiled layer without recompute holds.
+
 Backward order inside the node (docs/design.md §3.5): KV reconstruction, attention backward, then, the
 gathered keys' gradient being complete, ``on_compressed_grad`` (the CP layer launches its
 reduce-scatter there), then the query backward, which runs while the reduce-scatter flies.
@@ -19,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4cp import kernel_options
+from dsv4cp.ops.custom_op_library import options_in_force
 from dsv4cp.ops.sparse_attention import SparseAttentionBackend
 from dsv4cp.profiling.nvtx import nvtx_range
 
@@ -57,11 +61,11 @@ class _RecomputedAttention(torch.autograd.Function):
         with nvtx_range("q_proj.fwd"):
             q = _queries(query_fn, latent, q_weight)
         keys = _key_buffer(kv_ext, compressed)
-        with nvtx_range("sparse_attn.fwd"):
-            kernel_options.note_backend("sparse_attention.fwd", backend.direction_names[0])
-            out, lse = backend.forward(q, keys, idx, sink, scale, None)
+        options = options_in_force()  # the forward's kernel options, for the backward too
+        out, lse = torch.ops.dsv4cp.sparse_attention_fwd(q, keys, idx, sink, scale, None, backend.name, options)
         ctx.save_for_backward(latent, q_weight, kv_ext, compressed, idx, sink, out, lse)
         ctx.query_fn, ctx.scale, ctx.backend, ctx.on_compressed_grad = query_fn, scale, backend, on_compressed_grad
+        ctx.options = options
         ctx.mark_non_differentiable(lse, q, keys)
         return out, lse, q, keys
 
@@ -75,11 +79,9 @@ class _RecomputedAttention(torch.autograd.Function):
                 latent_in = latent.detach().requires_grad_()
                 weight_in = q_weight.detach().requires_grad_()
                 q = ctx.query_fn(latent_in, weight_in, slice(None))
-        with nvtx_range("sparse_attn.bwd"):
-            kernel_options.note_backend("sparse_attention.bwd", ctx.backend.direction_names[1])
-            dq, dkeys, dsink = ctx.backend.backward(
-                dout.contiguous(), q.detach(), keys, idx, sink, ctx.scale, out, lse, None
-            )
+        dq, dkeys, dsink = torch.ops.dsv4cp.sparse_attention_bwd(
+            dout, q.detach(), keys, idx, sink, ctx.scale, out, lse, None, ctx.backend.name, ctx.options
+        )
         del keys
         dkv_ext = dkeys[: kv_ext.shape[0]]
         dcompressed = None if compressed is None else dkeys[kv_ext.shape[0] :]

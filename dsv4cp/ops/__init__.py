@@ -8,6 +8,8 @@
 * :mod:`.grouped_linear`: the output projection's per-group map, without the copies a batched einsum makes;
 * :mod:`.kernel_scope`: kernel options (:mod:`dsv4cp.kernel_options`) held through a region's later backward.
 * :mod:`.sparse_attention_library`: the attention op as ``torch.library`` custom ops, what ``torch.compile`` traces;
+  likewise :mod:`.indexer_library`, :mod:`.attention_probs_library`, :mod:`.norm_rope_library` and
+  :mod:`.compress_pool_library` for the other Triton kernels (:mod:`.custom_op_library`: what they share);
 * :mod:`.determinism`: which backends replay bitwise, per op and direction, and deterministic mode.
 
 The ops read the kernel options, pass the resolved choices to the kernels as keyword arguments and note
@@ -16,7 +18,14 @@ what ran (:func:`dsv4cp.kernel_options.note_backend`).
 ``dsv4cp.ops`` imports ``dsv4cp.kernels`` and chooses among them; kernels never import ops.
 """
 
-from dsv4cp.ops import sparse_attention_library  # noqa: F401  (registers the custom ops torch.compile traces)
+# Importing the libraries registers the custom ops torch.compile calls (none imports triton).
+from dsv4cp.ops import (  # noqa: F401
+    attention_probs_library,
+    compress_pool_library,
+    indexer_library,
+    norm_rope_library,
+    sparse_attention_library,
+)
 from dsv4cp.ops.sparse_attention import backend_names, register_backend, resolve_backend, sparse_attention
 
 __all__ = ["sparse_attention", "register_backend", "resolve_backend", "backend_names"]

@@ -19,6 +19,7 @@ import torch
 
 from dsv4cp import kernel_options
 from dsv4cp.kernels import triton_serves
+from dsv4cp.ops.custom_op_library import note_eager, options_in_force
 
 __all__ = ["head_summed_probs", "head_summed_probs_torch", "logsumexp_over", "logsumexp_over_torch"]
 
@@ -54,7 +55,10 @@ def logsumexp_over(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale
     """``[T, H]`` log-sum-exp of the logits of ``q [T, H, D]`` against ``keys[idx]`` (``-inf`` for no key);
     fp32 (fp64 for fp64 inputs)."""
     kernels = _triton_kernels(q)
-    kernel_options.note_backend("attention_probs.lse", "torch" if kernels is None else "triton")
+    note_eager("attention_probs.lse", "torch" if kernels is None else "triton")
+    if kernels is not None and torch.compiler.is_compiling():  # one opaque node: .attention_probs_library
+        return torch.ops.dsv4cp.logsumexp_over(q, keys, idx, float(scale), kernel_options.get("triton_lse_kernel"),
+                                               options_in_force())
     if kernels is not None:
         return kernels.logsumexp_over_triton(q, keys, idx, scale, kernel=kernel_options.get("triton_lse_kernel"))
     return logsumexp_over_torch(q, keys, idx, scale)
@@ -76,11 +80,15 @@ def head_summed_probs(
     """``[T, K]``: ``sum_h exp(l[t, h, k] - log_denominator[t, h])`` (zero at empty slots), in
     ``log_denominator``'s dtype; ``log_denominator`` is ``[T, H]``."""
     kernels = _triton_kernels(q)
-    kernel_options.note_backend("attention_probs", "torch" if kernels is None else "triton")
+    note_eager("attention_probs", "torch" if kernels is None else "triton")
     if kernels is not None:
-        out = kernels.head_summed_probs_triton(q, keys, idx, scale, log_denominator,
-                                               slots_on_m=bool(kernel_options.get("triton_probs_slots_on_m")),
-                                               kernel=kernel_options.get("triton_probs_kernel"))
+        slots_on_m = bool(kernel_options.get("triton_probs_slots_on_m"))
+        kernel = kernel_options.get("triton_probs_kernel")
+        if torch.compiler.is_compiling():  # one opaque node: .attention_probs_library
+            return torch.ops.dsv4cp.head_summed_probs(q, keys, idx, float(scale), log_denominator, slots_on_m,
+                                                      kernel, options_in_force())
+        out = kernels.head_summed_probs_triton(q, keys, idx, scale, log_denominator, slots_on_m=slots_on_m,
+                                               kernel=kernel)
         return out.to(log_denominator.dtype)
     return head_summed_probs_torch(q, keys, idx, scale, log_denominator)
 

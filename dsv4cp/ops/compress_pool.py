@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from dsv4cp import kernel_options
 from dsv4cp.kernels import compress_pool_triton
 from dsv4cp.kernels.compress_pool_triton import check_pool_inputs, use_triton
+from dsv4cp.ops.custom_op_library import note_eager, options_in_force
 
 __all__ = ["POOL_BACKENDS", "compress_pool", "compress_pool_torch"]
 
@@ -74,7 +74,11 @@ def compress_pool(values: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, 
         raise ValueError(f"backend: must be one of {', '.join(POOL_BACKENDS)}, got {backend!r}")
     check_pool_inputs(values, gates, ape, group_rows, group_valid)
     if backend == "triton" or (backend == "auto" and use_triton(values, gates)):
-        kernel_options.note_backend("compress_pool", "triton")
+        note_eager("compress_pool", "triton")
+        if torch.compiler.is_compiling():  # one opaque node: .compress_pool_library
+            pooled, _lse = torch.ops.dsv4cp.compress_pool_fwd(values, gates, ape, group_rows, group_valid,
+                                                              options_in_force())
+            return pooled
         return compress_pool_triton.compress_pool_triton(values, gates, ape, group_rows, group_valid)
-    kernel_options.note_backend("compress_pool", "torch")
+    note_eager("compress_pool", "torch")
     return compress_pool_torch(values, gates, ape, group_rows, group_valid)

@@ -13,6 +13,9 @@ forward and backward. :func:`head_group_projection` also owns its input gradient
 the RoPE rotation turns that buffer's last ``P`` dims in place (:func:`dsv4cp.ops.norm_rope.rotate_tail_`)
 instead of writing a rotated copy of the whole gradient (on an H200 at 64K: 2.24 -> 0.32 ms; the step's
 peak memory stayed 26.8 GiB, results/2026-12-01-h200-speed4).
+
+Under ``torch.compile`` both run as the einsum instead: Dynamo cannot trace a matmul into a strided
+``out=`` slice (a graph break each), and the compiler plans the layouts of the map and its backward itself.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"weight: must be [G={x.shape[1]}, O, I={x.shape[2]}] for x {tuple(x.shape)}, got {tuple(weight.shape)}"
         )
+    if torch.compiler.is_compiling():
+        return torch.einsum("lgi,goi->lgo", x, weight)
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:  # the per-group rows must view as [L, G * I]
         x = x.contiguous()
     return _GroupedLinear.apply(x, weight, None, None)
@@ -111,6 +116,9 @@ def head_group_projection(
         raise ValueError(f"positions: must be a [L={rows}] tensor, got {getattr(positions, 'shape', positions)}")
     if not isinstance(freqs, torch.Tensor) or freqs.dim() != 1 or not 0 < 2 * freqs.numel() <= d:
         raise ValueError(f"freqs: must be a [P/2] tensor with 2 <= P <= D={d}, got {getattr(freqs, 'shape', freqs)}")
+    if torch.compiler.is_compiling():
+        turned = rope_tail(heads, positions, freqs, inverse=True).reshape(rows, groups, weight.shape[2])
+        return torch.einsum("lgi,goi->lgo", turned, weight)
     if heads.stride(2) != 1 and d > 1:
         heads = heads.contiguous()
     return _GroupedLinear.apply(heads, weight, positions, freqs.detach())

@@ -21,6 +21,7 @@ import torch
 from dsv4cp import kernel_options
 from dsv4cp.kernels import interpreted, triton_serves
 from dsv4cp.kernels.contracts import check_key_row_limit, select_top
+from dsv4cp.ops.custom_op_library import note_eager, options_in_force
 from dsv4cp.profiling.autograd_ranges import BackwardRegion
 from dsv4cp.profiling.nvtx import nvtx_range
 
@@ -65,9 +66,12 @@ def indexer_topk(
         ValueError: ``key_row_limit`` is not None nor a tuple ``(base >= 0, ratio >= 1)`` of ints.
     """
     check_key_row_limit(key_row_limit)
+    if visibility is not None and triton_serves(q) and torch.compiler.is_compiling():  # .indexer_library
+        limit = None if key_row_limit is None else list(key_row_limit)
+        return torch.ops.dsv4cp.indexer_topk(q, w, keys, *visibility, k, limit, options_in_force())
     if visibility is not None and triton_serves(q):
         return fused_indexer_topk(q, w, keys, *visibility, k, key_row_limit=key_row_limit)
-    kernel_options.note_backend("indexer_topk", "torch")
+    note_eager("indexer_topk", "torch")
     t, hi, _ = q.shape
     g = keys.shape[0]
     out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)
@@ -180,7 +184,7 @@ class _IndexerScores(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        kernel_options.note_backend("indexer_scores.bwd", "torch")
+        note_eager("indexer_scores.bwd", "torch")
         with nvtx_range("indexer.score.bwd"):
             return _IndexerScores._backward(ctx, grad)
 
@@ -217,11 +221,13 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
     if triton_serves(q):
         from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton  # lazy: imports triton
 
-        kernel_options.note_backend("indexer_scores.fwd", "triton")
+        note_eager("indexer_scores.fwd", "triton")
+        if torch.compiler.is_compiling():  # one opaque node per direction: .indexer_library
+            return torch.ops.dsv4cp.indexer_scores_fwd(q, w, keys, idx, options_in_force())
         # the kernels' autograd function opens no range of its own: mark its backward here
         region = BackwardRegion("indexer.score.bwd")
         q, w, keys = (region.input(t) for t in (q, w, keys))
         with nvtx_range("indexer.score.fwd"):
             return region.output(indexer_scores_triton(q, w, keys, idx))
-    kernel_options.note_backend("indexer_scores.fwd", "torch")
+    note_eager("indexer_scores.fwd", "torch")
     return _IndexerScores.apply(q, w, keys, idx)

@@ -55,7 +55,7 @@ def options_in_backward(outputs: tuple[torch.Tensor | None, ...],
                         values: Mapping[str, object]) -> tuple[torch.Tensor | None, ...]:
     """``outputs`` (None and tensors without grad pass through) such that the kernel options
     ``values`` hold while their backward runs; checked here. No ``values``: ``outputs`` unchanged."""
-    if not values:
+    if not values or torch.compiler.is_compiling():  # compiled kernels take the options as arguments
         return outputs
     kernel_options.check_values(values)
     scope = _BackwardScope(values)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from dsv4cp import kernel_options
 from dsv4cp.kernels import norm_rope_triton
 from dsv4cp.kernels.norm_rope_triton import use_fused
+from dsv4cp.ops.custom_op_library import note_eager, options_in_force
 
 __all__ = ["apply_rope", "head_norm_rope", "rms_norm", "rope_tail", "rotate_tail_", "use_fused"]
 
@@ -72,7 +72,9 @@ def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor
     """``apply_rope(rms_norm(x, eps), positions, freqs)`` of ``x [rows, H, D]`` (weightless per-head norm),
     differentiable in x; ``[rows, H, D]`` in x's dtype. Fused on CUDA: no fp32 copy kept for backward."""
     fused = use_fused(x, freqs)
-    kernel_options.note_backend("norm_rope", "triton" if fused else "torch")
+    note_eager("norm_rope", "triton" if fused else "torch")
+    if fused and torch.compiler.is_compiling():  # one opaque node: .norm_rope_library
+        return torch.ops.dsv4cp.head_norm_rope_fwd(x, positions, freqs.detach(), float(eps), options_in_force())[0]
     if fused:
         return norm_rope_triton.head_norm_rope(x, positions, freqs, eps)
     return apply_rope(rms_norm(x, eps), positions, freqs)
@@ -82,7 +84,9 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inv
     """``apply_rope(x, positions, freqs, inverse)`` of ``x [rows, H, D]``, differentiable in x; fused on
     CUDA (rotates the tail in place of copying the whole tensor)."""
     fused = use_fused(x, freqs)
-    kernel_options.note_backend("rope_tail", "triton" if fused else "torch")
+    note_eager("rope_tail", "triton" if fused else "torch")
+    if fused and torch.compiler.is_compiling():  # one opaque node: .norm_rope_library
+        return torch.ops.dsv4cp.rope_tail(x, positions, freqs.detach(), bool(inverse), options_in_force())
     if fused:
         return norm_rope_triton.rope_tail(x, positions, freqs, inverse=inverse)
     return apply_rope(x, positions, freqs, inverse=inverse)

@@ -18,6 +18,7 @@ from dsv4cp import choices, kernel_options, kernels
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
+from dsv4cp.ops.custom_op_library import options_in_force
 from dsv4cp.profiling.nvtx import nvtx_range
 
 
@@ -287,7 +288,9 @@ def sparse_attention(
     """
     _check_inputs(q, kv, idx, sink, topk_length)
     if torch.compiler.is_compiling():  # one opaque node per direction: dsv4cp.ops.sparse_attention_library
-        return torch.ops.dsv4cp.sparse_attention_fwd(q, kv, idx, sink, float(scale), topk_length, backend)
+        with _options_in_force(options):
+            in_force = options_in_force()
+        return torch.ops.dsv4cp.sparse_attention_fwd(q, kv, idx, sink, float(scale), topk_length, backend, in_force)
     chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
     if options:
         options = dict(options)

@@ -10,7 +10,8 @@ latest when the backward pass ends, so no range is ever left open.
 
 The identity nodes are added whether or not ranges are on (they then do nothing), so switching
 ranges cannot change the graph, nor the order in which gradients are summed: numerics stay
-bitwise identical.
+bitwise identical. While ``torch.compile`` traces, no node is added (Dynamo cannot trace the walk over
+``grad_fn`` nor the callbacks): a compiled region's backward has no phase range of its own.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class BackwardRegion:
         self._input_marked = False
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.requires_grad:
+        if not x.requires_grad or torch.compiler.is_compiling():
             return x
         self._input_marked = True
         return _SpanMarkerInBackward.apply(x, self._span.close)
@@ -104,7 +105,7 @@ class BackwardRegion:
     def outputs(self, *ys: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The region's outputs, marked; call after every ``input`` of the region."""
         differentiable = [y for y in ys if y.requires_grad]
-        if not differentiable:
+        if not differentiable or torch.compiler.is_compiling():
             return ys
         if self._input_marked:
             open_span = self._span.open

@@ -12,7 +12,9 @@ cannot silently create a new, unanalysed phase. Each range is emitted twice unde
 
 The NVTX calls reuse one cached domain and one cached ``EventAttributes`` per name. With no tool
 attached the ``nvtx`` package hands out a dummy domain whose calls do nothing; with ranges switched
-off (``DSV4CP_NVTX=0`` or ``set_enabled(False)``) ``nvtx_range`` returns a shared null context.
+off (``DSV4CP_NVTX=0`` or ``set_enabled(False)``) ``nvtx_range`` returns a shared null context, and so
+it does while ``torch.compile`` traces (Dynamo cannot trace the NVTX calls; the kernels' custom ops open
+their ranges inside, when the compiled graph runs them).
 
 A phase listener (:func:`set_phase_listener`; the per-phase memory recorder of
 :mod:`dsv4cp.profiling.memory`) is told of every phase entry and exit, also with ranges switched off;
@@ -231,6 +233,8 @@ def nvtx_range(phase: str) -> contextlib.AbstractContextManager[None]:
     The name is checked even when ranges are switched off, so typos fail in every configuration.
     """
     spec = _spec(phase)
+    if torch.compiler.is_compiling():  # Dynamo cannot trace NVTX or profiler calls (a graph break each)
+        return _NULL_RANGE
     if _listener is not None:
         return _ListenedRange(spec, _listener)
     return _ActiveRange(spec) if _enabled else _NULL_RANGE
