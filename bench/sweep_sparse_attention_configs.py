@@ -38,8 +38,8 @@ TOLERANCE = 1e-2  # relative Frobenius error of bf16 against fp32 (tests/kernels
 
 @dataclass(frozen=True)
 class Candidate:
-    """One launch to time: the forward's ``(block_h, block_k, num_warps, num_stages)`` and whether its
-    warpgroups split the logits' slots, or the backward's first kernel (same fields), its dkv kernel
+    """One launch to time: the forward's ``(block_h, block_k, num_warps, num_stages)`` and its logits'
+    layout, or the backward's first kernel (same fields), its dkv kernel
     ``(block_k, block_d, num_warps, num_stages)``, where dq is accumulated and whether the dkv kernel forms
     its gradient as one product. ``heads``: the head counts it is meant for (its dkv tiles depend on H)."""
 
@@ -49,7 +49,7 @@ class Candidate:
     dq_in_dkv: bool = False
     heads: tuple[int, ...] = (64, 128)
     note: str = ""
-    split_logits: bool = False
+    logits: str = "duplicated"
     one_product: bool = False
     index_ahead: bool = False
 
@@ -59,7 +59,8 @@ class Candidate:
         if self.direction == "bwd":
             text += (" / dkv " + "x".join(map(str, self.dkv)) + (" dq-in-dkv" if self.dq_in_dkv else "")
                      + (" one-product" if self.one_product else ""))
-        return text + (" split-logits" if self.split_logits else "") + (" index-ahead" if self.index_ahead else "")
+        layout = "" if self.logits == "duplicated" else " " + self.logits.replace("_", "-") + " logits"
+        return text + layout + (" index-ahead" if self.index_ahead else "")
 
     @property
     def env(self) -> dict[str, str]:
@@ -67,7 +68,7 @@ class Candidate:
         join, flag = ",".join, lambda on: "1" if on else "0"
         if self.direction == "fwd":
             return {"DSV4CP_TRITON_FWD_CONFIG": join(map(str, self.config)),
-                    "DSV4CP_TRITON_FWD_SPLIT_LOGITS": flag(self.split_logits),
+                    "DSV4CP_TRITON_FWD_LOGITS": self.logits,
                     "DSV4CP_TRITON_FWD_INDEX_AHEAD": flag(self.index_ahead)}
         return {"DSV4CP_TRITON_BWD_CONFIG": join(map(str, self.config)),
                 "DSV4CP_TRITON_DKV_CONFIG": join(map(str, self.dkv)),
@@ -84,15 +85,17 @@ class Candidate:
 CANDIDATES = [
     Candidate("fwd", (64, 64, 8, 2), note="default; 255 regs, 192 KB, no spill"),
     Candidate("fwd", (64, 32, 8, 3), note="128 KB, 40 B stack"),
-    Candidate("fwd", (64, 64, 8, 2), split_logits=True, note="246 regs, 208 KB (H 128: 40 B stack)"),
-    Candidate("fwd", (64, 32, 8, 3), split_logits=True, note="233 regs, 136 KB (H 128: 40 B stack)"),
-    Candidate("fwd", (64, 64, 8, 1), split_logits=True, note="255 regs, 144 KB, no spill"),
+    Candidate("fwd", (64, 64, 8, 2), logits="split", note="246 regs, 208 KB (H 128: 40 B stack)"),
+    Candidate("fwd", (64, 32, 8, 3), logits="split", note="233 regs, 136 KB (H 128: 40 B stack)"),
+    Candidate("fwd", (64, 64, 8, 1), logits="split", note="255 regs, 144 KB, no spill"),
     Candidate("fwd", (64, 64, 8, 2), index_ahead=True, note="255 regs, 192 KB, 8 B stack (H 128: 80 B)"),
-    Candidate("fwd", (64, 64, 8, 2), split_logits=True, index_ahead=True,
+    Candidate("fwd", (64, 64, 8, 2), logits="split", index_ahead=True,
               note="255 regs, 208 KB, 8 B stack (H 128: 72 B)"),
-    Candidate("fwd", (64, 64, 8, 1), split_logits=True, index_ahead=True, note="255 regs, 144 KB, 8 B stack"),
+    Candidate("fwd", (64, 64, 8, 1), logits="split", index_ahead=True, note="255 regs, 144 KB, 8 B stack"),
     Candidate("fwd", (64, 64, 8, 3), note="3 stages: indices a step ahead by the pipeliner; 255 regs, 192 KB"),
-    Candidate("fwd", (64, 64, 8, 3), split_logits=True, note="3 stages; 252 regs, 208 KB (H 128: 40 B stack)"),
+    Candidate("fwd", (64, 64, 8, 3), logits="split", note="3 stages; 252 regs, 208 KB (H 128: 40 B stack)"),
+    Candidate("fwd", (64, 128, 8, 1), logits="slots_on_m", note="wgmma N 64; 255 regs, 208 KB, 272 B stack"),
+    Candidate("fwd", (64, 128, 8, 1), logits="slots_on_m", index_ahead=True, note="255 regs, 208 KB, 408 B stack"),
     Candidate("bwd", (32, 64, 8, 2), (64, 256, 8, 2), heads=(64,), note="default; dq mma.sync 225 regs"),
     Candidate("bwd", (32, 32, 8, 2), (64, 256, 8, 2), heads=(64,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 256, 8, 2), True, heads=(64,), note="wgmma 140 regs; dkv 252 regs 224 KB"),
@@ -157,7 +160,7 @@ def fwd_call(cand: Candidate, q, kv, idx, sink, scale):
 
     bh, bk, nw, ns = cand.config
     return sparse_attention_fwd(q, kv, idx, sink, scale, block_h=bh, block_k=bk, num_warps=nw, num_stages=ns,
-                                split_logits=cand.split_logits, index_ahead=cand.index_ahead)
+                                logits=cand.logits, index_ahead=cand.index_ahead)
 
 
 def bwd_call(cand: Candidate, dout, q, kv, idx, sink, scale, out, lse):

@@ -16,7 +16,8 @@ at the head dims it supports (not ``tiny``); a direction a backend lacks is skip
 Kernel variants of the triton backend are timed beside it (the same call with a kernel option set):
 ``triton-dq-in-dkv`` (backward: dq accumulated by the dkv kernel, ``DSV4CP_TRITON_DQ_IN_DKV=1``),
 ``triton-split-logits`` (forward: the two warpgroups split the logits' slots,
-``DSV4CP_TRITON_FWD_SPLIT_LOGITS=1``), ``triton-dkv-one-product`` (backward: the dkv kernel's
+``DSV4CP_TRITON_FWD_LOGITS=split``), ``triton-slots-on-m`` (forward: ``kv @ q^T``, 128 slots per step,
+``DSV4CP_TRITON_FWD_LOGITS=slots_on_m``), ``triton-dkv-one-product`` (backward: the dkv kernel's
 ``ds^T q + p^T dO`` as one product, ``DSV4CP_TRITON_DKV_ONE_PRODUCT=1``), ``triton-index-ahead`` (each
 direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TRITON_FWD_INDEX_AHEAD=1`` /
 ``DSV4CP_TRITON_BWD_INDEX_AHEAD=1``) and the two combined. The current kernels against the new ones at
@@ -40,9 +41,10 @@ from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
-FORWARD_VARIANTS = {"triton-split-logits": {"triton_fwd_split_logits": "1"},
+FORWARD_VARIANTS = {"triton-split-logits": {"triton_fwd_logits": "split"},
+                    "triton-slots-on-m": {"triton_fwd_logits": "slots_on_m"},
                     "triton-index-ahead": {"triton_fwd_index_ahead": "1"},
-                    "triton-split-logits-index-ahead": {"triton_fwd_split_logits": "1", "triton_fwd_index_ahead": "1"}}
+                    "triton-split-logits-index-ahead": {"triton_fwd_logits": "split", "triton_fwd_index_ahead": "1"}}
 BACKWARD_VARIANTS = {"triton-dq-in-dkv": {"triton_dq_in_dkv": "1"},
                      "triton-dkv-one-product": {"triton_dkv_one_product": "1"},
                      "triton-index-ahead": {"triton_bwd_index_ahead": "1"},

@@ -145,9 +145,10 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     _tile("triton_gather_bwd_config", "indexer_scores", ("block_k", "num_warps", "num_stages", "relaxed_atomics"),
           "pins the gathered indexer scores' backward launch (relaxed_atomics 0 or 1)"),
     _tile("triton_fwd_config", "sparse_attention", _KERNEL_TILE, "pins the Triton attention forward's launch"),
-    KernelOption("triton_fwd_split_logits", "DSV4CP_TRITON_FWD_SPLIT_LOGITS", FLAG, "sparse_attention",
-                 "Triton attention forward splits the logits' slots between its two warpgroups (1) or has both "
-                 "compute all of them (0)", False),
+    KernelOption("triton_fwd_logits", "DSV4CP_TRITON_FWD_LOGITS", CHOICE, "sparse_attention",
+                 "Triton attention forward's logits: both warpgroups compute all of them (duplicated), each half "
+                 "of the slots (split), or kv q^T with the slots on M (slots_on_m)", "duplicated",
+                 ("duplicated", "split", "slots_on_m")),
     KernelOption("triton_fwd_index_ahead", "DSV4CP_TRITON_FWD_INDEX_AHEAD", FLAG, "sparse_attention",
                  "Triton attention forward loads each step's kv-row indices one step ahead (1)", False),
     _tile("triton_bwd_config", "sparse_attention", _KERNEL_TILE,

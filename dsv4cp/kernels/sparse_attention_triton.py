@@ -49,13 +49,19 @@ strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from 
   3 stages``: 128 KB, 40 B of stack; ``BLOCK_K=128``: over the shared memory. Measured on an H200
   (``bench/sweep_sparse_attention_configs.py``, flash shapes): 5.62 ms = 244 TFLOP/s (``BLOCK_K=32``:
   162 TFLOP/s).
-* forward with split logits (``SPLIT_LOGITS``, kernel option ``triton_fwd_split_logits``; Triton 3.6):
+* forward with split logits (``LOGITS="split"``, kernel option ``triton_fwd_logits``; Triton 3.6):
   the logits get warps [4, 2], each warpgroup computing ``[64, BLOCK_K / 2]``: 36 wgmma instructions in
   the loop's SASS against 68, matrix work per warpgroup and step 2 units instead of 3 (logits 1 instead
   of 2, values 1), for two cross-warpgroup row reductions and p's trip through shared memory. Same
   ladder: ``64, 64, 8, 2``: 208 KB, 246 registers, no spill (H = 128: 255 and 40 B of stack);
-  ``64, 32, 8, 3``: 136 KB, 233 registers; ``64, 64, 8, 1``: 144 KB, 255 registers, no spill. Expected
-  (a model, not measured): up to 1.5x on the matrix work.
+  ``64, 32, 8, 3``: 136 KB, 233 registers; ``64, 64, 8, 1``: 144 KB, 255 registers, no spill;
+  ``64, 64, 8, 3``: 208 KB, 252 registers, no spill (3 stages: the pipeliner loads the indices a step
+  ahead itself). Expected (a model, not measured): up to 1.5x on the matrix work.
+* forward with the slots on M (``LOGITS="slots_on_m"``): ``kv @ q^T`` on warps [8, 1] over 128 slots,
+  wgmma N = 64 (the split's N = 32 reads the shared-memory A operand twice as often per product), 40
+  wgmma instructions. Two stages of 128 rows are over the shared memory (336 KB), so one stage: the
+  rows are staged through registers, ``64, 128, 8, 1``: 208 KB, 255 registers and 272 B of stack
+  (H = 128: 336 B). Expected to lose to the split unless the spills are cheap.
 * dq kernel ``BLOCK_H=32, BLOCK_K=64, 8 warps, 2 stages`` (default): 132 KB, mma.sync, 225 registers, no
   spill (``BLOCK_K=32``: 98 KB, 185 registers). With 64 heads (wgmma) it spills 712 B.
   Without its dq accumulator ("dq in dkv"): ``BLOCK_H=64, BLOCK_K=32, 8 warps, 2 stages``: wgmma,
@@ -147,6 +153,7 @@ H200 (``bench/sweep_sparse_attention_configs.py``, flash shapes, ``results/2026-
 for the dq kernel's best (``32,64,8,2``)."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FWD_LOGITS = kernel_options.OPTIONS["triton_fwd_logits"].choices
 
 
 @dataclass(frozen=True)
@@ -181,7 +188,7 @@ def _fwd_kernel(
     H, N, KT, N_HB,  # heads, kv rows, slots per query, head blocks per query
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_LOGITS: tl.constexpr,
+    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, LOGITS: tl.constexpr,
     INDEX_AHEAD: tl.constexpr,
 ):
     """Forward of one (query token t, head block).
@@ -189,12 +196,19 @@ def _fwd_kernel(
     Q ``[T, H, D]``, KV ``[N, D]`` (same float dtype), IDX ``[T, KT]`` int32/int64, SINK ``[H]`` fp32,
     TOPK ``[T]`` int32 (read iff HAS_TOPK), OUT ``[T, H, D]`` (Q's dtype), LSE ``[T, H]`` fp32.
 
-    SPLIT_LOGITS: p and the rescaled accumulator reach the value product through a branch that is always
-    taken (``k0 < kt_len`` inside the loop). Triton lays out a product whose result feeds another product
-    over all warps along M (``[num_warps, 1]``); at 64 heads and 8 warps that makes both warpgroups
-    compute the same ``[64, BLOCK_K]`` logits. The branch's results are not in the logits' forward slice,
-    so the logits get the ordinary ``[4, 2]`` layout: each warpgroup computes half of the slots, the
-    softmax's row max and sum cross the warpgroups and p goes to the value product through shared memory.
+    LOGITS, how the ``[BLOCK_H, BLOCK_K]`` logits are laid out. Triton lays out a product whose result
+    feeds another product over all warps along M (``[num_warps, 1]``):
+
+    * ``"duplicated"``: ``q @ kv^T``, heads on M: at 64 heads and 8 warps both warpgroups compute the same
+      logits;
+    * ``"split"``: the same product, but p and the rescaled accumulator reach the value product through a
+      branch that is always taken (``k0 < kt_len`` inside the loop). The branch's results are not in the
+      logits' forward slice, so the logits get the ordinary ``[4, 2]`` layout: each warpgroup computes
+      half of the slots, the softmax's row max and sum cross the warpgroups and p goes to the value
+      product through shared memory;
+    * ``"slots_on_m"``: ``kv @ q^T`` (``[BLOCK_K, BLOCK_H]``), slots on M: with ``BLOCK_K = 128`` each
+      warpgroup computes its 64 slots for all 64 heads (wgmma N = 64 where the split has N = 32), the
+      softmax runs down the columns and ``p^T`` is transposed into the value product.
 
     INDEX_AHEAD: each step loads the next step's row indices and gathers the rows of indices loaded one
     step earlier. Triton's two-stage pipeline issues the next step's gather at the end of a step, right
@@ -231,23 +245,33 @@ def _fwd_kernel(
         else:
             rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, slots < kt_len, N, stride_kvn, d, dmask,
                                           D, BLOCK_D, DOT_F32)  # K and V
-        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: avoid -inf - -inf
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if SPLIT_LOGITS:
-            if k0 < kt_len:  # always: hides p's and alpha's origin from the chained-product layout rule
-                p_v = p.to(kv.dtype)
-                acc_v = acc * alpha[:, None]
-            else:
-                p_v = tl.zeros([BLOCK_H, BLOCK_K], dtype=kv.dtype)
-                acc_v = acc
-            acc = tl.dot(p_v, kv, acc_v, input_precision=PRECISION)
+        if LOGITS == "slots_on_m":
+            s_t = tl.dot(kv, tl.trans(q), input_precision=PRECISION) * qk_scale2  # [BLOCK_K, BLOCK_H]
+            s_t = tl.where(valid[:, None], s_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: avoid -inf - -inf
+            alpha = tl.math.exp2(m_i - m_use)
+            p_t = tl.math.exp2(s_t - m_use[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, 0)
+            acc = tl.dot(tl.trans(p_t.to(kv.dtype)), kv, acc * alpha[:, None], input_precision=PRECISION)
         else:
-            acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)
+            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: avoid -inf - -inf
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if LOGITS == "split":
+                if k0 < kt_len:  # always: hides p's and alpha's origin from the chained-product layout rule
+                    p_v = p.to(kv.dtype)
+                    acc_v = acc * alpha[:, None]
+                else:
+                    p_v = tl.zeros([BLOCK_H, BLOCK_K], dtype=kv.dtype)
+                    acc_v = acc
+                acc = tl.dot(p_v, kv, acc_v, input_precision=PRECISION)
+            else:
+                acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     # Sink: denominator 2^m * l + 2^(sink*log2e); a row with no key has acc = 0 -> out = 0.
@@ -527,6 +551,16 @@ def _fwd_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConf
     return [KernelConfig(*c) for c in ladder]
 
 
+def _fwd_slots_on_m_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
+    """The forward with slots on M: 128 slots per step at D = 512 (M = 128 over 8 warps gives each
+    warpgroup its own 64 slots; at 64 they would both compute all of them), in one stage (two are over
+    the shared memory), then the ordinary ladder."""
+    ladder = _fwd_ladder(block_d, heads, dtype)
+    if block_d >= 256 and dtype != torch.float32:
+        ladder.insert(0, KernelConfig(_block_h(heads), 128, 8, 1))
+    return ladder
+
+
 def _dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
     bh = _block_h(heads)
     if block_d >= 256:
@@ -657,7 +691,7 @@ def sparse_attention_fwd(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    split_logits: bool | None = None,
+    logits: str | None = None,
     index_ahead: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of sparse multi-query attention with a sink (Triton).
@@ -671,9 +705,9 @@ def sparse_attention_fwd(
         scale: logit scale.
         topk_length: optional ``[T]`` int32: query t uses its first ``topk_length[t]`` slots only.
         block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder).
-        split_logits: ``True``: each warpgroup computes half of the logits' slots (``SPLIT_LOGITS`` of
-            ``_fwd_kernel``); ``False``: both compute all of them; ``None``: the kernel option
-            ``triton_fwd_split_logits``.
+        logits: the logits' layout, ``"duplicated"`` (both warpgroups compute all of them), ``"split"``
+            (each computes half of the slots) or ``"slots_on_m"`` (``kv @ q^T``): ``LOGITS`` of
+            ``_fwd_kernel``; ``None``: the kernel option ``triton_fwd_logits``.
         index_ahead: ``True``: each step loads the next step's row indices (``INDEX_AHEAD``); ``None``:
             the kernel option ``triton_fwd_index_ahead``.
 
@@ -691,9 +725,11 @@ def sparse_attention_fwd(
         return out, lse
     topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
     block_d = triton.next_power_of_2(d)
-    split = _option_flag("triton_fwd_split_logits", split_logits)
+    layout = kernel_options.get("triton_fwd_logits") if logits is None else logits
+    if layout not in FWD_LOGITS:
+        raise ValueError(f"logits: must be one of {', '.join(FWD_LOGITS)}, got {layout!r}")
     ahead = _option_flag("triton_fwd_index_ahead", index_ahead)
-    ladder = _fwd_ladder(block_d, h, q.dtype)  # the same tiles fit both variants at D = 512
+    ladder = (_fwd_slots_on_m_ladder if layout == "slots_on_m" else _fwd_ladder)(block_d, h, q.dtype)
     pinned = _pinned("triton_fwd_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_fwd_kernel", q.device)
@@ -705,11 +741,11 @@ def sparse_attention_fwd(
             float(scale) * LOG2E, h, kv.shape[0], idx.shape[1], n_hb,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
             D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-            HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q), SPLIT_LOGITS=split,
+            HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q), LOGITS=layout,
             INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    kind = "fwd" + ("_split_logits" if split else "") + ("_index_ahead" if ahead else "")
+    kind = "fwd" + ("" if layout == "duplicated" else "_" + layout) + ("_index_ahead" if ahead else "")
     _launch(kind, _config_key(q), ladder, pinned, launch)
     return out, lse
 
