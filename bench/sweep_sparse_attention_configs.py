@@ -13,13 +13,16 @@ machine (it imports ``bench.test_bench_sparse_attention``)::
     python -m bench.sweep_sparse_attention_configs --json sweep_sparse_attention.json
 
 Every candidate compiles once (about 10-20 s each, which dominates the run); ``--shapes``, ``--only``
-and ``--match`` (a part of the candidates' names, e.g. ``split-logits``) narrow the sweep.
+and ``--match`` (a regular expression on the candidates' names, e.g. ``split``) narrow the sweep;
+``bench/sparse_attention_resources.py`` lists the candidates' registers, spills and shared memory on
+sm_90 without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -228,7 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, required=True, help="where to write the rows (JSON)")
     parser.add_argument("--shapes", default="flash,pro", help="comma-separated: flash, pro")
     parser.add_argument("--only", choices=("fwd", "bwd"), help="one direction only")
-    parser.add_argument("--match", default="", help="only candidates whose name holds this text (e.g. one-product)")
+    parser.add_argument("--match", default="", help="only candidates whose name matches this regular expression "
+                        "(e.g. one-product)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per candidate (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
     parser.add_argument("--check-tokens", type=int, default=1024, help="queries checked against torch")
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         fwd_out = fwd_call(CANDIDATES[0], *entry["args"])  # the backward's out and lse
         for cand in CANDIDATES:
             if (args.only and cand.direction != args.only) or shape.heads not in cand.heads or \
-                    args.match not in cand.name:
+                    not re.search(args.match, cand.name):
                 continue
             begin = time.perf_counter()
             row = run_candidate(cand, shape, entry, fwd_out, dout, ref, args.reps, args.warmup,

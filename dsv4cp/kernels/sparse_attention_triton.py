@@ -40,7 +40,8 @@ accumulator takes 128 registers per thread over ``num_warps = 8`` (two warpgroup
 the 512 columns; 16 warps would cap registers at 128 per thread and do not compile at 128 heads). bf16
 configurations at D = 512, compiled for sm_90a with Triton 3.6 (the H200 machine's) without a GPU
 (``triton.compile`` for target ``cuda 90`` with the launch's 16-byte divisibility of pointers and
-strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from spills, shared memory):
+strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from spills, shared memory;
+``python -m bench.sparse_attention_resources`` prints them for every sweep candidate):
 
 * forward ``BLOCK_H=64, BLOCK_K=64, 8 warps, 2 stages`` (default): 192 KB (q 64 KB + 2 x 64 KB of
   gathered rows), wgmma for both products, 255 registers, no spill. Triton lays the ``[64, BLOCK_K]``
@@ -56,7 +57,8 @@ strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from 
   ladder: ``64, 64, 8, 2``: 208 KB, 246 registers, no spill (H = 128: 255 and 40 B of stack);
   ``64, 32, 8, 3``: 136 KB, 233 registers; ``64, 64, 8, 1``: 144 KB, 255 registers, no spill;
   ``64, 64, 8, 3``: 208 KB, 252 registers, no spill (3 stages: the pipeliner loads the indices a step
-  ahead itself). Expected (a model, not measured): up to 1.5x on the matrix work.
+  ahead itself). With Triton 3.9 the gap widens: the duplicated layout spills 184 B, the split takes
+  236 registers and none. Expected (a model, not measured): up to 1.5x on the matrix work.
 * forward with the slots on M (``LOGITS="slots_on_m"``): ``kv @ q^T`` on warps [8, 1] over 128 slots,
   wgmma N = 64 (the split's N = 32 reads the shared-memory A operand twice as often per product), 40
   wgmma instructions. Two stages of 128 rows are over the shared memory (336 KB), so one stage: the

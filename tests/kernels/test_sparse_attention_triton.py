@@ -12,6 +12,10 @@ topk_length.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -355,6 +359,42 @@ def test_int64_indices_and_topk(seed):
     out32, lse32 = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
     out64, lse64 = sparse_attention_fwd(q, kv, idx.long(), sink, scale, tl_.long())
     assert torch.equal(out32, out64) and torch.equal(lse32, lse64), f"seed={seed}"
+
+
+def _sm90_resources(match: str) -> dict[tuple[str, str], dict[str, float]]:
+    """``bench/sparse_attention_resources.py`` for the flash candidates matching ``match``, in a process
+    without the interpreter: (candidate, kernel) -> its figures."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "bench.sparse_attention_resources", "--shapes", "flash",
+                           "--match", match], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = re.compile(r"^flash (fwd|bwd) (.+?) +(_\w+_kernel) +(\d+) regs +(\d+) B stack +([\d.]+) KB +(\d+) wgmma")
+    found = {}
+    for text in done.stdout.splitlines():
+        m = line.match(text)
+        if m:
+            found[(m.group(2), m.group(3))] = {"regs": int(m.group(4)), "stack": int(m.group(5)),
+                                               "shared_kb": float(m.group(6)), "wgmma": int(m.group(7))}
+    return found
+
+
+@pytest.mark.slow
+def test_sm90_build_stops_duplicating_products():
+    """Compiled for sm_90 without a GPU, the split logits and the dkv kernel's one product issue fewer
+    wgmma instructions than the layouts that have both warpgroups compute the same product (Triton's
+    layout rule for a product feeding another: a Triton upgrade that changes it fails here), within
+    the shared memory of an SM and without more spills."""
+    pytest.importorskip("triton.backends.nvidia")
+    got = _sm90_resources(r"^64x64x8x2( split logits)?$|^64x64x8x1 / dkv 64x256x8x2 dq-in-dkv( one-product)?$")
+    pairs = ((("64x64x8x2", "_fwd_kernel"), ("64x64x8x2 split logits", "_fwd_kernel")),
+             (("64x64x8x1 / dkv 64x256x8x2 dq-in-dkv", "_bwd_dkv_kernel"),
+              ("64x64x8x1 / dkv 64x256x8x2 dq-in-dkv one-product", "_bwd_dkv_kernel")))
+    for old, new in pairs:
+        assert old in got and new in got, f"missing figures: {sorted(got)}"
+        assert got[new]["wgmma"] < got[old]["wgmma"], f"{new}: {got[new]} against {old}: {got[old]}"
+        assert got[new]["stack"] <= got[old]["stack"] and got[new]["shared_kb"] <= 227, f"{new}: {got[new]}"
 
 
 # ------------------------------------------------------------------------------------------ validation
