@@ -83,8 +83,9 @@ class Candidate:
 # Candidates: the ones that compile for sm_90a with Triton 3.6 (the GPU machine's) within the shared
 # memory and without spills, or with the fewest (triton.compile for target cuda 90 with the launch's
 # 16-byte divisibility specialisation, then cuobjdump -res-usage; no GPU needed): registers per thread,
-# shared memory and stack bytes from spills in the notes (H = 64 unless a row is for 128 heads only). The
-# first row of each direction and shape is today's default.
+# shared memory and stack bytes from spills in the notes (H = 64 unless a row is for 128 heads only;
+# ``python -m bench.sparse_attention_resources`` prints them all). The first row of each direction and
+# shape is today's default.
 CANDIDATES = [
     Candidate("fwd", (64, 64, 8, 2), note="default; 255 regs, 192 KB, no spill"),
     Candidate("fwd", (64, 32, 8, 3), note="128 KB, 40 B stack"),
@@ -99,11 +100,11 @@ CANDIDATES = [
     Candidate("fwd", (64, 64, 8, 3), logits="split", note="3 stages; 252 regs, 208 KB (H 128: 40 B stack)"),
     Candidate("fwd", (64, 128, 8, 1), logits="slots_on_m", note="wgmma N 64; 255 regs, 208 KB, 272 B stack"),
     Candidate("fwd", (64, 128, 8, 1), logits="slots_on_m", index_ahead=True, note="255 regs, 208 KB, 408 B stack"),
-    Candidate("bwd", (32, 64, 8, 2), (64, 256, 8, 2), heads=(64,), note="default; dq mma.sync 225 regs"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), note="default; scores 160 regs, 1 stage"),
+    Candidate("bwd", (32, 64, 8, 2), (64, 256, 8, 2), heads=(64,), note="dq kernel: mma.sync 225 regs"),
     Candidate("bwd", (32, 32, 8, 2), (64, 256, 8, 2), heads=(64,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 256, 8, 2), True, heads=(64,), note="wgmma 140 regs; dkv 252 regs 224 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(64,), note="dkv 153 regs, 2x p/ds reads"),
-    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), note="scores 162 regs, 1 stage"),
     Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), one_product=True,
               note="dkv 242 regs, 208 KB, no spill"),
     Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 1), True, heads=(64,), one_product=True,
@@ -120,7 +121,8 @@ CANDIDATES = [
               note="scores 186 regs; dkv 253 regs, 128 KB, 1 stage"),
     Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 3), True, heads=(64,), one_product=True,
               note="dkv 3 stages: indices a step ahead by the pipeliner; 230 regs, 208 KB"),
-    Candidate("bwd", (32, 64, 8, 2), (64, 128, 8, 2), heads=(128,), note="default"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 2), True, heads=(128,), note="default; dkv 224 regs, 192 KB"),
+    Candidate("bwd", (32, 64, 8, 2), (64, 128, 8, 2), heads=(128,), note="dq kernel: mma.sync"),
     Candidate("bwd", (32, 32, 8, 2), (64, 128, 8, 2), heads=(128,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(128,), note="dkv 224 regs, 192 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 64, 8, 2), True, heads=(128,), note="dkv 142 regs, 2x p/ds reads"),
