@@ -13,8 +13,9 @@ on CPU. Every backend runs in the same session, so one ``--benchmark-json`` hold
 Triton's, cuDNN's DSA backward beside Triton's, and torch's: the one-sided libraries "flashmla" (forward
 only) and "cudnn" (backward only) are timed alone, each where it is available (SM90+ and its package) and
 at the head dims it supports (not ``tiny``); a direction a backend lacks is skipped.
-Kernel variants of the triton backend are timed beside it (the same call with a kernel option set):
-``triton-dq-in-dkv`` (backward: dq accumulated by the dkv kernel, ``DSV4CP_TRITON_DQ_IN_DKV=1``),
+Kernel variants of the triton backend are timed beside it (the same call with kernel options set):
+``triton-duplicated-logits`` and ``triton-dq-in-dkv`` (the kernels before the variants below: forward
+logits computed by both warpgroups; backward dq accumulated by the dkv kernel, two chained products),
 ``triton-split-logits`` (forward: the two warpgroups split the logits' slots,
 ``DSV4CP_TRITON_FWD_LOGITS=split``), ``triton-slots-on-m`` (forward: ``kv @ q^T``, 128 slots per step,
 ``DSV4CP_TRITON_FWD_LOGITS=slots_on_m``), ``triton-dkv-one-product`` (backward: the dkv kernel's
@@ -41,16 +42,24 @@ from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
-FORWARD_VARIANTS = {"triton-split-logits": {"triton_fwd_logits": "split"},
-                    "triton-slots-on-m": {"triton_fwd_logits": "slots_on_m"},
-                    "triton-index-ahead": {"triton_fwd_index_ahead": "1"},
-                    "triton-split-logits-index-ahead": {"triton_fwd_logits": "split", "triton_fwd_index_ahead": "1"}}
-BACKWARD_VARIANTS = {"triton-dq-in-dkv": {"triton_dq_in_dkv": "1"},
-                     "triton-dkv-one-product": {"triton_dkv_one_product": "1"},
-                     "triton-index-ahead": {"triton_bwd_index_ahead": "1"},
-                     "triton-dkv-one-product-index-ahead": {"triton_dkv_one_product": "1",
-                                                            "triton_bwd_index_ahead": "1"}}
-"""Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set."""
+_BEFORE_FWD = {"triton_fwd_logits": "duplicated", "triton_fwd_index_ahead": "0"}
+_BEFORE_BWD = {"triton_dq_in_dkv": "1", "triton_dkv_one_product": "0", "triton_bwd_index_ahead": "0"}
+FORWARD_VARIANTS = {
+    "triton-duplicated-logits": _BEFORE_FWD,
+    "triton-split-logits": _BEFORE_FWD | {"triton_fwd_logits": "split"},
+    "triton-slots-on-m": _BEFORE_FWD | {"triton_fwd_logits": "slots_on_m"},
+    "triton-index-ahead": _BEFORE_FWD | {"triton_fwd_index_ahead": "1"},
+    "triton-split-logits-index-ahead": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_index_ahead": "1"},
+}
+BACKWARD_VARIANTS = {
+    "triton-dq-in-dkv": _BEFORE_BWD,
+    "triton-dkv-one-product": _BEFORE_BWD | {"triton_dkv_one_product": "1"},
+    "triton-index-ahead": _BEFORE_BWD | {"triton_bwd_index_ahead": "1"},
+    "triton-dkv-one-product-index-ahead": _BEFORE_BWD | {"triton_dkv_one_product": "1", "triton_bwd_index_ahead": "1"},
+}
+"""Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set,
+every option of the direction named, so the kernels before the variants (``triton-duplicated-logits``,
+``triton-dq-in-dkv``) are timed whatever the defaults are."""
 LIBRARY_HEAD_DIMS = {flashmla.NAME: flashmla.SUPPORTED_HEAD_DIMS, cudnn_dsa.NAME: cudnn_dsa.SUPPORTED_HEAD_DIMS}
 
 
