@@ -718,6 +718,10 @@ def sparse_attention_fwd(
         row with no valid key, whose ``out`` is 0).
     """
     _check(q, kv, idx, sink, topk_length)
+    layout = kernel_options.get("triton_fwd_logits") if logits is None else logits
+    if layout not in FWD_LOGITS:
+        raise ValueError(f"logits: must be one of {', '.join(FWD_LOGITS)}, got {layout!r}")
+    ahead = _option_flag("triton_fwd_index_ahead", index_ahead)
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
     sink = sink.to(torch.float32).contiguous()
     t, h, d = q.shape
@@ -727,10 +731,6 @@ def sparse_attention_fwd(
         return out, lse
     topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
     block_d = triton.next_power_of_2(d)
-    layout = kernel_options.get("triton_fwd_logits") if logits is None else logits
-    if layout not in FWD_LOGITS:
-        raise ValueError(f"logits: must be one of {', '.join(FWD_LOGITS)}, got {layout!r}")
-    ahead = _option_flag("triton_fwd_index_ahead", index_ahead)
     ladder = (_fwd_slots_on_m_ladder if layout == "slots_on_m" else _fwd_ladder)(block_d, h, q.dtype)
     pinned = _pinned("triton_fwd_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
