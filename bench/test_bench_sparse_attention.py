@@ -18,11 +18,11 @@ Kernel variants of the triton backend are timed beside it (the same call with ke
 logits computed by both warpgroups; backward dq accumulated by the dkv kernel, two chained products),
 ``triton-split-logits`` (forward: the two warpgroups split the logits' slots,
 ``DSV4CP_TRITON_FWD_LOGITS=split``), ``triton-slots-on-m`` (forward: ``kv @ q^T``, 128 slots per step,
-``DSV4CP_TRITON_FWD_LOGITS=slots_on_m``), ``triton-dkv-one-product`` (backward: the dkv kernel's
+``DSV4CP_TRITON_FWD_LOGITS=slots_on_m``), ``triton-dkv-one-matmul`` (backward: the dkv kernel's
 ``ds^T q + p^T dO`` as one product, ``DSV4CP_TRITON_DKV_ONE_PRODUCT=1``), ``triton-index-ahead`` (each
 direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TRITON_FWD_INDEX_AHEAD=1`` /
-``DSV4CP_TRITON_BWD_INDEX_AHEAD=1``) and the two combined. The current kernels against the new ones at
-the flash shape::
+``DSV4CP_TRITON_BWD_INDEX_AHEAD=1``), the two combined, and the forward's default at other tiles
+(``triton-split-ahead-<tile>``). The current kernels against the new ones at the flash shape::
 
     pytest bench/test_bench_sparse_attention.py -m gpu -k "flash and triton and not deterministic"
 
@@ -50,16 +50,23 @@ FORWARD_VARIANTS = {
     "triton-slots-on-m": _BEFORE_FWD | {"triton_fwd_logits": "slots_on_m"},
     "triton-index-ahead": _BEFORE_FWD | {"triton_fwd_index_ahead": "1"},
     "triton-split-logits-index-ahead": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_index_ahead": "1"},
+    # the default (split logits, indices ahead) at other tiles: 32 slots a step with 3 or 4 buffers of rows
+    # (prefetched 2 or 3 steps ahead), one stage, and the pipeliner's own index prefetch at 3 stages
+    **{f"triton-split-ahead-{tile.replace(',', 'x')}": _BEFORE_FWD | {
+        "triton_fwd_logits": "split", "triton_fwd_index_ahead": "1", "triton_fwd_config": tile}
+       for tile in ("64,32,8,3", "64,32,8,4", "64,64,8,1")},
+    "triton-split-64x64x8x3": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_config": "64,64,8,3"},
 }
 BACKWARD_VARIANTS = {
     "triton-dq-in-dkv": _BEFORE_BWD,
-    "triton-dkv-one-product": _BEFORE_BWD | {"triton_dkv_one_product": "1"},
+    "triton-dkv-one-matmul": _BEFORE_BWD | {"triton_dkv_one_product": "1"},
     "triton-index-ahead": _BEFORE_BWD | {"triton_bwd_index_ahead": "1"},
-    "triton-dkv-one-product-index-ahead": _BEFORE_BWD | {"triton_dkv_one_product": "1", "triton_bwd_index_ahead": "1"},
+    "triton-dkv-one-matmul-index-ahead": _BEFORE_BWD | {"triton_dkv_one_product": "1", "triton_bwd_index_ahead": "1"},
 }
 """Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set,
 every option of the direction named, so the kernels before the variants (``triton-duplicated-logits``,
-``triton-dq-in-dkv``) are timed whatever the defaults are."""
+``triton-dq-in-dkv``) are timed whatever the defaults are. No name holds ``pro`` or ``torch`` (the
+selectors ``-k "not pro"`` / ``"not torch"`` would drop it)."""
 LIBRARY_HEAD_DIMS = {flashmla.NAME: flashmla.SUPPORTED_HEAD_DIMS, cudnn_dsa.NAME: cudnn_dsa.SUPPORTED_HEAD_DIMS}
 
 

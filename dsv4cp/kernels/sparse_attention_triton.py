@@ -43,14 +43,16 @@ configurations at D = 512, compiled for sm_90a with Triton 3.6 (the H200 machine
 strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from spills, shared memory;
 ``python -m bench.sparse_attention_resources`` prints them for every sweep candidate):
 
-* forward ``BLOCK_H=64, BLOCK_K=64, 8 warps, 2 stages`` (default): 192 KB (q 64 KB + 2 x 64 KB of
-  gathered rows), wgmma for both products, 255 registers, no spill. Triton lays the ``[64, BLOCK_K]``
+* forward ``BLOCK_H=64, BLOCK_K=64, 8 warps, 2 stages`` (the ladder's first), duplicated logits (the
+  layout before the variants below): 192 KB (q 64 KB + 2 x 64 KB of gathered rows), wgmma for both
+  products, 255 registers, no spill. Triton lays the ``[64, BLOCK_K]``
   logits out over warps [8, 1], so both warpgroups compute the same q @ kv^T (the price of splitting the
   accumulator's columns; computing ``kv @ q^T`` instead keeps the [8, 1] layout). ``BLOCK_K=32,
   3 stages``: 128 KB, 40 B of stack; ``BLOCK_K=128``: over the shared memory. Measured on an H200
   (``bench/sweep_sparse_attention_configs.py``, flash shapes): 5.62 ms = 244 TFLOP/s (``BLOCK_K=32``:
   162 TFLOP/s).
-* forward with split logits (``LOGITS="split"``, kernel option ``triton_fwd_logits``; Triton 3.6):
+* forward with split logits (``LOGITS="split"``, kernel option ``triton_fwd_logits``, the default with
+  the indices a step ahead, below; Triton 3.6):
   the logits get warps [4, 2], each warpgroup computing ``[64, BLOCK_K / 2]``: 36 wgmma instructions in
   the loop's SASS against 68, matrix work per warpgroup and step 2 units instead of 3 (logits 1 instead
   of 2, values 1), for two cross-warpgroup row reductions and p's trip through shared memory. Same
@@ -58,7 +60,12 @@ strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from 
   ``64, 32, 8, 3``: 136 KB, 233 registers; ``64, 64, 8, 1``: 144 KB, 255 registers, no spill;
   ``64, 64, 8, 3``: 208 KB, 252 registers, no spill (3 stages: the pipeliner loads the indices a step
   ahead itself). With Triton 3.9 the gap widens: the duplicated layout spills 184 B, the split takes
-  236 registers and none. Expected (a model, not measured): up to 1.5x on the matrix work.
+  236 registers and none. Measured on an H200 (flash, T = 16K, ``bench/test_bench_sparse_attention.py``,
+  results/2026-12-02-h200-speed5/kernels/sparse_attn.txt): duplicated 5.48 ms = 251 TFLOP/s, split
+  5.06 ms = 271, indices ahead alone 5.56 ms = 247, split with indices ahead 4.42 ms = 311 (the default
+  since). Split with indices ahead at ``64, 32, 8, 3`` / ``64, 32, 8, 4``: 228 registers, no spill,
+  168 / 200 KB: the rows of 2 / 3 steps ahead in flight (the index load off the path lets the pipeliner
+  give the row copies ``num_stages`` buffers).
 * forward with the slots on M (``LOGITS="slots_on_m"``): ``kv @ q^T`` on warps [8, 1] over 128 slots,
   wgmma N = 64 (the split's N = 32 reads the shared-memory A operand twice as often per product), 40
   wgmma instructions. Two stages of 128 rows are over the shared memory (336 KB), so one stage: the
@@ -747,8 +754,7 @@ def sparse_attention_fwd(
             INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    kind = "fwd" + ("" if layout == "duplicated" else "_" + layout) + ("_index_ahead" if ahead else "")
-    _launch(kind, _config_key(q), ladder, pinned, launch)
+    _launch("fwd", (*_config_key(q), layout, ahead), ladder, pinned, launch)  # a configuration per variant
     return out, lse
 
 
@@ -894,11 +900,9 @@ def sparse_attention_bwd(
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        # the two placements fit different configurations; each variant caches its own
-        mode = ("_dq_in_dkv" if acc_dq_in_dkv else "") + ("_index_ahead" if ahead else "")
-        _launch("bwd_dq" + mode, key, dq_ladder, dq_pinned, launch_dq)
-        _launch("bwd_dkv" + mode + ("_one_product" if one_product else ""), key, dkv_ladder, dkv_pinned,
-                launch_dkv)
+        mode = "_dq_in_dkv" if acc_dq_in_dkv else ""  # the two placements fit different configurations
+        _launch("bwd_dq" + mode, (*key, ahead), dq_ladder, dq_pinned, launch_dq)  # and so may the variants
+        _launch("bwd_dkv" + mode, (*key, ahead, one_product), dkv_ladder, dkv_pinned, launch_dkv)
         if deterministic:
             _reduce_contributions(contrib, idx[t0:t0 + rows], None if topk_length is None else
                                   topk_length[t0:t0 + rows], dkv)

@@ -251,9 +251,9 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
     for pinning in ("DSV4CP_TRITON_FWD_CONFIG", "DSV4CP_TRITON_BWD_CONFIG", "DSV4CP_TRITON_DKV_CONFIG"):
         monkeypatch.delenv(pinning, raising=False)  # a pinned launch caches nothing
     monkeypatch.delenv(sat.DQ_IN_DKV_ENV, raising=False)
-    variants = {"fwd_split_index_ahead", "bwd_dq_dq_in_dkv_index_ahead",
-                "bwd_dkv_dq_in_dkv_index_ahead_one_product"}
-    plain = {"fwd", "bwd_dq_dq_in_dkv", "bwd_dkv_dq_in_dkv"}
+    # each launch caches its configuration under its kind, the shape class and the variant's switches
+    variants = {("fwd", "split", True), ("bwd_dq_dq_in_dkv", True), ("bwd_dkv_dq_in_dkv", True, True)}
+    plain = {("fwd", "duplicated", False), ("bwd_dq_dq_in_dkv", False), ("bwd_dkv_dq_in_dkv", False, False)}
     for env, keyword, split in (("1", None, True), ("0", None, False), ("1", False, False), ("0", True, True)):
         for variable in VARIANT_VARIABLES:
             monkeypatch.setenv(variable, env)
@@ -263,7 +263,7 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
         out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits=layout, index_ahead=keyword)
         got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, dkv_one_product=keyword,
                                    index_ahead=keyword)
-        kinds = {key[0] for key in sat._CHOSEN}
+        kinds = {(key[0], *key[len(sat._config_key(q)) + 1:]) for key in sat._CHOSEN}
         msg = f"seed={seed} env={env} keyword={keyword}"
         assert kinds == (variants if split else plain), f"{msg}: {kinds}"
         assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out"
