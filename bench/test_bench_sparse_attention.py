@@ -26,6 +26,9 @@ direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TR
 
     pytest bench/test_bench_sparse_attention.py -m gpu -k "flash and triton and not deterministic"
 
+``test_sparse_attention_backward_parts`` times each part of the triton backward alone (the preprocessing,
+the scores kernel, the dkv kernel, and the deterministic mode's sort and sums): ``-k "flash and parts"``.
+
 ``bench/sweep_sparse_attention_configs.py`` sweeps all launch configurations.
 """
 
@@ -236,3 +239,63 @@ def test_sparse_attention_backward(benchmark, measure, monkeypatch, shape_name, 
                              bytes_moved=_bytes(shape, entry["valid"], True), rounds=rounds,
                              warmup_rounds=warmup, device=q.device)
     assert dq.shape == q.shape and dkv.shape == kv.shape and dsink.shape == sink.shape
+
+
+_BACKWARD_PARTS = [(mode, part) for mode in ("atomic", "one-matmul") for part in ("delta", "scores", "kv-gradients")]
+_BACKWARD_PARTS += [("deterministic", part) for part in ("kv-gradients", "destinations", "reduce")]
+_PART_PRODUCTS = {"scores": 2, "kv-gradients": 3}
+"""Matrix products per valid (query, head, key) of each part (2 D FLOPs each): the scores kernel's logits
+and ``dO kv^T``; the dkv kernel's ``ds^T q``, ``p^T dO`` and, with dq accumulated there, ``ds kv``."""
+
+
+def _part_bytes(shape: Shape, valid: int, part: str) -> float:
+    """The part's logical traffic: what it reads and writes once (gathered kv rows once per query)."""
+    el = torch.finfo(bench_dtype()).bits // 8
+    thd, th = shape.tokens * shape.heads * shape.dim * el, shape.tokens * shape.heads * 4
+    scratch = 2 * shape.tokens * shape.kt * shape.heads * el  # p and ds
+    gathered, rows = valid * shape.dim * el, valid * shape.dim * 4
+    return {"delta": 2 * thd + 3 * th, "scores": 2 * thd + 2 * th + gathered + scratch,
+            "kv-gradients": 3 * thd + scratch + gathered + rows, "destinations": shape.tokens * shape.kt * 20,
+            "reduce": rows + 2 * (shape.tokens + shape.n_compressed) * shape.dim * 4}[part]
+
+
+@pytest.mark.parametrize("mode,part", _BACKWARD_PARTS, ids=lambda v: v)
+@pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
+def test_sparse_attention_backward_parts(benchmark, measure, monkeypatch, shape_name, mode, part):
+    """Where the triton backward's time goes, each part alone over all of its query chunks
+    (:class:`~dsv4cp.kernels.sparse_attention_triton.BackwardPlan`, default kernel options): ``delta``
+    (the preprocessing kernel: delta and the sink-gradient partials), ``scores`` (the first kernel: p and
+    ds to scratch), ``kv-gradients`` (the dkv kernel: the kv rows' gradients as fp32 atomics, or in
+    ``deterministic`` mode as stored contribution rows, and dq), and in deterministic mode
+    ``destinations`` (the stable sort of each chunk's slot rows) and ``reduce`` (the per-row sums). ``one-matmul``: the dkv kernel's one
+    product (``triton_dkv_one_product=1``). The kv-gradients and reduce parts run on the scratch the part
+    before them left (the last chunk's p and ds; every chunk does the same work)."""
+    shape = SHAPES[shape_name]
+    _backend("triton", shape)  # skips where the triton backend cannot run
+    from dsv4cp.kernels import sparse_attention_triton as sat
+
+    monkeypatch.setenv(OPTIONS["triton_dkv_one_product"].env, "1" if mode == "one-matmul" else "0")
+    entry = _inputs(shape)
+    q, kv, idx, sink, scale = entry["args"]
+    out, lse, dout = _backward_inputs(shape, entry)
+    plan = sat.backward_plan(dout, q, kv, idx, sink, scale, out, lse, deterministic=mode == "deterministic")
+    starts = list(plan.starts())
+    plan.preprocess()
+    for t0 in starts:  # every launch compiled, the scratch and the contributions filled once
+        plan.scores(t0)
+        plan.kv_gradients(t0)
+    orders = [plan.destinations(t0) for t0 in starts] if mode == "deterministic" else []
+    steps = {"delta": plan.preprocess,
+             "scores": lambda: [plan.scores(t0) for t0 in starts],
+             "kv-gradients": lambda: [plan.kv_gradients(t0) for t0 in starts],
+             "destinations": lambda: [plan.destinations(t0) for t0 in starts],
+             "reduce": lambda: [plan.reduce(order) for order in orders]}
+    benchmark.group = f"sparse_attention.bwd.parts.{shape.name}"
+    benchmark.extra_info.update(backend="triton", mode=mode, part=part, shape=shape.name, T=shape.tokens,
+                                H=shape.heads, D=shape.dim, Kt=shape.kt, valid_keys=entry["valid"],
+                                chunks=len(starts), chunk_rows=plan.chunk, dtype=str(q.dtype))
+    rounds, warmup = _rounds()
+    products = _PART_PRODUCTS.get(part, 0)
+    measure(steps[part], None, flops=products * 2.0 * shape.dim * shape.heads * entry["valid"],
+            bytes_moved=_part_bytes(shape, entry["valid"], part), rounds=rounds, warmup_rounds=warmup,
+            device=q.device)

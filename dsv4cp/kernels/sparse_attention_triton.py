@@ -131,8 +131,10 @@ __all__ = [
     "BWD_SCRATCH_BYTES",
     "DQ_IN_DKV_ENV",
     "MAX_HEAD_DIM",
+    "BackwardPlan",
     "DkvConfig",
     "KernelConfig",
+    "backward_plan",
     "sparse_attention_bwd",
     "sparse_attention_fwd",
 ]
@@ -806,6 +808,41 @@ def sparse_attention_bwd(
         ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
         (sink's dtype, accumulated in fp32 by per-row partials then ``torch.sum``).
     """
+    plan = backward_plan(dout, q, kv, idx, sink, scale, out, lse, topk_length, deterministic=deterministic,
+                         block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                         dkv_config=dkv_config, scratch_bytes=scratch_bytes, dq_in_dkv=dq_in_dkv,
+                         dkv_one_product=dkv_one_product, index_ahead=index_ahead)
+    if plan is None:  # no query or no slot: every gradient is zero
+        return (torch.zeros_like(q), torch.zeros(kv.shape, dtype=kv.dtype, device=kv.device),
+                torch.zeros(sink.shape, dtype=sink.dtype, device=sink.device))
+    return plan.run()
+
+
+def backward_plan(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    topk_length: torch.Tensor | None = None,
+    *,
+    deterministic: bool | None = None,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    dkv_config: DkvConfig | None = None,
+    scratch_bytes: int | None = None,
+    dq_in_dkv: bool | None = None,
+    dkv_one_product: bool | None = None,
+    index_ahead: bool | None = None,
+) -> BackwardPlan | None:
+    """The launches of :func:`sparse_attention_bwd` (same arguments, checked the same way) with their
+    buffers allocated, run by :meth:`BackwardPlan.run` or part by part; None when there is no query or no
+    slot (every gradient zero)."""
     _check(q, kv, idx, sink, topk_length)
     t, h, d = q.shape
     if dout.shape != q.shape or dout.dtype != q.dtype:
@@ -822,97 +859,173 @@ def sparse_attention_bwd(
     acc_dq_in_dkv = _dq_in_dkv(dq_in_dkv)
     one_product = _option_flag("triton_dkv_one_product", dkv_one_product)
     ahead = _option_flag("triton_bwd_index_ahead", index_ahead)
-    sink_dtype = sink.dtype
     q, kv, idx, dout, out = q.contiguous(), kv.contiguous(), idx.contiguous(), dout.contiguous(), out.contiguous()
-    sink = sink.to(torch.float32).contiguous()
-    lse = lse.to(torch.float32).contiguous()
-    n, kt = kv.shape[0], idx.shape[1]
-    dev = q.device
-    dq = torch.empty_like(q)
-    dkv = torch.zeros(n, d, dtype=torch.float32, device=dev)
+    kt = idx.shape[1]
     if t == 0 or kt == 0:
-        dq.zero_()
-        return dq, dkv.to(kv.dtype), torch.zeros(h, dtype=sink_dtype, device=dev)
+        return None
     block_d = triton.next_power_of_2(d)
-    topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
-    key = _config_key(q)
-
-    # (a) delta and the sink-gradient partials, for all queries at once.
-    delta = torch.empty(t, h, dtype=torch.float32, device=dev)
-    dsink_part = torch.empty(t, h, dtype=torch.float32, device=dev)
-    pre_bh = 16 if block_d >= 256 else _block_h(h)  # [16, 512] tiles: ~70 registers at 8 warps
-    _build("_bwd_preprocess_kernel", dev)[(t, triton.cdiv(h, pre_bh))](
-        out, dout, lse, sink, delta, dsink_part,
-        h, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        D=d, BLOCK_D=block_d, BLOCK_H=pre_bh, num_warps=8 if block_d >= 256 else 4,
-    )
-    dsink = dsink_part.sum(0)
-
-    # (b) dq + p/ds scratch and (c) kv gradients, chunk by chunk of queries.
     dq_ladder = (_scores_ladder if acc_dq_in_dkv else _dq_ladder)(block_d, h, q.dtype)
-    dq_pinned = _pinned("triton_bwd_config", KernelConfig, dq_ladder[0], block_h=block_h,
-                        block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     dkv_ladder = (_dkv_dq_ladder if acc_dq_in_dkv else _dkv_ladder)(block_d, h, q.dtype)
-    dkv_pinned = _pinned("triton_dkv_config", DkvConfig, dkv_ladder[0],
-                         **({} if dkv_config is None else vars(dkv_config)))
-    dq_kernel, dkv_kernel = _build("_bwd_dq_kernel", dev), _build("_bwd_dkv_kernel", dev)
     budget = BWD_SCRATCH_BYTES if scratch_bytes is None else int(scratch_bytes)
     per_query = 2 * kt * h * q.element_size() + (kt * d * 4 if deterministic else 0)
     chunk = max(1, min(t, budget // per_query))
     if scratch_bytes is None:  # at least BWD_SCRATCH_MIN_CHUNKS chunks: the scratch shrinks with the rank's rows
         chunk = min(chunk, max(BWD_SCRATCH_MIN_CHUNK_ROWS, -(-t // BWD_SCRATCH_MIN_CHUNKS)))
-    if one_product:  # one [chunk, kt, 2, h] buffer: each (query, slot) row holds ds then p
-        pds = torch.empty(chunk, kt, 2, h, dtype=q.dtype, device=dev)
-        dsbuf, pbuf, scratch_row = pds[:, :, 0], pds[:, :, 1], 2 * h
-    else:
-        pbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
-        dsbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
-        scratch_row = h
-    contrib = torch.empty(chunk * kt, d, dtype=torch.float32, device=dev) if deterministic else None
-    precision, dot_f32 = _precision(q), _dot_f32(q)
-    has_topk = topk_length is not None
-    block_hk = max(16, triton.next_power_of_2(h))
+    return BackwardPlan(
+        q=q, kv=kv, idx=idx, sink=sink, scale=float(scale), out=out, lse=lse.to(torch.float32).contiguous(),
+        dout=dout, topk_length=None if topk_length is None else topk_length.contiguous(),
+        deterministic=deterministic, acc_dq_in_dkv=acc_dq_in_dkv, one_product=one_product, ahead=ahead,
+        chunk=chunk, dq_ladder=dq_ladder, dkv_ladder=dkv_ladder,
+        dq_pinned=_pinned("triton_bwd_config", KernelConfig, dq_ladder[0], block_h=block_h, block_k=block_k,
+                          num_warps=num_warps, num_stages=num_stages),
+        dkv_pinned=_pinned("triton_dkv_config", DkvConfig, dkv_ladder[0],
+                           **({} if dkv_config is None else vars(dkv_config))),
+    )
 
-    for t0 in range(0, t, chunk):
-        rows = min(chunk, t - t0)
 
-        def launch_dq(cfg: KernelConfig, t0: int = t0, rows: int = rows) -> None:
+@dataclass
+class BackwardPlan:
+    """One backward's launches and buffers (:func:`backward_plan`), each part callable alone so that a
+    benchmark can time it: :meth:`preprocess` (delta and the sink-gradient partials of all queries),
+    then per query chunk (:meth:`starts`) :meth:`scores` (the first kernel: p and ds to scratch, or dq
+    too), :meth:`kv_gradients` (the dkv kernel: fp32 atomics, or contribution rows in deterministic mode;
+    dq with ``acc_dq_in_dkv``) and, in deterministic mode, :meth:`destinations` (the stable sort of the
+    chunk's slot rows) and :meth:`reduce` (the per-row sums). :meth:`run` runs them all, in order.
+
+    Tensors as :func:`sparse_attention_bwd` takes them (contiguous; ``lse`` fp32); the buffers (``dq``,
+    fp32 ``dkv``, ``delta``, ``dsink_part``, the p / ds scratch of ``chunk`` queries and, deterministic,
+    the contributions) are allocated by ``__post_init__``."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    idx: torch.Tensor
+    sink: torch.Tensor
+    scale: float
+    out: torch.Tensor
+    lse: torch.Tensor
+    dout: torch.Tensor
+    topk_length: torch.Tensor | None
+    deterministic: bool
+    acc_dq_in_dkv: bool
+    one_product: bool
+    ahead: bool
+    chunk: int
+    dq_ladder: list[KernelConfig]
+    dkv_ladder: list[DkvConfig]
+    dq_pinned: KernelConfig | None
+    dkv_pinned: DkvConfig | None
+
+    def __post_init__(self) -> None:
+        q, dev = self.q, self.q.device
+        t, h, d = q.shape
+        kt = self.idx.shape[1]
+        self.dq = torch.empty_like(q)
+        self.dkv = torch.zeros(self.kv.shape[0], d, dtype=torch.float32, device=dev)
+        self.delta = torch.empty(t, h, dtype=torch.float32, device=dev)
+        self.dsink_part = torch.empty(t, h, dtype=torch.float32, device=dev)
+        self.sink32 = self.sink.to(torch.float32).contiguous()
+        if self.one_product:  # one [chunk, kt, 2, h] buffer: each (query, slot) row holds ds then p
+            pds = torch.empty(self.chunk, kt, 2, h, dtype=q.dtype, device=dev)
+            self.dsbuf, self.pbuf, self.scratch_row = pds[:, :, 0], pds[:, :, 1], 2 * h
+        else:
+            self.pbuf = torch.empty(self.chunk, kt, h, dtype=q.dtype, device=dev)
+            self.dsbuf = torch.empty(self.chunk, kt, h, dtype=q.dtype, device=dev)
+            self.scratch_row = h
+        self.contrib = (torch.empty(self.chunk * kt, d, dtype=torch.float32, device=dev) if self.deterministic
+                        else None)
+        self.topk = self.topk_length if self.topk_length is not None else self.idx  # dummy pointer when absent
+
+    def starts(self) -> range:
+        """The first query of each chunk."""
+        return range(0, self.q.shape[0], self.chunk)
+
+    def preprocess(self) -> None:
+        """(a) ``delta = <dO, O>`` and the sink-gradient partials, for all queries at once."""
+        q, out, dout = self.q, self.out, self.dout
+        t, h, d = q.shape
+        block_d = triton.next_power_of_2(d)
+        pre_bh = 16 if block_d >= 256 else _block_h(h)  # [16, 512] tiles: ~70 registers at 8 warps
+        _build("_bwd_preprocess_kernel", q.device)[(t, triton.cdiv(h, pre_bh))](
+            out, dout, self.lse, self.sink32, self.delta, self.dsink_part,
+            h, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+            D=d, BLOCK_D=block_d, BLOCK_H=pre_bh, num_warps=8 if block_d >= 256 else 4,
+        )
+
+    def scores(self, t0: int) -> None:
+        """(b) The first kernel on the chunk starting at query ``t0``: p and ds to scratch (and dq
+        without ``acc_dq_in_dkv``)."""
+        q, kv, idx, dout, dq = self.q, self.kv, self.idx, self.dout, self.dq
+        t, h, d = q.shape
+        rows = min(self.chunk, t - t0)
+
+        def launch(cfg: KernelConfig) -> None:
             n_hb = triton.cdiv(h, cfg.block_h)
-            dq_kernel[(rows * n_hb,)](
-                q, kv, idx, topk, dout, lse, delta, sink, dq, pbuf, dsbuf,
-                float(scale), float(scale) * LOG2E, h, n, kt, n_hb, t0, scratch_row,
+            _build("_bwd_dq_kernel", q.device)[(rows * n_hb,)](
+                q, kv, idx, self.topk, dout, self.lse, self.delta, self.sink32, dq, self.pbuf, self.dsbuf,
+                self.scale, self.scale * LOG2E, h, kv.shape[0], idx.shape[1], n_hb, t0, self.scratch_row,
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
                 dq.stride(0), dq.stride(1),
-                D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-                HAS_TOPK=has_topk, ACC_DQ=not acc_dq_in_dkv, PRECISION=precision, DOT_F32=dot_f32,
-                INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+                HAS_TOPK=self.topk_length is not None, ACC_DQ=not self.acc_dq_in_dkv, PRECISION=_precision(q),
+                DOT_F32=_dot_f32(q), INDEX_AHEAD=self.ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        def launch_dkv(cfg: DkvConfig, t0: int = t0, rows: int = rows) -> None:
-            dkv_kernel[(rows * triton.cdiv(d, cfg.block_d),)](
-                q, dout, kv, idx, topk, pbuf, dsbuf, contrib if deterministic else dkv, dq,
-                h, n, kt, t0, scratch_row,
+        # the two placements fit different configurations, and so may the variants
+        _launch("bwd_dq" + self._placement, (*_config_key(q), self.ahead), self.dq_ladder, self.dq_pinned, launch)
+
+    def kv_gradients(self, t0: int) -> None:
+        """(c) The dkv kernel on the chunk starting at query ``t0``: kv-row gradients (fp32 atomics into
+        ``dkv``, or contribution rows in deterministic mode) and, with ``acc_dq_in_dkv``, dq."""
+        q, kv, idx, dout, dq = self.q, self.kv, self.idx, self.dout, self.dq
+        t, h, d = q.shape
+        rows = min(self.chunk, t - t0)
+
+        def launch(cfg: DkvConfig) -> None:
+            _build("_bwd_dkv_kernel", q.device)[(rows * triton.cdiv(d, cfg.block_d),)](
+                q, dout, kv, idx, self.topk, self.pbuf, self.dsbuf,
+                self.contrib if self.deterministic else self.dkv, dq,
+                h, kv.shape[0], idx.shape[1], t0, self.scratch_row,
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
                 dq.stride(0), dq.stride(1),
-                D=d, BLOCK_DC=cfg.block_d, BLOCK_HK=block_hk, BLOCK_K=cfg.block_k,
-                HAS_TOPK=has_topk, DETERMINISTIC=deterministic, ACC_DQ=acc_dq_in_dkv, PRECISION=precision,
-                DOT_F32=dot_f32, ONE_PRODUCT=one_product, INDEX_AHEAD=ahead,
+                D=d, BLOCK_DC=cfg.block_d, BLOCK_HK=max(16, triton.next_power_of_2(h)), BLOCK_K=cfg.block_k,
+                HAS_TOPK=self.topk_length is not None, DETERMINISTIC=self.deterministic, ACC_DQ=self.acc_dq_in_dkv,
+                PRECISION=_precision(q), DOT_F32=_dot_f32(q), ONE_PRODUCT=self.one_product, INDEX_AHEAD=self.ahead,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        mode = "_dq_in_dkv" if acc_dq_in_dkv else ""  # the two placements fit different configurations
-        _launch("bwd_dq" + mode, (*key, ahead), dq_ladder, dq_pinned, launch_dq)  # and so may the variants
-        _launch("bwd_dkv" + mode, (*key, ahead, one_product), dkv_ladder, dkv_pinned, launch_dkv)
-        if deterministic:
-            _reduce_contributions(contrib, idx[t0:t0 + rows], None if topk_length is None else
-                                  topk_length[t0:t0 + rows], dkv)
-    return dq, dkv.to(kv.dtype), dsink.to(sink_dtype)
+        _launch("bwd_dkv" + self._placement, (*_config_key(q), self.ahead, self.one_product), self.dkv_ladder,
+                self.dkv_pinned, launch)
+
+    def destinations(self, t0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Deterministic mode, chunk ``t0``: ``(perm, seg)`` of :func:`_contribution_order`."""
+        rows = min(self.chunk, self.q.shape[0] - t0)
+        topk = None if self.topk_length is None else self.topk_length[t0:t0 + rows]
+        return _contribution_order(self.idx[t0:t0 + rows], topk, self.dkv.shape[0])
+
+    def reduce(self, order: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Deterministic mode: add a chunk's contributions to ``dkv`` in the fixed ``order``."""
+        _reduce_contributions(self.contrib, *order, self.dkv)
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every part in order: ``(dq, dkv, dsink)`` as :func:`sparse_attention_bwd` returns them."""
+        self.preprocess()
+        dsink = self.dsink_part.sum(0)
+        for t0 in self.starts():
+            self.scores(t0)
+            self.kv_gradients(t0)
+            if self.deterministic:
+                self.reduce(self.destinations(t0))
+        return self.dq, self.dkv.to(self.kv.dtype), dsink.to(self.sink.dtype)
+
+    @property
+    def _placement(self) -> str:
+        return "_dq_in_dkv" if self.acc_dq_in_dkv else ""
 
 
-def _reduce_contributions(contrib, idx, topk_length, dkv) -> None:
-    """dkv[r] += the chunk's contributions to row r, in the order of a stable sort of the flattened
-    slot rows (query-major, then slot): a fixed order, hence bitwise reproducible sums."""
-    n, d = dkv.shape
+def _contribution_order(idx, topk_length, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, seg)`` for a chunk's slots ``idx [rows, Kt]``: ``perm`` the stable sort of the flattened
+    slot rows (query-major, then slot; empty slots last), ``seg [n + 1]`` the start of each kv row's run
+    in it: a fixed order, hence bitwise reproducible sums."""
     rows = idx.long()
     valid = (rows >= 0) & (rows < n)
     if topk_length is not None:
@@ -921,6 +1034,13 @@ def _reduce_contributions(contrib, idx, topk_length, dkv) -> None:
     keys = torch.where(valid, rows, torch.full_like(rows, n)).reshape(-1)  # empty slots sort last
     sorted_keys, perm = torch.sort(keys, stable=True)
     seg = torch.searchsorted(sorted_keys, torch.arange(n + 1, device=idx.device))
+    return perm, seg
+
+
+def _reduce_contributions(contrib, perm, seg, dkv) -> None:
+    """dkv[r] += the chunk's contributions to row r (``contrib [rows * Kt, D]`` fp32), in the order
+    ``perm`` / ``seg`` of :func:`_contribution_order`."""
+    n, d = dkv.shape
     block_d = min(triton.next_power_of_2(d), 128)
     _build("_dkv_reduce_kernel", dkv.device)[(n, triton.cdiv(d, block_d))](
         contrib, perm, seg, dkv, D=d, BLOCK_C=16, BLOCK_D=block_d, num_warps=4,
