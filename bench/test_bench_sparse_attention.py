@@ -267,9 +267,10 @@ def test_sparse_attention_backward_parts(benchmark, measure, monkeypatch, shape_
     (the preprocessing kernel: delta and the sink-gradient partials), ``scores`` (the first kernel: p and
     ds to scratch), ``kv-gradients`` (the dkv kernel: the kv rows' gradients as fp32 atomics, or in
     ``deterministic`` mode as stored contribution rows, and dq), and in deterministic mode
-    ``destinations`` (the stable sort of each chunk's slot rows) and ``reduce`` (the per-row sums). ``one-matmul``: the dkv kernel's one
-    product (``triton_dkv_one_product=1``). The kv-gradients and reduce parts run on the scratch the part
-    before them left (the last chunk's p and ds; every chunk does the same work)."""
+    ``destinations`` (the stable sort of each chunk's slot rows) and ``reduce`` (the per-row sums).
+    ``one-matmul``: the dkv kernel's one product (``triton_dkv_one_product=1``). The kv-gradients and
+    reduce parts run on the scratch the part before them left (the last chunk's p and ds; every chunk
+    does the same work)."""
     shape = SHAPES[shape_name]
     _backend("triton", shape)  # skips where the triton backend cannot run
     from dsv4cp.kernels import sparse_attention_triton as sat
