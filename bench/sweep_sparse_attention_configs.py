@@ -41,10 +41,11 @@ TOLERANCE = 1e-2  # relative Frobenius error of bf16 against fp32 (tests/kernels
 
 @dataclass(frozen=True)
 class Candidate:
-    """One launch to time: the forward's ``(block_h, block_k, num_warps, num_stages)`` and its logits'
-    layout, or the backward's first kernel (same fields), its dkv kernel
-    ``(block_k, block_d, num_warps, num_stages)``, where dq is accumulated and whether the dkv kernel forms
-    its gradient as one product. ``heads``: the head counts it is meant for (its dkv tiles depend on H)."""
+    """One launch to time: the forward's ``(block_h, block_k, num_warps, num_stages)``, its logits' layout
+    (default here: the layout before the split, to compare with) and whether it loads the indices ahead, or
+    the backward's first kernel (same fields), its dkv kernel ``(block_k, block_d, num_warps, num_stages)``,
+    where dq is accumulated and whether the dkv kernel forms its gradient as one product. ``heads``: the
+    head counts it is meant for (its dkv tiles depend on H)."""
 
     direction: str
     config: tuple[int, int, int, int]
@@ -87,14 +88,17 @@ class Candidate:
 # ``python -m bench.sparse_attention_resources`` prints them all). The first row of each direction and
 # shape is today's default.
 CANDIDATES = [
-    Candidate("fwd", (64, 64, 8, 2), note="default; 255 regs, 192 KB, no spill"),
+    Candidate("fwd", (64, 64, 8, 2), logits="split", index_ahead=True, note="default; 255 regs, 208 KB, 8 B stack"),
+    Candidate("fwd", (64, 32, 8, 3), logits="split", index_ahead=True,
+              note="rows 2 steps ahead; 228 regs, 168 KB, no spill"),
+    Candidate("fwd", (64, 32, 8, 4), logits="split", index_ahead=True,
+              note="rows 3 steps ahead; 228 regs, 200 KB, no spill"),
+    Candidate("fwd", (64, 64, 8, 2), note="the layout before: duplicated logits; 255 regs, 192 KB, no spill"),
     Candidate("fwd", (64, 32, 8, 3), note="128 KB, 40 B stack"),
     Candidate("fwd", (64, 64, 8, 2), logits="split", note="246 regs, 208 KB (H 128: 40 B stack)"),
     Candidate("fwd", (64, 32, 8, 3), logits="split", note="233 regs, 136 KB (H 128: 40 B stack)"),
     Candidate("fwd", (64, 64, 8, 1), logits="split", note="255 regs, 144 KB, no spill"),
     Candidate("fwd", (64, 64, 8, 2), index_ahead=True, note="255 regs, 192 KB, 8 B stack (H 128: 80 B)"),
-    Candidate("fwd", (64, 64, 8, 2), logits="split", index_ahead=True,
-              note="255 regs, 208 KB, 8 B stack (H 128: 72 B)"),
     Candidate("fwd", (64, 64, 8, 1), logits="split", index_ahead=True, note="255 regs, 144 KB, 8 B stack"),
     Candidate("fwd", (64, 64, 8, 3), note="3 stages: indices a step ahead by the pipeliner; 255 regs, 192 KB"),
     Candidate("fwd", (64, 64, 8, 3), logits="split", note="3 stages; 252 regs, 208 KB (H 128: 40 B stack)"),
