@@ -65,6 +65,10 @@ BACKWARD_VARIANTS = {
     "triton-dkv-one-matmul": _BEFORE_BWD | {"triton_dkv_one_product": "1"},
     "triton-index-ahead": _BEFORE_BWD | {"triton_bwd_index_ahead": "1"},
     "triton-dkv-one-matmul-index-ahead": _BEFORE_BWD | {"triton_dkv_one_product": "1", "triton_bwd_index_ahead": "1"},
+    # the one-product dkv kernel small enough for 2 (128 columns, 4 warps, 112 KB) or 3 (64 columns, 64 KB)
+    # programs per SM at H = 64, so that one's loads overlap another's products
+    **{f"triton-dkv-one-matmul-{tile.replace(',', 'x')}": _BEFORE_BWD | {
+        "triton_dkv_one_product": "1", "triton_dkv_config": tile} for tile in ("64,128,4,2", "64,64,4,2")},
 }
 """Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set,
 every option of the direction named, so the kernels before the variants (``triton-duplicated-logits``,
