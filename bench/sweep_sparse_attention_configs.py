@@ -56,6 +56,7 @@ class Candidate:
     logits: str = "duplicated"
     one_product: bool = False
     index_ahead: bool = False
+    lazy_rescale: bool = False
 
     @property
     def name(self) -> str:
@@ -64,7 +65,8 @@ class Candidate:
             text += (" / dkv " + "x".join(map(str, self.dkv)) + (" dq-in-dkv" if self.dq_in_dkv else "")
                      + (" one-product" if self.one_product else ""))
         layout = "" if self.logits == "duplicated" else " " + self.logits.replace("_", "-") + " logits"
-        return text + layout + (" index-ahead" if self.index_ahead else "")
+        return (text + layout + (" index-ahead" if self.index_ahead else "")
+                + (" lazy-rescale" if self.lazy_rescale else ""))
 
     @property
     def env(self) -> dict[str, str]:
@@ -73,7 +75,8 @@ class Candidate:
         if self.direction == "fwd":
             return {"DSV4CP_TRITON_FWD_CONFIG": join(map(str, self.config)),
                     "DSV4CP_TRITON_FWD_LOGITS": self.logits,
-                    "DSV4CP_TRITON_FWD_INDEX_AHEAD": flag(self.index_ahead)}
+                    "DSV4CP_TRITON_FWD_INDEX_AHEAD": flag(self.index_ahead),
+                    "DSV4CP_TRITON_FWD_LAZY_RESCALE": flag(self.lazy_rescale)}
         return {"DSV4CP_TRITON_BWD_CONFIG": join(map(str, self.config)),
                 "DSV4CP_TRITON_DKV_CONFIG": join(map(str, self.dkv)),
                 "DSV4CP_TRITON_DQ_IN_DKV": flag(self.dq_in_dkv),
@@ -93,6 +96,10 @@ CANDIDATES = [
               note="rows 2 steps ahead; 228 regs, 168 KB, no spill"),
     Candidate("fwd", (64, 32, 8, 4), logits="split", index_ahead=True,
               note="rows 3 steps ahead; 228 regs, 200 KB, no spill"),
+    Candidate("fwd", (64, 64, 8, 2), logits="split", index_ahead=True, lazy_rescale=True,
+              note="rescale when a max rises by 2^8; 255 regs, 176 B stack"),
+    Candidate("fwd", (64, 32, 8, 4), logits="split", index_ahead=True, lazy_rescale=True,
+              note="255 regs, 16 B stack, 200 KB"),
     Candidate("fwd", (64, 64, 8, 2), note="the layout before: duplicated logits; 255 regs, 192 KB, no spill"),
     Candidate("fwd", (64, 32, 8, 3), note="128 KB, 40 B stack"),
     Candidate("fwd", (64, 64, 8, 2), logits="split", note="246 regs, 208 KB (H 128: 40 B stack)"),
@@ -179,7 +186,7 @@ def fwd_call(cand: Candidate, q, kv, idx, sink, scale):
 
     bh, bk, nw, ns = cand.config
     return sparse_attention_fwd(q, kv, idx, sink, scale, block_h=bh, block_k=bk, num_warps=nw, num_stages=ns,
-                                logits=cand.logits, index_ahead=cand.index_ahead)
+                                logits=cand.logits, index_ahead=cand.index_ahead, lazy_rescale=cand.lazy_rescale)
 
 
 def bwd_call(cand: Candidate, dout, q, kv, idx, sink, scale, out, lse):

@@ -45,7 +45,7 @@ from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
-_BEFORE_FWD = {"triton_fwd_logits": "duplicated", "triton_fwd_index_ahead": "0"}
+_BEFORE_FWD = {"triton_fwd_logits": "duplicated", "triton_fwd_index_ahead": "0", "triton_fwd_lazy_rescale": "0"}
 _BEFORE_BWD = {"triton_dq_in_dkv": "1", "triton_dkv_one_product": "0", "triton_bwd_index_ahead": "0"}
 FORWARD_VARIANTS = {
     "triton-duplicated-logits": _BEFORE_FWD,
@@ -59,6 +59,8 @@ FORWARD_VARIANTS = {
         "triton_fwd_logits": "split", "triton_fwd_index_ahead": "1", "triton_fwd_config": tile}
        for tile in ("64,32,8,3", "64,32,8,4", "64,64,8,1")},
     "triton-split-64x64x8x3": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_config": "64,64,8,3"},
+    "triton-split-ahead-lazy-rescale": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_index_ahead": "1",
+                                                      "triton_fwd_lazy_rescale": "1"},
 }
 BACKWARD_VARIANTS = {
     "triton-dq-in-dkv": _BEFORE_BWD,

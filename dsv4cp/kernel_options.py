@@ -151,6 +151,9 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  ("duplicated", "split", "slots_on_m")),
     KernelOption("triton_fwd_index_ahead", "DSV4CP_TRITON_FWD_INDEX_AHEAD", FLAG, "sparse_attention",
                  "Triton attention forward loads each step's kv-row indices one step ahead (1)", True),
+    KernelOption("triton_fwd_lazy_rescale", "DSV4CP_TRITON_FWD_LAZY_RESCALE", FLAG, "sparse_attention",
+                 "Triton attention forward (split logits) rescales its accumulator only when a head's max rises "
+                 "by more than 2^8 (1)", False),
     _tile("triton_bwd_config", "sparse_attention", _KERNEL_TILE,
           "pins the Triton attention backward's first (dq / scores) kernel"),
     _tile("triton_dkv_config", "sparse_attention", ("block_k", "block_d", "num_warps", "num_stages"),

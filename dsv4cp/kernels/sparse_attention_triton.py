@@ -68,6 +68,10 @@ strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from 
   since). Split with indices ahead at ``64, 32, 8, 3`` / ``64, 32, 8, 4``: 228 registers, no spill,
   168 / 200 KB: the rows of 2 / 3 steps ahead in flight (the index load off the path lets the pipeliner
   give the row copies ``num_stages`` buffers).
+* split forward with a lazy rescale (``LAZY_RESCALE``, kernel option ``triton_fwd_lazy_rescale``, off):
+  the accumulator's multiply (128 per thread and step) only on a step that moves the max, for a program-
+  wide max and a branch: with the indices ahead ``64, 64, 8, 2`` spills 176 B (255 registers), ``64, 32,
+  8, 4`` 16 B. Expected to lose at the default tile unless the spills are cheap.
 * forward with the slots on M (``LOGITS="slots_on_m"``): ``kv @ q^T`` on warps [8, 1] over 128 slots,
   wgmma N = 64 (the split's N = 32 reads the shared-memory A operand twice as often per product), 40
   wgmma instructions. Two stages of 128 rows are over the shared memory (336 KB), so one stage: the
@@ -202,7 +206,7 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, LOGITS: tl.constexpr,
-    INDEX_AHEAD: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     """Forward of one (query token t, head block).
 
@@ -226,6 +230,11 @@ def _fwd_kernel(
     INDEX_AHEAD: each step loads the next step's row indices and gathers the rows of indices loaded one
     step earlier. Triton's two-stage pipeline issues the next step's gather at the end of a step, right
     after loading (and waiting for) the indices it needs; loaded ahead, they are there already.
+
+    LAZY_RESCALE (split logits only): the running max moves, and the ``[BLOCK_H, D]`` accumulator is
+    rescaled, only on a step where some head's max rises by more than 8 (log2 units); otherwise p is
+    taken against the kept max (so p <= 2^8) and the step skips the accumulator's multiply. The same
+    max enters the sum and the accumulator, so the result is exact either way.
     """
     pid = tl.program_id(0)
     t = (pid // N_HB).to(tl.int64)
@@ -271,6 +280,10 @@ def _fwd_kernel(
             s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
+            if LAZY_RESCALE:  # one decision for the whole program: a branch, not a select
+                floor = tl.where(m_i == float("-inf"), -3.0e38, m_i)  # no key yet: any finite max rises
+                rescale = tl.max(m_new - floor, 0) > 8.0
+                m_new = tl.where(rescale, m_new, m_i)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: avoid -inf - -inf
             alpha = tl.math.exp2(m_i - m_use)
             p = tl.math.exp2(s - m_use[:, None])
@@ -278,7 +291,13 @@ def _fwd_kernel(
             if LOGITS == "split":
                 if k0 < kt_len:  # always: hides p's and alpha's origin from the chained-product layout rule
                     p_v = p.to(kv.dtype)
-                    acc_v = acc * alpha[:, None]
+                    if LAZY_RESCALE:
+                        if rescale:
+                            acc_v = acc * alpha[:, None]
+                        else:
+                            acc_v = acc
+                    else:
+                        acc_v = acc * alpha[:, None]
                 else:
                     p_v = tl.zeros([BLOCK_H, BLOCK_K], dtype=kv.dtype)
                     acc_v = acc
@@ -706,6 +725,7 @@ def sparse_attention_fwd(
     num_stages: int | None = None,
     logits: str | None = None,
     index_ahead: bool | None = None,
+    lazy_rescale: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of sparse multi-query attention with a sink (Triton).
 
@@ -723,6 +743,8 @@ def sparse_attention_fwd(
             ``_fwd_kernel``; ``None``: the kernel option ``triton_fwd_logits``.
         index_ahead: ``True``: each step loads the next step's row indices (``INDEX_AHEAD``); ``None``:
             the kernel option ``triton_fwd_index_ahead``.
+        lazy_rescale: ``True``: with split logits, the accumulator is rescaled only when a head's max rises
+            by more than 2^8 (``LAZY_RESCALE``); ``None``: the kernel option ``triton_fwd_lazy_rescale``.
 
     Returns:
         ``out [T, H, D]`` in q's dtype and ``lse [T, H]`` fp32 (natural log, sink excluded, -inf for a
@@ -733,6 +755,7 @@ def sparse_attention_fwd(
     if layout not in FWD_LOGITS:
         raise ValueError(f"logits: must be one of {', '.join(FWD_LOGITS)}, got {layout!r}")
     ahead = _option_flag("triton_fwd_index_ahead", index_ahead)
+    lazy = _option_flag("triton_fwd_lazy_rescale", lazy_rescale) and layout == "split"
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
     sink = sink.to(torch.float32).contiguous()
     t, h, d = q.shape
@@ -755,10 +778,10 @@ def sparse_attention_fwd(
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
             D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
             HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q), LOGITS=layout,
-            INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            INDEX_AHEAD=ahead, LAZY_RESCALE=lazy, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch("fwd", (*_config_key(q), layout, ahead), ladder, pinned, launch)  # a configuration per variant
+    _launch("fwd", (*_config_key(q), layout, ahead, lazy), ladder, pinned, launch)  # a configuration per variant
     return out, lse
 
 

@@ -234,13 +234,29 @@ def test_index_ahead_matches_torch_fp32(case, variant, seed):
             assert rel_fro(a, b) < 1e-4, f"{msg} dq_in_dkv={dq_in_dkv}: {name} rel err {rel_fro(a, b):.2e}"
 
 
+@pytest.mark.parametrize("spread", [1.0, 4.0], ids=["logits-x1", "logits-x4"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
+def test_forward_lazy_rescale_matches_torch_fp32(case, spread, seed):
+    """The split forward rescaling its accumulator only when a head's max rises by more than 2^8, over
+    16-slot steps; q scaled by 4 spreads the logits so that some steps rescale and others keep the max."""
+    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=True)
+    q = q * spread
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_k=16, logits="split", lazy_rescale=True)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    msg = f"seed={seed} case={case} spread={spread}"
+    assert torch.isfinite(out).all(), msg
+    assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out {rel_fro(out, ref_out):.2e}"
+    check_lse(lse, ref_lse, 1e-4, msg)
+
+
 LOGITS_VARIABLE = "DSV4CP_TRITON_FWD_LOGITS"
-VARIANT_VARIABLES = ("DSV4CP_TRITON_DKV_ONE_PRODUCT", "DSV4CP_TRITON_FWD_INDEX_AHEAD", "DSV4CP_TRITON_BWD_INDEX_AHEAD")
+VARIANT_VARIABLES = ("DSV4CP_TRITON_DKV_ONE_PRODUCT", "DSV4CP_TRITON_FWD_INDEX_AHEAD", "DSV4CP_TRITON_BWD_INDEX_AHEAD",
+                     "DSV4CP_TRITON_FWD_LAZY_RESCALE")
 
 
 def test_variant_options_select_the_kernels(seed, monkeypatch):
-    """The variables of the forward's logits layout, the dkv kernel's one product and both directions'
-    indices ahead select the variants (each under its own cached configuration) both ways, the keywords
+    """The variables of the forward's logits layout and lazy rescale, the dkv kernel's one product and both
+    directions' indices ahead select the variants (each under its own cached configuration) both ways, the keywords
     win over them, and a value they do not allow is refused before any kernel runs."""
     from dsv4cp.kernels import sparse_attention_triton as sat
 
@@ -252,15 +268,16 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
         monkeypatch.delenv(pinning, raising=False)  # a pinned launch caches nothing
     monkeypatch.delenv(sat.DQ_IN_DKV_ENV, raising=False)
     # each launch caches its configuration under its kind, the shape class and the variant's switches
-    variants = {("fwd", "split", True), ("bwd_dq_dq_in_dkv", True), ("bwd_dkv_dq_in_dkv", True, True)}
-    plain = {("fwd", "duplicated", False), ("bwd_dq_dq_in_dkv", False), ("bwd_dkv_dq_in_dkv", False, False)}
+    variants = {("fwd", "split", True, True), ("bwd_dq_dq_in_dkv", True), ("bwd_dkv_dq_in_dkv", True, True)}
+    plain = {("fwd", "duplicated", False, False), ("bwd_dq_dq_in_dkv", False), ("bwd_dkv_dq_in_dkv", False, False)}
     for env, keyword, split in (("1", None, True), ("0", None, False), ("1", False, False), ("0", True, True)):
         for variable in VARIANT_VARIABLES:
             monkeypatch.setenv(variable, env)
         monkeypatch.setenv(LOGITS_VARIABLE, "split" if env == "1" else "duplicated")
         sat._CHOSEN.clear()
         layout = None if keyword is None else ("split" if keyword else "duplicated")
-        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits=layout, index_ahead=keyword)
+        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits=layout, index_ahead=keyword,
+                                        lazy_rescale=keyword)
         got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, dkv_one_product=keyword,
                                    index_ahead=keyword)
         kinds = {(key[0], *key[len(sat._config_key(q)) + 1:]) for key in sat._CHOSEN}
@@ -273,7 +290,7 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
     for variable in VARIANT_VARIABLES:
         monkeypatch.setenv(variable, "0")
     monkeypatch.setenv(LOGITS_VARIABLE, "duplicated")
-    for variable, call in zip((*VARIANT_VARIABLES, LOGITS_VARIABLE), (backward, forward, backward, forward)):
+    for variable, call in zip((*VARIANT_VARIABLES, LOGITS_VARIABLE), (backward, forward, backward, forward, forward)):
         saved = os.environ[variable]
         monkeypatch.setenv(variable, "yes")
         with pytest.raises(ValueError, match=f"^{variable}: .*'yes'"):
