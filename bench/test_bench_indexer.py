@@ -17,6 +17,9 @@ Backends:
 * ``triton-chunked-radix``: the chunked path with ``DSV4CP_TOPK_SELECT=radix`` (fp32 score buffers
   planned at 4 bytes per score, selected by the Triton radix select of
   :mod:`dsv4cp.kernels.select_top_triton`);
+* ``triton-chunked-radix-bounded``: the same with ``DSV4CP_TOPK_SELECT_VARIANT=bounded`` (the radix
+  select's kernel that finds the largest score and a lower bound on the cut first, then starts its
+  radix passes below their common bits; ``triton-chunked-radix`` pins ``plain``, the kernel before it);
 * ``triton-chunked-torch``: the same with ``DSV4CP_TOPK_SELECT=torch`` (the kernel's epilogue writes
   int64 selection keys into the buffer, then one ``torch.topk`` over them: ``select_top_packed``;
   ``DSV4CP_TOPK_KEYS=packed``: the default before the radix select);
@@ -37,11 +40,16 @@ once beforehand (``radix``: :func:`~dsv4cp.kernels.select_top_triton.select_top_
 chunks, also ``radix-static``: the static plan's chunks with their row limits, as the layer runs it;
 ``torch``: ``select_top_packed`` over the int64 key chunks; TFLOP/s: the top-k's scoring FLOPs over the
 selection's time, an effective figure to set beside the others); ``test_indexer_select_config``: the
-radix selection alone at 64K under each launch of ``SELECT_SWEEP`` (pinned); and
+radix selection alone at 64K under each launch of ``SELECT_SWEEP`` (pinned);
+``test_indexer_select_bounded_config``: the same for the ``bounded`` kernel (``BOUNDED_SELECT_SWEEP``); and
 ``test_indexer_scores_fwd_bwd``: the differentiable scores at K = 512 given entries per query (the
 indexer loss's prediction), forward + backward, torch vs Triton: the default, the original backward
 (acq_rel atomics), the deterministic one and (GPU only) the backward pinned to each ladder tile (FLOPs
-``3 * 2 * Hi * Di`` per valid slot: the forward, and the backward's ``dq`` and ``dkeys`` products).
+``3 * 2 * Hi * Di`` per valid slot: the forward, and the backward's ``dq`` and ``dkeys`` products);
+``test_indexer_scores_reduce``: the backward's three key-gradient reductions (``atomic``, ``sorted``,
+``sorted-bf16``) side by side, forward + backward and the backward alone (GPU: 64K; CPU: tiny);
+``test_indexer_scores_reduce_parts``: each part of those backwards timed alone (the sort and destinations,
+the backward kernel, the segment sums; and the forward kernel for the gathers' share).
 
 ``benchmark.extra_info``: FLOPs ``2 * Hi * Di`` per (query, VISIBLE entry) (DESIGN 4.3: causally
 invisible pairs are not counted, whatever a backend computes) and the TFLOP/s of the median;
@@ -59,13 +67,21 @@ import pytest
 import torch
 
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
+from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.ops.indexer import indexer_topk
 
-BACKENDS = ["torch", "triton", "triton-chunked", "triton-chunked-radix", "triton-chunked-torch",
-            "triton-chunked-scores", "triton-stream", "triton-score", "triton-score-packed", "triton-score-radix"]
+_VARIANT_ENV = OPTIONS["topk_select_variant"].env
 
-_SELECT = {"triton-chunked-radix": "radix", "triton-chunked-torch": "torch", "triton-chunked-scores": "torch"}
+BACKENDS = ["torch", "triton", "triton-chunked", "triton-chunked-radix", "triton-chunked-radix-bounded",
+            "triton-chunked-torch", "triton-chunked-scores", "triton-stream", "triton-score", "triton-score-packed",
+            "triton-score-radix"]
+
+_SELECT = {"triton-chunked-radix": "radix", "triton-chunked-radix-bounded": "radix", "triton-chunked-torch": "torch",
+           "triton-chunked-scores": "torch"}
 """``DSV4CP_TOPK_SELECT`` per backend (the others run the default)."""
+
+_SELECT_VARIANT = {"triton-chunked-radix": "plain", "triton-chunked-radix-bounded": "bounded"}
+"""``DSV4CP_TOPK_SELECT_VARIANT`` per backend (the radix select's kernel; the others run the default)."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +168,7 @@ def _runner(backend: str, shape: Shape, entry: dict):
     from dsv4cp.ops.indexer import fused_indexer_topk
 
     select = kernel_options.get("topk_select")
-    radix = backend in ("triton-chunked-radix", "triton-score-radix") or (
+    radix = backend in ("triton-chunked-radix", "triton-chunked-radix-bounded", "triton-score-radix") or (
         backend in ("triton", "triton-chunked")
         and (select == "radix" or (select == "auto" and not interpreted(q.device))))  # the op's rule
     fp32 = backend in ("triton-chunked-scores", "triton-score")
@@ -222,6 +238,10 @@ def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
         monkeypatch.setenv(TOPK_SELECT_ENV, _SELECT[backend])
     else:
         monkeypatch.delenv(TOPK_SELECT_ENV, raising=False)
+    if backend in _SELECT_VARIANT:
+        monkeypatch.setenv(_VARIANT_ENV, _SELECT_VARIANT[backend])
+    else:
+        monkeypatch.delenv(_VARIANT_ENV, raising=False)
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
     fn, info = _runner(backend, shape, entry)
@@ -306,7 +326,7 @@ def test_indexer_topk_stream_config(benchmark, measure, cfg):
                       K=SHAPES["32k"].topk)
 
 
-SELECT_BACKENDS = ["radix", "radix-static", "torch"]
+SELECT_BACKENDS = ["radix", "radix-static", "radix-bounded", "radix-static-bounded", "torch"]
 
 
 @pytest.mark.gpu
@@ -316,7 +336,8 @@ SELECT_BACKENDS = ["radix", "radix-static", "torch"]
 def test_indexer_select(benchmark, measure, shape_name, backend):
     """The chunked top-k's selection alone: every chunk of the path's plan is scored once (kept, cloned),
     then the timed call selects all of them (``radix``: fp32 chunks at 4 bytes per score, exact plan;
-    ``radix-static``: the static plan of ``key_row_limit = (0, 4)`` with each chunk's row limit;
+    ``radix-static``: the static plan of ``key_row_limit = (0, 4)`` with each chunk's row limit, as the
+    layer runs it; both on the ``plain`` kernel, and ``-bounded`` on the ``bounded`` one;
     ``torch``: int64 packed-key chunks at 16 bytes per score and ``select_top_packed``)."""
     _time_selection(benchmark, measure, shape_name, backend, None, f"indexer.select.{shape_name}")
 
@@ -331,7 +352,8 @@ def _time_selection(benchmark, measure, shape_name: str, backend: str, config, g
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
     radix = backend != "torch"
-    limit = (0, 4) if backend == "radix-static" else None
+    limit = (0, 4) if backend.startswith("radix-static") else None
+    variant = "bounded" if backend.endswith("-bounded") else "plain"
     per_score = it.TOPK_RADIX_BYTES_PER_SCORE if radix else it.TOPK_BYTES_PER_SCORE
     chunks = [(s, col0, block.clone()) for s, _, col0, block in it.iter_score_chunks(
         entry["q"], entry["w"], entry["keys"], *_vis_args(entry), packed=not radix, bytes_per_score=per_score,
@@ -343,7 +365,7 @@ def _time_selection(benchmark, measure, shape_name: str, backend: str, config, g
             keep = min(shape.topk, block.shape[1])
             if radix:
                 row_limit = None if limit is None else (limit[0] - col0, limit[1], s)
-                last = select_top_triton(block, keep, row_limit=row_limit, config=config)
+                last = select_top_triton(block, keep, row_limit=row_limit, config=config, variant=variant)
             else:
                 last = select_top_packed(block, keep)
         return last
@@ -381,6 +403,28 @@ def test_indexer_select_config(benchmark, measure, cfg):
     benchmark.extra_info.update(config=list(cfg))
 
 
+BOUNDED_SELECT_SWEEP = [(2048, 8, 4, 2), (1024, 8, 4, 2), (2048, 8, 8, 2), (1024, 10, 4, 2), (2048, 10, 8, 2),
+                        (1024, 6, 4, 2), (4096, 8, 8, 2), (512, 8, 4, 2)]
+"""Launches of the ``bounded`` radix select timed by ``test_indexer_select_bounded_config`` (``block_n,
+radix_bits, num_warps, num_stages``; the first is the ladder's default): its first digit starts below the
+bits its candidates share, so a histogram pass no longer piles into a few bins and wider digits (fewer
+passes) may pay; 2048 x 8 x 4 compiles to 129 registers (sm_90a, Triton 3.9), 1024 columns per step
+to fewer."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="config sweep needs CUDA")
+@pytest.mark.parametrize("cfg", BOUNDED_SELECT_SWEEP, ids=lambda c: "x".join(map(str, c)))
+def test_indexer_select_bounded_config(benchmark, measure, cfg):
+    """The ``bounded`` radix selection alone at T = 64K (the static plan's fp32 chunks and row limits, as
+    the layer runs it) under each pinned launch."""
+    from dsv4cp.kernels.select_top_triton import SelectConfig
+
+    _time_selection(benchmark, measure, "64k", "radix-static-bounded", SelectConfig(*cfg),
+                    "indexer.select.bounded.config.64k")
+    benchmark.extra_info.update(config=list(cfg))
+
+
 _SCORES_PARAMS = [pytest.param("tiny", id="tiny")] + [
     pytest.param(name, id=name, marks=GPU_ONLY) for name in ("8k", "32k", "64k")
 ]
@@ -398,6 +442,19 @@ _BWD_PINS = {"triton-acqrel": "64,8,2,0"} | {
 _SCORES_BACKENDS = ["torch", "triton", "triton-deterministic", "triton-acqrel"] + [
     pytest.param(name, marks=GPU_ONLY) for name in _BWD_PINS if name != "triton-acqrel"
 ]
+
+
+def _selection(shape: Shape, entry: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(idx, grad, valid slots)`` of the scores benchmarks: up to K random entries among each query's
+    visible ones (``-1`` beyond), and a random upstream gradient, zero at the empty slots."""
+    device = entry["q"].device
+    g = torch.Generator(device=device).manual_seed(99)
+    limit = entry["query_limit"].clamp_max(shape.n_keys)
+    slots = torch.arange(shape.topk, device=device)
+    idx = (torch.rand(shape.tokens, shape.topk, device=device, generator=g) * limit[:, None]).long()
+    idx = torch.where(slots[None, :] < limit[:, None], idx, -1)
+    grad = torch.randn(idx.shape, device=device, generator=g) * (idx >= 0)
+    return idx, grad, int((idx >= 0).sum().item())
 
 
 @pytest.mark.parametrize("backend", _SCORES_BACKENDS)
@@ -428,13 +485,7 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
         from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton as fn
     else:
         fn = indexer_scores
-    g = torch.Generator(device=q.device).manual_seed(99)
-    limit = entry["query_limit"].clamp_max(shape.n_keys)
-    slots = torch.arange(shape.topk, device=q.device)
-    idx = (torch.rand(shape.tokens, shape.topk, device=q.device, generator=g) * limit[:, None]).long()
-    idx = torch.where(slots[None, :] < limit[:, None], idx, -1)  # up to K entries among the visible ones
-    valid = int((idx >= 0).sum().item())
-    grad = torch.randn(idx.shape, device=q.device, generator=g) * (idx >= 0)
+    idx, grad, valid = _selection(shape, entry)
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, w, keys)]
 
     def step():
@@ -455,3 +506,107 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
     out = measure(step, None, flops=3 * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),
                   rounds=rounds, warmup_rounds=warmup, device=q.device)
     assert out.shape == idx.shape
+
+
+_REDUCE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("64k", id="64k", marks=GPU_ONLY)]
+
+
+@pytest.mark.parametrize("part", ["fwd_bwd", "bwd"])
+@pytest.mark.parametrize("reduce", ["atomic", "sorted", "sorted-bf16"])
+@pytest.mark.parametrize("shape_name", _REDUCE_PARAMS)
+def test_indexer_scores_reduce(benchmark, measure, shape_name, reduce, part):
+    """The key-gradient reductions side by side (``reduce=`` of
+    :func:`~dsv4cp.kernels.indexer_scores_triton.indexer_scores_triton`, the kernel option
+    ``triton_scores_bwd_reduce``): fp32 atomics, and per-slot fp32 / bf16 contributions stored in key-row
+    order and summed per key row (the sort, the backward kernel and the segment sums). ``fwd_bwd``: one
+    forward + backward; ``bwd``: the backward alone, of one saved forward (FLOPs: the backward's ``dq``
+    and ``dkeys`` products, ``2 * 2 * Hi * Di`` per valid slot; the recompute of ``s`` is not counted)."""
+    from dsv4cp.kernels import triton_available
+
+    shape = SHAPES[shape_name]
+    entry = _inputs(shape)
+    if not triton_available(entry["q"].device):
+        pytest.skip(f"triton cannot run on {entry['q'].device} here")
+    from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton
+
+    idx, grad, valid = _selection(shape, entry)
+    leaves = [entry[name].detach().clone().requires_grad_(True) for name in ("q", "w", "keys")]
+    if part == "fwd_bwd":
+        def step():
+            out = indexer_scores_triton(*leaves, idx, reduce=reduce)
+            torch.autograd.grad(out, leaves, grad)
+            return out
+        flops = 3 * 2.0 * shape.heads * shape.dim * valid
+    else:
+        saved = indexer_scores_triton(*leaves, idx, reduce=reduce)
+
+        def step():
+            return torch.autograd.grad(saved, leaves, grad, retain_graph=True)[2]
+        flops = 2 * 2.0 * shape.heads * shape.dim * valid
+
+    step()
+    benchmark.group = f"indexer.scores.reduce.{part}.{shape.name}"
+    peak = _peak_extra_bytes(step)
+    benchmark.extra_info.update(reduce=reduce, part=part, shape=shape.name, T=shape.tokens, Hi=shape.heads,
+                                Di=shape.dim, K=shape.topk, valid_slots=valid, dtype=str(leaves[0].dtype),
+                                peak_extra_bytes=peak, peak_extra_gib=None if peak is None else peak / 2**30)
+    rounds, warmup = _rounds(shape)
+    measure(step, None, flops=flops, bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup,
+            device=leaves[0].device)
+
+
+_PARTS = [("atomic", "kernel"), ("atomic", "forward")] + [
+    (reduce, part) for reduce in ("sorted", "sorted-bf16") for part in ("destinations", "kernel", "reduce")]
+
+
+@pytest.mark.parametrize("reduce,part", _PARTS, ids=lambda v: v)
+@pytest.mark.parametrize("shape_name", _REDUCE_PARAMS)
+def test_indexer_scores_reduce_parts(benchmark, measure, shape_name, reduce, part):
+    """Where a backward's time goes, each part alone over all of its chunks
+    (:class:`~dsv4cp.kernels.indexer_scores_triton.BackwardPlan`): ``destinations`` (per chunk the
+    stable sort of its slots by key row, the segments and the inverse permutation), ``kernel``
+    (``_gather_bwd_kernel``: the products, dq and dw, and the key gradients' atomics or scattered row
+    stores, with the destinations built beforehand), ``reduce`` (``_segment_reduce_kernel``: the
+    contributions' streaming sums per key row); ``atomic`` / ``forward``: the forward kernel, which
+    gathers the same key rows for one product (what the backward's gathers alone cost)."""
+    from dsv4cp.kernels import triton_available
+
+    shape = SHAPES[shape_name]
+    entry = _inputs(shape)
+    q, w, keys = entry["q"], entry["w"], entry["keys"]
+    if not triton_available(q.device):
+        pytest.skip(f"triton cannot run on {q.device} here")
+    from dsv4cp.kernels import indexer_scores_triton as ist
+
+    idx, grad, valid = _selection(shape, entry)
+    grad = grad.float().contiguous()
+    plan = ist.BackwardPlan.new(q.contiguous(), w.contiguous(), keys.contiguous(), idx, grad, reduce)
+    starts = list(plan.starts())
+    if part == "forward":
+        def step():
+            return ist._gather_forward(plan.q, plan.w, plan.keys, idx)
+    elif part == "destinations":
+        def step():
+            return [plan.destinations(t0) for t0 in starts]
+    else:
+        built = [plan.destinations(t0) for t0 in starts] if reduce != "atomic" else [(None, None)] * len(starts)
+        if part == "kernel":
+            def step():
+                for t0, (dest, _) in zip(starts, built):
+                    plan.run_kernel(t0, dest)
+        else:
+            plan.contrib.zero_()  # finite values: the sums' speed must not depend on leftover bits
+
+            def step():
+                for _, seg in built:
+                    plan.reduce(seg)
+
+    step()
+    benchmark.group = f"indexer.scores.reduce.parts.{shape.name}"
+    benchmark.extra_info.update(reduce=reduce, part=part, shape=shape.name, T=shape.tokens, Hi=shape.heads,
+                                Di=shape.dim, K=shape.topk, valid_slots=valid, chunks=len(starts),
+                                chunk_rows=plan.chunk, dtype=str(q.dtype))
+    rounds, warmup = _rounds(shape)
+    products = {"forward": 1, "kernel": 3}.get(part, 0)
+    measure(step, None, flops=products * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),
+            rounds=rounds, warmup_rounds=warmup, device=q.device)

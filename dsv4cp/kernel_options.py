@@ -138,12 +138,21 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     KernelOption("topk_keys", "DSV4CP_TOPK_KEYS", CHOICE, "indexer_topk",
                  "torch selection's buffer: int64 keys packed by the score kernel, or fp32 scores",
                  "packed", ("packed", "scores")),
+    KernelOption("topk_select_variant", "DSV4CP_TOPK_SELECT_VARIANT", CHOICE, "indexer_topk",
+                 "radix select kernel: passes below the bits every candidate shares, 32-bit keys (bounded), "
+                 "or from the top bit, 64-bit keys (plain)", "plain", ("bounded", "plain")),
     _tile("triton_indexer_config", "indexer_topk", _INDEXER_TILE, "pins the indexer score kernel's launch"),
     _tile("triton_topk_stream_config", "indexer_topk", _INDEXER_TILE, "pins the streaming top-k kernel's launch"),
     _tile("triton_select_config", "indexer_topk", ("block_n", "radix_bits", "num_warps", "num_stages"),
           "pins the radix select kernel's launch"),
     _tile("triton_gather_bwd_config", "indexer_scores", ("block_k", "num_warps", "num_stages", "relaxed_atomics"),
           "pins the gathered indexer scores' backward launch (relaxed_atomics 0 or 1)"),
+    KernelOption("triton_scores_bwd_reduce", "DSV4CP_TRITON_SCORES_BWD_REDUCE", CHOICE, "indexer_scores",
+                 "indexer scores backward's key-gradient sum: fp32 atomics, or per-slot fp32 / bf16 contributions "
+                 "summed per key row in sorted order (deterministic; deterministic mode turns atomic into sorted)",
+                 "atomic", ("atomic", "sorted", "sorted-bf16")),
+    _tile("triton_scores_bwd_scratch", "indexer_scores", ("mib",),
+          "caps the sorted key-gradient reductions' scratch per chunk of queries, in MiB (auto: 2048)"),
     _tile("triton_fwd_config", "sparse_attention", _KERNEL_TILE, "pins the Triton attention forward's launch"),
     KernelOption("triton_fwd_logits", "DSV4CP_TRITON_FWD_LOGITS", CHOICE, "sparse_attention",
                  "Triton attention forward's logits: both warpgroups compute all of them (duplicated), each half "
@@ -167,8 +176,24 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "Triton attention backward's two kernels load each step's kv-row indices one step ahead (1)", False),
     _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),
     _tile("triton_lse_config", "attention_probs", _KERNEL_TILE, "pins the log-sum-exp kernel"),
+    KernelOption("triton_lse_kernel", "DSV4CP_TRITON_LSE_KERNEL", CHOICE, "attention_probs",
+                 "log-sum-exp kernel: whole key rows per slot block (whole_d) or the head dim in pipelined "
+                 "chunks over a flat (query, head block, slot block, chunk) loop (d_chunks)",
+                 "whole_d", ("whole_d", "d_chunks")),
+    _tile("triton_lse_chunk_config", "attention_probs",
+          ("block_h", "block_k", "block_d", "num_warps", "num_stages", "programs_per_sm"),
+          "pins the d_chunks log-sum-exp kernel (programs_per_sm 0: one program per (query, head block), "
+          "else a persistent grid)"),
     KernelOption("triton_probs_slots_on_m", "DSV4CP_TRITON_PROBS_SLOTS_ON_M", FLAG, "attention_probs",
                  "probabilities kernel puts the slots on the matrix unit's M (1) or the heads (0)", True),
+    KernelOption("triton_probs_kernel", "DSV4CP_TRITON_PROBS_KERNEL", CHOICE, "attention_probs",
+                 "head-summed probabilities kernel: the head dim in pipelined chunks over a flat (query, slot "
+                 "block, chunk) loop (d_chunks) or whole key rows per slot block (whole_d)",
+                 "d_chunks", ("d_chunks", "whole_d")),
+    _tile("triton_probs_chunk_config", "attention_probs",
+          ("block_h", "block_k", "block_d", "num_warps", "num_stages", "slots_on_m", "programs_per_sm"),
+          "pins the d_chunks probabilities kernel (slots_on_m 0 or 1; programs_per_sm 0: one program per "
+          "(query, slot block), else a persistent grid)"),
     _tile("triton_norm_rope_config", "norm_rope", ("block_h", "num_warps"),
           "pins the fused norm / RoPE kernels' launch (powers of two)"),
 )}

@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = DSv4Config.preset(args.preset, indexer_loss=args.loss)
     cfg.check_ratio(args.ratio)
     calibration = None if args.calibration is None else Calibration.load(args.calibration)
+    note = None if calibration is None else calibration.rank_factors_note(args.cp)
+    if note is not None:
+        print(note)
     machine = machine_from_args(args, calibration)
     if machine is None:  # every figure below is a bound: there is nothing to print without ceilings
         raise ValueError(f"--machine: {no_machine_reason()}")

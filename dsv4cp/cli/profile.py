@@ -176,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         device, group, cp, rank = torch.device("cuda" if torch.cuda.is_available() else "cpu"), None, 1, 0
     point = point_from_args(args, cp, device)
+    note = None if calibration is None else calibration.rank_factors_note(point.cp)
+    if note is not None and (not distributed or rank == 0):
+        print(note)
     if emulated and isinstance(rank, int):
         point = dataclasses.replace(point, emulated_rank=rank)
     check_cuda_graph(point, device)

@@ -88,6 +88,9 @@ def _save(args, point: Point, result: MeasuredSplit) -> None:
     best = result.rounds[result.best]
     print(f"measured split: round {result.best} is the best (slowest rank {max(best.rank_ms):.2f} ms, max/mean "
           f"{best.imbalance:.3f}; round 0, the balanced split, {max(result.rounds[0].rank_ms):.2f} ms)")
+    if result.calibration.rank_factors:
+        factors = ", ".join(f"{f:.3f}" for f in result.calibration.rank_factors)
+        print(f"per-rank factors of the refit (measured over class-calibrated time): [{factors}]")
     if args.save_split is not None:
         save_split(args.save_split, point, result)
         print(f"split written to {args.save_split} (--split-file)")

@@ -92,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
         check_output_dir(out, "--out")
     distributed = under_torchrun() or (args.nproc or default_nproc(points)) > 1
     calibration = None if args.calibration is None else Calibration.load(args.calibration)
+    if rank == 0 and calibration is not None:  # per-rank factors apply at the cp they were fitted at only
+        for note in sorted({calibration.rank_factors_note(point.cp) for point in points} - {None}):
+            print(note)
     options = SweepOptions(
         out=out, resume=args.resume, retry_errors=args.retry_errors, profile=args.profile, nsys=args.nsys,
         memory_snapshot=args.memory_snapshot,

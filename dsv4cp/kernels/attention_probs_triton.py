@@ -27,9 +27,24 @@ Kernels:
   warps through shared memory: 5.65 against 4.63 ms at T = 32K on an H200,
   results/2026-12-01-h200-speed4/graph). Otherwise the program loops over the head blocks inside each
   slot block (the keys stay loaded, q re-read from L2, heads on M), accumulating the head sum in a fixed
-  order: no atomics, deterministic.
+  order: no atomics, deterministic. Measured on an H200: 11.5 ms in the layer at the flash shape with
+  T = 65536 (results/2026-12-01-h200-speed4/trace-auto/kernels.csv; 9.47 ms in a later trace), 4.73 ms
+  in bench/test_bench_attention_probs.py at T = 32768 (~4 TB/s of gathered rows and q).
+* ``_head_probs_chunked_kernel`` (kernel option ``triton_probs_kernel=d_chunks``, the default): the
+  head dim is the
+  matrix product's reduction loop. A work item is (query, block of ``BLOCK_K`` slots); each step
+  gathers ``[BLOCK_K, BLOCK_DC]`` key columns and the matching ``[BLOCK_H, BLOCK_DC]`` q columns into
+  shared memory and accumulates the ``[BLOCK_K, BLOCK_H]`` (or, ``slots_on_m=0``, ``[BLOCK_H, BLOCK_K]``)
+  logits in registers; the last chunk of a head block adds its probabilities' head sum, the last head
+  block stores the item. The steps of all the program's items form ONE flat loop (persistent grid:
+  ``programs_per_sm`` programs per multiprocessor; 0: one program per item), so the cp.async pipeline
+  keeps several small gathers in flight and never drains between items or queries.
 * ``_lse_kernel``: one program per (query token, block of ``BLOCK_H`` heads), the sparse-attention
   forward without the value product: online max / sum over slot blocks in fp32 with ``exp2``.
+* ``_lse_chunked_kernel`` (kernel option ``triton_lse_kernel=d_chunks``): the same online max / sum with
+  the head dim as the reduction loop, over one flat loop of (item = (query, head block), slot block,
+  chunk) steps like ``_head_probs_chunked_kernel``; heads on M, so the max and the sum over slots stay in
+  a thread's row and its lane quad.
 
 Traffic at the flash shape (T = 32768, H = 64, D = 512, K = 512, bf16): each query reads its 512
 gathered rows once (512 KB) and its q once (64 KB), ~19 GB in all (the torch path moves ~34 GB through
@@ -42,7 +57,8 @@ Resources at ``D = 512`` on sm_90, checked by compiling for sm_90 with Triton 3.
 
 * bf16, ``H <= 64`` (both kernels): ``BLOCK_H = 64, BLOCK_K = 64, 4 warps, 2 stages``: 192 KB shared
   (q 64 KB + 2 x 64 KB of cp.async-pipelined gathered rows), one warpgroup issuing ``wgmma m64n64``,
-  126 (probs) / 128 (lse) registers, no spill. There is no ``[64, 512]`` fp32 accumulator (the
+  126 (probs) / 128 (lse) registers, no spill (``bench/compile_attention_probs_sm90.py``: 128 for the
+  probabilities with Triton 3.6, 215 with 3.9). There is no ``[64, 512]`` fp32 accumulator (the
   forward's), only the ``[64, BLOCK_K]`` logits; 8 warps would make both warpgroups compute the same
   product (Triton lays the logits out over warps [8, 1]). Next on the ladder: ``BLOCK_K = 32, 3 stages``
   (128 KB, 104 registers) and ``BLOCK_K = 16, 3 stages`` (96 KB).
@@ -51,16 +67,77 @@ Resources at ``D = 512`` on sm_90, checked by compiling for sm_90 with Triton 3.
 * fp32 (fp32 products, on the CUDA cores): ``32, 32, 8 warps, 1 stage``: 128 KB, 98 registers, no spill
   (4 warps spill heavily).
 
+Measured on an H200 (bench/test_bench_attention_probs.py, T = 32768, launch fields below): the
+``d_chunks`` default ``64,512,64,16,5,1,1`` 3.96 ms (4.8 TB/s of rows and q, 278 TFLOP/s) against
+4.73 ms for ``whole_d``; ``64,512,64,8,5,1,1`` 4.35, ``64,512,32,8,7,1,1`` 4.67, ``64,512,32,8,9,1,1``
+4.86, ``64,256,64,8,7,1,1`` 5.48, ``64,256,32,8,7,1,1`` 6.41, ``64,256,64,8,5,0,1`` 5.31,
+``64,128,64,8,5,1,2`` 5.25 (5.96 with one program per item), ``64,128,64,4,7,1,2`` 5.13 (heads on M
+5.45), ``64,64,64,4,5,1,4`` 5.17 ms. What helped: every slot of a query in one item (q read once),
+128-byte row pieces (whole L2 lines, half the per-step index loads) and more warps (the epilogue and
+the gathers' address work spread over 512 threads). Both kernels move rows at ~4-5 TB/s, so the gathers
+from L2 bound them; the next gains are in bytes (cross-query reuse of rows) rather than in the tiling.
+
+Why the ``d_chunks`` kernel (the model it was built on): compiled for sm_90 with Triton 3.6 (the PTX of
+``64,64,4,2``), the ``whole_d`` kernel's loop waits for its gathered block, multiplies, forms the
+probabilities and only then issues the next block's gather (Triton 3.9 also copies q, held in
+registers, back to shared memory in every iteration): the 64 KB gather, the 2K-cycle product and the
+epilogue run one after the other, one program per multiprocessor, nothing else to hide the gather's
+latency; its 3-stage entries keep a single gathered buffer. ``d_chunks`` keeps 3-5 steps of gathers in
+flight (Triton pipelines the index load and the gather in separate stages: ``num_stages`` s keeps
+``(s - 1) // 2 + 1`` gathered tiles) and reads q from L2 in ``[64, BLOCK_DC]`` chunks instead of keeping
+it. Its L2 bytes per query are the 512 KB of rows, q's 64 KB once per slot block and the indices
+(``8 BLOCK_K`` bytes per step with int64, re-read each step, mostly from L1): rows and q come to
+~38.7 GB at T = 65536 with ``BLOCK_K = 512`` (q read once), ~43 GB with ``256``, ~52 GB with ``128``; at
+~7 TB/s of L2 that is an expected ~5.5 / 6.1 / 7.4 ms, against ~2.2 ms of wgmma that now overlaps the
+gathers.
+The exp and head sum (T H K = 2.1 G ``exp2``, ~0.5 ms of the multi-function units) run once per item
+while the next item's gathers are in flight.
+
+``d_chunks`` resources at the flash shape (bf16, H = 64, D = 512; ``python -m
+bench.compile_attention_probs_sm90`` with Triton 3.6, the GPU machine's; launch fields ``block_h,
+block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spill unless said:
+
+* ``64,512,64,16,5,1,1`` (first on the ladder): 3 gathered ``[512, 64]`` tiles, 226 KB shared, 128
+  registers (the most 16 warps can have), no spill.
+* ``64,512,32,8,7,1,1``: 158 KB shared (4 gathered ``[512, 32]`` tiles + q chunks),
+  238 registers (the ``[512, 64]`` fp32 logits are 128 of them), 1 program per multiprocessor;
+  ``64,512,32,8,9,1,1``: 5 tiles, 198 KB, 249 registers; ``64,512,64,8,5,1,1`` (each step reads
+  128-byte row pieces, whole L2 lines, and half the index loads): 3 tiles, 226 KB, 230 registers;
+  over four warpgroups with ``block_d = 32`` (``64,512,32,16,7,1,1``): 24 bytes of spill, with 5 tiles
+  88; eight warpgroups (``64,512,64,32,5,1,1``, 64 registers): 80 bytes.
+* ``64,256,32,8,7,1,1``: 87 KB, 177 registers: 1 program (registers); ``64,256,64,8,7,1,1``: 167 KB,
+  176 registers; ``64,256,64,8,5,0,1`` (heads on M, ``wgmma m64n128`` per warpgroup): 128 KB, 176
+  registers.
+* ``64,128,64,8,5,1,2``: 74.5 KB, 124 registers: 2 programs per multiprocessor (8 warps each);
+  ``64,128,64,4,7,1,2``: 99.5 KB, 176 registers, 2 programs (``64,128,64,4,7,0,2``, heads on M, one
+  ``wgmma m64n128``: 101 KB, 199 registers, 2 programs); ``64,64,64,4,5,1,4``: 49 KB, 105 registers,
+  4 programs. ``64,128,64,8,7,1,2`` (4 tiles) needs 143 registers: one program only, so it is not on
+  the ladder; one warpgroup with heads on M and 256 slots (``wgmma m64n256``, a 128-register
+  accumulator) spills ~50 bytes.
+* ``H > 64`` (128 in the pro preset): ``128,256,64,8,5,1,1`` first, 128 heads a step so that the rows
+  are gathered once per query (a 64-head block gathers them once per head block): 149 KB, 235
+  registers; 16 warps spill 104 bytes. Not measured yet.
+* fp32: ``32,32,32,8,3,1,0`` (fp32 products on the CUDA cores), then ``16,16,32,4,1,1,0``.
+* log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``):
+  ``64,256,64,16,7,1`` (first, not measured yet): 167 KB, 128 registers, no spill; ``64,512,64,16,5,1``:
+  225 KB, 16 bytes of spill; ``64,256,32,8,7,1``: 87 KB, 174 registers; ``64,128,64,4,7,2``: 99 KB,
+  185 registers, 2 programs per multiprocessor; ``64,512,32,8,7,1`` (q read once per query at K = 512):
+  157 KB, 254 registers; ``64,64,64,4,5,2``: 49 KB, 119 registers; none of these four spills.
+
 ``DSV4CP_TRITON_PROBS_CONFIG`` / ``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``)
 or the wrappers' keyword arguments pin a configuration; otherwise the first of the ladder that compiles
-(``OutOfResources`` moves on) is used and cached per shape class. The kernels are built (and show up in
-:func:`dsv4cp.kernels.report.compiled_resources`) through the attention module's builder.
+(``OutOfResources`` moves on) is used and cached per shape class; ``DSV4CP_TRITON_PROBS_CHUNK_CONFIG``
+/ ``DSV4CP_TRITON_LSE_CHUNK_CONFIG`` or ``chunk_config`` pins a ``d_chunks`` launch. The kernels are
+built by this module's own kernel set (listed by :func:`dsv4cp.kernels.report.compiled_resources`).
 
 CPU tensors run on Triton's interpreter (``TRITON_INTERPRET=1`` before triton's first import; tiny
 sizes only), as for the attention kernels.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -70,6 +147,7 @@ from dsv4cp import kernel_options
 from dsv4cp.kernels._triton_gather import gather_rows
 from dsv4cp.kernels._triton_launch import Kernels
 from dsv4cp.kernels._triton_launch import pinned as _pinned
+from dsv4cp.kernels._triton_launch import pinned_config as _pinned_config
 from dsv4cp.kernels.sparse_attention_triton import (
     _SUPPORTED_DTYPES,
     LOG2E,
@@ -81,10 +159,54 @@ from dsv4cp.kernels.sparse_attention_triton import (
     _precision,
 )
 
-__all__ = ["MAX_HEAD_DIM", "SLOTS_ON_M_ENV", "KernelConfig", "head_summed_probs_triton", "logsumexp_over_triton"]
+__all__ = [
+    "KERNEL_CHOICES",
+    "MAX_HEAD_DIM",
+    "SLOTS_ON_M_ENV",
+    "ChunkConfig",
+    "KernelConfig",
+    "LseChunkConfig",
+    "head_summed_probs_triton",
+    "logsumexp_over_triton",
+]
 
 SLOTS_ON_M_ENV = kernel_options.OPTIONS["triton_probs_slots_on_m"].env
 """Which operand order the probabilities kernel's logits use with one head block (see :func:`_slots_on_m`)."""
+
+KERNEL_CHOICES = kernel_options.OPTIONS["triton_probs_kernel"].choices
+"""Each op's kernels: ``whole_d`` (``_head_probs_kernel``, ``_lse_kernel``) and ``d_chunks``
+(``_head_probs_chunked_kernel``, ``_lse_chunked_kernel``)."""
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """``d_chunks`` probabilities launch: heads per head block (``block_h``), slots per work item
+    (``block_k``), head-dim columns per step (``block_d``, capped at D's power of two), warps, stages, the
+    logits' layout (``slots_on_m`` 1: ``[block_k, block_h]``, 0: ``[block_h, block_k]``) and the grid
+    (``programs_per_sm`` 0: one program per (query, slot block); n > 0: a persistent grid of n programs
+    per multiprocessor)."""
+
+    block_h: int
+    block_k: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    slots_on_m: int
+    programs_per_sm: int
+
+
+@dataclass(frozen=True)
+class LseChunkConfig:
+    """``d_chunks`` log-sum-exp launch: heads per work item (``block_h``, matrix-unit M), slots per step
+    (``block_k``), head-dim columns per step (``block_d``, capped at D's power of two), warps, stages and
+    the grid (``programs_per_sm`` 0: one program per (query, head block); n > 0: n per multiprocessor)."""
+
+    block_h: int
+    block_k: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,6 +267,80 @@ def _head_probs_kernel(
         tl.store(OUT + t * stride_ot + slots, tl.where(valid, acc, 0.0), mask=in_row)
 
 
+def _head_probs_chunked_kernel(
+    Q, KEYS, IDX, LDEN, OUT,  # pointers
+    qk_scale2,  # fp32: scale * log2(e)
+    H, N, KT, N_ITEMS, N_SB, N_HB,  # heads, key rows, slots per query, (query, slot block) items, slot / head blocks
+    stride_qt, stride_qh, stride_kn, stride_it, stride_lt, stride_lh, stride_ot,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DC: tl.constexpr,
+    SLOTS_ON_M: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Head-summed probabilities with the head dim as the matrix product's reduction loop.
+
+    Same tensors as ``_head_probs_kernel``. Work item = (query t, block of ``BLOCK_K`` slots); program p
+    takes items p, p + P, p + 2P, ... (P = the grid: one item per program, or a persistent grid). One flat
+    loop runs over the program's (item, head block, head-dim chunk) steps, so the software pipeline never
+    drains between items: each step gathers the ``[BLOCK_K, BLOCK_DC]`` key columns and the matching
+    ``[BLOCK_H, BLOCK_DC]`` q columns (q re-read from L2 per slot block) and accumulates the logits; the
+    last chunk of a head block turns them into probabilities and adds their head sum, the last head
+    block stores it. The head blocks are summed in a fixed order: deterministic.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    N_DC: tl.constexpr = (D + BLOCK_DC - 1) // BLOCK_DC
+    EVEN_D: tl.constexpr = D % BLOCK_DC == 0
+    steps = tl.cdiv(N_ITEMS - pid, n_prog) * N_HB * N_DC
+    dcol = tl.arange(0, BLOCK_DC)
+    h_off = tl.arange(0, BLOCK_H)
+    k_off = tl.arange(0, BLOCK_K)
+    if SLOTS_ON_M:
+        acc = tl.zeros([BLOCK_K, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+    total = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for step in range(0, steps):
+        dc = step % N_DC
+        hb = (step // N_DC) % N_HB
+        item = pid + (step // (N_DC * N_HB)) * n_prog
+        t = (item // N_SB).to(tl.int64)
+        slots = (item % N_SB) * BLOCK_K + k_off
+        in_row = slots < KT
+        d = dc * BLOCK_DC + dcol
+        rows = tl.load(IDX + t * stride_it + slots, mask=in_row, other=-1).to(tl.int64)
+        valid = (rows >= 0) & (rows < N)
+        heads = hb * BLOCK_H + h_off
+        hmask = heads < H
+        if EVEN_D:  # masks by row only: fewer predicates on the gather
+            kmask = valid[:, None]
+            qmask = hmask[:, None]
+        else:
+            kmask = valid[:, None] & (d < D)[None, :]
+            qmask = hmask[:, None] & (d < D)[None, :]
+        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=kmask, other=0.0)
+        qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: fp32 products there
+            keys = keys.to(tl.float32)
+            qc = qc.to(tl.float32)
+        if SLOTS_ON_M:  # [BLOCK_K, BLOCK_H]: the head sum runs along each thread's registers
+            acc = tl.dot(keys, tl.trans(qc), acc, input_precision=PRECISION)
+        else:  # [BLOCK_H, BLOCK_K]: slots on the matrix unit's N (m64nBLOCK_K), the head sum crosses warps
+            acc = tl.dot(qc, tl.trans(keys), acc, input_precision=PRECISION)
+        if dc == N_DC - 1:
+            # padding heads: denominator +inf -> 2^(s - inf) = 0
+            lden2 = tl.load(LDEN + t * stride_lt + heads * stride_lh, mask=hmask,
+                            other=float("inf")) * 1.4426950408889634
+            if SLOTS_ON_M:
+                total += tl.sum(tl.math.exp2(acc * qk_scale2 - lden2[None, :]), 1)
+            else:
+                total += tl.sum(tl.math.exp2(acc * qk_scale2 - lden2[:, None]), 0)
+            if hb == N_HB - 1:  # the rows again, in the sum's layout (here, not in every step's)
+                rows_out = tl.load(IDX + t * stride_it + slots, mask=in_row, other=-1)
+                filled = (rows_out >= 0) & (rows_out < N)
+                tl.store(OUT + t * stride_ot + slots, tl.where(filled, total, 0.0), mask=in_row)
+                total = tl.zeros([BLOCK_K], dtype=tl.float32)
+            acc = tl.zeros_like(acc)
+
+
 def _lse_kernel(
     Q, KEYS, IDX, LSE,  # pointers
     qk_scale2,  # fp32: scale * log2(e)
@@ -186,7 +382,77 @@ def _lse_kernel(
     tl.store(LSE + t * H + heads, lse, mask=hmask)
 
 
-_KERNELS = Kernels("attention_probs triton", _head_probs_kernel, _lse_kernel, op="attention_probs")
+def _lse_chunked_kernel(
+    Q, KEYS, IDX, LSE,  # pointers
+    qk_scale2,  # fp32: scale * log2(e)
+    H, N, KT, N_ITEMS, N_SB, N_HB,  # heads, key rows, slots per query, (query, head block) items, slot / head blocks
+    stride_qt, stride_qh, stride_kn, stride_it,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DC: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Log-sum-exp with the head dim as the matrix product's reduction loop (tensors as ``_lse_kernel``).
+
+    Work item = (query t, block of ``BLOCK_H`` heads); program p takes items p, p + P, ... One flat loop
+    runs over the program's (item, slot block, head-dim chunk) steps, as in ``_head_probs_chunked_kernel``:
+    each step gathers ``[BLOCK_K, BLOCK_DC]`` key columns and the ``[BLOCK_H, BLOCK_DC]`` q columns and
+    accumulates the ``[BLOCK_H, BLOCK_K]`` logits (heads on M: the max and sum over slots stay in a
+    thread's row and its lane quad); the last chunk of a slot block updates the online max / sum, the
+    last slot block stores the item.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    N_DC: tl.constexpr = (D + BLOCK_DC - 1) // BLOCK_DC
+    EVEN_D: tl.constexpr = D % BLOCK_DC == 0
+    steps = tl.cdiv(N_ITEMS - pid, n_prog) * N_SB * N_DC
+    dcol = tl.arange(0, BLOCK_DC)
+    h_off = tl.arange(0, BLOCK_H)
+    k_off = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of 2^(s - m_i)
+    for step in range(0, steps):
+        dc = step % N_DC
+        sb = (step // N_DC) % N_SB
+        item = pid + (step // (N_DC * N_SB)) * n_prog
+        t = (item // N_HB).to(tl.int64)
+        heads = (item % N_HB) * BLOCK_H + h_off
+        hmask = heads < H
+        slots = sb * BLOCK_K + k_off
+        d = dc * BLOCK_DC + dcol
+        rows = tl.load(IDX + t * stride_it + slots, mask=slots < KT, other=-1).to(tl.int64)
+        valid = (rows >= 0) & (rows < N)
+        if EVEN_D:
+            kmask = valid[:, None]
+            qmask = hmask[:, None]
+        else:
+            kmask = valid[:, None] & (d < D)[None, :]
+            qmask = hmask[:, None] & (d < D)[None, :]
+        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=kmask, other=0.0)
+        qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: fp32 products there
+            keys = keys.to(tl.float32)
+            qc = qc.to(tl.float32)
+        acc = tl.dot(qc, tl.trans(keys), acc, input_precision=PRECISION)
+        if dc == N_DC - 1:  # the slots' validity again, in the logits' layout (here, not in every step's)
+            rows_s = tl.load(IDX + t * stride_it + slots, mask=slots < KT, other=-1)
+            s = tl.where(((rows_s >= 0) & (rows_s < N))[None, :], acc * qk_scale2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: avoid -inf - -inf
+            l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(s - m_use[:, None]), 1)
+            m_i = m_new
+            if sb == N_SB - 1:
+                has_key = l_i > 0.0
+                m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+                lse = tl.where(has_key, (m_fin + tl.math.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                               float("-inf"))
+                tl.store(LSE + t * H + heads, lse, mask=hmask)
+                m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros_like(acc)
+
+
+_KERNELS = Kernels("attention_probs triton", _head_probs_kernel, _head_probs_chunked_kernel, _lse_kernel,
+                   _lse_chunked_kernel, op="attention_probs")
 _build, _launch = _KERNELS.build, _KERNELS.launch
 
 
@@ -208,6 +474,82 @@ def _ladder(block_d: int, heads: int, dtype: torch.dtype, head_loop: bool = Fals
     else:
         ladder = [(bh, 64, 4, 2), (bh, 32, 4, 2), (bh, 32, 4, 1), (bh, 16, 4, 1)]
     return [KernelConfig(*c) for c in ladder]
+
+
+def _chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[ChunkConfig]:
+    """``d_chunks`` configurations to try in order (resources at the flash shape: the module docstring).
+    Triton pipelines the index load and the gather in separate stages: ``num_stages`` s keeps
+    ``(s - 1) // 2 + 1`` gathered tiles in shared memory."""
+    bh = _block_h(heads)
+    if dtype == torch.float32:  # fp32 products on the CUDA cores ("ieee"): small tiles
+        ladder = [(min(bh, 32), 32, 32, 8, 3, 1, 0), (16, 16, 32, 4, 1, 1, 0)]
+    elif block_d >= 256 and heads > 64:
+        # 128 heads a step: the rows are gathered once per query (64: once per head block), q twice;
+        # 149 KB, 235 registers with 8 warps (16 warps spill)
+        ladder = [(128, 256, 64, 8, 5, 1, 1), (bh, 512, 64, 16, 5, 1, 1), (bh, 512, 32, 8, 7, 1, 1),
+                  (bh, 64, 64, 4, 5, 1, 4), (min(bh, 32), 32, 64, 4, 3, 1, 0)]
+    elif block_d >= 256:
+        # in the order an H200 measured them (bench/test_bench_attention_probs.py, T = 32768): 3.96, 4.35,
+        # 4.67, 5.13, 5.17 ms (the whole_d kernel: 4.73 ms); the 226 KB tiles first, smaller ones next
+        ladder = [(bh, 512, 64, 16, 5, 1, 1), (bh, 512, 64, 8, 5, 1, 1), (bh, 512, 32, 8, 7, 1, 1),
+                  (bh, 128, 64, 4, 7, 1, 2), (bh, 64, 64, 4, 5, 1, 4), (min(bh, 32), 32, 64, 4, 3, 1, 0)]
+    else:
+        ladder = [(bh, 64, 32, 4, 3, 1, 2), (bh, 32, 32, 4, 1, 1, 0)]
+    return [ChunkConfig(*c) for c in ladder]
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for the interpreter (its programs run one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _kernel_choice(explicit: str | None, option: str) -> str:
+    """``explicit``, else the kernel option ``option`` (``triton_probs_kernel``: ``d_chunks`` default,
+    ``whole_d``; ``triton_lse_kernel``: ``whole_d`` default, ``d_chunks``)."""
+    name = kernel_options.get(option) if explicit is None else explicit
+    if name not in KERNEL_CHOICES:
+        raise ValueError(f"kernel: must be one of {', '.join(KERNEL_CHOICES)}, got {name!r}")
+    return name
+
+
+def _lse_chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[LseChunkConfig]:
+    """``d_chunks`` log-sum-exp configurations to try in order (heads on M; resources: the module
+    docstring)."""
+    bh = _block_h(heads)
+    if dtype == torch.float32:
+        ladder = [(min(bh, 32), 32, 32, 8, 3, 0), (16, 16, 32, 4, 1, 0)]
+    elif block_d >= 256:
+        # the probabilities kernel's trend on an H200: 128-byte row pieces and 16 warps; 256 slots per step
+        # (q re-read once per slot block; 512 wastes matrix work on short slot lists such as the dense
+        # variant's window)
+        ladder = [(bh, 256, 64, 16, 7, 1), (bh, 256, 32, 8, 7, 1), (bh, 128, 64, 4, 7, 2), (bh, 64, 64, 4, 5, 2),
+                  (min(bh, 32), 32, 64, 4, 3, 0)]
+    else:
+        ladder = [(bh, 64, 32, 4, 3, 2), (bh, 32, 32, 4, 1, 0)]
+    return [LseChunkConfig(*c) for c in ladder]
+
+
+def _refuse_whole_d_pins(tile_option: str, **pins: int | None) -> None:
+    """The ``whole_d`` launch's keyword arguments and tile option (``tile_option``) do not apply to
+    ``d_chunks``: refuse them rather than ignore them (``chunk_config`` pins that kernel)."""
+    given = [name for name, value in pins.items() if value is not None]
+    if not given and kernel_options.get(tile_option) is not None:
+        given = [kernel_options.where(tile_option)]
+    if given:
+        raise ValueError(f"{given[0]}: pins the whole_d kernel, but the kernel is d_chunks (pin that one with "
+                         f"chunk_config, or choose kernel='whole_d')")
+
+
+def _check_chunk_config(cfg: ChunkConfig | LseChunkConfig | None, source: str) -> None:
+    """The fields :func:`dsv4cp.kernels._triton_launch.pinned_config` does not check; errors start with
+    ``source`` (where the pin came from)."""
+    if cfg is None:
+        return
+    if getattr(cfg, "slots_on_m", 0) not in (0, 1):
+        raise ValueError(f"{source}.slots_on_m: must be 0 or 1, got {cfg.slots_on_m}")
+    if cfg.programs_per_sm < 0:
+        raise ValueError(f"{source}.programs_per_sm: must be >= 0, got {cfg.programs_per_sm}")
 
 
 def _slots_on_m(explicit: bool | None) -> bool:
@@ -269,6 +611,8 @@ def logsumexp_over_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kernel: str | None = None,
+    chunk_config: LseChunkConfig | None = None,
 ) -> torch.Tensor:
     """``[T, H]`` fp32 log-sum-exp of ``scale * <q[t, h], keys[idx[t, k]]>`` over the valid slots.
 
@@ -278,7 +622,11 @@ def logsumexp_over_triton(
         idx: ``[T, K]`` int32 / int64 rows of ``keys``; negative entries (``-1``) are empty slots, rows
             ``>= N`` are treated as empty too (no memory fault).
         scale: logit scale.
-        block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder).
+        block_h, block_k, num_warps, num_stages: pin the ``whole_d`` launch (default: the ladder).
+        kernel: ``whole_d`` (``_lse_kernel``) or ``d_chunks`` (``_lse_chunked_kernel``, launched by
+            ``chunk_config``); default: the kernel option ``triton_lse_kernel``.
+        chunk_config: pins the ``d_chunks`` launch (default: the kernel option
+            ``triton_lse_chunk_config``, else its ladder).
 
     Returns: natural-log lse, ``-inf`` where a query has no valid slot (same contract as
     :func:`dsv4cp.ops.attention_probs.logsumexp_over`).
@@ -292,6 +640,14 @@ def logsumexp_over_triton(
     if idx.shape[1] == 0:
         return lse.fill_(float("-inf"))
     block_d = triton.next_power_of_2(d)
+    if _kernel_choice(kernel, "triton_lse_kernel") == "d_chunks":
+        _refuse_whole_d_pins("triton_lse_config", block_h=block_h, block_k=block_k, num_warps=num_warps,
+                             num_stages=num_stages)
+        pinned_chunks = _pinned_config(chunk_config, "triton_lse_chunk_config", LseChunkConfig, "chunk_config")
+        _check_chunk_config(pinned_chunks, "chunk_config" if chunk_config is not None
+                            else kernel_options.where("triton_lse_chunk_config"))
+        _launch_lse_chunked(q, keys, idx, scale, lse, block_d, pinned_chunks)
+        return lse
     ladder = _ladder(block_d, h, q.dtype)
     pinned = _pinned("triton_lse_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
@@ -325,6 +681,8 @@ def head_summed_probs_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     slots_on_m: bool | None = None,
+    kernel: str | None = None,
+    chunk_config: ChunkConfig | None = None,
 ) -> torch.Tensor:
     """``[T, K]`` fp32: ``sum_h exp(scale * <q[t, h], keys[idx[t, k]]> - log_denominator[t, h])``.
 
@@ -333,8 +691,13 @@ def head_summed_probs_triton(
         log_denominator: ``[T, H]`` floating (read as fp32), natural log.
         block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder);
             ``H > block_h`` loops over head blocks inside each program.
-        slots_on_m: the logits' operand order with one head block (default: the kernel option
-            ``triton_probs_slots_on_m``; see :func:`_slots_on_m`).
+        slots_on_m: the ``whole_d`` kernel's logits operand order with one head block (default: the
+            kernel option ``triton_probs_slots_on_m``; see :func:`_slots_on_m`).
+        kernel: ``whole_d`` (``_head_probs_kernel``, launched by ``block_h`` ... ``slots_on_m``) or
+            ``d_chunks`` (``_head_probs_chunked_kernel``, launched by ``chunk_config``); default: the
+            kernel option ``triton_probs_kernel``.
+        chunk_config: pins the ``d_chunks`` launch (default: the kernel option
+            ``triton_probs_chunk_config``, else its ladder).
 
     Returns: 0 at empty slots (same contract as :func:`dsv4cp.ops.attention_probs.head_summed_probs`).
     """
@@ -356,6 +719,14 @@ def head_summed_probs_triton(
     if h == 0:
         return out.zero_()
     block_d = triton.next_power_of_2(d)
+    if _kernel_choice(kernel, "triton_probs_kernel") == "d_chunks":
+        _refuse_whole_d_pins("triton_probs_config", block_h=block_h, block_k=block_k, num_warps=num_warps,
+                             num_stages=num_stages)
+        pinned = _pinned_config(chunk_config, "triton_probs_chunk_config", ChunkConfig, "chunk_config")
+        _check_chunk_config(pinned, "chunk_config" if chunk_config is not None
+                            else kernel_options.where("triton_probs_chunk_config"))
+        _launch_chunked(q, keys, idx, scale, lden, out, block_d, pinned)
+        return out
     on_m = _slots_on_m(slots_on_m)
     ladder = _ladder(block_d, h, q.dtype, head_loop=h > _block_h(h))
     pinned = _pinned("triton_probs_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
@@ -375,3 +746,50 @@ def head_summed_probs_triton(
 
     _launch("probs_sum", _config_key(q), ladder, pinned, launch)
     return out
+
+
+def _launch_chunked(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float, lden: torch.Tensor,
+                    out: torch.Tensor, block_d: int, pinned: ChunkConfig | None) -> None:
+    """Fill ``out`` ``[T, K]`` with the ``d_chunks`` kernel (checked inputs, ``T, K, H > 0``)."""
+    t, h, d = q.shape
+    kt = idx.shape[1]
+    kernel = _build("_head_probs_chunked_kernel", q.device)
+
+    def launch(cfg: ChunkConfig) -> None:
+        n_sb, n_hb = triton.cdiv(kt, cfg.block_k), triton.cdiv(h, cfg.block_h)
+        items = t * n_sb
+        programs = items if cfg.programs_per_sm == 0 else min(items, cfg.programs_per_sm * _multiprocessors(q.device))
+        kernel[(programs,)](
+            q, keys, idx, lden, out,
+            float(scale) * LOG2E, h, keys.shape[0], kt, items, n_sb, n_hb,
+            q.stride(0), q.stride(1), keys.stride(0), idx.stride(0), lden.stride(0), lden.stride(1),
+            out.stride(0),
+            D=d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, BLOCK_DC=min(cfg.block_d, block_d),
+            SLOTS_ON_M=bool(cfg.slots_on_m), PRECISION=_precision(q), DOT_F32=_dot_f32(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _launch("probs_chunks", _config_key(q), _chunk_ladder(block_d, h, q.dtype), pinned, launch)
+
+
+def _launch_lse_chunked(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale: float, lse: torch.Tensor,
+                        block_d: int, pinned: LseChunkConfig | None) -> None:
+    """Fill ``lse`` ``[T, H]`` (contiguous) with the ``d_chunks`` kernel (checked inputs, ``T, H, K > 0``)."""
+    t, h, d = q.shape
+    kt = idx.shape[1]
+    kernel = _build("_lse_chunked_kernel", q.device)
+
+    def launch(cfg: LseChunkConfig) -> None:
+        n_sb, n_hb = triton.cdiv(kt, cfg.block_k), triton.cdiv(h, cfg.block_h)
+        items = t * n_hb
+        programs = items if cfg.programs_per_sm == 0 else min(items, cfg.programs_per_sm * _multiprocessors(q.device))
+        kernel[(programs,)](
+            q, keys, idx, lse,
+            float(scale) * LOG2E, h, keys.shape[0], kt, items, n_sb, n_hb,
+            q.stride(0), q.stride(1), keys.stride(0), idx.stride(0),
+            D=d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, BLOCK_DC=min(cfg.block_d, block_d),
+            PRECISION=_precision(q), DOT_F32=_dot_f32(q),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _launch("lse_chunks", _config_key(q), _lse_chunk_ladder(block_d, h, q.dtype), pinned, launch)

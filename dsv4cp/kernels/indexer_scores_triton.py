@@ -6,17 +6,75 @@ Kernels (``_gather_fwd_kernel``, ``_gather_bwd_kernel``): one program per query;
 its heads sit on the matrix-unit M dimension (``Hi = 64`` = one wgmma M), the selected key rows are
 gathered ``BLOCK_K`` at a time (``[BLOCK_K, Di]``, loaded once per block and used in every product of
 the block). Backward recomputes ``s = q k^T``, accumulates ``dw`` and ``dq = ds k`` per query in
-registers (no atomics) and adds ``dk = ds^T q`` into the fp32 key gradient with ``tl.atomic_add``
-(``ds = [s > 0] w g`` is rounded to q's dtype for the two products, as the attention kernels do). The
-atomics are relaxed: with Triton's default order (acq_rel) every 16-byte vector atomic compiles, on
-sm_90, to a returning ``ATOMG`` wrapped in ``MEMBAR.ALL.GPU`` and an L1 invalidation (``CCTL.IVALL``),
-8 of them per thread and step, each fence waiting for all of the program's outstanding memory traffic;
-relaxed ones are fire-and-forget ``REDG.E.ADD.F32x4`` (read off the SASS of both builds). The sum only
-needs atomicity, and the kernel's end orders it before any reader. The acq_rel build stays selectable
-(:class:`GatherBwdConfig` ``relaxed_atomics=False``, the kernel option ``triton_gather_bwd_config``) to
-measure against. In deterministic mode (:func:`dsv4cp.kernels.is_deterministic`) it stores
-per-(query, slot) contributions instead, which ``_contrib_reduce_kernel`` sums per key row in the fixed
-order of a stable sort (bitwise reproducible).
+registers (no atomics) and produces ``dk = ds^T q`` per (query, slot) (``ds = [s > 0] w g`` is rounded
+to q's dtype for the two products, as the attention kernels do). The key gradient ``dkeys [G, Di]``
+sums those per key row; how is the *reduction* (:data:`REDUCTIONS`, the kernel option
+``triton_scores_bwd_reduce``):
+
+* ``atomic`` (default): ``tl.atomic_add`` of each ``dk`` row into fp32 ``dkeys``, relaxed. With
+  Triton's default order (acq_rel) every 16-byte vector atomic compiles, on sm_90, to a returning
+  ``ATOMG`` wrapped in ``MEMBAR.ALL.GPU`` and an L1 invalidation (``CCTL.IVALL``), each fence waiting for
+  all of the program's outstanding memory traffic; relaxed ones are fire-and-forget
+  ``REDG.E.ADD.F32x4`` (read off the SASS of both builds). The acq_rel build stays selectable
+  (:class:`GatherBwdConfig` ``relaxed_atomics=False``, the kernel option ``triton_gather_bwd_config``).
+  The order of the adds is the hardware's: not deterministic.
+* ``sorted`` / ``sorted-bf16``: a sorted-destination reduction, bitwise deterministic by construction.
+  Per chunk of queries, the chunk's valid slots are sorted by key row (``torch.sort``, stable: by key
+  row, then query, then slot, a function of ``idx`` alone) and ``_invert_permutation_kernel`` gives every
+  slot its position in that order (``dest``, int32); the backward kernel stores each ``dk`` row there
+  (plain 16-byte vector row stores, no atomics) in fp32 or, ``sorted-bf16``, rounded to bf16; then
+  ``_segment_reduce_kernel`` (one program per key row) streams the row's contiguous segment, 32 rows
+  a step, accumulating in fp32 in an order fixed by the segment's length, and adds the sum to ``dkeys``;
+  the chunks add in order. Replays give identical bits; the chunk count changes the rounding only (with
+  exact sums, nothing: tested). Deterministic mode (:func:`dsv4cp.kernels.is_deterministic`:
+  ``torch.use_deterministic_algorithms(True)`` or :func:`dsv4cp.kernels.set_deterministic`) turns
+  ``atomic`` into ``sorted`` (:func:`resolve_reduction`).
+
+Error of ``sorted-bf16``: each fp32 contribution ``c_i`` is stored as ``c_i (1 + d_i)`` with ``|d_i| <=
+u = 2^-8`` (round to nearest: the sm_90 build converts with ``cvt.rn.bf16x2.f32``), so a key row's
+fp32 sum differs from the fp32 contributions' by at most ``u * sum_i |c_i|`` (plus fp32 summation
+error); the errors are unbiased, typically ``~ u sqrt(sum_i c_i^2) / sqrt(3)``. That is the bound of an
+error every bf16 path already has: ``ds`` is rounded to bf16 before the same products, and the returned
+``dkeys`` is rounded to the keys' dtype. Tested against the fp32 reduction elementwise with that bound
+(``tests/kernels/test_indexer_scores_reduce.py``; Triton 3.9's interpreter truncates: 2^-7 there).
+
+Traffic and time model at the 64K flash shapes (T = 65536, Hi = 64, Di = 128, K = 512, G = 16384, bf16;
+n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gradient values):
+
+* ``atomic``: 4.2 G fp32 additions (17 GB of ``REDG.F32x4`` payload) into the 8 MB ``dkeys``, which
+  stays in L2: bound by the L2's reduction throughput. Measured on an H200: ``_gather_bwd_kernel``
+  12.0 ms (``results/2026-12-01-h200-speed4/trace-auto/kernels.csv``), against 2.57 ms for the forward
+  kernel, which gathers the same key rows (8.6 GB from L2) for one of the three products.
+* ``sorted``: the contributions are written once and read once, 2 x 16.9 GB of HBM traffic (a chunk's
+  2 GiB does not fit L2): ~8.5 ms at 4 TB/s; the sort (int16 keys while G < 2^15, int64 values: two
+  radix passes), the inverse permutation and the destinations' reads add ~60 B per slot, ~2 GB
+  (~0.5-1 ms) expected.
+* ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same sorting: ~5 ms of reduction traffic expected.
+
+Measured on an H200 at these shapes (``bench/test_bench_indexer.py::test_indexer_scores_reduce``,
+``results/2026-12-02-h200-speed5/kernels/scores_reduce.txt``): backward alone ``atomic`` 11.78 ms,
+``sorted`` 19.95 ms, ``sorted-bf16`` 16.26 ms (forward + backward 13.98 / 21.78 / 18.42 ms). The model's
+mistake: it charged the atomics ~9 ms of the kernel, but replacing them by plain stores of the same
+bytes leaves the kernel about as slow, so the sorted reductions add their sort and segment sums on top;
+``test_indexer_scores_reduce_parts`` times each part alone (sort and destinations, kernel, sums) to
+say which. The sorted reductions are the deterministic path (the torch reference they replace in
+deterministic mode made a 64K step 4.6x slower, ``results/2026-12-01-h200-determinism``); ``atomic``
+stays the default. Per-slot contributions cannot reach the loss + scores backward's target of 2.5x its
+1.38 ms bound (3.45 ms): the bound counts no reduction traffic, and the kernel gathers 8.6 GB of key
+rows besides (the forward kernel, one product over the same gathers, takes 2.57 ms).
+
+Memory: the sorted reductions' scratch per chunk is the ``[chunk * K, Di]`` contributions plus an
+estimated :data:`INDEX_BYTES_PER_SLOT` per slot of sort buffers, at most :data:`BWD_SCRATCH_BYTES`
+(2 GiB; the kernel option ``triton_scores_bwd_scratch`` in MiB, the keyword ``scratch_bytes``),
+equal chunks: at 64K, 9 chunks of 7282 queries (fp32, 1.94 GiB) or 5 of 13108 (bf16, 1.90 GiB). In
+deterministic mode torch fills every ``torch.empty`` (``fill_uninitialized_memory``): one extra write of
+the contributions buffer per backward.
+
+Resources (``triton.compile`` for sm_90 with Triton 3.9, the JIT's 16-byte alignment, Di = 128,
+Hi = 64, bf16; registers per thread / shared memory, no spill anywhere): backward ``(32, 4, 2)``
+atomic 224 / 56 KB, sorted fp32 200 / 56 KB, sorted bf16 188 / 52 KB; ``(64, 8, 2)`` 175 / 80 KB,
+190 / 80 KB, 183 / 64 KB. ``_segment_reduce_kernel`` (32 rows, 4 warps): 56 registers, 16-byte
+vector loads (``ld.global.v4.b32``); ``_invert_permutation_kernel``: 32 registers.
 """
 
 from __future__ import annotations
@@ -35,16 +93,30 @@ from dsv4cp.kernels._triton_launch import Kernels, pinned_config
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels.indexer_triton import _check_qwk, _dot_f32, _precision
 
-__all__ = ["BWD_CONFIG_ENV", "BWD_SCRATCH_BYTES", "GATHER_BWD_CONFIGS", "GatherBwdConfig", "GatherConfig",
-           "indexer_scores_triton"]
+__all__ = ["BWD_CONFIG_ENV", "BWD_SCRATCH_BYTES", "GATHER_BWD_CONFIGS", "INDEX_BYTES_PER_SLOT", "REDUCTIONS",
+           "BackwardPlan", "GatherBwdConfig", "GatherConfig", "indexer_scores_triton", "resolve_reduction",
+           "sorted_chunk_rows"]
 
 BWD_CONFIG_ENV = kernel_options.OPTIONS["triton_gather_bwd_config"].env
 """The variable of the kernel option ``triton_gather_bwd_config``: pins the ``indexer_scores``
 backward's launch: ``"block_k,num_warps,num_stages,relaxed_atomics"``
 (:class:`GatherBwdConfig`; ``relaxed_atomics`` 0 or 1)."""
 
-BWD_SCRATCH_BYTES = 2**30
-"""Budget of the deterministic backward's per-chunk ``[rows, K, Di]`` fp32 key-gradient contributions."""
+REDUCTIONS = ("atomic", "sorted", "sorted-bf16")
+"""The backward's key-gradient reductions (the kernel option ``triton_scores_bwd_reduce``): fp32 atomics
+into ``dkeys``; per-slot contributions in fp32 or bf16 stored in key-row order and summed per key row."""
+
+BWD_SCRATCH_BYTES = 2 * 2**30
+"""Default budget of the sorted reductions' scratch per chunk of queries: the ``[chunk * K, Di]``
+contributions and the sort's index tensors (:data:`INDEX_BYTES_PER_SLOT`)."""
+
+INDEX_BYTES_PER_SLOT = 48
+"""Bytes per slot the sort of one chunk holds at its peak (an upper estimate): the int64 rows and their
+int16 / int32 keys, the sorted keys and permutation (int64), the destinations (int32) and the radix
+sort's double buffers."""
+
+REDUCE_BLOCK_ROWS = 32
+"""Contribution rows ``_segment_reduce_kernel`` reads per step (``[32, Di]``: 16 KB of fp32 at Di = 128)."""
 
 
 @dataclass(frozen=True)
@@ -106,18 +178,19 @@ def _gather_fwd_kernel(
 
 
 def _gather_bwd_kernel(
-    Q, W, KEYS, IDX, GRAD, DQ, DW, DKEYS, CONTRIB,
+    Q, W, KEYS, IDX, GRAD, DQ, DW, DKEYS, DEST, CONTRIB,
     HI, G, KSEL, T0,
     stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_gt, stride_dqt, stride_dqh, stride_dkn,
     DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    DETERMINISTIC: tl.constexpr, RELAXED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    SORTED: tl.constexpr, RELAXED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """Backward of ``_gather_fwd_kernel`` for query t = T0 + program id.
 
     GRAD ``[T, KSEL]`` fp32 (ignored at empty slots). Writes DQ ``[T, HI, DI]`` (Q's dtype) and DW
     ``[T, HI]`` fp32 for t; key gradients ``ds^T q`` either ``tl.atomic_add``-ed into DKEYS ``[G, DI]``
-    fp32 (RELAXED: relaxed memory order; else Triton's default acq_rel), or (DETERMINISTIC) stored to
-    CONTRIB ``[chunk, KSEL, BLOCK_D]`` fp32 at ``(t - T0, slot)`` (zero rows for empty slots).
+    fp32 (RELAXED: relaxed memory order; else Triton's default acq_rel), or (SORTED) stored as rows of
+    CONTRIB ``[chunk * KSEL, DI]`` (fp32 or bf16) at the sorted position ``DEST[(t - T0) * KSEL + slot]``
+    int32 (valid slots only: an empty slot's position lies past every key row's segment).
     """
     t_local = tl.program_id(0).to(tl.int64)
     t = T0 + t_local
@@ -143,9 +216,10 @@ def _gather_bwd_kernel(
         ds = tl.where(s > 0.0, w[:, None] * g[None, :], 0.0)
         dq = tl.dot(ds.to(kg.dtype), kg, dq, input_precision=PRECISION)
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)  # [BLOCK_K, BLOCK_D] fp32
-        if DETERMINISTIC:
-            tl.store(CONTRIB + (t_local * KSEL + slots)[:, None] * BLOCK_D + d[None, :],
-                     tl.where(valid[:, None], dk, 0.0), mask=smask[:, None])
+        if SORTED:  # one plain row store per valid slot, to its place in its key row's segment
+            dest = tl.load(DEST + t_local * KSEL + slots, mask=valid, other=0).to(tl.int64)
+            tl.store(CONTRIB + dest[:, None] * DI + d[None, :], dk.to(CONTRIB.dtype.element_ty),
+                     mask=valid[:, None] & dmask[None, :])
         elif RELAXED:  # atomicity is all the sum needs; the kernel's end orders it before any reader
             tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk,
                           mask=valid[:, None] & dmask[None, :], sem="relaxed")
@@ -157,31 +231,42 @@ def _gather_bwd_kernel(
     tl.store(DW + t * HI + heads, dw, mask=hmask)
 
 
-def _contrib_reduce_kernel(
-    CONTRIB, PERM, SEG, DKEYS,
+def _invert_permutation_kernel(PERM, DEST, N, BLOCK: tl.constexpr):
+    """DEST[PERM[p]] = p for p < N: each slot's position in the sorted order (PERM int64, DEST int32;
+    a permutation, so every element is written once and no two programs meet)."""
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = p < N
+    src = tl.load(PERM + p, mask=mask, other=0)
+    tl.store(DEST + src, p.to(tl.int32), mask=mask)
+
+
+def _segment_reduce_kernel(
+    CONTRIB, SEG, DKEYS,
     stride_dkn,
     DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """DKEYS[g] += sum of CONTRIB rows ``PERM[SEG[g] : SEG[g + 1]]`` (``[*, BLOCK_D]`` fp32 rows), in that
-    order (a stable sort of the slots' key rows: fixed, so the sums are bitwise reproducible)."""
+    """DKEYS[g] += the sum of CONTRIB rows ``SEG[g] : SEG[g + 1]`` (``[*, DI]``, fp32 or bf16) for key row
+    g = program id, accumulated in fp32 in a fixed order: ``BLOCK_C`` rows at a time into a
+    ``[BLOCK_C, BLOCK_D]`` accumulator (row r of the segment into lane ``r % BLOCK_C``), whose lanes are
+    summed once at the end. The order depends on the segment's length alone: bitwise reproducible."""
     g = tl.program_id(0).to(tl.int64)
-    start = tl.load(SEG + g)
-    end = tl.load(SEG + g + 1)
+    start = tl.load(SEG + g).to(tl.int64)
+    end = tl.load(SEG + g + 1).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dmask = d < DI
-    acc = tl.load(DKEYS + g * stride_dkn + d, mask=dmask, other=0.0)
+    lanes = tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     for c0 in range(start, end, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        cmask = c < end
-        src = tl.load(PERM + c, mask=cmask, other=0).to(tl.int64)
-        part = tl.load(CONTRIB + src[:, None] * BLOCK_D + d[None, :], mask=cmask[:, None] & dmask[None, :],
+        c = c0 + lanes
+        part = tl.load(CONTRIB + c[:, None] * DI + d[None, :], mask=(c < end)[:, None] & dmask[None, :],
                        other=0.0)
-        acc += tl.sum(part, 0)
-    tl.store(DKEYS + g * stride_dkn + d, acc, mask=dmask)
+        acc += part.to(tl.float32)
+    total = tl.load(DKEYS + g * stride_dkn + d, mask=dmask, other=0.0) + tl.sum(acc, 0)
+    tl.store(DKEYS + g * stride_dkn + d, total, mask=dmask)
 
 
-_KERNELS = Kernels("indexer triton scores", _gather_fwd_kernel, _gather_bwd_kernel, _contrib_reduce_kernel,
-                   op="indexer_scores")
+_KERNELS = Kernels("indexer triton scores", _gather_fwd_kernel, _gather_bwd_kernel, _invert_permutation_kernel,
+                   _segment_reduce_kernel, op="indexer_scores")
 _build, _launch = _KERNELS.build, _KERNELS.launch
 
 
@@ -258,88 +343,209 @@ def _gather_forward(q, w, keys, idx, config: GatherConfig | None = None) -> torc
     return out
 
 
-def _reduce_contributions(contrib, idx, dkeys) -> None:
-    """dkeys[g] += the chunk's contributions to key row g, summed in the order of a stable sort of the
-    flattened slot rows (query-major, then slot): bitwise reproducible."""
-    g, di = dkeys.shape
-    rows = idx.to(torch.int64).reshape(-1)
-    rows = torch.where((rows >= 0) & (rows < g), rows, g)  # empty slots sort last and are never read
-    sorted_rows, perm = torch.sort(rows, stable=True)
-    seg = torch.searchsorted(sorted_rows, torch.arange(g + 1, device=idx.device))
-    _build("_contrib_reduce_kernel", dkeys.device)[(g,)](
-        contrib, perm, seg, dkeys, dkeys.stride(0),
-        DI=di, BLOCK_D=contrib.shape[-1], BLOCK_C=16, num_warps=4,
-    )
+def sorted_chunk_rows(t: int, ksel: int, di: int, contrib_bytes: int, scratch_bytes: int) -> int:
+    """Queries per chunk of the sorted reductions: at most as many as fit ``scratch_bytes`` at ``ksel *
+    (di * contrib_bytes + INDEX_BYTES_PER_SLOT)`` bytes each (at least one), and few enough that a chunk's
+    slot positions fit int32; the fewest chunks those allow, of equal size (the last one shorter)."""
+    per_query = ksel * (di * contrib_bytes + INDEX_BYTES_PER_SLOT)
+    most = max(1, min(t, scratch_bytes // per_query, (2**31 - 1) // max(ksel, 1)))
+    return -(-t // -(-t // most)) if t > 0 else 1
 
 
-def _gather_backward(q, w, keys, idx, grad, deterministic: bool, config: GatherBwdConfig | None = None,
-                     scratch_bytes: int | None = None):
-    """``(dq, dw fp32, dkeys fp32)`` of :func:`indexer_scores_triton` for the upstream fp32 ``grad
-    [T, K]``; ``config``: a checked pin (:func:`_gather_bwd_pinned`) or None (the ladder)."""
-    t, hi, di = q.shape
-    g, ksel = keys.shape[0], idx.shape[1]
-    dev = q.device
-    dq = torch.zeros_like(q)
-    dw = torch.zeros(t, hi, dtype=torch.float32, device=dev)
-    dkeys = torch.zeros(g, di, dtype=torch.float32, device=dev)
-    if t == 0 or ksel == 0 or g == 0:
-        return dq, dw, dkeys
-    block_d = triton.next_power_of_2(di)
-    block_h = max(16, triton.next_power_of_2(hi))
-    kernel = _build("_gather_bwd_kernel", dev)
-    budget = BWD_SCRATCH_BYTES if scratch_bytes is None else int(scratch_bytes)
-    chunk = max(1, min(t, budget // (ksel * block_d * 4))) if deterministic else t
-    contrib = torch.empty(chunk, ksel, block_d, dtype=torch.float32, device=dev) if deterministic else dkeys
-    ladder = _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev))
-    for t0 in range(0, t, chunk):
-        rows = min(chunk, t - t0)
+def _sorted_destinations(idx: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dest, seg)`` of one chunk's slots ``idx [rows, K]``: ``dest [rows * K]`` int32, the position of
+    slot ``(t, j)`` (flattened query-major) in the stable sort of the slots by key row, and ``seg [G + 1]``
+    int64, key row g's segment ``seg[g] : seg[g + 1]`` of that order. Empty slots sort last, past
+    ``seg[G]``. The order (by key row, then query, then slot) is a function of ``idx`` alone."""
+    flat = idx.reshape(-1)
+    # the narrowest key that holds G: a radix sort's passes (and key bytes) follow the key's width
+    key_dtype = torch.int16 if g < 2**15 else torch.int32
+    key = torch.where((flat >= 0) & (flat < g), flat, g).to(key_dtype)
+    sorted_key, perm = torch.sort(key, stable=True)
+    seg = torch.searchsorted(sorted_key, torch.arange(g + 1, dtype=key_dtype, device=idx.device))
+    dest = torch.empty(flat.numel(), dtype=torch.int32, device=idx.device)
+    block = 1024
+    _build("_invert_permutation_kernel", idx.device)[(triton.cdiv(flat.numel(), block),)](
+        perm, dest, flat.numel(), BLOCK=block, num_warps=4)
+    return dest, seg
 
-        def launch(cfg: GatherBwdConfig, rows: int = rows, t0: int = t0) -> None:
+
+@dataclass
+class BackwardPlan:
+    """One backward's tensors and its chunks of queries (``chunk`` each, the last one shorter): the
+    inputs, the outputs ``dq`` (q's dtype), ``dw`` and ``dkeys`` (fp32), and for the sorted reductions
+    the contributions buffer ``[chunk * K, Di]`` (fp32 or bf16; None for ``atomic``, one chunk).
+    :func:`_gather_backward` runs, per chunk, :meth:`destinations`, :meth:`run_kernel` and
+    :meth:`reduce`; the benchmarks time each of them alone."""
+
+    q: torch.Tensor
+    w: torch.Tensor
+    keys: torch.Tensor
+    idx: torch.Tensor
+    grad: torch.Tensor
+    dq: torch.Tensor
+    dw: torch.Tensor
+    dkeys: torch.Tensor
+    contrib: torch.Tensor | None
+    chunk: int
+    reduction: str
+    config: GatherBwdConfig | None
+
+    @classmethod
+    def new(cls, q, w, keys, idx, grad, reduction: str, config: GatherBwdConfig | None = None,
+            scratch_bytes: int = BWD_SCRATCH_BYTES) -> BackwardPlan:
+        """The plan of a non-empty backward (``T, K, G > 0``): ``reduction`` one of :data:`REDUCTIONS`
+        (resolved), ``config`` a checked pin or None (the ladder), ``scratch_bytes`` the sorted
+        reductions' per-chunk budget (:func:`sorted_chunk_rows`)."""
+        t, _, di = q.shape
+        ksel = idx.shape[1]
+        contrib, chunk = None, t
+        if reduction != "atomic":
+            contrib_dtype = torch.bfloat16 if reduction == "sorted-bf16" else torch.float32
+            chunk = sorted_chunk_rows(t, ksel, di, contrib_dtype.itemsize, scratch_bytes)
+            contrib = torch.empty(chunk * ksel, di, dtype=contrib_dtype, device=q.device)
+        # every query's program writes its whole dq and dw rows: no fill (1 GB of dq at 64K: 0.32 ms on an H200)
+        return cls(q, w, keys, idx, grad, torch.empty_like(q), torch.empty(t, q.shape[1], dtype=torch.float32,
+                   device=q.device), torch.zeros(keys.shape[0], di, dtype=torch.float32, device=q.device),
+                   contrib, chunk, reduction, config)
+
+    def starts(self) -> range:
+        """The first query of every chunk."""
+        return range(0, self.q.shape[0], self.chunk)
+
+    def destinations(self, t0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dest, seg)`` of the chunk starting at ``t0`` (:func:`_sorted_destinations`)."""
+        return _sorted_destinations(self.idx[t0:t0 + self.chunk], self.keys.shape[0])
+
+    def run_kernel(self, t0: int, dest: torch.Tensor | None = None) -> None:
+        """``_gather_bwd_kernel`` over the chunk starting at ``t0``: dq and dw of its queries, and their
+        key gradients added into ``dkeys`` (``atomic``) or stored to ``contrib`` at ``dest``."""
+        q, dev = self.q, self.q.device
+        t, hi, di = q.shape
+        rows = min(self.chunk, t - t0)
+        block_d = triton.next_power_of_2(di)
+        block_h = max(16, triton.next_power_of_2(hi))
+        is_sorted = self.contrib is not None
+        kernel = _build("_gather_bwd_kernel", dev)
+        dest = dest if is_sorted else self.dkeys  # the atomic build never reads DEST nor CONTRIB
+        contrib = self.contrib if is_sorted else self.dkeys
+
+        def launch(cfg: GatherBwdConfig) -> None:
             kernel[(rows,)](
-                q, w, keys, idx, grad, dq, dw, dkeys, contrib, hi, g, ksel, t0,
-                q.stride(0), q.stride(1), w.stride(0), keys.stride(0), idx.stride(0), grad.stride(0),
-                dq.stride(0), dq.stride(1), dkeys.stride(0),
-                DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k, DETERMINISTIC=deterministic,
+                q, self.w, self.keys, self.idx, self.grad, self.dq, self.dw, self.dkeys, dest, contrib, hi,
+                self.keys.shape[0], self.idx.shape[1], t0,
+                q.stride(0), q.stride(1), self.w.stride(0), self.keys.stride(0), self.idx.stride(0),
+                self.grad.stride(0), self.dq.stride(0), self.dq.stride(1), self.dkeys.stride(0),
+                DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k, SORTED=is_sorted,
                 RELAXED=cfg.relaxed_atomics, PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, deterministic), ladder, config, launch)
-        if deterministic:
-            _reduce_contributions(contrib[:rows], idx[t0:t0 + rows], dkeys)
-    return dq, dw, dkeys
+        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, self.reduction),
+                _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev)), self.config, launch)
+
+    def reduce(self, seg: torch.Tensor) -> None:
+        """``_segment_reduce_kernel``: add the chunk's contributions, segment ``seg`` by segment, to
+        ``dkeys`` (chunk after chunk: the same order of additions on every replay)."""
+        g, di = self.dkeys.shape
+        _build("_segment_reduce_kernel", self.q.device)[(g,)](
+            self.contrib, seg, self.dkeys, self.dkeys.stride(0), DI=di, BLOCK_D=triton.next_power_of_2(di),
+            BLOCK_C=REDUCE_BLOCK_ROWS, num_warps=4)
+
+
+def _gather_backward(q, w, keys, idx, grad, reduction: str, config: GatherBwdConfig | None = None,
+                     scratch_bytes: int = BWD_SCRATCH_BYTES):
+    """``(dq, dw fp32, dkeys fp32)`` of :func:`indexer_scores_triton` for the upstream fp32 ``grad
+    [T, K]``; ``reduction``: one of :data:`REDUCTIONS` (resolved: deterministic mode already applied);
+    ``config``: a checked pin (:func:`_gather_bwd_pinned`) or None (the ladder); ``scratch_bytes``: the
+    sorted reductions' per-chunk budget (:func:`sorted_chunk_rows`)."""
+    t, hi, di = q.shape
+    g, ksel = keys.shape[0], idx.shape[1]
+    if t == 0 or ksel == 0 or g == 0:
+        return (torch.zeros_like(q), torch.zeros(t, hi, dtype=torch.float32, device=q.device),
+                torch.zeros(g, di, dtype=torch.float32, device=q.device))
+    plan = BackwardPlan.new(q, w, keys, idx, grad, reduction, config, scratch_bytes)
+    for t0 in plan.starts():
+        if reduction == "atomic":
+            plan.run_kernel(t0)
+        else:
+            dest, seg = plan.destinations(t0)
+            plan.run_kernel(t0, dest)
+            plan.reduce(seg)
+    return plan.dq, plan.dw, plan.dkeys
+
+
+def resolve_reduction(reduction: str, deterministic: bool) -> str:
+    """The key-gradient reduction that runs: ``reduction``, except that deterministic mode turns
+    ``atomic`` into ``sorted`` (the sorted ones are deterministic already)."""
+    return "sorted" if deterministic and reduction == "atomic" else reduction
 
 
 class _TritonIndexerScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, w, keys, idx, bwd_config):
+    def forward(ctx, q, w, keys, idx, bwd_config, reduction, scratch_bytes):
         q_c, w_c, keys_c, idx_c = q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous()
         out = _gather_forward(q_c, w_c, keys_c, idx_c)
         ctx.save_for_backward(q_c, w_c, keys_c, idx_c)
-        ctx.bwd_config = bwd_config
+        ctx.bwd_config, ctx.reduction, ctx.scratch_bytes = bwd_config, reduction, scratch_bytes
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         q, w, keys, idx = ctx.saved_tensors
-        kernel_options.note_backend("indexer_scores.bwd", "triton")
+        reduction = resolve_reduction(ctx.reduction, is_deterministic())
+        kernel_options.note_backend("indexer_scores.bwd", f"triton/{reduction}")
         grad = grad.to(torch.float32).contiguous()
-        dq, dw, dkeys = _gather_backward(q, w, keys, idx, grad, is_deterministic(), ctx.bwd_config)
-        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None, None
+        dq, dw, dkeys = _gather_backward(q, w, keys, idx, grad, reduction, ctx.bwd_config, ctx.scratch_bytes)
+        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None, None, None, None
+
+
+def _reduction_of(reduce: str | None) -> str:
+    """``reduce`` (checked), else the kernel option ``triton_scores_bwd_reduce``."""
+    if reduce is None:
+        return kernel_options.get("triton_scores_bwd_reduce")  # type: ignore[return-value]  (a choice)
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce: must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduce!r}")
+    return reduce
+
+
+def _scratch_of(scratch_bytes: int | None) -> int:
+    """``scratch_bytes`` (checked), else the kernel option ``triton_scores_bwd_scratch`` (MiB), else
+    :data:`BWD_SCRATCH_BYTES`."""
+    if scratch_bytes is None:
+        pinned = kernel_options.get("triton_scores_bwd_scratch")
+        if pinned is None:
+            return BWD_SCRATCH_BYTES
+        (mib,) = pinned  # type: ignore[misc]  (a one-field tile)
+        if mib < 1:
+            raise ValueError(f"{kernel_options.where('triton_scores_bwd_scratch')}: must be at least 1 MiB, "
+                             f"got {mib}")
+        return mib * 2**20
+    if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 1:
+        raise ValueError(f"scratch_bytes: must be a positive int, got {scratch_bytes!r}")
+    return scratch_bytes
 
 
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
-                          bwd_config: GatherBwdConfig | None = None) -> torch.Tensor:
+                          bwd_config: GatherBwdConfig | None = None, reduce: str | None = None,
+                          scratch_bytes: int | None = None) -> torch.Tensor:
     """Differentiable scores ``[T, K]`` fp32 of queries at key rows ``idx [T, K]`` (Triton forward and
     backward); the contract of :func:`dsv4cp.ops.indexer.indexer_scores` for bf16 / fp16 / fp32 inputs.
 
     ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]`` (q's dtype), ``idx`` int32/int64 (``-1`` =
     empty slot: score 0 there, no gradient). Backward: ``dq`` and ``dw`` per query (no atomics), ``dkeys``
-    by fp32 atomics, or, when :func:`dsv4cp.kernels.is_deterministic`, by a fixed-order reduction.
-    Gradients are returned in the inputs' dtypes. ``bwd_config`` pins the backward's launch (default:
-    the kernel option ``triton_gather_bwd_config``, else the ladder); it is checked here, before any work.
+    by the reduction ``reduce`` (one of :data:`REDUCTIONS`; default: the kernel option
+    ``triton_scores_bwd_reduce``): fp32 atomics (``atomic``; ``sorted`` instead when
+    :func:`dsv4cp.kernels.is_deterministic` at backward time), or per-slot contributions in fp32
+    (``sorted``) or bf16 (``sorted-bf16``) summed per key row in a fixed order, bitwise reproducible, in
+    chunks of queries whose scratch stays within ``scratch_bytes`` (default: the kernel option
+    ``triton_scores_bwd_scratch`` in MiB, else :data:`BWD_SCRATCH_BYTES`). Gradients are returned in the
+    inputs' dtypes. ``bwd_config`` pins the backward's launch (default: the kernel option
+    ``triton_gather_bwd_config``, else the ladder). Every argument is checked here, before any work.
     """
     _check_qwk(q, w, keys)
     _check_idx(q, idx)
-    return _TritonIndexerScores.apply(q, w, keys, idx, _gather_bwd_pinned(bwd_config))
+    pinned = _gather_bwd_pinned(bwd_config)
+    reduction, scratch = _reduction_of(reduce), _scratch_of(scratch_bytes)
+    return _TritonIndexerScores.apply(q, w, keys, idx, pinned, reduction, scratch)

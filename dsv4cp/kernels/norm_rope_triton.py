@@ -63,6 +63,9 @@ through :class:`dsv4cp.kernels._triton_launch.Kernels`.
 from __future__ import annotations
 
 import math
+import weakref
+from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -70,7 +73,8 @@ from torch.autograd.function import once_differentiable
 from dsv4cp import kernel_options
 from dsv4cp.kernels import HAS_TRITON
 
-__all__ = ["SUPPORTED_DTYPES", "head_norm_rope", "rope_table", "rope_tail", "rotate_tail_", "use_fused"]
+__all__ = ["MAX_TABLES", "SUPPORTED_DTYPES", "clear_rope_tables", "head_norm_rope", "rope_table", "rope_tail",
+           "rotate_tail_", "use_fused"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -218,7 +222,60 @@ def _describe(value) -> str:
 
 def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin [rows, P/2]`` fp32 of the angles ``positions * freqs``, formed in fp64 exactly as
-    :func:`dsv4cp.ops.norm_rope.apply_rope` forms them (then rounded to fp32)."""
+    :func:`dsv4cp.ops.norm_rope.apply_rope` forms them (then rounded to fp32).
+
+    Kept for the :data:`MAX_TABLES` most recent ``(positions, freqs)``: a layer's positions come from its
+    batch's layout, built once per batch (:mod:`dsv4cp.cp.layout_cache`), and every rotation of a step
+    (forward and backward of the queries, keys, compressed entries and outputs) reads one of three tables,
+    so each is formed once instead of ~12 times a step (6 small kernels each). A kept table is reused for
+    the same memory, shape and strides of both tensors, neither written since (autograd version
+    counters), while the tensor the positions view is alive (held weakly: a batch's tables go with its
+    layout; the frequencies, a few numbers, are held). Formed afresh, and not kept, while a CUDA graph is
+    captured (the graph must compute it) or ``torch.compile`` traces."""
+    if torch.compiler.is_compiling() or (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return _form_table(positions, freqs)
+    base = positions if positions._base is None else positions._base
+    key = (positions.data_ptr(), positions.shape, positions.stride(), positions.dtype, positions.device,
+           freqs.data_ptr(), freqs.shape, freqs.stride(), freqs.dtype, freqs.device)
+    versions = (positions._version, freqs._version)
+    kept = _TABLES.get(key)
+    if kept is not None and kept.base() is base and kept.versions == versions:
+        _TABLES.move_to_end(key)
+        return kept.table
+    table = _form_table(positions, freqs)
+    _TABLES[key] = _KeptTable(weakref.ref(base, lambda _ref, key=key: _drop_table(key)), freqs, versions, table)
+    _TABLES.move_to_end(key)
+    while len(_TABLES) > MAX_TABLES:
+        _TABLES.popitem(last=False)
+    return table
+
+
+MAX_TABLES = 8
+"""RoPE tables kept (least recently used dropped first): three per layer kind of a batch."""
+
+
+class _KeptTable(NamedTuple):
+    base: weakref.ref  # the tensor the positions view; dead once the batch's layout is gone
+    freqs: torch.Tensor  # held: its memory cannot be reused while the table is kept
+    versions: tuple[int, int]
+    table: tuple[torch.Tensor, torch.Tensor]
+
+
+_TABLES: OrderedDict[tuple, _KeptTable] = OrderedDict()
+
+
+def _drop_table(key: tuple) -> None:
+    kept = _TABLES.get(key)
+    if kept is not None and kept.base() is None:
+        del _TABLES[key]
+
+
+def clear_rope_tables() -> None:
+    """Forget the kept tables (frees their memory)."""
+    _TABLES.clear()
+
+
+def _form_table(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     angles = positions.to(torch.float64)[:, None] * freqs.to(positions.device)[None, :]
     return angles.cos().to(torch.float32).contiguous(), angles.sin().to(torch.float32).contiguous()
 

@@ -8,11 +8,11 @@ from typing import Any
 
 def compiled_resources() -> list[dict[str, Any]]:
     """One row per compiled variant of every kernel this package has built on a GPU."""
-    from dsv4cp.kernels import indexer_triton, norm_rope_triton, sparse_attention_triton
+    from dsv4cp.kernels import attention_probs_triton, indexer_triton, norm_rope_triton, sparse_attention_triton
 
     rows = []
-    for module in (sparse_attention_triton, indexer_triton, norm_rope_triton):  # attention_probs builds
-        kernels = getattr(module, "_KERNELS", None)  # into sparse_attention_triton's set
+    for module in (sparse_attention_triton, attention_probs_triton, indexer_triton, norm_rope_triton):
+        kernels = getattr(module, "_KERNELS", None)
         for (name, interpreted), fn in (kernels.built if kernels is not None else {}).items():
             if interpreted:
                 continue

@@ -52,6 +52,38 @@ default on paper; ``bench/test_bench_indexer.py::test_indexer_select_config`` me
 path's 8-byte key buffer and ``torch.topk``'s temporaries are gone: the chunk planner counts 4 bytes per
 score (:data:`dsv4cp.kernels.indexer_plan.TOPK_RADIX_BYTES_PER_SCORE`), so chunks hold 4x the rows.
 
+Second kernel, ``bounded`` (``_select_bounded_kernel``; kernel option ``topk_select_variant``, default
+``plain``: the kernel above). Same contract, same compaction, three changes aimed at what the cost
+argument above leaves out: per element and pass the ``plain`` kernel spends ~33 SASS instructions in a
+histogram pass (sm_90a, Triton 3.9: int64 key arithmetic, the member test, one branch-guarded
+``ATOMS.POPC.INC`` per member), and pass 1 sends a whole row into a handful of bins, whose lanes serialise
+on the shared-memory atomic. Measured 10.05 ms at 64K in the layer (``trace-auto``): ~1 element per SM
+cycle over all passes, 5x its traffic.
+
+1. uint32 keys (:func:`_raw_keys32`: four integer ops; non-finite scores fall outside the finite key
+   range, which every membership test and the final compare stay inside, so they cost no test of
+   their own).
+2. Pass 0, no atomics: per lane the largest finite key of the columns it reads (one max per element).
+   Its maximum is the row's largest key ``hi``; folded into ``SEGMENTS = next_pow2(keep)`` disjoint
+   sets of lanes, the smallest of the sets' maxima ``lb`` is a lower bound on the cut whenever at least
+   ``keep`` sets hold a finite key (each set's maximum is a distinct key >= ``lb``). Every key at or
+   above the cut then shares the leading bits of ``lb`` and ``hi``, and the first radix digit starts
+   below them: on a row whose candidates share sign and exponent bits the first histogram spreads over
+   its bins instead of piling into one, and fewer passes run. Without a bound (``keep`` above the
+   segments, or too few finite scores) the passes start at the top bit as before; a row reading at most
+   ``keep`` columns skips every pass.
+3. Membership as one unsigned compare ``key - start < span``.
+
+Per element (SASS of ``block_n = 2048, 8 bits, 4 warps``, Triton 3.9, sm_90a): pass 0 ~11 instructions,
+a histogram pass ~19, the compaction ~33 (its two block scans); 129 registers, no spill, 1 KB of shared
+memory for the histogram (``plain``: 85 registers). Expected from the model (not measured yet): pass 0 +
+two histogram passes + the compaction, ~80 instructions per element against ~150-170, and no atomic
+pile-up in pass 1.
+
+``return_values=True`` also returns the chosen columns' scores (bit for bit; the ``bounded`` kernel
+stores them in its compaction, the ``plain`` path gathers them afterwards), so a caller that needs them
+(the indexer loss's prediction) does not recompute them.
+
 Launch: :class:`SelectConfig` (``block_n`` columns per step, digit width, warps, pipeline stages);
 keyword ``config`` or the kernel option ``triton_select_config``
 (``DSV4CP_TRITON_SELECT_CONFIG="block_n,radix_bits,num_warps,num_stages"``) pins it, else the ladder
@@ -70,8 +102,8 @@ from dsv4cp import kernel_options
 from dsv4cp.kernels._triton_launch import Kernels, pinned_config
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 
-__all__ = ["MAX_RADIX_BITS", "SELECT_CONFIGS", "SELECT_CONFIG_ENV", "SelectConfig", "select_config_ladder",
-           "select_top_triton"]
+__all__ = ["MAX_RADIX_BITS", "SELECT_CONFIGS", "SELECT_CONFIG_ENV", "SELECT_VARIANTS", "SelectConfig",
+           "select_config_ladder", "select_top_triton"]
 
 SELECT_CONFIG_ENV = kernel_options.OPTIONS["triton_select_config"].env
 """The variable of the kernel option ``triton_select_config``: pins the radix select's launch:
@@ -86,6 +118,11 @@ SELECT_CONFIGS = [(2048, 8, 4, 2), (2048, 8, 8, 2), (1024, 8, 4, 2), (512, 8, 4,
 (compiled for sm_90a with Triton 3.6, no spills). ``bench/test_bench_indexer.py::test_indexer_select_config``
 times them with other digit widths on the H200: at 64K (results/2026-12-01-h200-speed4) ``(2048, 8, 4, 2)``
 11.1 ms, ``(2048, 8, 8, 2)`` 14.1, ``(1024, 8, 4, 2)`` 12.8; 3 to 6-bit digits 11.5-16.7 ms, 10-bit 35.0."""
+
+SELECT_VARIANTS = ("bounded", "plain")
+"""The kernel option ``topk_select_variant``'s words: ``bounded`` (:func:`_select_bounded_kernel`:
+uint32 keys, a pass 0 for the largest key and a lower bound on the cut, radix passes below their common
+bits) and ``plain`` (:func:`_select_kernel`: int64 keys, radix passes from the top bit)."""
 
 _MAX_COLUMNS = 2**31 - 1
 """Columns are numbered in int32 inside the kernel."""
@@ -199,7 +236,167 @@ def _select_kernel(
         tl.store(dst + slot, tl.full([BLOCK], -1, tl.int64), mask=(slot >= written) & (slot < KEEP))
 
 
-_KERNELS = Kernels("select top triton", _select_kernel, op="indexer_topk")
+
+_FINITE_LO = tl.constexpr(0x00800001)
+"""Smallest uint32 key of a finite score (:func:`_raw_keys32` of ``-FLT_MAX``)."""
+
+_FINITE_HI = tl.constexpr(0xFF7FFFFF)
+"""Largest uint32 key of a finite score (``+FLT_MAX``); ``+inf`` and NaN map above it, ``-inf`` and
+negative NaN below :data:`_FINITE_LO`."""
+
+
+@triton.jit
+def _raw_keys32(x):
+    """Order-preserving uint32 keys of fp32 ``x`` (the order of :func:`_radix_keys` in 32-bit lanes): a
+    non-negative float's bits with the sign bit set, a negative one's bits negated (its magnitude below
+    2^31, so ``-0.0`` lands on ``+0.0``'s key): four integer ops. Finite scores map into
+    ``[_FINITE_LO, _FINITE_HI]``; the kernel's ranges stay inside it, which keeps non-finite scores out
+    without a test of their own."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits ^ -2147483648, -bits).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _low_bits(width):
+    """uint32 mask of the ``width`` (0-d int32 in ``[0, 32]``) lowest bits."""
+    return ((tl.full([], 1, tl.int64) << width.to(tl.int64)) - 1).to(tl.uint32)
+
+
+@triton.jit
+def _bit_length(v):
+    """Bits needed to write the 0-d uint32 ``v`` (0 for 0, 32 when its top bit is set): a binary search,
+    five scalar steps (no count-leading-zeros under the interpreter)."""
+    t = tl.zeros([], tl.int32)
+    for step in tl.static_range(5):
+        s = 16 >> step
+        t = tl.where((v >> (t + s).to(tl.uint32)) != 0, t + s, t)
+    return t + (v != 0).to(tl.int32)
+
+
+def _select_bounded_kernel(
+    SCORES, OUT, VALUES,
+    COLUMNS, KEEP, stride_s, stride_o, stride_v, LIMIT_BASE, LIMIT_RATIO, ROW0,
+    HAS_LIMIT: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr,
+    SEGMENTS: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr,
+):
+    """Top-``KEEP`` columns of row ``r = program id``, radix passes started below the bits every
+    candidate shares (the ``bounded`` variant; see the module docstring).
+
+    SCORES ``[rows, COLUMNS]`` fp32 (rows ``stride_s`` apart, columns contiguous), OUT ``[rows, KEEP]``
+    int64 (rows ``stride_o`` apart; ``1 <= KEEP <= COLUMNS``); WITH_VALUES: VALUES ``[rows, KEEP]`` fp32
+    (rows ``stride_v`` apart) gets the chosen columns' scores, bit for bit (0.0 in the ``-1`` slots).
+    HAS_LIMIT: only columns below ``LIMIT_BASE + (ROW0 + r) // LIMIT_RATIO + 1`` (clamped to
+    ``[0, COLUMNS]``) are read.
+    SEGMENTS (a power of two, ``<= BLOCK``): how many disjoint column sets the lower bound of pass 0
+    takes the minimum of maxima over (valid when at least KEEP of them hold a finite score). Digits of
+    BITS bits (``BINS = 2^BITS``); the last one takes the bits left.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    src = SCORES + row * stride_s
+    if HAS_LIMIT:
+        n = tl.minimum(tl.maximum(LIMIT_BASE + (ROW0 + row) // LIMIT_RATIO + 1, 0), COLUMNS).to(tl.int32)
+    else:
+        n = COLUMNS
+    lanes = tl.arange(0, BLOCK)
+    bins = tl.arange(0, BINS)
+
+    # A row reading at most KEEP columns takes every finite one: no pass at all.
+    take_all = n <= KEEP
+    # Pass 0 (no atomics): per lane the largest key of the columns it reads.
+    lane_max = tl.zeros([BLOCK], tl.uint32)
+    for c0 in range(0, tl.where(take_all, 0, n), BLOCK):
+        cols = c0 + lanes
+        key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
+        lane_max = tl.maximum(lane_max, tl.where(key <= _FINITE_HI, key, 0))  # non-finite: as -inf
+    hi = tl.max(lane_max)  # the largest finite key (below _FINITE_LO: none)
+    # Each segment's maximum is one key of the row, the segments are disjoint: when at least KEEP of
+    # them hold a finite key, at least KEEP keys are >= the smallest of their maxima, so the cut is too.
+    seg_max = tl.max(tl.reshape(lane_max, [SEGMENTS, BLOCK // SEGMENTS]), axis=1)
+    seg_live = seg_max >= _FINITE_LO
+    bound_ok = tl.sum(seg_live.to(tl.int32)) >= KEEP
+    lb = tl.where(bound_ok, tl.min(tl.where(seg_live, seg_max, 0xFFFFFFFF)), _FINITE_LO)
+
+    # Radix passes over the keys in [lb, hi]: their common leading bits are the cut's, so the first
+    # digit starts below them. Every key above the group is taken, every key below it is not; rem: how
+    # many to take from the group. Loop-carried values are typed 0-d tensors.
+    take_all = take_all | (hi < _FINITE_LO)
+    top = tl.where(take_all, 0, _bit_length(lb ^ hi))  # the group: keys with hi's bits [top, 32)
+    prefix = hi & ~_low_bits(top)
+    rem = tl.zeros([], tl.int32) + KEEP
+    group_done = tl.zeros([], tl.int32) != 0
+    while (top > 0) & ~group_done & ~take_all:
+        shift = tl.maximum(top - BITS, 0)
+        # members: the finite keys of [prefix, prefix + 2^top), i.e. [start, start + span): one unsigned
+        # compare of key - start
+        start = tl.maximum(prefix, _FINITE_LO)
+        end = tl.minimum(prefix.to(tl.int64) + (tl.full([], 1, tl.int64) << top.to(tl.int64)), _FINITE_HI + 1)
+        span = (end - start.to(tl.int64)).to(tl.uint32)
+        digit_mask = _low_bits(top - shift)
+        ushift = shift.to(tl.uint32)
+        hist = tl.zeros([BINS], tl.int32)
+        for c0 in range(0, n, BLOCK):
+            cols = c0 + lanes
+            key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
+            hist += tl.histogram(((key >> ushift) & digit_mask).to(tl.int32), BINS, mask=(key - start) < span)
+        total = tl.sum(hist)
+        at_or_above = total - tl.cumsum(hist, 0) + hist  # keys of the group with a digit >= bin
+        d = tl.max(tl.where(at_or_above >= rem, bins, -1))  # >= 0 unless total < rem
+        above = tl.sum(tl.where(bins > d, hist, 0))
+        in_d = tl.sum(tl.where(bins == d, hist, 0))
+        # Fewer finite keys than rem: only on a first pass without a bound, whose group holds every
+        # finite key (a bound guarantees KEEP keys in the group, a later group at least rem): take all.
+        # (total == rem ends below as a group taken whole.)
+        take_all = total < rem
+        prefix = prefix | (tl.maximum(d, 0).to(tl.uint32) << ushift)
+        rem = rem - above
+        group_done = (in_d == rem) & ~take_all  # the whole group at digit d is taken: no tie to resolve
+        top = shift
+    # Take keys >= lo, and the first `need` keys equal to `cut` (ties at the cut: the lowest columns).
+    exact = ~take_all & ~group_done
+    lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
+    room = _FINITE_HI - lo  # chosen above the cut: lo <= key <= _FINITE_HI, one unsigned compare
+    cut = tl.where(exact, prefix, 0)
+    need = tl.where(exact, rem, 0)
+
+    dst = OUT + row * stride_o
+    vdst = VALUES + row * stride_v
+    written = tl.zeros([], tl.int32)
+    if need > 0:
+        tied = tl.zeros([], tl.int32)
+        for c0 in range(0, n, BLOCK):
+            cols = c0 + lanes
+            x = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+            key = _raw_keys32(x)
+            tie = (key == cut).to(tl.int32)  # the cut is finite
+            tie_rank = tied + tl.cumsum(tie, 0) - tie  # equal keys in earlier columns
+            chosen = ((key - lo) <= room) | ((tie != 0) & (tie_rank < need))
+            flags = chosen.to(tl.int32)
+            slot = written + tl.cumsum(flags, 0) - 1
+            tl.store(dst + slot, cols.to(tl.int64), mask=chosen)
+            if WITH_VALUES:
+                tl.store(vdst + slot, x, mask=chosen)
+            written += tl.sum(flags)
+            tied += tl.sum(tie)
+    else:
+        for c0 in range(0, n, BLOCK):
+            cols = c0 + lanes
+            x = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+            chosen = (_raw_keys32(x) - lo) <= room
+            flags = chosen.to(tl.int32)
+            slot = written + tl.cumsum(flags, 0) - 1
+            tl.store(dst + slot, cols.to(tl.int64), mask=chosen)
+            if WITH_VALUES:
+                tl.store(vdst + slot, x, mask=chosen)
+            written += tl.sum(flags)
+    for j0 in range(0, KEEP, BLOCK):
+        slot = j0 + lanes
+        pad = (slot >= written) & (slot < KEEP)
+        tl.store(dst + slot, tl.full([BLOCK], -1, tl.int64), mask=pad)
+        if WITH_VALUES:
+            tl.store(vdst + slot, tl.zeros([BLOCK], tl.float32), mask=pad)
+
+
+_KERNELS = Kernels("select top triton", _select_kernel, _select_bounded_kernel, op="indexer_topk")
 
 
 def select_config_ladder(interpreted: bool) -> list[SelectConfig]:
@@ -253,7 +450,9 @@ def select_top_triton(
     *,
     row_limit: tuple[int, int, int] | None = None,
     config: SelectConfig | None = None,
-) -> torch.Tensor:
+    variant: str | None = None,
+    return_values: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The ``keep`` best finite columns of each row of ``scores``, by radix select (one program per row).
 
     Args:
@@ -264,17 +463,46 @@ def select_top_triton(
             or past column ``base + (row0 + r) // ratio + 1`` (clamped to ``[0, columns]``); those
             columns are then never read. None: every column is read.
         config: pin the launch (default: the kernel option ``triton_select_config``, else :func:`select_config_ladder`).
+        variant: ``"bounded"`` or ``"plain"`` (:data:`SELECT_VARIANTS`; default: the kernel option
+            ``topk_select_variant``).
+        return_values: also return the chosen columns' scores.
 
     Returns: ``[rows, keep]`` int64 columns in increasing order, ``-1`` past a row's finite count: the
     contract of :func:`dsv4cp.kernels.contracts.select_top` (ties at the cut to the lowest columns,
-    ``-0.0`` ties ``+0.0``, non-finite scores never chosen).
+    ``-0.0`` ties ``+0.0``, non-finite scores never chosen). With ``return_values``, ``(columns,
+    values)``: ``values [rows, keep]`` fp32 holds ``scores[r, columns[r, j]]`` bit for bit (``-0.0``
+    stays ``-0.0``), 0.0 where the column is ``-1``.
     """
     _check_inputs(scores, keep, row_limit)
+    chosen_variant = _variant(variant)
+    if not isinstance(return_values, bool):
+        raise ValueError(f"return_values: must be a bool, got {return_values!r}")
     pinned = _pinned(config)
     rows, columns = scores.shape
     out = torch.empty(rows, keep, dtype=torch.int64, device=scores.device)
-    if rows == 0 or keep == 0:
+    bounded = chosen_variant == "bounded"
+    values = torch.empty(rows, keep if return_values and bounded else 0, dtype=torch.float32,
+                         device=scores.device)
+    if rows > 0 and keep > 0:
+        launch = _bounded_launch if bounded else _plain_launch
+        launch(scores, out, values, keep, row_limit, pinned)
+    if not return_values:
         return out
+    if not bounded:  # the plain kernel writes columns only: gather their scores
+        values = torch.where(out >= 0, scores.gather(1, out.clamp_min(0)), 0.0)
+    return out, values
+
+
+def _variant(variant: str | None) -> str:
+    if variant is None:
+        return kernel_options.get("topk_select_variant")  # type: ignore[return-value]  (a choice: its word)
+    if variant not in SELECT_VARIANTS:
+        raise ValueError(f"variant: must be one of {', '.join(map(repr, SELECT_VARIANTS))}, got {variant!r}")
+    return variant
+
+
+def _plain_launch(scores, out, values, keep, row_limit, pinned) -> None:
+    rows, columns = scores.shape
     base, ratio, row0 = row_limit if row_limit is not None else (0, 1, 0)
     dev = scores.device
     kernel = _KERNELS.build("_select_kernel", dev)
@@ -287,4 +515,22 @@ def select_top_triton(
         )
 
     _KERNELS.launch("select", (dev.type,), select_config_ladder(_interpreted(dev)), pinned, launch)
-    return out
+
+
+def _bounded_launch(scores, out, values, keep, row_limit, pinned) -> None:
+    rows, columns = scores.shape
+    base, ratio, row0 = row_limit if row_limit is not None else (0, 1, 0)
+    dev = scores.device
+    kernel = _KERNELS.build("_select_bounded_kernel", dev)
+    with_values = values.shape[1] > 0
+
+    def launch(cfg: SelectConfig) -> None:
+        kernel[(rows,)](
+            scores, out, values if with_values else out, columns, keep, scores.stride(0), out.stride(0),
+            values.stride(0) if with_values else 0, base, ratio, row0,
+            HAS_LIMIT=row_limit is not None, WITH_VALUES=with_values,
+            BLOCK=cfg.block_n, SEGMENTS=min(cfg.block_n, triton.next_power_of_2(keep)), BITS=cfg.radix_bits,
+            BINS=1 << cfg.radix_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _KERNELS.launch("select-bounded", (dev.type,), select_config_ladder(_interpreted(dev)), pinned, launch)

@@ -13,7 +13,8 @@ from dsv4cp import kernel_options as kernel_option_registry
 from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.agreement import check_ranks_agree
 from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank, hold_backward_waits
-from dsv4cp.cp.layout import RowSplit, build_layout, layer_split
+from dsv4cp.cp.layout import RowSplit, layer_split
+from dsv4cp.cp.layout_cache import layout_for
 from dsv4cp.cp.recompute import recomputed_attention
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.indexer import Indexer
@@ -137,8 +138,8 @@ class DSv4Attention(PrecisionPinned):
                 rejected = err
             check_ranks_agree({"packed": packed, "split": split, "x.dtype": str(getattr(x, "dtype", x))},
                               cp_group, local_error=rejected)
-        with nvtx_range("layout.fwd"):
-            layout = build_layout(packed, self.cfg, self.compress_ratio, rank, cp, split=split)
+        with nvtx_range("layout.fwd"):  # built on the batch's first step, then shared
+            layout = layout_for(packed, self.cfg, self.compress_ratio, rank, cp, split=split)
         freqs, cfg = self.rope_freqs, self.cfg
         h, d = cfg.n_heads, cfg.head_dim
         positions = layout.local_pos

@@ -35,15 +35,21 @@ class InfeasibleSplitError(ValueError):
 
 
 # ---------------------------------------------------------------------------------- balanced split
-def balanced_split(prefix: np.ndarray, cp: int, min_rows: int = 1, align: int = 1) -> RowSplit:
+def balanced_split(prefix: np.ndarray, cp: int, min_rows: int = 1, align: int = 1,
+                   rank_weights: Sequence[float] | None = None) -> RowSplit:
     """The split minimising the largest slice cost (``prefix = [0, cumsum(row costs)]``, costs >= 0),
-    each slice holding ``>= min_rows`` rows, each inner boundary a multiple of ``align``.
+    each slice holding ``>= min_rows`` rows, each inner boundary a multiple of ``align``; with
+    ``rank_weights`` (``[cp]``, > 0) rank ``rho``'s slice costs ``rank_weights[rho]`` times its rows' sum
+    (a calibration's per-rank factors: the same rows take longer on some ranks).
 
     Bisection on the largest slice cost ``c``; ``c`` is feasible when :func:`_greedy` (each rank takes
     as many rows as ``c`` allows while leaving enough for the ranks after it) reaches ``T``, which is
     exact (any feasible split's boundaries lie at or before the greedy ones) unless a slice would be
     cut below ``min_rows``; only then the exact reachability test :func:`_exact_split` decides.
     """
+    weights = np.ones(cp) if rank_weights is None else np.asarray(rank_weights, dtype=float)
+    if weights.shape != (cp,) or not (np.isfinite(weights) & (weights > 0)).all():
+        raise ValueError(f"rank_weights: needs {cp} positive finite weights, got {list(weights)!r}")
     total = prefix.size - 1
     if total < cp * min_rows:
         raise InfeasibleSplitError(
@@ -55,13 +61,13 @@ def balanced_split(prefix: np.ndarray, cp: int, min_rows: int = 1, align: int = 
             f"align: no split of {total} rows over cp={cp} ranks with boundaries on multiples of {align} "
             f"gives every rank {min_rows} rows"
         )
-    lo, hi = 0.0, float(prefix[-1])
-    best = _split_within(prefix, grid, cp, min_rows, hi)  # the whole cost always fits
+    lo, hi = 0.0, float(prefix[-1] * weights.max())
+    best = _split_within(prefix, grid, min_rows, hi / weights)  # the whole cost always fits
     for _ in range(_BISECTION_STEPS):
         mid = 0.5 * (lo + hi)
         if not lo < mid < hi:
             break
-        found = _split_within(prefix, grid, cp, min_rows, mid)
+        found = _split_within(prefix, grid, min_rows, mid / weights)
         if found is None:
             lo = mid
         else:
@@ -69,11 +75,11 @@ def balanced_split(prefix: np.ndarray, cp: int, min_rows: int = 1, align: int = 
     return RowSplit(tuple(int(b) for b in best))
 
 
-def _split_within(prefix, grid, cp, min_rows, cap):
-    """A split whose every slice costs at most ``cap``, or None when none exists."""
-    bounds, clamped = _greedy(prefix, grid, cp, min_rows, cap)
+def _split_within(prefix, grid, min_rows, caps):
+    """A split whose slice of rank ``rho`` costs at most ``caps[rho]`` (rows' sum), or None when none exists."""
+    bounds, clamped = _greedy(prefix, grid, min_rows, caps)
     if bounds is None and clamped:
-        return _exact_split(prefix, grid, cp, min_rows, cap)
+        return _exact_split(prefix, grid, min_rows, caps)
     return bounds
 
 
@@ -89,15 +95,15 @@ def _fits(grid: np.ndarray, total: int, cp: int, min_rows: int) -> bool:
     return total - start >= min_rows
 
 
-def _greedy(prefix, grid, cp, min_rows, cap):
-    """Greedy boundaries under largest cost ``cap``: ``(bounds or None, whether a slice came out
-    below min_rows)``; a failure without that is proof that no split fits under ``cap``."""
-    total = prefix.size - 1
+def _greedy(prefix, grid, min_rows, caps):
+    """Greedy boundaries under the per-rank costs ``caps``: ``(bounds or None, whether a slice came out
+    below min_rows)``; a failure without that is proof that no split fits under ``caps``."""
+    total, cp = prefix.size - 1, len(caps)
     bounds, start = [0], 0
     for rank in range(cp - 1):
         after = cp - 1 - rank  # ranks still to come after this one
-        # the furthest grid point whose slice costs at most cap (prefix is non-decreasing)
-        end = int(grid[np.searchsorted(grid, np.searchsorted(prefix, prefix[start] + cap, side="right") - 1,
+        # the furthest grid point whose slice costs at most its cap (prefix is non-decreasing)
+        end = int(grid[np.searchsorted(grid, np.searchsorted(prefix, prefix[start] + caps[rank], side="right") - 1,
                                        side="right") - 1])
         end = min(end, int(grid[np.searchsorted(grid, total - after * min_rows, side="right") - 1]))
         if end < start + min_rows:
@@ -106,35 +112,36 @@ def _greedy(prefix, grid, cp, min_rows, cap):
         start = end
     if total - start < min_rows:
         return None, True
-    if prefix[total] > prefix[start] + cap:  # the same comparison as every other slice's
+    if prefix[total] > prefix[start] + caps[-1]:  # the same comparison as every other slice's
         return None, False
     bounds.append(total)
     return bounds, False
 
 
-def _exact_split(prefix, grid, cp, min_rows, cap):
-    """A split with every slice ``>= min_rows`` rows and cost ``<= cap``, or None: forward reachability
-    of boundary positions (one boolean per grid point and rank, ``O(cp T / align)``), then a walk back."""
-    total = prefix.size - 1
+def _exact_split(prefix, grid, min_rows, caps):
+    """A split with every slice ``>= min_rows`` rows and rank ``rho``'s cost ``<= caps[rho]``, or None:
+    forward reachability of boundary positions (one boolean per grid point and rank, ``O(cp T / align)``),
+    then a walk back."""
+    total, cp = prefix.size - 1, len(caps)
     points = np.unique(np.append(grid, total))
     n = points.size
     pp = prefix[points]
     reach = [np.zeros(n, dtype=bool)]
     reach[0][0] = True
     index = np.arange(n)
-    # a slice from point i may end at points j in [first[i], last[i]]: points[j] >= points[i] + min_rows
-    # and pp[j] <= pp[i] + cap
+    # rank rho's slice from point i may end at points j in [first[i], last[rho][i]]: points[j] >= points[i]
+    # + min_rows and pp[j] <= pp[i] + caps[rho]
     first = np.searchsorted(points, points + min_rows, side="left")
-    last = np.searchsorted(pp, pp + cap, side="right") - 1
-    for _ in range(cp):
-        ok = reach[-1] & (first <= last)
-        opened = np.bincount(first[ok], minlength=n + 1) - np.bincount(last[ok] + 1, minlength=n + 1)
+    last = [np.searchsorted(pp, pp + cap, side="right") - 1 for cap in caps]
+    for rank in range(cp):
+        ok = reach[-1] & (first <= last[rank])
+        opened = np.bincount(first[ok], minlength=n + 1) - np.bincount(last[rank][ok] + 1, minlength=n + 1)
         reach.append(np.cumsum(opened[:n]) > 0)
     if not reach[cp][n - 1]:
         return None
     bounds, j = [total], n - 1
     for rank in range(cp, 0, -1):
-        starts = index[reach[rank - 1] & (first <= j) & (j <= last)]
+        starts = index[reach[rank - 1] & (first <= j) & (j <= last[rank - 1])]
         j = int(starts[0])
         bounds.append(int(points[j]))
     return bounds[::-1]
@@ -161,7 +168,8 @@ def partition(
             Equal step times leave each pass unequal: the indexer scores only in forward, so the rank
             holding a document's end is slower in forward and faster in backward.
         calibration: measured-over-bound factors per phase class (needs ``machine``): the balanced split
-            then equalises measured-like per-rank times (see :meth:`RowCosts.for_layer`).
+            then equalises measured-like per-rank times (see :meth:`RowCosts.for_layer`), each rank's
+            scaled by the calibration's per-rank factor at ``cp`` (``rank_scale``).
 
     Identical inputs give the identical split on every rank (host arithmetic only).
     """
@@ -190,4 +198,5 @@ def partition(
         return RowSplit.equal(total, cp, field).validate(total, cp, floor, field=field)
     costs = costs or RowCosts.for_layer(cfg, ratio, machine, direction, calibration)
     prefix = np.concatenate(([0.0], np.cumsum(row_costs(costs, cu, total, cfg, ratio))))
-    return balanced_split(prefix, cp, floor, align)
+    weights = None if calibration is None else calibration.rank_scale(cp)
+    return balanced_split(prefix, cp, floor, align, weights)

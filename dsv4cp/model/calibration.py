@@ -26,6 +26,12 @@ entry of the batch before the query (``prefix``: other documents' columns too; t
 ``indexer_scan`` names the work the indexer factor is fitted on and applied to
 (:data:`dsv4cp.model.phase_classes.INDEXER_SCANS`), priced per entry at the model's own per-visible-entry bound;
 on one long document ``visible`` and ``prefix`` coincide, so only a multi-document profile tells them apart.
+
+A calibration refitted on measured per-rank times (:mod:`dsv4cp.model.refit`) may also carry
+``rank_factors``: per rank, the measured time over the class-calibrated one, the residual no phase class
+expresses (fixed per-rank costs, the first rank's missing halo). They describe the ranks of one cp only, so
+:meth:`Calibration.rank_compute_s` applies them at that cp and ignores them at any other
+(:meth:`Calibration.rank_factors_note` says so).
 """
 
 from __future__ import annotations
@@ -77,6 +83,9 @@ class Calibration:
     indexer_scan: str = "visible"
     fitted: dict = field(default_factory=dict, compare=False)
     """Per factor, the measured and modelled milliseconds it came from (for the reader)."""
+    rank_factors: tuple[float, ...] = ()
+    """Per rank of the cp they were fitted at (their count), measured over class-calibrated time; empty: none.
+    Applied only at that cp (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if self.indexer_scan not in INDEXER_SCANS:
@@ -88,14 +97,17 @@ class Calibration:
             if key not in keys:
                 raise ValueError(f"calibration.factors: unknown key {key!r}; keys are <class>.<fwd|bwd> with "
                                  f"class one of {PHASE_CLASSES}")
-            try:
-                number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-            except OverflowError:  # an int beyond any float
-                number = None
-            if number is None or not np.isfinite(number) or number <= 0:
+            if not _positive_finite(value):
                 raise ValueError(f"calibration.factors[{key!r}]: must be a positive finite number, got {value!r}")
         if not isinstance(self.fitted, dict):
             raise ValueError(f"calibration.fitted: must be a mapping, got {type(self.fitted).__name__}")
+        if not isinstance(self.rank_factors, tuple):
+            raise ValueError(f"calibration.rank_factors: must be a tuple, got {type(self.rank_factors).__name__}")
+        if len(self.rank_factors) == 1:
+            raise ValueError("calibration.rank_factors: one per rank of a cp >= 2, got a single factor")
+        for rank, value in enumerate(self.rank_factors):
+            if not _positive_finite(value):
+                raise ValueError(f"calibration.rank_factors[{rank}]: must be a positive finite number, got {value!r}")
 
     def factor(self, phase_class: str, direction: str) -> float:
         """The factor of ``phase_class`` in ``direction`` (``fwd`` or ``bwd``); 1.0 when not fitted."""
@@ -108,6 +120,19 @@ class Calibration:
         """A short name for records: the file or source it came from."""
         return self.source or "calibration"
 
+    def rank_scale(self, cp: int) -> np.ndarray:
+        """``[cp]`` per-rank factors applied at ``cp``: :attr:`rank_factors` when fitted at that cp, else ones."""
+        if len(self.rank_factors) == cp:
+            return np.asarray(self.rank_factors, dtype=float)
+        return np.ones(cp)
+
+    def rank_factors_note(self, cp: int) -> str | None:
+        """A line for the output when this calibration's per-rank factors are ignored at ``cp``, else None."""
+        if not self.rank_factors or len(self.rank_factors) == cp:
+            return None
+        return (f"note: {self.label}: its per-rank factors were fitted at cp {len(self.rank_factors)} and are "
+                f"ignored at cp {cp} (ranks differ); its phase-class factors apply")
+
     # ------------------------------------------------------------------ applying
     def class_times(self, est: LayerEstimate) -> pd.DataFrame:
         """:func:`model_class_times` of ``est`` (on this calibration's indexer scan) with a
@@ -117,19 +142,24 @@ class Calibration:
         return times.assign(calibrated_ms=times["bound_ms"].to_numpy() * np.asarray(scale, dtype=float))
 
     def rank_compute_s(self, est: LayerEstimate, direction: str = BOTH) -> np.ndarray:
-        """``[cp]`` calibrated compute time of each rank in ``fwd``, ``bwd`` or ``fwd+bwd`` (seconds)."""
+        """``[cp]`` calibrated compute time of each rank in ``fwd``, ``bwd`` or ``fwd+bwd`` (seconds): the
+        class-calibrated times, scaled by the per-rank factors at the cp they were fitted at
+        (:meth:`rank_scale`)."""
         if direction not in (*DIRECTIONS, BOTH):
             raise ValueError(f"direction: must be one of {(*DIRECTIONS, BOTH)}, got {direction!r}")
         times = self.class_times(est)
         if direction != BOTH:
             times = times[times["direction"] == direction]
         per_rank = times.groupby("rank")["calibrated_ms"].sum().reindex(range(est.cp), fill_value=0.0)
-        return per_rank.to_numpy() / 1e3
+        return per_rank.to_numpy() * self.rank_scale(est.cp) / 1e3
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, "machine": self.machine, "source": self.source, "indexer_scan": self.indexer_scan,
-                "factors": dict(sorted(self.factors.items())), "fitted": self.fitted}
+        values = {"schema": SCHEMA, "machine": self.machine, "source": self.source, "indexer_scan": self.indexer_scan,
+                  "factors": dict(sorted(self.factors.items())), "fitted": self.fitted}
+        if self.rank_factors:  # optional: files without it (older ones, CP = 1 fits) load alike
+            values["rank_factors"] = list(self.rank_factors)
+        return values
 
     @classmethod
     def from_dict(cls, values: object, source: str = "calibration") -> Calibration:
@@ -143,9 +173,12 @@ class Calibration:
         fitted = values.get("fitted", {})
         if not isinstance(fitted, dict):
             raise ValueError(f"{source}: 'fitted' must be an object, got {type(fitted).__name__}")
+        rank_factors = values.get("rank_factors", [])
+        if not isinstance(rank_factors, list):
+            raise ValueError(f"{source}: 'rank_factors' must be a list, got {type(rank_factors).__name__}")
         return cls(factors=dict(factors), machine=str(values.get("machine", "")),
                    source=str(values.get("source", "")), indexer_scan=values.get("indexer_scan", "visible"),
-                   fitted=dict(fitted))
+                   fitted=dict(fitted), rank_factors=tuple(rank_factors))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -158,6 +191,16 @@ class Calibration:
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"--calibration: cannot read {str(path)!r}: {err}") from err
         return cls.from_dict(values, source=f"--calibration {path}")
+
+
+def _positive_finite(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        return False
+    return bool(np.isfinite(number) and number > 0)
 
 
 # ---------------------------------------------------------------------------------- fitting

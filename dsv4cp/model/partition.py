@@ -212,17 +212,20 @@ class _Search:
 
     def _capped_split(self, prefix: np.ndarray, costs: RowCosts, cp: int, cap_rows: int) -> tuple[int, ...] | None:
         """The split (bounds, or None) with slices of at most ``cap_rows`` rows minimising the largest
-        rank cost ``prefix[e] - prefix[b] + per_prefix_entry * (n rho C + scanned_slots(n))
-        + per_batch_entry * n cp C`` (``n = e - b``, ``C = ceil(cap_rows / r)``): bisection on the cost
+        rank cost ``w_rho (prefix[e] - prefix[b] + per_prefix_entry * (n rho C + scanned_slots(n))
+        + per_batch_entry * n cp C)`` (``n = e - b``, ``C = ceil(cap_rows / r)``, ``w`` the calibration's
+        per-rank factors at this cp, else 1): bisection on the cost
         with a greedy sweep (each rank takes the most rows the cost allows, leaving ``min_rows`` per
         later rank), a heuristic candidate the model then judges."""
         total, a, r, floor = self.total, self.align, self.ratio, self.min_rows
         slots = -(-cap_rows // r)
+        weight = np.ones(cp) if self.calibration is None else self.calibration.rank_scale(cp)  # per-rank factors
 
         def cost(rho: int, b: int, e: int) -> float:
             n = e - b
-            return float(prefix[e] - prefix[b] + costs.per_prefix_entry * (n * rho * slots + int(scanned_slots(n, r)))
-                         + costs.per_batch_entry * n * cp * slots)
+            return float(weight[rho] * (prefix[e] - prefix[b]
+                                        + costs.per_prefix_entry * (n * rho * slots + int(scanned_slots(n, r)))
+                                        + costs.per_batch_entry * n * cp * slots))
 
         def sweep(limit: float) -> tuple[int, ...] | None:
             bounds = [0]
@@ -241,7 +244,7 @@ class _Search:
                 return None
             return (*bounds, total)
 
-        lo, hi = 0.0, cost(cp - 1, 0, total)  # one rank holding every row bounds every slice's cost
+        lo, hi = 0.0, max(cost(rho, 0, total) for rho in range(cp))  # one rank holding every row bounds any slice
         found = sweep(hi)
         if found is None:
             return None

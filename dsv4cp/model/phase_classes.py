@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 PHASE_CLASSES: tuple[str, ...] = ("indexer", "attention", "projections", "compressors", "loss")
 """The classes, in the order the per-row costs and calibration tables list them."""
 
@@ -37,3 +39,7 @@ class PhaseFactors(Protocol):
     machine: str
 
     def factor(self, phase_class: str, direction: str) -> float: ...
+
+    def rank_scale(self, cp: int) -> np.ndarray:
+        """``[cp]`` per-rank factors on the ranks' times at ``cp`` (ones where there are none)."""
+        ...

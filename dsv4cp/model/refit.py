@@ -15,6 +15,23 @@ class factors and often fewer ranks) at their prior. The fit is tried for every 
 (:data:`~dsv4cp.model.phase_classes.INDEXER_SCANS`: which gathered entries the top-k is charged for) and the
 best-fitting one is kept. Per class, so the result transfers to other packings and token counts, and it
 is an ordinary calibration file (``--calibration``).
+
+Then, when every sample has the same cp, a per-rank residual: the part of each rank's time no class
+factor expresses, as one multiplicative factor per rank (``Calibration.rank_factors``), fitted on the
+class fit's residual: ``m[k, r] = g_r sum_c f_c b[k, r, c]`` with ``f`` the class-only fit. Not jointly:
+rank factors and classes trade along directions a few rounds of nearby splits barely constrain (a factor
+rising with the rank mimics the indexer's and attention's share, which rises with the rank); fitted after
+the classes, the rank factors take only what no class factor can, and the class factors, the part that
+transfers, stay those of the class-only fit. For the same reason the indexer scan is chosen on the classes
+alone: on the committed one-document H200 rounds the ``visible`` scan with rank factors fits as well as
+``prefix`` with them (relative RMS 0.00646 against 0.00648, a tie within the noise) although its classes
+alone fit worse (0.0182 against 0.0103), and its next split would give rank 0 13% more rows.
+Multiplicative, not an additive fixed cost plus a factor: on the committed H200 rounds (one 256K document,
+cp 8, ``results/2026-12-01-h200-emulate-all``) the splits of rounds 1-3 differ by under 1% of any rank's
+rows, so a rank's fixed and proportional parts cannot be told apart from them (two unknowns per rank, one
+value per rank that barely moves); one factor is identifiable from a single round, keeps its meaning when
+the split moves rows, and the residuals it must carry there are small: the fitted factors are 0.991-1.014
+(one document) and 0.982-1.026 (histogram packing), not a fixed offset of several milliseconds.
 """
 
 from __future__ import annotations
@@ -30,6 +47,10 @@ from dsv4cp.model.phase_classes import INDEXER_SCANS
 
 FACTOR_RANGE = (0.05, 50.0)
 """Refitted factors are clipped to this range of their prior (a fit outside it is a bad sample)."""
+
+RANK_FACTOR_RANGE = (0.5, 2.0)
+"""Per-rank factors are clipped to this range: a rank twice as slow as its modelled work is a bad sample or
+a device fault, not a residual of the model."""
 
 
 @dataclass(frozen=True)
@@ -48,30 +69,38 @@ class RankTimes:
 
 
 def refit(samples: Sequence[RankTimes], prior: Calibration | None = None, *, direction: str = BOTH,
-          ridge: float = 1e-2, source: str = "measured split") -> Calibration:
-    """The calibration whose per-rank times best match ``samples`` (see the module docstring)."""
+          ridge: float = 1e-2, source: str = "measured split", per_rank: bool = True) -> Calibration:
+    """The calibration whose per-rank times best match ``samples`` (see the module docstring); with
+    ``per_rank`` (default) and samples of one cp, it carries per-rank factors (:func:`_fit_scan`)."""
     if not samples:
         raise ValueError("samples: at least one measured split is needed")
     if not ridge > 0:
         raise ValueError(f"ridge: must be > 0, got {ridge!r}")
     machine = samples[0].est.machine.name
     prior = prior or Calibration(factors={}, machine=machine)
+    with_ranks = per_rank and len({sample.est.cp for sample in samples}) == 1
     best = None
     for scan in INDEXER_SCANS:
-        fitted = _fit_scan(samples, prior, direction, ridge, scan)
-        if fitted is not None and (best is None or fitted[0] < best[0]):
+        fitted = _fit_scan(samples, prior, direction, ridge, scan, with_ranks)
+        # the scan is chosen on the classes alone: rank factors could stand in for another scan's padding term
+        if fitted is not None and (best is None or fitted[-1] < best[-2]):
             best = (*fitted, scan)
     if best is None:
         raise ValueError("samples: no phase class has a bound to fit (is the layout empty?)")
-    residual, factors, scale, scan = best
+    residual, factors, scale, rank_factors, classes_only, scan = best
     fitted_info = {key: {"over_prior": round(scale[key], 4)} for key in factors}
     fitted_info["relative_rms_residual"] = {"value": round(residual, 6)}
-    return Calibration(factors=factors, machine=machine, source=source, indexer_scan=scan, fitted=fitted_info)
+    if rank_factors:
+        fitted_info["relative_rms_residual_without_rank_factors"] = {"value": round(classes_only, 6)}
+    return Calibration(factors=factors, machine=machine, source=source, indexer_scan=scan, fitted=fitted_info,
+                       rank_factors=rank_factors)
 
 
-def _fit_scan(samples, prior: Calibration, direction: str, ridge: float, scan: str):
-    """``(relative RMS residual, factors, factor / prior)`` on indexer scan ``scan``; None without bounds."""
-    rows, measured, keys = [], [], None
+def _fit_scan(samples, prior: Calibration, direction: str, ridge: float, scan: str, with_ranks: bool):
+    """``(relative RMS residual, factors, factor / prior, rank factors, residual of the classes alone)`` on
+    indexer scan ``scan``; None without bounds. With ``with_ranks`` the rank factors come from the class
+    fit's residual (:func:`_rank_factors`) and the first residual is that of both together."""
+    rows, measured, ranks, keys = [], [], [], None
     for sample in samples:
         times = model_class_times(sample.est, scan)
         if direction != BOTH:
@@ -82,17 +111,39 @@ def _fit_scan(samples, prior: Calibration, direction: str, ridge: float, scan: s
         keys = sorted(set(keys or []) | set(table.columns))
         rows.append(table)
         measured.extend(sample.rank_ms)
+        ranks.extend(range(sample.est.cp))
     keys = [key for key in keys if any(key in t.columns and t[key].sum() > 0 for t in rows)]
     if not keys:
         return None
     priors = np.array([prior.factor(*key.split(".")) for key in keys])
-    bounds = np.vstack([t.reindex(columns=keys, fill_value=0.0).to_numpy() for t in rows])
-    m = np.asarray(measured, dtype=float)
-    design = bounds * priors / m[:, None]  # relative residuals: unknowns are factor / prior
-    lhs = np.vstack([design, np.sqrt(ridge) * np.eye(len(keys))])
-    rhs = np.concatenate([np.ones(len(m)), np.sqrt(ridge) * np.ones(len(keys))])
-    scale, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
-    scale = np.clip(scale, *FACTOR_RANGE)
-    residual = float(np.sqrt(np.mean((design @ scale - 1.0) ** 2)))
+    bounds = np.vstack([t.reindex(columns=keys, fill_value=0.0).to_numpy() for t in rows]) * priors
+    m, rank = np.asarray(measured, dtype=float), np.asarray(ranks)
+    scale = _class_scale(bounds / m[:, None], ridge)
+    per_rank = _rank_factors(m, bounds @ scale, rank) if with_ranks else np.ones(1)
+    modelled = bounds @ scale * (per_rank[rank] if with_ranks else 1.0)
+    residual = float(np.sqrt(np.mean((modelled / m - 1.0) ** 2)))
+    classes_only = float(np.sqrt(np.mean((bounds @ scale / m - 1.0) ** 2)))
     factors = {key: float(p * s) for key, p, s in zip(keys, priors, scale)}
-    return residual, factors, dict(zip(keys, map(float, scale)))
+    rank_factors = tuple(float(f) for f in per_rank) if with_ranks else ()
+    return residual, factors, dict(zip(keys, map(float, scale))), rank_factors, classes_only
+
+
+def _class_scale(design: np.ndarray, ridge: float) -> np.ndarray:
+    """Factor / prior per class minimising the relative residuals (``design``: bound x prior / measured per
+    row) plus the ridge towards the prior, clipped to :data:`FACTOR_RANGE`."""
+    count = design.shape[1]
+    lhs = np.vstack([design, np.sqrt(ridge) * np.eye(count)])
+    rhs = np.concatenate([np.ones(design.shape[0]), np.sqrt(ridge) * np.ones(count)])
+    scale, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
+    return np.clip(scale, *FACTOR_RANGE)
+
+
+def _rank_factors(measured: np.ndarray, modelled: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Per rank, the geometric mean over the samples of measured / modelled time, normalised to a
+    geometric mean of 1 over the ranks (the class factors carry the level), clipped to
+    :data:`RANK_FACTOR_RANGE`. The mean over every round so far is the damping: round ``k``'s own estimate
+    weighs ``1 / k``, so one noisy round moves the factors by a fraction of its noise while a residual
+    every round shows stays."""
+    logs = np.log(measured / np.maximum(modelled, np.finfo(float).tiny))
+    per_rank = np.bincount(rank, weights=logs) / np.bincount(rank)
+    return np.clip(np.exp(per_rank - per_rank.mean()), *RANK_FACTOR_RANGE)

@@ -56,7 +56,7 @@ def logsumexp_over(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scale
     kernels = _triton_kernels(q)
     kernel_options.note_backend("attention_probs.lse", "torch" if kernels is None else "triton")
     if kernels is not None:
-        return kernels.logsumexp_over_triton(q, keys, idx, scale)
+        return kernels.logsumexp_over_triton(q, keys, idx, scale, kernel=kernel_options.get("triton_lse_kernel"))
     return logsumexp_over_torch(q, keys, idx, scale)
 
 
@@ -78,8 +78,9 @@ def head_summed_probs(
     kernels = _triton_kernels(q)
     kernel_options.note_backend("attention_probs", "torch" if kernels is None else "triton")
     if kernels is not None:
-        slots_on_m = bool(kernel_options.get("triton_probs_slots_on_m"))
-        out = kernels.head_summed_probs_triton(q, keys, idx, scale, log_denominator, slots_on_m=slots_on_m)
+        out = kernels.head_summed_probs_triton(q, keys, idx, scale, log_denominator,
+                                               slots_on_m=bool(kernel_options.get("triton_probs_slots_on_m")),
+                                               kernel=kernel_options.get("triton_probs_kernel"))
         return out.to(log_denominator.dtype)
     return head_summed_probs_torch(q, keys, idx, scale, log_denominator)
 

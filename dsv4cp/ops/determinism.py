@@ -72,7 +72,8 @@ REGISTRY: tuple[BackendDeterminism, ...] = (
                 "atomics (order-free)"), _NO_GRAD),
     BackendDeterminism("indexer_scores", "torch", _FIXED_ORDER, _INDEX_ADD),
     BackendDeterminism("indexer_scores", "triton", _FIXED_ORDER, Direction(
-        NEVER, "fp32 atomics into the key gradient (deterministic mode runs the torch reference instead)")),
+        UNDER_MODE, "fp32 atomics into the key gradient unless deterministic mode (or the kernel option "
+                    "triton_scores_bwd_reduce=sorted / sorted-bf16) selects the sorted reduction")),
     BackendDeterminism("compress_pool", "torch", _FIXED_ORDER, _INDEX_ADD),
     BackendDeterminism("compress_pool", "triton", _FIXED_ORDER,
                        Direction(ALWAYS, "every input gradient written by one program, no atomics")),
@@ -97,7 +98,7 @@ def attention_replays_bitwise(backend_name: str, device: torch.device, determini
     ``"fwd+bwd"``) replays bitwise on ``device``, with or without deterministic mode.
 
     On CUDA the layer's other ops count too: the indexer scores' Triton backward adds with atomics unless
-    deterministic mode sends it to the torch reference, and the torch glue (gathers' backwards) is
+    deterministic mode selects its sorted reduction, and the torch glue (gathers' backwards) is
     deterministic only in that mode. On CPU every path is deterministic.
     """
     if torch.device(device).type != "cuda":

@@ -210,10 +210,11 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
     """Differentiable scores ``[T, K]`` (fp32, fp64 for fp64) of queries at key rows ``idx [T, K]``.
 
     ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]``; slots with ``idx == -1`` hold meaningless
-    values and receive no gradient: the caller masks them. CUDA inputs run on the Triton kernels, except in
-    deterministic mode (the kernels' backward adds key gradients with fp32 atomics; see :mod:`.determinism`).
+    values and receive no gradient: the caller masks them. CUDA inputs run on the Triton kernels, whose
+    backward sums the key gradient as the kernel option ``triton_scores_bwd_reduce`` says (fp32 atomics
+    by default; in deterministic mode a fixed-order sorted reduction instead; see :mod:`.determinism`).
     """
-    if triton_serves(q) and not torch.are_deterministic_algorithms_enabled():
+    if triton_serves(q):
         from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton  # lazy: imports triton
 
         kernel_options.note_backend("indexer_scores.fwd", "triton")

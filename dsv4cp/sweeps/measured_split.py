@@ -5,8 +5,10 @@ measured; the best measured split wins.
 Every round measures one split: the real ranks of a CP run (each rank's own median, gathered), or every
 rank emulated in turn on one device (:mod:`dsv4cp.sweeps.emulation`: compute only). The refit
 (:func:`dsv4cp.model.refit.refit`) uses every round so far, per phase class, so the calibration it ends
-with transfers to other packings and token counts; the split is then the model's balanced split under it
-(:func:`dsv4cp.model.partition.policy_split`, refined on the model's per-rank evaluation). Both are
+with transfers to other packings and token counts, plus one factor per rank for what no class expresses
+(damped: the geometric mean of every round's estimate); the split is then the model's balanced split under
+it (:func:`model_split`: :func:`dsv4cp.model.partition.policy_split`, refined on the model's per-rank
+evaluation, where the per-rank factors apply). At another cp the per-rank factors are ignored. Both are
 written to files (:func:`save_split`, ``Calibration.save``) that ``--split-file`` and ``--calibration``
 take, so a layout is tuned once and reused.
 
@@ -46,6 +48,8 @@ class SplitRound:
 
     split: tuple[int, ...]
     rank_ms: tuple[float, ...]
+    predicted_ms: tuple[float, ...] | None = None
+    """The model's rank times for the split under the calibration that chose it (None without one)."""
 
     @property
     def imbalance(self) -> float:
@@ -53,8 +57,12 @@ class SplitRound:
 
     def line(self, index: int) -> str:
         times = ", ".join(f"{t:.2f}" for t in self.rank_ms)
-        return (f"round {index}: split {list(self.split)}; rank ms [{times}]; max/mean {self.imbalance:.3f}; "
+        text = (f"round {index}: split {list(self.split)}; rank ms [{times}]; max/mean {self.imbalance:.3f}; "
                 f"slowest {max(self.rank_ms):.2f} ms")
+        if self.predicted_ms is None:
+            return text
+        predicted = max(self.predicted_ms) * len(self.predicted_ms) / sum(self.predicted_ms)
+        return f"{text} (model predicted max/mean {predicted:.3f}, slowest {max(self.predicted_ms):.2f} ms)"
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,8 @@ class MeasuredSplit:
 
     rounds: tuple[SplitRound, ...]
     best: int
-    """Index of the round with the smallest slowest-rank time (the step waits for it)."""
+    """Index of the round with the smallest slowest-rank time (the step waits for it), ties to the smaller
+    max/mean."""
     calibration: Calibration
 
     @property
@@ -79,10 +88,12 @@ def refine_by_measurement(
     point: Point, measure_ranks: MeasureRanks, *, machine: Machine | None = None,
     calibration: Calibration | None = None, target: float = TARGET_IMBALANCE, max_rounds: int = MAX_ROUNDS,
     on_round: Callable[[int, SplitRound], object] | None = None, max_rank_bytes: int | None = None,
+    per_rank: bool = True,
 ) -> tuple[MeasuredSplit, list]:
     """Run the rounds (see the module docstring); also returns what ``measure_ranks`` kept per round.
     ``max_rank_bytes``: every split measured keeps each rank's estimated peak memory at most this
-    (:func:`dsv4cp.model.memory_split.memory_capped_split`)."""
+    (:func:`dsv4cp.model.memory_split.memory_capped_split`). ``per_rank=False``: the refit without per-rank
+    factors (phase classes only)."""
     if point.cp < 2:
         raise ValueError(f"cp: a measured split needs cp >= 2, got {point.cp}")
     if not target >= 1.0:
@@ -93,34 +104,43 @@ def refine_by_measurement(
     cfg, lengths = point_inputs(point)
 
     def balanced(under: Calibration | None) -> RowSplit:
-        split = policy_split(cfg, point.ratio, lengths, point.cp, "balanced", machine, total=point.tokens,
-                             direction=point.direction, calibration=under)
-        if max_rank_bytes is None:
-            return split
-        return memory_capped_split(cfg, point.ratio, lengths, split, max_rank_bytes, dtype=DTYPES[point.dtype],
-                                   direction=point.direction, recompute=point.recompute, machine=machine,
-                                   calibration=under)
+        return model_split(point, under, machine, max_rank_bytes)
 
     split = balanced(calibration)
     rounds, kept, samples, fitted = [], [], [], calibration
     for index in range(max_rounds):
         rank_ms, measurement = measure_ranks(split)
-        rounds.append(SplitRound(split.bounds, tuple(rank_ms)))
+        est = estimate(cfg, point.ratio, lengths, point.cp, machine, point.tokens, split=split)
+        predicted = None if fitted is None else tuple(map(float, fitted.rank_compute_s(est, point.direction) * 1e3))
+        rounds.append(SplitRound(split.bounds, tuple(rank_ms), predicted))
         kept.append(measurement)
         if on_round is not None:
             on_round(index, rounds[-1])
-        est = estimate(cfg, point.ratio, lengths, point.cp, machine, point.tokens, split=split)
         samples.append(RankTimes(est, tuple(rank_ms)))
         fitted = refit(samples, prior=calibration, direction=point.direction,
-                       source=f"measured split of {point.label()} ({len(samples)} rounds)")
+                       source=f"measured split of {point.label()} ({len(samples)} rounds)", per_rank=per_rank)
         if rounds[-1].imbalance <= target or index == max_rounds - 1:
             break
         following = balanced(fitted)
         if following.bounds in {r.split for r in rounds}:
             break  # the model returns a split already measured: more rounds would repeat it
         split = following
-    best = min(range(len(rounds)), key=lambda i: max(rounds[i].rank_ms))
+    best = min(range(len(rounds)), key=lambda i: (max(rounds[i].rank_ms), rounds[i].imbalance))
     return MeasuredSplit(tuple(rounds), best, fitted), kept
+
+
+def model_split(point: Point, calibration: Calibration | None, machine: Machine,
+                max_rank_bytes: int | None = None) -> RowSplit:
+    """The split a round measures: the model's balanced split of ``point`` under ``calibration`` (its
+    per-rank factors included at their cp), within ``max_rank_bytes`` of estimated peak memory per rank."""
+    cfg, lengths = point_inputs(point)
+    split = policy_split(cfg, point.ratio, lengths, point.cp, "balanced", machine, total=point.tokens,
+                         direction=point.direction, calibration=calibration)
+    if max_rank_bytes is None:
+        return split
+    return memory_capped_split(cfg, point.ratio, lengths, split, max_rank_bytes, dtype=DTYPES[point.dtype],
+                               direction=point.direction, recompute=point.recompute, machine=machine,
+                               calibration=calibration)
 
 
 def measure_measured_point(
@@ -168,7 +188,8 @@ def save_split(path: str | Path, point: Point, result: MeasuredSplit) -> None:
     Path(path).write_text(json.dumps({
         "schema": SPLIT_FILE_SCHEMA, "point": point.label(), "cp": point.cp, "tokens": point.tokens,
         "split": list(result.split.bounds),
-        "rounds": [{"split": list(r.split), "rank_ms": list(r.rank_ms), "max_over_mean": r.imbalance}
+        "rounds": [{"split": list(r.split), "rank_ms": list(r.rank_ms), "max_over_mean": r.imbalance,
+                    **({} if r.predicted_ms is None else {"predicted_ms": list(r.predicted_ms)})}
                    for r in result.rounds],
     }, indent=2) + "\n")
 
@@ -190,6 +211,26 @@ def load_split(path: str | Path, cp: int, tokens: int) -> RowSplit:
         raise ValueError(f"{where}: made for cp {values.get('cp')} and {values.get('tokens')} tokens, not cp {cp} "
                          f"and {tokens} tokens")
     return RowSplit(tuple(bounds))
+
+
+def load_rounds(path: str | Path, cp: int, tokens: int) -> tuple[SplitRound, ...]:
+    """Every round of a file :func:`save_split` wrote (checked as :func:`load_split` checks its split)."""
+    load_split(path, cp, tokens)
+    rounds = json.loads(Path(path).read_text()).get("rounds")
+    where = f"--split-file {path}"
+    if not isinstance(rounds, list) or not rounds:
+        raise ValueError(f"{where}: 'rounds' must be a non-empty list, got {rounds!r}")
+    out = []
+    for index, item in enumerate(rounds):
+        split, times = (item.get("split"), item.get("rank_ms")) if isinstance(item, dict) else (None, None)
+        if not isinstance(split, list) or not isinstance(times, list) or len(times) != cp:
+            raise ValueError(f"{where}: rounds[{index}] needs a 'split' and {cp} 'rank_ms', got {item!r}")
+        predicted = item.get("predicted_ms")  # absent in files written before it was recorded
+        if predicted is not None and (not isinstance(predicted, list) or len(predicted) != cp):
+            raise ValueError(f"{where}: rounds[{index}].predicted_ms needs {cp} times, got {predicted!r}")
+        out.append(SplitRound(tuple(split), tuple(float(t) for t in times),
+                              None if predicted is None else tuple(float(t) for t in predicted)))
+    return tuple(out)
 
 
 def measure_under_partition(point: Point, group: dist.ProcessGroup | None, device: torch.device, run: RunOptions,

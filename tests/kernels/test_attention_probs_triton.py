@@ -4,10 +4,14 @@ CPU (Triton's interpreter, fp32, tiny sizes: T <= 12, H in {1, 3, 5, 8}, D in {1
 :func:`logsumexp_over_triton` and :func:`head_summed_probs_triton` against the torch functions of
 :mod:`dsv4cp.ops.attention_probs` (relative error 1e-4), plus the head loop (H over several head blocks),
 int32 / int64 indices, strided inputs, out-of-range rows, bf16 through the interpreter, determinism,
-degenerate shapes, input validation and the dispatch (CPU and fp64 stay on torch).
+degenerate shapes, input validation and the dispatch (CPU and fp64 stay on torch). The ``d_chunks``
+kernels the same way, per launch shape: both logit layouts (probabilities), one program per item or a
+persistent grid, head loops / head blocks with a padded last block, D not a multiple of the chunk,
+ragged slot blocks; their results do not depend on the grid.
 
 GPU (marked ``gpu``): T = 2048, H = 64, D = 512, K = 512 in bf16 against the torch path in fp32 (relative
-error < 1e-2), the head loop at H = 128, fp32 at D = 512 (the fp32 ladder), and the dispatch on CUDA.
+error < 1e-2), the head loop at H = 128, fp32 at D = 512 (the fp32 ladder), and the dispatch on CUDA;
+the ``d_chunks`` ladder's and the bench's launches at the flash shape.
 
 Inputs are random, from the per-test ``seed`` (DSV4CP_TEST_SEED varies it, failures print it), never
 zeros; every case mixes empty (-1) slots, a query without any valid slot and duplicated indices.
@@ -21,8 +25,15 @@ pytest.importorskip("triton")
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.kernels import triton_available
-from dsv4cp.kernels.attention_probs_triton import SLOTS_ON_M_ENV, head_summed_probs_triton, logsumexp_over_triton
+from dsv4cp.kernels.attention_probs_triton import (
+    SLOTS_ON_M_ENV,
+    ChunkConfig,
+    LseChunkConfig,
+    head_summed_probs_triton,
+    logsumexp_over_triton,
+)
 from dsv4cp.ops import attention_probs as il
 
 HAS_CUDA = torch.cuda.is_available()
@@ -79,15 +90,18 @@ def check_probs(p: torch.Tensor, ref: torch.Tensor, idx: torch.Tensor, tol: floa
 
 
 # ------------------------------------------------------------------------------------------ CPU
+@pytest.mark.parametrize("kernel", ["whole_d", "d_chunks"])
 @pytest.mark.parametrize("k", [5, 13, 70])
 @pytest.mark.parametrize("d", [16, 32])
 @pytest.mark.parametrize("h", [1, 3, 5, 8])
-def test_matches_torch_fp32(h, d, k, seed):
+def test_matches_torch_fp32(h, d, k, kernel, seed):
+    """Both kernels of each op, with their ladders' first tiles."""
     t = 12 if k < 70 else 6
     q, keys, idx, scale, lden = make_case(seed, t, h, d, 3 * k + 7, k)
-    msg = f"seed={seed} T={t} H={h} D={d} K={k}"
-    check_lse(logsumexp_over_triton(q, keys, idx, scale), il.logsumexp_over_torch(q, keys, idx, scale), 1e-4, msg)
-    p = head_summed_probs_triton(q, keys, idx, scale, lden)
+    msg = f"seed={seed} T={t} H={h} D={d} K={k} {kernel}"
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel=kernel), il.logsumexp_over_torch(q, keys, idx, scale),
+              1e-4, msg)
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, kernel=kernel)
     check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, msg)
     assert p[1].abs().max().item() == 0.0, f"{msg}: a query without slots has zero mass"
 
@@ -99,18 +113,18 @@ def test_heads_on_m_layout_matches_torch(h, seed, monkeypatch):
     is refused."""
     q, keys, idx, scale, lden = make_case(seed, 6, h, 32, 60, 40)
     monkeypatch.setenv(SLOTS_ON_M_ENV, "0")
-    p = head_summed_probs_triton(q, keys, idx, scale, lden, block_k=16, num_warps=4, num_stages=1)
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, block_k=16, num_warps=4, num_stages=1, kernel="whole_d")
     check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, f"seed={seed} H={h}")
     monkeypatch.setenv(SLOTS_ON_M_ENV, "yes")
     with pytest.raises(ValueError, match=SLOTS_ON_M_ENV):
-        head_summed_probs_triton(q, keys, idx, scale, lden)
+        head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d")
 
 
 def test_head_loop_and_slot_blocks(seed):
     """H = 20 over head blocks of 16 (the second one 4/16 full): the probabilities kernel loops over head
     blocks inside each slot block (blocks of 16 slots), the lse kernel runs two programs per query."""
     q, keys, idx, scale, lden = make_case(seed, 4, 20, 32, 24, 37)
-    kw = {"block_h": 16, "block_k": 16, "num_warps": 4, "num_stages": 1}
+    kw = {"block_h": 16, "block_k": 16, "num_warps": 4, "num_stages": 1, "kernel": "whole_d"}
     check_lse(logsumexp_over_triton(q, keys, idx, scale, **kw), il.logsumexp_over_torch(q, keys, idx, scale),
               1e-4, f"seed={seed}")
     p = head_summed_probs_triton(q, keys, idx, scale, lden, **kw)
@@ -152,9 +166,10 @@ def test_bf16_through_interpreter_vs_fp32_reference(seed):
 
 def test_deterministic_and_degenerate_shapes(seed):
     q, keys, idx, scale, lden = make_case(seed, 5, 20, 16, 12, 9)
-    kw = {"block_h": 16, "block_k": 16}
-    first = head_summed_probs_triton(q, keys, idx, scale, lden, **kw)
-    assert torch.equal(first, head_summed_probs_triton(q, keys, idx, scale, lden, **kw)), f"seed={seed}"
+    for kw in ({"block_h": 16, "block_k": 16, "kernel": "whole_d"},
+               {"chunk_config": ChunkConfig(16, 16, 16, 4, 1, 1, 2), "kernel": "d_chunks"}):
+        first = head_summed_probs_triton(q, keys, idx, scale, lden, **kw)
+        assert torch.equal(first, head_summed_probs_triton(q, keys, idx, scale, lden, **kw)), f"seed={seed} {kw}"
     # no slots at all, no queries
     none = idx[:, :0]
     assert torch.isneginf(logsumexp_over_triton(q, keys, none, scale)).all()
@@ -211,6 +226,134 @@ def test_cpu_and_fp64_dispatch_to_torch(monkeypatch, seed):
                            il.head_summed_probs_torch(qc, kc, idx, scale, ld))
 
 
+# d_chunks: (block_h, block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm) on tiny shapes
+_CHUNK_CASES = [
+    # H, D, K, config
+    (3, 32, 13, (16, 16, 16, 4, 1, 1, 0)),  # two chunks, one slot block, one program per item
+    (5, 32, 40, (16, 16, 16, 4, 1, 0, 3)),  # heads on M, three slot blocks (the last ragged), persistent
+    (8, 16, 70, (16, 32, 16, 4, 1, 1, 2)),  # one chunk, three slot blocks, persistent
+    (20, 32, 37, (16, 16, 16, 4, 1, 1, 2)),  # head loop (two blocks, the second 4/16 full), persistent
+    (20, 32, 37, (16, 32, 32, 4, 1, 0, 0)),  # head loop, heads on M
+    (1, 48, 5, (16, 16, 32, 4, 1, 1, 3)),  # D = 48 in chunks of 32: a masked last chunk
+    (1, 48, 5, (16, 16, 32, 4, 1, 0, 0)),
+    (130, 16, 13, (128, 16, 16, 4, 1, 1, 2)),  # 128-head blocks (the ladder's for H > 64), the second padded
+]
+
+
+@pytest.mark.parametrize("h, d, k, config", _CHUNK_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
+                         else str(v))
+def test_d_chunks_matches_torch_fp32(h, d, k, config, seed):
+    t = 7
+    q, keys, idx, scale, lden = make_case(seed, t, h, d, 3 * k + 7, k)
+    msg = f"seed={seed} H={h} D={d} K={k} config={config}"
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks", chunk_config=ChunkConfig(*config))
+    check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, msg)
+    assert p[1].abs().max().item() == 0.0, f"{msg}: a query without slots has zero mass"
+
+
+@pytest.mark.parametrize("h, d, k, config", _CHUNK_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
+                         else str(v))
+def test_lse_d_chunks_matches_torch_fp32(h, d, k, config, seed):
+    """The same shapes and tiles for the log-sum-exp (the layout field dropped: heads on M), with empty
+    slots, a query without any (``-inf``) and several slot blocks of online max / sum."""
+    bh, bk, bd, warps, stages, _, programs = config
+    q, keys, idx, scale, _ = make_case(seed, 7, h, d, 3 * k + 7, k)
+    lse = logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks",
+                                chunk_config=LseChunkConfig(bh, bk, bd, warps, stages, programs))
+    check_lse(lse, il.logsumexp_over_torch(q, keys, idx, scale), 1e-4, f"seed={seed} H={h} D={d} K={k} {config}")
+
+
+def test_d_chunks_bf16_ladder_and_grid_independence(seed):
+    """bf16 through the interpreter with the kernel's own ladder (the option's ``auto``); int32 indices,
+    strided views and out-of-range rows; the same tile on a persistent grid or one program per item gives
+    the same bits."""
+    q, keys, idx, scale, lden = make_case(seed, 6, 4, 32, 30, 20, idx_dtype=torch.int32)
+    far = idx.clone()
+    far[0, :3] = torch.tensor([30, 1000, 2**30], dtype=torch.int32)  # out of range: empty
+    near = idx.clone()
+    near[0, :3] = -1
+    qb = torch.stack([q, q + 1.0], dim=2).flatten(1, 2).bfloat16()[:, ::2]  # stride(1) = 2 D
+    kb = torch.cat([keys, keys], dim=1).bfloat16()[:, :32]  # stride(0) = 2 D
+    assert qb.stride(1) == 64 and kb.stride(0) == 64
+    p = head_summed_probs_triton(qb, kb, far, scale, lden, kernel="d_chunks")
+    ref = il.head_summed_probs_torch(qb.float(), kb.float(), near, scale, lden)
+    check_probs(p, ref, near, 1e-4, f"seed={seed}")
+    one = head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks",
+                                   chunk_config=ChunkConfig(16, 16, 16, 4, 1, 1, 0))
+    grid = head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks",
+                                    chunk_config=ChunkConfig(16, 16, 16, 4, 1, 1, 4))
+    assert torch.equal(one, grid), f"seed={seed}: the grid changed the result"
+    check_lse(logsumexp_over_triton(qb, kb, far, scale, kernel="d_chunks"),
+              il.logsumexp_over_torch(qb.float(), kb.float(), near, scale), 1e-4, f"seed={seed} lse")
+    one, grid = (logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks",
+                                       chunk_config=LseChunkConfig(16, 16, 16, 4, 1, programs)) for programs in (0, 4))
+    assert torch.equal(one, grid), f"seed={seed}: the grid changed the lse"
+    empty = torch.full_like(idx, -1)  # every slot empty: -inf lse, zero mass
+    assert torch.isneginf(logsumexp_over_triton(q, keys, empty, scale, kernel="d_chunks")).all()
+    assert (head_summed_probs_triton(q, keys, empty, scale, lden, kernel="d_chunks") == 0).all()
+
+
+def test_d_chunks_through_the_options(seed, monkeypatch):
+    """``DSV4CP_TRITON_PROBS_KERNEL=d_chunks`` routes the op to the chunked kernel and
+    ``DSV4CP_TRITON_PROBS_CHUNK_CONFIG`` pins its launch (noted as what ran); bad values name the variable
+    or the field."""
+    q, keys, idx, scale, lden = make_case(seed, 5, 3, 32, 20, 9)
+    ref = il.head_summed_probs_torch(q, keys, idx, scale, lden)
+    monkeypatch.setenv("DSV4CP_TRITON_PROBS_KERNEL", "d_chunks")
+    monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", "16,16,16,4,1,0,2")
+    kernel_options.reset_backends_ran()
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref, idx, 1e-4, f"seed={seed}")
+    ran = kernel_options.backends_ran()
+    assert ran.get("attention_probs.probs_chunks.config") == (
+        "block_h=16,block_k=16,block_d=16,num_warps=4,num_stages=1,slots_on_m=0,programs_per_sm=2"), ran
+    monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", "16,16,16,4,1,2,2")
+    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_PROBS_CHUNK_CONFIG\.slots_on_m"):
+        head_summed_probs_triton(q, keys, idx, scale, lden)
+    monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", "16,16,16,4,1")
+    with pytest.raises(ValueError, match="DSV4CP_TRITON_PROBS_CHUNK_CONFIG"):
+        head_summed_probs_triton(q, keys, idx, scale, lden)
+    monkeypatch.setenv("DSV4CP_TRITON_PROBS_CONFIG", "16,16,4,1")  # the whole_d tile: refused, not ignored
+    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_PROBS_CONFIG: pins the whole_d kernel"):
+        head_summed_probs_triton(q, keys, idx, scale, lden)
+    monkeypatch.delenv("DSV4CP_TRITON_PROBS_CONFIG")
+    monkeypatch.setenv("DSV4CP_TRITON_PROBS_KERNEL", "tiles")
+    with pytest.raises(ValueError, match="DSV4CP_TRITON_PROBS_KERNEL"):
+        head_summed_probs_triton(q, keys, idx, scale, lden)
+    monkeypatch.setenv("DSV4CP_TRITON_LSE_KERNEL", "d_chunks")
+    monkeypatch.setenv("DSV4CP_TRITON_LSE_CHUNK_CONFIG", "16,16,16,4,1,3")
+    check_lse(logsumexp_over_triton(q, keys, idx, scale), il.logsumexp_over_torch(q, keys, idx, scale), 1e-4,
+              f"seed={seed}")
+    assert kernel_options.backends_ran().get("attention_probs.lse_chunks.config") == (
+        "block_h=16,block_k=16,block_d=16,num_warps=4,num_stages=1,programs_per_sm=3")
+    monkeypatch.setenv("DSV4CP_TRITON_LSE_CHUNK_CONFIG", "16,16,16,4,1,-2")
+    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_LSE_CHUNK_CONFIG\.programs_per_sm"):
+        logsumexp_over_triton(q, keys, idx, scale)
+
+
+@pytest.mark.parametrize("config, field", [
+    ((16, 24, 16, 4, 1, 1, 0), "block_k"),
+    ((16, 16, 8, 4, 1, 1, 0), "block_d"),
+    ((16, 16, 16, 0, 1, 1, 0), "num_warps"),
+    ((16, 16, 16, 4, 1, 3, 0), "slots_on_m"),
+    ((16, 16, 16, 4, 1, 1, -1), "programs_per_sm"),
+])
+def test_d_chunks_bad_config_names_the_field(config, field):
+    q, keys, idx, scale, lden = make_case(0, 3, 2, 16, 8, 5)
+    with pytest.raises(ValueError, match=rf"^chunk_config(\.{field}|: num_warps)"):
+        head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks", chunk_config=ChunkConfig(*config))
+    with pytest.raises(ValueError, match=r"^kernel:"):
+        head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole")
+    with pytest.raises(ValueError, match=r"^block_k: pins the whole_d kernel"):
+        head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks", block_k=16)
+    with pytest.raises(ValueError, match=r"^num_warps: pins the whole_d kernel"):
+        logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks", num_warps=4)
+    if field != "slots_on_m":
+        bh, bk, bd, warps, stages, _, programs = config
+        with pytest.raises(ValueError, match=rf"^chunk_config(\.{field}|: num_warps)"):
+            logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks",
+                                  chunk_config=LseChunkConfig(bh, bk, bd, warps, stages, programs))
+
+
 # ------------------------------------------------------------------------------------------ GPU
 def _gpu_case(seed: int, t: int, h: int, d: int, k: int, dtype: torch.dtype):
     """Model-like inputs on CUDA: per-head RMS-normalised q, a key buffer of T + T / 4 (at least 2K) rows,
@@ -242,28 +385,30 @@ def test_gpu_flash_shape_bf16(idx_dtype, slots_on_m, seed, monkeypatch):
     q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 2048, 64, 512, 512, torch.bfloat16)
     idx = idx.to(idx_dtype)
     msg = f"seed={seed}"
-    check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-2, msg)
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="whole_d"), ref_lse, 1e-2, msg)
     ref_p = il.head_summed_probs_torch(q32, k32, idx, scale, lden)
-    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref_p, idx, 1e-2, msg)
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d"), ref_p, idx, 1e-2, msg)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_head_loop_bf16(seed):
-    """H = 128 (pro preset): the probabilities kernel loops over two head blocks of 64."""
+    """H = 128 (pro preset): the whole_d probabilities kernel loops over two head blocks of 64."""
     q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 512, 128, 512, 512, torch.bfloat16)
-    check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-2, f"seed={seed}")
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="whole_d"), ref_lse, 1e-2, f"seed={seed}")
     ref_p = il.head_summed_probs_torch(q32, k32, idx, scale, lden)
-    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref_p, idx, 1e-2, f"seed={seed}")
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d"), ref_p, idx, 1e-2,
+                f"seed={seed}")
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_fp32_d512(seed):
     q, keys, idx, scale, lden, _, _, ref_lse = _gpu_case(seed, 128, 64, 512, 512, torch.float32)
-    check_lse(logsumexp_over_triton(q, keys, idx, scale), ref_lse, 1e-4, f"seed={seed}")
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="whole_d"), ref_lse, 1e-4, f"seed={seed}")
     ref_p = il.head_summed_probs_torch(q, keys, idx, scale, lden)
-    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref_p, idx, 1e-4, f"seed={seed}")
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d"), ref_p, idx, 1e-4,
+                f"seed={seed}")
 
 
 @pytest.mark.gpu
@@ -280,3 +425,43 @@ def test_gpu_loss_functions_dispatch_to_triton(monkeypatch, seed):
     monkeypatch.setattr(kernels, "logsumexp_over_triton", None)
     q64, k64 = q.double(), keys.double()
     assert torch.equal(il.logsumexp_over(q64, k64, idx, scale), il.logsumexp_over_torch(q64, k64, idx, scale))
+
+
+_GPU_CHUNK_CONFIGS = [None, (64, 512, 32, 8, 7, 1, 1), (64, 256, 64, 8, 5, 0, 1), (64, 128, 64, 8, 5, 1, 2),
+                      (64, 128, 64, 8, 5, 1, 0), (64, 64, 64, 4, 5, 1, 4)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", _GPU_CHUNK_CONFIGS, ids=lambda c: "ladder" if c is None else "x".join(map(str, c)))
+def test_gpu_d_chunks_flash_shape_bf16(config, seed):
+    """The d_chunks kernel at the flash shape (its ladder and the bench's main launches), int32 indices."""
+    q, keys, idx, scale, lden, q32, k32, _ = _gpu_case(seed, 2048, 64, 512, 512, torch.bfloat16)
+    idx = idx.to(torch.int32)
+    cfg = None if config is None else ChunkConfig(*config)
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks", chunk_config=cfg)
+    check_probs(p, il.head_summed_probs_torch(q32, k32, idx, scale, lden), idx, 1e-2, f"seed={seed} {config}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", [None, (64, 128, 64, 4, 7, 2), (64, 256, 32, 8, 7, 1), (64, 512, 32, 8, 7, 1)],
+                         ids=lambda c: "ladder" if c is None else "x".join(map(str, c)))
+def test_gpu_lse_d_chunks_flash_shape_bf16(config, seed):
+    q, keys, idx, scale, _, _, _, ref_lse = _gpu_case(seed, 2048, 64, 512, 512, torch.bfloat16)
+    cfg = None if config is None else LseChunkConfig(*config)
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks", chunk_config=cfg), ref_lse, 1e-2,
+              f"seed={seed} {config}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_d_chunks_head_loop_and_fp32(dtype, seed):
+    """H = 128 (two head blocks of 64) in bf16, and fp32 at D = 512 (the fp32 ladders): both ops."""
+    h, t = (128, 512) if dtype == torch.bfloat16 else (64, 128)
+    q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, t, h, 512, 512, dtype)
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, kernel="d_chunks")
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    check_probs(p, il.head_summed_probs_torch(q32, k32, idx, scale, lden), idx, tol, f"seed={seed}")
+    check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="d_chunks"), ref_lse, tol, f"seed={seed}")

@@ -23,11 +23,13 @@ pytest.importorskip("triton")
 
 import torch
 
+from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.contracts import select_top
 from dsv4cp.kernels.select_top_triton import (
     SELECT_CONFIG_ENV,
     SELECT_CONFIGS,
+    SELECT_VARIANTS,
     SelectConfig,
     select_config_ladder,
     select_top_triton,
@@ -39,6 +41,16 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 if not triton_available(DEVICE):  # pragma: no cover - triton imported without the interpreter on CPU
     pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
                 allow_module_level=True)
+
+
+VARIANT_ENV = OPTIONS["topk_select_variant"].env
+
+
+@pytest.fixture(autouse=True, params=SELECT_VARIANTS)
+def variant(request, monkeypatch) -> str:
+    """Every test runs each radix-select kernel (the kernel option ``topk_select_variant``)."""
+    monkeypatch.setenv(VARIANT_ENV, request.param)
+    return request.param
 
 
 def tied_scores(gen: torch.Generator, rows: int, columns: int) -> torch.Tensor:
@@ -58,10 +70,16 @@ def tied_scores(gen: torch.Generator, rows: int, columns: int) -> torch.Tensor:
 
 
 def check(scores: torch.Tensor, keep: int, msg: str, **kwargs) -> torch.Tensor:
-    got = select_top_triton(scores, keep, **kwargs)
+    """The selection of ``scores`` equals the contract's, and the scores returned with it are the
+    buffer's at the chosen columns bit for bit (0.0 in the ``-1`` slots)."""
+    got, values = select_top_triton(scores, keep, return_values=True, **kwargs)
     expected = select_top(scores, keep)
     assert got.dtype == torch.int64 and got.shape == expected.shape, msg
     assert torch.equal(got.cpu(), expected.cpu()), f"{msg} keep={keep}\n{scores}\n{got}\n{expected}"
+    gathered = torch.where(expected >= 0, scores.gather(1, expected.clamp_min(0)), 0.0)
+    assert values.dtype == torch.float32 and values.shape == expected.shape, msg
+    assert torch.equal(values.view(torch.int32).cpu(), gathered.view(torch.int32).cpu()), f"{msg}\n{values}"
+    assert torch.equal(select_top_triton(scores, keep, **kwargs), got), msg  # the same without the values
     return got
 
 
@@ -187,6 +205,42 @@ def test_config_pins_and_env(monkeypatch, seed):
     monkeypatch.setenv(SELECT_CONFIG_ENV, "64,13,4,1")
     with pytest.raises(ValueError, match="radix_bits"):
         select_top_triton(scores, 7)
+    monkeypatch.delenv(SELECT_CONFIG_ENV)
+    monkeypatch.setenv(VARIANT_ENV, "heap")
+    with pytest.raises(ValueError, match=VARIANT_ENV):
+        select_top_triton(scores, 7)
+
+
+def test_bounded_pass_zero_cases(seed):
+    """The cases of the bounded kernel's pass 0: a lower bound from the segments' maxima (rows of one
+    binade, where the candidates share sign and exponent), no bound (``keep`` above the segments, or
+    fewer live segments than ``keep``), every key equal (bound = largest key: the cut found with no
+    pass), all negative, and one finite score more than ``keep``."""
+    gen = torch.Generator().manual_seed(seed)
+    binade = 1.0 + torch.rand(3, 100, generator=gen)  # [1, 2): one exponent
+    check(binade, 9, f"seed={seed}")
+    check(binade, 40, f"seed={seed}")  # keep above the interpreter's 32 segments: no bound
+    sparse = torch.full((2, 100), float("-inf"))
+    sparse[:, torch.randperm(100, generator=gen)[:12]] = torch.randn(2, 12, generator=gen)
+    check(sparse, 10, f"seed={seed}")  # 12 finite, in fewer live segments than keep
+    check(torch.full((2, 70), 0.5), 9, f"seed={seed}")  # lower bound = largest key: all tied
+    check(-torch.rand(2, 90, generator=gen) - 1.0, 11, f"seed={seed}")
+    short = torch.full((1, 64), float("-inf"))
+    short[0, 5:16] = torch.randn(11, generator=gen)
+    check(short, 10, f"seed={seed}")
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_random_rows(trial, seed):
+    """Random shapes, ``keep`` and mixtures (Gaussian, ReLU zeros, a narrow binade, ties, ``-inf`` and
+    NaN) against the contract."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, columns = int(torch.randint(1, 5, (), generator=gen)), int(torch.randint(2, 150, (), generator=gen))
+    keep = int(torch.randint(1, columns + 1, (), generator=gen))
+    scores = torch.randn(rows, columns, generator=gen)
+    scores = [scores, scores.relu(), scores.abs() + 8.0, (scores * 2).round(), tied_scores(gen, rows, columns),
+              scores.masked_fill(torch.rand(rows, columns, generator=gen) < 0.5, float("-inf"))][trial]
+    check(scores, keep, f"seed={seed} trial={trial}")
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -201,6 +255,8 @@ def test_config_pins_and_env(monkeypatch, seed):
     ({"row_limit": (1, 2, -1)}, "row_limit"),
     ({"config": SelectConfig(32, 8, 0, 1)}, "config"),
     ({"config": SelectConfig(32, 0, 4, 1)}, "radix_bits"),
+    ({"variant": "heap"}, "variant"),
+    ({"return_values": 1}, "return_values"),
 ])
 def test_bad_arguments_are_named(kwargs, name):
     args = {"scores": torch.randn(2, 5), "keep": 2, **kwargs}

@@ -118,7 +118,7 @@ def test_measured_partition_rounds_then_reuse_of_its_files(tmp_path, capsys, see
             "--max-rounds", "2", "--target-imbalance", "1.0"]
     assert main([*args, "--out", str(out), "--save-split", str(split_file), "--save-calibration", str(cal_file)]) == 0
     text = capsys.readouterr().out
-    assert "round 0: split" in text and "measured split: round" in text
+    assert "round 0: split" in text and "measured split: round" in text and "per-rank factors of the refit" in text
     records = read_records(out)
     assert [r["emulated_rank"] for r in records] == [0, 1, "all"]
     assert all(r["partition"] == "measured" and r["calibration"] for r in records)

@@ -9,17 +9,38 @@ from pathlib import Path
 import pytest
 
 from bench import calibration_check, emulated_summary, partition_shares, phase_vs_bound
-from dsv4cp.records import append_record, make_record
+from dsv4cp.records import append_record, make_record, point_id
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_phase_vs_bound_reproduces_its_recorded_table(capsys):
-    """Inputs and output: results/2026-12-01-h200-speed4/trace-auto/overlap.csv and phase_vs_bound.txt."""
-    assert phase_vs_bound.main([str(DATA / "phase-vs-bound" / "overlap.csv")]) == 0
-    assert capsys.readouterr().out == (DATA / "phase-vs-bound" / "phase_vs_bound.txt").read_text()
+    """Inputs: the record of results/2026-12-01-h200-speed4/profile-auto (and its trace's overlap.csv); output:
+    that folder's phase_vs_bound.txt, under a title naming the point."""
+    data = DATA / "phase-vs-bound"
+    expected = (data / "phase_vs_bound.txt").read_text()
+    for extra in ([], ["--phases", str(data / "overlap.csv")]):
+        assert phase_vs_bound.main([str(data / "records.jsonl"), *extra]) == 0
+        title, _, table = capsys.readouterr().out.partition("\n")
+        assert "point 8dd88e6e6397" in title and "65536 tokens one" in title
+        assert table == expected
     with pytest.raises(SystemExit):
         phase_vs_bound.main([])
+
+
+def test_phase_vs_bound_prices_the_records_own_packing(tmp_path, capsys):
+    """The bound follows the record's configuration: the same phases under histogram packing (shorter
+    documents, fewer causal pairs) get a smaller sum of bounds than under one document."""
+    record = json.loads((DATA / "phase-vs-bound" / "records.jsonl").read_text())
+    sums = {}
+    for packing in ("one", "histogram"):
+        path = tmp_path / f"{packing}.jsonl"
+        changed = {**record, "packing": packing}
+        path.write_text(json.dumps({**changed, "point_id": point_id(changed)}) + "\n")
+        assert phase_vs_bound.main([str(path)]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        sums[packing] = float(last.rsplit("sum of bounds ", 1)[1].split()[0])
+    assert sums["histogram"] < 0.95 * sums["one"], sums
 
 
 def test_partition_shares_reproduce_the_recorded_shares(capsys):
