@@ -28,13 +28,13 @@ Kernels, in the style of Triton's tutorials (kernel bodies, then their Python wr
       ``_dkv_reduce_kernel`` sums per kv row in a fixed order given by an inverted index (stable
       ``torch.sort`` of the flattened ``idx``): bitwise reproducible. The D chunks of one query are
       neighbouring programs, so its p / ds scratch is read from HBM once and then from L2.
-  :class:`BackwardPlan` holds the launches and buffers of one backward (:func:`backward_plan`), each
-  part callable alone (``bench/test_bench_sparse_attention.py``'s parts benchmark times them).
   "dq in dkv" placement (the default since measured 1.25x faster on an H200, :data:`DQ_IN_DKV_DEFAULT`;
   ``dq_in_dkv=False`` or ``DSV4CP_TRITON_DQ_IN_DKV=0`` selects the one above): (b) only writes p and
   ds, holding no ``[BLOCK_H, D]`` accumulator, so 64 heads fit one
   program on wgmma (one gather of each kv row per query at H = 64, not two), and (c) also accumulates
   its D chunk of ``dq = ds @ kv`` (gathering that chunk of the kv rows; ds is already loaded).
+  :class:`BackwardPlan` holds the launches and buffers of one backward (:func:`backward_plan`), each
+  part callable alone (``bench/test_bench_sparse_attention.py``'s parts benchmark times them).
 
 How ``D = 512`` fits an sm_90 SM (227 KB of shared memory per block, 64K 32-bit registers). The head dim
 is one tile (``BLOCK_D = next_pow2(D)``: one ``tl.dot`` reduces over all of it); a ``[64, 512]`` fp32
