@@ -13,13 +13,16 @@ machine (it imports ``bench.test_bench_sparse_attention``)::
     python -m bench.sweep_sparse_attention_configs --json sweep_sparse_attention.json
 
 Every candidate compiles once (about 10-20 s each, which dominates the run); ``--shapes``, ``--only``
-and ``--match`` (a part of the candidates' names, e.g. ``split-logits``) narrow the sweep.
+and ``--match`` (a regular expression on the candidates' names, e.g. ``split``) narrow the sweep;
+``bench/sparse_attention_resources.py`` lists the candidates' registers, spills and shared memory on
+sm_90 without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,10 +41,11 @@ TOLERANCE = 1e-2  # relative Frobenius error of bf16 against fp32 (tests/kernels
 
 @dataclass(frozen=True)
 class Candidate:
-    """One launch to time: the forward's ``(block_h, block_k, num_warps, num_stages)`` and whether its
-    warpgroups split the logits' slots, or the backward's first kernel (same fields), its dkv kernel
-    ``(block_k, block_d, num_warps, num_stages)``, where dq is accumulated and whether the dkv kernel forms
-    its gradient as one product. ``heads``: the head counts it is meant for (its dkv tiles depend on H)."""
+    """One launch to time: the forward's ``(block_h, block_k, num_warps, num_stages)``, its logits' layout
+    (default here: the layout before the split, to compare with) and whether it loads the indices ahead, or
+    the backward's first kernel (same fields), its dkv kernel ``(block_k, block_d, num_warps, num_stages)``,
+    where dq is accumulated and whether the dkv kernel forms its gradient as one product. ``heads``: the
+    head counts it is meant for (its dkv tiles depend on H)."""
 
     direction: str
     config: tuple[int, int, int, int]
@@ -49,9 +53,10 @@ class Candidate:
     dq_in_dkv: bool = False
     heads: tuple[int, ...] = (64, 128)
     note: str = ""
-    split_logits: bool = False
+    logits: str = "duplicated"
     one_product: bool = False
     index_ahead: bool = False
+    lazy_rescale: bool = False
 
     @property
     def name(self) -> str:
@@ -59,7 +64,9 @@ class Candidate:
         if self.direction == "bwd":
             text += (" / dkv " + "x".join(map(str, self.dkv)) + (" dq-in-dkv" if self.dq_in_dkv else "")
                      + (" one-product" if self.one_product else ""))
-        return text + (" split-logits" if self.split_logits else "") + (" index-ahead" if self.index_ahead else "")
+        layout = "" if self.logits == "duplicated" else " " + self.logits.replace("_", "-") + " logits"
+        return (text + layout + (" index-ahead" if self.index_ahead else "")
+                + (" lazy-rescale" if self.lazy_rescale else ""))
 
     @property
     def env(self) -> dict[str, str]:
@@ -67,8 +74,9 @@ class Candidate:
         join, flag = ",".join, lambda on: "1" if on else "0"
         if self.direction == "fwd":
             return {"DSV4CP_TRITON_FWD_CONFIG": join(map(str, self.config)),
-                    "DSV4CP_TRITON_FWD_SPLIT_LOGITS": flag(self.split_logits),
-                    "DSV4CP_TRITON_FWD_INDEX_AHEAD": flag(self.index_ahead)}
+                    "DSV4CP_TRITON_FWD_LOGITS": self.logits,
+                    "DSV4CP_TRITON_FWD_INDEX_AHEAD": flag(self.index_ahead),
+                    "DSV4CP_TRITON_FWD_LAZY_RESCALE": flag(self.lazy_rescale)}
         return {"DSV4CP_TRITON_BWD_CONFIG": join(map(str, self.config)),
                 "DSV4CP_TRITON_DKV_CONFIG": join(map(str, self.dkv)),
                 "DSV4CP_TRITON_DQ_IN_DKV": flag(self.dq_in_dkv),
@@ -79,25 +87,35 @@ class Candidate:
 # Candidates: the ones that compile for sm_90a with Triton 3.6 (the GPU machine's) within the shared
 # memory and without spills, or with the fewest (triton.compile for target cuda 90 with the launch's
 # 16-byte divisibility specialisation, then cuobjdump -res-usage; no GPU needed): registers per thread,
-# shared memory and stack bytes from spills in the notes (H = 64 unless a row is for 128 heads only). The
-# first row of each direction and shape is today's default.
+# shared memory and stack bytes from spills in the notes (H = 64 unless a row is for 128 heads only;
+# ``python -m bench.sparse_attention_resources`` prints them all). The first row of each direction and
+# shape is today's default.
 CANDIDATES = [
-    Candidate("fwd", (64, 64, 8, 2), note="default; 255 regs, 192 KB, no spill"),
+    Candidate("fwd", (64, 64, 8, 2), logits="split", index_ahead=True, note="default; 255 regs, 208 KB, 8 B stack"),
+    Candidate("fwd", (64, 32, 8, 3), logits="split", index_ahead=True,
+              note="rows 2 steps ahead; 228 regs, 168 KB, no spill"),
+    Candidate("fwd", (64, 32, 8, 4), logits="split", index_ahead=True,
+              note="rows 3 steps ahead; 228 regs, 200 KB, no spill"),
+    Candidate("fwd", (64, 64, 8, 2), logits="split", index_ahead=True, lazy_rescale=True,
+              note="rescale when a max rises by 2^8; 255 regs, 176 B stack"),
+    Candidate("fwd", (64, 32, 8, 4), logits="split", index_ahead=True, lazy_rescale=True,
+              note="255 regs, 16 B stack, 200 KB"),
+    Candidate("fwd", (64, 64, 8, 2), note="the layout before: duplicated logits; 255 regs, 192 KB, no spill"),
     Candidate("fwd", (64, 32, 8, 3), note="128 KB, 40 B stack"),
-    Candidate("fwd", (64, 64, 8, 2), split_logits=True, note="246 regs, 208 KB (H 128: 40 B stack)"),
-    Candidate("fwd", (64, 32, 8, 3), split_logits=True, note="233 regs, 136 KB (H 128: 40 B stack)"),
-    Candidate("fwd", (64, 64, 8, 1), split_logits=True, note="255 regs, 144 KB, no spill"),
+    Candidate("fwd", (64, 64, 8, 2), logits="split", note="246 regs, 208 KB (H 128: 40 B stack)"),
+    Candidate("fwd", (64, 32, 8, 3), logits="split", note="233 regs, 136 KB (H 128: 40 B stack)"),
+    Candidate("fwd", (64, 64, 8, 1), logits="split", note="255 regs, 144 KB, no spill"),
     Candidate("fwd", (64, 64, 8, 2), index_ahead=True, note="255 regs, 192 KB, 8 B stack (H 128: 80 B)"),
-    Candidate("fwd", (64, 64, 8, 2), split_logits=True, index_ahead=True,
-              note="255 regs, 208 KB, 8 B stack (H 128: 72 B)"),
-    Candidate("fwd", (64, 64, 8, 1), split_logits=True, index_ahead=True, note="255 regs, 144 KB, 8 B stack"),
+    Candidate("fwd", (64, 64, 8, 1), logits="split", index_ahead=True, note="255 regs, 144 KB, 8 B stack"),
     Candidate("fwd", (64, 64, 8, 3), note="3 stages: indices a step ahead by the pipeliner; 255 regs, 192 KB"),
-    Candidate("fwd", (64, 64, 8, 3), split_logits=True, note="3 stages; 252 regs, 208 KB (H 128: 40 B stack)"),
-    Candidate("bwd", (32, 64, 8, 2), (64, 256, 8, 2), heads=(64,), note="default; dq mma.sync 225 regs"),
+    Candidate("fwd", (64, 64, 8, 3), logits="split", note="3 stages; 252 regs, 208 KB (H 128: 40 B stack)"),
+    Candidate("fwd", (64, 128, 8, 1), logits="slots_on_m", note="wgmma N 64; 255 regs, 208 KB, 272 B stack"),
+    Candidate("fwd", (64, 128, 8, 1), logits="slots_on_m", index_ahead=True, note="255 regs, 208 KB, 408 B stack"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), note="default; scores 160 regs, 1 stage"),
+    Candidate("bwd", (32, 64, 8, 2), (64, 256, 8, 2), heads=(64,), note="dq kernel: mma.sync 225 regs"),
     Candidate("bwd", (32, 32, 8, 2), (64, 256, 8, 2), heads=(64,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 256, 8, 2), True, heads=(64,), note="wgmma 140 regs; dkv 252 regs 224 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(64,), note="dkv 153 regs, 2x p/ds reads"),
-    Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), note="scores 162 regs, 1 stage"),
     Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 2), True, heads=(64,), one_product=True,
               note="dkv 242 regs, 208 KB, no spill"),
     Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 1), True, heads=(64,), one_product=True,
@@ -114,14 +132,25 @@ CANDIDATES = [
               note="scores 186 regs; dkv 253 regs, 128 KB, 1 stage"),
     Candidate("bwd", (64, 64, 8, 1), (64, 256, 8, 3), True, heads=(64,), one_product=True,
               note="dkv 3 stages: indices a step ahead by the pipeliner; 230 regs, 208 KB"),
-    Candidate("bwd", (32, 64, 8, 2), (64, 128, 8, 2), heads=(128,), note="default"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 128, 4, 2), True, heads=(64,), one_product=True,
+              note="dkv 2 CTAs per SM: 4 warps, 238 regs, 112 KB"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 128, 4, 2), True, heads=(64,), one_product=True, index_ahead=True,
+              note="dkv 2 CTAs per SM: 234 regs, 112 KB; scores 186 regs"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 64, 4, 2), True, heads=(64,), one_product=True,
+              note="dkv 3 CTAs per SM: 130 regs, 64 KB, 8x p/ds reads"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 2), True, heads=(128,), note="default; dkv 224 regs, 192 KB"),
+    Candidate("bwd", (32, 64, 8, 2), (64, 128, 8, 2), heads=(128,), note="dq kernel: mma.sync"),
     Candidate("bwd", (32, 32, 8, 2), (64, 128, 8, 2), heads=(128,), note="dq 185 regs, 98 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(128,), note="dkv 224 regs, 192 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 64, 8, 2), True, heads=(128,), note="dkv 142 regs, 2x p/ds reads"),
     Candidate("bwd", (64, 32, 8, 2), (64, 128, 8, 2), True, heads=(128,), one_product=True,
               note="dkv 227 regs, 160 KB"),
     Candidate("bwd", (64, 32, 8, 2), (64, 64, 8, 2), True, heads=(128,), one_product=True,
-              note="dkv 112 regs, 96 KB, 2x p/ds reads"),
+              note="dkv 2 CTAs per SM: 112 regs, 96 KB, 2x p/ds reads"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 64, 8, 2), True, heads=(128,), one_product=True,
+              note="dkv 2 CTAs per SM: 112 regs, 96 KB"),
+    Candidate("bwd", (64, 64, 8, 1), (64, 64, 4, 2), True, heads=(128,), one_product=True,
+              note="dkv 2 CTAs per SM: 4 warps, 214 regs, 96 KB"),
     Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 2), True, heads=(128,), one_product=True, index_ahead=True,
               note="scores 186 regs; dkv 232 regs, 160 KB"),
     Candidate("bwd", (64, 64, 8, 1), (64, 128, 8, 3), True, heads=(128,), one_product=True,
@@ -157,7 +186,7 @@ def fwd_call(cand: Candidate, q, kv, idx, sink, scale):
 
     bh, bk, nw, ns = cand.config
     return sparse_attention_fwd(q, kv, idx, sink, scale, block_h=bh, block_k=bk, num_warps=nw, num_stages=ns,
-                                split_logits=cand.split_logits, index_ahead=cand.index_ahead)
+                                logits=cand.logits, index_ahead=cand.index_ahead, lazy_rescale=cand.lazy_rescale)
 
 
 def bwd_call(cand: Candidate, dout, q, kv, idx, sink, scale, out, lse):
@@ -225,7 +254,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, required=True, help="where to write the rows (JSON)")
     parser.add_argument("--shapes", default="flash,pro", help="comma-separated: flash, pro")
     parser.add_argument("--only", choices=("fwd", "bwd"), help="one direction only")
-    parser.add_argument("--match", default="", help="only candidates whose name holds this text (e.g. one-product)")
+    parser.add_argument("--match", default="", help="only candidates whose name matches this regular expression "
+                        "(e.g. one-product)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per candidate (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
     parser.add_argument("--check-tokens", type=int, default=1024, help="queries checked against torch")
@@ -262,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         fwd_out = fwd_call(CANDIDATES[0], *entry["args"])  # the backward's out and lse
         for cand in CANDIDATES:
             if (args.only and cand.direction != args.only) or shape.heads not in cand.heads or \
-                    args.match not in cand.name:
+                    not re.search(args.match, cand.name):
                 continue
             begin = time.perf_counter()
             row = run_candidate(cand, shape, entry, fwd_out, dout, ref, args.reps, args.warmup,

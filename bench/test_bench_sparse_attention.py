@@ -13,16 +13,21 @@ on CPU. Every backend runs in the same session, so one ``--benchmark-json`` hold
 Triton's, cuDNN's DSA backward beside Triton's, and torch's: the one-sided libraries "flashmla" (forward
 only) and "cudnn" (backward only) are timed alone, each where it is available (SM90+ and its package) and
 at the head dims it supports (not ``tiny``); a direction a backend lacks is skipped.
-Kernel variants of the triton backend are timed beside it (the same call with a kernel option set):
-``triton-dq-in-dkv`` (backward: dq accumulated by the dkv kernel, ``DSV4CP_TRITON_DQ_IN_DKV=1``),
+Kernel variants of the triton backend are timed beside it (the same call with kernel options set):
+``triton-duplicated-logits`` and ``triton-dq-in-dkv`` (the kernels before the variants below: forward
+logits computed by both warpgroups; backward dq accumulated by the dkv kernel, two chained products),
 ``triton-split-logits`` (forward: the two warpgroups split the logits' slots,
-``DSV4CP_TRITON_FWD_SPLIT_LOGITS=1``), ``triton-dkv-one-product`` (backward: the dkv kernel's
+``DSV4CP_TRITON_FWD_LOGITS=split``), ``triton-slots-on-m`` (forward: ``kv @ q^T``, 128 slots per step,
+``DSV4CP_TRITON_FWD_LOGITS=slots_on_m``), ``triton-dkv-one-matmul`` (backward: the dkv kernel's
 ``ds^T q + p^T dO`` as one product, ``DSV4CP_TRITON_DKV_ONE_PRODUCT=1``), ``triton-index-ahead`` (each
 direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TRITON_FWD_INDEX_AHEAD=1`` /
-``DSV4CP_TRITON_BWD_INDEX_AHEAD=1``) and the two combined. The current kernels against the new ones at
-the flash shape::
+``DSV4CP_TRITON_BWD_INDEX_AHEAD=1``), the two combined, and the forward's default at other tiles
+(``triton-split-ahead-<tile>``). The current kernels against the new ones at the flash shape::
 
     pytest bench/test_bench_sparse_attention.py -m gpu -k "flash and triton and not deterministic"
+
+``test_sparse_attention_backward_parts`` times each part of the triton backward alone (the preprocessing,
+the scores kernel, the dkv kernel, and the deterministic mode's sort and sums): ``-k "flash and parts"``.
 
 ``bench/sweep_sparse_attention_configs.py`` sweeps all launch configurations.
 """
@@ -40,15 +45,37 @@ from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
-FORWARD_VARIANTS = {"triton-split-logits": {"triton_fwd_split_logits": "1"},
-                    "triton-index-ahead": {"triton_fwd_index_ahead": "1"},
-                    "triton-split-logits-index-ahead": {"triton_fwd_split_logits": "1", "triton_fwd_index_ahead": "1"}}
-BACKWARD_VARIANTS = {"triton-dq-in-dkv": {"triton_dq_in_dkv": "1"},
-                     "triton-dkv-one-product": {"triton_dkv_one_product": "1"},
-                     "triton-index-ahead": {"triton_bwd_index_ahead": "1"},
-                     "triton-dkv-one-product-index-ahead": {"triton_dkv_one_product": "1",
-                                                            "triton_bwd_index_ahead": "1"}}
-"""Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set."""
+_BEFORE_FWD = {"triton_fwd_logits": "duplicated", "triton_fwd_index_ahead": "0", "triton_fwd_lazy_rescale": "0"}
+_BEFORE_BWD = {"triton_dq_in_dkv": "1", "triton_dkv_one_product": "0", "triton_bwd_index_ahead": "0"}
+FORWARD_VARIANTS = {
+    "triton-duplicated-logits": _BEFORE_FWD,
+    "triton-split-logits": _BEFORE_FWD | {"triton_fwd_logits": "split"},
+    "triton-slots-on-m": _BEFORE_FWD | {"triton_fwd_logits": "slots_on_m"},
+    "triton-index-ahead": _BEFORE_FWD | {"triton_fwd_index_ahead": "1"},
+    "triton-split-logits-index-ahead": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_index_ahead": "1"},
+    # the default (split logits, indices ahead) at other tiles: 32 slots a step with 3 or 4 buffers of rows
+    # (prefetched 2 or 3 steps ahead), one stage, and the pipeliner's own index prefetch at 3 stages
+    **{f"triton-split-ahead-{tile.replace(',', 'x')}": _BEFORE_FWD | {
+        "triton_fwd_logits": "split", "triton_fwd_index_ahead": "1", "triton_fwd_config": tile}
+       for tile in ("64,32,8,3", "64,32,8,4", "64,64,8,1")},
+    "triton-split-64x64x8x3": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_config": "64,64,8,3"},
+    "triton-split-ahead-lazy-rescale": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_index_ahead": "1",
+                                                      "triton_fwd_lazy_rescale": "1"},
+}
+BACKWARD_VARIANTS = {
+    "triton-dq-in-dkv": _BEFORE_BWD,
+    "triton-dkv-one-matmul": _BEFORE_BWD | {"triton_dkv_one_product": "1"},
+    "triton-index-ahead": _BEFORE_BWD | {"triton_bwd_index_ahead": "1"},
+    "triton-dkv-one-matmul-index-ahead": _BEFORE_BWD | {"triton_dkv_one_product": "1", "triton_bwd_index_ahead": "1"},
+    # the one-product dkv kernel small enough for 2 (128 columns, 4 warps, 112 KB) or 3 (64 columns, 64 KB)
+    # programs per SM at H = 64, so that one's loads overlap another's products
+    **{f"triton-dkv-one-matmul-{tile.replace(',', 'x')}": _BEFORE_BWD | {
+        "triton_dkv_one_product": "1", "triton_dkv_config": tile} for tile in ("64,128,4,2", "64,64,4,2")},
+}
+"""Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set,
+every option of the direction named, so the kernels before the variants (``triton-duplicated-logits``,
+``triton-dq-in-dkv``) are timed whatever the defaults are. No name holds ``pro`` or ``torch`` (the
+selectors ``-k "not pro"`` / ``"not torch"`` would drop it)."""
 LIBRARY_HEAD_DIMS = {flashmla.NAME: flashmla.SUPPORTED_HEAD_DIMS, cudnn_dsa.NAME: cudnn_dsa.SUPPORTED_HEAD_DIMS}
 
 
@@ -218,3 +245,64 @@ def test_sparse_attention_backward(benchmark, measure, monkeypatch, shape_name, 
                              bytes_moved=_bytes(shape, entry["valid"], True), rounds=rounds,
                              warmup_rounds=warmup, device=q.device)
     assert dq.shape == q.shape and dkv.shape == kv.shape and dsink.shape == sink.shape
+
+
+_BACKWARD_PARTS = [(mode, part) for mode in ("atomic", "one-matmul") for part in ("delta", "scores", "kv-gradients")]
+_BACKWARD_PARTS += [("deterministic", part) for part in ("kv-gradients", "destinations", "reduce")]
+_PART_PRODUCTS = {"scores": 2, "kv-gradients": 3}
+"""Matrix products per valid (query, head, key) of each part (2 D FLOPs each): the scores kernel's logits
+and ``dO kv^T``; the dkv kernel's ``ds^T q``, ``p^T dO`` and, with dq accumulated there, ``ds kv``."""
+
+
+def _part_bytes(shape: Shape, valid: int, part: str) -> float:
+    """The part's logical traffic: what it reads and writes once (gathered kv rows once per query)."""
+    el = torch.finfo(bench_dtype()).bits // 8
+    thd, th = shape.tokens * shape.heads * shape.dim * el, shape.tokens * shape.heads * 4
+    scratch = 2 * shape.tokens * shape.kt * shape.heads * el  # p and ds
+    gathered, rows = valid * shape.dim * el, valid * shape.dim * 4
+    return {"delta": 2 * thd + 3 * th, "scores": 2 * thd + 2 * th + gathered + scratch,
+            "kv-gradients": 3 * thd + scratch + gathered + rows, "destinations": shape.tokens * shape.kt * 20,
+            "reduce": rows + 2 * (shape.tokens + shape.n_compressed) * shape.dim * 4}[part]
+
+
+@pytest.mark.parametrize("mode,part", _BACKWARD_PARTS, ids=lambda v: v)
+@pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
+def test_sparse_attention_backward_parts(benchmark, measure, monkeypatch, shape_name, mode, part):
+    """Where the triton backward's time goes, each part alone over all of its query chunks
+    (:class:`~dsv4cp.kernels.sparse_attention_triton.BackwardPlan`, default kernel options): ``delta``
+    (the preprocessing kernel: delta and the sink-gradient partials), ``scores`` (the first kernel: p and
+    ds to scratch), ``kv-gradients`` (the dkv kernel: the kv rows' gradients as fp32 atomics, or in
+    ``deterministic`` mode as stored contribution rows, and dq), and in deterministic mode
+    ``destinations`` (the stable sort of each chunk's slot rows) and ``reduce`` (the per-row sums).
+    ``one-matmul``: the dkv kernel's one product (``triton_dkv_one_product=1``). The kv-gradients and
+    reduce parts run on the scratch the part before them left (the last chunk's p and ds; every chunk
+    does the same work)."""
+    shape = SHAPES[shape_name]
+    _backend("triton", shape)  # skips where the triton backend cannot run
+    from dsv4cp.kernels import sparse_attention_triton as sat
+
+    monkeypatch.setenv(OPTIONS["triton_dkv_one_product"].env, "1" if mode == "one-matmul" else "0")
+    entry = _inputs(shape)
+    q, kv, idx, sink, scale = entry["args"]
+    out, lse, dout = _backward_inputs(shape, entry)
+    plan = sat.backward_plan(dout, q, kv, idx, sink, scale, out, lse, deterministic=mode == "deterministic")
+    starts = list(plan.starts())
+    plan.preprocess()
+    for t0 in starts:  # every launch compiled, the scratch and the contributions filled once
+        plan.scores(t0)
+        plan.kv_gradients(t0)
+    orders = [plan.destinations(t0) for t0 in starts] if mode == "deterministic" else []
+    steps = {"delta": plan.preprocess,
+             "scores": lambda: [plan.scores(t0) for t0 in starts],
+             "kv-gradients": lambda: [plan.kv_gradients(t0) for t0 in starts],
+             "destinations": lambda: [plan.destinations(t0) for t0 in starts],
+             "reduce": lambda: [plan.reduce(order) for order in orders]}
+    benchmark.group = f"sparse_attention.bwd.parts.{shape.name}"
+    benchmark.extra_info.update(backend="triton", mode=mode, part=part, shape=shape.name, T=shape.tokens,
+                                H=shape.heads, D=shape.dim, Kt=shape.kt, valid_keys=entry["valid"],
+                                chunks=len(starts), chunk_rows=plan.chunk, dtype=str(q.dtype))
+    rounds, warmup = _rounds()
+    products = _PART_PRODUCTS.get(part, 0)
+    measure(steps[part], None, flops=products * 2.0 * shape.dim * shape.heads * entry["valid"],
+            bytes_moved=_part_bytes(shape, entry["valid"], part), rounds=rounds, warmup_rounds=warmup,
+            device=q.device)

@@ -154,11 +154,15 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     _tile("triton_scores_bwd_scratch", "indexer_scores", ("mib",),
           "caps the sorted key-gradient reductions' scratch per chunk of queries, in MiB (auto: 2048)"),
     _tile("triton_fwd_config", "sparse_attention", _KERNEL_TILE, "pins the Triton attention forward's launch"),
-    KernelOption("triton_fwd_split_logits", "DSV4CP_TRITON_FWD_SPLIT_LOGITS", FLAG, "sparse_attention",
-                 "Triton attention forward splits the logits' slots between its two warpgroups (1) or has both "
-                 "compute all of them (0)", False),
+    KernelOption("triton_fwd_logits", "DSV4CP_TRITON_FWD_LOGITS", CHOICE, "sparse_attention",
+                 "Triton attention forward's logits: both warpgroups compute all of them (duplicated), each half "
+                 "of the slots (split), or kv q^T with the slots on M (slots_on_m)", "split",
+                 ("duplicated", "split", "slots_on_m")),
     KernelOption("triton_fwd_index_ahead", "DSV4CP_TRITON_FWD_INDEX_AHEAD", FLAG, "sparse_attention",
-                 "Triton attention forward loads each step's kv-row indices one step ahead (1)", False),
+                 "Triton attention forward loads each step's kv-row indices one step ahead (1)", True),
+    KernelOption("triton_fwd_lazy_rescale", "DSV4CP_TRITON_FWD_LAZY_RESCALE", FLAG, "sparse_attention",
+                 "Triton attention forward (split logits) rescales its accumulator only when a head's max rises "
+                 "by more than 2^8 (1)", False),
     _tile("triton_bwd_config", "sparse_attention", _KERNEL_TILE,
           "pins the Triton attention backward's first (dq / scores) kernel"),
     _tile("triton_dkv_config", "sparse_attention", ("block_k", "block_d", "num_warps", "num_stages"),

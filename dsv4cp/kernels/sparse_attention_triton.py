@@ -33,6 +33,8 @@ Kernels, in the style of Triton's tutorials (kernel bodies, then their Python wr
   ds, holding no ``[BLOCK_H, D]`` accumulator, so 64 heads fit one
   program on wgmma (one gather of each kv row per query at H = 64, not two), and (c) also accumulates
   its D chunk of ``dq = ds @ kv`` (gathering that chunk of the kv rows; ds is already loaded).
+  :class:`BackwardPlan` holds the launches and buffers of one backward (:func:`backward_plan`), each
+  part callable alone (``bench/test_bench_sparse_attention.py``'s parts benchmark times them).
 
 How ``D = 512`` fits an sm_90 SM (227 KB of shared memory per block, 64K 32-bit registers). The head dim
 is one tile (``BLOCK_D = next_pow2(D)``: one ``tl.dot`` reduces over all of it); a ``[64, 512]`` fp32
@@ -40,22 +42,41 @@ accumulator takes 128 registers per thread over ``num_warps = 8`` (two warpgroup
 the 512 columns; 16 warps would cap registers at 128 per thread and do not compile at 128 heads). bf16
 configurations at D = 512, compiled for sm_90a with Triton 3.6 (the H200 machine's) without a GPU
 (``triton.compile`` for target ``cuda 90`` with the launch's 16-byte divisibility of pointers and
-strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from spills, shared memory):
+strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from spills, shared memory;
+``python -m bench.sparse_attention_resources`` prints them for every sweep candidate):
 
-* forward ``BLOCK_H=64, BLOCK_K=64, 8 warps, 2 stages`` (default): 192 KB (q 64 KB + 2 x 64 KB of
-  gathered rows), wgmma for both products, 255 registers, no spill. Triton lays the ``[64, BLOCK_K]``
+* forward ``BLOCK_H=64, BLOCK_K=64, 8 warps, 2 stages`` (the ladder's first), duplicated logits (the
+  layout before the variants below): 192 KB (q 64 KB + 2 x 64 KB of gathered rows), wgmma for both
+  products, 255 registers, no spill. Triton lays the ``[64, BLOCK_K]``
   logits out over warps [8, 1], so both warpgroups compute the same q @ kv^T (the price of splitting the
   accumulator's columns; computing ``kv @ q^T`` instead keeps the [8, 1] layout). ``BLOCK_K=32,
   3 stages``: 128 KB, 40 B of stack; ``BLOCK_K=128``: over the shared memory. Measured on an H200
   (``bench/sweep_sparse_attention_configs.py``, flash shapes): 5.62 ms = 244 TFLOP/s (``BLOCK_K=32``:
   162 TFLOP/s).
-* forward with split logits (``SPLIT_LOGITS``, kernel option ``triton_fwd_split_logits``; Triton 3.6):
+* forward with split logits (``LOGITS="split"``, kernel option ``triton_fwd_logits``, the default with
+  the indices a step ahead, below; Triton 3.6):
   the logits get warps [4, 2], each warpgroup computing ``[64, BLOCK_K / 2]``: 36 wgmma instructions in
   the loop's SASS against 68, matrix work per warpgroup and step 2 units instead of 3 (logits 1 instead
   of 2, values 1), for two cross-warpgroup row reductions and p's trip through shared memory. Same
   ladder: ``64, 64, 8, 2``: 208 KB, 246 registers, no spill (H = 128: 255 and 40 B of stack);
-  ``64, 32, 8, 3``: 136 KB, 233 registers; ``64, 64, 8, 1``: 144 KB, 255 registers, no spill. Expected
-  (a model, not measured): up to 1.5x on the matrix work.
+  ``64, 32, 8, 3``: 136 KB, 233 registers; ``64, 64, 8, 1``: 144 KB, 255 registers, no spill;
+  ``64, 64, 8, 3``: 208 KB, 252 registers, no spill (3 stages: the pipeliner loads the indices a step
+  ahead itself). With Triton 3.9 the gap widens: the duplicated layout spills 184 B, the split takes
+  236 registers and none. Measured on an H200 (flash, T = 16K, ``bench/test_bench_sparse_attention.py``,
+  results/2026-12-02-h200-speed5/kernels/sparse_attn.txt): duplicated 5.48 ms = 251 TFLOP/s, split
+  5.06 ms = 271, indices ahead alone 5.56 ms = 247, split with indices ahead 4.42 ms = 311 (the default
+  since). Split with indices ahead at ``64, 32, 8, 3`` / ``64, 32, 8, 4``: 228 registers, no spill,
+  168 / 200 KB: the rows of 2 / 3 steps ahead in flight (the index load off the path lets the pipeliner
+  give the row copies ``num_stages`` buffers).
+* split forward with a lazy rescale (``LAZY_RESCALE``, kernel option ``triton_fwd_lazy_rescale``, off):
+  the accumulator's multiply (128 per thread and step) only on a step that moves the max, for a program-
+  wide max and a branch: with the indices ahead ``64, 64, 8, 2`` spills 176 B (255 registers), ``64, 32,
+  8, 4`` 16 B. Expected to lose at the default tile unless the spills are cheap.
+* forward with the slots on M (``LOGITS="slots_on_m"``): ``kv @ q^T`` on warps [8, 1] over 128 slots,
+  wgmma N = 64 (the split's N = 32 reads the shared-memory A operand twice as often per product), 40
+  wgmma instructions. Two stages of 128 rows are over the shared memory (336 KB), so one stage: the
+  rows are staged through registers, ``64, 128, 8, 1``: 208 KB, 255 registers and 272 B of stack
+  (H = 128: 336 B). Expected to lose to the split unless the spills are cheap.
 * dq kernel ``BLOCK_H=32, BLOCK_K=64, 8 warps, 2 stages`` (default): 132 KB, mma.sync, 225 registers, no
   spill (``BLOCK_K=32``: 98 KB, 185 registers). With 64 heads (wgmma) it spills 712 B.
   Without its dq accumulator ("dq in dkv"): ``BLOCK_H=64, BLOCK_K=32, 8 warps, 2 stages``: wgmma,
@@ -116,8 +137,10 @@ __all__ = [
     "BWD_SCRATCH_BYTES",
     "DQ_IN_DKV_ENV",
     "MAX_HEAD_DIM",
+    "BackwardPlan",
     "DkvConfig",
     "KernelConfig",
+    "backward_plan",
     "sparse_attention_bwd",
     "sparse_attention_fwd",
 ]
@@ -147,6 +170,7 @@ H200 (``bench/sweep_sparse_attention_configs.py``, flash shapes, ``results/2026-
 for the dq kernel's best (``32,64,8,2``)."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FWD_LOGITS = kernel_options.OPTIONS["triton_fwd_logits"].choices
 
 
 @dataclass(frozen=True)
@@ -181,24 +205,36 @@ def _fwd_kernel(
     H, N, KT, N_HB,  # heads, kv rows, slots per query, head blocks per query
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_LOGITS: tl.constexpr,
-    INDEX_AHEAD: tl.constexpr,
+    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, LOGITS: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     """Forward of one (query token t, head block).
 
     Q ``[T, H, D]``, KV ``[N, D]`` (same float dtype), IDX ``[T, KT]`` int32/int64, SINK ``[H]`` fp32,
     TOPK ``[T]`` int32 (read iff HAS_TOPK), OUT ``[T, H, D]`` (Q's dtype), LSE ``[T, H]`` fp32.
 
-    SPLIT_LOGITS: p and the rescaled accumulator reach the value product through a branch that is always
-    taken (``k0 < kt_len`` inside the loop). Triton lays out a product whose result feeds another product
-    over all warps along M (``[num_warps, 1]``); at 64 heads and 8 warps that makes both warpgroups
-    compute the same ``[64, BLOCK_K]`` logits. The branch's results are not in the logits' forward slice,
-    so the logits get the ordinary ``[4, 2]`` layout: each warpgroup computes half of the slots, the
-    softmax's row max and sum cross the warpgroups and p goes to the value product through shared memory.
+    LOGITS, how the ``[BLOCK_H, BLOCK_K]`` logits are laid out. Triton lays out a product whose result
+    feeds another product over all warps along M (``[num_warps, 1]``):
+
+    * ``"duplicated"``: ``q @ kv^T``, heads on M: at 64 heads and 8 warps both warpgroups compute the same
+      logits;
+    * ``"split"``: the same product, but p and the rescaled accumulator reach the value product through a
+      branch that is always taken (``k0 < kt_len`` inside the loop). The branch's results are not in the
+      logits' forward slice, so the logits get the ordinary ``[4, 2]`` layout: each warpgroup computes
+      half of the slots, the softmax's row max and sum cross the warpgroups and p goes to the value
+      product through shared memory;
+    * ``"slots_on_m"``: ``kv @ q^T`` (``[BLOCK_K, BLOCK_H]``), slots on M: with ``BLOCK_K = 128`` each
+      warpgroup computes its 64 slots for all 64 heads (wgmma N = 64 where the split has N = 32), the
+      softmax runs down the columns and ``p^T`` is transposed into the value product.
 
     INDEX_AHEAD: each step loads the next step's row indices and gathers the rows of indices loaded one
     step earlier. Triton's two-stage pipeline issues the next step's gather at the end of a step, right
     after loading (and waiting for) the indices it needs; loaded ahead, they are there already.
+
+    LAZY_RESCALE (split logits only): the running max moves, and the ``[BLOCK_H, D]`` accumulator is
+    rescaled, only on a step where some head's max rises by more than 8 (log2 units); otherwise p is
+    taken against the kept max (so p <= 2^8) and the step skips the accumulator's multiply. The same
+    max enters the sum and the accumulator, so the result is exact either way.
     """
     pid = tl.program_id(0)
     t = (pid // N_HB).to(tl.int64)
@@ -231,23 +267,43 @@ def _fwd_kernel(
         else:
             rows, valid, kv = gather_rows(KV, IDX + t * stride_it, slots, slots < kt_len, N, stride_kvn, d, dmask,
                                           D, BLOCK_D, DOT_F32)  # K and V
-        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: avoid -inf - -inf
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if SPLIT_LOGITS:
-            if k0 < kt_len:  # always: hides p's and alpha's origin from the chained-product layout rule
-                p_v = p.to(kv.dtype)
-                acc_v = acc * alpha[:, None]
-            else:
-                p_v = tl.zeros([BLOCK_H, BLOCK_K], dtype=kv.dtype)
-                acc_v = acc
-            acc = tl.dot(p_v, kv, acc_v, input_precision=PRECISION)
+        if LOGITS == "slots_on_m":
+            s_t = tl.dot(kv, tl.trans(q), input_precision=PRECISION) * qk_scale2  # [BLOCK_K, BLOCK_H]
+            s_t = tl.where(valid[:, None], s_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: avoid -inf - -inf
+            alpha = tl.math.exp2(m_i - m_use)
+            p_t = tl.math.exp2(s_t - m_use[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, 0)
+            acc = tl.dot(tl.trans(p_t.to(kv.dtype)), kv, acc * alpha[:, None], input_precision=PRECISION)
         else:
-            acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)
+            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if LAZY_RESCALE:  # one decision for the whole program: a branch, not a select
+                floor = tl.where(m_i == float("-inf"), -3.0e38, m_i)  # no key yet: any finite max rises
+                rescale = tl.max(m_new - floor, 0) > 8.0
+                m_new = tl.where(rescale, m_new, m_i)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: avoid -inf - -inf
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if LOGITS == "split":
+                if k0 < kt_len:  # always: hides p's and alpha's origin from the chained-product layout rule
+                    p_v = p.to(kv.dtype)
+                    if LAZY_RESCALE:
+                        if rescale:
+                            acc_v = acc * alpha[:, None]
+                        else:
+                            acc_v = acc
+                    else:
+                        acc_v = acc * alpha[:, None]
+                else:
+                    p_v = tl.zeros([BLOCK_H, BLOCK_K], dtype=kv.dtype)
+                    acc_v = acc
+                acc = tl.dot(p_v, kv, acc_v, input_precision=PRECISION)
+            else:
+                acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     # Sink: denominator 2^m * l + 2^(sink*log2e); a row with no key has acc = 0 -> out = 0.
@@ -527,6 +583,16 @@ def _fwd_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConf
     return [KernelConfig(*c) for c in ladder]
 
 
+def _fwd_slots_on_m_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
+    """The forward with slots on M: 128 slots per step at D = 512 (M = 128 over 8 warps gives each
+    warpgroup its own 64 slots; at 64 they would both compute all of them), in one stage (two are over
+    the shared memory), then the ordinary ladder."""
+    ladder = _fwd_ladder(block_d, heads, dtype)
+    if block_d >= 256 and dtype != torch.float32:
+        ladder.insert(0, KernelConfig(_block_h(heads), 128, 8, 1))
+    return ladder
+
+
 def _dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelConfig]:
     bh = _block_h(heads)
     if block_d >= 256:
@@ -657,8 +723,9 @@ def sparse_attention_fwd(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    split_logits: bool | None = None,
+    logits: str | None = None,
     index_ahead: bool | None = None,
+    lazy_rescale: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of sparse multi-query attention with a sink (Triton).
 
@@ -671,17 +738,24 @@ def sparse_attention_fwd(
         scale: logit scale.
         topk_length: optional ``[T]`` int32: query t uses its first ``topk_length[t]`` slots only.
         block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder).
-        split_logits: ``True``: each warpgroup computes half of the logits' slots (``SPLIT_LOGITS`` of
-            ``_fwd_kernel``); ``False``: both compute all of them; ``None``: the kernel option
-            ``triton_fwd_split_logits``.
+        logits: the logits' layout, ``"duplicated"`` (both warpgroups compute all of them), ``"split"``
+            (each computes half of the slots) or ``"slots_on_m"`` (``kv @ q^T``): ``LOGITS`` of
+            ``_fwd_kernel``; ``None``: the kernel option ``triton_fwd_logits``.
         index_ahead: ``True``: each step loads the next step's row indices (``INDEX_AHEAD``); ``None``:
             the kernel option ``triton_fwd_index_ahead``.
+        lazy_rescale: ``True``: with split logits, the accumulator is rescaled only when a head's max rises
+            by more than 2^8 (``LAZY_RESCALE``); ``None``: the kernel option ``triton_fwd_lazy_rescale``.
 
     Returns:
         ``out [T, H, D]`` in q's dtype and ``lse [T, H]`` fp32 (natural log, sink excluded, -inf for a
         row with no valid key, whose ``out`` is 0).
     """
     _check(q, kv, idx, sink, topk_length)
+    layout = kernel_options.get("triton_fwd_logits") if logits is None else logits
+    if layout not in FWD_LOGITS:
+        raise ValueError(f"logits: must be one of {', '.join(FWD_LOGITS)}, got {layout!r}")
+    ahead = _option_flag("triton_fwd_index_ahead", index_ahead)
+    lazy = _option_flag("triton_fwd_lazy_rescale", lazy_rescale) and layout == "split"
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
     sink = sink.to(torch.float32).contiguous()
     t, h, d = q.shape
@@ -691,9 +765,7 @@ def sparse_attention_fwd(
         return out, lse
     topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
     block_d = triton.next_power_of_2(d)
-    split = _option_flag("triton_fwd_split_logits", split_logits)
-    ahead = _option_flag("triton_fwd_index_ahead", index_ahead)
-    ladder = _fwd_ladder(block_d, h, q.dtype)  # the same tiles fit both variants at D = 512
+    ladder = (_fwd_slots_on_m_ladder if layout == "slots_on_m" else _fwd_ladder)(block_d, h, q.dtype)
     pinned = _pinned("triton_fwd_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_fwd_kernel", q.device)
@@ -705,12 +777,11 @@ def sparse_attention_fwd(
             float(scale) * LOG2E, h, kv.shape[0], idx.shape[1], n_hb,
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
             D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-            HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q), SPLIT_LOGITS=split,
-            INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q), LOGITS=layout,
+            INDEX_AHEAD=ahead, LAZY_RESCALE=lazy, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    kind = "fwd" + ("_split_logits" if split else "") + ("_index_ahead" if ahead else "")
-    _launch(kind, _config_key(q), ladder, pinned, launch)
+    _launch("fwd", (*_config_key(q), layout, ahead, lazy), ladder, pinned, launch)  # a configuration per variant
     return out, lse
 
 
@@ -762,6 +833,41 @@ def sparse_attention_bwd(
         ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
         (sink's dtype, accumulated in fp32 by per-row partials then ``torch.sum``).
     """
+    plan = backward_plan(dout, q, kv, idx, sink, scale, out, lse, topk_length, deterministic=deterministic,
+                         block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                         dkv_config=dkv_config, scratch_bytes=scratch_bytes, dq_in_dkv=dq_in_dkv,
+                         dkv_one_product=dkv_one_product, index_ahead=index_ahead)
+    if plan is None:  # no query or no slot: every gradient is zero
+        return (torch.zeros_like(q), torch.zeros(kv.shape, dtype=kv.dtype, device=kv.device),
+                torch.zeros(sink.shape, dtype=sink.dtype, device=sink.device))
+    return plan.run()
+
+
+def backward_plan(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    topk_length: torch.Tensor | None = None,
+    *,
+    deterministic: bool | None = None,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    dkv_config: DkvConfig | None = None,
+    scratch_bytes: int | None = None,
+    dq_in_dkv: bool | None = None,
+    dkv_one_product: bool | None = None,
+    index_ahead: bool | None = None,
+) -> BackwardPlan | None:
+    """The launches of :func:`sparse_attention_bwd` (same arguments, checked the same way) with their
+    buffers allocated, run by :meth:`BackwardPlan.run` or part by part; None when there is no query or no
+    slot (every gradient zero)."""
     _check(q, kv, idx, sink, topk_length)
     t, h, d = q.shape
     if dout.shape != q.shape or dout.dtype != q.dtype:
@@ -778,99 +884,173 @@ def sparse_attention_bwd(
     acc_dq_in_dkv = _dq_in_dkv(dq_in_dkv)
     one_product = _option_flag("triton_dkv_one_product", dkv_one_product)
     ahead = _option_flag("triton_bwd_index_ahead", index_ahead)
-    sink_dtype = sink.dtype
     q, kv, idx, dout, out = q.contiguous(), kv.contiguous(), idx.contiguous(), dout.contiguous(), out.contiguous()
-    sink = sink.to(torch.float32).contiguous()
-    lse = lse.to(torch.float32).contiguous()
-    n, kt = kv.shape[0], idx.shape[1]
-    dev = q.device
-    dq = torch.empty_like(q)
-    dkv = torch.zeros(n, d, dtype=torch.float32, device=dev)
+    kt = idx.shape[1]
     if t == 0 or kt == 0:
-        dq.zero_()
-        return dq, dkv.to(kv.dtype), torch.zeros(h, dtype=sink_dtype, device=dev)
+        return None
     block_d = triton.next_power_of_2(d)
-    topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
-    key = _config_key(q)
-
-    # (a) delta and the sink-gradient partials, for all queries at once.
-    delta = torch.empty(t, h, dtype=torch.float32, device=dev)
-    dsink_part = torch.empty(t, h, dtype=torch.float32, device=dev)
-    pre_bh = 16 if block_d >= 256 else _block_h(h)  # [16, 512] tiles: ~70 registers at 8 warps
-    _build("_bwd_preprocess_kernel", dev)[(t, triton.cdiv(h, pre_bh))](
-        out, dout, lse, sink, delta, dsink_part,
-        h, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        D=d, BLOCK_D=block_d, BLOCK_H=pre_bh, num_warps=8 if block_d >= 256 else 4,
-    )
-    dsink = dsink_part.sum(0)
-
-    # (b) dq + p/ds scratch and (c) kv gradients, chunk by chunk of queries.
     dq_ladder = (_scores_ladder if acc_dq_in_dkv else _dq_ladder)(block_d, h, q.dtype)
-    dq_pinned = _pinned("triton_bwd_config", KernelConfig, dq_ladder[0], block_h=block_h,
-                        block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     dkv_ladder = (_dkv_dq_ladder if acc_dq_in_dkv else _dkv_ladder)(block_d, h, q.dtype)
-    dkv_pinned = _pinned("triton_dkv_config", DkvConfig, dkv_ladder[0],
-                         **({} if dkv_config is None else vars(dkv_config)))
-    dq_kernel, dkv_kernel = _build("_bwd_dq_kernel", dev), _build("_bwd_dkv_kernel", dev)
     budget = BWD_SCRATCH_BYTES if scratch_bytes is None else int(scratch_bytes)
     per_query = 2 * kt * h * q.element_size() + (kt * d * 4 if deterministic else 0)
     chunk = max(1, min(t, budget // per_query))
     if scratch_bytes is None:  # at least BWD_SCRATCH_MIN_CHUNKS chunks: the scratch shrinks with the rank's rows
         chunk = min(chunk, max(BWD_SCRATCH_MIN_CHUNK_ROWS, -(-t // BWD_SCRATCH_MIN_CHUNKS)))
-    if one_product:  # one [chunk, kt, 2, h] buffer: each (query, slot) row holds ds then p
-        pds = torch.empty(chunk, kt, 2, h, dtype=q.dtype, device=dev)
-        dsbuf, pbuf, scratch_row = pds[:, :, 0], pds[:, :, 1], 2 * h
-    else:
-        pbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
-        dsbuf = torch.empty(chunk, kt, h, dtype=q.dtype, device=dev)
-        scratch_row = h
-    contrib = torch.empty(chunk * kt, d, dtype=torch.float32, device=dev) if deterministic else None
-    precision, dot_f32 = _precision(q), _dot_f32(q)
-    has_topk = topk_length is not None
-    block_hk = max(16, triton.next_power_of_2(h))
+    return BackwardPlan(
+        q=q, kv=kv, idx=idx, sink=sink, scale=float(scale), out=out, lse=lse.to(torch.float32).contiguous(),
+        dout=dout, topk_length=None if topk_length is None else topk_length.contiguous(),
+        deterministic=deterministic, acc_dq_in_dkv=acc_dq_in_dkv, one_product=one_product, ahead=ahead,
+        chunk=chunk, dq_ladder=dq_ladder, dkv_ladder=dkv_ladder,
+        dq_pinned=_pinned("triton_bwd_config", KernelConfig, dq_ladder[0], block_h=block_h, block_k=block_k,
+                          num_warps=num_warps, num_stages=num_stages),
+        dkv_pinned=_pinned("triton_dkv_config", DkvConfig, dkv_ladder[0],
+                           **({} if dkv_config is None else vars(dkv_config))),
+    )
 
-    for t0 in range(0, t, chunk):
-        rows = min(chunk, t - t0)
 
-        def launch_dq(cfg: KernelConfig, t0: int = t0, rows: int = rows) -> None:
+@dataclass
+class BackwardPlan:
+    """One backward's launches and buffers (:func:`backward_plan`), each part callable alone so that a
+    benchmark can time it: :meth:`preprocess` (delta and the sink-gradient partials of all queries),
+    then per query chunk (:meth:`starts`) :meth:`scores` (the first kernel: p and ds to scratch, or dq
+    too), :meth:`kv_gradients` (the dkv kernel: fp32 atomics, or contribution rows in deterministic mode;
+    dq with ``acc_dq_in_dkv``) and, in deterministic mode, :meth:`destinations` (the stable sort of the
+    chunk's slot rows) and :meth:`reduce` (the per-row sums). :meth:`run` runs them all, in order.
+
+    Tensors as :func:`sparse_attention_bwd` takes them (contiguous; ``lse`` fp32); the buffers (``dq``,
+    fp32 ``dkv``, ``delta``, ``dsink_part``, the p / ds scratch of ``chunk`` queries and, deterministic,
+    the contributions) are allocated by ``__post_init__``."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    idx: torch.Tensor
+    sink: torch.Tensor
+    scale: float
+    out: torch.Tensor
+    lse: torch.Tensor
+    dout: torch.Tensor
+    topk_length: torch.Tensor | None
+    deterministic: bool
+    acc_dq_in_dkv: bool
+    one_product: bool
+    ahead: bool
+    chunk: int
+    dq_ladder: list[KernelConfig]
+    dkv_ladder: list[DkvConfig]
+    dq_pinned: KernelConfig | None
+    dkv_pinned: DkvConfig | None
+
+    def __post_init__(self) -> None:
+        q, dev = self.q, self.q.device
+        t, h, d = q.shape
+        kt = self.idx.shape[1]
+        self.dq = torch.empty_like(q)
+        self.dkv = torch.zeros(self.kv.shape[0], d, dtype=torch.float32, device=dev)
+        self.delta = torch.empty(t, h, dtype=torch.float32, device=dev)
+        self.dsink_part = torch.empty(t, h, dtype=torch.float32, device=dev)
+        self.sink32 = self.sink.to(torch.float32).contiguous()
+        if self.one_product:  # one [chunk, kt, 2, h] buffer: each (query, slot) row holds ds then p
+            pds = torch.empty(self.chunk, kt, 2, h, dtype=q.dtype, device=dev)
+            self.dsbuf, self.pbuf, self.scratch_row = pds[:, :, 0], pds[:, :, 1], 2 * h
+        else:
+            self.pbuf = torch.empty(self.chunk, kt, h, dtype=q.dtype, device=dev)
+            self.dsbuf = torch.empty(self.chunk, kt, h, dtype=q.dtype, device=dev)
+            self.scratch_row = h
+        self.contrib = (torch.empty(self.chunk * kt, d, dtype=torch.float32, device=dev) if self.deterministic
+                        else None)
+        self.topk = self.topk_length if self.topk_length is not None else self.idx  # dummy pointer when absent
+
+    def starts(self) -> range:
+        """The first query of each chunk."""
+        return range(0, self.q.shape[0], self.chunk)
+
+    def preprocess(self) -> None:
+        """(a) ``delta = <dO, O>`` and the sink-gradient partials, for all queries at once."""
+        q, out, dout = self.q, self.out, self.dout
+        t, h, d = q.shape
+        block_d = triton.next_power_of_2(d)
+        pre_bh = 16 if block_d >= 256 else _block_h(h)  # [16, 512] tiles: ~70 registers at 8 warps
+        _build("_bwd_preprocess_kernel", q.device)[(t, triton.cdiv(h, pre_bh))](
+            out, dout, self.lse, self.sink32, self.delta, self.dsink_part,
+            h, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+            D=d, BLOCK_D=block_d, BLOCK_H=pre_bh, num_warps=8 if block_d >= 256 else 4,
+        )
+
+    def scores(self, t0: int) -> None:
+        """(b) The first kernel on the chunk starting at query ``t0``: p and ds to scratch (and dq
+        without ``acc_dq_in_dkv``)."""
+        q, kv, idx, dout, dq = self.q, self.kv, self.idx, self.dout, self.dq
+        t, h, d = q.shape
+        rows = min(self.chunk, t - t0)
+
+        def launch(cfg: KernelConfig) -> None:
             n_hb = triton.cdiv(h, cfg.block_h)
-            dq_kernel[(rows * n_hb,)](
-                q, kv, idx, topk, dout, lse, delta, sink, dq, pbuf, dsbuf,
-                float(scale), float(scale) * LOG2E, h, n, kt, n_hb, t0, scratch_row,
+            _build("_bwd_dq_kernel", q.device)[(rows * n_hb,)](
+                q, kv, idx, self.topk, dout, self.lse, self.delta, self.sink32, dq, self.pbuf, self.dsbuf,
+                self.scale, self.scale * LOG2E, h, kv.shape[0], idx.shape[1], n_hb, t0, self.scratch_row,
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
                 dq.stride(0), dq.stride(1),
-                D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-                HAS_TOPK=has_topk, ACC_DQ=not acc_dq_in_dkv, PRECISION=precision, DOT_F32=dot_f32,
-                INDEX_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+                HAS_TOPK=self.topk_length is not None, ACC_DQ=not self.acc_dq_in_dkv, PRECISION=_precision(q),
+                DOT_F32=_dot_f32(q), INDEX_AHEAD=self.ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        def launch_dkv(cfg: DkvConfig, t0: int = t0, rows: int = rows) -> None:
-            dkv_kernel[(rows * triton.cdiv(d, cfg.block_d),)](
-                q, dout, kv, idx, topk, pbuf, dsbuf, contrib if deterministic else dkv, dq,
-                h, n, kt, t0, scratch_row,
+        # the two placements fit different configurations, and so may the variants
+        _launch("bwd_dq" + self._placement, (*_config_key(q), self.ahead), self.dq_ladder, self.dq_pinned, launch)
+
+    def kv_gradients(self, t0: int) -> None:
+        """(c) The dkv kernel on the chunk starting at query ``t0``: kv-row gradients (fp32 atomics into
+        ``dkv``, or contribution rows in deterministic mode) and, with ``acc_dq_in_dkv``, dq."""
+        q, kv, idx, dout, dq = self.q, self.kv, self.idx, self.dout, self.dq
+        t, h, d = q.shape
+        rows = min(self.chunk, t - t0)
+
+        def launch(cfg: DkvConfig) -> None:
+            _build("_bwd_dkv_kernel", q.device)[(rows * triton.cdiv(d, cfg.block_d),)](
+                q, dout, kv, idx, self.topk, self.pbuf, self.dsbuf,
+                self.contrib if self.deterministic else self.dkv, dq,
+                h, kv.shape[0], idx.shape[1], t0, self.scratch_row,
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
                 dq.stride(0), dq.stride(1),
-                D=d, BLOCK_DC=cfg.block_d, BLOCK_HK=block_hk, BLOCK_K=cfg.block_k,
-                HAS_TOPK=has_topk, DETERMINISTIC=deterministic, ACC_DQ=acc_dq_in_dkv, PRECISION=precision,
-                DOT_F32=dot_f32, ONE_PRODUCT=one_product, INDEX_AHEAD=ahead,
+                D=d, BLOCK_DC=cfg.block_d, BLOCK_HK=max(16, triton.next_power_of_2(h)), BLOCK_K=cfg.block_k,
+                HAS_TOPK=self.topk_length is not None, DETERMINISTIC=self.deterministic, ACC_DQ=self.acc_dq_in_dkv,
+                PRECISION=_precision(q), DOT_F32=_dot_f32(q), ONE_PRODUCT=self.one_product, INDEX_AHEAD=self.ahead,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        # the two placements fit different configurations; each variant caches its own
-        mode = ("_dq_in_dkv" if acc_dq_in_dkv else "") + ("_index_ahead" if ahead else "")
-        _launch("bwd_dq" + mode, key, dq_ladder, dq_pinned, launch_dq)
-        _launch("bwd_dkv" + mode + ("_one_product" if one_product else ""), key, dkv_ladder, dkv_pinned,
-                launch_dkv)
-        if deterministic:
-            _reduce_contributions(contrib, idx[t0:t0 + rows], None if topk_length is None else
-                                  topk_length[t0:t0 + rows], dkv)
-    return dq, dkv.to(kv.dtype), dsink.to(sink_dtype)
+        _launch("bwd_dkv" + self._placement, (*_config_key(q), self.ahead, self.one_product), self.dkv_ladder,
+                self.dkv_pinned, launch)
+
+    def destinations(self, t0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Deterministic mode, chunk ``t0``: ``(perm, seg)`` of :func:`_contribution_order`."""
+        rows = min(self.chunk, self.q.shape[0] - t0)
+        topk = None if self.topk_length is None else self.topk_length[t0:t0 + rows]
+        return _contribution_order(self.idx[t0:t0 + rows], topk, self.dkv.shape[0])
+
+    def reduce(self, order: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Deterministic mode: add a chunk's contributions to ``dkv`` in the fixed ``order``."""
+        _reduce_contributions(self.contrib, *order, self.dkv)
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every part in order: ``(dq, dkv, dsink)`` as :func:`sparse_attention_bwd` returns them."""
+        self.preprocess()
+        dsink = self.dsink_part.sum(0)
+        for t0 in self.starts():
+            self.scores(t0)
+            self.kv_gradients(t0)
+            if self.deterministic:
+                self.reduce(self.destinations(t0))
+        return self.dq, self.dkv.to(self.kv.dtype), dsink.to(self.sink.dtype)
+
+    @property
+    def _placement(self) -> str:
+        return "_dq_in_dkv" if self.acc_dq_in_dkv else ""
 
 
-def _reduce_contributions(contrib, idx, topk_length, dkv) -> None:
-    """dkv[r] += the chunk's contributions to row r, in the order of a stable sort of the flattened
-    slot rows (query-major, then slot): a fixed order, hence bitwise reproducible sums."""
-    n, d = dkv.shape
+def _contribution_order(idx, topk_length, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, seg)`` for a chunk's slots ``idx [rows, Kt]``: ``perm`` the stable sort of the flattened
+    slot rows (query-major, then slot; empty slots last), ``seg [n + 1]`` the start of each kv row's run
+    in it: a fixed order, hence bitwise reproducible sums."""
     rows = idx.long()
     valid = (rows >= 0) & (rows < n)
     if topk_length is not None:
@@ -879,6 +1059,13 @@ def _reduce_contributions(contrib, idx, topk_length, dkv) -> None:
     keys = torch.where(valid, rows, torch.full_like(rows, n)).reshape(-1)  # empty slots sort last
     sorted_keys, perm = torch.sort(keys, stable=True)
     seg = torch.searchsorted(sorted_keys, torch.arange(n + 1, device=idx.device))
+    return perm, seg
+
+
+def _reduce_contributions(contrib, perm, seg, dkv) -> None:
+    """dkv[r] += the chunk's contributions to row r (``contrib [rows * Kt, D]`` fp32), in the order
+    ``perm`` / ``seg`` of :func:`_contribution_order`."""
+    n, d = dkv.shape
     block_d = min(triton.next_power_of_2(d), 128)
     _build("_dkv_reduce_kernel", dkv.device)[(n, triton.cdiv(d, block_d))](
         contrib, perm, seg, dkv, D=d, BLOCK_C=16, BLOCK_D=block_d, num_warps=4,

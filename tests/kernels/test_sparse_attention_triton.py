@@ -11,6 +11,12 @@ topk_length.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("triton")
@@ -169,14 +175,16 @@ def test_dq_in_dkv_environment_switch(seed, monkeypatch):
         sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_)
 
 
+@pytest.mark.parametrize("logits", ["split", "slots_on_m"])
 @pytest.mark.parametrize("topk", [False, True], ids=["all-slots", "topk_length"])
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
-def test_forward_split_logits_matches_torch_fp32(case, topk, seed):
-    """The forward whose warpgroups split the logits' slots (the value product fed through a branch)."""
+def test_forward_logits_layouts_match_torch_fp32(case, topk, logits, seed):
+    """The forward whose warpgroups split the logits' slots (the value product fed through a branch), and
+    the one with the slots on M (``kv @ q^T``, the softmax down the columns)."""
     q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=topk)
-    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, split_logits=True)
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits=logits)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
-    msg = f"seed={seed} case={case} topk={topk}"
+    msg = f"seed={seed} case={case} topk={topk} logits={logits}"
     assert torch.isfinite(out).all(), msg
     assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out {rel_fro(out, ref_out):.2e}"
     check_lse(lse, ref_lse, 1e-4, msg)
@@ -202,7 +210,7 @@ def test_backward_dkv_one_product_matches_torch_fp32(case, deterministic, dq_in_
     assert got[0][1].abs().max().item() == 0.0, f"{msg}: row without key must get dq = 0"
 
 
-@pytest.mark.parametrize("variant", ["plain", "split-one-product"])
+@pytest.mark.parametrize("variant", ["plain", "split-one-product", "slots_on_m-one-product"])
 @pytest.mark.parametrize("case", CPU_CASES[:3], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
 def test_index_ahead_matches_torch_fp32(case, variant, seed):
     """Row indices loaded one step ahead, in the forward and in both backward kernels (both dq placements),
@@ -210,7 +218,8 @@ def test_index_ahead_matches_torch_fp32(case, variant, seed):
     other variants."""
     q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=True)
     others = variant != "plain"
-    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_k=16, split_logits=others, index_ahead=True)
+    logits = variant.split("-")[0] if others else "duplicated"
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_k=16, logits=logits, index_ahead=True)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
     msg = f"seed={seed} case={case} variant={variant}"
     assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out {rel_fro(out, ref_out):.2e}"
@@ -225,14 +234,30 @@ def test_index_ahead_matches_torch_fp32(case, variant, seed):
             assert rel_fro(a, b) < 1e-4, f"{msg} dq_in_dkv={dq_in_dkv}: {name} rel err {rel_fro(a, b):.2e}"
 
 
-VARIANT_VARIABLES = ("DSV4CP_TRITON_FWD_SPLIT_LOGITS", "DSV4CP_TRITON_DKV_ONE_PRODUCT", "DSV4CP_TRITON_FWD_INDEX_AHEAD",
-                     "DSV4CP_TRITON_BWD_INDEX_AHEAD")
+@pytest.mark.parametrize("spread", [1.0, 4.0], ids=["logits-x1", "logits-x4"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
+def test_forward_lazy_rescale_matches_torch_fp32(case, spread, seed):
+    """The split forward rescaling its accumulator only when a head's max rises by more than 2^8, over
+    16-slot steps; q scaled by 4 spreads the logits so that some steps rescale and others keep the max."""
+    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=True)
+    q = q * spread
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_k=16, logits="split", lazy_rescale=True)
+    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    msg = f"seed={seed} case={case} spread={spread}"
+    assert torch.isfinite(out).all(), msg
+    assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out {rel_fro(out, ref_out):.2e}"
+    check_lse(lse, ref_lse, 1e-4, msg)
+
+
+LOGITS_VARIABLE = "DSV4CP_TRITON_FWD_LOGITS"
+VARIANT_VARIABLES = ("DSV4CP_TRITON_DKV_ONE_PRODUCT", "DSV4CP_TRITON_FWD_INDEX_AHEAD", "DSV4CP_TRITON_BWD_INDEX_AHEAD",
+                     "DSV4CP_TRITON_FWD_LAZY_RESCALE")
 
 
 def test_variant_options_select_the_kernels(seed, monkeypatch):
-    """The variables of the forward's split logits, the dkv kernel's one product and both directions'
-    indices ahead select the variants (each under its own cached configuration) both ways, the keywords
-    win over them, and a value other than 0 / 1 is refused before any kernel runs."""
+    """The variables of the forward's logits layout and lazy rescale, the dkv kernel's one product and both
+    directions' indices ahead select the variants (each under its own cached configuration) both ways, the keywords
+    win over them, and a value they do not allow is refused before any kernel runs."""
     from dsv4cp.kernels import sparse_attention_triton as sat
 
     q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
@@ -242,17 +267,20 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
     for pinning in ("DSV4CP_TRITON_FWD_CONFIG", "DSV4CP_TRITON_BWD_CONFIG", "DSV4CP_TRITON_DKV_CONFIG"):
         monkeypatch.delenv(pinning, raising=False)  # a pinned launch caches nothing
     monkeypatch.delenv(sat.DQ_IN_DKV_ENV, raising=False)
-    variants = {"fwd_split_logits_index_ahead", "bwd_dq_dq_in_dkv_index_ahead",
-                "bwd_dkv_dq_in_dkv_index_ahead_one_product"}
-    plain = {"fwd", "bwd_dq_dq_in_dkv", "bwd_dkv_dq_in_dkv"}
+    # each launch caches its configuration under its kind, the shape class and the variant's switches
+    variants = {("fwd", "split", True, True), ("bwd_dq_dq_in_dkv", True), ("bwd_dkv_dq_in_dkv", True, True)}
+    plain = {("fwd", "duplicated", False, False), ("bwd_dq_dq_in_dkv", False), ("bwd_dkv_dq_in_dkv", False, False)}
     for env, keyword, split in (("1", None, True), ("0", None, False), ("1", False, False), ("0", True, True)):
         for variable in VARIANT_VARIABLES:
             monkeypatch.setenv(variable, env)
+        monkeypatch.setenv(LOGITS_VARIABLE, "split" if env == "1" else "duplicated")
         sat._CHOSEN.clear()
-        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, split_logits=keyword, index_ahead=keyword)
+        layout = None if keyword is None else ("split" if keyword else "duplicated")
+        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits=layout, index_ahead=keyword,
+                                        lazy_rescale=keyword)
         got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, dkv_one_product=keyword,
                                    index_ahead=keyword)
-        kinds = {key[0] for key in sat._CHOSEN}
+        kinds = {(key[0], *key[len(sat._config_key(q)) + 1:]) for key in sat._CHOSEN}
         msg = f"seed={seed} env={env} keyword={keyword}"
         assert kinds == (variants if split else plain), f"{msg}: {kinds}"
         assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out"
@@ -261,11 +289,15 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
     backward = lambda: sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)  # noqa: E731
     for variable in VARIANT_VARIABLES:
         monkeypatch.setenv(variable, "0")
-    for variable, call in zip(VARIANT_VARIABLES, (forward, backward, forward, backward)):
+    monkeypatch.setenv(LOGITS_VARIABLE, "duplicated")
+    for variable, call in zip((*VARIANT_VARIABLES, LOGITS_VARIABLE), (backward, forward, backward, forward, forward)):
+        saved = os.environ[variable]
         monkeypatch.setenv(variable, "yes")
         with pytest.raises(ValueError, match=f"^{variable}: .*'yes'"):
             call()
-        monkeypatch.setenv(variable, "0")
+        monkeypatch.setenv(variable, saved)
+    with pytest.raises(ValueError, match="^logits: .*'heads'"):
+        sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits="heads")
 
 
 def test_multiple_head_and_slot_blocks(seed):
@@ -273,10 +305,10 @@ def test_multiple_head_and_slot_blocks(seed):
     in two 16-column blocks of D, the backward in chunks of 2 queries."""
     q, kv, idx, sink, scale, tl_ = make_case(seed, 4, 20, 32, 24, 37, topk=True)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
-    for split in (False, True):
-        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_h=16, block_k=16, split_logits=split)
-        assert rel_fro(out, ref_out) < 1e-4, f"seed={seed} split={split}"
-        check_lse(lse, ref_lse, 1e-4, f"seed={seed} split={split}")
+    for logits in ("duplicated", "split", "slots_on_m"):
+        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_h=16, block_k=16, logits=logits)
+        assert rel_fro(out, ref_out) < 1e-4, f"seed={seed} logits={logits}"
+        check_lse(lse, ref_lse, 1e-4, f"seed={seed} logits={logits}")
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
     ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
     for det, dq_in_dkv, one in ((False, False, False), (True, False, False), (False, True, False),
@@ -325,11 +357,11 @@ def test_bf16_through_interpreter_vs_fp32_reference(seed):
     # The fp32 reference sees the same bf16-rounded inputs, so only the kernel's own rounding is measured.
     q, kv = q.bfloat16(), kv.bfloat16()
     ref_out, ref_lse = torch_forward(q.float(), kv.float(), idx, sink, scale, tl_)
-    for split in (False, True):
-        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, split_logits=split, index_ahead=split)
+    for logits, ahead in (("duplicated", False), ("split", True), ("slots_on_m", False)):
+        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits=logits, index_ahead=ahead)
         assert out.dtype == torch.bfloat16
-        assert rel_fro(out, ref_out) < 1e-2, f"seed={seed} split={split}"
-        check_lse(lse, ref_lse, 1e-2, f"seed={seed} split={split}")
+        assert rel_fro(out, ref_out) < 1e-2, f"seed={seed} logits={logits}"
+        check_lse(lse, ref_lse, 1e-2, f"seed={seed} logits={logits}")
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
     ref = torch_backward(dout.float(), q.float(), kv.float(), idx, sink, scale, out.float(), ref_lse, tl_)
     for dq_in_dkv, one in ((False, False), (True, False), (True, True)):
@@ -344,6 +376,42 @@ def test_int64_indices_and_topk(seed):
     out32, lse32 = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
     out64, lse64 = sparse_attention_fwd(q, kv, idx.long(), sink, scale, tl_.long())
     assert torch.equal(out32, out64) and torch.equal(lse32, lse64), f"seed={seed}"
+
+
+def _sm90_resources(match: str) -> dict[tuple[str, str], dict[str, float]]:
+    """``bench/sparse_attention_resources.py`` for the flash candidates matching ``match``, in a process
+    without the interpreter: (candidate, kernel) -> its figures."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "bench.sparse_attention_resources", "--shapes", "flash",
+                           "--match", match], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = re.compile(r"^flash (fwd|bwd) (.+?) +(_\w+_kernel) +(\d+) regs +(\d+) B stack +([\d.]+) KB +(\d+) wgmma")
+    found = {}
+    for text in done.stdout.splitlines():
+        m = line.match(text)
+        if m:
+            found[(m.group(2), m.group(3))] = {"regs": int(m.group(4)), "stack": int(m.group(5)),
+                                               "shared_kb": float(m.group(6)), "wgmma": int(m.group(7))}
+    return found
+
+
+@pytest.mark.slow
+def test_sm90_build_stops_duplicating_products():
+    """Compiled for sm_90 without a GPU, the split logits and the dkv kernel's one product issue fewer
+    wgmma instructions than the layouts that have both warpgroups compute the same product (Triton's
+    layout rule for a product feeding another: a Triton upgrade that changes it fails here), within
+    the shared memory of an SM and without more spills."""
+    pytest.importorskip("triton.backends.nvidia")
+    got = _sm90_resources(r"^64x64x8x2( split logits)?$|^64x64x8x1 / dkv 64x256x8x2 dq-in-dkv( one-product)?$")
+    pairs = ((("64x64x8x2", "_fwd_kernel"), ("64x64x8x2 split logits", "_fwd_kernel")),
+             (("64x64x8x1 / dkv 64x256x8x2 dq-in-dkv", "_bwd_dkv_kernel"),
+              ("64x64x8x1 / dkv 64x256x8x2 dq-in-dkv one-product", "_bwd_dkv_kernel")))
+    for old, new in pairs:
+        assert old in got and new in got, f"missing figures: {sorted(got)}"
+        assert got[new]["wgmma"] < got[old]["wgmma"], f"{new}: {got[new]} against {old}: {got[old]}"
+        assert got[new]["stack"] <= got[old]["stack"] and got[new]["shared_kb"] <= 227, f"{new}: {got[new]}"
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -511,20 +579,21 @@ def test_gpu_full_size_bf16_dq_in_dkv(heads, n_selected, seed):
         assert rel_fro(a, b) < 1e-2, f"seed={seed} H={heads}: {name} {rel_fro(a, b):.2e}"
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["", "index-ahead"])
+@pytest.mark.parametrize("logits, ahead", [("split", False), ("split", True), ("slots_on_m", True)],
+                         ids=["split", "split-index-ahead", "slots_on_m-index-ahead"])
 @pytest.mark.parametrize("heads, n_selected", [(64, 512), (128, 1024), (3, 64)], ids=["flash", "pro", "H3"])
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_full_size_bf16_variants(heads, n_selected, ahead, seed):
-    """The forward with split logits and the dkv kernel's one product (with or without the indices loaded
+def test_gpu_full_size_bf16_variants(heads, n_selected, logits, ahead, seed):
+    """The forward's logits layouts and the dkv kernel's one product (with or without the indices loaded
     one step ahead), each at its own default launch ladder at D = 512, against the fp32 reference (atomic
     and deterministic backward)."""
     t = 2048 if heads <= 64 else 1024
     q, kv, idx, sink, scale = gpu_case(seed, t, heads, 512, 128, n_selected, torch.bfloat16)
     q32, kv32 = q.float(), kv.float()
     ref_out, ref_lse = torch_forward(q32, kv32, idx, sink, scale)
-    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, split_logits=True, index_ahead=ahead)
-    msg = f"seed={seed} H={heads} ahead={ahead}"
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, logits=logits, index_ahead=ahead)
+    msg = f"seed={seed} H={heads} logits={logits} ahead={ahead}"
     assert rel_fro(out, ref_out) < 1e-2, f"{msg}: out {rel_fro(out, ref_out):.2e}"
     check_lse(lse, ref_lse, 1e-2, msg)
     dout = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
@@ -549,11 +618,10 @@ def test_gpu_fp32_matches_torch(case, seed):
     check_lse(lse, ref_lse, 1e-4, f"seed={seed}")
     dout = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
     ref = torch_backward(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)
-    for ahead in (False, True):
-        split_out, split_lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, split_logits=True,
-                                                    index_ahead=ahead)
-        assert rel_fro(split_out, ref_out) < 1e-4, f"seed={seed} ahead={ahead}: split logits"
-        check_lse(split_lse, ref_lse, 1e-4, f"seed={seed} ahead={ahead}: split logits")
+    for logits, ahead in (("split", False), ("split", True), ("slots_on_m", False)):
+        other_out, other_lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits=logits, index_ahead=ahead)
+        assert rel_fro(other_out, ref_out) < 1e-4, f"seed={seed} ahead={ahead}: {logits} logits"
+        check_lse(other_lse, ref_lse, 1e-4, f"seed={seed} ahead={ahead}: {logits} logits")
     for det, dq_in_dkv, one, ahead in ((False, False, False, False), (True, False, False, False),
                                        (False, True, False, False), (False, True, True, False),
                                        (True, True, True, False), (False, True, True, True),
