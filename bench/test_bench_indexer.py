@@ -404,8 +404,9 @@ BOUNDED_SELECT_SWEEP = [(2048, 8, 4, 2), (1024, 8, 4, 2), (2048, 8, 8, 2), (1024
 """Launches of the ``bounded`` radix select timed by ``test_indexer_select_bounded_config`` (``block_n,
 radix_bits, num_warps, num_stages``; the first is the ladder's default): its first digit starts below the
 bits its candidates share, so a histogram pass no longer piles into a few bins and wider digits (fewer
-passes) may pay; 2048 x 8 x 4 compiles to 129 registers (sm_90a, Triton 3.9), 1024 columns per step
-to fewer."""
+passes) may pay. Registers per thread (sm_90a, Triton 3.9, no spill in any): 2048 x 8 x 4: 128,
+1024 x 8 x 4: 80, 2048 x 8 x 8: 118, 1024 x 10 x 4: 80, 2048 x 10 x 8: 122, 1024 x 6 x 4: 96, 4096 x 8 x 8:
+182, 512 x 8 x 4: 64."""
 
 
 @pytest.mark.gpu

@@ -454,7 +454,9 @@ def indexer_topk_triton(
     config: IndexerConfig | None = None,
     select_config=None,
     key_row_limit: tuple[int, int] | None = None,
-) -> torch.Tensor:
+    select_variant: str | None = None,
+    return_scores: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``keys`` with the ``k`` highest indexer scores among those visible, per query (Triton,
     score buffers + a selection).
 
@@ -480,12 +482,21 @@ def indexer_topk_triton(
             read, CUDA-graph safe. Without it they are planned from the exact visible ranges
             (:func:`key_ranges`, :func:`plan_chunks`), which reads the device once per call.
 
+        select_variant: the radix select's kernel (``"bounded"`` or ``"plain"``; default: the kernel
+            option ``topk_select_variant``).
+        return_scores: also return the chosen key rows' scores, as the score kernel wrote them.
+
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are visible;
     the same contract and tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` with
     ``visible = (key_doc == query_doc) & (key_j < query_limit) & (query_doc >= 0)``: among equal scores
-    at the cut the lower key rows win.
+    at the cut the lower key rows win. With ``return_scores``, ``(rows, scores)``: ``scores [T, k]``
+    fp32, the buffer's value at each chosen key row bit for bit (on the ``packed`` torch selection
+    decoded from the key's high half, the score's order-preserving bits: exact, the score kernel never
+    writes ``-0.0``), 0.0 where the row is ``-1``.
     """
     k = _check_k(k)
+    if not isinstance(return_scores, bool):
+        raise ValueError(f"return_scores: must be a bool, got {return_scores!r}")
     check_chunking(chunk, budget_bytes)
     if select not in TOPK_SELECTIONS:
         raise ValueError(f"select: must be one of {', '.join(map(repr, TOPK_SELECTIONS))}, got {select!r}")
@@ -498,16 +509,32 @@ def indexer_topk_triton(
                                budget_bytes=budget_bytes, config=config, key_row_limit=key_row_limit,
                                packed=packed, bytes_per_score=per_score)  # validates the inputs
     out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
+    out_scores = torch.zeros((q.shape[0], k) if return_scores else (0, 0), dtype=torch.float32, device=q.device)
     for s, e, col0, block in chunks:
         keep = min(k, block.shape[1])
         if radix:
             # chunk row r is query row s + r, column c key row col0 + c: the causal bound in columns
             row_limit = None if key_row_limit is None else (key_row_limit[0] - col0, key_row_limit[1], s)
-            chosen = select_top_triton(block, keep, row_limit=row_limit, config=select_config)
+            chosen = select_top_triton(block, keep, row_limit=row_limit, config=select_config,
+                                       variant=select_variant, return_values=return_scores)
+            if return_scores:
+                chosen, out_scores[s:e, :keep] = chosen
         else:
             chosen = _select_top_packed(block, keep) if packed else _select_top(block, keep)
+            if return_scores:
+                picked = block.gather(1, chosen.clamp_min(0))
+                picked = _unpack_scores(picked) if packed else picked
+                out_scores[s:e, :keep] = torch.where(chosen >= 0, picked, 0.0)
         out[s:e, :keep] = torch.where(chosen >= 0, chosen + col0, -1)
-    return out
+    return (out, out_scores) if return_scores else out
+
+
+def _unpack_scores(keys: torch.Tensor) -> torch.Tensor:
+    """fp32 scores of int64 selection keys (:func:`dsv4cp.kernels.contracts.pack_selection_keys`): the
+    high half holds the score's order-preserving bits (negative floats with their magnitude bits
+    flipped), which the same flip undoes."""
+    ordered = (keys >> 32).to(torch.int32)
+    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).view(torch.float32)
 
 
 def iter_score_chunks(

@@ -53,32 +53,40 @@ path's 8-byte key buffer and ``torch.topk``'s temporaries are gone: the chunk pl
 score (:data:`dsv4cp.kernels.indexer_plan.TOPK_RADIX_BYTES_PER_SCORE`), so chunks hold 4x the rows.
 
 Second kernel, ``bounded`` (``_select_bounded_kernel``; kernel option ``topk_select_variant``, default
-``plain``: the kernel above). Same contract, same compaction, three changes aimed at what the cost
-argument above leaves out: per element and pass the ``plain`` kernel spends ~33 SASS instructions in a
-histogram pass (sm_90a, Triton 3.9: int64 key arithmetic, the member test, one branch-guarded
-``ATOMS.POPC.INC`` per member), and pass 1 sends a whole row into a handful of bins, whose lanes serialise
-on the shared-memory atomic. Measured 10.05 ms at 64K in the layer (``trace-auto``): ~1 element per SM
-cycle over all passes, 5x its traffic.
+``plain``: the kernel above). Same contract, same tie rule; it attacks the number of passes over the
+row, which is what the measurements price: on the H200 (Triton 3.6) the sweep of ``SELECT_CONFIGS``
+fits ~1.6 ms per pass over the 64K rows plus ~4.4 us per histogram bin and pass (3 to 10-bit digits:
+11.1-35.0 ms), and the layer's selection took 10.05 ms (``trace-auto``), ~5x the traffic model above.
+Per element and pass the ``plain`` kernel compiles (sm_90a, Triton 3.9) to ~33 SASS instructions in a
+histogram pass (int64 key arithmetic, the member test, one branch-guarded ``ATOMS.POPC.INC`` per
+member) and pass 1 sends a row into a handful of bins (its scores share sign and exponent bits).
 
-1. uint32 keys (:func:`_raw_keys32`: four integer ops; non-finite scores fall outside the finite key
-   range, which every membership test and the final compare stay inside, so they cost no test of
-   their own).
-2. Pass 0, no atomics: per lane the largest finite key of the columns it reads (one max per element).
-   Its maximum is the row's largest key ``hi``; folded into ``SEGMENTS = next_pow2(keep)`` disjoint
-   sets of lanes, the smallest of the sets' maxima ``lb`` is a lower bound on the cut whenever at least
-   ``keep`` sets hold a finite key (each set's maximum is a distinct key >= ``lb``). Every key at or
-   above the cut then shares the leading bits of ``lb`` and ``hi``, and the first radix digit starts
-   below them: on a row whose candidates share sign and exponent bits the first histogram spreads over
-   its bins instead of piling into one, and fewer passes run. Without a bound (``keep`` above the
-   segments, or too few finite scores) the passes start at the top bit as before; a row reading at most
-   ``keep`` columns skips every pass.
-3. Membership as one unsigned compare ``key - start < span``.
+1. Pass 0, no histogram: per lane the largest finite key of the columns it reads (one max per
+   element). Its maximum is the row's largest key ``hi``; folded into ``SEGMENTS = next_pow2(keep)``
+   disjoint sets of lanes, the smallest of the sets' maxima ``lb`` is a lower bound on the cut whenever
+   at least ``keep`` sets hold a finite key (each set's maximum is a distinct key >= ``lb``). Every key
+   at or above the cut then shares the leading bits of ``lb`` and ``hi``: the first radix digit starts
+   below them, so pass 1 spreads the candidates over its bins. Without a bound (``keep`` above the
+   segments, too few finite scores) the passes start at the top bit; a row reading at most ``keep``
+   columns skips every pass.
+2. Row passes (8-bit digits by default) only until the group at the cut holds at most ``rem + extra``
+   keys (:data:`BOUNDED_LIST_EXTRA`, 256): usually after pass 1 (on flash rows the group is the few keys
+   of one of 256 bins of a tail already cut at ``lb``). Then ONE pass lists every key of that group or
+   above it (at most ``keep + extra``) in column order, columns and scores, into a scratch list; the
+   remaining digit passes and the final compaction (the tie rule: the first ``need`` keys equal to the
+   cut, in list order = column order) read that short list, not the row.
+3. uint32 keys (:func:`_raw_keys32`: four integer ops; non-finite scores fall outside the finite key
+   range, which every membership test and compare stays inside, so they cost no test of their own), and
+   membership as one unsigned compare ``key - start < span``.
 
-Per element (SASS of ``block_n = 2048, 8 bits, 4 warps``, Triton 3.9, sm_90a): pass 0 ~11 instructions,
-a histogram pass ~19, the compaction ~33 (its two block scans); 129 registers, no spill, 1 KB of shared
-memory for the histogram (``plain``: 85 registers). Expected from the model (not measured yet): pass 0 +
-two histogram passes + the compaction, ~80 instructions per element against ~150-170, and no atomic
-pile-up in pass 1.
+So a typical row is read three times (pass 0, one histogram pass, the listing) against five (four
+histogram passes and the compaction, fewer on early exits) by ``plain``, and only one of the three
+histograms. Compiled (``block_n = 2048``, 8 bits, 4 warps; Triton 3.9, sm_90a): 128 registers, no
+spill, 1 KB of shared memory for the histogram (``plain``: 85 registers); per element ~11 SASS
+instructions in pass 0, ~19 (+ the per-step histogram reset and read-back) in a histogram pass, ~37
+in the listing (two block scans and their layout conversions through shared memory). Expected, not
+measured yet: about half the ``plain`` kernel's time. Scratch: ``[rows, keep + extra]`` int32 + fp32
+(the size of the int64 output), beyond the planner's 4 bytes per score.
 
 ``return_values=True`` also returns the chosen columns' scores (bit for bit; the ``bounded`` kernel
 stores them in its compaction, the ``plain`` path gathers them afterwards), so a caller that needs them
@@ -123,6 +131,13 @@ SELECT_VARIANTS = ("bounded", "plain")
 """The kernel option ``topk_select_variant``'s words: ``bounded`` (:func:`_select_bounded_kernel`:
 uint32 keys, a pass 0 for the largest key and a lower bound on the cut, radix passes below their common
 bits) and ``plain`` (:func:`_select_kernel`: int64 keys, radix passes from the top bit)."""
+
+BOUNDED_LIST_EXTRA = 256
+"""Candidates beyond ``keep`` the ``bounded`` kernel's list holds (capped by the launch's ``block_n``: 32
+under the interpreter's ladder, so CPU tests take both branches): once the radix group at the cut holds
+at most ``rem + extra`` keys, the row is read once more to list them (with every key above them), and
+the remaining passes run over that list. Scratch: ``[rows, keep + extra]`` int32 columns and fp32
+scores."""
 
 _MAX_COLUMNS = 2**31 - 1
 """Columns are numbered in int32 inside the kernel."""
@@ -273,23 +288,104 @@ def _bit_length(v):
     return t + (v != 0).to(tl.int32)
 
 
+@triton.jit
+def _radix_passes(src, n, prefix, top, rem, small, lanes, bins, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                  BINS: tl.constexpr):
+    """Histogram passes over the keys of fp32 ``src[0:n]`` (0-d uint32 ``prefix``: the group's bits
+    ``[top, 32)``, lower bits 0; ``rem``: keys still to take from the group; every key above the group
+    is taken, every key below it is not). Each pass narrows the group to the digit holding the cut. Stops
+    when the group at the chosen digit is taken whole (``group_done``), when the cut key is exact
+    (``top == 0``), when fewer finite keys than ``rem`` exist (``take_all``: only on a first pass whose
+    group holds every finite key), or, with ``small >= 0``, once the group holds at most ``rem + small``
+    keys. Returns ``(prefix, top, rem, group_done, take_all)``."""
+    group_done = tl.zeros([], tl.int32) != 0
+    take_all = tl.zeros([], tl.int32) != 0
+    fits = tl.zeros([], tl.int32) != 0
+    while (top > 0) & ~group_done & ~take_all & ~fits:
+        shift = tl.maximum(top - BITS, 0)
+        # members: the finite keys of [prefix, prefix + 2^top) = [start, start + span): one unsigned
+        # compare of key - start
+        start = tl.maximum(prefix, _FINITE_LO)
+        end = tl.minimum(prefix.to(tl.int64) + (tl.full([], 1, tl.int64) << top.to(tl.int64)), _FINITE_HI + 1)
+        span = (end - start.to(tl.int64)).to(tl.uint32)
+        digit_mask = _low_bits(top - shift)
+        ushift = shift.to(tl.uint32)
+        hist = tl.zeros([BINS], tl.int32)
+        for c0 in range(0, n, BLOCK):
+            cols = c0 + lanes
+            key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
+            hist += tl.histogram(((key >> ushift) & digit_mask).to(tl.int32), BINS, mask=(key - start) < span)
+        total = tl.sum(hist)
+        at_or_above = total - tl.cumsum(hist, 0) + hist  # keys of the group with a digit >= bin
+        d = tl.max(tl.where(at_or_above >= rem, bins, -1))  # >= 0 unless total < rem
+        above = tl.sum(tl.where(bins > d, hist, 0))
+        in_d = tl.sum(tl.where(bins == d, hist, 0))
+        # total == rem ends as a group taken whole (below); total < rem only without a bound
+        take_all = total < rem
+        prefix = prefix | (tl.maximum(d, 0).to(tl.uint32) << ushift)
+        rem = rem - above
+        group_done = (in_d == rem) & ~take_all  # the whole group at digit d is taken: no tie to resolve
+        fits = (small >= 0) & (in_d - rem <= small)
+        top = shift
+    return prefix, top, rem, group_done, take_all
+
+
+@triton.jit
+def _compact(src, cols_src, n, lo, cut, need, dst, vdst, lanes, FROM_LIST: tl.constexpr, COLS_INT64: tl.constexpr,
+             WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr):
+    """Write, in order, the entries of fp32 ``src[0:n]`` whose key is in ``[lo, _FINITE_HI]`` and the
+    first ``need`` whose key equals ``cut`` (0-d; ``need`` 0: none): their columns to ``dst`` (int64 when
+    COLS_INT64, else int32) and, WITH_VALUES, their scores to ``vdst``. FROM_LIST: entry ``i``'s column is
+    ``cols_src[i]`` (int32), else ``i``. Returns how many were written."""
+    room = _FINITE_HI - lo  # lo <= key <= _FINITE_HI: one unsigned compare of key - lo
+    written = tl.zeros([], tl.int32)
+    tied = tl.zeros([], tl.int32)
+    for c0 in range(0, n, BLOCK):
+        idx = c0 + lanes
+        inside = idx < n
+        x = tl.load(src + idx, mask=inside, other=float("-inf"))
+        key = _raw_keys32(x)
+        if need > 0:
+            tie = (key == cut).to(tl.int32)  # the cut is finite
+            tie_rank = tied + tl.cumsum(tie, 0) - tie  # equal keys in earlier entries
+            chosen = ((key - lo) <= room) | ((tie != 0) & (tie_rank < need))
+            tied += tl.sum(tie)
+        else:
+            chosen = (key - lo) <= room
+        flags = chosen.to(tl.int32)
+        slot = written + tl.cumsum(flags, 0) - 1
+        if FROM_LIST:
+            cols = tl.load(cols_src + idx, mask=inside & chosen, other=0)
+        else:
+            cols = idx
+        if COLS_INT64:
+            tl.store(dst + slot, cols.to(tl.int64), mask=chosen)
+        else:
+            tl.store(dst + slot, cols, mask=chosen)
+        if WITH_VALUES:
+            tl.store(vdst + slot, x, mask=chosen)
+        written += tl.sum(flags)
+    return written
+
+
 def _select_bounded_kernel(
-    SCORES, OUT, VALUES,
-    COLUMNS, KEEP, stride_s, stride_o, stride_v, LIMIT_BASE, LIMIT_RATIO, ROW0,
-    HAS_LIMIT: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr,
-    SEGMENTS: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr,
+    SCORES, OUT, VALUES, LIST_COLS, LIST_VALUES,
+    COLUMNS, KEEP, stride_s, stride_o, stride_v, stride_l, LIMIT_BASE, LIMIT_RATIO, ROW0,
+    HAS_LIMIT: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr, SEGMENTS: tl.constexpr,
+    EXTRA: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr,
 ):
     """Top-``KEEP`` columns of row ``r = program id``, radix passes started below the bits every
-    candidate shares (the ``bounded`` variant; see the module docstring).
+    candidate shares, finished on a short list of candidates (the ``bounded`` variant; see the module
+    docstring).
 
     SCORES ``[rows, COLUMNS]`` fp32 (rows ``stride_s`` apart, columns contiguous), OUT ``[rows, KEEP]``
     int64 (rows ``stride_o`` apart; ``1 <= KEEP <= COLUMNS``); WITH_VALUES: VALUES ``[rows, KEEP]`` fp32
     (rows ``stride_v`` apart) gets the chosen columns' scores, bit for bit (0.0 in the ``-1`` slots).
-    HAS_LIMIT: only columns below ``LIMIT_BASE + (ROW0 + r) // LIMIT_RATIO + 1`` (clamped to
-    ``[0, COLUMNS]``) are read.
-    SEGMENTS (a power of two, ``<= BLOCK``): how many disjoint column sets the lower bound of pass 0
-    takes the minimum of maxima over (valid when at least KEEP of them hold a finite score). Digits of
-    BITS bits (``BINS = 2^BITS``); the last one takes the bits left.
+    LIST_COLS ``[rows, KEEP + EXTRA]`` int32 / LIST_VALUES fp32 (rows ``stride_l`` apart): scratch for
+    the candidate list. HAS_LIMIT: only columns below ``LIMIT_BASE + (ROW0 + r) // LIMIT_RATIO + 1``
+    (clamped to ``[0, COLUMNS]``) are read. SEGMENTS (a power of two, ``<= BLOCK``): how many disjoint
+    lane sets the lower bound of pass 0 takes the minimum of maxima over (valid when at least KEEP of
+    them hold a finite score). Digits of BITS bits (``BINS = 2^BITS``); the last one takes the bits left.
     """
     row = tl.program_id(0).to(tl.int64)
     src = SCORES + row * stride_s
@@ -316,78 +412,36 @@ def _select_bounded_kernel(
     bound_ok = tl.sum(seg_live.to(tl.int32)) >= KEEP
     lb = tl.where(bound_ok, tl.min(tl.where(seg_live, seg_max, 0xFFFFFFFF)), _FINITE_LO)
 
-    # Radix passes over the keys in [lb, hi]: their common leading bits are the cut's, so the first
-    # digit starts below them. Every key above the group is taken, every key below it is not; rem: how
-    # many to take from the group. Loop-carried values are typed 0-d tensors.
+    # Radix passes over the row, from the group of keys sharing the leading bits of lb and hi (every
+    # key at or above the cut is in it), until the group holds at most rem + EXTRA keys.
     take_all = take_all | (hi < _FINITE_LO)
-    top = tl.where(take_all, 0, _bit_length(lb ^ hi))  # the group: keys with hi's bits [top, 32)
+    top = tl.where(take_all, 0, _bit_length(lb ^ hi))
     prefix = hi & ~_low_bits(top)
     rem = tl.zeros([], tl.int32) + KEEP
-    group_done = tl.zeros([], tl.int32) != 0
-    while (top > 0) & ~group_done & ~take_all:
-        shift = tl.maximum(top - BITS, 0)
-        # members: the finite keys of [prefix, prefix + 2^top), i.e. [start, start + span): one unsigned
-        # compare of key - start
-        start = tl.maximum(prefix, _FINITE_LO)
-        end = tl.minimum(prefix.to(tl.int64) + (tl.full([], 1, tl.int64) << top.to(tl.int64)), _FINITE_HI + 1)
-        span = (end - start.to(tl.int64)).to(tl.uint32)
-        digit_mask = _low_bits(top - shift)
-        ushift = shift.to(tl.uint32)
-        hist = tl.zeros([BINS], tl.int32)
-        for c0 in range(0, n, BLOCK):
-            cols = c0 + lanes
-            key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
-            hist += tl.histogram(((key >> ushift) & digit_mask).to(tl.int32), BINS, mask=(key - start) < span)
-        total = tl.sum(hist)
-        at_or_above = total - tl.cumsum(hist, 0) + hist  # keys of the group with a digit >= bin
-        d = tl.max(tl.where(at_or_above >= rem, bins, -1))  # >= 0 unless total < rem
-        above = tl.sum(tl.where(bins > d, hist, 0))
-        in_d = tl.sum(tl.where(bins == d, hist, 0))
-        # Fewer finite keys than rem: only on a first pass without a bound, whose group holds every
-        # finite key (a bound guarantees KEEP keys in the group, a later group at least rem): take all.
-        # (total == rem ends below as a group taken whole.)
-        take_all = total < rem
-        prefix = prefix | (tl.maximum(d, 0).to(tl.uint32) << ushift)
-        rem = rem - above
-        group_done = (in_d == rem) & ~take_all  # the whole group at digit d is taken: no tie to resolve
-        top = shift
-    # Take keys >= lo, and the first `need` keys equal to `cut` (ties at the cut: the lowest columns).
-    exact = ~take_all & ~group_done
-    lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
-    room = _FINITE_HI - lo  # chosen above the cut: lo <= key <= _FINITE_HI, one unsigned compare
-    cut = tl.where(exact, prefix, 0)
-    need = tl.where(exact, rem, 0)
-
+    prefix, top, rem, group_done, all_finite = _radix_passes(src, n, prefix, top, rem, EXTRA, lanes, bins,
+                                                             BLOCK, BITS, BINS)
+    take_all = take_all | all_finite
+    listed = ~take_all & ~group_done & (top > 0)
     dst = OUT + row * stride_o
     vdst = VALUES + row * stride_v
-    written = tl.zeros([], tl.int32)
-    if need > 0:
-        tied = tl.zeros([], tl.int32)
-        for c0 in range(0, n, BLOCK):
-            cols = c0 + lanes
-            x = tl.load(src + cols, mask=cols < n, other=float("-inf"))
-            key = _raw_keys32(x)
-            tie = (key == cut).to(tl.int32)  # the cut is finite
-            tie_rank = tied + tl.cumsum(tie, 0) - tie  # equal keys in earlier columns
-            chosen = ((key - lo) <= room) | ((tie != 0) & (tie_rank < need))
-            flags = chosen.to(tl.int32)
-            slot = written + tl.cumsum(flags, 0) - 1
-            tl.store(dst + slot, cols.to(tl.int64), mask=chosen)
-            if WITH_VALUES:
-                tl.store(vdst + slot, x, mask=chosen)
-            written += tl.sum(flags)
-            tied += tl.sum(tie)
+    if listed:
+        # The candidates: every key of the group or above it (at most KEEP + EXTRA), in column order,
+        # into the list; the remaining passes and the final compaction read the list, not the row.
+        lcols = LIST_COLS + row * stride_l
+        lvals = LIST_VALUES + row * stride_l
+        m = _compact(src, src, n, prefix, prefix, 0, lcols, lvals, lanes, False, False, True, BLOCK)
+        prefix, top, rem, group_done, all_finite = _radix_passes(lvals, m, prefix, top, rem, -1, lanes, bins,
+                                                                 BLOCK, BITS, BINS)
+        exact = ~group_done
+        lo = tl.where(group_done, prefix, prefix + 1).to(tl.uint32)
+        written = _compact(lvals, lcols, m, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst,
+                           lanes, True, True, WITH_VALUES, BLOCK)
     else:
-        for c0 in range(0, n, BLOCK):
-            cols = c0 + lanes
-            x = tl.load(src + cols, mask=cols < n, other=float("-inf"))
-            chosen = (_raw_keys32(x) - lo) <= room
-            flags = chosen.to(tl.int32)
-            slot = written + tl.cumsum(flags, 0) - 1
-            tl.store(dst + slot, cols.to(tl.int64), mask=chosen)
-            if WITH_VALUES:
-                tl.store(vdst + slot, x, mask=chosen)
-            written += tl.sum(flags)
+        # Take keys >= lo, and the first `need` keys equal to `cut` (ties at the cut: the lowest columns).
+        exact = ~take_all & ~group_done
+        lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
+        written = _compact(src, src, n, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst, lanes,
+                           False, True, WITH_VALUES, BLOCK)
     for j0 in range(0, KEEP, BLOCK):
         slot = j0 + lanes
         pad = (slot >= written) & (slot < KEEP)
@@ -523,14 +577,19 @@ def _bounded_launch(scores, out, values, keep, row_limit, pinned) -> None:
     dev = scores.device
     kernel = _KERNELS.build("_select_bounded_kernel", dev)
     with_values = values.shape[1] > 0
+    # one list width for every config of the ladder: the extra candidates are capped by the smallest step
+    extra = min([BOUNDED_LIST_EXTRA] + [c.block_n for c in select_config_ladder(_interpreted(dev))]
+                + ([pinned.block_n] if pinned is not None else []))
+    list_cols = torch.empty(rows, keep + extra, dtype=torch.int32, device=dev)
+    list_values = torch.empty(rows, keep + extra, dtype=torch.float32, device=dev)
 
     def launch(cfg: SelectConfig) -> None:
         kernel[(rows,)](
-            scores, out, values if with_values else out, columns, keep, scores.stride(0), out.stride(0),
-            values.stride(0) if with_values else 0, base, ratio, row0,
-            HAS_LIMIT=row_limit is not None, WITH_VALUES=with_values,
-            BLOCK=cfg.block_n, SEGMENTS=min(cfg.block_n, triton.next_power_of_2(keep)), BITS=cfg.radix_bits,
-            BINS=1 << cfg.radix_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            scores, out, values if with_values else out, list_cols, list_values, columns, keep, scores.stride(0),
+            out.stride(0), values.stride(0) if with_values else 0, list_cols.stride(0), base, ratio, row0,
+            HAS_LIMIT=row_limit is not None, WITH_VALUES=with_values, BLOCK=cfg.block_n,
+            SEGMENTS=min(cfg.block_n, triton.next_power_of_2(keep)), EXTRA=extra,
+            BITS=cfg.radix_bits, BINS=1 << cfg.radix_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     _KERNELS.launch("select-bounded", (dev.type,), select_config_ladder(_interpreted(dev)), pinned, launch)

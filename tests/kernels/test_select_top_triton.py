@@ -212,10 +212,11 @@ def test_config_pins_and_env(monkeypatch, seed):
 
 
 def test_bounded_pass_zero_cases(seed):
-    """The cases of the bounded kernel's pass 0: a lower bound from the segments' maxima (rows of one
-    binade, where the candidates share sign and exponent), no bound (``keep`` above the segments, or
-    fewer live segments than ``keep``), every key equal (bound = largest key: the cut found with no
-    pass), all negative, and one finite score more than ``keep``."""
+    """The cases of the bounded kernel's pass 0 and its list: a lower bound from the segments' maxima
+    (rows of one binade, where the candidates share sign and exponent), no bound (``keep`` above the
+    segments, or fewer live segments than ``keep``), every key equal (bound = largest key: the cut found
+    with no pass, from the row), all negative, one finite score more than ``keep``, and a cut group too
+    large for the list after pass 1."""
     gen = torch.Generator().manual_seed(seed)
     binade = 1.0 + torch.rand(3, 100, generator=gen)  # [1, 2): one exponent
     check(binade, 9, f"seed={seed}")
@@ -228,6 +229,13 @@ def test_bounded_pass_zero_cases(seed):
     short = torch.full((1, 64), float("-inf"))
     short[0, 5:16] = torch.randn(11, generator=gen)
     check(short, 10, f"seed={seed}")
+    # One large score far above a dense cluster: the bits of lb and hi barely agree, the cluster stays in
+    # one bin for two more passes (its keys differ in their 12 lowest bits only), the row passes go on
+    # until the group fits the list, then the list finishes the cut.
+    low_bits = torch.randint(0, 4096, (2, 119), generator=gen, dtype=torch.int32)
+    cluster = (torch.tensor(1.0).view(torch.int32) + low_bits).view(torch.float32)
+    dense = torch.cat([torch.full((2, 1), 1000.0), cluster], dim=1)
+    check(dense, 9, f"seed={seed}")
 
 
 @pytest.mark.parametrize("trial", range(6))
