@@ -62,31 +62,36 @@ histogram pass (int64 key arithmetic, the member test, one branch-guarded ``ATOM
 member) and pass 1 sends a row into a handful of bins (its scores share sign and exponent bits).
 
 1. Pass 0, no histogram: per lane the largest finite key of the columns it reads (one max per
-   element). Its maximum is the row's largest key ``hi``; folded into ``SEGMENTS = next_pow2(keep)``
-   disjoint sets of lanes, the smallest of the sets' maxima ``lb`` is a lower bound on the cut whenever
-   at least ``keep`` sets hold a finite key (each set's maximum is a distinct key >= ``lb``). Every key
-   at or above the cut then shares the leading bits of ``lb`` and ``hi``: the first radix digit starts
-   below them, so pass 1 spreads the candidates over its bins. Without a bound (``keep`` above the
-   segments, too few finite scores) the passes start at the top bit; a row reading at most ``keep``
-   columns skips every pass.
-2. Row passes (8-bit digits by default) only until the group at the cut holds at most ``rem + extra``
-   keys (:data:`BOUNDED_LIST_EXTRA`, 256): usually after pass 1 (on flash rows the group is the few keys
-   of one of 256 bins of a tail already cut at ``lb``). Then ONE pass lists every key of that group or
-   above it (at most ``keep + extra``) in column order, columns and scores, into a scratch list; the
-   remaining digit passes and the final compaction (the tie rule: the first ``need`` keys equal to the
-   cut, in list order = column order) read that short list, not the row.
-3. uint32 keys (:func:`_raw_keys32`: four integer ops; non-finite scores fall outside the finite key
+   element; the ``block_n`` lanes read disjoint columns). The largest lane maximum is the row's largest
+   key ``hi``; the ``keep``-th largest lane maximum ``lb`` (found by radix passes over that one register
+   block, :func:`_block_bound`) is a lower bound on the cut whenever ``keep`` lanes hold a finite key:
+   ``keep`` distinct keys are >= it. On rows much longer than ``block_n`` few keys beyond ``keep`` are
+   >= ``lb``: for independent scores about ``-ln(1 - keep / block_n) * block_n`` of them, 589 at
+   ``keep = 512, block_n = 2048`` whatever the row length.
+2. One pass lists every key >= ``lb`` in column order (columns and scores) into a scratch list of
+   ``keep + extra`` entries (:data:`BOUNDED_LIST_EXTRA`, 256). When they fit, every remaining step reads
+   the list, not the row: radix passes from the bits ``lb`` and ``hi`` share (every key at or above the
+   cut shares them), then the compaction with the tie rule (the first ``need`` keys equal to the cut, in
+   list order = column order). Without a bound (``keep`` above the lanes, too few finite scores) ``lb``
+   is the smallest finite key; a row reading at most ``keep`` columns skips every pass.
+3. When the list overflows (heavy ties, ``keep`` close to ``block_n``): radix passes over the row from
+   those shared bits, 8-bit digits by default, until the group at the cut holds at most ``rem + extra``
+   keys; one pass lists that group and every key above it, and the list finishes as in 2. A group that
+   ends exact or taken whole on the row is compacted from the row.
+4. uint32 keys (:func:`_raw_keys32`: four integer ops; non-finite scores fall outside the finite key
    range, which every membership test and compare stays inside, so they cost no test of their own), and
    membership as one unsigned compare ``key - start < span``.
 
-So a typical row is read three times (pass 0, one histogram pass, the listing) against five (four
-histogram passes and the compaction, fewer on early exits) by ``plain``, and only one of the three
-histograms. Compiled (``block_n = 2048``, 8 bits, 4 warps; Triton 3.9, sm_90a): 128 registers, no
-spill, 1 KB of shared memory for the histogram (``plain``: 85 registers); per element ~11 SASS
-instructions in pass 0, ~19 (+ the per-step histogram reset and read-back) in a histogram pass, ~37
-in the listing (two block scans and their layout conversions through shared memory). Expected, not
-measured yet: about half the ``plain`` kernel's time. Scratch: ``[rows, keep + extra]`` int32 + fp32
-(the size of the int64 output), beyond the planner's 4 bytes per score.
+So a typical flash row is read twice (pass 0 and the listing) against five times (four histogram passes
+and the compaction, fewer on early exits) by ``plain``, with no histogram over the row at all; the
+histograms run over the ``block_n`` lane maxima and the ~600-entry list. Compiled (Triton 3.9, sm_90a,
+4 warps, 8 bits): ``block_n = 2048`` 166 registers, 1024: 72 (8 bytes of stack), no spill, 1 KB of
+shared memory for the histogram (``plain``: 85 registers); per element ~11 SASS instructions in pass 0
+and ~42 in the listing (two block scans and their layout conversions through shared memory), per
+program ~300 per histogram pass over the lane maxima and ~310 per pass, ~560 for the compaction over
+the list (``LIST_BLOCK = 1024``). Expected, not measured yet: a third to a half of the ``plain``
+kernel's time. Scratch: ``[rows, keep + extra]`` int32 + fp32 (the size of the int64 output), beyond the
+planner's 4 bytes per score.
 
 ``return_values=True`` also returns the chosen columns' scores (bit for bit; the ``bounded`` kernel
 stores them in its compaction, the ``plain`` path gathers them afterwards), so a caller that needs them
@@ -129,14 +134,14 @@ times them with other digit widths on the H200: at 64K (results/2026-12-01-h200-
 
 SELECT_VARIANTS = ("bounded", "plain")
 """The kernel option ``topk_select_variant``'s words: ``bounded`` (:func:`_select_bounded_kernel`:
-uint32 keys, a pass 0 for the largest key and a lower bound on the cut, radix passes below their common
-bits) and ``plain`` (:func:`_select_kernel`: int64 keys, radix passes from the top bit)."""
+uint32 keys, a pass 0 for a lower bound on the cut, the keys above it listed, radix passes over the
+list) and ``plain`` (:func:`_select_kernel`: int64 keys, radix passes over the row from the top bit)."""
 
 BOUNDED_LIST_EXTRA = 256
 """Candidates beyond ``keep`` the ``bounded`` kernel's list holds (capped by the launch's ``block_n``: 32
-under the interpreter's ladder, so CPU tests take both branches): once the radix group at the cut holds
-at most ``rem + extra`` keys, the row is read once more to list them (with every key above them), and
-the remaining passes run over that list. Scratch: ``[rows, keep + extra]`` int32 columns and fp32
+under the interpreter's ladder, so CPU tests take every branch): the keys at or above the lower bound of
+pass 0 when they fit, else, after radix passes over the row, the group at the cut and every key above
+it; the remaining passes run over that list. Scratch: ``[rows, keep + extra]`` int32 columns and fp32
 scores."""
 
 _MAX_COLUMNS = 2**31 - 1
@@ -331,12 +336,13 @@ def _radix_passes(src, n, prefix, top, rem, small, lanes, bins, BLOCK: tl.conste
 
 
 @triton.jit
-def _compact(src, cols_src, n, lo, cut, need, dst, vdst, lanes, FROM_LIST: tl.constexpr, COLS_INT64: tl.constexpr,
-             WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr):
+def _compact(src, cols_src, n, lo, cut, need, dst, vdst, cap, lanes, FROM_LIST: tl.constexpr,
+             COLS_INT64: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr):
     """Write, in order, the entries of fp32 ``src[0:n]`` whose key is in ``[lo, _FINITE_HI]`` and the
     first ``need`` whose key equals ``cut`` (0-d; ``need`` 0: none): their columns to ``dst`` (int64 when
-    COLS_INT64, else int32) and, WITH_VALUES, their scores to ``vdst``. FROM_LIST: entry ``i``'s column is
-    ``cols_src[i]`` (int32), else ``i``. Returns how many were written."""
+    COLS_INT64, else int32) and, WITH_VALUES, their scores to ``vdst``, the first ``cap`` of them only.
+    FROM_LIST: entry ``i``'s column is ``cols_src[i]`` (int32), else ``i``. Returns how many were chosen
+    (more than ``cap`` when they did not fit)."""
     room = _FINITE_HI - lo  # lo <= key <= _FINITE_HI: one unsigned compare of key - lo
     written = tl.zeros([], tl.int32)
     tied = tl.zeros([], tl.int32)
@@ -354,24 +360,55 @@ def _compact(src, cols_src, n, lo, cut, need, dst, vdst, lanes, FROM_LIST: tl.co
             chosen = (key - lo) <= room
         flags = chosen.to(tl.int32)
         slot = written + tl.cumsum(flags, 0) - 1
+        kept = chosen & (slot < cap)
         if FROM_LIST:
-            cols = tl.load(cols_src + idx, mask=inside & chosen, other=0)
+            cols = tl.load(cols_src + idx, mask=kept, other=0)
         else:
             cols = idx
         if COLS_INT64:
-            tl.store(dst + slot, cols.to(tl.int64), mask=chosen)
+            tl.store(dst + slot, cols.to(tl.int64), mask=kept)
         else:
-            tl.store(dst + slot, cols, mask=chosen)
+            tl.store(dst + slot, cols, mask=kept)
         if WITH_VALUES:
-            tl.store(vdst + slot, x, mask=chosen)
+            tl.store(vdst + slot, x, mask=kept)
         written += tl.sum(flags)
     return written
+
+
+@triton.jit
+def _block_bound(keys, k, hi, bins, BITS: tl.constexpr, BINS: tl.constexpr):
+    """A lower bound on the ``k``-th largest of the uint32 ``keys`` (one register block; at least ``k``
+    finite, non-finite ones below ``_FINITE_LO``; ``hi`` their largest): radix passes over the block from
+    the bits its smallest finite key shares with ``hi``, until the group at the cut is taken whole or
+    the cut is exact. Returns the group's smallest possible key: at least ``k`` keys are >= it, and it is
+    <= the ``k``-th largest."""
+    lo_key = tl.min(tl.where(keys >= _FINITE_LO, keys, 0xFFFFFFFF))
+    top = _bit_length(lo_key ^ hi)
+    prefix = hi & ~_low_bits(top)
+    rem = tl.zeros([], tl.int32) + k
+    done = tl.zeros([], tl.int32) != 0
+    while (top > 0) & ~done:
+        shift = tl.maximum(top - BITS, 0)
+        start = tl.maximum(prefix, _FINITE_LO)
+        end = tl.minimum(prefix.to(tl.int64) + (tl.full([], 1, tl.int64) << top.to(tl.int64)), _FINITE_HI + 1)
+        span = (end - start.to(tl.int64)).to(tl.uint32)
+        ushift = shift.to(tl.uint32)
+        hist = tl.histogram(((keys >> ushift) & _low_bits(top - shift)).to(tl.int32), BINS, mask=(keys - start) < span)
+        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        d = tl.max(tl.where(at_or_above >= rem, bins, 0))  # the group holds at least rem keys
+        above = tl.sum(tl.where(bins > d, hist, 0))
+        in_d = tl.sum(tl.where(bins == d, hist, 0))
+        prefix = prefix | (d.to(tl.uint32) << ushift)
+        rem = rem - above
+        done = in_d == rem
+        top = shift
+    return prefix
 
 
 def _select_bounded_kernel(
     SCORES, OUT, VALUES, LIST_COLS, LIST_VALUES,
     COLUMNS, KEEP, stride_s, stride_o, stride_v, stride_l, LIMIT_BASE, LIMIT_RATIO, ROW0,
-    HAS_LIMIT: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr, SEGMENTS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
     EXTRA: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr,
 ):
     """Top-``KEEP`` columns of row ``r = program id``, radix passes started below the bits every
@@ -383,9 +420,8 @@ def _select_bounded_kernel(
     (rows ``stride_v`` apart) gets the chosen columns' scores, bit for bit (0.0 in the ``-1`` slots).
     LIST_COLS ``[rows, KEEP + EXTRA]`` int32 / LIST_VALUES fp32 (rows ``stride_l`` apart): scratch for
     the candidate list. HAS_LIMIT: only columns below ``LIMIT_BASE + (ROW0 + r) // LIMIT_RATIO + 1``
-    (clamped to ``[0, COLUMNS]``) are read. SEGMENTS (a power of two, ``<= BLOCK``): how many disjoint
-    lane sets the lower bound of pass 0 takes the minimum of maxima over (valid when at least KEEP of
-    them hold a finite score). Digits of BITS bits (``BINS = 2^BITS``); the last one takes the bits left.
+    (clamped to ``[0, COLUMNS]``) are read. BLOCK entries per step over the row, LIST_BLOCK over the list
+    (``<= BLOCK``). Digits of BITS bits (``BINS = 2^BITS``); the last one takes the bits left.
     """
     row = tl.program_id(0).to(tl.int64)
     src = SCORES + row * stride_s
@@ -405,43 +441,53 @@ def _select_bounded_kernel(
         key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
         lane_max = tl.maximum(lane_max, tl.where(key <= _FINITE_HI, key, 0))  # non-finite: as -inf
     hi = tl.max(lane_max)  # the largest finite key (below _FINITE_LO: none)
-    # Each segment's maximum is one key of the row, the segments are disjoint: when at least KEEP of
-    # them hold a finite key, at least KEEP keys are >= the smallest of their maxima, so the cut is too.
-    seg_max = tl.max(tl.reshape(lane_max, [SEGMENTS, BLOCK // SEGMENTS]), axis=1)
-    seg_live = seg_max >= _FINITE_LO
-    bound_ok = tl.sum(seg_live.to(tl.int32)) >= KEEP
-    lb = tl.where(bound_ok, tl.min(tl.where(seg_live, seg_max, 0xFFFFFFFF)), _FINITE_LO)
-
-    # Radix passes over the row, from the group of keys sharing the leading bits of lb and hi (every
-    # key at or above the cut is in it), until the group holds at most rem + EXTRA keys.
     take_all = take_all | (hi < _FINITE_LO)
+    # The lanes read disjoint columns, so each lane's maximum is a distinct key of the row: when at
+    # least KEEP lanes hold a finite key, KEEP keys are >= the KEEP-th largest lane maximum, so the cut
+    # is too; few more keys than KEEP are above it on rows much longer than BLOCK.
+    bound_ok = ~take_all & (tl.sum((lane_max >= _FINITE_LO).to(tl.int32)) >= KEEP)
+    lb = tl.zeros([], tl.uint32) + _FINITE_LO
+    if bound_ok:
+        lb = _block_bound(lane_max, KEEP, hi, bins, BITS, BINS)
+    # Every key >= lb, in column order, into the list (capacity KEEP + EXTRA).
+    cap = KEEP + EXTRA
+    lcols = LIST_COLS + row * stride_l
+    lvals = LIST_VALUES + row * stride_l
+    m = tl.zeros([], tl.int32)
+    if ~take_all:
+        m = _compact(src, src, n, lb, lb, 0, lcols, lvals, cap, lanes, False, False, True, BLOCK)
+    listed = ~take_all & (m <= cap)
+    # Radix passes over the list, or (it overflowed) over the row until the group at the cut fits the
+    # list, which is then filled with that group and every key above it. The group: keys sharing the
+    # leading bits of lb and hi (every key at or above the cut is in it); rem: how many to take from it.
     top = tl.where(take_all, 0, _bit_length(lb ^ hi))
     prefix = hi & ~_low_bits(top)
     rem = tl.zeros([], tl.int32) + KEEP
-    prefix, top, rem, group_done, all_finite = _radix_passes(src, n, prefix, top, rem, EXTRA, lanes, bins,
-                                                             BLOCK, BITS, BINS)
-    take_all = take_all | all_finite
-    listed = ~take_all & ~group_done & (top > 0)
+    group_done = tl.zeros([], tl.int32) != 0
+    if ~take_all & ~listed:
+        prefix, top, rem, group_done, all_finite = _radix_passes(src, n, prefix, top, rem, EXTRA, lanes, bins,
+                                                                 BLOCK, BITS, BINS)
+        take_all = take_all | all_finite
+        listed = ~take_all & ~group_done & (top > 0)
+        if listed:
+            m = _compact(src, src, n, prefix, prefix, 0, lcols, lvals, cap, lanes, False, False, True, BLOCK)
     dst = OUT + row * stride_o
     vdst = VALUES + row * stride_v
     if listed:
-        # The candidates: every key of the group or above it (at most KEEP + EXTRA), in column order,
-        # into the list; the remaining passes and the final compaction read the list, not the row.
-        lcols = LIST_COLS + row * stride_l
-        lvals = LIST_VALUES + row * stride_l
-        m = _compact(src, src, n, prefix, prefix, 0, lcols, lvals, lanes, False, False, True, BLOCK)
-        prefix, top, rem, group_done, all_finite = _radix_passes(lvals, m, prefix, top, rem, -1, lanes, bins,
-                                                                 BLOCK, BITS, BINS)
-        exact = ~group_done
-        lo = tl.where(group_done, prefix, prefix + 1).to(tl.uint32)
+        list_lanes = tl.arange(0, LIST_BLOCK)
+        prefix, top, rem, group_done, all_finite = _radix_passes(lvals, m, prefix, top, rem, -1, list_lanes, bins,
+                                                                 LIST_BLOCK, BITS, BINS)
+        take_all = all_finite  # without a bound the list holds every finite key: perhaps fewer than KEEP
+        exact = ~take_all & ~group_done
+        lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
         written = _compact(lvals, lcols, m, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst,
-                           lanes, True, True, WITH_VALUES, BLOCK)
+                           KEEP, list_lanes, True, True, WITH_VALUES, LIST_BLOCK)
     else:
         # Take keys >= lo, and the first `need` keys equal to `cut` (ties at the cut: the lowest columns).
         exact = ~take_all & ~group_done
         lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
-        written = _compact(src, src, n, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst, lanes,
-                           False, True, WITH_VALUES, BLOCK)
+        written = _compact(src, src, n, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst, KEEP,
+                           lanes, False, True, WITH_VALUES, BLOCK)
     for j0 in range(0, KEEP, BLOCK):
         slot = j0 + lanes
         pad = (slot >= written) & (slot < KEEP)
@@ -588,7 +634,7 @@ def _bounded_launch(scores, out, values, keep, row_limit, pinned) -> None:
             scores, out, values if with_values else out, list_cols, list_values, columns, keep, scores.stride(0),
             out.stride(0), values.stride(0) if with_values else 0, list_cols.stride(0), base, ratio, row0,
             HAS_LIMIT=row_limit is not None, WITH_VALUES=with_values, BLOCK=cfg.block_n,
-            SEGMENTS=min(cfg.block_n, triton.next_power_of_2(keep)), EXTRA=extra,
+            LIST_BLOCK=min(cfg.block_n, triton.next_power_of_2(keep + extra)), EXTRA=extra,
             BITS=cfg.radix_bits, BINS=1 << cfg.radix_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -212,11 +212,11 @@ def test_config_pins_and_env(monkeypatch, seed):
 
 
 def test_bounded_pass_zero_cases(seed):
-    """The cases of the bounded kernel's pass 0 and its list: a lower bound from the segments' maxima
-    (rows of one binade, where the candidates share sign and exponent), no bound (``keep`` above the
-    segments, or fewer live segments than ``keep``), every key equal (bound = largest key: the cut found
-    with no pass, from the row), all negative, one finite score more than ``keep``, and a cut group too
-    large for the list after pass 1."""
+    """The cases of the bounded kernel's pass 0 and its list: a lower bound from the lanes' maxima (rows
+    of one binade, where the candidates share sign and exponent), no bound (``keep`` above the lanes, or
+    fewer live lanes than ``keep``), every key equal (bound = largest key: the list overflows, the cut is
+    found with no pass, from the row), all negative, one finite score more than ``keep``, a dense cluster
+    under one large score, and more keys above the bound than the list holds."""
     gen = torch.Generator().manual_seed(seed)
     binade = 1.0 + torch.rand(3, 100, generator=gen)  # [1, 2): one exponent
     check(binade, 9, f"seed={seed}")
@@ -236,6 +236,9 @@ def test_bounded_pass_zero_cases(seed):
     cluster = (torch.tensor(1.0).view(torch.int32) + low_bits).view(torch.float32)
     dense = torch.cat([torch.full((2, 1), 1000.0), cluster], dim=1)
     check(dense, 9, f"seed={seed}")
+    # keep close to the interpreter's 32 lanes: ~88 keys above the bound, more than the list holds
+    # (keep + 32), so the row passes run first
+    check(torch.randn(2, 200, generator=gen), 30, f"seed={seed}")
 
 
 @pytest.mark.parametrize("trial", range(6))
