@@ -140,7 +140,7 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "packed", ("packed", "scores")),
     KernelOption("topk_select_variant", "DSV4CP_TOPK_SELECT_VARIANT", CHOICE, "indexer_topk",
                  "radix select kernel: a lower bound from each lane's maximum, then passes over the few keys "
-                 "above it (bounded), or four passes over the row (plain)", "plain", ("bounded", "plain")),
+                 "above it (bounded), or four passes over the row (plain)", "bounded", ("bounded", "plain")),
     _tile("triton_indexer_config", "indexer_topk", _INDEXER_TILE, "pins the indexer score kernel's launch"),
     _tile("triton_topk_stream_config", "indexer_topk", _INDEXER_TILE, "pins the streaming top-k kernel's launch"),
     _tile("triton_select_config", "indexer_topk", ("block_n", "radix_bits", "num_warps", "num_stages"),

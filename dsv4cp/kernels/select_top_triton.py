@@ -52,8 +52,8 @@ default on paper; ``bench/test_bench_indexer.py::test_indexer_select_config`` me
 path's 8-byte key buffer and ``torch.topk``'s temporaries are gone: the chunk planner counts 4 bytes per
 score (:data:`dsv4cp.kernels.indexer_plan.TOPK_RADIX_BYTES_PER_SCORE`), so chunks hold 4x the rows.
 
-Second kernel, ``bounded`` (``_select_bounded_kernel``; kernel option ``topk_select_variant``, default
-``plain``: the kernel above). Same contract, same tie rule; it attacks the number of passes over the
+Second kernel, ``bounded`` (``_select_bounded_kernel``; kernel option ``topk_select_variant``, the
+default; ``plain`` keeps the kernel above). Same contract, same tie rule; it attacks the number of passes over the
 row, which is what the measurements price: on the H200 (Triton 3.6) the sweep of ``SELECT_CONFIGS``
 fits ~1.6 ms per pass over the 64K rows plus ~4.4 us per histogram bin and pass (3 to 10-bit digits:
 11.1-35.0 ms), and the layer's selection took 10.05 ms (``trace-auto``), ~5x the traffic model above.
@@ -78,6 +78,9 @@ member) and pass 1 sends a row into a handful of bins (its scores share sign and
    those shared bits, 8-bit digits by default, until the group at the cut holds at most ``rem + extra``
    keys; one pass lists that group and every key above it, and the list finishes as in 2. A group that
    ends exact or taken whole on the row is compacted from the row.
+5. ``row_range``: a per-row ``[start, stop)`` of the columns that may hold a finite score (the key
+   range of the row's document, in a packed batch), so a row scans its own document, not every column
+   before its causal limit.
 4. uint32 keys (:func:`_raw_keys32`: four integer ops; non-finite scores fall outside the finite key
    range, which every membership test and compare stays inside, so they cost no test of their own), and
    membership as one unsigned compare ``key - start < span``.
@@ -89,9 +92,12 @@ histograms run over the ``block_n`` lane maxima and the ~600-entry list. Compile
 shared memory for the histogram (``plain``: 85 registers); per element ~11 SASS instructions in pass 0
 and ~42 in the listing (two block scans and their layout conversions through shared memory), per
 program ~300 per histogram pass over the lane maxima and ~310 per pass, ~560 for the compaction over
-the list (``LIST_BLOCK = 1024``). Expected, not measured yet: a third to a half of the ``plain``
-kernel's time. Scratch: ``[rows, keep + extra]`` int32 + fp32 (the size of the int64 output), beyond the
-planner's 4 bytes per score.
+the list (``LIST_BLOCK = 1024``). Measured on the H200 (``bench/test_bench_indexer.py``, 64K, flash
+shapes; the version before the lane-maximum bound, which ran one histogram pass over the row to reach
+the list): the selection alone 7.91 ms against 11.24 (exact plan), 6.66 against 9.60 with the static
+plan's row limits, the whole chunked top-k 27.05 against 30.84 ms. The current version, two reads and
+no row histogram, is expected lower still (not measured yet). Scratch: ``[rows, keep + extra]``
+int32 + fp32 (the size of the int64 output), beyond the planner's 4 bytes per score.
 
 ``return_values=True`` also returns the chosen columns' scores (bit for bit; the ``bounded`` kernel
 stores them in its compaction, the ``plain`` path gathers them afterwards), so a caller that needs them
@@ -294,9 +300,9 @@ def _bit_length(v):
 
 
 @triton.jit
-def _radix_passes(src, n, prefix, top, rem, small, lanes, bins, BLOCK: tl.constexpr, BITS: tl.constexpr,
+def _radix_passes(src, first, n, prefix, top, rem, small, lanes, bins, BLOCK: tl.constexpr, BITS: tl.constexpr,
                   BINS: tl.constexpr):
-    """Histogram passes over the keys of fp32 ``src[0:n]`` (0-d uint32 ``prefix``: the group's bits
+    """Histogram passes over the keys of fp32 ``src[first:n]`` (0-d uint32 ``prefix``: the group's bits
     ``[top, 32)``, lower bits 0; ``rem``: keys still to take from the group; every key above the group
     is taken, every key below it is not). Each pass narrows the group to the digit holding the cut. Stops
     when the group at the chosen digit is taken whole (``group_done``), when the cut key is exact
@@ -316,7 +322,7 @@ def _radix_passes(src, n, prefix, top, rem, small, lanes, bins, BLOCK: tl.conste
         digit_mask = _low_bits(top - shift)
         ushift = shift.to(tl.uint32)
         hist = tl.zeros([BINS], tl.int32)
-        for c0 in range(0, n, BLOCK):
+        for c0 in range(first, n, BLOCK):
             cols = c0 + lanes
             key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
             hist += tl.histogram(((key >> ushift) & digit_mask).to(tl.int32), BINS, mask=(key - start) < span)
@@ -336,9 +342,9 @@ def _radix_passes(src, n, prefix, top, rem, small, lanes, bins, BLOCK: tl.conste
 
 
 @triton.jit
-def _compact(src, cols_src, n, lo, cut, need, dst, vdst, cap, lanes, FROM_LIST: tl.constexpr,
+def _compact(src, cols_src, first, n, lo, cut, need, dst, vdst, cap, lanes, FROM_LIST: tl.constexpr,
              COLS_INT64: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr):
-    """Write, in order, the entries of fp32 ``src[0:n]`` whose key is in ``[lo, _FINITE_HI]`` and the
+    """Write, in order, the entries of fp32 ``src[first:n]`` whose key is in ``[lo, _FINITE_HI]`` and the
     first ``need`` whose key equals ``cut`` (0-d; ``need`` 0: none): their columns to ``dst`` (int64 when
     COLS_INT64, else int32) and, WITH_VALUES, their scores to ``vdst``, the first ``cap`` of them only.
     FROM_LIST: entry ``i``'s column is ``cols_src[i]`` (int32), else ``i``. Returns how many were chosen
@@ -346,7 +352,7 @@ def _compact(src, cols_src, n, lo, cut, need, dst, vdst, cap, lanes, FROM_LIST: 
     room = _FINITE_HI - lo  # lo <= key <= _FINITE_HI: one unsigned compare of key - lo
     written = tl.zeros([], tl.int32)
     tied = tl.zeros([], tl.int32)
-    for c0 in range(0, n, BLOCK):
+    for c0 in range(first, n, BLOCK):
         idx = c0 + lanes
         inside = idx < n
         x = tl.load(src + idx, mask=inside, other=float("-inf"))
@@ -406,10 +412,10 @@ def _block_bound(keys, k, hi, bins, BITS: tl.constexpr, BINS: tl.constexpr):
 
 
 def _select_bounded_kernel(
-    SCORES, OUT, VALUES, LIST_COLS, LIST_VALUES,
+    SCORES, OUT, VALUES, LIST_COLS, LIST_VALUES, RANGE_START, RANGE_STOP,
     COLUMNS, KEEP, stride_s, stride_o, stride_v, stride_l, LIMIT_BASE, LIMIT_RATIO, ROW0,
-    HAS_LIMIT: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
-    EXTRA: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_RANGE: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr,
+    LIST_BLOCK: tl.constexpr, EXTRA: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr,
 ):
     """Top-``KEEP`` columns of row ``r = program id``, radix passes started below the bits every
     candidate shares, finished on a short list of candidates (the ``bounded`` variant; see the module
@@ -420,7 +426,8 @@ def _select_bounded_kernel(
     (rows ``stride_v`` apart) gets the chosen columns' scores, bit for bit (0.0 in the ``-1`` slots).
     LIST_COLS ``[rows, KEEP + EXTRA]`` int32 / LIST_VALUES fp32 (rows ``stride_l`` apart): scratch for
     the candidate list. HAS_LIMIT: only columns below ``LIMIT_BASE + (ROW0 + r) // LIMIT_RATIO + 1``
-    (clamped to ``[0, COLUMNS]``) are read. BLOCK entries per step over the row, LIST_BLOCK over the list
+    (clamped to ``[0, COLUMNS]``) are read; HAS_RANGE: only columns in ``[RANGE_START[r], RANGE_STOP[r])``
+    (int64 ``[rows]``, clamped) as well. BLOCK entries per step over the row, LIST_BLOCK over the list
     (``<= BLOCK``). Digits of BITS bits (``BINS = 2^BITS``); the last one takes the bits left.
     """
     row = tl.program_id(0).to(tl.int64)
@@ -428,15 +435,19 @@ def _select_bounded_kernel(
     if HAS_LIMIT:
         n = tl.minimum(tl.maximum(LIMIT_BASE + (ROW0 + row) // LIMIT_RATIO + 1, 0), COLUMNS).to(tl.int32)
     else:
-        n = COLUMNS
+        n = tl.zeros([], tl.int32) + COLUMNS
+    first = tl.zeros([], tl.int32)
+    if HAS_RANGE:
+        n = tl.minimum(n, tl.maximum(tl.load(RANGE_STOP + row), 0).to(tl.int32))
+        first = tl.minimum(tl.maximum(tl.load(RANGE_START + row), 0).to(tl.int32), n)
     lanes = tl.arange(0, BLOCK)
     bins = tl.arange(0, BINS)
 
     # A row reading at most KEEP columns takes every finite one: no pass at all.
-    take_all = n <= KEEP
+    take_all = n - first <= KEEP
     # Pass 0 (no atomics): per lane the largest key of the columns it reads.
     lane_max = tl.zeros([BLOCK], tl.uint32)
-    for c0 in range(0, tl.where(take_all, 0, n), BLOCK):
+    for c0 in range(first, tl.where(take_all, first, n), BLOCK):
         cols = c0 + lanes
         key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
         lane_max = tl.maximum(lane_max, tl.where(key <= _FINITE_HI, key, 0))  # non-finite: as -inf
@@ -455,7 +466,7 @@ def _select_bounded_kernel(
     lvals = LIST_VALUES + row * stride_l
     m = tl.zeros([], tl.int32)
     if ~take_all:
-        m = _compact(src, src, n, lb, lb, 0, lcols, lvals, cap, lanes, False, False, True, BLOCK)
+        m = _compact(src, src, first, n, lb, lb, 0, lcols, lvals, cap, lanes, False, False, True, BLOCK)
     listed = ~take_all & (m <= cap)
     # Radix passes over the list, or (it overflowed) over the row until the group at the cut fits the
     # list, which is then filled with that group and every key above it. The group: keys sharing the
@@ -465,28 +476,28 @@ def _select_bounded_kernel(
     rem = tl.zeros([], tl.int32) + KEEP
     group_done = tl.zeros([], tl.int32) != 0
     if ~take_all & ~listed:
-        prefix, top, rem, group_done, all_finite = _radix_passes(src, n, prefix, top, rem, EXTRA, lanes, bins,
+        prefix, top, rem, group_done, all_finite = _radix_passes(src, first, n, prefix, top, rem, EXTRA, lanes, bins,
                                                                  BLOCK, BITS, BINS)
         take_all = take_all | all_finite
         listed = ~take_all & ~group_done & (top > 0)
         if listed:
-            m = _compact(src, src, n, prefix, prefix, 0, lcols, lvals, cap, lanes, False, False, True, BLOCK)
+            m = _compact(src, src, first, n, prefix, prefix, 0, lcols, lvals, cap, lanes, False, False, True, BLOCK)
     dst = OUT + row * stride_o
     vdst = VALUES + row * stride_v
     if listed:
         list_lanes = tl.arange(0, LIST_BLOCK)
-        prefix, top, rem, group_done, all_finite = _radix_passes(lvals, m, prefix, top, rem, -1, list_lanes, bins,
+        prefix, top, rem, group_done, all_finite = _radix_passes(lvals, 0, m, prefix, top, rem, -1, list_lanes, bins,
                                                                  LIST_BLOCK, BITS, BINS)
         take_all = all_finite  # without a bound the list holds every finite key: perhaps fewer than KEEP
         exact = ~take_all & ~group_done
         lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
-        written = _compact(lvals, lcols, m, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst,
+        written = _compact(lvals, lcols, 0, m, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst,
                            KEEP, list_lanes, True, True, WITH_VALUES, LIST_BLOCK)
     else:
         # Take keys >= lo, and the first `need` keys equal to `cut` (ties at the cut: the lowest columns).
         exact = ~take_all & ~group_done
         lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
-        written = _compact(src, src, n, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst, KEEP,
+        written = _compact(src, src, first, n, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst, KEEP,
                            lanes, False, True, WITH_VALUES, BLOCK)
     for j0 in range(0, KEEP, BLOCK):
         slot = j0 + lanes
@@ -552,6 +563,7 @@ def select_top_triton(
     config: SelectConfig | None = None,
     variant: str | None = None,
     return_values: bool = False,
+    row_range: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The ``keep`` best finite columns of each row of ``scores``, by radix select (one program per row).
 
@@ -566,6 +578,11 @@ def select_top_triton(
         variant: ``"bounded"`` or ``"plain"`` (:data:`SELECT_VARIANTS`; default: the kernel option
             ``topk_select_variant``).
         return_values: also return the chosen columns' scores.
+        row_range: ``(start, stop)``, integer ``[rows]`` tensors on the scores' device: the caller
+            guarantees that row ``r`` holds no finite score outside columns ``[start[r], stop[r])``
+            (clamped to ``[0, columns]``; with ``row_limit`` too, the narrower bound holds). The
+            ``bounded`` kernel then never reads those columns (a row of one packed document scans its
+            own key range only); ``plain`` reads them (the answer is the same).
 
     Returns: ``[rows, keep]`` int64 columns in increasing order, ``-1`` past a row's finite count: the
     contract of :func:`dsv4cp.kernels.contracts.select_top` (ties at the cut to the lowest columns,
@@ -574,6 +591,7 @@ def select_top_triton(
     stays ``-0.0``), 0.0 where the column is ``-1``.
     """
     _check_inputs(scores, keep, row_limit)
+    _check_row_range(row_range, scores)
     chosen_variant = _variant(variant)
     if not isinstance(return_values, bool):
         raise ValueError(f"return_values: must be a bool, got {return_values!r}")
@@ -584,8 +602,10 @@ def select_top_triton(
     values = torch.empty(rows, keep if return_values and bounded else 0, dtype=torch.float32,
                          device=scores.device)
     if rows > 0 and keep > 0:
-        launch = _bounded_launch if bounded else _plain_launch
-        launch(scores, out, values, keep, row_limit, pinned)
+        if bounded:
+            _bounded_launch(scores, out, values, keep, row_limit, row_range, pinned)
+        else:
+            _plain_launch(scores, out, values, keep, row_limit, pinned)
     if not return_values:
         return out
     if not bounded:  # the plain kernel writes columns only: gather their scores
@@ -617,7 +637,20 @@ def _plain_launch(scores, out, values, keep, row_limit, pinned) -> None:
     _KERNELS.launch("select", (dev.type,), select_config_ladder(_interpreted(dev)), pinned, launch)
 
 
-def _bounded_launch(scores, out, values, keep, row_limit, pinned) -> None:
+def _check_row_range(row_range, scores: torch.Tensor) -> None:
+    if row_range is None:
+        return
+    rows = scores.shape[0]
+    ok = isinstance(row_range, tuple) and len(row_range) == 2 and all(
+        isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == rows and not t.dtype.is_floating_point
+        and t.dtype != torch.bool and t.device == scores.device for t in row_range)
+    if not ok:
+        got = [(tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
+               for t in row_range] if isinstance(row_range, tuple) else type(row_range).__name__
+        raise ValueError(f"row_range: must be (start, stop), integer [{rows}] tensors on {scores.device}, got {got}")
+
+
+def _bounded_launch(scores, out, values, keep, row_limit, row_range, pinned) -> None:
     rows, columns = scores.shape
     base, ratio, row0 = row_limit if row_limit is not None else (0, 1, 0)
     dev = scores.device
@@ -629,11 +662,14 @@ def _bounded_launch(scores, out, values, keep, row_limit, pinned) -> None:
     list_cols = torch.empty(rows, keep + extra, dtype=torch.int32, device=dev)
     list_values = torch.empty(rows, keep + extra, dtype=torch.float32, device=dev)
 
+    start, stop = (t.to(torch.int64).contiguous() for t in row_range) if row_range is not None else (out, out)
+
     def launch(cfg: SelectConfig) -> None:
         kernel[(rows,)](
-            scores, out, values if with_values else out, list_cols, list_values, columns, keep, scores.stride(0),
-            out.stride(0), values.stride(0) if with_values else 0, list_cols.stride(0), base, ratio, row0,
-            HAS_LIMIT=row_limit is not None, WITH_VALUES=with_values, BLOCK=cfg.block_n,
+            scores, out, values if with_values else out, list_cols, list_values, start, stop, columns, keep,
+            scores.stride(0), out.stride(0), values.stride(0) if with_values else 0, list_cols.stride(0), base, ratio,
+            row0, HAS_LIMIT=row_limit is not None, HAS_RANGE=row_range is not None, WITH_VALUES=with_values,
+            BLOCK=cfg.block_n,
             LIST_BLOCK=min(cfg.block_n, triton.next_power_of_2(keep + extra)), EXTRA=extra,
             BITS=cfg.radix_bits, BINS=1 << cfg.radix_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

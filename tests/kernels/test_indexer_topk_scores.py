@@ -93,6 +93,19 @@ def test_chunked_scores_are_the_buffer_values_bitwise(select, variant, keys_mode
     assert torch.isfinite(scores).all() and (scores[rows < 0] == 0).all()
 
 
+@pytest.mark.parametrize("variant", ["bounded", "plain"])
+def test_radix_on_packed_documents_selects_what_torch_selects(variant, seed):
+    """Integer inputs (exact scores, many ties) on a 4-document layout split over 3 ranks with empty
+    slots: each row's radix select scans its own key range only (``row_range``) and still chooses what
+    ``torch.topk`` over the packed keys chooses."""
+    case = make_case(seed, 48, 3, 16, [7, 12, 5, 9], 3, integer=True)
+    args = (case["q"], case["w"], case["keys"], *(case[n] for n in VIS), 6)
+    expected = fused_indexer_topk(*args, impl="chunked", select="torch", keys_mode="packed", chunk=16)
+    got = fused_indexer_topk(*args, impl="chunked", select="radix", select_variant=variant, chunk=16)
+    assert (expected == -1).any() and (expected >= 0).any()
+    assert torch.equal(got, expected), f"seed={seed}\n{got}\n{expected}"
+
+
 def test_torch_reference_scores_match_the_differentiable_scores(seed):
     """The torch path (no visibility tensors): the same rows as without the flag, and scores equal to
     :func:`indexer_scores` at them within fp32 rounding (each sums in its own order)."""

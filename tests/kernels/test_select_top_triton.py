@@ -178,6 +178,31 @@ def test_row_limit_same_answer_and_unread(base, ratio, row0, seed):
     assert torch.equal(got, expected), f"seed={seed}\n{got}\n{expected}"
 
 
+def test_row_range_same_answer_and_unread(variant, seed):
+    """Per-row column ranges (a packed document's key range): the same answer, and the bounded kernel
+    never reads outside them (poisoned with a finite 1e30, which would be chosen first); ranges combine
+    with ``row_limit`` (the narrower bound holds)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, columns, keep = 6, 90, 7
+    scores = tied_scores(gen, rows, columns)
+    start = torch.tensor([0, 10, 35, 80, 5, 60])
+    stop = torch.tensor([90, 40, 50, 90, 5, 200])  # an empty range, one past the columns
+    cols = torch.arange(columns)[None, :]
+    outside = (cols < start[:, None]) | (cols >= stop[:, None])
+    scores[outside] = float("-inf")
+    expected = check(scores, keep, f"seed={seed}", row_range=(start, stop))
+    assert (expected[4] == -1).all()
+    if variant == "bounded":
+        poisoned = scores.masked_fill(outside, 1e30)
+        got = select_top_triton(poisoned, keep, row_range=(start.to(torch.int32), stop))
+        assert torch.equal(got, expected), f"seed={seed}\n{got}\n{expected}"
+        limit = (20 + torch.arange(rows) // 1 + 1).clamp(0, columns)  # row_limit (20, 1, 0)
+        narrower = poisoned.masked_fill(cols >= limit[:, None], 1e30)
+        both = scores.masked_fill(cols >= limit[:, None], float("-inf"))
+        got = select_top_triton(narrower, keep, row_limit=(20, 1, 0), row_range=(start, stop))
+        assert torch.equal(got, select_top(both, keep)), f"seed={seed}"
+
+
 @pytest.mark.parametrize("radix_bits", [3, 5, 11, 12])
 def test_other_digit_widths(radix_bits, seed):
     """Digit widths that do not divide 32 (the last pass takes the bits left) and the widest, on ties,
@@ -268,6 +293,9 @@ def test_random_rows(trial, seed):
     ({"config": SelectConfig(32, 0, 4, 1)}, "radix_bits"),
     ({"variant": "heap"}, "variant"),
     ({"return_values": 1}, "return_values"),
+    ({"row_range": (torch.zeros(2, dtype=torch.int64),)}, "row_range"),
+    ({"row_range": (torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))}, "row_range"),
+    ({"row_range": (torch.zeros(2), torch.zeros(2))}, "row_range"),
 ])
 def test_bad_arguments_are_named(kwargs, name):
     args = {"scores": torch.randn(2, 5), "keep": 2, **kwargs}
