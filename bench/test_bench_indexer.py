@@ -41,7 +41,9 @@ chunks, also ``radix-static``: the static plan's chunks with their row limits, a
 ``torch``: ``select_top_packed`` over the int64 key chunks; TFLOP/s: the top-k's scoring FLOPs over the
 selection's time, an effective figure to set beside the others); ``test_indexer_select_config``: the
 radix selection alone at 64K under each launch of ``SELECT_SWEEP`` (pinned);
-``test_indexer_select_bounded_config``: the same for the ``bounded`` kernel (``BOUNDED_SELECT_SWEEP``); and
+``test_indexer_select_bounded_config``: the same for the ``bounded`` kernel (``BOUNDED_SELECT_SWEEP``);
+``test_indexer_topk_packed``: the radix top-k of 16 packed documents (64K tokens, the layer's static
+plan) with each select kernel; and
 ``test_indexer_scores_fwd_bwd``: the differentiable scores at K = 512 given entries per query (the
 indexer loss's prediction), forward + backward, torch vs Triton: the default, the original backward
 (acq_rel atomics), the deterministic one and (GPU only) the backward pinned to each ladder tile (FLOPs
@@ -262,6 +264,46 @@ def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
         assert ((out >= -1) & (out < shape.n_keys)).all()
 
 
+PACKED_DOCS = 16
+"""Documents of ``test_indexer_topk_packed``: 64K tokens as 16 documents of 4K, one after the other."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the packed top-k is timed on CUDA")
+@pytest.mark.parametrize("variant", ["plain", "bounded"])
+def test_indexer_topk_packed(benchmark, measure, variant, monkeypatch):
+    """The chunked radix top-k at T = 64K packed as :data:`PACKED_DOCS` documents (query t of document d
+    sees d's entries ``j < (pos + 1) // 4``), with the static plan the layer uses (``key_row_limit = (0,
+    4)``: chunks start at key row 0, so most of a row is other documents' ``-inf``): ``plain`` reads and
+    writes every column before the causal limit, ``bounded`` each query's own key range."""
+    from dsv4cp.kernels.indexer_triton import TOPK_SELECT_ENV
+    from dsv4cp.ops.indexer import fused_indexer_topk
+
+    monkeypatch.setenv(TOPK_SELECT_ENV, "radix")
+    monkeypatch.setenv(_VARIANT_ENV, variant)
+    shape = SHAPES["64k"]
+    entry = _inputs(shape)
+    t, n = shape.tokens, shape.n_keys
+    doc_tokens, doc_keys = t // PACKED_DOCS, n // PACKED_DOCS
+    pos = torch.arange(t, device=entry["q"].device)
+    key_rows = torch.arange(n, device=pos.device)
+    vis = (pos // doc_tokens, (pos % doc_tokens + 1) // 4, key_rows // doc_keys, key_rows % doc_keys)
+    visible_pairs = int(vis[1].clamp_max(doc_keys).sum().item())
+
+    def run():
+        return fused_indexer_topk(entry["q"], entry["w"], entry["keys"], *vis, shape.topk, impl="chunked",
+                                  key_row_limit=(0, 4))
+
+    run()  # compile outside the timing
+    benchmark.group = "indexer.topk.packed.64k"
+    benchmark.extra_info.update(backend=f"triton-chunked-radix-{variant}", T=t, G=n, K=shape.topk,
+                                docs=PACKED_DOCS, visible_pairs=visible_pairs)
+    rounds, warmup = _rounds(shape)
+    out = measure(run, None, flops=2.0 * shape.heads * shape.dim * visible_pairs, bytes_moved=_bytes(shape, entry),
+                  rounds=rounds, warmup_rounds=warmup, device=entry["q"].device)
+    assert out.shape == (t, shape.topk) and ((out >= -1) & (out < n)).all()
+
+
 SCORE_CONFIGS = [(64, 256, 8, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 2)]
 STREAM_CONFIGS = [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 2), (64, 64, 8, 2)]
 
@@ -403,13 +445,17 @@ def test_indexer_select_config(benchmark, measure, cfg):
     benchmark.extra_info.update(config=list(cfg))
 
 
-BOUNDED_SELECT_SWEEP = [(2048, 8, 4, 2), (1024, 8, 4, 2), (2048, 8, 8, 2), (1024, 10, 4, 2), (2048, 10, 8, 2),
-                        (1024, 6, 4, 2), (4096, 8, 8, 2), (512, 8, 4, 2)]
+BOUNDED_SELECT_SWEEP = [(2048, 8, 4, 2), (1024, 8, 4, 2), (2048, 8, 8, 2), (2048, 6, 4, 2), (1024, 6, 4, 2),
+                        (2048, 5, 4, 2), (1024, 5, 4, 2), (1024, 10, 4, 2), (4096, 8, 8, 2)]
 """Launches of the ``bounded`` radix select timed by ``test_indexer_select_bounded_config`` (``block_n,
-radix_bits, num_warps, num_stages``; the first is the ladder's default): its first digit starts below the
-bits its candidates share, so a histogram pass no longer piles into a few bins and wider digits (fewer
-passes) may pay; 2048 x 8 x 4 compiles to 129 registers (sm_90a, Triton 3.9), 1024 columns per step
-to fewer."""
+radix_bits, num_warps, num_stages``; the first is the ladder's default). Its histograms run over the
+``block_n`` lane maxima and the short candidate list, not the row, so the step sets both the register
+use (programs per SM) and how tight the lower bound is (keys listed per row, for independent scores:
+~589 at 2048 lanes, ~710 at 1024, of the 768 the list holds; ~547 at 4096), and narrower digits
+(Triton 3.6's histogram costs per bin) may pay. Registers per thread (sm_90a, Triton 3.9): 2048 x 8 x
+4: 166, 1024 x 8 x 4: 72, 2048 x 8 x 8: 102, 2048 x 6 x 4: 160, 1024 x 6 x 4: 80, 2048 x 5 x 4: 166,
+1024 x 5 x 4: 72, 1024 x 10 x 4: 96, 4096 x 8 x 8: 190 (1024-column steps keep 8 bytes of stack, no spill
+elsewhere)."""
 
 
 @pytest.mark.gpu

@@ -139,8 +139,8 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "torch selection's buffer: int64 keys packed by the score kernel, or fp32 scores",
                  "packed", ("packed", "scores")),
     KernelOption("topk_select_variant", "DSV4CP_TOPK_SELECT_VARIANT", CHOICE, "indexer_topk",
-                 "radix select kernel: passes below the bits every candidate shares, 32-bit keys (bounded), "
-                 "or from the top bit, 64-bit keys (plain)", "plain", ("bounded", "plain")),
+                 "radix select kernel: a lower bound from each lane's maximum, then passes over the few keys "
+                 "above it (bounded), or four passes over the row (plain)", "bounded", ("bounded", "plain")),
     _tile("triton_indexer_config", "indexer_topk", _INDEXER_TILE, "pins the indexer score kernel's launch"),
     _tile("triton_topk_stream_config", "indexer_topk", _INDEXER_TILE, "pins the streaming top-k kernel's launch"),
     _tile("triton_select_config", "indexer_topk", ("block_n", "radix_bits", "num_warps", "num_stages"),

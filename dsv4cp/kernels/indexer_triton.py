@@ -54,7 +54,12 @@ H200 is what ``bench/test_bench_indexer.py::test_indexer_score_config`` measures
 Skipping: a tile whose queries see none of its keys (other documents, causally invisible, padding
 slots) loads no keys, runs zero head iterations and only stores ``-inf``. On top of that the wrapper
 narrows every query chunk to a key-row range holding every key its queries can see (two planners,
-static and exact: :mod:`dsv4cp.kernels.indexer_plan`).
+static and exact: :mod:`dsv4cp.kernels.indexer_plan`). With the ``bounded`` radix select the top-k
+also computes each query's exact key-row range ``[lo, hi)`` on the device (:func:`key_ranges`, no host
+read): the select scans only those columns of its row and the score kernel (``IN_RANGE_ONLY``) writes
+only those (in a batch of many packed documents the static plan's chunks start at key row 0, so most of
+a row is other documents' ``-inf``, which is then neither written nor read). Compiled for sm_90a with
+Triton 3.9, the range mask leaves the default tile at 197 registers, no spill.
 
 Top-k wrapper (:func:`indexer_topk_triton`): queries are processed in chunks; for each chunk the kernel
 fills a ``[rows, width]`` buffer (``width`` = the chunk's visible key-row range, never the full
@@ -214,11 +219,11 @@ def _pack_keys(scores, cols, BLOCK_N: tl.constexpr):
 
 
 def _score_kernel(
-    Q, WT, KEYS, QDOC, QLIM, KDOC, KJ, OUT,  # pointers
+    Q, WT, KEYS, QDOC, QLIM, KDOC, KJ, OUT, RLO, RHI,  # pointers
     M, NCOL, COL0, N_KB, HI,  # query rows, buffer columns, first key row, key blocks per query block, heads
     stride_qt, stride_qh, stride_wh, stride_kn, stride_ot,
     DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, PACKED: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, PACKED: tl.constexpr, IN_RANGE_ONLY: tl.constexpr,
 ):
     """Masked head-summed scores of one (query block, key block) tile.
 
@@ -230,6 +235,9 @@ def _score_kernel(
     :func:`dsv4cp.kernels.contracts.pack_selection_keys` (high 32 bits: the fp32 score's order-preserving
     bits, ``-0.0`` folded into ``+0.0``, invisible and non-finite scores as ``-inf``; low 32 bits:
     ``2^32 - 1 - c``), so the selection is one ``torch.topk`` with no pass over the scores in torch.
+    IN_RANGE_ONLY: RLO / RHI ``[M]`` int64 key rows: row t's scores are written at key rows
+    ``[RLO[t], RHI[t])`` only (the rest of the row is left as it was, for a selection that reads no
+    further), so tiles of other documents store nothing.
     """
     pid = tl.program_id(0)
     qb = pid // N_KB
@@ -264,6 +272,10 @@ def _score_kernel(
                     PRECISION, DOT_F32)
     out_ptrs = OUT + rows64[:, None] * stride_ot + cols[None, :]
     out_mask = rmask[:, None] & cmask[None, :]
+    if IN_RANGE_ONLY:
+        rlo = tl.load(RLO + rows, mask=rmask, other=0)
+        rhi = tl.load(RHI + rows, mask=rmask, other=0)
+        out_mask = out_mask & (keyrow[None, :] >= rlo[:, None]) & (keyrow[None, :] < rhi[:, None])
     if PACKED:
         # |acc| < inf is false for +-inf and NaN: they rank as invisible, as select_top ranks them
         scores = tl.where(vis & (tl.abs(acc) < float("inf")), acc, float("-inf"))
@@ -368,10 +380,11 @@ def _pinned(config: IndexerConfig | None) -> IndexerConfig | None:
     return pinned_config(config, "triton_indexer_config", IndexerConfig)
 
 
-def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pinned) -> None:
+def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pinned, row_ranges=None) -> None:
     """Fill ``out [e - s, width]`` (row stride ``out.stride(0)``) with the masked scores of query rows
     ``[s, e)`` against key rows ``[col0, col0 + width)``: fp32 scores, or their packed int64 selection
-    keys (columns numbered from 0 at ``col0``) when ``out`` is int64."""
+    keys (columns numbered from 0 at ``col0``) when ``out`` is int64. ``row_ranges``: ``(lo, hi)`` int64
+    ``[T]`` key rows: only ``[lo[t], hi[t])`` of row t is written."""
     _, hi, di = q.shape
     block_d = triton.next_power_of_2(di)
     dev = q.device
@@ -381,15 +394,17 @@ def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pi
     qs, ws = q[s:e], wt[:, s:e]
     packed = out.dtype == torch.int64
 
+    rlo, rhi = (r[s:e] for r in row_ranges) if row_ranges is not None else (qdoc, qdoc)
+
     def launch(cfg: IndexerConfig) -> None:
         n_kb = triton.cdiv(width, cfg.block_n)
         kernel[(triton.cdiv(m, cfg.block_m) * n_kb,)](
-            qs, ws, keys, qdoc[s:e], qlim[s:e], kdoc, kj, out,
+            qs, ws, keys, qdoc[s:e], qlim[s:e], kdoc, kj, out, rlo, rhi,
             m, width, col0, n_kb, hi,
             qs.stride(0), qs.stride(1), ws.stride(0), keys.stride(0), out.stride(0),
             DI=di, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev), PACKED=packed,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            IN_RANGE_ONLY=row_ranges is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     _launch("score", (dev.type, di, q.dtype, packed), ladder, pinned, launch)
@@ -454,7 +469,9 @@ def indexer_topk_triton(
     config: IndexerConfig | None = None,
     select_config=None,
     key_row_limit: tuple[int, int] | None = None,
-) -> torch.Tensor:
+    select_variant: str | None = None,
+    return_scores: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``keys`` with the ``k`` highest indexer scores among those visible, per query (Triton,
     score buffers + a selection).
 
@@ -480,12 +497,21 @@ def indexer_topk_triton(
             read, CUDA-graph safe. Without it they are planned from the exact visible ranges
             (:func:`key_ranges`, :func:`plan_chunks`), which reads the device once per call.
 
+        select_variant: the radix select's kernel (``"bounded"`` or ``"plain"``; default: the kernel
+            option ``topk_select_variant``).
+        return_scores: also return the chosen key rows' scores, as the score kernel wrote them.
+
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are visible;
     the same contract and tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` with
     ``visible = (key_doc == query_doc) & (key_j < query_limit) & (query_doc >= 0)``: among equal scores
-    at the cut the lower key rows win.
+    at the cut the lower key rows win. With ``return_scores``, ``(rows, scores)``: ``scores [T, k]``
+    fp32, the buffer's value at each chosen key row bit for bit (on the ``packed`` torch selection
+    decoded from the key's high half, the score's order-preserving bits: exact, the score kernel never
+    writes ``-0.0``), 0.0 where the row is ``-1``.
     """
     k = _check_k(k)
+    if not isinstance(return_scores, bool):
+        raise ValueError(f"return_scores: must be a bool, got {return_scores!r}")
     check_chunking(chunk, budget_bytes)
     if select not in TOPK_SELECTIONS:
         raise ValueError(f"select: must be one of {', '.join(map(repr, TOPK_SELECTIONS))}, got {select!r}")
@@ -494,20 +520,50 @@ def indexer_topk_triton(
     radix = select == "radix"
     packed = keys_mode == "packed" and not radix
     per_score = TOPK_RADIX_BYTES_PER_SCORE if radix else None  # None: by `packed`
+    _check_qwk(q, w, keys)
+    _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
+    # Each query's visible key rows lie in [lo, hi) (on the device, no host read): the radix select scans
+    # only those columns (in a packed batch, the row's own document), and for the bounded kernel, which
+    # reads nothing else, the score kernel writes nothing else either.
+    ranges = key_ranges(query_doc, query_limit, key_doc, key_j) if radix else None
+    in_range_only = radix and _resolved_variant(select_variant) == "bounded"
     chunks = iter_score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk,
                                budget_bytes=budget_bytes, config=config, key_row_limit=key_row_limit,
-                               packed=packed, bytes_per_score=per_score)  # validates the inputs
+                               packed=packed, bytes_per_score=per_score,
+                               row_ranges=ranges if in_range_only else None)  # validates the inputs
     out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
+    out_scores = torch.zeros((q.shape[0], k) if return_scores else (0, 0), dtype=torch.float32, device=q.device)
     for s, e, col0, block in chunks:
         keep = min(k, block.shape[1])
         if radix:
             # chunk row r is query row s + r, column c key row col0 + c: the causal bound in columns
             row_limit = None if key_row_limit is None else (key_row_limit[0] - col0, key_row_limit[1], s)
-            chosen = select_top_triton(block, keep, row_limit=row_limit, config=select_config)
+            row_range = (ranges[0][s:e] - col0, ranges[1][s:e] - col0)
+            chosen = select_top_triton(block, keep, row_limit=row_limit, config=select_config,
+                                       variant=select_variant, return_values=return_scores, row_range=row_range)
+            if return_scores:
+                chosen, out_scores[s:e, :keep] = chosen
         else:
             chosen = _select_top_packed(block, keep) if packed else _select_top(block, keep)
+            if return_scores:
+                picked = block.gather(1, chosen.clamp_min(0))
+                picked = _unpack_scores(picked) if packed else picked
+                out_scores[s:e, :keep] = torch.where(chosen >= 0, picked, 0.0)
         out[s:e, :keep] = torch.where(chosen >= 0, chosen + col0, -1)
-    return out
+    return (out, out_scores) if return_scores else out
+
+
+def _resolved_variant(select_variant: str | None) -> str:
+    """The radix select's kernel: ``select_variant``, else the kernel option ``topk_select_variant``."""
+    return kernel_options.get("topk_select_variant") if select_variant is None else select_variant
+
+
+def _unpack_scores(keys: torch.Tensor) -> torch.Tensor:
+    """fp32 scores of int64 selection keys (:func:`dsv4cp.kernels.contracts.pack_selection_keys`): the
+    high half holds the score's order-preserving bits (negative floats with their magnitude bits
+    flipped), which the same flip undoes."""
+    ordered = (keys >> 32).to(torch.int32)
+    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).view(torch.float32)
 
 
 def iter_score_chunks(
@@ -525,6 +581,7 @@ def iter_score_chunks(
     key_row_limit: tuple[int, int] | None = None,
     packed: bool = False,
     bytes_per_score: int | None = None,
+    row_ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Iterator[tuple[int, int, int, torch.Tensor]]:
     """The scoring half of :func:`indexer_topk_triton`: yields ``(start, stop, col0, scores)`` per
     chunk of queries, ``scores [stop - start, width]`` fp32 holding the masked scores of query rows
@@ -534,7 +591,9 @@ def iter_score_chunks(
     at :data:`TOPK_BYTES_PER_SCORE` (fp32 scores: :data:`TOPK_SCORES_BYTES_PER_SCORE`; ``bytes_per_score``
     overrides it, e.g. :data:`TOPK_RADIX_BYTES_PER_SCORE` for the radix selection). With the exact
     plan (no ``key_row_limit``) chunks whose queries see no key are skipped. ``scores`` is a view of ONE
-    buffer reused by every chunk: consume it before advancing the iterator. Arguments as in
+    buffer reused by every chunk: consume it before advancing the iterator. ``row_ranges``: ``(lo, hi)``
+    (:func:`key_ranges`): row t is written at key rows ``[lo[t], hi[t])`` only, the rest of the buffer
+    row holds stale values (for a selection that reads only there). Arguments as in
     :func:`indexer_topk_triton`."""
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
@@ -544,13 +603,20 @@ def iter_score_chunks(
         bytes_per_score = TOPK_BYTES_PER_SCORE if packed else TOPK_SCORES_BYTES_PER_SCORE
     elif isinstance(bytes_per_score, bool) or not isinstance(bytes_per_score, int) or bytes_per_score < 1:
         raise ValueError(f"bytes_per_score: must be a positive int, got {bytes_per_score!r}")
+    if row_ranges is not None:
+        t = q.shape[0]
+        ok = isinstance(row_ranges, tuple) and len(row_ranges) == 2 and all(
+            isinstance(r, torch.Tensor) and tuple(r.shape) == (t,) and r.dtype == torch.int64 and r.device == q.device
+            for r in row_ranges)
+        if not ok:
+            raise ValueError(f"row_ranges: must be (lo, hi), int64 [{t}] tensors on {q.device} (key_ranges)")
     return _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, _pinned(config),
-                         key_row_limit, packed, bytes_per_score)
+                         key_row_limit, packed, bytes_per_score, row_ranges)
 
 
 
 def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, pinned, key_row_limit,
-                  packed, per_score):
+                  packed, per_score, row_ranges=None):
     # Nothing here records autograd history (the kernels write raw buffers; key_ranges and _prepare run
     # under no_grad), so the generator leaves the caller's grad mode alone between chunks.
     t, g = q.shape[0], keys.shape[0]
@@ -569,6 +635,6 @@ def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, bud
                        dtype=torch.int64 if packed else torch.float32, device=q.device)
     for s, e, col0, width in plan:
         scores = flat[: (e - s) * width].view(e - s, width)
-        _launch_scores(*args, scores, s, e, col0, width, pinned)
+        _launch_scores(*args, scores, s, e, col0, width, pinned, row_ranges)
         yield s, e, col0, scores
 

@@ -52,33 +52,52 @@ default on paper; ``bench/test_bench_indexer.py::test_indexer_select_config`` me
 path's 8-byte key buffer and ``torch.topk``'s temporaries are gone: the chunk planner counts 4 bytes per
 score (:data:`dsv4cp.kernels.indexer_plan.TOPK_RADIX_BYTES_PER_SCORE`), so chunks hold 4x the rows.
 
-Second kernel, ``bounded`` (``_select_bounded_kernel``; kernel option ``topk_select_variant``, default
-``plain``: the kernel above). Same contract, same compaction, three changes aimed at what the cost
-argument above leaves out: per element and pass the ``plain`` kernel spends ~33 SASS instructions in a
-histogram pass (sm_90a, Triton 3.9: int64 key arithmetic, the member test, one branch-guarded
-``ATOMS.POPC.INC`` per member), and pass 1 sends a whole row into a handful of bins, whose lanes serialise
-on the shared-memory atomic. Measured 10.05 ms at 64K in the layer (``trace-auto``): ~1 element per SM
-cycle over all passes, 5x its traffic.
+Second kernel, ``bounded`` (``_select_bounded_kernel``; kernel option ``topk_select_variant``, the
+default; ``plain`` keeps the kernel above). Same contract, same tie rule; it attacks the number of passes over the
+row, which is what the measurements price: on the H200 (Triton 3.6) the sweep of ``SELECT_CONFIGS``
+fits ~1.6 ms per pass over the 64K rows plus ~4.4 us per histogram bin and pass (3 to 10-bit digits:
+11.1-35.0 ms), and the layer's selection took 10.05 ms (``trace-auto``), ~5x the traffic model above.
+Per element and pass the ``plain`` kernel compiles (sm_90a, Triton 3.9) to ~33 SASS instructions in a
+histogram pass (int64 key arithmetic, the member test, one branch-guarded ``ATOMS.POPC.INC`` per
+member) and pass 1 sends a row into a handful of bins (its scores share sign and exponent bits).
 
-1. uint32 keys (:func:`_raw_keys32`: four integer ops; non-finite scores fall outside the finite key
-   range, which every membership test and the final compare stay inside, so they cost no test of
-   their own).
-2. Pass 0, no atomics: per lane the largest finite key of the columns it reads (one max per element).
-   Its maximum is the row's largest key ``hi``; folded into ``SEGMENTS = next_pow2(keep)`` disjoint
-   sets of lanes, the smallest of the sets' maxima ``lb`` is a lower bound on the cut whenever at least
-   ``keep`` sets hold a finite key (each set's maximum is a distinct key >= ``lb``). Every key at or
-   above the cut then shares the leading bits of ``lb`` and ``hi``, and the first radix digit starts
-   below them: on a row whose candidates share sign and exponent bits the first histogram spreads over
-   its bins instead of piling into one, and fewer passes run. Without a bound (``keep`` above the
-   segments, or too few finite scores) the passes start at the top bit as before; a row reading at most
-   ``keep`` columns skips every pass.
-3. Membership as one unsigned compare ``key - start < span``.
+1. Pass 0, no histogram: per lane the largest finite key of the columns it reads (one max per
+   element; the ``block_n`` lanes read disjoint columns). The largest lane maximum is the row's largest
+   key ``hi``; the ``keep``-th largest lane maximum ``lb`` (found by radix passes over that one register
+   block, :func:`_block_bound`) is a lower bound on the cut whenever ``keep`` lanes hold a finite key:
+   ``keep`` distinct keys are >= it. On rows much longer than ``block_n`` few keys beyond ``keep`` are
+   >= ``lb``: for independent scores about ``-ln(1 - keep / block_n) * block_n`` of them, 589 at
+   ``keep = 512, block_n = 2048`` whatever the row length.
+2. One pass lists every key >= ``lb`` in column order (columns and scores) into a scratch list of
+   ``keep + extra`` entries (:data:`BOUNDED_LIST_EXTRA`, 256). When they fit, every remaining step reads
+   the list, not the row: radix passes from the bits ``lb`` and ``hi`` share (every key at or above the
+   cut shares them), then the compaction with the tie rule (the first ``need`` keys equal to the cut, in
+   list order = column order). Without a bound (``keep`` above the lanes, too few finite scores) ``lb``
+   is the smallest finite key; a row reading at most ``keep`` columns skips every pass.
+3. When the list overflows (heavy ties, ``keep`` close to ``block_n``): radix passes over the row from
+   those shared bits, 8-bit digits by default, until the group at the cut holds at most ``rem + extra``
+   keys; one pass lists that group and every key above it, and the list finishes as in 2. A group that
+   ends exact or taken whole on the row is compacted from the row.
+5. ``row_range``: a per-row ``[start, stop)`` of the columns that may hold a finite score (the key
+   range of the row's document, in a packed batch), so a row scans its own document, not every column
+   before its causal limit.
+4. uint32 keys (:func:`_raw_keys32`: four integer ops; non-finite scores fall outside the finite key
+   range, which every membership test and compare stays inside, so they cost no test of their own), and
+   membership as one unsigned compare ``key - start < span``.
 
-Per element (SASS of ``block_n = 2048, 8 bits, 4 warps``, Triton 3.9, sm_90a): pass 0 ~11 instructions,
-a histogram pass ~19, the compaction ~33 (its two block scans); 129 registers, no spill, 1 KB of shared
-memory for the histogram (``plain``: 85 registers). Expected from the model (not measured yet): pass 0 +
-two histogram passes + the compaction, ~80 instructions per element against ~150-170, and no atomic
-pile-up in pass 1.
+So a typical flash row is read twice (pass 0 and the listing) against five times (four histogram passes
+and the compaction, fewer on early exits) by ``plain``, with no histogram over the row at all; the
+histograms run over the ``block_n`` lane maxima and the ~600-entry list. Compiled (Triton 3.9, sm_90a,
+4 warps, 8 bits): ``block_n = 2048`` 166 registers, 1024: 72 (8 bytes of stack), no spill, 1 KB of
+shared memory for the histogram (``plain``: 85 registers); per element ~11 SASS instructions in pass 0
+and ~42 in the listing (two block scans and their layout conversions through shared memory), per
+program ~300 per histogram pass over the lane maxima and ~310 per pass, ~560 for the compaction over
+the list (``LIST_BLOCK = 1024``). Measured on the H200 (``bench/test_bench_indexer.py``, 64K, flash
+shapes; the version before the lane-maximum bound, which ran one histogram pass over the row to reach
+the list): the selection alone 7.91 ms against 11.24 (exact plan), 6.66 against 9.60 with the static
+plan's row limits, the whole chunked top-k 27.05 against 30.84 ms. The current version, two reads and
+no row histogram, is expected lower still (not measured yet). Scratch: ``[rows, keep + extra]``
+int32 + fp32 (the size of the int64 output), beyond the planner's 4 bytes per score.
 
 ``return_values=True`` also returns the chosen columns' scores (bit for bit; the ``bounded`` kernel
 stores them in its compaction, the ``plain`` path gathers them afterwards), so a caller that needs them
@@ -121,8 +140,15 @@ times them with other digit widths on the H200: at 64K (results/2026-12-01-h200-
 
 SELECT_VARIANTS = ("bounded", "plain")
 """The kernel option ``topk_select_variant``'s words: ``bounded`` (:func:`_select_bounded_kernel`:
-uint32 keys, a pass 0 for the largest key and a lower bound on the cut, radix passes below their common
-bits) and ``plain`` (:func:`_select_kernel`: int64 keys, radix passes from the top bit)."""
+uint32 keys, a pass 0 for a lower bound on the cut, the keys above it listed, radix passes over the
+list) and ``plain`` (:func:`_select_kernel`: int64 keys, radix passes over the row from the top bit)."""
+
+BOUNDED_LIST_EXTRA = 256
+"""Candidates beyond ``keep`` the ``bounded`` kernel's list holds (capped by the launch's ``block_n``: 32
+under the interpreter's ladder, so CPU tests take every branch): the keys at or above the lower bound of
+pass 0 when they fit, else, after radix passes over the row, the group at the cut and every key above
+it; the remaining passes run over that list. Scratch: ``[rows, keep + extra]`` int32 columns and fp32
+scores."""
 
 _MAX_COLUMNS = 2**31 - 1
 """Columns are numbered in int32 inside the kernel."""
@@ -273,60 +299,22 @@ def _bit_length(v):
     return t + (v != 0).to(tl.int32)
 
 
-def _select_bounded_kernel(
-    SCORES, OUT, VALUES,
-    COLUMNS, KEEP, stride_s, stride_o, stride_v, LIMIT_BASE, LIMIT_RATIO, ROW0,
-    HAS_LIMIT: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr,
-    SEGMENTS: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr,
-):
-    """Top-``KEEP`` columns of row ``r = program id``, radix passes started below the bits every
-    candidate shares (the ``bounded`` variant; see the module docstring).
-
-    SCORES ``[rows, COLUMNS]`` fp32 (rows ``stride_s`` apart, columns contiguous), OUT ``[rows, KEEP]``
-    int64 (rows ``stride_o`` apart; ``1 <= KEEP <= COLUMNS``); WITH_VALUES: VALUES ``[rows, KEEP]`` fp32
-    (rows ``stride_v`` apart) gets the chosen columns' scores, bit for bit (0.0 in the ``-1`` slots).
-    HAS_LIMIT: only columns below ``LIMIT_BASE + (ROW0 + r) // LIMIT_RATIO + 1`` (clamped to
-    ``[0, COLUMNS]``) are read.
-    SEGMENTS (a power of two, ``<= BLOCK``): how many disjoint column sets the lower bound of pass 0
-    takes the minimum of maxima over (valid when at least KEEP of them hold a finite score). Digits of
-    BITS bits (``BINS = 2^BITS``); the last one takes the bits left.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    src = SCORES + row * stride_s
-    if HAS_LIMIT:
-        n = tl.minimum(tl.maximum(LIMIT_BASE + (ROW0 + row) // LIMIT_RATIO + 1, 0), COLUMNS).to(tl.int32)
-    else:
-        n = COLUMNS
-    lanes = tl.arange(0, BLOCK)
-    bins = tl.arange(0, BINS)
-
-    # A row reading at most KEEP columns takes every finite one: no pass at all.
-    take_all = n <= KEEP
-    # Pass 0 (no atomics): per lane the largest key of the columns it reads.
-    lane_max = tl.zeros([BLOCK], tl.uint32)
-    for c0 in range(0, tl.where(take_all, 0, n), BLOCK):
-        cols = c0 + lanes
-        key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
-        lane_max = tl.maximum(lane_max, tl.where(key <= _FINITE_HI, key, 0))  # non-finite: as -inf
-    hi = tl.max(lane_max)  # the largest finite key (below _FINITE_LO: none)
-    # Each segment's maximum is one key of the row, the segments are disjoint: when at least KEEP of
-    # them hold a finite key, at least KEEP keys are >= the smallest of their maxima, so the cut is too.
-    seg_max = tl.max(tl.reshape(lane_max, [SEGMENTS, BLOCK // SEGMENTS]), axis=1)
-    seg_live = seg_max >= _FINITE_LO
-    bound_ok = tl.sum(seg_live.to(tl.int32)) >= KEEP
-    lb = tl.where(bound_ok, tl.min(tl.where(seg_live, seg_max, 0xFFFFFFFF)), _FINITE_LO)
-
-    # Radix passes over the keys in [lb, hi]: their common leading bits are the cut's, so the first
-    # digit starts below them. Every key above the group is taken, every key below it is not; rem: how
-    # many to take from the group. Loop-carried values are typed 0-d tensors.
-    take_all = take_all | (hi < _FINITE_LO)
-    top = tl.where(take_all, 0, _bit_length(lb ^ hi))  # the group: keys with hi's bits [top, 32)
-    prefix = hi & ~_low_bits(top)
-    rem = tl.zeros([], tl.int32) + KEEP
+@triton.jit
+def _radix_passes(src, first, n, prefix, top, rem, small, lanes, bins, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                  BINS: tl.constexpr):
+    """Histogram passes over the keys of fp32 ``src[first:n]`` (0-d uint32 ``prefix``: the group's bits
+    ``[top, 32)``, lower bits 0; ``rem``: keys still to take from the group; every key above the group
+    is taken, every key below it is not). Each pass narrows the group to the digit holding the cut. Stops
+    when the group at the chosen digit is taken whole (``group_done``), when the cut key is exact
+    (``top == 0``), when fewer finite keys than ``rem`` exist (``take_all``: only on a first pass whose
+    group holds every finite key), or, with ``small >= 0``, once the group holds at most ``rem + small``
+    keys. Returns ``(prefix, top, rem, group_done, take_all)``."""
     group_done = tl.zeros([], tl.int32) != 0
-    while (top > 0) & ~group_done & ~take_all:
+    take_all = tl.zeros([], tl.int32) != 0
+    fits = tl.zeros([], tl.int32) != 0
+    while (top > 0) & ~group_done & ~take_all & ~fits:
         shift = tl.maximum(top - BITS, 0)
-        # members: the finite keys of [prefix, prefix + 2^top), i.e. [start, start + span): one unsigned
+        # members: the finite keys of [prefix, prefix + 2^top) = [start, start + span): one unsigned
         # compare of key - start
         start = tl.maximum(prefix, _FINITE_LO)
         end = tl.minimum(prefix.to(tl.int64) + (tl.full([], 1, tl.int64) << top.to(tl.int64)), _FINITE_HI + 1)
@@ -334,7 +322,7 @@ def _select_bounded_kernel(
         digit_mask = _low_bits(top - shift)
         ushift = shift.to(tl.uint32)
         hist = tl.zeros([BINS], tl.int32)
-        for c0 in range(0, n, BLOCK):
+        for c0 in range(first, n, BLOCK):
             cols = c0 + lanes
             key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
             hist += tl.histogram(((key >> ushift) & digit_mask).to(tl.int32), BINS, mask=(key - start) < span)
@@ -343,51 +331,174 @@ def _select_bounded_kernel(
         d = tl.max(tl.where(at_or_above >= rem, bins, -1))  # >= 0 unless total < rem
         above = tl.sum(tl.where(bins > d, hist, 0))
         in_d = tl.sum(tl.where(bins == d, hist, 0))
-        # Fewer finite keys than rem: only on a first pass without a bound, whose group holds every
-        # finite key (a bound guarantees KEEP keys in the group, a later group at least rem): take all.
-        # (total == rem ends below as a group taken whole.)
+        # total == rem ends as a group taken whole (below); total < rem only without a bound
         take_all = total < rem
         prefix = prefix | (tl.maximum(d, 0).to(tl.uint32) << ushift)
         rem = rem - above
         group_done = (in_d == rem) & ~take_all  # the whole group at digit d is taken: no tie to resolve
+        fits = (small >= 0) & (in_d - rem <= small)
         top = shift
-    # Take keys >= lo, and the first `need` keys equal to `cut` (ties at the cut: the lowest columns).
-    exact = ~take_all & ~group_done
-    lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
-    room = _FINITE_HI - lo  # chosen above the cut: lo <= key <= _FINITE_HI, one unsigned compare
-    cut = tl.where(exact, prefix, 0)
-    need = tl.where(exact, rem, 0)
+    return prefix, top, rem, group_done, take_all
 
+
+@triton.jit
+def _compact(src, cols_src, first, n, lo, cut, need, dst, vdst, cap, lanes, FROM_LIST: tl.constexpr,
+             COLS_INT64: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr):
+    """Write, in order, the entries of fp32 ``src[first:n]`` whose key is in ``[lo, _FINITE_HI]`` and the
+    first ``need`` whose key equals ``cut`` (0-d; ``need`` 0: none): their columns to ``dst`` (int64 when
+    COLS_INT64, else int32) and, WITH_VALUES, their scores to ``vdst``, the first ``cap`` of them only.
+    FROM_LIST: entry ``i``'s column is ``cols_src[i]`` (int32), else ``i``. Returns how many were chosen
+    (more than ``cap`` when they did not fit)."""
+    room = _FINITE_HI - lo  # lo <= key <= _FINITE_HI: one unsigned compare of key - lo
+    written = tl.zeros([], tl.int32)
+    tied = tl.zeros([], tl.int32)
+    for c0 in range(first, n, BLOCK):
+        idx = c0 + lanes
+        inside = idx < n
+        x = tl.load(src + idx, mask=inside, other=float("-inf"))
+        key = _raw_keys32(x)
+        if need > 0:
+            tie = (key == cut).to(tl.int32)  # the cut is finite
+            tie_rank = tied + tl.cumsum(tie, 0) - tie  # equal keys in earlier entries
+            chosen = ((key - lo) <= room) | ((tie != 0) & (tie_rank < need))
+            tied += tl.sum(tie)
+        else:
+            chosen = (key - lo) <= room
+        flags = chosen.to(tl.int32)
+        slot = written + tl.cumsum(flags, 0) - 1
+        kept = chosen & (slot < cap)
+        if FROM_LIST:
+            cols = tl.load(cols_src + idx, mask=kept, other=0)
+        else:
+            cols = idx
+        if COLS_INT64:
+            tl.store(dst + slot, cols.to(tl.int64), mask=kept)
+        else:
+            tl.store(dst + slot, cols, mask=kept)
+        if WITH_VALUES:
+            tl.store(vdst + slot, x, mask=kept)
+        written += tl.sum(flags)
+    return written
+
+
+@triton.jit
+def _block_bound(keys, k, hi, bins, BITS: tl.constexpr, BINS: tl.constexpr):
+    """A lower bound on the ``k``-th largest of the uint32 ``keys`` (one register block; at least ``k``
+    finite, non-finite ones below ``_FINITE_LO``; ``hi`` their largest): radix passes over the block from
+    the bits its smallest finite key shares with ``hi``, until the group at the cut is taken whole or
+    the cut is exact. Returns the group's smallest possible key: at least ``k`` keys are >= it, and it is
+    <= the ``k``-th largest."""
+    lo_key = tl.min(tl.where(keys >= _FINITE_LO, keys, 0xFFFFFFFF))
+    top = _bit_length(lo_key ^ hi)
+    prefix = hi & ~_low_bits(top)
+    rem = tl.zeros([], tl.int32) + k
+    done = tl.zeros([], tl.int32) != 0
+    while (top > 0) & ~done:
+        shift = tl.maximum(top - BITS, 0)
+        start = tl.maximum(prefix, _FINITE_LO)
+        end = tl.minimum(prefix.to(tl.int64) + (tl.full([], 1, tl.int64) << top.to(tl.int64)), _FINITE_HI + 1)
+        span = (end - start.to(tl.int64)).to(tl.uint32)
+        ushift = shift.to(tl.uint32)
+        hist = tl.histogram(((keys >> ushift) & _low_bits(top - shift)).to(tl.int32), BINS, mask=(keys - start) < span)
+        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        d = tl.max(tl.where(at_or_above >= rem, bins, 0))  # the group holds at least rem keys
+        above = tl.sum(tl.where(bins > d, hist, 0))
+        in_d = tl.sum(tl.where(bins == d, hist, 0))
+        prefix = prefix | (d.to(tl.uint32) << ushift)
+        rem = rem - above
+        done = in_d == rem
+        top = shift
+    return prefix
+
+
+def _select_bounded_kernel(
+    SCORES, OUT, VALUES, LIST_COLS, LIST_VALUES, RANGE_START, RANGE_STOP,
+    COLUMNS, KEEP, stride_s, stride_o, stride_v, stride_l, LIMIT_BASE, LIMIT_RATIO, ROW0,
+    HAS_LIMIT: tl.constexpr, HAS_RANGE: tl.constexpr, WITH_VALUES: tl.constexpr, BLOCK: tl.constexpr,
+    LIST_BLOCK: tl.constexpr, EXTRA: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr,
+):
+    """Top-``KEEP`` columns of row ``r = program id``, radix passes started below the bits every
+    candidate shares, finished on a short list of candidates (the ``bounded`` variant; see the module
+    docstring).
+
+    SCORES ``[rows, COLUMNS]`` fp32 (rows ``stride_s`` apart, columns contiguous), OUT ``[rows, KEEP]``
+    int64 (rows ``stride_o`` apart; ``1 <= KEEP <= COLUMNS``); WITH_VALUES: VALUES ``[rows, KEEP]`` fp32
+    (rows ``stride_v`` apart) gets the chosen columns' scores, bit for bit (0.0 in the ``-1`` slots).
+    LIST_COLS ``[rows, KEEP + EXTRA]`` int32 / LIST_VALUES fp32 (rows ``stride_l`` apart): scratch for
+    the candidate list. HAS_LIMIT: only columns below ``LIMIT_BASE + (ROW0 + r) // LIMIT_RATIO + 1``
+    (clamped to ``[0, COLUMNS]``) are read; HAS_RANGE: only columns in ``[RANGE_START[r], RANGE_STOP[r])``
+    (int64 ``[rows]``, clamped) as well. BLOCK entries per step over the row, LIST_BLOCK over the list
+    (``<= BLOCK``). Digits of BITS bits (``BINS = 2^BITS``); the last one takes the bits left.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    src = SCORES + row * stride_s
+    if HAS_LIMIT:
+        n = tl.minimum(tl.maximum(LIMIT_BASE + (ROW0 + row) // LIMIT_RATIO + 1, 0), COLUMNS).to(tl.int32)
+    else:
+        n = tl.zeros([], tl.int32) + COLUMNS
+    first = tl.zeros([], tl.int32)
+    if HAS_RANGE:
+        n = tl.minimum(n, tl.maximum(tl.load(RANGE_STOP + row), 0).to(tl.int32))
+        first = tl.minimum(tl.maximum(tl.load(RANGE_START + row), 0).to(tl.int32), n)
+    lanes = tl.arange(0, BLOCK)
+    bins = tl.arange(0, BINS)
+
+    # A row reading at most KEEP columns takes every finite one: no pass at all.
+    take_all = n - first <= KEEP
+    # Pass 0 (no atomics): per lane the largest key of the columns it reads.
+    lane_max = tl.zeros([BLOCK], tl.uint32)
+    for c0 in range(first, tl.where(take_all, first, n), BLOCK):
+        cols = c0 + lanes
+        key = _raw_keys32(tl.load(src + cols, mask=cols < n, other=float("-inf")))
+        lane_max = tl.maximum(lane_max, tl.where(key <= _FINITE_HI, key, 0))  # non-finite: as -inf
+    hi = tl.max(lane_max)  # the largest finite key (below _FINITE_LO: none)
+    take_all = take_all | (hi < _FINITE_LO)
+    # The lanes read disjoint columns, so each lane's maximum is a distinct key of the row: when at
+    # least KEEP lanes hold a finite key, KEEP keys are >= the KEEP-th largest lane maximum, so the cut
+    # is too; few more keys than KEEP are above it on rows much longer than BLOCK.
+    bound_ok = ~take_all & (tl.sum((lane_max >= _FINITE_LO).to(tl.int32)) >= KEEP)
+    lb = tl.zeros([], tl.uint32) + _FINITE_LO
+    if bound_ok:
+        lb = _block_bound(lane_max, KEEP, hi, bins, BITS, BINS)
+    # Every key >= lb, in column order, into the list (capacity KEEP + EXTRA).
+    cap = KEEP + EXTRA
+    lcols = LIST_COLS + row * stride_l
+    lvals = LIST_VALUES + row * stride_l
+    m = tl.zeros([], tl.int32)
+    if ~take_all:
+        m = _compact(src, src, first, n, lb, lb, 0, lcols, lvals, cap, lanes, False, False, True, BLOCK)
+    listed = ~take_all & (m <= cap)
+    # Radix passes over the list, or (it overflowed) over the row until the group at the cut fits the
+    # list, which is then filled with that group and every key above it. The group: keys sharing the
+    # leading bits of lb and hi (every key at or above the cut is in it); rem: how many to take from it.
+    top = tl.where(take_all, 0, _bit_length(lb ^ hi))
+    prefix = hi & ~_low_bits(top)
+    rem = tl.zeros([], tl.int32) + KEEP
+    group_done = tl.zeros([], tl.int32) != 0
+    if ~take_all & ~listed:
+        prefix, top, rem, group_done, all_finite = _radix_passes(src, first, n, prefix, top, rem, EXTRA, lanes, bins,
+                                                                 BLOCK, BITS, BINS)
+        take_all = take_all | all_finite
+        listed = ~take_all & ~group_done & (top > 0)
+        if listed:
+            m = _compact(src, src, first, n, prefix, prefix, 0, lcols, lvals, cap, lanes, False, False, True, BLOCK)
     dst = OUT + row * stride_o
     vdst = VALUES + row * stride_v
-    written = tl.zeros([], tl.int32)
-    if need > 0:
-        tied = tl.zeros([], tl.int32)
-        for c0 in range(0, n, BLOCK):
-            cols = c0 + lanes
-            x = tl.load(src + cols, mask=cols < n, other=float("-inf"))
-            key = _raw_keys32(x)
-            tie = (key == cut).to(tl.int32)  # the cut is finite
-            tie_rank = tied + tl.cumsum(tie, 0) - tie  # equal keys in earlier columns
-            chosen = ((key - lo) <= room) | ((tie != 0) & (tie_rank < need))
-            flags = chosen.to(tl.int32)
-            slot = written + tl.cumsum(flags, 0) - 1
-            tl.store(dst + slot, cols.to(tl.int64), mask=chosen)
-            if WITH_VALUES:
-                tl.store(vdst + slot, x, mask=chosen)
-            written += tl.sum(flags)
-            tied += tl.sum(tie)
+    if listed:
+        list_lanes = tl.arange(0, LIST_BLOCK)
+        prefix, top, rem, group_done, all_finite = _radix_passes(lvals, 0, m, prefix, top, rem, -1, list_lanes, bins,
+                                                                 LIST_BLOCK, BITS, BINS)
+        take_all = all_finite  # without a bound the list holds every finite key: perhaps fewer than KEEP
+        exact = ~take_all & ~group_done
+        lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
+        written = _compact(lvals, lcols, 0, m, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst,
+                           KEEP, list_lanes, True, True, WITH_VALUES, LIST_BLOCK)
     else:
-        for c0 in range(0, n, BLOCK):
-            cols = c0 + lanes
-            x = tl.load(src + cols, mask=cols < n, other=float("-inf"))
-            chosen = (_raw_keys32(x) - lo) <= room
-            flags = chosen.to(tl.int32)
-            slot = written + tl.cumsum(flags, 0) - 1
-            tl.store(dst + slot, cols.to(tl.int64), mask=chosen)
-            if WITH_VALUES:
-                tl.store(vdst + slot, x, mask=chosen)
-            written += tl.sum(flags)
+        # Take keys >= lo, and the first `need` keys equal to `cut` (ties at the cut: the lowest columns).
+        exact = ~take_all & ~group_done
+        lo = tl.where(take_all, _FINITE_LO, tl.where(group_done, prefix, prefix + 1)).to(tl.uint32)
+        written = _compact(src, src, first, n, lo, tl.where(exact, prefix, 0), tl.where(exact, rem, 0), dst, vdst, KEEP,
+                           lanes, False, True, WITH_VALUES, BLOCK)
     for j0 in range(0, KEEP, BLOCK):
         slot = j0 + lanes
         pad = (slot >= written) & (slot < KEEP)
@@ -452,6 +563,7 @@ def select_top_triton(
     config: SelectConfig | None = None,
     variant: str | None = None,
     return_values: bool = False,
+    row_range: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The ``keep`` best finite columns of each row of ``scores``, by radix select (one program per row).
 
@@ -466,6 +578,11 @@ def select_top_triton(
         variant: ``"bounded"`` or ``"plain"`` (:data:`SELECT_VARIANTS`; default: the kernel option
             ``topk_select_variant``).
         return_values: also return the chosen columns' scores.
+        row_range: ``(start, stop)``, integer ``[rows]`` tensors on the scores' device: the caller
+            guarantees that row ``r`` holds no finite score outside columns ``[start[r], stop[r])``
+            (clamped to ``[0, columns]``; with ``row_limit`` too, the narrower bound holds). The
+            ``bounded`` kernel then never reads those columns (a row of one packed document scans its
+            own key range only); ``plain`` reads them (the answer is the same).
 
     Returns: ``[rows, keep]`` int64 columns in increasing order, ``-1`` past a row's finite count: the
     contract of :func:`dsv4cp.kernels.contracts.select_top` (ties at the cut to the lowest columns,
@@ -474,6 +591,7 @@ def select_top_triton(
     stays ``-0.0``), 0.0 where the column is ``-1``.
     """
     _check_inputs(scores, keep, row_limit)
+    _check_row_range(row_range, scores)
     chosen_variant = _variant(variant)
     if not isinstance(return_values, bool):
         raise ValueError(f"return_values: must be a bool, got {return_values!r}")
@@ -484,8 +602,10 @@ def select_top_triton(
     values = torch.empty(rows, keep if return_values and bounded else 0, dtype=torch.float32,
                          device=scores.device)
     if rows > 0 and keep > 0:
-        launch = _bounded_launch if bounded else _plain_launch
-        launch(scores, out, values, keep, row_limit, pinned)
+        if bounded:
+            _bounded_launch(scores, out, values, keep, row_limit, row_range, pinned)
+        else:
+            _plain_launch(scores, out, values, keep, row_limit, pinned)
     if not return_values:
         return out
     if not bounded:  # the plain kernel writes columns only: gather their scores
@@ -517,20 +637,41 @@ def _plain_launch(scores, out, values, keep, row_limit, pinned) -> None:
     _KERNELS.launch("select", (dev.type,), select_config_ladder(_interpreted(dev)), pinned, launch)
 
 
-def _bounded_launch(scores, out, values, keep, row_limit, pinned) -> None:
+def _check_row_range(row_range, scores: torch.Tensor) -> None:
+    if row_range is None:
+        return
+    rows = scores.shape[0]
+    ok = isinstance(row_range, tuple) and len(row_range) == 2 and all(
+        isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == rows and not t.dtype.is_floating_point
+        and t.dtype != torch.bool and t.device == scores.device for t in row_range)
+    if not ok:
+        got = [(tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
+               for t in row_range] if isinstance(row_range, tuple) else type(row_range).__name__
+        raise ValueError(f"row_range: must be (start, stop), integer [{rows}] tensors on {scores.device}, got {got}")
+
+
+def _bounded_launch(scores, out, values, keep, row_limit, row_range, pinned) -> None:
     rows, columns = scores.shape
     base, ratio, row0 = row_limit if row_limit is not None else (0, 1, 0)
     dev = scores.device
     kernel = _KERNELS.build("_select_bounded_kernel", dev)
     with_values = values.shape[1] > 0
+    # one list width for every config of the ladder: the extra candidates are capped by the smallest step
+    extra = min([BOUNDED_LIST_EXTRA] + [c.block_n for c in select_config_ladder(_interpreted(dev))]
+                + ([pinned.block_n] if pinned is not None else []))
+    list_cols = torch.empty(rows, keep + extra, dtype=torch.int32, device=dev)
+    list_values = torch.empty(rows, keep + extra, dtype=torch.float32, device=dev)
+
+    start, stop = (t.to(torch.int64).contiguous() for t in row_range) if row_range is not None else (out, out)
 
     def launch(cfg: SelectConfig) -> None:
         kernel[(rows,)](
-            scores, out, values if with_values else out, columns, keep, scores.stride(0), out.stride(0),
-            values.stride(0) if with_values else 0, base, ratio, row0,
-            HAS_LIMIT=row_limit is not None, WITH_VALUES=with_values,
-            BLOCK=cfg.block_n, SEGMENTS=min(cfg.block_n, triton.next_power_of_2(keep)), BITS=cfg.radix_bits,
-            BINS=1 << cfg.radix_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            scores, out, values if with_values else out, list_cols, list_values, start, stop, columns, keep,
+            scores.stride(0), out.stride(0), values.stride(0) if with_values else 0, list_cols.stride(0), base, ratio,
+            row0, HAS_LIMIT=row_limit is not None, HAS_RANGE=row_range is not None, WITH_VALUES=with_values,
+            BLOCK=cfg.block_n,
+            LIST_BLOCK=min(cfg.block_n, triton.next_power_of_2(keep + extra)), EXTRA=extra,
+            BITS=cfg.radix_bits, BINS=1 << cfg.radix_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     _KERNELS.launch("select-bounded", (dev.type,), select_config_ladder(_interpreted(dev)), pinned, launch)

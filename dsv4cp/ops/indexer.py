@@ -42,7 +42,8 @@ def _chunk(per_query: int) -> int:
 def indexer_topk(
     q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: Callable[[slice], torch.Tensor], k: int,
     visibility: tuple[torch.Tensor, ...] | None = None, key_row_limit: tuple[int, int] | None = None,
-) -> torch.Tensor:
+    return_scores: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``keys`` with the ``k`` highest scores among those visible, per query.
 
     Args:
@@ -58,26 +59,36 @@ def indexer_topk(
             then scores each chunk of at most :data:`PREFIX_ROWS` query rows ``[s, e)`` against key
             rows ``[0, min(G, base + (e - 1) // ratio + 1))`` only, so its work follows the rows'
             causal prefix like the Triton plan's; without it every chunk scores all ``G`` rows.
+        return_scores: also return the scores of the chosen entries, as the selection saw them (the
+            indexer loss's prediction at those entries, without scoring them again).
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are
         visible. Among equal scores at the cut the lower key rows win (keys must be in entry order,
         gaps allowed), so every CP layout selects the same entries. A NaN or infinite score is never
-        selected (as if invisible; the indexer loss reports it, docs/design.md §4.5).
+        selected (as if invisible; the indexer loss reports it, docs/design.md §4.5). With
+        ``return_scores``, ``(rows, scores)``: ``scores [T, k]`` (fp32; fp64 for fp64 inputs on the torch
+        path) the selection's score at each chosen row, 0.0 where the row is ``-1``; not differentiable
+        (:func:`indexer_scores` is).
     Raises:
-        ValueError: ``key_row_limit`` is not None nor a tuple ``(base >= 0, ratio >= 1)`` of ints.
+        ValueError: ``key_row_limit`` is not None nor a tuple ``(base >= 0, ratio >= 1)`` of ints, or
+            ``return_scores`` not a bool.
     """
     check_key_row_limit(key_row_limit)
-    if visibility is not None and triton_serves(q) and torch.compiler.is_compiling():  # .indexer_library
-        limit = None if key_row_limit is None else list(key_row_limit)
+    if not isinstance(return_scores, bool):
+        raise ValueError(f"return_scores: must be a bool, got {return_scores!r}")
+    if visibility is not None and triton_serves(q) and torch.compiler.is_compiling() and not return_scores:
+        limit = None if key_row_limit is None else list(key_row_limit)  # the custom op: .indexer_library
         return torch.ops.dsv4cp.indexer_topk(q, w, keys, *visibility, k, limit, options_in_force())
     if visibility is not None and triton_serves(q):
-        return fused_indexer_topk(q, w, keys, *visibility, k, key_row_limit=key_row_limit)
+        return fused_indexer_topk(q, w, keys, *visibility, k, key_row_limit=key_row_limit,
+                                  return_scores=return_scores)
     note_eager("indexer_topk", "torch")
     t, hi, _ = q.shape
     g = keys.shape[0]
-    out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)
-    if g == 0:
-        return out
     work = torch.promote_types(q.dtype, torch.float32)
+    out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)
+    out_scores = torch.zeros((t, k) if return_scores else (0, 0), dtype=work, device=q.device)
+    if g == 0:
+        return (out, out_scores) if return_scores else out
     keys_w = keys.to(work)
     if key_row_limit is None:
         max_rows = t
@@ -102,9 +113,12 @@ def indexer_topk(
         scores = torch.einsum("chg,ch->cg", dots, w[rows].to(work))
         scores.masked_fill_(~visible(rows)[:, :cols], float("-inf"))
         keep = min(k, cols)
-        out[rows, :keep] = select_top(scores, keep)
+        chosen = select_top(scores, keep)
+        out[rows, :keep] = chosen
+        if return_scores:
+            out_scores[rows, :keep] = torch.where(chosen >= 0, scores.gather(1, chosen.clamp_min(0)), 0.0)
         s = e
-    return out
+    return (out, out_scores) if return_scores else out
 
 
 TOPK_IMPLS = ("chunked", "stream")
@@ -116,7 +130,8 @@ def fused_indexer_topk(
     key_doc: torch.Tensor, key_j: torch.Tensor, k: int, chunk: int | None = None, *,
     budget_bytes: int | None = None, config=None, key_row_limit: tuple[int, int] | None = None,
     impl: str | None = None, select: str | None = None, keys_mode: str | None = None,
-) -> torch.Tensor:
+    select_variant: str | None = None, return_scores: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`indexer_topk` on the Triton kernels, from visibility tensors (the contract of
     :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton`, whose arguments these are).
 
@@ -125,15 +140,19 @@ def fused_indexer_topk(
     ``chunk`` and ``budget_bytes`` do not apply, ``config`` pins its tiles; ``k`` above its
     ``MAX_STREAM_K`` runs chunked). The chunked selection: ``select`` (else ``topk_select``; ``auto``:
     ``radix`` for compiled kernels, ``torch`` under the interpreter) and, on the torch selection, the
-    buffer ``keys_mode`` (else ``topk_keys``). Every option is read (and checked) whichever path runs.
-    Notes ``indexer_topk`` -> ``triton/stream``, ``triton/chunked/radix`` or ``triton/chunked/torch/<keys>``.
+    buffer ``keys_mode`` (else ``topk_keys``); the radix select's kernel: ``select_variant`` (else
+    ``topk_select_variant``). Every option is read (and checked) whichever path runs.
+    ``return_scores``: also the chosen rows' scores (see :func:`indexer_topk`); the streaming kernel keeps
+    none, so it then runs chunked. Notes ``indexer_topk`` -> ``triton/stream``, ``triton/chunked/radix``
+    (``.../radix/bounded`` for that kernel) or ``triton/chunked/torch/<keys>``.
     """
     chosen_impl = _choice(impl, "topk_impl", "impl", TOPK_IMPLS)
     chosen_select = _choice(select, "topk_select", "select", ("auto", "radix", "torch"))
     chosen_keys = _choice(keys_mode, "topk_keys", "keys_mode", ("packed", "scores"))
+    chosen_variant = _choice(select_variant, "topk_select_variant", "select_variant", ("bounded", "plain"))
     if chosen_select == "auto":
         chosen_select = "torch" if interpreted(q.device) else "radix"
-    if chosen_impl == "stream":
+    if chosen_impl == "stream" and not return_scores:
         from dsv4cp.kernels import indexer_topk_triton as stream  # lazy: imports triton
 
         if not isinstance(k, int) or k <= stream.MAX_STREAM_K:  # larger running lists do not fit on chip
@@ -142,11 +161,13 @@ def fused_indexer_topk(
                                               config=config, key_row_limit=key_row_limit)
     from dsv4cp.kernels.indexer_triton import indexer_topk_triton  # lazy: imports triton
 
-    path = "radix" if chosen_select == "radix" else f"torch/{chosen_keys}"
+    path = ("radix" if chosen_variant == "plain" else "radix/bounded") if chosen_select == "radix" else \
+        f"torch/{chosen_keys}"
     kernel_options.note_backend("indexer_topk", f"triton/chunked/{path}")
     return indexer_topk_triton(q, w, keys, query_doc, query_limit, key_doc, key_j, k, chunk, select=chosen_select,
                                keys_mode=chosen_keys, budget_bytes=budget_bytes, config=config,
-                               key_row_limit=key_row_limit)
+                               key_row_limit=key_row_limit, select_variant=chosen_variant,
+                               return_scores=return_scores)
 
 
 def _choice(explicit: str | None, option: str, keyword: str, allowed: tuple[str, ...]) -> str:

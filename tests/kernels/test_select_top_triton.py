@@ -178,6 +178,31 @@ def test_row_limit_same_answer_and_unread(base, ratio, row0, seed):
     assert torch.equal(got, expected), f"seed={seed}\n{got}\n{expected}"
 
 
+def test_row_range_same_answer_and_unread(variant, seed):
+    """Per-row column ranges (a packed document's key range): the same answer, and the bounded kernel
+    never reads outside them (poisoned with a finite 1e30, which would be chosen first); ranges combine
+    with ``row_limit`` (the narrower bound holds)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, columns, keep = 6, 90, 7
+    scores = tied_scores(gen, rows, columns)
+    start = torch.tensor([0, 10, 35, 80, 5, 60])
+    stop = torch.tensor([90, 40, 50, 90, 5, 200])  # an empty range, one past the columns
+    cols = torch.arange(columns)[None, :]
+    outside = (cols < start[:, None]) | (cols >= stop[:, None])
+    scores[outside] = float("-inf")
+    expected = check(scores, keep, f"seed={seed}", row_range=(start, stop))
+    assert (expected[4] == -1).all()
+    if variant == "bounded":
+        poisoned = scores.masked_fill(outside, 1e30)
+        got = select_top_triton(poisoned, keep, row_range=(start.to(torch.int32), stop))
+        assert torch.equal(got, expected), f"seed={seed}\n{got}\n{expected}"
+        limit = (20 + torch.arange(rows) // 1 + 1).clamp(0, columns)  # row_limit (20, 1, 0)
+        narrower = poisoned.masked_fill(cols >= limit[:, None], 1e30)
+        both = scores.masked_fill(cols >= limit[:, None], float("-inf"))
+        got = select_top_triton(narrower, keep, row_limit=(20, 1, 0), row_range=(start, stop))
+        assert torch.equal(got, select_top(both, keep)), f"seed={seed}"
+
+
 @pytest.mark.parametrize("radix_bits", [3, 5, 11, 12])
 def test_other_digit_widths(radix_bits, seed):
     """Digit widths that do not divide 32 (the last pass takes the bits left) and the widest, on ties,
@@ -212,10 +237,11 @@ def test_config_pins_and_env(monkeypatch, seed):
 
 
 def test_bounded_pass_zero_cases(seed):
-    """The cases of the bounded kernel's pass 0: a lower bound from the segments' maxima (rows of one
-    binade, where the candidates share sign and exponent), no bound (``keep`` above the segments, or
-    fewer live segments than ``keep``), every key equal (bound = largest key: the cut found with no
-    pass), all negative, and one finite score more than ``keep``."""
+    """The cases of the bounded kernel's pass 0 and its list: a lower bound from the lanes' maxima (rows
+    of one binade, where the candidates share sign and exponent), no bound (``keep`` above the lanes, or
+    fewer live lanes than ``keep``), every key equal (bound = largest key: the list overflows, the cut is
+    found with no pass, from the row), all negative, one finite score more than ``keep``, a dense cluster
+    under one large score, and more keys above the bound than the list holds."""
     gen = torch.Generator().manual_seed(seed)
     binade = 1.0 + torch.rand(3, 100, generator=gen)  # [1, 2): one exponent
     check(binade, 9, f"seed={seed}")
@@ -228,6 +254,16 @@ def test_bounded_pass_zero_cases(seed):
     short = torch.full((1, 64), float("-inf"))
     short[0, 5:16] = torch.randn(11, generator=gen)
     check(short, 10, f"seed={seed}")
+    # One large score far above a dense cluster: the bits of lb and hi barely agree, the cluster stays in
+    # one bin for two more passes (its keys differ in their 12 lowest bits only), the row passes go on
+    # until the group fits the list, then the list finishes the cut.
+    low_bits = torch.randint(0, 4096, (2, 119), generator=gen, dtype=torch.int32)
+    cluster = (torch.tensor(1.0).view(torch.int32) + low_bits).view(torch.float32)
+    dense = torch.cat([torch.full((2, 1), 1000.0), cluster], dim=1)
+    check(dense, 9, f"seed={seed}")
+    # keep close to the interpreter's 32 lanes: ~88 keys above the bound, more than the list holds
+    # (keep + 32), so the row passes run first
+    check(torch.randn(2, 200, generator=gen), 30, f"seed={seed}")
 
 
 @pytest.mark.parametrize("trial", range(6))
@@ -257,6 +293,9 @@ def test_random_rows(trial, seed):
     ({"config": SelectConfig(32, 0, 4, 1)}, "radix_bits"),
     ({"variant": "heap"}, "variant"),
     ({"return_values": 1}, "return_values"),
+    ({"row_range": (torch.zeros(2, dtype=torch.int64),)}, "row_range"),
+    ({"row_range": (torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))}, "row_range"),
+    ({"row_range": (torch.zeros(2), torch.zeros(2))}, "row_range"),
 ])
 def test_bad_arguments_are_named(kwargs, name):
     args = {"scores": torch.randn(2, 5), "keep": 2, **kwargs}
