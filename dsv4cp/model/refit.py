@@ -14,8 +14,8 @@ residual weighs every rank alike; the ridge keeps classes the samples cannot tel
 class factors and often fewer ranks) at their prior. The fit is tried for every indexer scan
 (:data:`~dsv4cp.model.phase_classes.INDEXER_SCANS`: which gathered entries the top-k is charged for) and the
 best-fitting one is kept (on the classes alone, before the per-rank factors below), unless it fits only
-marginally better than the prior's scan (:data:`SCAN_MARGIN`). Per class, so the result transfers to other packings and
-token counts, and it is an ordinary calibration file (``--calibration``).
+marginally better than the prior's scan (:data:`SCAN_MARGIN`). Per class, so the result transfers to other
+packings and token counts, and it is an ordinary calibration file (``--calibration``).
 
 Then, when every sample has the same cp, a per-rank residual: the part of each rank's time no class
 factor expresses, as one multiplicative factor per rank (``Calibration.rank_factors``), fitted on the
@@ -26,10 +26,11 @@ the classes, the rank factors take only what no class factor can, and the class 
 transfers, stay those of the class-only fit. The indexer scan is chosen on the classes alone too: with rank
 factors every scan fits a round of ``cp`` ranks almost exactly (after one round of the 2026-12-02 H200 run
 the relative RMS is 0.0009 on ``visible`` against 0.0011 on ``prefix``, overfitted: nine class and eight rank
-factors on eight times), while the classes alone tell the scans apart (0.0181 against 0.0109, and on the
-committed 2026-12-01 rounds ``visible``'s next split would have given rank 0 13% more rows). A per-rank
-residual far larger than the H200's (+-15% in the tests) can make another scan's classes fit marginally
-better; :data:`SCAN_MARGIN` keeps the prior's scan then.
+factors on eight times), while the classes alone tell the scans apart (0.0181 against 0.0109; on the
+committed 2026-12-01 rounds ``visible`` with rank factors would have given rank 0 13% more rows next). A
+per-rank residual far larger than the H200's (+-15% in the tests) can make another scan's classes fit
+marginally better; :data:`SCAN_MARGIN` keeps the prior's scan then.
+
 Multiplicative, not an additive fixed cost plus a factor: on the committed H200 rounds (one 256K document,
 cp 8, ``results/2026-12-01-h200-emulate-all``) the splits of rounds 1-3 differ by under 1% of any rank's
 rows, so a rank's fixed and proportional parts cannot be told apart from them (two unknowns per rank, one
