@@ -47,8 +47,13 @@ case $part in
     bench probs bench/test_bench_attention_probs.py "test_head_summed_probs_kernel" 90
     bench sparse_attn bench/test_bench_sparse_attention.py "flash and not torch and not pro" 120 ;;
   kernels2)  # after the first pass: the chosen defaults against the kernels they replaced, and the breakdowns
+    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -x tests/kernels/test_select_top_triton.py \
+      tests/kernels/test_indexer_topk_scores.py tests/kernels/test_attention_probs_triton.py \
+      tests/kernels/test_indexer_scores_reduce.py tests/kernels/test_sparse_attention_triton.py \
+      2>&1 | quiet | tail -15 > "$dir/gpu_tests.txt"
+    tail -3 "$dir/gpu_tests.txt"; save
     bench scores_parts bench/test_bench_indexer.py "test_indexer_scores_reduce and 64k" 90
-    bench select bench/test_bench_indexer.py "test_indexer_select and 64k and not config" 60
+    bench select bench/test_bench_indexer.py "(test_indexer_select and 64k and not config) or (test_indexer_topk and 64k and triton-chunked-radix) or test_indexer_topk_packed" 90
     bench probs bench/test_bench_attention_probs.py "test_head_summed_probs_kernel" 90
     bench sparse_attn bench/test_bench_sparse_attention.py "flash and not torch and not pro" 150 ;;
   determinism)  # the cost of determinism and the layer under Inductor (flash C, 64K, one document)
@@ -57,6 +62,12 @@ case $part in
         echo "\$ python3 -m dsv4cp.cli.main profile $flash $case --out $dir/profile"
         timeout 200 python3 -m dsv4cp.cli.main profile $flash $case --out "$dir/profile" 2>&1 | quiet | tail -40
         echo "(exit ${PIPESTATUS[0]})"; save
+      done
+      for kb in triton auto; do  # the layer against the fp64 reference with every new default
+        echo "\$ torchrun --nproc-per-node 1 -m dsv4cp.cli.main check-cp --cp 1 --dist-backend nccl --preset flash --ratio 4 --lengths 2500,0,1596 --dtype bf16 --kernel-backend $kb"
+        timeout 90 torchrun --nproc-per-node 1 -m dsv4cp.cli.main check-cp --cp 1 --dist-backend nccl --preset flash \
+          --ratio 4 --lengths 2500,0,1596 --dtype bf16 --kernel-backend $kb 2>&1 | quiet | tail -12
+        echo "(exit ${PIPESTATUS[0]})"
       done
       replay="--cp 1 --preset flash --ratio 4 --lengths 8000,4000,4384 --dtype bf16 --replays 3"
       echo "\$ python3 -m dsv4cp.cli.main check-determinism $replay --kernel-backend auto --deterministic"
