@@ -267,6 +267,28 @@ def _head_probs_kernel(
         tl.store(OUT + t * stride_ot + slots, tl.where(valid, acc, 0.0), mask=in_row)
 
 
+@triton.jit
+def _chunk_tiles(KEYS, Q, rows, valid, t, heads, hmask, d, stride_kn, stride_qt, stride_qh, D: tl.constexpr,
+                 EVEN_D: tl.constexpr, DOT_F32: tl.constexpr):
+    """One head-dim chunk ``d`` of a step of the ``d_chunks`` kernels: the gathered key columns
+    ``[BLOCK_K, BLOCK_DC]`` (zero at invalid rows) and the query's head columns ``[BLOCK_H, BLOCK_DC]``
+    (zero at padding heads); masked by row only when the chunks tile the head dim (``EVEN_D``: fewer
+    predicates on the gather); fp32 when ``DOT_F32`` (Triton's CPU interpreter multiplies bf16 tiles
+    wrongly)."""
+    if EVEN_D:
+        kmask = valid[:, None]
+        qmask = hmask[:, None]
+    else:
+        kmask = valid[:, None] & (d < D)[None, :]
+        qmask = hmask[:, None] & (d < D)[None, :]
+    keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=kmask, other=0.0)
+    qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    if DOT_F32:
+        keys = keys.to(tl.float32)
+        qc = qc.to(tl.float32)
+    return keys, qc
+
+
 def _head_probs_chunked_kernel(
     Q, KEYS, IDX, LDEN, OUT,  # pointers
     qk_scale2,  # fp32: scale * log2(e)
@@ -310,17 +332,8 @@ def _head_probs_chunked_kernel(
         valid = (rows >= 0) & (rows < N)
         heads = hb * BLOCK_H + h_off
         hmask = heads < H
-        if EVEN_D:  # masks by row only: fewer predicates on the gather
-            kmask = valid[:, None]
-            qmask = hmask[:, None]
-        else:
-            kmask = valid[:, None] & (d < D)[None, :]
-            qmask = hmask[:, None] & (d < D)[None, :]
-        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=kmask, other=0.0)
-        qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
-        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: fp32 products there
-            keys = keys.to(tl.float32)
-            qc = qc.to(tl.float32)
+        keys, qc = _chunk_tiles(KEYS, Q, rows, valid, t, heads, hmask, d, stride_kn, stride_qt, stride_qh,
+                                D, EVEN_D, DOT_F32)
         if SLOTS_ON_M:  # [BLOCK_K, BLOCK_H]: the head sum runs along each thread's registers
             acc = tl.dot(keys, tl.trans(qc), acc, input_precision=PRECISION)
         else:  # [BLOCK_H, BLOCK_K]: slots on the matrix unit's N (m64nBLOCK_K), the head sum crosses warps
@@ -421,17 +434,8 @@ def _lse_chunked_kernel(
         d = dc * BLOCK_DC + dcol
         rows = tl.load(IDX + t * stride_it + slots, mask=slots < KT, other=-1).to(tl.int64)
         valid = (rows >= 0) & (rows < N)
-        if EVEN_D:
-            kmask = valid[:, None]
-            qmask = hmask[:, None]
-        else:
-            kmask = valid[:, None] & (d < D)[None, :]
-            qmask = hmask[:, None] & (d < D)[None, :]
-        keys = tl.load(KEYS + rows[:, None] * stride_kn + d[None, :], mask=kmask, other=0.0)
-        qc = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
-        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: fp32 products there
-            keys = keys.to(tl.float32)
-            qc = qc.to(tl.float32)
+        keys, qc = _chunk_tiles(KEYS, Q, rows, valid, t, heads, hmask, d, stride_kn, stride_qt, stride_qh,
+                                D, EVEN_D, DOT_F32)
         acc = tl.dot(qc, tl.trans(keys), acc, input_precision=PRECISION)
         if dc == N_DC - 1:  # the slots' validity again, in the logits' layout (here, not in every step's)
             rows_s = tl.load(IDX + t * stride_it + slots, mask=slots < KT, other=-1)
