@@ -508,6 +508,12 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+def _grid_programs(items: int, programs_per_sm: int, device: torch.device) -> int:
+    """Programs of a ``d_chunks`` launch: one per work item (``programs_per_sm == 0``), else a persistent
+    grid of ``programs_per_sm`` per multiprocessor, never more than the items."""
+    return items if programs_per_sm == 0 else min(items, programs_per_sm * _multiprocessors(device))
+
+
 def _kernel_choice(explicit: str | None, option: str) -> str:
     """``explicit``, else the kernel option ``option`` (``triton_probs_kernel``: ``d_chunks`` default,
     ``whole_d``; ``triton_lse_kernel``: ``whole_d`` default, ``d_chunks``)."""
@@ -762,7 +768,7 @@ def _launch_chunked(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, scal
     def launch(cfg: ChunkConfig) -> None:
         n_sb, n_hb = triton.cdiv(kt, cfg.block_k), triton.cdiv(h, cfg.block_h)
         items = t * n_sb
-        programs = items if cfg.programs_per_sm == 0 else min(items, cfg.programs_per_sm * _multiprocessors(q.device))
+        programs = _grid_programs(items, cfg.programs_per_sm, q.device)
         kernel[(programs,)](
             q, keys, idx, lden, out,
             float(scale) * LOG2E, h, keys.shape[0], kt, items, n_sb, n_hb,
@@ -786,7 +792,7 @@ def _launch_lse_chunked(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, 
     def launch(cfg: LseChunkConfig) -> None:
         n_sb, n_hb = triton.cdiv(kt, cfg.block_k), triton.cdiv(h, cfg.block_h)
         items = t * n_hb
-        programs = items if cfg.programs_per_sm == 0 else min(items, cfg.programs_per_sm * _multiprocessors(q.device))
+        programs = _grid_programs(items, cfg.programs_per_sm, q.device)
         kernel[(programs,)](
             q, keys, idx, lse,
             float(scale) * LOG2E, h, keys.shape[0], kt, items, n_sb, n_hb,

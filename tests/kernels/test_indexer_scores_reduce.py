@@ -23,6 +23,7 @@ from dsv4cp.kernels.indexer_scores_triton import (
     sorted_chunk_rows,
 )
 from dsv4cp.ops.indexer import indexer_scores
+from tests.kernels.test_indexer_triton import selection_with_gaps
 
 pytestmark = pytest.mark.skipif(not triton_available("cpu") and not torch.cuda.is_available(),
                                 reason="triton cannot run here (needs CUDA or TRITON_INTERPRET=1)")
@@ -55,10 +56,7 @@ def scores_case(seed: int, t: int = 13, hi: int = 3, di: int = 32, g: int = 11, 
         keys = torch.randn(g, di, generator=gen)
         w = torch.randn(t, hi, generator=gen)
         grad = torch.randn(t, kk, generator=gen)
-    idx = torch.randint(0, g, (t, kk), generator=gen)
-    idx[torch.rand(t, kk, generator=gen) < 0.25] = -1
-    idx[2] = -1
-    idx[::3, -1] = idx[::3, 0]
+    idx = selection_with_gaps(gen, t, g, kk)
     return q.to(dtype), w.to(dtype), keys.to(dtype), idx, grad
 
 

@@ -475,12 +475,19 @@ def scores_case(seed: int, t: int = 12, hi: int = 3, di: int = 32, g: int = 20, 
     q = torch.randn(t, hi, di, generator=gen)
     w = torch.randn(t, hi, generator=gen)
     keys = torch.randn(g, di, generator=gen)
+    idx = selection_with_gaps(gen, t, g, kk)
+    grad = torch.randn(t, kk, generator=gen)
+    return q, w, keys, idx, grad
+
+
+def selection_with_gaps(gen: torch.Generator, t: int, g: int, kk: int) -> torch.Tensor:
+    """``[t, kk]`` int64 key rows in ``[0, g)`` drawn from ``gen``: about a quarter of the slots empty (-1),
+    query 2 with no slot at all, and every third query's last slot repeating its first."""
     idx = torch.randint(0, g, (t, kk), generator=gen)
     idx[torch.rand(t, kk, generator=gen) < 0.25] = -1
     idx[2] = -1
     idx[::3, -1] = idx[::3, 0]
-    grad = torch.randn(t, kk, generator=gen)
-    return q, w, keys, idx, grad
+    return idx
 
 
 def scores_and_grads(fn, q, w, keys, idx, grad, **kw):
