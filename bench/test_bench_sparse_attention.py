@@ -68,9 +68,13 @@ BACKWARD_VARIANTS = {
     "triton-index-ahead": _BEFORE_BWD | {"triton_bwd_index_ahead": "1"},
     "triton-dkv-one-matmul-index-ahead": _BEFORE_BWD | {"triton_dkv_one_product": "1", "triton_bwd_index_ahead": "1"},
     # the one-product dkv kernel small enough for 2 (128 columns, 4 warps, 112 KB) or 3 (64 columns, 64 KB)
-    # programs per SM at H = 64, so that one's loads overlap another's products
+    # programs per SM at H = 64, so that one's loads overlap another's products (64,128,4,2: the default
+    # since), and the tile it replaced (64,256,8,2)
     **{f"triton-dkv-one-matmul-{tile.replace(',', 'x')}": _BEFORE_BWD | {
-        "triton_dkv_one_product": "1", "triton_dkv_config": tile} for tile in ("64,128,4,2", "64,64,4,2")},
+        "triton_dkv_one_product": "1", "triton_dkv_config": tile}
+       for tile in ("64,128,4,2", "64,64,4,2", "64,256,8,2")},
+    "triton-dkv-one-matmul-64x128x4x2-index-ahead": _BEFORE_BWD | {
+        "triton_dkv_one_product": "1", "triton_dkv_config": "64,128,4,2", "triton_bwd_index_ahead": "1"},
 }
 """Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set,
 every option of the direction named, so the kernels before the variants (``triton-duplicated-logits``,

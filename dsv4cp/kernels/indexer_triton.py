@@ -39,7 +39,10 @@ tile), and the matrix unit's K dimension is ``Di = 128`` (8 x k16 steps per head
 (query block, key block) pair re-reads its ``BLOCK_M x Hi x Di`` queries, ``BLOCK_N`` matrix FLOPs per
 byte, so a WIDE key tile matters more than a tall query tile; programs run in query-block-major order
 (key block fastest), so the programs in flight share their query tiles through L2. Default tile on
-sm_90 (Di <= 128, bf16): ``BLOCK_M = 64, BLOCK_N = 256, 8 warps, 3 stages``. Checked by compiling for
+sm_90 (Di <= 128, bf16): ``BLOCK_M = 64, BLOCK_N = 128, 4 warps, 3 stages``, two programs per SM (one's
+epilogue runs under the other's products; measured on an H200 at T = 32K in one run,
+results/2026-12-02-h200-speed6/kernels/score_tiles.txt: 5.61 ms = 392 TFLOP/s against 6.10 ms = 361 for
+the previous default, ``BLOCK_M = 64, BLOCK_N = 256, 8 warps, 3 stages``). That one, checked by compiling for
 sm_90a with Triton 3.9 without a GPU (``triton.compile`` with the runtime's 16-divisibility
 specialisation of pointers and strides, then ptxas -v): two warpgroups, each owning 128 of the 256
 columns (``wgmma m64n128k16``, 8 per head), ``acc`` and ``s_h`` 64 fp32 registers per thread each,
@@ -301,8 +304,10 @@ def _score_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[I
         return [IndexerConfig(16, 32, 4, 1)]
     if dtype == torch.float32:
         ladder = [(64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
-    elif block_d <= 128:
-        ladder = [(64, 256, 8, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3),
+    elif block_d <= 128:  # 64 x 128 with 4 warps first: two programs per SM, one's epilogue under the other's
+        # products; 5.61 ms against 6.10 ms at 64 x 256 x 8 (T = 32K, one run,
+        # results/2026-12-02-h200-speed6/kernels/score_tiles.txt)
+        ladder = [(64, 128, 4, 3), (64, 256, 8, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 128, 8, 3),
                   (64, 64, 4, 2), (32, 64, 4, 1)]
     else:
         ladder = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 1)]

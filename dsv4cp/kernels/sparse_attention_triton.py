@@ -622,12 +622,17 @@ def _scores_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KernelC
     return [KernelConfig(*c) for c in ladder]
 
 
-def _dkv_dq_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]:
+def _dkv_dq_ladder(block_d: int, heads: int, dtype: torch.dtype, one_product: bool) -> list[DkvConfig]:
     """The dkv kernel also accumulating dq: a second [H, block_d] fp32 tile and a [block_k, block_d]
-    gather of kv columns; at D = 512 the same columns per program as :func:`_dkv_ladder` still fit."""
+    gather of kv columns; at D = 512 the same columns per program as :func:`_dkv_ladder` still fit.
+    The one product at H <= 64 starts at 128 columns and 4 warps (112 KB: two programs per SM, one's
+    gathers under the other's products): 16.37 ms against 17.93 ms at ``64, 256, 8, 2`` (flash, T = 16K,
+    results/2026-12-02-h200-speed6/kernels/sparse_bwd.txt)."""
     if block_d >= 256:
         if triton.next_power_of_2(heads) >= 128:
             ladder = [(64, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
+        elif one_product:
+            ladder = [(64, 128, 4, 2), (64, 256, 8, 2), (64, 128, 8, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
         else:
             ladder = [(64, 256, 8, 2), (64, 128, 8, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
         if dtype == torch.float32:
@@ -890,7 +895,8 @@ def backward_plan(
         return None
     block_d = triton.next_power_of_2(d)
     dq_ladder = (_scores_ladder if acc_dq_in_dkv else _dq_ladder)(block_d, h, q.dtype)
-    dkv_ladder = (_dkv_dq_ladder if acc_dq_in_dkv else _dkv_ladder)(block_d, h, q.dtype)
+    dkv_ladder = (_dkv_dq_ladder(block_d, h, q.dtype, one_product) if acc_dq_in_dkv
+                  else _dkv_ladder(block_d, h, q.dtype))
     budget = BWD_SCRATCH_BYTES if scratch_bytes is None else int(scratch_bytes)
     per_query = 2 * kt * h * q.element_size() + (kt * d * 4 if deterministic else 0)
     chunk = max(1, min(t, budget // per_query))

@@ -231,9 +231,13 @@ def _determinism_section(report: ReportParts) -> list[str]:
     return tables_module.determinism_lines(report.table("determinism_cost"))
 
 
+def _compile_section(report: ReportParts) -> list[str]:
+    return tables_module.compile_lines(report.table("compile_cost"))
+
+
 SECTIONS: tuple[Callable[[ReportParts], list[str]], ...] = (
     _headline_section, _targets_section, _diagnosis_section, _time_section, _determinism_section,
-    _growth_and_memory_sections,
+    _compile_section, _growth_and_memory_sections,
     _parity_section, _failures_section, _tables_section, _plots_section,
 )
 """The summary's sections after its title and runs, in order: each returns its markdown lines."""
@@ -250,6 +254,7 @@ def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
         "weak_scaling": tables_module.scaling(df, "weak"),
         "overlap": tables_module.overlap_comparison(df),
         "determinism_cost": tables_module.determinism_cost(df),
+        "compile_cost": tables_module.compile_cost(df),
         "memory": tables_module.memory(df),
         "memory_peaks": tables_module.memory_peaks(df),
         "imbalance": tables_module.imbalance(df),

@@ -198,25 +198,38 @@ def overlap_comparison(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _groups_varying_in(df: pd.DataFrame, axis: str):
+    """``(shown, group)`` per configuration of the ok points that agree on every axis but ``axis``:
+    ``shown`` the values of the other varying axes (the table's key columns), ``group`` its points."""
+    points = ok_points(df)
+    shown = [a for a in varying_axes(points) if a != axis] if len(points) else []
+    for _, group in points.groupby(group_key(points, ["run", *(a for a in AXES if a != axis)]), sort=False):
+        yield {a: group[a].iloc[0] for a in shown}, group
+
+
+def _time_and_memory(row: dict, point: pd.Series, name: str) -> None:
+    row[f"time_ms_median[{name}]"] = point["time_ms_median"]
+    row[f"peak_gib[{name}]"] = _max_gib(point["peak_allocated_bytes"])
+
+
+def _ratios(row: dict, base: str, other: str) -> None:
+    row["time_ratio"] = row[f"time_ms_median[{other}]"] / row[f"time_ms_median[{base}]"]
+    row["memory_ratio"] = row[f"peak_gib[{other}]"] / row[f"peak_gib[{base}]"]
+
+
 def determinism_cost(df: pd.DataFrame) -> pd.DataFrame:
     """What bitwise replay costs per configuration: median time and peak memory (GiB, max over ranks) of the
     eager-default and the deterministic point (``[default]``, ``[deterministic]``), the backend each
     resolved to, and the ratios deterministic / default. Only configurations measured both ways appear."""
-    points = ok_points(df)
-    shown = [a for a in varying_axes(points) if a != "deterministic"] if len(points) else []
     rows = []
-    for _, group in points.groupby(group_key(points, ["run", *(a for a in AXES if a != "deterministic")]), sort=False):
+    for row, group in _groups_varying_in(df, "deterministic"):
         modes = {bool(point["deterministic"]): point for _, point in group.iterrows()}
         if set(modes) != {False, True}:
             continue
-        row = {a: group[a].iloc[0] for a in shown}
         for flag, name in ((False, "default"), (True, "deterministic")):
-            point = modes[flag]
-            row[f"time_ms_median[{name}]"] = point["time_ms_median"]
-            row[f"peak_gib[{name}]"] = _max_gib(point["peak_allocated_bytes"])
-            row[f"backend[{name}]"] = (point["resolved_backends"] or {}).get("sparse_attention")
-        row["time_ratio"] = row["time_ms_median[deterministic]"] / row["time_ms_median[default]"]
-        row["memory_ratio"] = row["peak_gib[deterministic]"] / row["peak_gib[default]"]
+            _time_and_memory(row, modes[flag], name)
+            row[f"backend[{name}]"] = (modes[flag]["resolved_backends"] or {}).get("sparse_attention")
+        _ratios(row, "default", "deterministic")
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -229,6 +242,41 @@ def determinism_lines(cost: pd.DataFrame) -> list[str]:
             f"Deterministic / default over {len(cost)} configuration(s): time x{cost['time_ratio'].min():.2f} to "
             f"x{cost['time_ratio'].max():.2f}, peak memory x{cost['memory_ratio'].min():.2f} to "
             f"x{cost['memory_ratio'].max():.2f} (table determinism_cost).", ""]
+
+
+def compile_cost(df: pd.DataFrame) -> pd.DataFrame:
+    """What ``torch.compile`` gives per configuration: one row per compiled point (its ``compile``
+    backend) beside the eager point of the same configuration: median step time and peak memory of
+    each (``[eager]``, ``[compiled]``), the compiling first step's wall time (``compile_s``, timed apart
+    from the steps), the graph breaks Dynamo counted, and the ratios compiled / eager. Configurations
+    without both an eager and a compiled point do not appear."""
+    rows = []
+    for shown, group in _groups_varying_in(df, "compile"):
+        eager = group[group["compile"].isna()]
+        if eager.empty:
+            continue
+        for _, point in group[group["compile"].notna()].iterrows():
+            row = {**shown, "compile": point["compile"]}
+            _time_and_memory(row, eager.iloc[0], "eager")
+            _time_and_memory(row, point, "compiled")
+            row["compile_s"], row["graph_breaks"] = point["compile_s"], point["graph_breaks"]
+            _ratios(row, "eager", "compiled")
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def compile_lines(cost: pd.DataFrame) -> list[str]:
+    """The summary's sentences on the compiled layer, one per compiled point (nothing when none was
+    measured beside its eager point)."""
+    if cost.empty:
+        return []
+    lines = ["## The layer under torch.compile", ""]
+    for _, row in cost.iterrows():
+        compiled, eager = row["time_ms_median[compiled]"], row["time_ms_median[eager]"]
+        lines.append(f"- `{row['compile']}`: step x{row['time_ratio']:.2f} of eager ({compiled:.1f} "
+                     f"against {eager:.1f} ms), peak memory x{row['memory_ratio']:.2f}, "
+                     f"first (compiling) step {row['compile_s']:.1f} s, {int(row['graph_breaks'])} graph break(s).")
+    return [*lines, "", "(table compile_cost)", ""]
 
 
 def on_cpu(df: pd.DataFrame) -> pd.Series:

@@ -43,8 +43,8 @@ case $part in
     bench score_tiles bench/test_bench_indexer.py "test_indexer_score_config" 50 ;;
   layer)
     spec=results/2026-12-02-h200-speed6/layer.yaml
-    { echo "\$ python3 -m dsv4cp.cli.main sweep $spec --out $dir/sweep"
-      timeout 330 python3 -m dsv4cp.cli.main sweep "$spec" --out "$dir/sweep" 2>&1 | quiet | tail -30
+    { echo "\$ python3 -m dsv4cp.cli.main sweep $spec --profile --progress off --out $dir/sweep"
+      timeout 330 python3 -m dsv4cp.cli.main sweep "$spec" --profile --progress off --out "$dir/sweep" 2>&1 | quiet | tail -30
       echo "(exit ${PIPESTATUS[0]})"; } 2>&1 | tee "$dir/sweep.txt"; save
     python3 -m bench.phase_vs_bound "$dir/sweep" > "$dir/phase_vs_bound.txt" 2>&1; save
     check="--cp 1 --dist-backend nccl --preset flash --ratio 4 --lengths 2500,0,1596 --dtype bf16 --kernel-backend auto"

@@ -80,3 +80,28 @@ def test_determinism_cost_table_pairs_the_modes():
     assert row["backend[deterministic]"] == "triton-deterministic" and row["backend[default]"] == "flashmla+cudnn"
     assert tables.determinism_lines(cost)[2].startswith("Deterministic / default over 1 configuration(s): time x1.50")
     assert tables.determinism_lines(tables.determinism_cost(df.iloc[:1])) == []
+
+
+def test_compile_cost_table_pairs_each_compiled_point_with_eager():
+    rng = np.random.default_rng(5)
+    print("seed 5")
+    records = []
+    for compile_backend, slowdown, compile_s, breaks in ((None, 1.0, None, None), ("inductor", 1.25, 80.5, 5),
+                                                         ("aot_eager", 0.8, 12.0, 0)):
+        axes = {**BASE_AXES, "cp": 1, "tokens": 65536, "tokens_per_rank": 65536, "packing": "one",
+                "overlap": "async", "compile": compile_backend}
+        metrics = point_metrics(rng, axes, slowdown=slowdown, noise=0.0, profiled=False)
+        metrics.update(compile_s=compile_s, graph_breaks=breaks)
+        records.append(make_record(axes, metrics, sweep="s", status="ok", machine="m", git_sha="0" * 40))
+    lone = {**BASE_AXES, "cp": 1, "tokens": 16384, "tokens_per_rank": 16384, "packing": "one", "overlap": "async",
+            "compile": "inductor"}  # compiled with no eager point of its configuration: not in the table
+    records.append(make_record(lone, point_metrics(rng, lone, noise=0.0, profiled=False) | {"compile_s": 1.0,
+                               "graph_breaks": 0}, sweep="s", status="ok", machine="m", git_sha="0" * 40))
+    df = pd.DataFrame(records).assign(run="r")
+    cost = tables.compile_cost(df)
+    assert list(cost["compile"]) == ["inductor", "aot_eager"]
+    assert cost["time_ratio"].tolist() == pytest.approx([1.25, 0.8])
+    assert cost["compile_s"].tolist() == [80.5, 12.0] and cost["graph_breaks"].tolist() == [5, 0]
+    lines = tables.compile_lines(cost)
+    assert lines[2].startswith("- `inductor`: step x1.25 of eager") and "80.5 s, 5 graph break(s)" in lines[2]
+    assert tables.compile_lines(tables.compile_cost(df.iloc[:1])) == []
