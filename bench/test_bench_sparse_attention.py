@@ -105,6 +105,7 @@ SHAPES = {
     "tiny": Shape("tiny", 8, 4, 32, 8, 8),
     "flash": Shape("flash", 16384, 64, 512, 128, 512),
     "pro": Shape("pro", 16384, 128, 512, 128, 1024),
+    "packed": Shape("packed", 16384, 64, 512, 128, 512),
 }
 SHAPE_PARAMS = [
     pytest.param("tiny", id="tiny"),
@@ -158,14 +159,43 @@ def _inputs(shape: Shape):
     tok = torch.arange(t, device=device)
     window = tok[:, None] - torch.arange(shape.window, device=device)[None, :]
     window = torch.where(window >= 0, window, torch.full_like(window, -1))
-    scores = torch.rand(t, shape.n_compressed, device=device, generator=g)
-    selected = scores.topk(shape.selected, dim=1).indices + t
+    if shape.name == "packed":
+        window, selected = _packed_slots(shape, device, g)
+    else:
+        scores = torch.rand(t, shape.n_compressed, device=device, generator=g)
+        selected = scores.topk(shape.selected, dim=1).indices + t
+        del scores
     idx = torch.cat([window, selected], dim=1).to(torch.int32).contiguous()
-    del scores
     valid = int((idx >= 0).sum().item())
     entry = {"args": (q, kv, idx, sink, d**-0.5), "valid": valid}
     _INPUTS[key] = entry
     return entry
+
+
+def _packed_slots(shape: Shape, device, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window and selected slots of packed documents (lengths log-uniform in 64 .. 8192, seeded), as the
+    layer builds them: a query at position p of its document has min(p + 1, W) window keys and selects
+    min(K, (p + 1) // 4) of its document's visible compressed entries (random ones), ``-1`` after them,
+    so short documents leave most slots empty."""
+    t = shape.tokens
+    draws, lengths = torch.Generator().manual_seed(99), []
+    while sum(lengths) < t:
+        lengths.append(int(2 ** (6 + 7 * torch.rand((), generator=draws))))
+    lengths[-1] -= sum(lengths) - t
+    starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    tok = torch.arange(t, device=device)
+    pos = tok - starts[doc]
+    j = torch.arange(shape.window, device=device)[None, :]
+    window = torch.where(j <= pos[:, None], tok[:, None] - j, -1)
+    first_entry = (starts // 4)[doc]  # each document's compressed entries, contiguous after the t token rows
+    visible = (pos + 1) // 4
+    width = max(int(visible.max()), shape.selected)
+    scores = torch.rand(t, width, device=device, generator=g)
+    scores = scores.masked_fill(torch.arange(width, device=device)[None, :] >= visible[:, None], -1.0)
+    top = scores.topk(shape.selected, dim=1)
+    selected = torch.where(top.values >= 0, t + first_entry[:, None] + top.indices, -1)
+    return window, selected
 
 
 def _backward_inputs(shape: Shape, entry: dict):
@@ -310,3 +340,37 @@ def test_sparse_attention_backward_parts(benchmark, measure, monkeypatch, shape_
     measure(steps[part], None, flops=products * 2.0 * shape.dim * shape.heads * entry["valid"],
             bytes_moved=_part_bytes(shape, entry["valid"], part), rounds=rounds, warmup_rounds=warmup,
             device=q.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the libraries need CUDA")
+@pytest.mark.parametrize("compact", ["compact", "as-is"])
+@pytest.mark.parametrize("library", ["flashmla", "cudnn"])
+@pytest.mark.parametrize("shape_name", ["flash", "packed"])
+def test_library_slot_compaction(benchmark, measure, monkeypatch, shape_name, library, compact):
+    """FlashMLA's forward and cuDNN's backward handed each query's valid slots first with their count as
+    ``topk_length`` (``compact``, the kernel option ``library_compact_slots=1``) or every slot as it is
+    (``as-is``): on one document (``flash``: few empty slots) and on packed documents (``packed``: most
+    slots of short documents empty)."""
+    shape = SHAPES[shape_name]
+    impl = _backend(library, shape)
+    monkeypatch.setenv(OPTIONS["library_compact_slots"].env, "1" if compact == "compact" else "0")
+    entry = _inputs(shape)
+    q, kv, idx, sink, scale = entry["args"]
+    if library == "flashmla":
+        def call():
+            return impl.forward(q, kv, idx, sink, scale, None)
+        flops = _flops_forward(shape, entry["valid"])
+    else:
+        out, lse, dout = _backward_inputs(shape, entry)
+
+        def call():
+            return impl.backward(dout, q, kv, idx, sink, scale, out, lse, None)
+        flops = 2.5 * _flops_forward(shape, entry["valid"])
+    call()
+    benchmark.group = f"sparse_attention.compaction.{shape.name}.{library}"
+    benchmark.extra_info.update(backend=library, compact=compact, shape=shape.name, T=shape.tokens, Kt=shape.kt,
+                                valid_keys=entry["valid"], dtype=str(q.dtype))
+    rounds, warmup = _rounds()
+    measure(call, None, flops=flops, bytes_moved=_bytes(shape, entry["valid"], library == "cudnn"), rounds=rounds,
+            warmup_rounds=warmup, device=q.device)

@@ -172,6 +172,9 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     KernelOption("triton_dkv_one_product", "DSV4CP_TRITON_DKV_ONE_PRODUCT", FLAG, "sparse_attention",
                  "Triton attention dkv kernel forms ds^T q + p^T dO as one product over ds and p side by side (1) "
                  "or as two chained products (0)", True),
+    KernelOption("library_compact_slots", "DSV4CP_LIBRARY_COMPACT_SLOTS", FLAG, "sparse_attention",
+                 "FlashMLA forward and cuDNN backward get each query's valid slots first and their count as "
+                 "topk_length, so they skip the empty ones (1), or every slot with -1 where empty (0)", True),
     KernelOption("triton_bwd_index_ahead", "DSV4CP_TRITON_BWD_INDEX_AHEAD", FLAG, "sparse_attention",
                  "Triton attention backward's two kernels load each step's kv-row indices one step ahead (1)", False),
     _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),

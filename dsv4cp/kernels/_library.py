@@ -72,3 +72,28 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: tor
 def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple``, at least one ``multiple``."""
     return max(multiple, -(-value // multiple) * multiple)
+
+
+def compact_slots(idx: torch.Tensor, topk_length: torch.Tensor | None, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(idx_lib [T, slots] int32, length [T] int32)``: each row's valid slots moved to the front in their
+    order, ``-1`` after them, and how many there are (``slots >= Kt``).
+
+    A slot of ``idx [T, Kt]`` is valid when it is ``>= 0`` and, with ``topk_length [T]``, before
+    ``topk_length[t]``. Why: the libraries' kernels stop at a row's ``topk_length`` but compute every
+    empty slot before it, and packed documents leave many (a query near its document's start fills few
+    of its window slots and few of its compressed ones, which follow the window's), so handing them the
+    compacted row and its length skips that work; cuDNN's SM90 backward also must not meet ``-1`` before
+    ``topk_length`` (it would read kv row -1). The order of the valid slots is kept, so the sum is the
+    same up to the kernels' rounding. Device work only (a running count, a batched binary search, a
+    gather; no host read): the p-th valid slot of a row is the first whose running count reaches p.
+    """
+    t, kt = idx.shape
+    valid = idx >= 0
+    if topk_length is not None:
+        valid &= torch.arange(kt, device=idx.device)[None, :] < topk_length.to(torch.int64)[:, None]
+    count = valid.cumsum(1, dtype=torch.int32)
+    length = count[:, -1].contiguous()
+    wanted = torch.arange(1, slots + 1, device=idx.device, dtype=torch.int32).expand(t, slots).contiguous()
+    source = torch.searchsorted(count, wanted, out_int32=True).clamp_max_(kt - 1)
+    gathered = torch.gather(idx.to(torch.int32), 1, source.to(torch.int64))
+    return torch.where(wanted <= length[:, None], gathered, -1).contiguous(), length

@@ -14,7 +14,7 @@ dsa_bwd_sm90}.py`` of NVIDIA/cudnn-frontend; wheel ``nvidia-cudnn-frontend`` 1.3
   by the kernel. A row with ``lse = -inf`` is treated as ``lse = 0`` (its keys must then all be empty);
 * without ``topk_length`` a slot ``< 0`` is loaded as a zero key and left out of ``dkv``; WITH
   ``topk_length`` the SM90 kernel neither checks nor skips ``-1`` inside the first ``topk_length`` slots
-  (it would read row -1 and add into it), so this adapter never passes ``topk_length``;
+  (it would read row -1 and add into it), and stops at it;
 * SM90 adds ``dkv`` and ``d_sink`` with fp32 atomics: not deterministic.
 
 Adapter to the op contract (:func:`dsv4cp.ops.sparse_attention`), whose value is the WHOLE kv row:
@@ -22,8 +22,12 @@ Adapter to the op contract (:func:`dsv4cp.ops.sparse_attention`), whose value is
 * ``D`` must be 512 (``D = 576`` means ``Dv = 512``, a different op: ValueError);
 * heads padded to a multiple of 64 with zero ``q``/``out``/``dout``, ``lse = 0`` and ``-inf`` sinks: a
   padded head has zero ``dO`` and zero ``delta``, so it adds exactly nothing to ``dkv`` or ``d_sink``;
-* ``topk_length`` is folded into ``idx`` (slots past it become ``-1``); ``idx`` is padded with ``-1``
-  to a multiple of 64 (one key block; empty slots cost compute but add nothing);
+* ``idx`` is compacted (kernel option ``library_compact_slots``, default 1): each query's valid slots
+  (``>= 0`` and before the op's ``topk_length``) first, in their order, ``-1`` after them, padded to a
+  multiple of 64 (one key block), and their count passed as the library's ``topk_length``
+  (:func:`~dsv4cp.kernels._library.compact_slots`), so the kernel skips the empty slots instead of
+  computing them; with ``0``, ``topk_length`` is folded into ``idx`` (slots past it become ``-1``), padded
+  likewise, and none is passed (empty slots cost compute but add nothing);
 * fp16 and bf16 pass through; fp32 inputs are computed in bf16 and the gradients returned in the
   inputs' dtypes; fp64 is rejected;
 * in deterministic mode (``torch.use_deterministic_algorithms``) it raises (warns in warn-only mode).
@@ -39,9 +43,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from dsv4cp import kernel_options
 from dsv4cp.kernels._library import (
     availability,
     check_inputs,
+    compact_slots,
     entry_point,
     round_up,
     sm90_problem,
@@ -145,14 +151,18 @@ def sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse, topk_leng
     backward_wrapper = _library()
 
     dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    idx_lib = idx.to(torch.int32)
-    if topk_length is not None:  # fold it into the indices: the kernel must not see -1 inside topk_length
-        slots = torch.arange(kt, device=idx.device)
-        idx_lib = torch.where(slots[None, :] < topk_length[:, None], idx_lib, -1).to(torch.int32)
     kl = padded_slots(kt)
-    if kl != kt:
-        idx_lib = F.pad(idx_lib, (0, kl - kt), value=-1)
-    idx_lib = idx_lib.contiguous()
+    length_lib = None
+    if kernel_options.get("library_compact_slots"):  # valid slots first: no -1 before the length
+        idx_lib, length_lib = compact_slots(idx, topk_length, kl)
+    else:
+        idx_lib = idx.to(torch.int32)
+        if topk_length is not None:  # fold it into the indices: the kernel must not see -1 inside topk_length
+            slots = torch.arange(kt, device=idx.device)
+            idx_lib = torch.where(slots[None, :] < topk_length[:, None], idx_lib, -1).to(torch.int32)
+        if kl != kt:
+            idx_lib = F.pad(idx_lib, (0, kl - kt), value=-1)
+        idx_lib = idx_lib.contiguous()
 
     hp = padded_heads(h)
     q_lib = _pad_heads(q.to(dtype), hp)
@@ -163,7 +173,7 @@ def sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse, topk_leng
     kv_lib = kv.to(dtype).contiguous()
 
     result = backward_wrapper(q_lib, kv_lib, out_lib, dout_lib, lse_lib, sink_lib, idx_lib,
-                              softmax_scale=float(scale), topk_length=None)
+                              softmax_scale=float(scale), topk_length=length_lib)
     dq, dkv, dsink = _unpack(result)
     if hp != h:
         dq, dsink = dq[:, :h].contiguous(), dsink[:h].contiguous()

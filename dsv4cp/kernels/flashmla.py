@@ -26,8 +26,12 @@ Adapter to the op contract (:func:`dsv4cp.ops.sparse_attention`), whose value is
 * ``D`` must be 512 (``D = 576`` would give a ``[T, H, 512]`` output of a different op: ValueError);
 * heads go in groups of at most 128, each padded to 64 or 128 with zero queries and ``-inf`` sinks
   (a ``-inf`` sink has no effect); the padded heads' outputs are dropped;
-* ``idx`` is padded with ``-1`` to a multiple of 128 (at least 128); ``topk_length`` is clamped to
-  ``[0, Kt]`` and passed on (the kernel then skips the tail of short rows);
+* ``idx`` is compacted (kernel option ``library_compact_slots``, default 1): each query's valid slots
+  (``>= 0`` and before the op's ``topk_length``) first, in their order, ``-1`` after them, padded to a
+  multiple of 128 (at least 128), and their count passed as ``topk_length``
+  (:func:`~dsv4cp.kernels._library.compact_slots`), so the kernel skips the empty slots of short rows
+  (packed documents) instead of computing them; with ``0``, ``idx`` is padded with ``-1`` as it is and
+  the op's ``topk_length``, clamped to ``[0, Kt]``, passed on;
 * ``q`` and ``kv`` are cast to bf16 (fp16 / fp32 inputs are computed in bf16 and ``out`` is returned in
   ``q``'s dtype); fp64 is rejected;
 * ``lse = +inf`` (no valid key) becomes ``-inf``.
@@ -44,9 +48,11 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from dsv4cp import kernel_options
 from dsv4cp.kernels._library import (
     availability,
     check_inputs,
+    compact_slots,
     entry_point,
     round_up,
     sm90_problem,
@@ -147,12 +153,15 @@ def sparse_attention_forward(q, kv, idx, sink, scale, topk_length=None):
     options = call_options(sparse_fwd, q.device)
 
     kv_lib = kv.to(torch.bfloat16).contiguous().unsqueeze(1)  # [N, 1, D]: one kv head
-    idx_lib = idx.to(torch.int32)
     kl = padded_slots(kt)
-    if kl != kt:
-        idx_lib = F.pad(idx_lib, (0, kl - kt), value=-1)
+    if kernel_options.get("library_compact_slots"):  # valid slots first, their count as the length
+        idx_lib, length = compact_slots(idx, topk_length, kl)
+    else:
+        idx_lib = idx.to(torch.int32)
+        if kl != kt:
+            idx_lib = F.pad(idx_lib, (0, kl - kt), value=-1)
+        length = None if topk_length is None else topk_length.clamp(0, kt).to(torch.int32).contiguous()
     idx_lib = idx_lib.contiguous().unsqueeze(1)  # [T, 1, Kl]
-    length = None if topk_length is None else topk_length.clamp(0, kt).to(torch.int32).contiguous()
 
     outs, lses = [], []
     for h0, h1, hp in head_groups(h):

@@ -122,7 +122,8 @@ class FakeFlashMLA:
         if topk_length is not None:
             assert topk_length.dtype == torch.int32 and topk_length.shape == (t,)
             assert int(topk_length.min()) >= 0 and int(topk_length.max()) <= kl
-        self.calls.append({"h": h, "topk": kl, "topk_length": topk_length is not None})
+        self.calls.append({"h": h, "topk": kl, "topk_length": topk_length is not None, "idx": indices[:, 0].clone(),
+                           "length": None if topk_length is None else topk_length.clone()})
 
         idx = indices[:, 0].long()
         valid = (idx >= 0) & (idx < n)
@@ -169,7 +170,8 @@ class FakeCudnnDSA:
             in_range = slots < topk_length[:, None].long()
             assert not ((topk_idxs < 0) & in_range).any(), "the SM90 kernel would read kv row -1"
         valid = in_range & (topk_idxs >= 0)
-        self.calls.append({"h": h, "topk": kl, "topk_length": topk_length is not None, "idx": topk_idxs.clone()})
+        self.calls.append({"h": h, "topk": kl, "topk_length": topk_length is not None, "idx": topk_idxs.clone(),
+                           "length": None if topk_length is None else topk_length.clone()})
 
         scale = d**-0.5 if softmax_scale is None else softmax_scale
         qf, of, dof = q.float(), out.float(), dout.float()
@@ -220,8 +222,47 @@ CASES = [
 
 
 # ------------------------------------------------------------------------------------------ flashmla (fake)
+def valid_in_order(idx: torch.Tensor, topk_length: torch.Tensor | None) -> list[list[int]]:
+    """Per row, the valid slots' indices in slot order (the reference of the compaction)."""
+    rows = []
+    for t, row in enumerate(idx.tolist()):
+        end = len(row) if topk_length is None else max(0, min(len(row), int(topk_length[t])))
+        rows.append([v for v in row[:end] if v >= 0])
+    return rows
+
+
+def check_compacted(sent: torch.Tensor, length: torch.Tensor, idx: torch.Tensor, topk_length) -> None:
+    """``sent [T, Kl]`` holds each row's valid slots first, in order, then ``-1``; ``length`` their count."""
+    for t, want in enumerate(valid_in_order(idx.cpu(), None if topk_length is None else topk_length.cpu())):
+        assert int(length[t]) == len(want), t
+        assert sent[t, : len(want)].tolist() == want, t
+        assert (sent[t, len(want):] == -1).all(), t
+
+
+@pytest.mark.parametrize("kt,slots", [(1, 64), (7, 64), (70, 128), (200, 256), (640, 640)])
+def test_compact_slots_moves_valid_slots_first_in_order(kt, slots):
+    from dsv4cp.kernels._library import compact_slots
+
+    for topk in (False, True):
+        seed = 31 + kt + topk
+        print(f"seed {seed}")
+        _, _, idx, _, _, tl = make_case(seed, 9, 1, 50, kt, topk=topk, d=16)
+        sent, length = compact_slots(idx, tl, slots)
+        assert sent.shape == (9, slots) and sent.dtype == torch.int32 and length.dtype == torch.int32
+        check_compacted(sent, length, idx, tl)
+
+
+@pytest.fixture(params=["compact", "as-is"])
+def compaction(request, monkeypatch):
+    """The library adapters with (default) and without slot compaction (``library_compact_slots``)."""
+    from dsv4cp.kernel_options import OPTIONS
+
+    monkeypatch.setenv(OPTIONS["library_compact_slots"].env, "1" if request.param == "compact" else "0")
+    return request.param == "compact"
+
+
 @pytest.mark.parametrize("t,h,n,kt,topk", CASES)
-def test_flashmla_forward_matches_oracle(fake_flashmla, t, h, n, kt, topk):
+def test_flashmla_forward_matches_oracle(fake_flashmla, compaction, t, h, n, kt, topk):
     q, kv, idx, sink, scale, tl = make_case(1000 + h + kt, t, h, n, kt, topk=topk)
     out, lse = flashmla.sparse_attention_forward(q, kv, idx, sink, scale, tl)
     ref_out, ref_lse = oracle_forward(q, kv, idx, sink, scale, tl)
@@ -230,9 +271,12 @@ def test_flashmla_forward_matches_oracle(fake_flashmla, t, h, n, kt, topk):
     assert rel_fro(out, ref_out) < 1e-2
     assert out[1].abs().max() == 0  # the row with no valid key
     check_lse(lse, ref_lse, 1e-5)
-    expected = [{"h": hp, "topk": flashmla.padded_slots(kt), "topk_length": topk}
+    expected = [{"h": hp, "topk": flashmla.padded_slots(kt), "topk_length": topk or compaction}
                 for _, _, hp in flashmla.head_groups(h)]
-    assert fake_flashmla.calls == expected
+    assert [{k: v for k, v in call.items() if k not in ("idx", "length")} for call in fake_flashmla.calls] == expected
+    if compaction:
+        for call in fake_flashmla.calls:
+            check_compacted(call["idx"], call["length"], idx, tl)
 
 
 def test_flashmla_head_groups_and_slots():
@@ -264,7 +308,7 @@ def test_flashmla_no_slots_or_queries(fake_flashmla):
 
 # ------------------------------------------------------------------------------------------ cudnn (fake)
 @pytest.mark.parametrize("t,h,n,kt,topk", CASES)
-def test_cudnn_backward_matches_oracle(fake_cudnn, t, h, n, kt, topk):
+def test_cudnn_backward_matches_oracle(fake_cudnn, compaction, t, h, n, kt, topk):
     q, kv, idx, sink, scale, tl = make_case(2000 + h + kt, t, h, n, kt, topk=topk)
     ref_out, lse = oracle_forward(q, kv, idx, sink, scale, tl)
     out = ref_out.to(q.dtype)  # what a bf16 forward hands the backward
@@ -281,8 +325,11 @@ def test_cudnn_backward_matches_oracle(fake_cudnn, t, h, n, kt, topk):
 
     (call,) = fake_cudnn.calls
     assert call["h"] == cudnn_dsa.padded_heads(h) and call["topk"] == cudnn_dsa.padded_slots(kt)
-    assert not call["topk_length"]
+    assert call["topk_length"] == compaction
     sent = call["idx"]
+    if compaction:
+        check_compacted(sent, call["length"], idx, tl)
+        return
     assert (sent[:, kt:] == -1).all()
     expect = idx.clone()
     if tl is not None:
@@ -611,7 +658,7 @@ def _gpu_case(seed, topk=False):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk", [False, True], ids=["full", "topk_length"])
-def test_real_flashmla_matches_oracle(monkeypatch, topk):
+def test_real_flashmla_matches_oracle(monkeypatch, compaction, topk):
     """The installed FlashMLA (wheel or source build) against the oracle; a spy with the real function's
     signature records the keywords the adapter passes: ``use_legacy=True`` on SM90 when it is accepted."""
     problem = _real_problem(flashmla)
@@ -639,7 +686,7 @@ def test_real_flashmla_matches_oracle(monkeypatch, topk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk", [False, True], ids=["full", "topk_length"])
-def test_real_cudnn_matches_oracle(topk):
+def test_real_cudnn_matches_oracle(compaction, topk):
     problem = _real_problem(cudnn_dsa)
     if problem:
         pytest.skip(problem)
