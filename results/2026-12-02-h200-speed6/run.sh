@@ -41,6 +41,15 @@ case $part in
     bench sparse_bwd bench/test_bench_sparse_attention.py "test_sparse_attention_backward and flash and not torch and not pro and not parts and not deterministic" 130
     bench sparse_bwd_parts bench/test_bench_sparse_attention.py "flash and parts" 60
     bench score_tiles bench/test_bench_indexer.py "test_indexer_score_config" 50 ;;
+  libraries)  # with every wheel: the real FlashMLA / cuDNN adapters against the oracle (slot compaction on
+    # and off), the slot compaction side by side, the last sparse-attention GPU test the first call's limit cut
+    # off, and the one-product backward's new tile with the indices ahead
+    { echo "\$ pytest -m gpu -rfE tests/kernels/test_optional_backends.py tests/kernels/test_sparse_attention_triton.py -k 'real or T64-H7-D512-N300-Kt200'"
+      timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/kernels/test_optional_backends.py \
+        tests/kernels/test_sparse_attention_triton.py -k "real or T64-H7-D512-N300-Kt200" 2>&1 | quiet | tail -25
+    } > "$dir/gpu_tests.txt" 2>&1; tail -3 "$dir/gpu_tests.txt"; save
+    bench compaction bench/test_bench_sparse_attention.py "test_library_slot_compaction" 120
+    bench sparse_bwd bench/test_bench_sparse_attention.py "test_sparse_attention_backward and flash and triton and not parts and not pro and not torch and not deterministic" 90 ;;
   layer)
     spec=results/2026-12-02-h200-speed6/layer.yaml
     { echo "\$ python3 -m dsv4cp.cli.main sweep $spec --profile --progress off --out $dir/sweep"
