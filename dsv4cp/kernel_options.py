@@ -176,7 +176,7 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "FlashMLA forward and cuDNN backward get each query's valid slots first and their count as "
                  "topk_length, so they skip the empty ones (1), or every slot with -1 where empty (0)", True),
     KernelOption("triton_bwd_index_ahead", "DSV4CP_TRITON_BWD_INDEX_AHEAD", FLAG, "sparse_attention",
-                 "Triton attention backward's two kernels load each step's kv-row indices one step ahead (1)", False),
+                 "Triton attention backward's two kernels load each step's kv-row indices one step ahead (1)", True),
     _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),
     _tile("triton_lse_config", "attention_probs", _KERNEL_TILE, "pins the log-sum-exp kernel"),
     KernelOption("triton_lse_kernel", "DSV4CP_TRITON_LSE_KERNEL", CHOICE, "attention_probs",

@@ -84,9 +84,21 @@ def compact_slots(idx: torch.Tensor, topk_length: torch.Tensor | None, slots: in
     of its window slots and few of its compressed ones, which follow the window's), so handing them the
     compacted row and its length skips that work; cuDNN's SM90 backward also must not meet ``-1`` before
     ``topk_length`` (it would read kv row -1). The order of the valid slots is kept, so the sum is the
-    same up to the kernels' rounding. Device work only (a running count, a batched binary search, a
-    gather; no host read): the p-th valid slot of a row is the first whose running count reaches p.
+    same up to the kernels' rounding. On CUDA one Triton kernel does it
+    (:mod:`dsv4cp.kernels.compact_slots_triton`); elsewhere, and as its reference, torch does, on the
+    device (a running count, a batched binary search, a gather; no host read): the p-th valid slot of a
+    row is the first whose running count reaches p.
     """
+    if idx.is_cuda:
+        from dsv4cp.kernels.compact_slots_triton import compact_slots_triton
+
+        return compact_slots_triton(idx, topk_length, slots)
+    return compact_slots_torch(idx, topk_length, slots)
+
+
+def compact_slots_torch(idx: torch.Tensor, topk_length: torch.Tensor | None,
+                        slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compact_slots` in torch operations (the reference of the Triton kernel)."""
     t, kt = idx.shape
     valid = idx >= 0
     if topk_length is not None:

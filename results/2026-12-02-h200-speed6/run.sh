@@ -6,8 +6,10 @@
 #   layer:   the flash C layer (64K tokens, fwd+bwd, bf16) as a sweep over kernel backend x deterministic,
 #            plus the Inductor-compiled point, into ONE run directory (the report pairs them), with traces
 #            and phase_vs_bound tables of the eager points, then check-cp of the compiled layer against the
-#            reference. Needs the wheels (../2026-12-01-h200-speed4: .whl then .whl3 copied to $HOME/wheels
-#            by two earlier calls, .whl2 carried by this one).
+#            reference (part check). Needs the wheels (.whl then .whl3 copied to $HOME/wheels by two
+#            earlier calls, .whl2 carried by this one; the cuDNN frontend wheel moved from .whl2 to .whl3, as
+#            the tree had grown past the carry limit with it).
+#   libraries: the real FlashMLA / cuDNN adapters and the slot compaction, side by side (all wheels).
 # Usage: DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-speed6/run.sh PART $OUT   (TAG names the folder)
 set -uo pipefail
 part=$1; out=${2:-.}; tag=${TAG:-$part}
@@ -51,11 +53,17 @@ case $part in
     bench compaction bench/test_bench_sparse_attention.py "test_library_slot_compaction" 120
     bench sparse_bwd bench/test_bench_sparse_attention.py "test_sparse_attention_backward and flash and triton and not parts and not pro and not torch and not deterministic" 90 ;;
   layer)
+    { echo "\$ pytest -m gpu -rfE tests/kernels/test_compact_slots_triton.py tests/kernels/test_optional_backends.py -k 'real or compact'"
+      timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_compact_slots_triton.py \
+        tests/kernels/test_optional_backends.py -k "real or compact" 2>&1 | quiet | tail -15
+    } > "$dir/gpu_tests.txt" 2>&1; tail -3 "$dir/gpu_tests.txt"; save
+    bench compaction bench/test_bench_sparse_attention.py "test_library_slot_compaction" 60
     spec=results/2026-12-02-h200-speed6/layer.yaml
     { echo "\$ python3 -m dsv4cp.cli.main sweep $spec --profile --progress off --out $dir/sweep"
       timeout 330 python3 -m dsv4cp.cli.main sweep "$spec" --profile --progress off --out "$dir/sweep" 2>&1 | quiet | tail -30
       echo "(exit ${PIPESTATUS[0]})"; } 2>&1 | tee "$dir/sweep.txt"; save
-    python3 -m bench.phase_vs_bound "$dir/sweep" > "$dir/phase_vs_bound.txt" 2>&1; save
+    python3 -m bench.phase_vs_bound "$dir/sweep" > "$dir/phase_vs_bound.txt" 2>&1; save ;;
+  check)  # the compiled layer against the fp64 reference (run after layer, in the next call)
     check="--cp 1 --dist-backend nccl --preset flash --ratio 4 --lengths 2500,0,1596 --dtype bf16 --kernel-backend auto"
     { echo "\$ torchrun --nproc-per-node 1 -m dsv4cp.cli.main check-cp $check --compile inductor"
       timeout 150 torchrun --nproc-per-node 1 -m dsv4cp.cli.main check-cp $check --compile inductor 2>&1 | quiet | tail -25
