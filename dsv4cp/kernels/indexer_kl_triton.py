@@ -24,8 +24,15 @@ log_softmax, xlogy, sums; ~1.9 ms of the layer's ``indexer.loss.fwd`` and ~0.7 m
 figure including the finiteness sums and the target's normalisation) and the reference's saved
 ``[rows, K]`` tensors for its backward.
 
-Resources (``triton.compile`` for sm_90 with Triton 3.9, ``python -m bench.compile_indexer_kl_sm90``;
-16-byte aligned pointers and strides): see :data:`RESOURCES_SM90`.
+The masses and scores are loaded under the row's bound ``cols < K`` and masked after: with ``K`` a
+multiple of 16 (the JIT's specialisation) the loads are 16-byte vectors; under the data-dependent slot
+mask they were scalar (read off the PTX).
+
+Resources (``triton.compile`` for sm_90 with Triton 3.9, ``python -m bench.compile_indexer_kl_sm90``:
+16-byte aligned pointers, strides and ``K``; registers per thread, with / without the gradient; no spill,
+16 B of shared memory for the reductions, 32 B at 8 warps): ``BLOCK_K = 512`` (the layer), 4 warps: 32 /
+30; 1024, 4 warps: 54 / 45; 4096, 8 warps: 101 / 79. At 32 registers and 128 threads a multiprocessor
+holds its maximum of 16 programs (rows) at once.
 """
 
 from __future__ import annotations
@@ -38,17 +45,10 @@ import triton.language as tl
 
 from dsv4cp.kernels._triton_launch import Kernels
 
-__all__ = ["MAX_K", "RESOURCES_SM90", "KLConfig", "kl_rows_triton"]
+__all__ = ["MAX_K", "KLConfig", "kl_rows_triton"]
 
 MAX_K = 4096  # dsv4cp.ops.indexer_kl.FUSED_MAX_K sends no wider row here
 """Most slots per row: the row is one tile of registers (fp32 ``BLOCK_K`` values of five tensors)."""
-
-RESOURCES_SM90 = {
-    # (BLOCK_K, num_warps, WRITE_GRAD): registers per thread, shared bytes, spill bytes
-    (512, 4, True): (32, 0, 0),
-    (512, 4, False): (26, 0, 0),
-}
-"""Filled from ``bench/compile_indexer_kl_sm90.py``: registers per thread, shared memory and spills."""
 
 _TINY = float(torch.finfo(torch.float32).tiny)
 
@@ -71,8 +71,9 @@ def _kl_rows_kernel(
     inside = cols < K
     entries = tl.load(ENTRIES + t * stride_et + cols, mask=inside, other=-1)
     valid = entries >= 0
-    mass = tl.load(TARGET + t * stride_tt + cols, mask=valid, other=0.0)
-    scores = tl.load(SCORES + t * stride_st + cols, mask=valid, other=float("-inf"))
+    # loaded under the row's bound only (vector loads: the empty slots share the valid ones' lines), then masked
+    mass = tl.where(valid, tl.load(TARGET + t * stride_tt + cols, mask=inside, other=0.0), 0.0)
+    scores = tl.where(valid, tl.load(SCORES + t * stride_st + cols, mask=inside, other=0.0), float("-inf"))
     has = tl.sum(valid.to(tl.int32), 0) > 0
 
     total_mass = tl.maximum(tl.sum(mass, 0), TINY, propagate_nan=tl.PropagateNan.ALL)
@@ -81,14 +82,15 @@ def _kl_rows_kernel(
     shifted = scores - top
     exps = tl.exp(shifted)  # 0 at the invalid slots' -inf
     denominator = tl.sum(exps, 0)
-    log_pred = shifted - tl.log(denominator)
-    xlogx = tl.where(target == 0.0, 0.0, target * tl.log(target))
+    # no intermediate infinity or NaN of the masked slots: log 1 = 0 stands in where a log would be of 0
+    log_pred = tl.where(valid, shifted - tl.log(tl.where(has, denominator, 1.0)), 0.0)
+    xlogx = target * tl.log(tl.where(target == 0.0, 1.0, target))  # 0 log 0 = 0; NaN stays NaN
     terms = tl.where(valid, xlogx - target * log_pred, 0.0)
     weight = tl.where(has, tl.load(WEIGHT + t), 0.0)
     tl.store(ROW_LOSS + t, tl.sum(terms, 0) * weight)
     if WRITE_GRAD:
         target_sum = tl.sum(target, 0)
-        grad = tl.where(valid, weight * (exps / denominator * target_sum - target), 0.0)
+        grad = tl.where(valid, weight * (exps / tl.where(has, denominator, 1.0) * target_sum - target), 0.0)
         tl.store(DSCORES + t * stride_dt + cols, grad, mask=inside)
 
 
