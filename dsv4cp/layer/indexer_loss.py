@@ -6,16 +6,33 @@ the softmax of the indexer scores over the same set (gradient to indexer paramet
 returns its share: the sum over its real rows divided by the GLOBAL real-token count, so the CP ranks'
 shares add up to the full loss.
 
+The sparse variant's scores. With the kernel option ``indexer_loss_scores=selection`` (the default) the
+layer passes the scores its top-k selection saw at the chosen entries (``selection_scores``, each rank
+its own rows' under CP) and the forward scores nothing again; the gradient reaches the indexer inputs
+through :func:`~dsv4cp.ops.indexer.indexer_scores_given`, the scores' own backward. Those scores were
+summed in the selection's order, so loss and gradients differ from ``recompute`` (the entries scored
+again by :func:`~dsv4cp.ops.indexer.indexer_scores`) by that rounding only; handed the recomputed
+scores, they are bit for bit the same (tests/test_indexer_loss_selection_scores.py). The KL terms:
+:func:`~dsv4cp.ops.indexer_kl.indexer_kl` (the kernel option ``indexer_loss_kl``: torch ops, or one fused
+Triton pass per row whose saved score gradient the backward only scales).
+
 Non-finite values. The top-k never selects a non-finite indexer score (docs/design.md §4.5), so a NaN
 or infinite indexer query, head weight or key would drop out of the selected set, and with it out of
-this loss (an all-NaN input used to give a loss of exactly 0). The loss is therefore multiplied by 1
-when every value of ``index_q``, ``index_w`` and ``index_keys`` is finite and by NaN otherwise: one
-device-side check (a sum per input), no host read, and bitwise the same loss and gradients for finite
-inputs (``x * 1`` is exact). The backward scales by the same factor, so the gradients of the entries still scored turn
-NaN too (a row whose scores were all skipped has none). Non-finite values on the attention side
+this loss (an all-NaN input used to give a loss of exactly 0). The loss is therefore multiplied by its
+normaliser when every value of ``index_q``, ``index_w`` and ``index_keys`` is finite and by NaN
+otherwise (:func:`_scale_if_finite`): one device-side check (a sum per input), no host read, and bitwise
+the same loss and gradients as ``(loss * normaliser) * 1`` for finite inputs. The backward scales by the
+same factor, so the gradients of the entries still scored turn NaN too (a row whose scores were all
+skipped has none). Non-finite values on the attention side
 (queries, keys, lse, sink) need no factor: they reach the target of every row that scores an entry.
 
-Memory. The sparse variant scores the ``K`` selected entries per query: ``[L, K]`` tensors. The dense
+Memory. The sparse variant scores the ``K`` selected entries per query: ``[L, K]`` tensors. The
+selection's scores (``[L, K]`` fp32: 128 MiB at L = 65536, K = 512) live from the top-k to this loss's
+forward (through the attention forward), in place of the scores the forward would compute; nothing more
+is kept for the backward (the scores' backward saves ``index_q``, ``index_w``, ``index_keys`` and the
+selection either way; the fused KL keeps its ``[L, K]`` fp32 score gradient instead of the torch ops'
+saved tensors). Selective recompute rebuilds the attention side only: the scores are not recomputed
+nor kept by it. The dense
 variant scores every visible entry, up to ``M = max_seqlen_padded / 4`` per query (a 64K-token document
 makes ``[L, M]`` 1e9 elements), so it runs over chunks of query rows sized from :data:`DENSE_CHUNK_BYTES`
 and holds one chunk's ``[c, M]`` tensors at a time. Its forward computes each chunk's loss and, when the
