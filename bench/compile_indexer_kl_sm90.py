@@ -21,8 +21,8 @@ from triton.compiler import ASTSource
 
 from dsv4cp.kernels import indexer_kl_triton as kl
 
-_SIGNATURE = {"TARGET": "*fp32", "SCORES": "*fp32", "ENTRIES": "*i64", "WEIGHT": "*fp32", "ROW_LOSS": "*fp32",
-              "DSCORES": "*fp32", "K": "i32", "stride_tt": "i32", "stride_st": "i32", "stride_et": "i32",
+_SIGNATURE = {"TARGET": "*fp32", "SCORES": "*fp32", "VALID": "*i1", "WEIGHT": "*fp32", "ROW_LOSS": "*fp32",
+              "DSCORES": "*fp32", "K": "i32", "stride_tt": "i32", "stride_st": "i32", "stride_vt": "i32",
               "stride_dt": "i32"}
 
 

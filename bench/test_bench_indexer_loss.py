@@ -130,7 +130,7 @@ def _step(entry: dict, scope: str, options: dict):
     def prediction():
         idx = entry["selected"]
         scores = indexer_scores(*leaves, idx) if selection is None else indexer_scores_given(*leaves, idx, selection)
-        return indexer_kl(entry["target"], scores, idx, weight)
+        return indexer_kl(entry["target"], scores, idx >= 0, weight)
 
     body = loss if scope == "loss" else prediction
 
@@ -176,6 +176,6 @@ def test_indexer_loss_fwd_bwd(benchmark, measure, shape_name, scope, variant):
                                 scores_fwd=ran.get("indexer_scores.fwd", "given"), kl=ran.get("indexer_kl", "torch"),
                                 peak_extra_bytes=peak)
     rounds, warmup = (3, 1) if HAS_CUDA else (2, 1)
-    # the prediction's traffic: target, scores and the selection read, the score gradient written ([T, K])
-    measure(step, None, flops=0.0, bytes_moved=shape.tokens * shape.topk * (4 + 4 + 8 + 4), rounds=rounds,
+    # the KL's traffic: target, scores and the valid mask read, the score gradient written ([T, K])
+    measure(step, None, flops=0.0, bytes_moved=shape.tokens * shape.topk * (4 + 4 + 1 + 4), rounds=rounds,
             warmup_rounds=warmup, device=entry["q"].device)

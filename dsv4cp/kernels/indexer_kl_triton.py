@@ -1,8 +1,8 @@
 """Triton kernel of the sparse indexer loss's KL terms and their score gradient in one pass (docs/design.md
 §1.5): :func:`kl_rows_triton`, behind :func:`dsv4cp.ops.indexer_kl.indexer_kl`.
 
-Per row ``t`` of ``[rows, K]`` fp32 tensors ``target_mass``, ``scores`` and the int ``entries`` (a slot is
-valid where ``entries >= 0``), with ``w = row_weight[t]`` and ``has = any valid slot``:
+Per row ``t`` of ``[rows, K]`` fp32 tensors ``target_mass``, ``scores`` and the bool ``valid`` (the slots
+scored: the selected entries ``>= 0``), with ``w = row_weight[t]`` and ``has = any valid slot``:
 
 * ``row_loss[t] = w * has * sum_valid (xlogy(p, p) - p * log_softmax_valid(scores))``, ``p = mass /
   max(sum_valid mass, tiny)`` (the fp32 ``tiny``), exactly the terms of the torch reference
@@ -15,24 +15,25 @@ Non-finite values propagate as in the reference: a NaN or infinite mass makes th
 clamp keeps NaN: ``propagate_nan``), a NaN score NaN through the softmax's sum.
 
 Tiling: one program per row, the whole row in one ``[BLOCK_K]`` tile (``BLOCK_K`` = the next power of two
-of ``K``; the layer's ``K = 512``): every reduction of the row (mass, max, exponential sum, KL terms) stays
-in registers, and each input is read once and the gradient written once. The cost is the traffic: at the
-64K flash shapes (rows = 65536, K = 512) 4 + 4 + 8 bytes read and 4 written per slot, 0.67 GB, ~0.17 ms
-at 4 TB/s (expected, not measured), against the ~25 torch kernels of the reference (masked fills,
-log_softmax, xlogy, sums; ~1.9 ms of the layer's ``indexer.loss.fwd`` and ~0.7 ms of its
-``indexer.loss.bwd`` measured on an H200 in ``results/2026-12-02-h200-speed5/final/trace-auto-one``, that
-figure including the finiteness sums and the target's normalisation) and the reference's saved
-``[rows, K]`` tensors for its backward.
+of ``K``; the layer's ``K = 512``): every reduction of the row (mass, max, exponential sum, KL terms)
+stays on chip, each input is read once and the gradient written once. The cost is the traffic: at the
+64K flash shapes (rows = 65536, K = 512) 4 + 4 + 1 bytes read and 4 written per slot, 0.44 GB, ~0.11 ms
+at 4 TB/s (expected, not measured; the bool mask rather than the int64 entries saves 0.23 GB). The torch
+reference it replaces runs ~25 kernels (masked fills, log_softmax, xlogy, sums) and keeps several
+``[rows, K]`` tensors for its backward: with the finiteness sums and the target's normalisation, ~1.9 ms
+of the layer's ``indexer.loss.fwd`` and ~0.7 ms of its ``indexer.loss.bwd`` measured on an H200
+(``results/2026-12-02-h200-speed5/final/trace-auto-one``).
 
 The masses and scores are loaded under the row's bound ``cols < K`` and masked after: with ``K`` a
-multiple of 16 (the JIT's specialisation) the loads are 16-byte vectors; under the data-dependent slot
-mask they were scalar (read off the PTX).
+multiple of 16 (the JIT's specialisation) they are 16-byte vector loads (``ld.global.v4.b32``; under the
+data-dependent slot mask they were scalar), the four mask bytes of a thread one ``ld.global.b32``, the
+gradient 16-byte vector stores (read off the PTX at ``K = 512``).
 
 Resources (``triton.compile`` for sm_90 with Triton 3.9, ``python -m bench.compile_indexer_kl_sm90``:
-16-byte aligned pointers, strides and ``K``; registers per thread, with / without the gradient; no spill,
-16 B of shared memory for the reductions, 32 B at 8 warps): ``BLOCK_K = 512`` (the layer), 4 warps: 32 /
-30; 1024, 4 warps: 54 / 45; 4096, 8 warps: 101 / 79. At 32 registers and 128 threads a multiprocessor
-holds its maximum of 16 programs (rows) at once.
+16-byte aligned pointers, strides and ``K``; registers per thread with / without the gradient; no spill):
+``BLOCK_K = 512`` (the layer), 4 warps: 32 / 29 registers, 16 B of shared memory (the reductions' 11
+barriers); 1024, 4 warps: 54 / 45, 4 KB / 16 B; 4096, 8 warps: 87 / 78, 4 KB / 32 B. At 32 registers
+and 128 threads a multiprocessor holds 16 programs (rows) at once, its 2048-thread limit.
 """
 
 from __future__ import annotations
@@ -61,16 +62,15 @@ class KLConfig:
 
 
 def _kl_rows_kernel(
-    TARGET, SCORES, ENTRIES, WEIGHT, ROW_LOSS, DSCORES,
-    K, stride_tt, stride_st, stride_et, stride_dt,
+    TARGET, SCORES, VALID, WEIGHT, ROW_LOSS, DSCORES,
+    K, stride_tt, stride_st, stride_vt, stride_dt,
     TINY: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_GRAD: tl.constexpr,
 ):
     """Row ``t`` = program id: ``ROW_LOSS[t]`` and, ``WRITE_GRAD``, ``DSCORES[t, :K]`` (module docs)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     inside = cols < K
-    entries = tl.load(ENTRIES + t * stride_et + cols, mask=inside, other=-1)
-    valid = entries >= 0
+    valid = tl.load(VALID + t * stride_vt + cols, mask=inside, other=0) != 0
     # loaded under the row's bound only (vector loads: the empty slots share the valid ones' lines), then masked
     mass = tl.where(valid, tl.load(TARGET + t * stride_tt + cols, mask=inside, other=0.0), 0.0)
     scores = tl.where(valid, tl.load(SCORES + t * stride_st + cols, mask=inside, other=0.0), float("-inf"))
@@ -102,35 +102,32 @@ def _ladder(block_k: int) -> list[KLConfig]:
     return [KLConfig(4 if block_k <= 1024 else 8)]
 
 
-def _check(target_mass: torch.Tensor, scores: torch.Tensor, entries: torch.Tensor, row_weight: torch.Tensor) -> None:
+def _check(target_mass: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, row_weight: torch.Tensor) -> None:
     if scores.dim() != 2:
         raise ValueError(f"scores: must be [rows, K], got shape {tuple(scores.shape)}")
     rows, k = scores.shape
     if k > MAX_K:
         raise ValueError(f"scores: at most {MAX_K} slots per row fit one tile, got K = {k}")
-    for name, tensor in (("target_mass", target_mass), ("scores", scores)):
-        if tensor.shape != scores.shape or tensor.dtype != torch.float32 or tensor.device != scores.device:
-            raise ValueError(f"{name}: must be [{rows}, {k}] fp32 on {scores.device}, got {list(tensor.shape)} "
+    for name, tensor, dtype in (("target_mass", target_mass, torch.float32), ("scores", scores, torch.float32),
+                                ("valid", valid, torch.bool)):
+        if tensor.shape != scores.shape or tensor.dtype != dtype or tensor.device != scores.device:
+            raise ValueError(f"{name}: must be [{rows}, {k}] {dtype} on {scores.device}, got {list(tensor.shape)} "
                              f"{tensor.dtype} on {tensor.device}")
-    if entries.shape != scores.shape or entries.dtype not in (torch.int32, torch.int64) or \
-            entries.device != scores.device:
-        raise ValueError(f"entries: must be [{rows}, {k}] int32 / int64 on {scores.device}, got "
-                         f"{list(entries.shape)} {entries.dtype} on {entries.device}")
     if row_weight.shape != (rows,) or row_weight.dtype != torch.float32 or row_weight.device != scores.device:
-        raise ValueError(f"row_weight: must be [{rows}] fp32 on {scores.device}, got {list(row_weight.shape)} "
-                         f"{row_weight.dtype} on {row_weight.device}")
+        raise ValueError(f"row_weight: must be [{rows}] torch.float32 on {scores.device}, got "
+                         f"{list(row_weight.shape)} {row_weight.dtype} on {row_weight.device}")
 
 
-def kl_rows_triton(target_mass: torch.Tensor, scores: torch.Tensor, entries: torch.Tensor, row_weight: torch.Tensor,
+def kl_rows_triton(target_mass: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, row_weight: torch.Tensor,
                    *, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(row_loss [rows] fp32, dscores [rows, K] fp32 or None)`` of the module docs.
 
-    ``target_mass``, ``scores``: ``[rows, K]`` fp32; ``entries``: ``[rows, K]`` int32 / int64, ``-1`` an
-    empty slot; ``row_weight``: ``[rows]`` fp32. ``with_grad``: also the scores' gradient of ``row_loss``
+    ``target_mass``, ``scores``: ``[rows, K]`` fp32; ``valid``: ``[rows, K]`` bool, the slots scored;
+    ``row_weight``: ``[rows]`` fp32. ``with_grad``: also the scores' gradient of ``row_loss``
     (else None). Inputs are checked here; strided rows are read in place (unit stride along K needed:
     made contiguous otherwise)."""
-    _check(target_mass, scores, entries, row_weight)
-    target_mass, scores, entries = (x if x.stride(-1) == 1 else x.contiguous() for x in (target_mass, scores, entries))
+    _check(target_mass, scores, valid, row_weight)
+    target_mass, scores, valid = (x if x.stride(-1) == 1 else x.contiguous() for x in (target_mass, scores, valid))
     rows, k = scores.shape
     row_loss = torch.zeros(rows, dtype=torch.float32, device=scores.device)
     dscores = torch.zeros((rows, k), dtype=torch.float32, device=scores.device) if with_grad else None
@@ -142,8 +139,8 @@ def kl_rows_triton(target_mass: torch.Tensor, scores: torch.Tensor, entries: tor
 
     def launch(cfg: KLConfig) -> None:
         kernel[(rows,)](
-            target_mass, scores, entries, row_weight.contiguous(), row_loss, out_grad,
-            k, target_mass.stride(0), scores.stride(0), entries.stride(0), out_grad.stride(0),
+            target_mass, scores, valid, row_weight.contiguous(), row_loss, out_grad,
+            k, target_mass.stride(0), scores.stride(0), valid.stride(0), out_grad.stride(0),
             TINY=_TINY, BLOCK_K=block_k, WRITE_GRAD=with_grad, num_warps=cfg.num_warps,
         )
 

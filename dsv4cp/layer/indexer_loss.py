@@ -229,4 +229,4 @@ def _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominat
     else:
         scores = indexer_scores_given(index_q, index_w, index_keys, scored_entries, selection_scores)
     region = BackwardRegion("indexer.loss.bwd")
-    return region.output(indexer_kl(target_mass, region.input(scores), scored_entries, weight))
+    return region.output(indexer_kl(target_mass, region.input(scores), valid, weight))

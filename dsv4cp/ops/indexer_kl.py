@@ -50,10 +50,10 @@ class _FusedKL(torch.autograd.Function):
     """Per-row KL terms from the fused pass, differentiable in ``scores`` through the saved gradient."""
 
     @staticmethod
-    def forward(ctx, target_mass, scores, entries, row_weight, with_grad: bool):
+    def forward(ctx, target_mass, scores, valid, row_weight, with_grad: bool):
         from dsv4cp.kernels.indexer_kl_triton import kl_rows_triton  # lazy: imports triton
 
-        row_loss, dscores = kl_rows_triton(target_mass.detach(), scores.detach(), entries, row_weight.detach(),
+        row_loss, dscores = kl_rows_triton(target_mass.detach(), scores.detach(), valid, row_weight.detach(),
                                            with_grad=with_grad)
         ctx.save_for_backward(dscores)
         return row_loss
@@ -61,30 +61,28 @@ class _FusedKL(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_rows):
-        (dscores,) = ctx.saved_tensors
-        if dscores is None:
-            raise RuntimeError("indexer_kl: the forward ran without grad mode, so it kept no score gradient")
+        (dscores,) = ctx.saved_tensors  # kept whenever a backward can reach here (``with_grad``)
         return None, grad_rows[:, None] * dscores, None, None, None
 
 
-def fused_kl_rows(target_mass: torch.Tensor, scores: torch.Tensor, entries: torch.Tensor,
+def fused_kl_rows(target_mass: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor,
                   row_weight: torch.Tensor) -> torch.Tensor:
     """``[rows]`` fp32: each row's ``row_weight * KL`` term (:func:`kl_distillation`'s, before its sum) from
     the fused Triton pass, differentiable in ``scores`` (``target_mass`` and ``row_weight`` get none).
 
-    ``target_mass``, ``scores``: ``[rows, K]`` fp32; ``entries``: ``[rows, K]`` ints, valid where ``>= 0``;
+    ``target_mass``, ``scores``: ``[rows, K]`` fp32; ``valid``: ``[rows, K]`` bool, the slots scored;
     ``row_weight``: ``[rows]`` fp32. The score gradient is computed in the forward when grad mode is on
     and ``scores`` requires grad, and saved (``[rows, K]`` fp32)."""
     with_grad = torch.is_grad_enabled() and scores.requires_grad
     note_eager("indexer_kl", "triton")
     if torch.compiler.is_compiling():  # one opaque node: .indexer_kl_library
-        return torch.ops.dsv4cp.indexer_kl_rows(target_mass, scores, entries, row_weight, with_grad)[0]
-    return _FusedKL.apply(target_mass, scores, entries, row_weight, with_grad)
+        return torch.ops.dsv4cp.indexer_kl_rows(target_mass, scores, valid, row_weight, with_grad)[0]
+    return _FusedKL.apply(target_mass, scores, valid, row_weight, with_grad)
 
 
-def indexer_kl(target_mass: torch.Tensor, scores: torch.Tensor, entries: torch.Tensor,
+def indexer_kl(target_mass: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor,
                row_weight: torch.Tensor, impl: str | None = None) -> torch.Tensor:
-    """:func:`kl_distillation` with ``valid = entries >= 0``: a scalar, differentiable in ``scores``.
+    """:func:`kl_distillation`: a scalar, differentiable in ``scores``.
 
     ``impl``: ``"torch"`` (the reference) or ``"triton"`` (the fused pass where it serves the scores,
     :func:`fused_serves`, else the reference); default: the kernel option ``indexer_loss_kl``. The fused
@@ -97,5 +95,5 @@ def indexer_kl(target_mass: torch.Tensor, scores: torch.Tensor, entries: torch.T
     elif impl not in KL_IMPLS:
         raise ValueError(f"impl: must be one of {', '.join(map(repr, KL_IMPLS))}, got {impl!r}")
     if impl == "triton" and fused_serves(scores):
-        return fused_kl_rows(target_mass, scores, entries, row_weight).sum()
-    return kl_distillation(target_mass, scores, entries >= 0, row_weight)
+        return fused_kl_rows(target_mass, scores, valid, row_weight).sum()
+    return kl_distillation(target_mass, scores, valid, row_weight)

@@ -1,7 +1,7 @@
 """The fused KL pass of :mod:`dsv4cp.ops.indexer_kl` as a ``torch.library`` custom op, what
 ``torch.compile`` traces in its place (Dynamo cannot trace the kernel's launch):
 
-* ``dsv4cp::indexer_kl_rows(target_mass [rows, K], scores [rows, K], entries [rows, K], row_weight [rows],
+* ``dsv4cp::indexer_kl_rows(target_mass [rows, K], scores [rows, K], valid [rows, K] bool, row_weight [rows],
   with_grad) -> (row_loss [rows], dscores [rows, K] or [0, 0])`` fp32 (the kernel of
   :mod:`dsv4cp.kernels.indexer_kl_triton`), differentiable in ``scores`` through the saved ``dscores``
   (computed when ``with_grad``): the backward scales it by the rows' incoming gradient.
@@ -17,17 +17,17 @@ from dsv4cp import kernel_options
 
 
 @torch.library.custom_op("dsv4cp::indexer_kl_rows", mutates_args=())
-def indexer_kl_rows(target_mass: torch.Tensor, scores: torch.Tensor, entries: torch.Tensor,
+def indexer_kl_rows(target_mass: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor,
                     row_weight: torch.Tensor, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from dsv4cp.kernels.indexer_kl_triton import kl_rows_triton  # lazy: imports triton
 
     kernel_options.note_backend("indexer_kl", "triton")
-    row_loss, dscores = kl_rows_triton(target_mass, scores, entries, row_weight, with_grad=with_grad)
+    row_loss, dscores = kl_rows_triton(target_mass, scores, valid, row_weight, with_grad=with_grad)
     return row_loss, dscores if dscores is not None else scores.new_empty((0, 0))
 
 
 @indexer_kl_rows.register_fake
-def _(target_mass, scores, entries, row_weight, with_grad):
+def _(target_mass, scores, valid, row_weight, with_grad):
     grad_shape = scores.shape if with_grad else (0, 0)
     return scores.new_empty(scores.shape[:1]), scores.new_empty(grad_shape)
 

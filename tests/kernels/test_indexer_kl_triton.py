@@ -1,7 +1,7 @@
 """The fused KL pass of the sparse indexer loss (:func:`dsv4cp.ops.indexer_kl.fused_kl_rows`, the kernel
 of :mod:`dsv4cp.kernels.indexer_kl_triton`) against the torch reference ``kl_distillation`` + autograd.
 
-CPU (Triton's interpreter): fp32 inputs, ``K`` ragged 1..600 (powers of two and not), empty slots,
+CPU (Triton's interpreter): fp32 inputs, ``K`` ragged 1..600 (powers of two and not), unscored slots,
 rows without a valid slot, rows with one, a row whose valid mass is all 0, scores spread over 1e4,
 real and padding rows (weight 1 / 0) and random positive weights. Each row's term is compared with the
 reference's (the gradient of its sum in the row weights, computed in fp64 from the same fp32 inputs)
@@ -36,106 +36,105 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
 def make_rows(seed: int, rows: int, k: int, *, spread: float = 3.0, device=DEVICE):
-    """``(target_mass, scores, entries, row_weight)``: fp32 / int64, with every kind of row (see module)."""
+    """``(target_mass, scores, valid, row_weight)``: fp32 / bool, with every kind of row (see module)."""
     gen = torch.Generator().manual_seed(seed)
     mass = torch.rand(rows, k, generator=gen) ** 3
     scores = torch.randn(rows, k, generator=gen) * spread
-    entries = torch.randint(0, 10 * k, (rows, k), generator=gen)
-    entries[torch.rand(rows, k, generator=gen) < 0.25] = -1
+    valid = torch.rand(rows, k, generator=gen) >= 0.25
     weight = (torch.rand(rows, generator=gen) < 0.8).float() * (0.5 + torch.rand(rows, generator=gen))
     if rows >= 4:
-        entries[0] = -1  # no valid slot
-        entries[1] = -1
-        entries[1, k // 2] = 7  # one valid slot
+        valid[0] = False  # no valid slot
+        valid[1] = False
+        valid[1, k // 2] = True  # one valid slot
+        valid[2, :2] = True
         mass[2] = 0.0  # valid slots, all without mass
         weight[3] = 1.0
-    tensors = mass, scores, entries, weight
+    tensors = mass, scores, valid, weight
     return tuple(t.to(device) for t in tensors)
 
 
-def reference(mass, scores, entries, weight):
+def reference(mass, scores, valid, weight):
     """fp64 reference from the same inputs: ``(per-row terms, d total / d scores, total)``."""
     scores64 = scores.double().requires_grad_()
     weight64 = weight.double().requires_grad_()
-    total = kl_distillation(mass.double(), scores64, entries >= 0, weight64)
+    total = kl_distillation(mass.double(), scores64, valid, weight64)
     d_scores, d_weight = torch.autograd.grad(total, (scores64, weight64))
     return d_weight * weight.double(), d_scores, total.detach()
 
 
-def term_scale(mass, scores, entries):
+def term_scale(mass, scores, valid):
     """Per row: the sum of the absolute per-slot terms (the row's own rounding scale), in fp64."""
-    valid = entries >= 0
     m = mass.double().masked_fill(~valid, 0)
     target = m / m.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     log_pred = torch.log_softmax(scores.double().masked_fill(~valid, float("-inf")), -1).masked_fill(~valid, 0)
     return (torch.xlogy(target, target).abs() + (target * log_pred).abs()).masked_fill(~valid, 0).sum(-1)
 
 
-def check_rows(mass, scores, entries, weight, seed):
+def check_rows(mass, scores, valid, weight, seed):
     leaf = scores.clone().requires_grad_()
-    got_rows = fused_kl_rows(mass, leaf, entries, weight)
+    got_rows = fused_kl_rows(mass, leaf, valid, weight)
     grad_out = 0.75
     (got_rows.sum() * grad_out).backward()
-    want_rows, want_grad, _ = reference(mass, scores, entries, weight)
-    tol = 1e-5 * term_scale(mass, scores, entries) * weight.double() + 1e-9
+    want_rows, want_grad, _ = reference(mass, scores, valid, weight)
+    tol = 1e-5 * term_scale(mass, scores, valid) * weight.double() + 1e-9
     err = (got_rows.double() - want_rows).abs()
     assert got_rows.dtype == torch.float32 and got_rows.shape == weight.shape
     assert bool((err <= tol).all()), f"seed={seed}: row {int((err - tol).argmax())} off by {float(err.max())}"
     grad_err = (leaf.grad.double() - grad_out * want_grad).abs()
     grad_tol = 2e-6 * weight.double()[:, None] + 1e-12
     assert bool((grad_err <= grad_tol).all()), f"seed={seed}: gradient off by {float(grad_err.max())}"
-    assert bool((leaf.grad[entries < 0] == 0).all()), f"seed={seed}: gradient at empty slots"
+    assert bool((leaf.grad[~valid] == 0).all()), f"seed={seed}: gradient at empty slots"
 
 
 @pytest.mark.parametrize("k", [1, 2, 5, 16, 33, 100, 512, 600])
 def test_rows_and_gradient_match_the_reference(k, seed):
-    mass, scores, entries, weight = make_rows(seed, 12, k)
-    check_rows(mass, scores, entries, weight, seed)
+    mass, scores, valid, weight = make_rows(seed, 12, k)
+    check_rows(mass, scores, valid, weight, seed)
 
 
 @pytest.mark.parametrize("spread", [1e-3, 30.0, 1e4])
 def test_large_and_tiny_score_ranges(spread, seed):
     """Scores spread over 1e4 (most softmax terms underflow to 0) or nearly equal."""
-    mass, scores, entries, weight = make_rows(seed, 10, 40, spread=spread)
-    check_rows(mass, scores, entries, weight, seed)
+    mass, scores, valid, weight = make_rows(seed, 10, 40, spread=spread)
+    check_rows(mass, scores, valid, weight, seed)
 
 
 def test_special_rows(seed):
     """No valid slot: 0 and no gradient; one valid slot: 0 (KL of two point masses); valid slots without
     mass: a target of zeros, 0 (``0 log 0 = 0``) and the reference's 0 gradient (its target sums to 0)."""
-    mass, scores, entries, weight = make_rows(seed, 8, 24)
+    mass, scores, valid, weight = make_rows(seed, 8, 24)
     weight[:3] = 1.0
     leaf = scores.clone().requires_grad_()
-    rows = fused_kl_rows(mass, leaf, entries, weight)
+    rows = fused_kl_rows(mass, leaf, valid, weight)
     rows.sum().backward()
-    assert (entries[2] >= 0).sum() > 1
+    assert valid[2].sum() > 1
     assert rows[:3].tolist() == [0.0, 0.0, 0.0] and bool((leaf.grad[:3] == 0).all()), f"seed={seed}"
-    _, want_grad, _ = reference(mass, scores, entries, weight)
+    _, want_grad, _ = reference(mass, scores, valid, weight)
     assert bool((want_grad[:3] == 0).all())
-    check_rows(mass, scores, entries, weight, seed)
+    check_rows(mass, scores, valid, weight, seed)
 
 
 def test_op_sum_and_options(seed):
     """``indexer_kl``: ``triton`` sums the fused rows with ``torch.sum``; ``torch`` is the reference; the
     option chooses; a bad ``impl`` is named."""
-    mass, scores, entries, weight = make_rows(seed, 16, 64)
-    _, _, want = reference(mass, scores, entries, weight)
+    mass, scores, valid, weight = make_rows(seed, 16, 64)
+    _, _, want = reference(mass, scores, valid, weight)
     fused = ops_kl.fused_serves
     try:
         ops_kl.fused_serves = lambda s: s.dtype == torch.float32
-        got = indexer_kl(mass, scores, entries, weight, impl="triton")
-        assert torch.equal(got, fused_kl_rows(mass, scores, entries, weight).sum())
+        got = indexer_kl(mass, scores, valid, weight, impl="triton")
+        assert torch.equal(got, fused_kl_rows(mass, scores, valid, weight).sum())
         with kernel_options.overrides({"indexer_loss_kl": "triton"}):
             kernel_options.reset_backends_ran()
-            assert torch.equal(indexer_kl(mass, scores, entries, weight), got)
+            assert torch.equal(indexer_kl(mass, scores, valid, weight), got)
             assert kernel_options.backends_ran()["indexer_kl"] == "triton"
     finally:
         ops_kl.fused_serves = fused
-    assert abs(float(got) - float(want)) <= 1e-5 * float(term_scale(mass, scores, entries).sum()), f"seed={seed}"
-    ref = indexer_kl(mass, scores, entries, weight, impl="torch")
-    assert torch.equal(ref, kl_distillation(mass, scores, entries >= 0, weight))
+    assert abs(float(got) - float(want)) <= 1e-5 * float(term_scale(mass, scores, valid).sum()), f"seed={seed}"
+    ref = indexer_kl(mass, scores, valid, weight, impl="torch")
+    assert torch.equal(ref, kl_distillation(mass, scores, valid, weight))
     with pytest.raises(ValueError, match=r"^impl: must be one of 'torch', 'triton', got 'cuda'"):
-        indexer_kl(mass, scores, entries, weight, impl="cuda")
+        indexer_kl(mass, scores, valid, weight, impl="cuda")
 
 
 def test_fused_serves_only_cuda_fp32():
@@ -147,38 +146,38 @@ def test_fused_serves_only_cuda_fp32():
 
 
 def test_nan_propagates_as_in_the_reference(seed):
-    mass, scores, entries, weight = make_rows(seed, 6, 20)
+    mass, scores, valid, weight = make_rows(seed, 6, 20)
     weight[:] = 1.0
-    valid_row4 = int((entries[4] >= 0).nonzero()[0])
-    valid_row5 = int((entries[5] >= 0).nonzero()[0])
+    valid_row4 = int(valid[4].nonzero()[0])
+    valid_row5 = int(valid[5].nonzero()[0])
     mass[4, valid_row4] = float("nan")
     scores[5, valid_row5] = float("nan")
-    rows = fused_kl_rows(mass, scores, entries, weight)
-    want, _, _ = reference(mass, scores, entries, weight)
+    rows = fused_kl_rows(mass, scores, valid, weight)
+    want, _, _ = reference(mass, scores, valid, weight)
     assert torch.isnan(want[4]) and torch.isnan(want[5])
     assert torch.isnan(rows[4]) and torch.isnan(rows[5]) and torch.isfinite(rows[:4]).all(), rows
 
 
 def test_no_grad_keeps_no_gradient(seed):
-    mass, scores, entries, weight = make_rows(seed, 6, 20)
+    mass, scores, valid, weight = make_rows(seed, 6, 20)
     leaf = scores.clone().requires_grad_()
     with torch.no_grad():
-        rows = fused_kl_rows(mass, leaf, entries, weight)
+        rows = fused_kl_rows(mass, leaf, valid, weight)
     assert not rows.requires_grad
-    assert torch.equal(rows, fused_kl_rows(mass, scores, entries, weight))
+    assert torch.equal(rows, fused_kl_rows(mass, scores, valid, weight))
 
 
 @pytest.mark.parametrize("field,bad,match", [
-    ("mass", lambda t: t.double(), r"^target_mass: must be \[6, 20\] fp32"),
-    ("scores", lambda t: t[:, :3], r"^target_mass: must be \[6, 3\] fp32"),
-    ("entries", lambda t: t.float(), r"^entries: must be \[6, 20\] int32 / int64"),
-    ("weight", lambda t: t[:2], r"^row_weight: must be \[6\] fp32"),
+    ("mass", lambda t: t.double(), r"^target_mass: must be \[6, 20\] torch.float32"),
+    ("scores", lambda t: t[:, :3], r"^target_mass: must be \[6, 3\] torch.float32"),
+    ("valid", lambda t: t.long(), r"^valid: must be \[6, 20\] torch.bool"),
+    ("weight", lambda t: t[:2], r"^row_weight: must be \[6\] torch.float32"),
 ])
 def test_bad_input_is_named(field, bad, match, seed):
-    tensors = dict(zip(("mass", "scores", "entries", "weight"), make_rows(seed, 6, 20)))
+    tensors = dict(zip(("mass", "scores", "valid", "weight"), make_rows(seed, 6, 20)))
     tensors[field] = bad(tensors[field])
     with pytest.raises(ValueError, match=match):
-        fused_kl_rows(tensors["mass"], tensors["scores"], tensors["entries"], tensors["weight"])
+        fused_kl_rows(tensors["mass"], tensors["scores"], tensors["valid"], tensors["weight"])
 
 
 # ------------------------------------------------------------------------------------------ the layer
@@ -219,8 +218,8 @@ def test_layer_with_the_fused_kl_matches_torch_kl(seed, monkeypatch):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_gpu_flash_shapes_match_the_reference(seed):
     """rows = 65536, K = 512 (the 64K flash C layer's sparse loss): the rows and the gradient as on CPU."""
-    mass, scores, entries, weight = make_rows(seed, 65536, 512, device="cuda")
-    check_rows(mass, scores, entries, weight, seed)
+    mass, scores, valid, weight = make_rows(seed, 65536, 512, device="cuda")
+    check_rows(mass, scores, valid, weight, seed)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU interpreter case")
