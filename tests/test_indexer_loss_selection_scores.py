@@ -241,3 +241,34 @@ def test_selection_option_reaches_the_top_k(seed, monkeypatch):
                                           torch.device("cpu"))
     _layer_step(dense, packed, x, weight, "selection")
     assert asked[-1] is False  # the dense variant scores every visible entry itself
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_selection_scores_at_flash_head_sizes(seed):
+    """bf16, T = 4096, Hi = 64, Di = 128, K = 512, one causal document, the layer's top-k call: the selection's
+    scores match the gather kernel's to fp32 rounding (of the sums' absolute products), and handed the
+    gather kernel's scores the given op's backward is its bits (the sorted, deterministic reduction)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    t, hi, di, k = 4096, 64, 128, 512
+    g = t // 4
+    q = torch.randn(t, hi, di, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(t, hi, device="cuda", generator=gen) * (hi * di) ** -0.5
+    keys = torch.randn(g, di, device="cuda", generator=gen).bfloat16()
+    pos, key_j = torch.arange(t, device="cuda"), torch.arange(g, device="cuda")
+    limit = (pos + 1) // 4
+    rows, scores = ops_indexer.indexer_topk(
+        q, w, keys, lambda sl: key_j[None, :] < limit[sl, None], k,
+        visibility=(torch.zeros_like(pos), limit, torch.zeros_like(key_j), key_j), key_row_limit=(0, 4),
+        return_scores=True)
+    again = indexer_scores(q, w, keys, rows).detach()
+    valid = rows >= 0
+    # the sums' rounding scale: every product's magnitude, sum_h |w| sum_d |q k| (fp32 sums in any order)
+    magnitudes = torch.einsum("thd,tkd->tkh", q.float().abs(), keys.float().abs()[rows.clamp_min(0)])
+    scale = (magnitudes * w.abs()[:, None]).sum(-1)
+    assert bool((((scores - again).abs() <= 1e-5 * scale) | ~valid).all()), f"seed={seed}"
+    grad = torch.randn(rows.shape, device="cuda", generator=gen)
+    with kernel_options.overrides({"triton_scores_bwd_reduce": "sorted"}):
+        want = _grads(indexer_scores, q, w, keys, rows, grad)
+        got = _grads(indexer_scores_given, q, w, keys, rows, grad, again)
+    _assert_bitwise(got, want, seed, "gpu sorted")
