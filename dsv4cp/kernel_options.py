@@ -155,7 +155,8 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
           "caps the sorted key-gradient reductions' scratch per chunk of queries, in MiB (auto: 2048)"),
     KernelOption("indexer_loss_scores", "DSV4CP_INDEXER_LOSS_SCORES", CHOICE, "indexer_loss",
                  "sparse indexer loss's prediction: the top-k selection's scores of the chosen entries "
-                 "(selection) or those entries scored again (recompute)", "selection", ("selection", "recompute")),
+                 "(selection; the streaming top-k keeps none, so topk_impl=stream then runs chunked) or those "
+                 "entries scored again (recompute)", "selection", ("selection", "recompute")),
     KernelOption("indexer_loss_kl", "DSV4CP_INDEXER_LOSS_KL", CHOICE, "indexer_loss",
                  "sparse indexer loss's KL terms and score gradient: torch ops (torch) or one Triton pass per "
                  "row (triton; CUDA fp32 scores, K <= 4096, else torch)", "torch", ("torch", "triton")),
