@@ -272,3 +272,21 @@ def test_gpu_selection_scores_at_flash_head_sizes(seed):
         want = _grads(indexer_scores, q, w, keys, rows, grad)
         got = _grads(indexer_scores_given, q, w, keys, rows, grad, again)
     _assert_bitwise(got, want, seed, "gpu sorted")
+
+
+@needs_interpreter
+def test_top_k_scores_custom_op_passes_opcheck_and_is_the_eager_call(seed):
+    """``dsv4cp::indexer_topk_scores`` (what the compiled layer calls for the rows and their scores)."""
+    from dsv4cp.ops import indexer_library
+
+    gen = torch.Generator().manual_seed(seed)
+    t, g = 12, 9
+    q, w = torch.randn(t, 2, 16, generator=gen), torch.randn(t, 2, generator=gen)
+    keys = torch.randn(g, 16, generator=gen)
+    visibility = (torch.zeros(t, dtype=torch.int64), torch.randint(0, 8, (t,), generator=gen),
+                  torch.zeros(g, dtype=torch.int64), torch.arange(g))
+    torch.library.opcheck(indexer_library.indexer_topk_scores, (q, w, keys, *visibility, 4, None, ""))
+    rows, scores = indexer_library.indexer_topk_scores(q, w, keys, *visibility, 4, None, "")
+    want_rows, want_scores = ops_indexer.fused_indexer_topk(q, w, keys, *visibility, 4, return_scores=True)
+    assert torch.equal(rows, want_rows) and torch.equal(scores, want_scores)
+    assert (rows < 0).any() and (rows >= 0).any()

@@ -273,9 +273,9 @@ class _GivenScores(torch.autograd.Function):
 
 
 class _GivenScoresTriton(torch.autograd.Function):
-    """The Triton scores' backward (the custom op ``dsv4cp::indexer_scores_bwd``, which the eager
-    autograd function and the compiled graph both reach the kernels through) under the kernel options in
-    force at the forward, for scores handed in."""
+    """The Triton scores' backward for scores handed in: the custom op ``dsv4cp::indexer_scores_bwd`` (the
+    compiled :func:`indexer_scores`' backward: the eager one's kernels, reduction, launch pin and scratch)
+    under the kernel options in force at the forward, eager and compiled alike."""
 
     @staticmethod
     def forward(ctx, q, w, keys, idx, scores, options: str):
@@ -325,7 +325,9 @@ def indexer_scores_given(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, i
 
             _check_qwk(q, w, keys)
             kernels._check_idx(q, idx)
-            kernels._gather_bwd_pinned(None), kernels._reduction_of(None), kernels._scratch_of(None)
+            kernels._gather_bwd_pinned(None)  # the backward's options: a bad pin, reduction or scratch
+            kernels._reduction_of(None)
+            kernels._scratch_of(None)
         # the custom op opens the backward's phase range itself
         return _GivenScoresTriton.apply(q, w, keys, idx, scores, options_in_force())
     return _GivenScores.apply(q, w, keys, idx, scores)

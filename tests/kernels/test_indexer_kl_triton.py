@@ -261,3 +261,17 @@ def test_compiled_layer_reaches_the_fused_pass_through_its_custom_op(seed, monke
     for name, g in want.items():
         scale = float(g.abs().max()) or 1.0
         assert float((got[name] - g).abs().max()) <= 1e-5 * scale, f"seed={seed}: {name}"
+
+
+def test_custom_op_passes_opcheck_and_is_the_eager_pass(seed):
+    from dsv4cp.ops import indexer_kl_library
+
+    mass, scores, valid, weight = make_rows(seed, 8, 24)
+    for with_grad in (True, False):
+        torch.library.opcheck(indexer_kl_library.indexer_kl_rows,
+                              (mass, scores.clone().requires_grad_(with_grad), valid, weight, with_grad))
+    rows, dscores = indexer_kl_library.indexer_kl_rows(mass, scores, valid, weight, True)
+    leaf = scores.clone().requires_grad_()
+    want = fused_kl_rows(mass, leaf, valid, weight)
+    want.sum().backward()
+    assert torch.equal(rows, want.detach()) and torch.equal(dscores, leaf.grad)
