@@ -5,8 +5,8 @@ CPU (Triton's interpreter): fp32 inputs, ``K`` ragged 1..600 (powers of two and 
 rows without a valid slot, rows with one, a row whose valid mass is all 0, scores spread over 1e4,
 real and padding rows (weight 1 / 0) and random positive weights. Each row's term is compared with the
 reference's (the gradient of its sum in the row weights, computed in fp64 from the same fp32 inputs)
-within ``1e-5`` of the row's sum of absolute per-slot terms; the score gradient elementwise within
-``2e-6`` of the weight; the sum, the torch sum of the rows. Then the op through ``indexer_kl`` (the kernel
+within ``1e-5`` of the row's sum of absolute per-slot terms plus ``1e-6`` (times the row's weight); the
+score gradient elementwise within ``2e-6`` of the weight; the sum, the torch sum of the rows. Then the op through ``indexer_kl`` (the kernel
 option), NaN propagation, bad input, and at the layer (the Triton paths on the interpreter) the loss and
 gradients of ``indexer_loss_kl=triton`` against ``torch``.
 
@@ -76,7 +76,8 @@ def check_rows(mass, scores, valid, weight, seed):
     grad_out = 0.75
     (got_rows.sum() * grad_out).backward()
     want_rows, want_grad, _ = reference(mass, scores, valid, weight)
-    tol = 1e-5 * term_scale(mass, scores, valid) * weight.double() + 1e-9
+    # the floor: the GPU's approximate division, exp and log (a point mass's target can be 1 - 2^-24)
+    tol = (1e-5 * term_scale(mass, scores, valid) + 1e-6) * weight.double() + 1e-12
     err = (got_rows.double() - want_rows).abs()
     assert got_rows.dtype == torch.float32 and got_rows.shape == weight.shape
     assert bool((err <= tol).all()), f"seed={seed}: row {int((err - tol).argmax())} off by {float(err.max())}"
