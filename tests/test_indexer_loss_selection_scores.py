@@ -24,10 +24,13 @@ import copy
 import pytest
 import torch
 
+from conftest import TINY_C, packed, randn
 from dsv4cp import kernel_options
 from dsv4cp.cp.check import CheckCase, build_case
+from dsv4cp.cp.layout import build_layout
 from dsv4cp.kernels import HAS_TRITON, set_deterministic, triton_available
 from dsv4cp.layer import attention as attention_module
+from dsv4cp.layer.indexer_loss import indexer_loss
 from dsv4cp.ops import attention_probs, compress_pool, norm_rope
 from dsv4cp.ops import indexer as ops_indexer
 from dsv4cp.ops.indexer import indexer_scores, indexer_scores_given
@@ -290,3 +293,38 @@ def test_top_k_scores_custom_op_passes_opcheck_and_is_the_eager_call(seed):
     want_rows, want_scores = ops_indexer.fused_indexer_topk(q, w, keys, *visibility, 4, return_scores=True)
     assert torch.equal(rows, want_rows) and torch.equal(scores, want_scores)
     assert (rows < 0).any() and (rows >= 0).any()
+
+
+@pytest.mark.parametrize("paths", ["torch", "triton"])
+def test_scored_key_rows_handed_in_give_the_same_bits(paths, seed, request):
+    """The layer hands the loss its attention index's compressed rows (int32) instead of letting it rebuild
+    them from the entries: the same target, loss and gradients, bit for bit."""
+    if paths == "triton":
+        request.getfixturevalue("triton_paths")
+    cfg, pk = TINY_C, packed([40, 27], tail=3)
+    lay = build_layout(pk, cfg, 4)
+    rows, hi, di = pk.total, cfg.index_n_heads, cfg.index_head_dim
+    q = randn(rows, cfg.n_heads, cfg.head_dim, seed=seed, dtype=torch.float32)
+    key_buffer = randn(lay.ext_rows + lay.gathered_rows, cfg.head_dim, seed=seed + 1, dtype=torch.float32)
+    leaves = [randn(*shape, seed=seed + 2 + i, dtype=torch.float32)
+              for i, shape in enumerate(((rows, hi, di), (rows, hi), (lay.gathered_rows, di)))]
+    lse, sink = randn(rows, cfg.n_heads, seed=seed + 5, dtype=torch.float32) + 3, randn(cfg.n_heads, seed=seed + 6)
+    selected = ops_indexer.indexer_topk(*leaves, lambda sl: lay.visible_mask(lay.local_doc[sl], lay.local_pos[sl]),
+                                        cfg.index_topk)
+    key_rows = torch.where(selected >= 0, selected + lay.ext_rows, -1).to(torch.int32)
+    assert (selected < 0).any() and (selected >= 0).any()
+
+    def loss(given):
+        inputs = [leaf.clone().requires_grad_() for leaf in leaves]
+        value = indexer_loss(variant="sparse", q=q, key_buffer=key_buffer, window_idx=lay.window_idx,
+                             compressed_offset=lay.ext_rows, scored_entries=selected, attention_lse=lse, sink=sink,
+                             scale=cfg.softmax_scale, index_q=inputs[0], index_w=inputs[1], index_keys=inputs[2],
+                             real=lay.real, global_real_tokens=pk.real_tokens, coeff=0.3, scored_key_rows=given)
+        return value.detach(), torch.autograd.grad(value, inputs)
+
+    (want, want_grads), (got, got_grads) = loss(None), loss(key_rows)
+    assert torch.equal(got, want), f"seed={seed}"
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b), f"seed={seed}"
+    with pytest.raises(ValueError, match=r"^scored_key_rows: must be scored_entries' shape"):
+        loss(key_rows[:, :3])

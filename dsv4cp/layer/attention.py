@@ -193,7 +193,7 @@ class DSv4Attention(PrecisionPinned):
                 )
                 selected, selection_scores = selected if with_scores else (selected, None)
 
-        idx, compressed_all = layout.window_idx, None
+        idx, compressed_all, lowered = layout.window_idx, None, None
         if compressed is not None:
             compressed_all = compressed.wait(ahead_of=q_path_end)
             with nvtx_range("layout.fwd"):  # the selected entries as key-buffer rows
@@ -222,6 +222,7 @@ class DSv4Attention(PrecisionPinned):
                     sink=self.attn_sink, scale=cfg.softmax_scale, index_q=index_q, index_w=index_w,
                     index_keys=index_keys_all, real=layout.real, global_real_tokens=packed.real_tokens,
                     coeff=cfg.indexer_loss_coeff, selection_scores=selection_scores,
+                    scored_key_rows=lowered if cfg.indexer_loss == "sparse" else None,  # the attention's rows
                 )
         return AttentionOutput(phase_region("out_proj", self._project_out, out, positions), loss)
 

@@ -138,6 +138,7 @@ def indexer_loss(
     global_real_tokens: int,
     coeff: float,
     selection_scores: torch.Tensor | None = None,
+    scored_key_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's share of ``coeff * mean_t KL`` over real tokens of the whole batch.
 
@@ -159,14 +160,21 @@ def indexer_loss(
             (``indexer_topk(..., return_scores=True)``, when :func:`selection_scores_wanted`): the
             prediction without scoring the entries again (the gradient still flows to the indexer
             inputs, :func:`~dsv4cp.ops.indexer.indexer_scores_given`). None: the entries are scored here.
+        scored_key_rows: sparse only: ``scored_entries``' key-buffer rows (``entry + compressed_offset``,
+            ``-1`` empty; ``[L, K]`` int32 / int64) when the caller has them (the layer's attention index):
+            the target is computed at them, not at rows rebuilt here (the same rows: the same bits).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant: must be one of {VARIANTS}, got {variant!r}")
     if (variant == "sparse") != isinstance(scored_entries, torch.Tensor):
         expected = "an [L, K] tensor" if variant == "sparse" else "a function of a row slice"
         raise ValueError(f"scored_entries: the {variant} variant takes {expected}, got {type(scored_entries).__name__}")
-    if selection_scores is not None and variant != "sparse":
-        raise ValueError(f"selection_scores: only the sparse variant takes them, got variant {variant!r}")
+    for name, given in (("selection_scores", selection_scores), ("scored_key_rows", scored_key_rows)):
+        if given is not None and variant != "sparse":
+            raise ValueError(f"{name}: only the sparse variant takes them, got variant {variant!r}")
+    if scored_key_rows is not None and scored_key_rows.shape != scored_entries.shape:
+        raise ValueError(f"scored_key_rows: must be scored_entries' shape {list(scored_entries.shape)}, got "
+                         f"{list(scored_key_rows.shape)}")
     q, key_buffer = q.detach(), key_buffer.detach()
     sink = sink.detach().to(attention_lse.dtype)[None, :]
     weight = real.to(torch.promote_types(index_q.dtype, torch.float32))
@@ -174,7 +182,7 @@ def indexer_loss(
     if variant == "sparse":
         log_denominator = torch.logaddexp(attention_lse.detach(), sink)
         total = _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q,
-                             index_w, index_keys, weight, selection_scores)
+                             index_w, index_keys, weight, selection_scores, scored_key_rows)
         return total * _scale_if_finite(index_q, index_w, index_keys, normaliser, total)
     window_lse = torch.logaddexp(logsumexp_over(q, key_buffer, window_idx, scale), sink)
 
@@ -217,12 +225,15 @@ def _scale_if_finite(index_q: torch.Tensor, index_w: torch.Tensor, index_keys: t
 
 
 def _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q, index_w,
-                 index_keys, weight, selection_scores: torch.Tensor | None = None) -> torch.Tensor:
+                 index_keys, weight, selection_scores: torch.Tensor | None = None,
+                 key_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The sparse variant's unnormalised sum over rows (``[L, K]`` tensors throughout): the KL terms of
     :func:`~dsv4cp.ops.indexer_kl.indexer_kl` (the kernel option ``indexer_loss_kl``) at the selection's
-    scores when given, else at the entries scored again."""
+    scores when given, else at the entries scored again; the target at ``key_rows`` (built from the
+    entries when not given)."""
     valid = scored_entries >= 0
-    key_rows = torch.where(valid, scored_entries + compressed_offset, -1)
+    if key_rows is None:
+        key_rows = torch.where(valid, scored_entries + compressed_offset, -1)
     target_mass = head_summed_probs(q, key_buffer, key_rows, scale, log_denominator)
     if selection_scores is None:
         scores = indexer_scores(index_q, index_w, index_keys, scored_entries)

@@ -6,9 +6,10 @@ rows without a valid slot, rows with one, a row whose valid mass is all 0, score
 real and padding rows (weight 1 / 0) and random positive weights. Each row's term is compared with the
 reference's (the gradient of its sum in the row weights, computed in fp64 from the same fp32 inputs)
 within ``1e-5`` of the row's sum of absolute per-slot terms plus ``1e-6`` (times the row's weight); the
-score gradient elementwise within ``2e-6`` of the weight; the sum, the torch sum of the rows. Then the op through ``indexer_kl`` (the kernel
-option), NaN propagation, bad input, and at the layer (the Triton paths on the interpreter) the loss and
-gradients of ``indexer_loss_kl=triton`` against ``torch``.
+score gradient elementwise within ``2e-6`` of the weight; the sum, the torch sum of the rows. Then the
+op through ``indexer_kl`` (the kernel option), NaN propagation, bad input, its custom op (opcheck), and
+at the layer (the Triton paths on the interpreter) the loss and gradients of ``indexer_loss_kl=triton``
+against ``torch``, eager and compiled.
 
 GPU (marked ``gpu``): the 64K flash shapes (rows = 65536, K = 512) against the reference.
 Inputs are random from the per-test ``seed`` (DSV4CP_TEST_SEED varies it, failures print it).
