@@ -11,9 +11,10 @@ Variants (kernel options ``indexer_loss_scores`` x ``indexer_loss_kl``):
 
 Scopes:
 
-* ``loss``: :func:`dsv4cp.layer.indexer_loss.indexer_loss` as the layer calls it (the target's
-  head-summed probabilities, the prediction, the KL, the finiteness factor) then its backward (the KL's,
-  then the scores' backward kernel into the indexer queries, weights and keys);
+* ``loss``: :func:`dsv4cp.layer.indexer_loss.indexer_loss` as the layer calls it (its attention index's
+  int32 key rows handed in; the target's head-summed probabilities, the prediction, the KL, the finiteness
+  factor) then its backward (the KL's, then the scores' backward kernel into the indexer queries, weights
+  and keys);
 * ``prediction``: the same without the target (computed once beforehand): the scores (or given scores),
   the KL and their backward, where the variants differ.
 
@@ -107,6 +108,7 @@ def _inputs(shape: Shape) -> dict:
         target = head_summed_probs(q, key_buffer, key_rows, scale, log_den)
     entry = dict(q=q, key_buffer=key_buffer, index_q=index_q, index_w=index_w, index_keys=index_keys,
                  selected=selected, scores=scores, lse=lse, sink=sink, target=target, scale=scale,
+                 key_rows=key_rows.to(torch.int32),  # as the layer hands them (its attention index)
                  real=torch.ones(t, dtype=torch.bool, device=device),
                  window_idx=torch.zeros(t, 0, dtype=torch.int64, device=device))
     _INPUTS[key] = entry
@@ -125,7 +127,7 @@ def _step(entry: dict, scope: str, options: dict):
                             scored_entries=entry["selected"], attention_lse=entry["lse"], sink=entry["sink"],
                             scale=entry["scale"], index_q=leaves[0], index_w=leaves[1], index_keys=leaves[2],
                             real=entry["real"], global_real_tokens=entry["q"].shape[0], coeff=1e-2,
-                            selection_scores=selection)
+                            selection_scores=selection, scored_key_rows=entry["key_rows"])
 
     def prediction():
         idx = entry["selected"]
