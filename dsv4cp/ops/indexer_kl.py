@@ -39,11 +39,12 @@ FUSED_MAX_K = 4096
 """Most slots per row the fused pass takes (the row is one tile of registers); wider rows run the reference."""
 
 
-def fused_serves(scores: torch.Tensor) -> bool:
-    """Whether the fused Triton pass serves ``scores``: a CUDA fp32 ``[rows, K]`` tensor with ``K`` within
-    one tile (:data:`FUSED_MAX_K`), triton installed."""
-    return (HAS_TRITON and scores.is_cuda and scores.dtype == torch.float32 and scores.dim() == 2
-            and scores.shape[1] <= FUSED_MAX_K)
+def fused_serves(scores: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the fused Triton pass serves ``scores`` (and the ``others``, the target and row weights): CUDA
+    fp32 tensors, ``scores`` ``[rows, K]`` with ``K`` within one tile (:data:`FUSED_MAX_K`), triton
+    installed."""
+    return (HAS_TRITON and scores.dim() == 2 and scores.shape[1] <= FUSED_MAX_K
+            and all(t.is_cuda and t.dtype == torch.float32 for t in (scores, *others)))
 
 
 class _FusedKL(torch.autograd.Function):
@@ -94,6 +95,6 @@ def indexer_kl(target_mass: torch.Tensor, scores: torch.Tensor, valid: torch.Ten
         impl = kernel_options.get("indexer_loss_kl")
     elif impl not in KL_IMPLS:
         raise ValueError(f"impl: must be one of {', '.join(map(repr, KL_IMPLS))}, got {impl!r}")
-    if impl == "triton" and fused_serves(scores):
+    if impl == "triton" and fused_serves(scores, target_mass, row_weight):
         return fused_kl_rows(target_mass, scores, valid, row_weight).sum()
     return kl_distillation(target_mass, scores, valid, row_weight)

@@ -116,25 +116,24 @@ def test_special_rows(seed):
     check_rows(mass, scores, valid, weight, seed)
 
 
-def test_op_sum_and_options(seed):
+def test_op_sum_and_options(seed, monkeypatch):
     """``indexer_kl``: ``triton`` sums the fused rows with ``torch.sum``; ``torch`` is the reference; the
     option chooses; a bad ``impl`` is named."""
     mass, scores, valid, weight = make_rows(seed, 16, 64)
     _, _, want = reference(mass, scores, valid, weight)
-    fused = ops_kl.fused_serves
-    try:
-        ops_kl.fused_serves = lambda s: s.dtype == torch.float32
-        got = indexer_kl(mass, scores, valid, weight, impl="triton")
-        assert torch.equal(got, fused_kl_rows(mass, scores, valid, weight).sum())
-        with kernel_options.overrides({"indexer_loss_kl": "triton"}):
-            kernel_options.reset_backends_ran()
-            assert torch.equal(indexer_kl(mass, scores, valid, weight), got)
-            assert kernel_options.backends_ran()["indexer_kl"] == "triton"
-    finally:
-        ops_kl.fused_serves = fused
-    assert abs(float(got) - float(want)) <= 1e-5 * float(term_scale(mass, scores, valid).sum()), f"seed={seed}"
-    ref = indexer_kl(mass, scores, valid, weight, impl="torch")
+    ref = indexer_kl(mass, scores, valid, weight)  # the default: torch
     assert torch.equal(ref, kl_distillation(mass, scores, valid, weight))
+    if not HAS_CUDA:  # the fused pass serves CUDA tensors only: the reference runs
+        assert torch.equal(indexer_kl(mass, scores, valid, weight, impl="triton"), ref)
+    monkeypatch.setattr(ops_kl, "fused_serves", lambda *ts: all(t.dtype == torch.float32 for t in ts))
+    got = indexer_kl(mass, scores, valid, weight, impl="triton")
+    assert torch.equal(got, fused_kl_rows(mass, scores, valid, weight).sum())
+    with kernel_options.overrides({"indexer_loss_kl": "triton"}):
+        kernel_options.reset_backends_ran()
+        assert torch.equal(indexer_kl(mass, scores, valid, weight), got)
+        assert kernel_options.backends_ran()["indexer_kl"] == "triton"
+    assert torch.equal(indexer_kl(mass, scores, valid, weight, impl="torch"), ref)
+    assert abs(float(got) - float(want)) <= 1e-5 * float(term_scale(mass, scores, valid).sum()), f"seed={seed}"
     with pytest.raises(ValueError, match=r"^impl: must be one of 'torch', 'triton', got 'cuda'"):
         indexer_kl(mass, scores, valid, weight, impl="cuda")
 
@@ -144,6 +143,7 @@ def test_fused_serves_only_cuda_fp32():
     assert not ops_kl.fused_serves(cpu)
     if HAS_CUDA:
         assert ops_kl.fused_serves(cpu.cuda()) and not ops_kl.fused_serves(cpu.cuda().double())
+        assert not ops_kl.fused_serves(cpu.cuda(), cpu.cuda().double())  # a target in fp64
         assert not ops_kl.fused_serves(torch.zeros(2, ops_kl.FUSED_MAX_K + 1, device="cuda"))
 
 
@@ -192,7 +192,7 @@ def test_layer_with_the_fused_kl_matches_torch_kl(seed, monkeypatch):
     from dsv4cp.ops import indexer as ops_indexer
 
     monkeypatch.setattr(ops_indexer, "triton_serves", lambda x: x.dtype != torch.float64 and x.shape[-1] % 16 == 0)
-    monkeypatch.setattr(ops_kl, "fused_serves", lambda s: s.dtype == torch.float32)
+    monkeypatch.setattr(ops_kl, "fused_serves", lambda *ts: all(t.dtype == torch.float32 for t in ts))
     layer, packed, x, weight = build_case(CheckCase(lengths=(9, 0, 23, 5), total=40, seed=seed), torch.device("cpu"))
 
     def step(options):
@@ -241,7 +241,7 @@ def test_compiled_layer_reaches_the_fused_pass_through_its_custom_op(seed, monke
     monkeypatch.setattr(attention_probs, "triton_serves", serves)
     monkeypatch.setattr(norm_rope, "use_fused", lambda x, freqs=None: serves(x))
     monkeypatch.setattr(compress_pool, "use_triton", lambda values, gates: serves(values))
-    monkeypatch.setattr(ops_kl, "fused_serves", lambda s: s.dtype == torch.float32)
+    monkeypatch.setattr(ops_kl, "fused_serves", lambda *ts: all(t.dtype == torch.float32 for t in ts))
     layer, packed, x, weight = build_case(CheckCase(lengths=(9, 0, 23), total=32, seed=seed), torch.device("cpu"))
     layer.kernel_options = kernel_options.canonical({"indexer_loss_kl": "triton"})
 
