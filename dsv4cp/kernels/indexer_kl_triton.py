@@ -31,9 +31,13 @@ gradient 16-byte vector stores (read off the PTX at ``K = 512``).
 
 Resources (``triton.compile`` for sm_90 with Triton 3.9, ``python -m bench.compile_indexer_kl_sm90``:
 16-byte aligned pointers, strides and ``K``; registers per thread with / without the gradient; no spill):
-``BLOCK_K = 512`` (the layer), 4 warps: 32 / 29 registers, 16 B of shared memory (the reductions' 11
-barriers); 1024, 4 warps: 54 / 45, 4 KB / 16 B; 4096, 8 warps: 87 / 78, 4 KB / 32 B. At 32 registers
+``BLOCK_K = 512`` (the layer), 4 warps: 32 / 32 registers, 16 B of shared memory (the reductions' 11
+barriers); 1024, 4 warps: 60 / 48, 4 KB / 16 B; 4096, 8 warps: 104 / 89, 4 KB / 32 B. At 32 registers
 and 128 threads a multiprocessor holds 16 programs (rows) at once, its 2048-thread limit.
+
+Arithmetic: the target's division is IEEE (``div.rn``, as torch's: a one-slot row's target is exactly 1,
+its term exactly 0); the softmax's is the fast ``div.full`` and its exponential ``ex2.approx`` (a few
+ulp, inside the tests' tolerance).
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def _kl_rows_kernel(
     has = tl.sum(valid.to(tl.int32), 0) > 0
 
     total_mass = tl.maximum(tl.sum(mass, 0), TINY, propagate_nan=tl.PropagateNan.ALL)
-    target = mass / total_mass
+    target = tl.math.div_rn(mass, total_mass)  # IEEE, as torch: a point mass's target is exactly 1
     top = tl.where(has, tl.max(scores, 0), 0.0)  # a row without a valid slot: no -inf - -inf
     shifted = scores - top
     exps = tl.exp(shifted)  # 0 at the invalid slots' -inf

@@ -77,7 +77,7 @@ def check_rows(mass, scores, valid, weight, seed):
     grad_out = 0.75
     (got_rows.sum() * grad_out).backward()
     want_rows, want_grad, _ = reference(mass, scores, valid, weight)
-    # the floor: the GPU's approximate division, exp and log (a point mass's target can be 1 - 2^-24)
+    # the floor: the GPU's approximate exp and softmax division (a few ulp of terms of order 1)
     tol = (1e-5 * term_scale(mass, scores, valid) + 1e-6) * weight.double() + 1e-12
     err = (got_rows.double() - want_rows).abs()
     assert got_rows.dtype == torch.float32 and got_rows.shape == weight.shape
