@@ -153,6 +153,13 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "atomic", ("atomic", "sorted", "sorted-bf16")),
     _tile("triton_scores_bwd_scratch", "indexer_scores", ("mib",),
           "caps the sorted key-gradient reductions' scratch per chunk of queries, in MiB (auto: 2048)"),
+    KernelOption("indexer_loss_scores", "DSV4CP_INDEXER_LOSS_SCORES", CHOICE, "indexer_loss",
+                 "sparse indexer loss's prediction: the top-k selection's scores of the chosen entries "
+                 "(selection; the streaming top-k keeps none, so topk_impl=stream then runs chunked) or those "
+                 "entries scored again (recompute)", "selection", ("selection", "recompute")),
+    KernelOption("indexer_loss_kl", "DSV4CP_INDEXER_LOSS_KL", CHOICE, "indexer_loss",
+                 "sparse indexer loss's KL terms and score gradient: torch ops (torch) or one Triton pass per "
+                 "row (triton; CUDA fp32 scores, K <= 4096, else torch)", "torch", ("torch", "triton")),
     _tile("triton_fwd_config", "sparse_attention", _KERNEL_TILE, "pins the Triton attention forward's launch"),
     KernelOption("triton_fwd_logits", "DSV4CP_TRITON_FWD_LOGITS", CHOICE, "sparse_attention",
                  "Triton attention forward's logits: both warpgroups compute all of them (duplicated), each half "

@@ -76,7 +76,7 @@ def _recording_selection(sink: list[torch.Tensor]) -> Iterator[None]:
 
     def recording(*args, **kwargs):
         selected = original(*args, **kwargs)
-        sink.append(selected)
+        sink.append(selected[0] if isinstance(selected, tuple) else selected)  # (rows, scores) with scores
         return selected
 
     attention_module.indexer_topk = recording

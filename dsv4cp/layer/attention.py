@@ -18,7 +18,7 @@ from dsv4cp.cp.layout_cache import layout_for
 from dsv4cp.cp.recompute import recomputed_attention
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.indexer import Indexer
-from dsv4cp.layer.indexer_loss import indexer_loss
+from dsv4cp.layer.indexer_loss import indexer_loss, selection_scores_wanted
 from dsv4cp.layer.norm import RMSNorm
 from dsv4cp.layer.precision import PrecisionPinned
 from dsv4cp.layer.rope import rope_frequencies
@@ -182,14 +182,18 @@ class DSv4Attention(PrecisionPinned):
             index_keys_all = index_keys.wait(ahead_of=q_path_end)
             with nvtx_range("indexer.topk.fwd"):
                 local_doc = layout.local_doc
+                # the loss's prediction may be the selection's own scores ([L, K] fp32, freed after the loss)
+                with_scores = selection_scores_wanted(cfg.indexer_loss)
                 selected = indexer_topk(
                     index_q, index_w, index_keys_all,
                     lambda sl: layout.visible_mask(local_doc[sl], positions[sl]), cfg.index_topk,
                     visibility=(local_doc, layout.visible_entries(), layout.gathered_doc, layout.gathered_j),
                     key_row_limit=layout.key_row_limit,  # static chunk plan: no device read
+                    return_scores=with_scores,
                 )
+                selected, selection_scores = selected if with_scores else (selected, None)
 
-        idx, compressed_all = layout.window_idx, None
+        idx, compressed_all, lowered = layout.window_idx, None, None
         if compressed is not None:
             compressed_all = compressed.wait(ahead_of=q_path_end)
             with nvtx_range("layout.fwd"):  # the selected entries as key-buffer rows
@@ -217,7 +221,8 @@ class DSv4Attention(PrecisionPinned):
                     compressed_offset=layout.ext_rows, scored_entries=scored, attention_lse=lse,
                     sink=self.attn_sink, scale=cfg.softmax_scale, index_q=index_q, index_w=index_w,
                     index_keys=index_keys_all, real=layout.real, global_real_tokens=packed.real_tokens,
-                    coeff=cfg.indexer_loss_coeff,
+                    coeff=cfg.indexer_loss_coeff, selection_scores=selection_scores,
+                    scored_key_rows=lowered if cfg.indexer_loss == "sparse" else None,  # the attention's rows
                 )
         return AttentionOutput(phase_region("out_proj", self._project_out, out, positions), loss)
 

@@ -6,16 +6,33 @@ the softmax of the indexer scores over the same set (gradient to indexer paramet
 returns its share: the sum over its real rows divided by the GLOBAL real-token count, so the CP ranks'
 shares add up to the full loss.
 
+The sparse variant's scores. With the kernel option ``indexer_loss_scores=selection`` (the default) the
+layer passes the scores its top-k selection saw at the chosen entries (``selection_scores``, each rank
+its own rows' under CP) and the forward scores nothing again; the gradient reaches the indexer inputs
+through :func:`~dsv4cp.ops.indexer.indexer_scores_given`, the scores' own backward. Those scores were
+summed in the selection's order, so loss and gradients differ from ``recompute`` (the entries scored
+again by :func:`~dsv4cp.ops.indexer.indexer_scores`) by that rounding only; handed the recomputed
+scores, they are bit for bit the same (tests/test_indexer_loss_selection_scores.py). The KL terms:
+:func:`~dsv4cp.ops.indexer_kl.indexer_kl` (the kernel option ``indexer_loss_kl``: torch ops, or one fused
+Triton pass per row whose saved score gradient the backward only scales).
+
 Non-finite values. The top-k never selects a non-finite indexer score (docs/design.md §4.5), so a NaN
 or infinite indexer query, head weight or key would drop out of the selected set, and with it out of
-this loss (an all-NaN input used to give a loss of exactly 0). The loss is therefore multiplied by 1
-when every value of ``index_q``, ``index_w`` and ``index_keys`` is finite and by NaN otherwise: one
-device-side check (a sum per input), no host read, and bitwise the same loss and gradients for finite
-inputs (``x * 1`` is exact). The backward scales by the same factor, so the gradients of the entries still scored turn
-NaN too (a row whose scores were all skipped has none). Non-finite values on the attention side
+this loss (an all-NaN input used to give a loss of exactly 0). The loss is therefore multiplied by its
+normaliser when every value of ``index_q``, ``index_w`` and ``index_keys`` is finite and by NaN
+otherwise (:func:`_scale_if_finite`): one device-side check (a sum per input), no host read, and bitwise
+the same loss and gradients as ``(loss * normaliser) * 1`` for finite inputs. The backward scales by the
+same factor, so the gradients of the entries still scored turn NaN too (a row whose scores were all
+skipped has none). Non-finite values on the attention side
 (queries, keys, lse, sink) need no factor: they reach the target of every row that scores an entry.
 
-Memory. The sparse variant scores the ``K`` selected entries per query: ``[L, K]`` tensors. The dense
+Memory. The sparse variant scores the ``K`` selected entries per query: ``[L, K]`` tensors. The
+selection's scores (``[L, K]`` fp32: 128 MiB at L = 65536, K = 512) live from the top-k to this loss's
+forward (through the attention forward), in place of the scores the forward would compute; nothing more
+is kept for the backward (the scores' backward saves ``index_q``, ``index_w``, ``index_keys`` and the
+selection either way; the fused KL keeps its ``[L, K]`` fp32 score gradient instead of the torch ops'
+saved tensors). Selective recompute rebuilds the attention side only: the scores are not recomputed
+nor kept by it. The dense
 variant scores every visible entry, up to ``M = max_seqlen_padded / 4`` per query (a 64K-token document
 makes ``[L, M]`` 1e9 elements), so it runs over chunks of query rows sized from :data:`DENSE_CHUNK_BYTES`
 and holds one chunk's ``[c, M]`` tensors at a time. Its forward computes each chunk's loss and, when the
@@ -30,10 +47,15 @@ from collections.abc import Callable
 
 import torch
 
+from dsv4cp import kernel_options
 from dsv4cp.ops.attention_probs import head_summed_probs, logsumexp_over
-from dsv4cp.ops.indexer import indexer_scores
+from dsv4cp.ops.indexer import indexer_scores, indexer_scores_given
+from dsv4cp.ops.indexer_kl import indexer_kl, kl_distillation
 from dsv4cp.profiling.autograd_ranges import BackwardRegion
 from dsv4cp.profiling.nvtx import nvtx_range
+
+__all__ = ["DENSE_CHUNK_BYTES", "VARIANTS", "dense_chunk_rows", "indexer_loss", "kl_distillation",
+           "selection_scores_wanted"]
 
 VARIANTS = ("sparse", "dense")
 
@@ -44,23 +66,6 @@ target, scores, KL terms and their gradients) and the torch references' per-entr
 _DENSE_BYTES_PER_ENTRY = 64
 """Bytes per (query, entry) of the dense chunk's own tensors besides the gathers: two int64 index
 tensors, a bool mask and about ten fp32 target / score / KL tensors and gradients."""
-
-
-def kl_distillation(
-    target_mass: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, row_weight: torch.Tensor
-) -> torch.Tensor:
-    """``sum_t row_weight[t] * KL(normalise(target_mass[t]) || softmax(scores[t]))`` over valid slots.
-
-    ``target_mass``, ``scores``, ``valid``: ``[rows, K]``; ``row_weight``: ``[rows]``. Rows without a
-    valid slot contribute 0.
-    """
-    has_slot = valid.any(-1)
-    mass = target_mass.masked_fill(~valid, 0)
-    target = mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
-    log_pred = torch.log_softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
-    per_slot = torch.xlogy(target, target) - target * log_pred.masked_fill(~valid, 0)
-    per_row = per_slot.masked_fill(~valid, 0).sum(-1)
-    return (per_row * (row_weight * has_slot)).sum()
 
 
 def dense_chunk_rows(entries: int, heads: int, head_dim: int, index_heads: int, index_dim: int) -> int:
@@ -132,6 +137,8 @@ def indexer_loss(
     real: torch.Tensor,
     global_real_tokens: int,
     coeff: float,
+    selection_scores: torch.Tensor | None = None,
+    scored_key_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's share of ``coeff * mean_t KL`` over real tokens of the whole batch.
 
@@ -149,20 +156,34 @@ def indexer_loss(
         index_q, index_w, index_keys: indexer queries ``[L, Hi, Di]``, weights ``[L, Hi]``, all
             gathered indexer keys ``[G, Di]``; the loss differentiates through these.
         real: ``[L]`` bool, rows that count; ``global_real_tokens``: the normaliser.
+        selection_scores: sparse only: the ``[L, K]`` scores the top-k selection saw at ``scored_entries``
+            (``indexer_topk(..., return_scores=True)``, when :func:`selection_scores_wanted`): the
+            prediction without scoring the entries again (the gradient still flows to the indexer
+            inputs, :func:`~dsv4cp.ops.indexer.indexer_scores_given`). None: the entries are scored here.
+        scored_key_rows: sparse only: ``scored_entries``' key-buffer rows (``entry + compressed_offset``,
+            ``-1`` empty; ``[L, K]`` int32 / int64) when the caller has them (the layer's attention index):
+            the target is computed at them, not at rows rebuilt here (the same rows: the same bits).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant: must be one of {VARIANTS}, got {variant!r}")
     if (variant == "sparse") != isinstance(scored_entries, torch.Tensor):
         expected = "an [L, K] tensor" if variant == "sparse" else "a function of a row slice"
         raise ValueError(f"scored_entries: the {variant} variant takes {expected}, got {type(scored_entries).__name__}")
+    for name, given in (("selection_scores", selection_scores), ("scored_key_rows", scored_key_rows)):
+        if given is not None and variant != "sparse":
+            raise ValueError(f"{name}: only the sparse variant takes them, got variant {variant!r}")
+    if scored_key_rows is not None and scored_key_rows.shape != scored_entries.shape:
+        raise ValueError(f"scored_key_rows: must be scored_entries' shape {list(scored_entries.shape)}, got "
+                         f"{list(scored_key_rows.shape)}")
     q, key_buffer = q.detach(), key_buffer.detach()
     sink = sink.detach().to(attention_lse.dtype)[None, :]
     weight = real.to(torch.promote_types(index_q.dtype, torch.float32))
+    normaliser = coeff / max(global_real_tokens, 1)
     if variant == "sparse":
         log_denominator = torch.logaddexp(attention_lse.detach(), sink)
         total = _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q,
-                             index_w, index_keys, weight)
-        return total * (coeff / max(global_real_tokens, 1)) * _one_if_finite(index_q, index_w, index_keys, total)
+                             index_w, index_keys, weight, selection_scores, scored_key_rows)
+        return total * _scale_if_finite(index_q, index_w, index_keys, normaliser, total)
     window_lse = torch.logaddexp(logsumexp_over(q, key_buffer, window_idx, scale), sink)
 
     def chunk_loss(rows: slice, q_rows: torch.Tensor, w_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -176,28 +197,47 @@ def indexer_loss(
     m = scored_entries(slice(0, 0)).shape[1]  # M from a call on no rows
     step = dense_chunk_rows(m, q.shape[1], q.shape[2], index_q.shape[1], index_q.shape[2])
     total = _ChunkedKL.apply(index_q, index_w, index_keys, chunk_loss, step, torch.is_grad_enabled())
-    return total * (coeff / max(global_real_tokens, 1)) * _one_if_finite(index_q, index_w, index_keys, total)
+    return total * _scale_if_finite(index_q, index_w, index_keys, normaliser, total)
 
 
-def _one_if_finite(index_q: torch.Tensor, index_w: torch.Tensor, index_keys: torch.Tensor,
-                   like: torch.Tensor) -> torch.Tensor:
-    """0-d tensor of ``like``'s dtype: 1 when every indexer input is finite, else NaN (the selection
+def selection_scores_wanted(variant: str) -> bool:
+    """Whether the layer hands :func:`indexer_loss` the selection's scores: the sparse variant, with the
+    kernel option ``indexer_loss_scores`` at ``selection`` (``recompute``: the loss scores the entries)."""
+    return variant == "sparse" and kernel_options.get("indexer_loss_scores") == "selection"
+
+
+def _scale_if_finite(index_q: torch.Tensor, index_w: torch.Tensor, index_keys: torch.Tensor, scale: float,
+                     like: torch.Tensor) -> torch.Tensor:
+    """0-d tensor of ``like``'s dtype: ``scale`` when every indexer input is finite, else NaN (the selection
     skips non-finite scores, so without this factor they would vanish from the loss).
 
-    Checked through each input's sum: a NaN or infinity anywhere makes a sum non-finite, whatever the
-    order of the additions, and finite values overflow an fp32 sum only far beyond any score the
-    indexer could rank. One read per input and no temporary of its size, unlike ``isfinite().all()``."""
+    Checked through the inputs' summed sums: a NaN or infinity anywhere makes the sum non-finite, whatever
+    the order of the additions, and finite values overflow an fp32 sum only far beyond any score the
+    indexer could rank. One read per input and no temporary of its size, unlike ``isfinite().all()``; the
+    factor is then ``sum * 0 + scale``, which is ``scale`` rounded to ``like``'s dtype for a finite sum
+    (``x * 0`` is a zero) and NaN otherwise: two scalar operations instead of a finiteness test, a
+    ``where`` and a separate multiply by the normaliser. ``loss * factor`` has the bits of ``(loss * scale)
+    * 1`` and so has its gradient (the scale is rounded to ``like``'s dtype either way)."""
     with torch.no_grad():
-        total = sum(t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in (index_q, index_w, index_keys))
-        return torch.where(torch.isfinite(total), 1.0, float("nan")).to(like.dtype)
+        work = torch.promote_types(like.dtype, torch.float32)
+        total = index_q.sum(dtype=work).add_(index_w.sum(dtype=work)).add_(index_keys.sum(dtype=work))
+        return total.mul_(0).add_(scale).to(like.dtype)
 
 
 def _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q, index_w,
-                 index_keys, weight) -> torch.Tensor:
-    """The sparse variant's unnormalised sum over rows (``[L, K]`` tensors throughout)."""
+                 index_keys, weight, selection_scores: torch.Tensor | None = None,
+                 key_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The sparse variant's unnormalised sum over rows (``[L, K]`` tensors throughout): the KL terms of
+    :func:`~dsv4cp.ops.indexer_kl.indexer_kl` (the kernel option ``indexer_loss_kl``) at the selection's
+    scores when given, else at the entries scored again; the target at ``key_rows`` (built from the
+    entries when not given)."""
     valid = scored_entries >= 0
-    key_rows = torch.where(valid, scored_entries + compressed_offset, -1)
+    if key_rows is None:
+        key_rows = torch.where(valid, scored_entries + compressed_offset, -1)
     target_mass = head_summed_probs(q, key_buffer, key_rows, scale, log_denominator)
-    scores = indexer_scores(index_q, index_w, index_keys, scored_entries)
+    if selection_scores is None:
+        scores = indexer_scores(index_q, index_w, index_keys, scored_entries)
+    else:
+        scores = indexer_scores_given(index_q, index_w, index_keys, scored_entries, selection_scores)
     region = BackwardRegion("indexer.loss.bwd")
-    return region.output(kl_distillation(target_mass, region.input(scores), valid, weight))
+    return region.output(indexer_kl(target_mass, region.input(scores), valid, weight))

@@ -2,14 +2,16 @@
 
 * :mod:`.sparse_attention`: the attention op and its backend registry (torch, triton, flashmla, cudnn);
 * :mod:`.indexer`: the lightning indexer's top-k selection and differentiable scores;
+* :mod:`.indexer_kl`: the indexer loss's KL terms (torch reference, fused Triton pass);
 * :mod:`.attention_probs`: the attention's probabilities at given keys (the indexer loss's target);
 * :mod:`.norm_rope`: RMS norm and RoPE, fused on CUDA for the attention's queries and outputs;
 * :mod:`.compress_pool`: the compressor's gated pooling of r-token groups (torch reference, Triton on CUDA);
 * :mod:`.grouped_linear`: the output projection's per-group map, without the copies a batched einsum makes;
 * :mod:`.kernel_scope`: kernel options (:mod:`dsv4cp.kernel_options`) held through a region's later backward.
 * :mod:`.sparse_attention_library`: the attention op as ``torch.library`` custom ops, what ``torch.compile`` traces;
-  likewise :mod:`.indexer_library`, :mod:`.attention_probs_library`, :mod:`.norm_rope_library` and
-  :mod:`.compress_pool_library` for the other Triton kernels (:mod:`.custom_op_library`: what they share);
+  likewise :mod:`.indexer_library`, :mod:`.indexer_kl_library`, :mod:`.attention_probs_library`,
+  :mod:`.norm_rope_library` and :mod:`.compress_pool_library` for the other Triton kernels
+  (:mod:`.custom_op_library`: what they share);
 * :mod:`.determinism`: which backends replay bitwise, per op and direction, and deterministic mode.
 
 The ops read the kernel options, pass the resolved choices to the kernels as keyword arguments and note
@@ -22,6 +24,7 @@ what ran (:func:`dsv4cp.kernel_options.note_backend`).
 from dsv4cp.ops import (  # noqa: F401
     attention_probs_library,
     compress_pool_library,
+    indexer_kl_library,
     indexer_library,
     norm_rope_library,
     sparse_attention_library,

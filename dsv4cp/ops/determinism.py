@@ -74,6 +74,9 @@ REGISTRY: tuple[BackendDeterminism, ...] = (
     BackendDeterminism("indexer_scores", "triton", _FIXED_ORDER, Direction(
         UNDER_MODE, "fp32 atomics into the key gradient unless deterministic mode (or the kernel option "
                     "triton_scores_bwd_reduce=sorted / sorted-bf16) selects the sorted reduction")),
+    BackendDeterminism("indexer_kl", "triton", Direction(
+        ALWAYS, "one program per row, then torch.sum over the rows; no atomics"),
+        Direction(ALWAYS, "the forward's saved score gradient scaled elementwise")),
     BackendDeterminism("compress_pool", "torch", _FIXED_ORDER, _INDEX_ADD),
     BackendDeterminism("compress_pool", "triton", _FIXED_ORDER,
                        Direction(ALWAYS, "every input gradient written by one program, no atomics")),

@@ -4,7 +4,8 @@ Two ops, both chunked over queries so neither the per-head score tensor nor the 
 ``[T, entries]`` fp32 matrix exists beyond a bounded block:
 
 * :func:`indexer_topk`: no-grad selection of the K best visible entries per query.
-* :func:`indexer_scores`: differentiable scores at given entries (the indexer loss's prediction).
+* :func:`indexer_scores`: differentiable scores at given entries (the indexer loss's prediction);
+  :func:`indexer_scores_given`: the same op on scores already computed (the selection's), no forward work.
 
 CUDA inputs run the Triton kernels; :func:`fused_indexer_topk` is the top-k's Triton backend, which
 chooses its path from the kernel options (:mod:`dsv4cp.kernel_options`: ``topk_impl``, ``topk_select``,
@@ -75,8 +76,10 @@ def indexer_topk(
     check_key_row_limit(key_row_limit)
     if not isinstance(return_scores, bool):
         raise ValueError(f"return_scores: must be a bool, got {return_scores!r}")
-    if visibility is not None and triton_serves(q) and torch.compiler.is_compiling() and not return_scores:
-        limit = None if key_row_limit is None else list(key_row_limit)  # the custom op: .indexer_library
+    if visibility is not None and triton_serves(q) and torch.compiler.is_compiling():
+        limit = None if key_row_limit is None else list(key_row_limit)  # the custom ops: .indexer_library
+        if return_scores:
+            return torch.ops.dsv4cp.indexer_topk_scores(q, w, keys, *visibility, k, limit, options_in_force())
         return torch.ops.dsv4cp.indexer_topk(q, w, keys, *visibility, k, limit, options_in_force())
     if visibility is not None and triton_serves(q):
         return fused_indexer_topk(q, w, keys, *visibility, k, key_row_limit=key_row_limit,
@@ -252,3 +255,79 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
             return region.output(indexer_scores_triton(q, w, keys, idx))
     note_eager("indexer_scores.fwd", "torch")
     return _IndexerScores.apply(q, w, keys, idx)
+
+
+class _GivenScores(torch.autograd.Function):
+    """:class:`_IndexerScores` with the forward's result handed in: the same saved tensors and backward."""
+
+    @staticmethod
+    def forward(ctx, q, w, keys, idx, scores):
+        ctx.save_for_backward(q, w, keys, idx)
+        return scores.view_as(scores)
+
+    @staticmethod
+    def backward(ctx, grad):
+        note_eager("indexer_scores.bwd", "torch")
+        with nvtx_range("indexer.score.bwd"):
+            return (*_IndexerScores._backward(ctx, grad), None)
+
+
+class _GivenScoresTriton(torch.autograd.Function):
+    """The Triton scores' backward for scores handed in: the custom op ``dsv4cp::indexer_scores_bwd`` (the
+    compiled :func:`indexer_scores`' backward: the eager one's kernels, reduction, launch pin and scratch)
+    under the kernel options in force at the forward, eager and compiled alike."""
+
+    @staticmethod
+    def forward(ctx, q, w, keys, idx, scores, options: str):
+        ctx.save_for_backward(q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous())
+        ctx.options = options
+        return scores.view_as(scores)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, w, keys, idx = ctx.saved_tensors
+        dq, dw, dkeys = torch.ops.dsv4cp.indexer_scores_bwd(grad, q, w, keys, idx, ctx.options)
+        return dq, dw, dkeys, None, None, None
+
+
+def indexer_scores_given(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
+                         scores: torch.Tensor) -> torch.Tensor:
+    """:func:`indexer_scores` whose forward returns ``scores`` (no kernel, no copy: a view) and whose
+    backward is :func:`indexer_scores`' own on the same backend: the torch reference's, or the Triton
+    kernels' (their key-gradient reduction, launch pin and scratch from the kernel options in force here,
+    deterministic mode as it stands when the backward runs).
+
+    ``scores [T, K]``: the scores at ``idx`` already computed (e.g. by ``indexer_topk(...,
+    return_scores=True)``), in the dtype :func:`indexer_scores` returns for these inputs (fp32; fp64 for
+    fp64 inputs on the torch path); its values at ``-1`` slots are the caller's to mask. Gradients flow to
+    ``q``, ``w`` and ``keys`` as through :func:`indexer_scores` (none to ``scores``). With scores bit for
+    bit those :func:`indexer_scores` would compute, every gradient is bit for bit its own; otherwise the
+    gradients are :func:`indexer_scores`' for the upstream gradient the given scores lead to.
+
+    Raises:
+        ValueError: ``scores`` not a tensor of ``idx``'s shape on ``q``'s device, or of another dtype.
+    """
+    triton = triton_serves(q)
+    expected = torch.float32 if triton else torch.promote_types(q.dtype, torch.float32)
+    if not isinstance(scores, torch.Tensor):
+        raise ValueError(f"scores: must be a tensor, got {type(scores).__name__}")
+    if scores.shape != idx.shape or scores.device != q.device:
+        raise ValueError(f"scores: must be {list(idx.shape)} (idx's shape) on {q.device}, got "
+                         f"{list(scores.shape)} on {scores.device}")
+    if scores.dtype != expected:
+        raise ValueError(f"scores: dtype must be {expected} (what indexer_scores returns for {q.dtype} "
+                         f"inputs here), got {scores.dtype}")
+    scores = scores.detach()
+    if triton:  # no note of a forward: none runs (the backward notes its kernels as indexer_scores' does)
+        if not torch.compiler.is_compiling():  # as indexer_scores_triton: every setting checked before any work
+            from dsv4cp.kernels import indexer_scores_triton as kernels  # lazy: imports triton
+            from dsv4cp.kernels.indexer_triton import _check_qwk
+
+            _check_qwk(q, w, keys)
+            kernels._check_idx(q, idx)
+            kernels._gather_bwd_pinned(None)  # the backward's options: a bad pin, reduction or scratch
+            kernels._reduction_of(None)
+            kernels._scratch_of(None)
+        # the custom op opens the backward's phase range itself
+        return _GivenScoresTriton.apply(q, w, keys, idx, scores, options_in_force())
+    return _GivenScores.apply(q, w, keys, idx, scores)

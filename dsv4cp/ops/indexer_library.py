@@ -6,6 +6,8 @@ force as text (:mod:`.custom_op_library`), so the compiled step picks the eager 
 
 * ``dsv4cp::indexer_topk(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit, options)
   -> [T, k]`` int64, no gradient: :func:`dsv4cp.ops.indexer.fused_indexer_topk`;
+* ``dsv4cp::indexer_topk_scores(...)`` (the same arguments) ``-> ([T, k] int64, [T, k] fp32)``: the rows and
+  their scores (``return_scores=True``), no gradient;
 * ``dsv4cp::indexer_scores_fwd(q [T, Hi, Di], w [T, Hi], keys [G, Di], idx [T, K], options) -> [T, K]``
   fp32, differentiable in q, w and keys through ``dsv4cp::indexer_scores_bwd(grad, q, w, keys, idx,
   options) -> (dq, dw, dkeys)`` (the kernels of :mod:`dsv4cp.kernels.indexer_scores_triton`; the
@@ -39,6 +41,21 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, query_doc
 @indexer_topk.register_fake
 def _(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit, options):
     return q.new_empty((q.shape[0], k), dtype=torch.int64)
+
+
+@torch.library.custom_op("dsv4cp::indexer_topk_scores", mutates_args=())
+def indexer_topk_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, query_doc: torch.Tensor,
+                        query_limit: torch.Tensor, key_doc: torch.Tensor, key_j: torch.Tensor, k: int,
+                        key_row_limit: list[int] | None, options: str) -> tuple[torch.Tensor, torch.Tensor]:
+    limit = None if key_row_limit is None else (int(key_row_limit[0]), int(key_row_limit[1]))
+    with options_from(options):
+        return fused_indexer_topk(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit=limit,
+                                  return_scores=True)
+
+
+@indexer_topk_scores.register_fake
+def _(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit, options):
+    return q.new_empty((q.shape[0], k), dtype=torch.int64), q.new_empty((q.shape[0], k), dtype=torch.float32)
 
 
 @torch.library.custom_op("dsv4cp::indexer_scores_fwd", mutates_args=())
