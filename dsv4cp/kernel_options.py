@@ -159,7 +159,7 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "entries scored again (recompute)", "selection", ("selection", "recompute")),
     KernelOption("indexer_loss_kl", "DSV4CP_INDEXER_LOSS_KL", CHOICE, "indexer_loss",
                  "sparse indexer loss's KL terms and score gradient: torch ops (torch) or one Triton pass per "
-                 "row (triton; CUDA fp32 scores, K <= 4096, else torch)", "torch", ("torch", "triton")),
+                 "row (triton; CUDA fp32 scores, K <= 4096, else torch)", "triton", ("torch", "triton")),
     _tile("triton_fwd_config", "sparse_attention", _KERNEL_TILE, "pins the Triton attention forward's launch"),
     KernelOption("triton_fwd_logits", "DSV4CP_TRITON_FWD_LOGITS", CHOICE, "sparse_attention",
                  "Triton attention forward's logits: both warpgroups compute all of them (duplicated), each half "
