@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         print(note)
     if emulated and isinstance(rank, int):
         point = dataclasses.replace(point, emulated_rank=rank)
-    _check_fresh_batches(point)
+    check_fresh_batches(point)
     check_cuda_graph(point, device)
     step_bytes = check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward,
                               dtype=DTYPES[point.dtype], recompute=args.recompute, device=device, force=args.force)
@@ -307,13 +307,6 @@ def _fresh_batch_count(text: str) -> int:
         raise argparse.ArgumentTypeError("must be 0 (one batch, its layout built once) or N >= 2 distinct batches "
                                          "(every step building its layout), got '1'")
     return value
-
-
-def _check_fresh_batches(point: Point) -> None:
-    try:
-        check_fresh_batches(point)
-    except ValueError as err:
-        raise ValueError(f"--fresh-batches: {str(err).removeprefix('fresh_batches: ')}") from None
 
 
 def _check_fresh_batch_memory(args, point: Point, step_bytes: int, device: torch.device, split, machine,
