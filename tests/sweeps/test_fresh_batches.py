@@ -5,6 +5,8 @@ option as configuration."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -120,6 +122,20 @@ def test_default_keeps_earlier_point_ids_and_values_are_checked():
             make_point({"tokens": 64, "fresh_batches": bad})
 
 
+def test_compiled_fresh_batches_compile_once():
+    """Under torch.compile (whose traced layer builds the layout inside its graph) the other batches'
+    tensors of the same shapes reuse the graph: fresh batches add no graph and no break."""
+    from torch._dynamo.utils import counters
+
+    found = []
+    for count in (0, 3):
+        point = make_point({"preset": "tiny", "tokens": 128, "ratio": 4, "kernel_backend": "torch", "pass": "fwd",
+                            "compile": "eager", "fresh_batches": count})
+        metrics = measure_point(point, None, torch.device("cpu"), RunOptions(warmup=1, reps=3)).metrics
+        found.append((counters["stats"]["unique_graphs"], metrics["graph_breaks"]))
+    assert found[1] == found[0] and found[0][0] >= 1
+
+
 def test_fresh_batches_with_a_cuda_graph_are_refused_before_work(monkeypatch):
     monkeypatch.setattr("dsv4cp.sweeps.measure.point_step", lambda *a, **k: pytest.fail("no step may be built"))
     point = make_point({"tokens": 64, "fresh_batches": 2, "cuda_graph": True})
@@ -137,9 +153,12 @@ def test_a_sweep_varies_fresh_batches_as_an_axis():
 
 def test_compare_treats_fresh_batches_as_configuration(tmp_path, seed, capsys):
     points = grid(cp=[1, 2], tokens=[4096])
-    base = write_run(tmp_path / "base", points, seed=seed)  # records from before the axis: one batch
+    base = write_run(tmp_path / "base", points, seed=seed)
+    lines = (base / "records.jsonl").read_text().splitlines()
+    old = [{k: v for k, v in json.loads(line).items() if k != "fresh_batches"} for line in lines]
+    (base / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))  # from before the axis
     new = write_run(tmp_path / "new", [{**p, "fresh_batches": 8} for p in points], seed=seed)
-    assert {r["fresh_batches"] for r in read_records(base)} == {0}
+    assert {r["fresh_batches"] for r in read_records(base)} == {0}  # what they measured: one batch
     assert main(["compare", str(base), str(new)]) == 2
     err = capsys.readouterr().err
     assert "none of the 2 matched points is comparable" in err and "configuration differs: fresh_batches 0 -> 8" in err
