@@ -118,7 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "batch's layout again, as a one-layer model fed a new batch every step. All N "
                              "batches stay in memory (input rows, upstream gradient and, with --backward, the "
                              "input's gradient each): refused when the estimate does not fit (--force skips "
-                             "that); eager steps only (not with --cuda-graph)")
+                             "that). Not with --cuda-graph; under --compile the traced layer builds the layout in "
+                             "every step either way")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, choices=COMPILE_BACKENDS,
                         metavar="BACKEND", help="run the layer under torch.compile (BACKEND one of "
                         f"{', '.join(COMPILE_BACKENDS)}; default inductor); the compiling first step is timed apart")
