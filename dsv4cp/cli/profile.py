@@ -57,7 +57,7 @@ from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
 from dsv4cp.cp.launch import init_from_env, under_torchrun
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.calibration import Calibration
-from dsv4cp.model.machine import no_machine_reason
+from dsv4cp.model.machine import Machine, no_machine_reason
 from dsv4cp.model.memory_split import memory_capped_split, trade_off
 from dsv4cp.profiling.compilation import COMPILE_BACKENDS
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
@@ -310,8 +310,9 @@ def _fresh_batch_count(text: str) -> int:
     return value
 
 
-def _check_fresh_batch_memory(args, point: Point, step_bytes: int, device: torch.device, split, machine,
-                              calibration) -> None:
+def _check_fresh_batch_memory(args: argparse.Namespace, point: Point, step_bytes: int, device: torch.device,
+                              split: RowSplit | None, machine: Machine | None,
+                              calibration: Calibration | None) -> None:
     """``WouldNotFitError`` naming ``--fresh-batches`` when the step's estimated peak and the N - 1 batches
     more do not fit in the device's free memory (unless ``--force``); the largest rank's rows count."""
     if not point.fresh_batches or args.force:

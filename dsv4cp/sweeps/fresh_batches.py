@@ -30,13 +30,14 @@ from dsv4cp.cp.comm import group_size_and_rank
 from dsv4cp.cp.layout_cache import clear_layouts
 from dsv4cp.layer import AttentionOutput
 from dsv4cp.layer.step import INPUT_SEED_STRIDE, LayerStep
+from dsv4cp.sweeps.spec import Point
 
 __all__ = ["FreshBatches", "batch_bytes", "batch_seed", "check_fresh_batches", "fresh_batches"]
 
 
-def check_fresh_batches(point) -> None:
-    """``ValueError`` naming ``fresh_batches`` when ``point`` (a :class:`~dsv4cp.sweeps.spec.Point`) asks
-    for fresh batches it cannot time; called before any work."""
+def check_fresh_batches(point: Point) -> None:
+    """``ValueError`` naming ``fresh_batches`` when ``point`` asks for fresh batches it cannot time;
+    called before any work."""
     if point.fresh_batches and point.cuda_graph:
         # a graph replays the tensors it captured (one batch), and a capture always builds the layout
         # (layout_cache bypasses itself while capturing): its replays already pay the layout kernels
