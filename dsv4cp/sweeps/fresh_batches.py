@@ -4,11 +4,13 @@ its batch's layout again (docs/design.md §5, "Repeated and fresh batches").
 The layer keeps the per-batch layout (CP layout, gathered-row maps, RoPE tables) of the batches in use
 (:mod:`dsv4cp.cp.layout_cache`), so steps repeated on one batch build it once: their time is a layer of
 a deep model, whose layers share one layout. A one-layer model fed a new batch every step builds it in
-every step. :class:`FreshBatches` measures that step: before each step it forgets the kept layouts
-(:func:`~dsv4cp.cp.layout_cache.clear_layouts`), as a training loop forgets the previous batch's when
-that batch is dropped, so the layer's :func:`~dsv4cp.cp.layout_cache.layout_for` takes its miss path
-and builds the layout of the batch it meets. Clearing is needed because the cache keeps up to
-:data:`~dsv4cp.cp.layout_cache.MAX_LAYOUTS` layouts: a cycle of fewer batches would otherwise hit.
+every step. :class:`FreshBatches` measures that step: after each step it forgets the kept layouts
+(:func:`~dsv4cp.cp.layout_cache.clear_layouts`), as a training loop drops the batch it is done with (and
+the cache its layout), so in the next step the layer's :func:`~dsv4cp.cp.layout_cache.layout_for` takes
+its miss path and builds the layout of the batch it meets. Clearing is needed because the cache keeps up
+to :data:`~dsv4cp.cp.layout_cache.MAX_LAYOUTS` layouts: a cycle of fewer batches would otherwise hit.
+After the step, not before the next: on a GPU the host frees the layout while the step's kernels still
+run, as a training loop's host does, instead of at the start of the next step, when the GPU waits.
 
 The batches are built before timing (no data generation in the timed steps) and held throughout:
 batch 0 is the point's own step; batch ``b >= 1`` has the same documents (the point's packing and
@@ -53,7 +55,8 @@ def batch_bytes(rows: int, hidden: int, dtype: torch.dtype, backward: bool) -> i
 
 @dataclass
 class FreshBatches:
-    """Call it to run the next batch's step (cycling), after forgetting every kept layout."""
+    """Call it to run the next batch's step (cycling), then forget every kept layout. Built by
+    :func:`fresh_batches`, which forgets them once first, so that every call builds its layout."""
 
     steps: list[LayerStep]
     """One step per batch, sharing one layer; ``steps[0]`` is the point's own step."""
@@ -64,16 +67,18 @@ class FreshBatches:
     def __call__(self) -> AttentionOutput:
         step = self.steps[self._next]
         self._next = (self._next + 1) % len(self.steps)
-        clear_layouts()  # the previous batch is done with: this step meets a layout not kept
         self.last = step
-        return step()
+        try:
+            return step()
+        finally:
+            clear_layouts()  # this batch is done with: the next step meets no kept layout
 
 
 def fresh_batches(step: LayerStep, count: int, seed: int) -> FreshBatches:
     """``count`` (>= 2) batches for ``step``'s layer (see the module docstring): ``step`` itself, then
     ``count - 1`` built here with copies of its offsets and rows drawn from ``seed``, the seed ``step`` was
-    built with (:func:`dsv4cp.layer.step.build_step`). ``ValueError`` naming ``fresh_batches`` for a
-    count below 2."""
+    built with (:func:`dsv4cp.layer.step.build_step`); forgets every kept layout. ``ValueError`` naming
+    ``fresh_batches`` for a count below 2."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 2:
         raise ValueError(f"fresh_batches: the steps cycle through at least 2 batches, got {count!r}")
     cp, rank = group_size_and_rank(step.cp_group)
@@ -87,6 +92,7 @@ def fresh_batches(step: LayerStep, count: int, seed: int) -> FreshBatches:
         x = torch.randn(rows, hidden, generator=inputs, device=device, dtype=dtype).requires_grad_(step.backward)
         upstream = torch.randn(rows, hidden, generator=inputs, device=device, dtype=dtype)
         steps.append(LayerStep(step.layer, packed, x, upstream, step.backward, step.cp_group, step.split))
+    clear_layouts()  # a layout kept from an earlier step on batch 0 would meet the first call
     return FreshBatches(steps)
 
 

@@ -79,12 +79,14 @@ def test_repeated_batch_builds_its_layout_once(monkeypatch, seed):
     assert spy.at_step[0] == ("warmup", 1) and spy.timed_builds() == [0, 0, 0]
 
 
-def test_fresh_batches_are_distinct_inputs_of_the_same_documents(seed):
+def test_fresh_batches_are_distinct_inputs_of_the_same_documents(monkeypatch, seed):
     point = _point(seed, cp=1, **{"pass": "fwd+bwd"})
     cfg, lengths = point_inputs(point)
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
     split = point_split(point, cfg, lengths)
     step = point_step(point, cfg, packed, split, torch.device("cpu"))
+    step()  # batch 0's layout is now kept: building the batches forgets it
+    spy = BuildSpy(monkeypatch)
     batches = fresh_batches(step, 3, point.seed)
     assert batches.steps[0] is step
     for other in batches.steps[1:]:
@@ -101,9 +103,10 @@ def test_fresh_batches_are_distinct_inputs_of_the_same_documents(seed):
     seeds = {batch_seed(point.seed, b, 4, r) for b in range(5) for r in range(4)}
     assert len(seeds) == 20
     batches()
-    assert batches.last is batches.steps[0]
+    assert batches.last is batches.steps[0] and spy.batches == [id(step.packed)]
     batches()
     assert batches.last is batches.steps[1] and batches.steps[1].x.grad is not None
+    assert spy.batches == [id(step.packed), id(batches.steps[1].packed)]
     assert batch_bytes(rows=10, hidden=6, dtype=torch.bfloat16, backward=True) == 3 * 10 * 6 * 2
     assert batch_bytes(rows=10, hidden=6, dtype=torch.float32, backward=False) == 2 * 10 * 6 * 4
     with pytest.raises(ValueError, match="^fresh_batches"):
