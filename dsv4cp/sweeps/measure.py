@@ -220,9 +220,9 @@ def measure_point(
     peak-memory step: memory, memory phases, traces and nsys steps are eager steps.
 
     With ``point.fresh_batches`` N >= 2 the N batches are built before the warm-up and every step
-    (warm-up, timed, memory, memory phases, snapshot, nsys, traced) runs on the next one, after the kept
-    layouts are forgotten, so that each builds its batch's layout (:mod:`dsv4cp.sweeps.fresh_batches`;
-    the batches share the documents, so the bound and split are the point's); the parity check is not
+    (warm-up, timed, memory, memory phases, snapshot, nsys, traced) runs on the next one and then forgets
+    the kept layouts, so that each builds its batch's layout (:mod:`dsv4cp.sweeps.fresh_batches`; the
+    batches share the documents, so the bound and split are the point's); the parity check is not
     affected.
 
     The point's ``kernel_options`` are in force throughout (the checked parity run included).
@@ -230,8 +230,7 @@ def measure_point(
     Raises ``ValueError`` for shapes the point cannot run, for a ``cuda_graph`` it cannot replay and for
     fresh batches with ``cuda_graph`` (before any collective), :class:`NonFiniteResult` on every rank
     when the peak-memory step's output, indexer loss or gradients are not finite on any rank (checked
-    once, after timing), and
-    whatever the step raises (``torch.OutOfMemoryError``, ...).
+    once, after timing), and whatever the step raises (``torch.OutOfMemoryError``, ...).
     """
     # the whole point in deterministic mode when it asks for it: timing, memory, traces, parity
     with kernel_options.overrides(point.kernel_options or {}), deterministic_algorithms(point.deterministic):
@@ -307,7 +306,7 @@ def _measure(
         result = run_step()
     sample = tracker.result
     peak = sample.peak_allocated_bytes if device.type == "cuda" else sample.host_peak_rss_bytes
-    ran = batches.last if batches else step
+    ran = batches.last if batches is not None else step  # the batch whose gradients the check reads
     per_rank = _gather((rank_median, peak, sample.device_used_bytes, nonfinite_parts(result, ran.x, ran.layer)),
                        group)
     del result
