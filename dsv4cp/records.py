@@ -27,7 +27,7 @@ SCHEMA_VERSION: int = 1
 AXES: tuple[str, ...] = (
     "preset", "ratio", "cp", "tokens", "tokens_per_rank", "packing", "loss", "overlap", "kernel_backend",
     "recompute", "pass", "dtype", "seed", "partition", "emulated_rank", "cuda_graph", "kernel_options",
-    "deterministic", "compile",
+    "deterministic", "compile", "fresh_batches",
 )
 """What was measured. ``pass``: ``fwd`` | ``fwd+bwd``; ``packing``: ``one`` | ``fixed:<len>`` |
 ``histogram`` | ``histogram-bestfit`` | ``adversarial`` | ``lengths:<a,b,...>``; ``partition``:
@@ -44,10 +44,13 @@ two runs on different kernel variants never look alike; a point's id is built on
 differs from the default (:func:`dsv4cp.kernel_options.non_default`; none: left out, the id of a record
 from before the axis existed); ``deterministic``: whether the step ran under
 ``torch.use_deterministic_algorithms(True)`` with deterministic kernel backends; ``compile``: the
-``torch.compile`` backend of the layer, None when eager."""
+``torch.compile`` backend of the layer, None when eager; ``fresh_batches``: 0 when every step ran on one
+batch (its per-batch layout built once, then reused, as by the layers of a deep model), else the number
+of distinct batches the steps cycled through, each step missing the layout cache (a one-layer model fed
+a new batch every step); a configuration too (:data:`CONFIG_FIELDS`)."""
 
 _ADDED_AXES: dict[str, object] = {"emulated_rank": None, "cuda_graph": False, "kernel_options": None,
-                                  "deterministic": False, "compile": None}
+                                  "deterministic": False, "compile": None, "fresh_batches": 0}
 """Axes added after records were first committed -> what a record meant before the axis existed (a
 real run; eager steps). An added axis at that value (or None) is left out of :func:`point_id`, so the
 ids of earlier records (and of every real, eager run) do not change; :func:`make_record` and
@@ -155,7 +158,7 @@ COLUMN_TYPES: dict[str, FieldType] = {
     "recompute": FLAG, "pass": TEXT, "dtype": TEXT, "seed": _int_at_least(0), "partition": TEXT,
     "emulated_rank": FieldType("an integer >= 0 or \"all\"",
                                lambda value: (_is_int(value) and value >= 0) or value == "all"),
-    "cuda_graph": FLAG, "deterministic": FLAG, "compile": TEXT,
+    "cuda_graph": FLAG, "deterministic": FLAG, "compile": TEXT, "fresh_batches": _int_at_least(0),
     # metrics
     "time_ms_median": NUMBER, "time_ms_p20": NUMBER, "time_ms_p80": NUMBER, "time_ms_samples": NUMBERS,
     "rank_time_ms_median": NUMBERS_OR_NULLS, "imbalance_max_over_mean": NUMBER, "tokens_per_s": NUMBER,
@@ -173,8 +176,9 @@ COLUMN_TYPES: dict[str, FieldType] = {
 """The type of every column (and of columns that may be added: a column without an entry here holds
 any JSON value); checked on every read by :func:`check_record`."""
 
-CONFIG_FIELDS: tuple[str, ...] = ("kernel_options", "backends")
-"""Columns saying how a point's kernels ran, beyond its axes: two records are measurements of the same
+CONFIG_FIELDS: tuple[str, ...] = ("kernel_options", "backends", "fresh_batches")
+"""Columns saying how a point's kernels ran, beyond its axes, and which batches its steps met
+(``fresh_batches``, an axis left out of :func:`match_id`): two records are measurements of the same
 thing only when these agree too (``dsv4cp compare``); a record without them is "unknown"."""
 
 OK_TIMES: tuple[str, ...] = ("time_ms_p20", "time_ms_median", "time_ms_p80")
@@ -329,10 +333,10 @@ def id_of_fragments(fragments: str) -> str:
 
 
 def match_id(record: dict) -> str:
-    """The id of a record's point without its kernel options: what two runs' records are matched on
-    (``dsv4cp compare``), so that points differing only in their kernel configuration meet, and the
+    """The id of a record's point without its kernel options and fresh batches: what two runs' records are
+    matched on (``dsv4cp compare``), so that points differing only in their configuration meet, and the
     configuration is then compared as part of their identity (:data:`CONFIG_FIELDS`)."""
-    return point_id({**record, "kernel_options": None})
+    return point_id({**record, "kernel_options": None, "fresh_batches": None})
 
 
 def check_status(status: str) -> str:

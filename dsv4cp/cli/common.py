@@ -102,6 +102,7 @@ FIELD_FLAGS: dict[str, str] = {
     "warmup": "--warmup",
     "reps": "--reps",
     "cuda_graph": "--cuda-graph",
+    "fresh_batches": "--fresh-batches",
     "path": "PATH",
 }
 """Library field names (config, packing, workloads, model) -> the flag a user typed for them."""

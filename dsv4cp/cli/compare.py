@@ -38,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", default="0.01", metavar="P",
                         help="false-alarm level of the rank test over all points (Bonferroni; default 0.01)")
     parser.add_argument("--ignore-option", action="append", default=[], metavar="KEY",
-                        help="compare points whose kernel configuration differs in KEY (an option such as "
-                             "topk_impl, kernel_options.topk_impl, backends.sparse_attention.fwd, or a whole "
-                             "column kernel_options / backends); repeatable")
+                        help="compare points whose configuration differs in KEY (an option such as "
+                             "topk_impl, kernel_options.topk_impl, backends.sparse_attention.fwd, a whole "
+                             "column kernel_options / backends, or fresh_batches); repeatable")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT",
                         help="also write NEW's values in github-action-benchmark's custom JSON format")
     parser.add_argument("--allow-different-hardware", action="store_true",

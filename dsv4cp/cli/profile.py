@@ -30,6 +30,7 @@ import torch.distributed as dist
 from dsv4cp.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
+    WouldNotFitError,
     add_dist_backend_option,
     add_layer_options,
     add_machine_options,
@@ -38,6 +39,7 @@ from dsv4cp.cli.common import (
     check_args_agree,
     check_memory,
     check_output_dir,
+    free_bytes,
     kernel_option_values,
     kernels_line,
     layer_inputs,
@@ -55,13 +57,14 @@ from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
 from dsv4cp.cp.launch import init_from_env, under_torchrun
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.calibration import Calibration
-from dsv4cp.model.machine import no_machine_reason
+from dsv4cp.model.machine import Machine, no_machine_reason
 from dsv4cp.model.memory_split import memory_capped_split, trade_off
 from dsv4cp.profiling.compilation import COMPILE_BACKENDS
 from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.memory_snapshot import check_snapshot_request, snapshot_name
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
+from dsv4cp.sweeps.fresh_batches import batch_bytes, check_fresh_batches
 from dsv4cp.sweeps.measure import NonFiniteResult, check_cuda_graph, measure_point, point_inputs, point_split
 from dsv4cp.sweeps.measured_split import MAX_ROUNDS, TARGET_IMBALANCE, load_split
 from dsv4cp.sweeps.spec import ALL_RANKS, MEASURED, PARTITIONS, Point, RunOptions, make_point
@@ -107,6 +110,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="run under torch.use_deterministic_algorithms(True); --kernel-backend auto then picks "
                              "deterministic backends only (triton-deterministic for Triton)")
+    parser.add_argument("--fresh-batches", type=_fresh_batch_count, default=0, metavar="N",
+                        help="0 (default): every step runs on one batch, whose layout (CP layout, gathered-row "
+                             "maps, RoPE tables) is built once and then reused, as by the layers of a deep model. "
+                             "N >= 2: build N distinct batches of the same documents before timing and cycle the "
+                             "steps (warm-up, timed, traced, memory) through them, every step building its "
+                             "batch's layout again, as a one-layer model fed a new batch every step. All N "
+                             "batches stay in memory (input rows, upstream gradient and, with --backward, the "
+                             "input's gradient each): refused when the estimate does not fit (--force skips "
+                             "that). Not with --cuda-graph; under --compile the traced layer builds the layout in "
+                             "every step either way")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, choices=COMPILE_BACKENDS,
                         metavar="BACKEND", help="run the layer under torch.compile (BACKEND one of "
                         f"{', '.join(COMPILE_BACKENDS)}; default inductor); the compiling first step is timed apart")
@@ -151,7 +164,7 @@ def point_from_args(args: argparse.Namespace, cp: int, device: torch.device) -> 
         "recompute": args.recompute, "pass": "fwd+bwd" if args.backward else "fwd", "dtype": dtype,
         "seed": args.seed, "partition": args.partition, "cuda_graph": args.cuda_graph,
         "kernel_options": kernel_option_values(args) or None,
-        "deterministic": args.deterministic, "compile": args.compile,
+        "deterministic": args.deterministic, "compile": args.compile, "fresh_batches": args.fresh_batches,
     })
 
 
@@ -181,12 +194,14 @@ def run(args: argparse.Namespace) -> int:
         print(note)
     if emulated and isinstance(rank, int):
         point = dataclasses.replace(point, emulated_rank=rank)
+    check_fresh_batches(point)
     check_cuda_graph(point, device)
-    check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward, dtype=DTYPES[point.dtype],
-                 recompute=args.recompute, device=device, force=args.force)
+    step_bytes = check_memory(layer_inputs(args, cp), args.ratio, cp, backward=args.backward,
+                              dtype=DTYPES[point.dtype], recompute=args.recompute, device=device, force=args.force)
     split = _fixed_split(args, point)
     if args.max_rank_memory is not None and point.partition != MEASURED:
         split = _memory_capped(args, point, machine, calibration)
+    _check_fresh_batch_memory(args, point, step_bytes, device, split, machine, calibration)
     if point.partition == MEASURED and split is None:
         if rank != ALL_RANKS and not distributed:
             raise ValueError("--partition measured: measures every rank of each round: emulate them all "
@@ -286,6 +301,39 @@ def _fixed_split(args: argparse.Namespace, point: Point):
 
 
 
+def _fresh_batch_count(text: str) -> int:
+    """argparse type of ``--fresh-batches``: 0 (one batch) or an int >= 2 (the batches cycled)."""
+    value = non_negative_int(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError("must be 0 (one batch, its layout built once) or N >= 2 distinct batches "
+                                         "(every step building its layout), got '1'")
+    return value
+
+
+def _check_fresh_batch_memory(args: argparse.Namespace, point: Point, step_bytes: int, device: torch.device,
+                              split: RowSplit | None, machine: Machine | None,
+                              calibration: Calibration | None) -> None:
+    """``WouldNotFitError`` naming ``--fresh-batches`` when the step's estimated peak and the N - 1 batches
+    more do not fit in the device's free memory (unless ``--force``); the largest rank's rows count."""
+    if not point.fresh_batches or args.force:
+        return
+    free = free_bytes(device)
+    if free is None:
+        return
+    cfg, lengths = point_inputs(point)
+    if split is None and (point.partition == "equal" or machine is not None):
+        # a measured split is refined from the balanced one: its largest rank is about as large
+        policy = point if point.partition != MEASURED else dataclasses.replace(point, partition="balanced")
+        split = point_split(policy, cfg, lengths, machine, calibration)
+    rows = max(split.rows(r) for r in range(point.cp)) if split is not None else point.tokens
+    more = (point.fresh_batches - 1) * batch_bytes(rows, cfg.hidden, DTYPES[point.dtype], point.backward)
+    if step_bytes + more > free:
+        raise WouldNotFitError(
+            f"--fresh-batches: {point.fresh_batches} batches need {more / 2**30:.1f} GiB per rank beside the step's "
+            f"estimated peak {step_bytes / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on {device}; "
+            "use fewer batches (or --force to try anyway)")
+
+
 def _check_emulation(args: argparse.Namespace, distributed: bool) -> bool:
     """Whether ``--emulate-rank`` asks for rank emulation; ``ValueError`` naming the flag for a bad
     combination, before any process group exists."""
@@ -335,6 +383,9 @@ def _report(point: Point, record: dict, table) -> None:
     if record["deterministic"]:
         print(f"deterministic: torch.use_deterministic_algorithms(True), sparse attention "
               f"{record['resolved_backends']['sparse_attention']}")
+    if record["fresh_batches"]:
+        print(f"fresh batches: every step ran on the next of {record['fresh_batches']} batches and built its "
+              "layout (a one-layer model fed a new batch each step); without them the layout is built once")
     if record["compile"] is not None:
         print(f"compile ({record['compile']}): first step {record['compile_s']:.2f} s, not in the timed steps; "
               f"{record['graph_breaks']} graph break(s)")

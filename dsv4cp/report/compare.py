@@ -3,9 +3,9 @@ let a broken value pass as noise.
 
 Inputs (one per side, :mod:`dsv4cp.report.compare_sides`): a run directory or ``.jsonl`` of records
 (points keyed by ``point_id``, i.e. all their axes) or a pytest-benchmark JSON file (keyed by the
-test's ``fullname``). Two matched points are the same measurement only when their kernel configuration
-(``records.CONFIG_FIELDS``: ``kernel_options`` and ``backends``; a side without them is "unknown",
-equal to another unknown) agrees too; otherwise they are *not comparable*, printed as ``configuration
+test's ``fullname``). Two matched points are the same measurement only when their configuration
+(``records.CONFIG_FIELDS``: ``kernel_options``, ``backends`` and ``fresh_batches``; a side without them
+is "unknown", equal to another unknown) agrees too; otherwise they are *not comparable*, printed as ``configuration
 differs: KEY a -> b``, unless ``ignore_options`` names the key (the difference is what is compared).
 
 Verdict per comparable point (the rule: :mod:`dsv4cp.report.compare_stats`), with ``cost`` = new /

@@ -10,6 +10,12 @@ with CP = 1. Timing, tracing and nsys are separate passes: no profiler is attach
 A ``cuda_graph`` point times replays of the step captured once in a CUDA graph: the kernels' time
 without Python and launch overhead. Only the timing changes: the peak memory, memory phases, traces
 and nsys steps are eager steps, measured after the graph (and its memory pool) is released.
+
+A point's steps run on its one batch, whose layout the layer builds once and then reuses: the step of a
+layer of a deep model. With ``fresh_batches`` N >= 2 every step (warm-up, timed, memory, traced, nsys)
+runs on the next of N batches built before timing and builds its layout again: the step of a one-layer
+model fed a new batch every step (:mod:`dsv4cp.sweeps.fresh_batches`). The N batches stay allocated
+throughout, so the peak memory counts them.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, ove
 from dsv4cp.profiling.timing import benchmark, graph_replay
 from dsv4cp.profiling.trace import POINT_FILE, capture_trace, load_kineto_dir
 from dsv4cp.sweeps.compiled_step import compile_step
+from dsv4cp.sweeps.fresh_batches import check_fresh_batches, fresh_batches
 from dsv4cp.sweeps.spec import MEASURED, Point, RunOptions, point_inputs  # point_inputs: the spec's own shape checks
 
 _PER_STEP_COLUMNS = ("compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms")
@@ -212,12 +219,18 @@ def measure_point(
     gradients accumulate across replays as across eager steps. The graph is released before the
     peak-memory step: memory, memory phases, traces and nsys steps are eager steps.
 
+    With ``point.fresh_batches`` N >= 2 the N batches are built before the warm-up and every step
+    (warm-up, timed, memory, memory phases, snapshot, nsys, traced) runs on the next one and then forgets
+    the kept layouts, so that each builds its batch's layout (:mod:`dsv4cp.sweeps.fresh_batches`; the
+    batches share the documents, so the bound and split are the point's); the parity check is not
+    affected.
+
     The point's ``kernel_options`` are in force throughout (the checked parity run included).
 
-    Raises ``ValueError`` for shapes the point cannot run and for a ``cuda_graph`` it cannot replay
-    (before any collective), :class:`NonFiniteResult` on every rank when the peak-memory step's
-    output, indexer loss or gradients are not finite on any rank (checked once, after timing), and
-    whatever the step raises (``torch.OutOfMemoryError``, ...).
+    Raises ``ValueError`` for shapes the point cannot run, for a ``cuda_graph`` it cannot replay and for
+    fresh batches with ``cuda_graph`` (before any collective), :class:`NonFiniteResult` on every rank
+    when the peak-memory step's output, indexer loss or gradients are not finite on any rank (checked
+    once, after timing), and whatever the step raises (``torch.OutOfMemoryError``, ...).
     """
     # the whole point in deterministic mode when it asks for it: timing, memory, traces, parity
     with kernel_options.overrides(point.kernel_options or {}), deterministic_algorithms(point.deterministic):
@@ -244,6 +257,7 @@ def _measure(
                          + ("is a real one" if emulated is None else f"emulates rank {emulated}"))
     if check and emulated is not None:
         raise ValueError("check: the CP = 1 parity check needs every real rank, not one emulated rank")
+    check_fresh_batches(point)
     check_cuda_graph(point, device)
     if memory_snapshot:
         check_snapshot_device(device)
@@ -272,9 +286,11 @@ def _measure(
 
     step = point_step(point, cfg, packed, split, device, group)
     compiled = compile_step(step, point.compile, device) if point.compile is not None else None
+    batches = fresh_batches(step, point.fresh_batches, point.seed) if point.fresh_batches else None
+    run_step = batches if batches is not None else step  # what every step below runs
 
     kernel_options.reset_backends_ran()  # what ran in the warm-up and timed steps, nothing from before
-    timed = step
+    timed = run_step
     if point.cuda_graph:
         with torch.cuda.device(device):
             timed = graph_replay(step, run.warmup, on_step=on_step)  # the eager warm-up steps, then the capture
@@ -287,10 +303,11 @@ def _measure(
         del clock, timed  # the last references to the graph: its memory pool is released ...
         torch.cuda.empty_cache()  # ... and handed back, so the eager steps below measure their own memory
     with track_memory(device) as tracker:
-        result = step()
+        result = run_step()
     sample = tracker.result
     peak = sample.peak_allocated_bytes if device.type == "cuda" else sample.host_peak_rss_bytes
-    per_rank = _gather((rank_median, peak, sample.device_used_bytes, nonfinite_parts(result, step.x, step.layer)),
+    ran = batches.last if batches is not None else step  # the batch whose gradients the check reads
+    per_rank = _gather((rank_median, peak, sample.device_used_bytes, nonfinite_parts(result, ran.x, ran.layer)),
                        group)
     del result
     _raise_if_nonfinite([r[3] if r is not None else [] for r in per_rank])
@@ -319,7 +336,7 @@ def _measure(
 
     if memory_phases:  # a step of its own: the recorder resets the allocator peak at every phase edge
         with record_phase_memory(device) as recorder:
-            step()
+            run_step()
         mine = None if recorder is None else {
             "rows": [row.to_dict() for row in recorder.rows], "peak_bytes": recorder.step_peak_bytes,
             "peak_stack": list(recorder.peak_stack)}
@@ -327,17 +344,17 @@ def _measure(
 
     if memory_snapshot:  # a step of its own: recording every allocation's stack slows the step
         with record_memory_snapshot(Path(trace_dir) / snapshot_name(rank), device):
-            step()
+            run_step()
 
     if nsys:
         with capture_range():
             for _ in range(run.nsys_steps):
                 with nvtx_range("step"):
-                    step()
+                    run_step()
 
     overlap = attribution = None
     if trace_dir is not None:
-        capture_trace(step, trace_dir, steps=run.trace_steps, warmup=1, rank=rank)
+        capture_trace(run_step, trace_dir, steps=run.trace_steps, warmup=1, rank=rank)
         if group is not None:
             dist.barrier(group)  # every rank's file is written before rank 0 reads them
         reader = emulated if emulated is not None else 0  # an emulated rank wrote the only trace

@@ -130,6 +130,10 @@ class Point:
     """Run under ``torch.use_deterministic_algorithms(True)``; "auto" then picks deterministic backends only."""
     compile: str | None = None
     """The layer's ``torch.compile`` backend (:data:`dsv4cp.profiling.compilation.COMPILE_BACKENDS`); None: eager."""
+    fresh_batches: int = 0
+    """0: every step runs on the point's one batch (its layout built once, then cached). N >= 2: N distinct
+    batches of the same documents, built before timing, that the steps cycle through, each step building
+    its batch's layout again (:mod:`dsv4cp.sweeps.fresh_batches`); eager steps only (no ``cuda_graph``)."""
 
     @property
     def backward(self) -> bool:
@@ -194,6 +198,7 @@ LABEL_PARTS: tuple[tuple[str, Callable[[Any], str]], ...] = (
     ("cuda_graph", lambda value: " cuda-graph" if value else ""),
     ("deterministic", lambda value: " deterministic" if value else ""),
     ("compile", lambda value: "" if value is None else f" compile {value}"),
+    ("fresh_batches", lambda value: f" fresh-batches {value}" if value else ""),
     ("kernel_options", lambda pairs: "".join(f" {name}={text}" for name, text in pairs or ())),
 )
 """A point's label, axis by axis: each value's text (with its leading space; empty for a default the label
@@ -268,6 +273,12 @@ def _compile_backend(where: str, value: Any) -> None:
         raise ValueError(f"{where}: must be null (eager) or one of {list(COMPILE_BACKENDS)}, got {value!r}")
 
 
+def _fresh_batches(where: str, value: Any) -> None:
+    if not _is_int(value) or value < 0 or value == 1:
+        raise ValueError(f"{where}: must be 0 (one batch, its layout cached) or an int >= 2 (distinct batches "
+                         f"cycled, every step building its layout), got {value!r}")
+
+
 def _kernel_options(where: str, value: Any) -> None:
     if value is None:
         return
@@ -306,6 +317,7 @@ _CHECKS = {
     "kernel_options": _kernel_options,
     "deterministic": _boolean,
     "compile": _compile_backend,
+    "fresh_batches": _fresh_batches,
 }
 assert set(_CHECKS) == set(AXES), "every record axis needs a check"
 
