@@ -10,6 +10,8 @@
 #            earlier calls, .whl2 carried by this one; the cuDNN frontend wheel moved from .whl2 to .whl3, as
 #            the tree had grown past the carry limit with it).
 #   libraries: the real FlashMLA / cuDNN adapters and the slot compaction, side by side (all wheels).
+#   prelayer: the GPU tests and benchmarks of the kernels added since (slot compaction, the fused KL pass,
+#            the loss on the selection's scores), in the call before the layer's.
 # Usage: DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-speed6/run.sh PART $OUT   (TAG names the folder)
 set -uo pipefail
 part=$1; out=${2:-.}; tag=${TAG:-$part}
@@ -52,12 +54,17 @@ case $part in
     } > "$dir/gpu_tests.txt" 2>&1; tail -3 "$dir/gpu_tests.txt"; save
     bench compaction bench/test_bench_sparse_attention.py "test_library_slot_compaction" 120
     bench sparse_bwd bench/test_bench_sparse_attention.py "test_sparse_attention_backward and flash and triton and not parts and not pro and not torch and not deterministic" 90 ;;
-  layer)
-    { echo "\$ pytest -m gpu -rfE tests/kernels/test_compact_slots_triton.py tests/kernels/test_optional_backends.py -k 'real or compact'"
+  prelayer)  # the new kernels' GPU tests and benchmarks, before the layer sweep (the next call)
+    { echo "\$ pytest -rfE tests/kernels/test_compact_slots_triton.py tests/kernels/test_optional_backends.py -k 'real or compact'"
       timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_compact_slots_triton.py \
         tests/kernels/test_optional_backends.py -k "real or compact" 2>&1 | quiet | tail -15
-    } > "$dir/gpu_tests.txt" 2>&1; tail -3 "$dir/gpu_tests.txt"; save
+      echo "\$ pytest -m gpu -rfE tests/kernels/test_indexer_kl_triton.py tests/test_indexer_loss_selection_scores.py"
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/kernels/test_indexer_kl_triton.py \
+        tests/test_indexer_loss_selection_scores.py 2>&1 | quiet | tail -15
+    } > "$dir/gpu_tests.txt" 2>&1; cat "$dir/gpu_tests.txt" | grep -E "passed|failed|error" ; save
     bench compaction bench/test_bench_sparse_attention.py "test_library_slot_compaction" 60
+    bench indexer_loss bench/test_bench_indexer_loss.py "64k" 90 ;;
+  layer)
     spec=results/2026-12-02-h200-speed6/layer.yaml
     { echo "\$ python3 -m dsv4cp.cli.main sweep $spec --profile --progress off --out $dir/sweep"
       timeout 330 python3 -m dsv4cp.cli.main sweep "$spec" --profile --progress off --out "$dir/sweep" 2>&1 | quiet | tail -30
