@@ -76,8 +76,9 @@ class Target:
         return COMPARISONS[self.comparison](measured, self.value)
 
     def applies_to(self, axes: Mapping[str, Any]) -> bool:
-        """Whether a point with these axis values passes the ``where`` filters."""
-        return all(axes.get(axis) in values for axis, values in self.where.items())
+        """Whether a point with these axis values passes the ``where`` filters (an axis left empty, None or,
+        in a table's column, NaN, matches a filter's ``null``)."""
+        return all(_unset_as_none(axes.get(axis)) in values for axis, values in self.where.items())
 
     def describe(self) -> str:
         """``time_ratio (cp 2 / cp 1) <= 0.52 where ratio=4``."""
@@ -125,6 +126,11 @@ def parse_targets(data: Any, check_value: Callable[[str, Any, str], None] | None
     if duplicate is not None:
         raise ValueError(f"targets: two targets are named {duplicate!r}; give each its own name")
     return tuple(out)
+
+
+def _unset_as_none(value: Any) -> Any:
+    """None for a missing axis value as pandas holds it (NaN in a column of None / strings), else ``value``."""
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 def _axis(axis: Any, where: str) -> str:

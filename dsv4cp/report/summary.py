@@ -295,6 +295,7 @@ def write_report(df: pd.DataFrame, out_dir: str | Path) -> Path:
     """Write ``out_dir/summary.md``, ``out_dir/tables/*.{csv,md}`` and ``out_dir/plots/*.png``;
     returns the summary's path."""
     out_dir = Path(out_dir)
+    df = tables_module.with_kernel_configuration(df)
     tables = report_tables(df)
     plots = plots_module.all_plots(df)
     for name, table in tables.items():

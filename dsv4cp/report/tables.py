@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from dsv4cp import kernel_options as kernel_option_registry
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model import LayerEstimate, Machine, estimate
@@ -32,6 +33,21 @@ DEFAULT_AXES: tuple[str, ...] = ("preset", "ratio", "cp", "tokens")
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def with_kernel_configuration(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with each record's ``kernel_options`` (every option's value as the point ran) replaced by the
+    options whose value differs from today's default (None when none does): the report's tables then name
+    what a point set (``{'library_compact_slots': '0'}``, not all 30 options), and a target's
+    ``kernel_options`` filter matches as a sweep spec writes it (``null``: the defaults). ``compare`` keeps
+    the whole mapping: there a record without an option is another configuration, not the default one."""
+    if "kernel_options" not in df:
+        return df
+    out = df.copy()
+    out["kernel_options"] = pd.Series(
+        [(kernel_option_registry.non_default(v) or None) if isinstance(v, dict) else v for v in out["kernel_options"]],
+        index=out.index, dtype=object)
+    return out
+
+
 def ok_points(df: pd.DataFrame) -> pd.DataFrame:
     """Rows with status ``ok``, with ``tokens`` and ``tokens_per_rank`` both filled where one is
     (``tokens = tokens_per_rank * cp``), so strong and weak scaling can group on either."""
