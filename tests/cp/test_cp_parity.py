@@ -3,13 +3,13 @@ recompute setting, on packings that put documents, groups and windows across ran
 
 from __future__ import annotations
 
+import functools
 import itertools
+import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from conftest import assert_parity_passes
+from conftest import assert_parity_passes, seed_of
 from dsv4cp.cp.check import CheckCase, run_cases
 from dsv4cp.cp.launch import spawn
 
@@ -52,10 +52,54 @@ def cases_for(cp: int) -> list[CheckCase]:
     return cases
 
 
+def fp64_cases() -> list[CheckCase]:
+    return [CheckCase(ratio=r, lengths=(5, 70, 0, 41), total=120, dtype="fp64", overlap=overlap,
+                      recompute=recompute, config_overrides={"indexer_loss": loss})
+            for r, loss in LAYER_TYPES for overlap, recompute in MODES]
+
+
+def random_cases(rng: random.Random, cp: int) -> list[CheckCase]:
+    """Random documents (empty ones included) with a random padding tail, one case per layer ratio.
+
+    Drawn from a seeded generator rather than by Hypothesis: they share their CP size's spawn, and a batch
+    Hypothesis draws as one example is its minimal one first (a single empty document)."""
+    cases = []
+    for ratio in (0, 4, 8):
+        lengths = [rng.randint(0, 40) for _ in range(rng.randint(1, 8))]
+        padded_end = sum(lengths) + rng.randint(0, 12)
+        total = max(-(-padded_end // cp) * cp, 8 * cp)
+        cases.append(CheckCase(ratio=ratio, lengths=tuple(lengths), total=total, overlap="async",
+                               seed=rng.randrange(100)))
+    return cases
+
+
+FP64_CP = 3
+
+
+def _groups(cp: int) -> dict[str, list[CheckCase]]:
+    """Every test's cases at ``cp``, by test."""
+    groups = {"packings": cases_for(cp), "random": random_cases(random.Random(seed_of("random packings", cp)), cp)}
+    if cp == FP64_CP:
+        groups["fp64"] = fp64_cases()
+    return groups
+
+
+@functools.cache
+def _parity(cp: int) -> dict[str, tuple[list[CheckCase], list[list[list[dict]]]]]:
+    """Test -> (its cases at ``cp``, per rank their results): ONE spawn per CP size runs every test's cases
+    (a spawn costs seconds, a case a fraction of one)."""
+    groups = _groups(cp)
+    per_rank = spawn(run_cases, cp, [case for cases in groups.values() for case in cases])
+    out, start = {}, 0
+    for name, cases in groups.items():
+        out[name] = (cases, [results[start : start + len(cases)] for results in per_rank])
+        start += len(cases)
+    return out
+
+
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_cp_matches_cp1(cp: int) -> None:
-    cases = cases_for(cp)
-    assert_parity_passes(cases, spawn(run_cases, cp, cases))
+    assert_parity_passes(*_parity(cp)["packings"])
 
 
 @pytest.mark.slow
@@ -66,21 +110,9 @@ def test_cp8_matches_cp1() -> None:
 
 def test_fp64_parity_is_tight() -> None:
     """In fp64 the CP computation is the CP = 1 computation up to summation order."""
-    cases = [CheckCase(ratio=r, lengths=(5, 70, 0, 41), total=120, dtype="fp64", overlap=overlap,
-                       recompute=recompute, config_overrides={"indexer_loss": loss})
-             for r, loss in LAYER_TYPES for overlap, recompute in MODES]
-    assert_parity_passes(cases, spawn(run_cases, 3, cases))
+    assert_parity_passes(*_parity(FP64_CP)["fp64"])
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    cp=st.integers(2, 3),
-    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=8),
-    extra=st.integers(0, 12),
-    ratio=st.sampled_from([0, 4, 8]),
-)
-def test_random_packings_match_cp1(cp: int, lengths: list[int], extra: int, ratio: int) -> None:
-    padded_end = sum(lengths) + extra
-    total = max(-(-padded_end // cp) * cp, 8 * cp)
-    case = CheckCase(ratio=ratio, lengths=tuple(lengths), total=total, overlap="async")
-    assert_parity_passes([case], spawn(run_cases, cp, [case]))
+@pytest.mark.parametrize("cp", [2, 3])
+def test_random_packings_match_cp1(cp: int) -> None:
+    assert_parity_passes(*_parity(cp)["random"])

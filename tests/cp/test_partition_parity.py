@@ -5,12 +5,11 @@ the single-rank roll, and the layer rejects a bad split on every rank before any
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from conftest import assert_parity_passes
 from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
@@ -106,23 +105,26 @@ def test_balanced_split_cp8_matches_cp1() -> None:
     assert_parity_passes(cases, spawn(run_cases, 8, cases))
 
 
-@st.composite
-def _split_cases(draw) -> CheckCase:
+def _split_cases(rng: random.Random) -> list[CheckCase]:
+    """Random documents (empty ones included) cut at a random point, every layer type and mode among them.
+
+    Drawn from the test's seed: a batch Hypothesis draws as one example is its minimal one first (a single
+    empty document cut in the middle), and one spawn should run them all (a spawn costs seconds)."""
     cp = 2
-    lengths = draw(st.lists(st.integers(0, 40), min_size=1, max_size=6))
-    total = max(sum(lengths) + draw(st.integers(0, 9)), cp * HALO)
-    cut = draw(st.integers(HALO, total - HALO))
-    ratio, loss = draw(st.sampled_from(LAYER_TYPES))
-    overlap, recompute = draw(st.sampled_from(MODES))
-    return CheckCase(ratio=ratio, lengths=tuple(lengths), total=total, dtype="fp64", overlap=overlap,
-                     recompute=recompute, split=(0, cut, total), seed=draw(st.integers(0, 99)),
-                     config_overrides={"indexer_loss": loss})
+    cases = []
+    for (ratio, loss), (overlap, recompute) in zip(LAYER_TYPES, rng.sample(MODES, len(MODES))):
+        lengths = [rng.randint(0, 40) for _ in range(rng.randint(1, 6))]
+        total = max(sum(lengths) + rng.randint(0, 9), cp * HALO)
+        cut = rng.randint(HALO, total - HALO)
+        cases.append(CheckCase(ratio=ratio, lengths=tuple(lengths), total=total, dtype="fp64", overlap=overlap,
+                               recompute=recompute, split=(0, cut, total), seed=rng.randrange(100),
+                               config_overrides={"indexer_loss": loss}))
+    return cases
 
 
-@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(_split_cases(), min_size=4, max_size=4))
-def test_random_splits_match_cp1(cases: list[CheckCase]) -> None:
+def test_random_splits_match_cp1(seed: int) -> None:
     """Random documents (empty ones included) cut at a random point: one spawn runs all four."""
+    cases = _split_cases(random.Random(seed))
     assert_parity_passes(cases, spawn(run_cases, 2, cases))
 
 

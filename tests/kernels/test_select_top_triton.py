@@ -17,6 +17,8 @@ Inputs are random, from the per-test ``seed`` (DSV4CP_TEST_SEED varies it, failu
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("triton")
@@ -79,7 +81,8 @@ def check(scores: torch.Tensor, keep: int, msg: str, **kwargs) -> torch.Tensor:
     gathered = torch.where(expected >= 0, scores.gather(1, expected.clamp_min(0)), 0.0)
     assert values.dtype == torch.float32 and values.shape == expected.shape, msg
     assert torch.equal(values.view(torch.int32).cpu(), gathered.view(torch.int32).cpu()), f"{msg}\n{values}"
-    assert torch.equal(select_top_triton(scores, keep, **kwargs), got), msg  # the same without the values
+    if os.environ[VARIANT_ENV] == "bounded":  # the plain kernel's launch is the same either way (gathered here)
+        assert torch.equal(select_top_triton(scores, keep, **kwargs), got), msg  # the same without the values
     return got
 
 
