@@ -14,8 +14,9 @@ def test_report_of_one_run_writes_summary_tables_and_plots(scaling_run, capsys):
     out = scaling_run / "report"
     assert capsys.readouterr().out.strip() == str(out / "summary.md")
     names = ["headline", "targets", "diagnosis", "diagnosis_phases", "stragglers", "parity_failures", "phases",
-             "strong_scaling", "weak_scaling", "overlap", "determinism_cost", "compile_cost", "memory", "memory_peaks", "imbalance", "model_imbalance",
-             "measured_vs_bound", "cost_growth", "roofline", "failures"]
+             "strong_scaling", "weak_scaling", "overlap", "determinism_cost", "compile_cost", "memory",
+             "memory_peaks", "imbalance", "model_imbalance", "measured_vs_bound", "cost_growth", "roofline",
+             "failures"]
     for name in names:
         assert (out / "tables" / f"{name}.csv").is_file() and (out / "tables" / f"{name}.md").is_file(), name
     headline = pd.read_csv(out / "tables" / "headline.csv")
