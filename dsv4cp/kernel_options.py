@@ -33,6 +33,7 @@ __all__ = [
     "backends_ran",
     "canonical",
     "check_values",
+    "configurations",
     "describe",
     "get",
     "note_backend",
@@ -258,6 +259,35 @@ def resolved_with(values: Mapping[str, object]) -> dict[str, str]:
     """:func:`resolved` with ``values`` set explicitly over the environment and the defaults."""
     with overrides(values):
         return resolved()
+
+
+FORMER_DEFAULTS: Mapping[str, tuple[str, ...]] = {
+    "topk_select_variant": ("plain",),
+    "triton_fwd_index_ahead": ("0",),
+    "triton_fwd_split_logits": ("0",),  # removed: now triton_fwd_logits
+    "triton_probs_kernel": ("whole_d",),
+    "triton_dkv_one_product": ("0",),
+    "triton_bwd_index_ahead": ("0",),
+}
+"""Option -> the values that were its default in an earlier version (for a removed option: its default
+then). A record keeps every option's value as its point ran, and its id names what differed from the
+defaults of the version that wrote it, so a record written before a default changed holds the old default
+without having set it: :func:`configurations` lets such a record keep its id. Add an entry whenever a
+default changes or an option goes; ``tests/test_committed_records.py`` fails on a committed record whose
+id then no longer matches."""
+
+
+def configurations(values: Mapping[str, str]) -> list[dict[str, str]]:
+    """Every configuration a record's options ``values`` may have named when it was written: the options
+    at a value other than today's default (:func:`non_default`), with and without each of those that holds
+    a former default (:data:`FORMER_DEFAULTS`), today's reading first."""
+    current = non_default(values)
+    former = [name for name, text in current.items() if text in FORMER_DEFAULTS.get(name, ())]
+    found = []
+    for mask in range(1 << len(former)):
+        dropped = {name for bit, name in enumerate(former) if mask >> bit & 1}
+        found.append({name: text for name, text in current.items() if name not in dropped})
+    return found
 
 
 def non_default(values: Mapping[str, str]) -> dict[str, str]:

@@ -240,8 +240,9 @@ def check_record(record: object) -> str | None:
     problem = _ok_problem(record) if record["status"] == STATUS_OK else None
     if problem is not None:
         return problem
-    expected = point_id({**record, **_added_axis_defaults(record)})
-    if record["point_id"] != expected:
+    axes = {**record, **_added_axis_defaults(record)}
+    expected = point_id(axes)
+    if record["point_id"] != expected and not _id_under_former_defaults(record["point_id"], axes):
         return f"point_id: {record['point_id']!r} is not the id of the record's axes ({expected!r})"
     return None
 
@@ -298,6 +299,17 @@ def check_meta(meta: object) -> str | None:
     if meta.get("schema") != SCHEMA_VERSION:
         return f"schema: expected {SCHEMA_VERSION}, got {_shown(meta.get('schema'))}"
     return _type_problem(meta, META_TYPES)
+
+
+def _id_under_former_defaults(recorded: str, axes: dict) -> bool:
+    """Whether ``recorded`` is the id of ``axes`` with its kernel options read as the version that wrote the
+    record may have named them (:func:`dsv4cp.kernel_options.configurations`: an option at a former default
+    was not set then). A record without a mapping of options has one reading only, today's."""
+    options = axes.get("kernel_options")
+    if not isinstance(options, dict):
+        return False
+    return any(point_id({**axes, "kernel_options": named or None}) == recorded
+               for named in kernel_option_registry.configurations(options)[1:])
 
 
 def point_id(axes: dict) -> str:

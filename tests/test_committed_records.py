@@ -1,0 +1,54 @@
+"""Every committed result still loads: a kernel option's default may change, and the records written
+before keep their ids (:data:`dsv4cp.kernel_options.FORMER_DEFAULTS`); a real id mismatch is still caught."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dsv4cp import kernel_options
+from dsv4cp.records import check_record, read_records
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+BEFORE_THE_SCHEMA = {"2026-11-30-norm-rope-h200x2", "2026-11-30-profile-h200x2", "2026-11-30-profile-h200x2-after"}
+"""Runs written before records carried a schema version: read by nothing, kept as they were measured."""
+
+
+def test_every_committed_record_is_valid():
+    files = sorted(RESULTS.rglob("records.jsonl"))
+    assert len(files) > 20
+    for path in files:
+        problems = []
+        records = read_records(path, problems)
+        if path.parent.name in BEFORE_THE_SCHEMA:
+            assert not records and all("schema" in p.reason for p in problems), path
+            continue
+        assert not problems, f"{path}: {problems[0]}"
+
+
+def test_an_old_default_is_read_as_unset_and_a_wrong_id_is_still_caught():
+    line = next(line for path in sorted(RESULTS.rglob("records.jsonl"))
+                for line in path.read_text().splitlines()
+                if '"triton_dkv_one_product": "0"' in line and '"status": "ok"' in line)
+    record = json.loads(line)
+    former = kernel_options.FORMER_DEFAULTS["triton_dkv_one_product"]
+    assert record["kernel_options"]["triton_dkv_one_product"] in former
+    assert check_record(record) is None
+    assert "is not the id" in check_record({**record, "point_id": "0" * 12})
+    assert "is not the id" in check_record({**record, "tokens": record["tokens"] * 2})
+
+
+def test_configurations_drop_each_former_default_in_turn():
+    option = kernel_options.OPTIONS["triton_dkv_one_product"]
+    default = option.text(option.default)
+    values = {**kernel_options.resolved(), "triton_dkv_one_product": "0", "triton_bwd_index_ahead": "0",
+              "topk_impl": "stream"}
+    assert default != "0"
+    found = kernel_options.configurations(values)
+    assert found[0] == {"topk_impl": "stream", "triton_bwd_index_ahead": "0", "triton_dkv_one_product": "0"}
+    assert sorted(map(sorted, (c.items() for c in found))) == sorted(map(sorted, (c.items() for c in [
+        {"topk_impl": "stream", "triton_bwd_index_ahead": "0", "triton_dkv_one_product": "0"},
+        {"topk_impl": "stream", "triton_dkv_one_product": "0"},
+        {"topk_impl": "stream", "triton_bwd_index_ahead": "0"},
+        {"topk_impl": "stream"}])))
+    assert kernel_options.configurations(kernel_options.resolved()) == [{}]
