@@ -133,10 +133,12 @@ def kl_rows_triton(target_mass: torch.Tensor, scores: torch.Tensor, valid: torch
     _check(target_mass, scores, valid, row_weight)
     target_mass, scores, valid = (x if x.stride(-1) == 1 else x.contiguous() for x in (target_mass, scores, valid))
     rows, k = scores.shape
-    row_loss = torch.zeros(rows, dtype=torch.float32, device=scores.device)
-    dscores = torch.zeros((rows, k), dtype=torch.float32, device=scores.device) if with_grad else None
-    if rows == 0 or k == 0:
-        return row_loss, dscores
+    if rows == 0 or k == 0:  # no slot: every term and gradient is 0
+        return (torch.zeros(rows, dtype=torch.float32, device=scores.device),
+                torch.zeros((rows, k), dtype=torch.float32, device=scores.device) if with_grad else None)
+    # the kernel writes every row's term and every slot's gradient (0 where not valid): nothing to clear first
+    row_loss = torch.empty(rows, dtype=torch.float32, device=scores.device)
+    dscores = torch.empty((rows, k), dtype=torch.float32, device=scores.device) if with_grad else None
     block_k = max(16, triton.next_power_of_2(k))
     kernel = _KERNELS.build("_kl_rows_kernel", scores.device)
     out_grad = dscores if with_grad else row_loss  # a placeholder pointer: WRITE_GRAD False never stores there

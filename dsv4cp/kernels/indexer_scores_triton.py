@@ -94,8 +94,8 @@ from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels.indexer_triton import _check_qwk, _dot_f32, _precision
 
 __all__ = ["BWD_CONFIG_ENV", "BWD_SCRATCH_BYTES", "GATHER_BWD_CONFIGS", "INDEX_BYTES_PER_SLOT", "REDUCTIONS",
-           "BackwardPlan", "GatherBwdConfig", "GatherConfig", "indexer_scores_triton", "resolve_reduction",
-           "sorted_chunk_rows"]
+           "BackwardPlan", "GatherBwdConfig", "GatherConfig", "check_settings", "indexer_scores_triton",
+           "resolve_reduction", "sorted_chunk_rows"]
 
 BWD_CONFIG_ENV = kernel_options.OPTIONS["triton_gather_bwd_config"].env
 """The variable of the kernel option ``triton_gather_bwd_config``: pins the ``indexer_scores``
@@ -544,8 +544,17 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     inputs' dtypes. ``bwd_config`` pins the backward's launch (default: the kernel option
     ``triton_gather_bwd_config``, else the ladder). Every argument is checked here, before any work.
     """
+    pinned, reduction, scratch = check_settings(q, w, keys, idx, bwd_config=bwd_config, reduce=reduce,
+                                                scratch_bytes=scratch_bytes)
+    return _TritonIndexerScores.apply(q, w, keys, idx, pinned, reduction, scratch)
+
+
+def check_settings(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
+                   bwd_config: GatherBwdConfig | None = None, reduce: str | None = None,
+                   scratch_bytes: int | None = None) -> tuple[GatherBwdConfig | None, str, int]:
+    """The checks :func:`indexer_scores_triton` makes before any work (the inputs, then the backward's
+    launch pin, reduction and scratch, each from its argument or else its kernel option): ``ValueError``
+    naming the first bad one, else ``(pinned launch or None, reduction, scratch bytes)``."""
     _check_qwk(q, w, keys)
     _check_idx(q, idx)
-    pinned = _gather_bwd_pinned(bwd_config)
-    reduction, scratch = _reduction_of(reduce), _scratch_of(scratch_bytes)
-    return _TritonIndexerScores.apply(q, w, keys, idx, pinned, reduction, scratch)
+    return _gather_bwd_pinned(bwd_config), _reduction_of(reduce), _scratch_of(scratch_bytes)

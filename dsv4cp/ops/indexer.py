@@ -320,14 +320,9 @@ def indexer_scores_given(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, i
     scores = scores.detach()
     if triton:  # no note of a forward: none runs (the backward notes its kernels as indexer_scores' does)
         if not torch.compiler.is_compiling():  # as indexer_scores_triton: every setting checked before any work
-            from dsv4cp.kernels import indexer_scores_triton as kernels  # lazy: imports triton
-            from dsv4cp.kernels.indexer_triton import _check_qwk
+            from dsv4cp.kernels.indexer_scores_triton import check_settings  # lazy: imports triton
 
-            _check_qwk(q, w, keys)
-            kernels._check_idx(q, idx)
-            kernels._gather_bwd_pinned(None)  # the backward's options: a bad pin, reduction or scratch
-            kernels._reduction_of(None)
-            kernels._scratch_of(None)
+            check_settings(q, w, keys, idx)
         # the custom op opens the backward's phase range itself
         return _GivenScoresTriton.apply(q, w, keys, idx, scores, options_in_force())
     return _GivenScores.apply(q, w, keys, idx, scores)

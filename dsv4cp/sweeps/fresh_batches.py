@@ -9,8 +9,8 @@ every step. :class:`FreshBatches` measures that step: after each step it forgets
 the cache its layout), so in the next step the layer's :func:`~dsv4cp.cp.layout_cache.layout_for` takes
 its miss path and builds the layout of the batch it meets. Clearing is needed because the cache keeps up
 to :data:`~dsv4cp.cp.layout_cache.MAX_LAYOUTS` layouts: a cycle of fewer batches would otherwise hit.
-After the step, not before the next: on a GPU the host frees the layout while the step's kernels still
-run, as a training loop's host does, instead of at the start of the next step, when the GPU waits.
+After the step, not before the next, as a training loop's host frees what it is done with: the next
+step's start holds only what that step does.
 
 The batches are built before timing (no data generation in the timed steps) and held throughout:
 batch 0 is the point's own step; batch ``b >= 1`` has the same documents (the point's packing and
