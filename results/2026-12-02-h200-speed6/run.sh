@@ -72,7 +72,7 @@ case $part in
     python3 -m bench.phase_vs_bound "$dir/sweep" > "$dir/phase_vs_bound.txt" 2>&1; save ;;
   verify)  # after the review, no wheels: the GPU tests of the Triton kernels at this pass's defaults (the
     # sparse backward's one product on its new tile, indices ahead; the fused KL; the compaction kernel; the
-    # scores with the selection's scores) and the triton layer against the fp64 reference
+    # scores with the selection's scores) and check-cp of the triton layer (CP = 1 against eager CP = 1)
     { echo "\$ pytest -m gpu -rfE tests/kernels/test_sparse_attention_triton.py tests/kernels/test_indexer_kl_triton.py tests/kernels/test_compact_slots_triton.py tests/test_indexer_loss_selection_scores.py"
       timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=5 \
         tests/kernels/test_sparse_attention_triton.py tests/kernels/test_indexer_kl_triton.py \
@@ -81,7 +81,7 @@ case $part in
       echo "\$ torchrun --nproc-per-node 1 -m dsv4cp.cli.main check-cp $check"
       timeout 90 torchrun --nproc-per-node 1 -m dsv4cp.cli.main check-cp $check 2>&1 | quiet | tail -10
       echo "(exit ${PIPESTATUS[0]})"; } 2>&1 | tee "$dir/verify.txt"; save ;;
-  check)  # the compiled layer against the fp64 reference (run after layer, in the next call)
+  check)  # the compiled layer against the eager CP = 1 layer (run after layer, in the next call)
     check="--cp 1 --dist-backend nccl --preset flash --ratio 4 --lengths 2500,0,1596 --dtype bf16 --kernel-backend auto"
     { echo "\$ torchrun --nproc-per-node 1 -m dsv4cp.cli.main check-cp $check --compile inductor"
       timeout 150 torchrun --nproc-per-node 1 -m dsv4cp.cli.main check-cp $check --compile inductor 2>&1 | quiet | tail -25
