@@ -19,6 +19,7 @@ Every rank also runs the fp64 reference on the whole batch, after its own step, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -40,7 +41,7 @@ from dsv4cp.config import DTYPES
 from dsv4cp.cp.launch import spawn, under_torchrun
 from dsv4cp.cp.layout import split_rows
 from dsv4cp.cp.partition import POLICIES
-from dsv4cp.harness.build import build_layer, rank_inputs
+from dsv4cp.harness.build import build_case
 from dsv4cp.harness.case import Case
 from dsv4cp.harness.parity import merge_ranks, run_rank, tolerance_summary
 from dsv4cp.model.partition import partition
@@ -66,13 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_memory_options(parser)
 
 
-def build_case(args: argparse.Namespace, cp: int, device: torch.device) -> Case:
+def checked_case(args: argparse.Namespace, cp: int, device: torch.device) -> Case:
     """Validate everything on the host, before any process or collective starts."""
     inputs = layer_inputs(args, cp)
     if args.compile is not None:
         check_compile_backend(args.compile, "--compile")
-    if cp == 1 and args.dtype == "fp64":
-        raise ValueError("--dtype: fp64 at --cp 1 is the fp64 reference itself; check bf16 or fp32, or --cp 2 or more")
     if args.partition == "equal":
         split_rows(inputs.packed.total, cp, inputs.cfg, args.ratio, field="--tokens")
     check_memory(inputs, args.ratio, 1, backward=True, dtype=DTYPES["fp64"], recompute=False, device=device,
@@ -95,14 +94,14 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     if under_torchrun():
         world = torchrun_world(args.cp)
-        case = build_case(args, world, device)
+        case = checked_case(args, _checked_world(args, world), device)
         rank, gathered = gather_torchrun_ranks(
             args, backend, lambda rank, world, device: checked_rank(rank, world, device, case))
         if rank != 0:
             return 0
     else:
         world = args.cp or DEFAULT_CP
-        case = build_case(args, world, device)
+        case = checked_case(args, _checked_world(args, world), device)
         if world == 1:  # one rank: no process group, in this process
             gathered = [checked_rank(0, 1, torch.device("cuda", 0) if device.type == "cuda" else device, case)]
         else:
@@ -125,8 +124,14 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(c.passed for c in results) else 1
 
 
+def _checked_world(args: argparse.Namespace, world: int) -> int:
+    """``world``, unless the check would compare the fp64 reference with itself (fp64 at one rank)."""
+    if world == 1 and args.dtype == "fp64":
+        raise ValueError("--dtype: fp64 at --cp 1 is the fp64 reference itself; check bf16 or fp32, or --cp 2 or more")
+    return world
+
+
 def _breaks_at_one_rank(case: Case, device: torch.device) -> Explanation:
     """Where Dynamo breaks the graph of the layer's forward (one rank: no process group needed)."""
-    layer = build_layer(case, device)
-    x, _ = rank_inputs(case, case.row_split(1), 0, device)
-    return explain_breaks(layer, x, case.packed(device))
+    layer, packed, x, _ = build_case(dataclasses.replace(case, split=None), device)
+    return explain_breaks(layer, x, packed)

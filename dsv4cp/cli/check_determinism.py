@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dsv4cp.cli.check_cp import add_arguments as add_check_cp_arguments
-from dsv4cp.cli.check_cp import build_case as build_check_case
+from dsv4cp.cli.check_cp import checked_case
 from dsv4cp.cli.common import gather_torchrun_ranks, positive_int, resolve_dist_backend, torchrun_world
 from dsv4cp.cp.launch import spawn, under_torchrun
 from dsv4cp.environment import deterministic_algorithms
@@ -98,7 +98,7 @@ def _run_under_torchrun(args: argparse.Namespace, backend: str, device: torch.de
 
 def _replay_case(args: argparse.Namespace, world: int, device: torch.device) -> Replay:
     """Validated on the host before any process starts (``--ties`` on a layer without an indexer fails here)."""
-    case = build_check_case(args, world, device)
+    case = checked_case(args, world, device)
     try:
         return Replay(case, args.replays, args.ties)
     except ValueError as err:

@@ -71,6 +71,12 @@ def batch_inputs(case: Case, split: RowSplit,
     return torch.cat([x for x, _ in parts]), torch.cat([up for _, up in parts])
 
 
+def one_rank_inputs(case: Case, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, upstream)`` of the whole batch as one rank draws it, whatever the Case's split: the same batch
+    at every CP degree (what a replay slices)."""
+    return rank_inputs(case, RowSplit.equal(case.rows(), 1), 0, device)
+
+
 def backward_(result: AttentionOutput, upstream: torch.Tensor) -> None:
     """The objective's backward: ``upstream`` into the output, 1 into the indexer loss (module docstring)."""
     outputs, seeds = [result.out], [upstream]
@@ -134,5 +140,5 @@ def build_case(case: Case, device: torch.device | str | None = None,
                ) -> tuple[DSv4Attention, PackedSeqs, torch.Tensor, torch.Tensor]:
     """``(layer, packed, x, upstream)`` of the Case on one rank: its seeded layer, its batch on ``device``
     (default: the Case's) and the whole batch's inputs and upstream gradient (no gradient required)."""
-    x, upstream = batch_inputs(case, case.row_split(1), device)
+    x, upstream = one_rank_inputs(case, device)
     return build_layer(case, device), case.packed(device if device is not None else case.device), x, upstream

@@ -183,7 +183,7 @@ def _check(rank: int, world: int, device: torch.device, case: Case,
 
     comparisons = [compare("out", "out", got.out, want.out[mine], case.dtype)]
     if want.selection is not None:
-        share = agreement(got.selection[mine], want.selection)
+        share = agreement(got.selection[mine], want.selection[mine])
         tolerance = SELECTION_TOLERANCE[case.dtype]
         comparisons.append(Comparison("selection", 1.0 - share, share, 1.0 - share <= tolerance,
                                       rel_error=1.0 - share, tolerance=tolerance))

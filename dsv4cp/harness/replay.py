@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dsv4cp import kernel_options
 from dsv4cp.cp.layout import build_layout
 from dsv4cp.environment import deterministic_algorithms
-from dsv4cp.harness.build import backward_, batch_inputs, build_layer
+from dsv4cp.harness.build import backward_, build_layer, one_rank_inputs
 from dsv4cp.harness.case import Case
 from dsv4cp.harness.selection import global_entries, recording_selection
 
@@ -86,7 +86,7 @@ def replay_rank(rank: int, world: int, device: torch.device, replay: Replay,
     with kernel_options.overrides(case.kernel_options), deterministic_algorithms(case.deterministic):
         pristine = build_layer(case, device)
         packed = case.packed(device)
-        x, upstream = batch_inputs(case, case.row_split(1), device)  # one rank's draw: every CP degree's batch
+        x, upstream = one_rank_inputs(case, device)  # one rank's draw: every CP degree's batch
         if replay.ties:
             make_ties_(pristine)
         split = case.row_split(world)

@@ -298,7 +298,7 @@ def _measure(
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
     packed = packed.to(device)
 
-    step = build_step(point_case(point, cfg, lengths, split, device, options), cp_group=group, device=device)
+    step = point_step(point, cfg, packed, split, device, group)
     compiled = compile_step(step, point.compile, device) if point.compile is not None else None
     batches = fresh_batches(step, point.fresh_batches, point.seed) if point.fresh_batches else None
     run_step = batches if batches is not None else step  # what every step below runs
@@ -387,8 +387,8 @@ def _measure(
                 metrics.update(exposed_comm_ms=float(total["exposed_comm_ms"]), comm_ms=float(total["comm_ms"]),
                                overlap_ratio=_float_or_none(total["overlap_ratio"]))
 
-    if check:  # the timed Case itself: its weights, its inputs, its kernels
-        mine = run_rank(rank, cp, device, point_case(point, cfg, lengths, split, device, options), group)
+    if check:  # the timed Case itself (point_step's): its weights, its inputs, its kernels
+        mine = run_rank(rank, cp, device, point_case(point, cfg, packed.lengths(), split, device), group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
     return Measurement(metrics, resolved, overlap, attribution, kernel_options=options, backends=backends)
 

@@ -149,3 +149,42 @@ def test_the_bf16_flash_layer_with_the_default_kernels_passes_against_fp64_at_fu
     assert set(verdicts) == {"out", "selection", "indexer_loss", "x_grad", "param_grads", "indexer_grads"}
     failed = {q: (v.rel_error, v.tolerance, v.worst) for q, v in verdicts.items() if not v.passed}
     assert not failed, f"{packing} ({len(lengths)} documents): {failed}"
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_checked_sweep_point_checks_the_case_it_timed(cp, monkeypatch):
+    """``sweep --check``: the parity pass runs on the very Case the timed step was built from (same weights,
+    inputs, kernels and split), and its verdict lands in the record's metrics."""
+    from dsv4cp.cp.launch import spawn
+
+    results = spawn(_checked_point_cases, cp, backend="gloo") if cp > 1 else [_checked_point_cases(0, 1, CPU)]
+    for timed, checked, verdicts in results:
+        assert timed == checked
+        assert verdicts and all(v["passed"] for v in verdicts), verdicts
+
+
+def _checked_point_cases(rank: int, world: int, device: torch.device) -> tuple:
+    import torch.distributed as dist
+
+    from dsv4cp.sweeps import measure
+    from dsv4cp.sweeps.spec import RunOptions, make_point
+
+    seen: dict[str, Case] = {}
+    built, checked = measure.build_step, measure.run_rank
+
+    def spy_build(case, **kwargs):
+        seen["timed"] = case
+        return built(case, **kwargs)
+
+    def spy_check(rank, world, device, case, group=None):
+        seen["checked"] = case
+        return checked(rank, world, device, case, group)
+
+    measure.build_step, measure.run_rank = spy_build, spy_check
+    try:
+        point = make_point({"tokens": 64, "ratio": 4, "cp": world, "packing": "histogram", "kernel_backend": "torch"})
+        group = dist.group.WORLD if world > 1 else None
+        result = measure.measure_point(point, group, device, RunOptions(warmup=0, reps=1), check=True)
+    finally:
+        measure.build_step, measure.run_rank = built, checked
+    return seen["timed"], seen["checked"], result.metrics["parity"]
