@@ -63,7 +63,7 @@ strides, then ``cuobjdump -res-usage`` / ``-sass``: registers, stack bytes from 
   ``64, 64, 8, 3``: 208 KB, 252 registers, no spill (3 stages: the pipeliner loads the indices a step
   ahead itself). With Triton 3.9 the gap widens: the duplicated layout spills 184 B, the split takes
   236 registers and none. Measured on an H200 (flash, T = 16K, ``bench/test_bench_sparse_attention.py``,
-  results/2026-12-02-h200-speed5/kernels/sparse_attn.txt): duplicated 5.48 ms = 251 TFLOP/s, split
+  results/2026-12-02-h200-indexer-attention-variants/kernels/sparse_attn.txt): duplicated 5.48 ms = 251 TFLOP/s, split
   5.06 ms = 271, indices ahead alone 5.56 ms = 247, split with indices ahead 4.42 ms = 311 (the default
   since). Split with indices ahead at ``64, 32, 8, 3`` / ``64, 32, 8, 4``: 228 registers, no spill,
   168 / 200 KB: the rows of 2 / 3 steps ahead in flight (the index load off the path lets the pipeliner
@@ -165,7 +165,7 @@ DQ_IN_DKV_ENV = kernel_options.OPTIONS["triton_dq_in_dkv"].env
 accumulated by the dkv kernel); the ``dq_in_dkv`` keyword of :func:`sparse_attention_bwd` wins over it."""
 DQ_IN_DKV_DEFAULT = kernel_options.OPTIONS["triton_dq_in_dkv"].default
 """The placement when neither the keyword nor the environment says: in the dkv kernel, the faster on an
-H200 (``bench/sweep_sparse_attention_configs.py``, flash shapes, ``results/2026-12-01-h200-speed``):
+H200 (``bench/sweep_sparse_attention_configs.py``, flash shapes, ``results/2026-12-01-h200-kernel-configs-stream-topk``):
 20.0 ms = 171 TFLOP/s with scores ``64,64,8,1`` + dkv ``64,256,8,2``, against 25.0 ms = 138 TFLOP/s
 for the dq kernel's best (``32,64,8,2``)."""
 
@@ -627,7 +627,7 @@ def _dkv_dq_ladder(block_d: int, heads: int, dtype: torch.dtype, one_product: bo
     gather of kv columns; at D = 512 the same columns per program as :func:`_dkv_ladder` still fit.
     The one product at H <= 64 starts at 128 columns and 4 warps (112 KB: two programs per SM, one's
     gathers under the other's products): 16.37 ms against 17.93 ms at ``64, 256, 8, 2`` (flash, T = 16K,
-    results/2026-12-02-h200-speed6/kernels/sparse_bwd.txt)."""
+    results/2026-12-02-h200-layer-defaults/kernels/sparse_bwd.txt)."""
     if block_d >= 256:
         if triton.next_power_of_2(heads) >= 128:
             ladder = [(64, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
