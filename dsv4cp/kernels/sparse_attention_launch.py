@@ -144,7 +144,7 @@ def _dkv_dq_ladder(block_d: int, heads: int, dtype: torch.dtype, one_product: bo
     gather of kv columns; at D = 512 the same columns per program as :func:`_dkv_ladder` still fit.
     The one product at H <= 64 starts at 128 columns and 4 warps (112 KB: two programs per SM, one's
     gathers under the other's products): 16.37 ms against 17.93 ms at ``64, 256, 8, 2`` (flash, T = 16K,
-    results/2026-12-02-h200-speed6/kernels/sparse_bwd.txt)."""
+    results/2026-12-02-h200-layer-defaults/kernels/sparse_bwd.txt)."""
     if block_d >= 256:
         if triton.next_power_of_2(heads) >= 128:
             ladder = [(64, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
