@@ -76,8 +76,8 @@ def test_report_of_two_runs_writes_the_comparison_and_its_section(two_runs, tmp_
 def test_one_point_id_measured_with_other_kernels_is_not_matched():
     # committed runs: the flash C 64K one-document point (id 8dd88e6e6397) before and after defaults changed
     results = Path(__file__).resolve().parents[2] / "results"
-    a = results / "2026-12-02-h200-speed5" / "final" / "profile-auto-one"
-    b = results / "2026-12-02-h200-speed6" / "layer" / "sweep"
+    a = results / "2026-12-02-h200-indexer-attention-variants" / "final" / "profile-auto-one"
+    b = results / "2026-12-02-h200-layer-defaults" / "layer" / "sweep"
     table = side_by_side.comparison(load_runs([a, b]))
     assert table.loc[table["match"] == side_by_side.MATCHED, "b_over_a"].isna().all()  # nothing paired across kernels
     assert "8dd88e6e6397" in {r["point_id"] for r in read_records(a)} & {r["point_id"] for r in read_records(b)}

@@ -112,8 +112,9 @@ def test_a_run_at_todays_options_resumes_without_measuring_until_an_option_chang
 
 def test_one_id_of_four_kernel_sets_has_four_configuration_keys():
     # the flash C 64K one-document point (auto, fwd+bwd): the same axes measured at four kernel sets
-    runs = ["2026-12-01-h200-cost-growth/run", "2026-12-02-h200-speed5/layer/profile-auto-one",
-            "2026-12-02-h200-speed5/final/profile-auto-one", "2026-12-02-h200-speed6/layer/sweep"]
+    runs = ["2026-12-01-h200-cost-growth/run", "2026-12-02-h200-indexer-attention-variants/layer/profile-auto-one",
+            "2026-12-02-h200-indexer-attention-variants/final/profile-auto-one",
+            "2026-12-02-h200-layer-defaults/layer/sweep"]
     found = {}
     for run in runs:
         for record in read_records(RESULTS / run):
