@@ -165,9 +165,7 @@ DQ_IN_DKV_ENV = kernel_options.OPTIONS["triton_dq_in_dkv"].env
 accumulated by the dkv kernel); the ``dq_in_dkv`` keyword of :func:`sparse_attention_bwd` wins over it."""
 DQ_IN_DKV_DEFAULT = kernel_options.OPTIONS["triton_dq_in_dkv"].default
 """The placement when neither the keyword nor the environment says: in the dkv kernel, the faster on an
-H200 (``bench/sweep_sparse_attention_configs.py``, flash shapes, ``results/2026-12-01-h200-kernel-configs-stream-topk``):
-20.0 ms = 171 TFLOP/s with scores ``64,64,8,1`` + dkv ``64,256,8,2``, against 25.0 ms = 138 TFLOP/s
-for the dq kernel's best (``32,64,8,2``)."""
+H200 (``bench/sweep_sparse_attention_configs.py``, flash shapes; the figures: docs/kernels.md)."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FWD_LOGITS = kernel_options.OPTIONS["triton_fwd_logits"].choices
