@@ -83,7 +83,7 @@ from dsv4cp.kernels._triton_gather import gather_rows
 from dsv4cp.kernels._triton_launch import Kernels
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels._triton_launch import pinned_config as _pinned_config
-from dsv4cp.kernels.sparse_attention_triton import (
+from dsv4cp.kernels.sparse_attention_launch import (
     _SUPPORTED_DTYPES,
     LOG2E,
     MAX_HEAD_DIM,
