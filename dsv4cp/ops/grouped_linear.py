@@ -6,13 +6,12 @@
 
 ``torch.einsum("lgi,goi->lgo")`` runs the map as one batched matmul over a group-major layout, so
 autograd permutes ``x`` (all heads' outputs: 4 GiB at 64K tokens in the flash preset) and its gradient
-into ``[G, L, I]`` copies and back: 7.6 ms of copy kernels per step on an H200. Here each group is one
+into ``[G, L, I]`` copies and back, every step. Here each group is one
 matmul that reads its ``[L, I]`` slice in place (rows ``G * I`` apart) and writes straight into its
 slice of the ``[L, G, O]`` result (cuBLAS takes a leading dimension, so neither side is copied),
 forward and backward. :func:`head_group_projection` also owns its input gradient, so the backward of
 the RoPE rotation turns that buffer's last ``P`` dims in place (:func:`dsv4cp.ops.norm_rope.rotate_tail_`)
-instead of writing a rotated copy of the whole gradient (on an H200 at 64K: 2.24 -> 0.32 ms; the step's
-peak memory stayed 26.8 GiB, results/2026-12-01-h200-radix-topk-glue).
+instead of writing a rotated copy of the whole gradient.
 
 Under ``torch.compile`` both run as the einsum instead: Dynamo cannot trace a matmul into a strided
 ``out=`` slice (a graph break each), and the compiler plans the layouts of the map and its backward itself.

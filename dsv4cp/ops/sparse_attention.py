@@ -55,8 +55,8 @@ class SparseAttentionBackend:
 
 
 _BACKENDS: dict[str, SparseAttentionBackend] = {}
-# What "auto" tries per direction, fastest first; the first available on a CUDA device wins (measured on
-# an H200: forward FlashMLA 569 TFLOP/s vs Triton 246; backward cuDNN DSA 279 vs Triton 136). On
+# What "auto" tries per direction, fastest first as measured on an H200 (docs/kernels.md); the first
+# available on a CUDA device wins. On
 # any other device "auto" is the oracle "torch": Triton's CPU interpreter is for kernel tests only.
 AUTO_FORWARD_ORDER: list[str] = ["flashmla", "triton"]
 AUTO_BACKWARD_ORDER: list[str] = ["cudnn", "triton"]
