@@ -434,7 +434,7 @@ def case_from_args(
         pad_to_multiple=args.pad_to_multiple, split=split, seed=args.seed, dtype=dtype_name, device=device.type,
         direction="fwd+bwd" if backward else "fwd", overlap=getattr(args, "overlap", "none"),
         recompute=args.recompute, backend=args.kernel_backend,
-        kernel_options=kernel_options.resolved_with(kernel_option_values(args)),
+        kernel_options=kernel_options.KernelOptions.resolve(kernel_option_values(args)),
         deterministic=getattr(args, "deterministic", False), compile=compile,
     )
 

@@ -47,7 +47,8 @@ def randomize_(layer: DSv4Attention, generator: torch.Generator) -> None:
 
 def build_layer(case: Case, device: torch.device | str | None = None) -> DSv4Attention:
     """The Case's layer with its seeded weights, on ``device`` (default: the Case's) in the Case's dtype."""
-    layer = DSv4Attention(case.cfg, case.ratio, backend=case.backend, overlap=case.overlap, recompute=case.recompute)
+    layer = DSv4Attention(case.cfg, case.ratio, backend=case.backend, overlap=case.overlap, recompute=case.recompute,
+                          kernel_options=case.kernel_options)
     randomize_(layer, torch.Generator().manual_seed(case.seed))
     return layer.to(device=torch.device(device if device is not None else case.device), dtype=case.torch_dtype)
 

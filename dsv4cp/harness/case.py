@@ -15,6 +15,7 @@ import torch
 from dsv4cp.choices import OVERLAP_MODES, check_backend_name
 from dsv4cp.config import DTYPE_NAMES, DTYPES, DSv4Config
 from dsv4cp.cp.partition import RowSplit, as_split
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.packing import PackedSeqs
 
 PASSES = ("fwd", "fwd+bwd")
@@ -51,9 +52,10 @@ class Case:
     recompute: bool = False
     backend: str = "auto"
     """The sparse-attention backend the layer asks for (as the layer's ``backend``)."""
-    kernel_options: dict[str, str] = field(default_factory=dict)
-    """Kernel option name -> value, in force while every pass of the Case runs (resolved once by the
-    constructor that built the Case; empty: the environment and the defaults)."""
+    kernel_options: KernelOptions = field(default_factory=KernelOptions.resolve)
+    """Every kernel option's value, resolved once by the constructor that built the Case (default: the
+    options in force where the Case is made); the layer holds them and they are in force while every pass
+    of the Case runs."""
     deterministic: bool = False
     """Run under ``torch.use_deterministic_algorithms(True)``."""
     compile: str | None = None
@@ -73,6 +75,8 @@ class Case:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: must be 'cpu' or 'cuda', got {self.device!r}")
         check_backend_name(self.backend)
+        if not isinstance(self.kernel_options, KernelOptions):
+            raise ValueError(f"kernel_options: must be a KernelOptions, got {type(self.kernel_options).__name__}")
 
     @property
     def backward(self) -> bool:

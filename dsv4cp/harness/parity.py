@@ -163,7 +163,7 @@ def run_rank(rank: int, world: int, device: torch.device, case: Case,
     (default: the world group when ``world > 1``); the Case's kernel options are in force."""
     if world > 1 and group is None:
         group = dist.group.WORLD
-    with kernel_options.overrides(case.kernel_options), deterministic_algorithms(case.deterministic):
+    with kernel_options.overrides(case.kernel_options.texts()), deterministic_algorithms(case.deterministic):
         return [asdict(c) for c in _check(rank, world, device, case, group if world > 1 else None)]
 
 

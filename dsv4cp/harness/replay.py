@@ -83,7 +83,7 @@ def replay_rank(rank: int, world: int, device: torch.device, replay: Replay,
     if world > 1 and group is None:
         group = dist.group.WORLD
     case = replay.case if world > 1 else dataclasses.replace(replay.case, split=None)  # the split is for CP > 1
-    with kernel_options.overrides(case.kernel_options), deterministic_algorithms(case.deterministic):
+    with kernel_options.overrides(case.kernel_options.texts()), deterministic_algorithms(case.deterministic):
         pristine = build_layer(case, device)
         packed = case.packed(device)
         x, upstream = one_rank_inputs(case, device)  # one rank's draw: every CP degree's batch

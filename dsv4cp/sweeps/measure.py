@@ -165,17 +165,15 @@ def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Mach
                         direction=point.direction, calibration=calibration)
 
 
-def point_case(point: Point, cfg: DSv4Config, lengths: list[int], split: RowSplit, device: torch.device,
-               options: dict[str, str] | None = None) -> Case:
+def point_case(point: Point, cfg: DSv4Config, lengths: list[int], split: RowSplit, device: torch.device) -> Case:
     """The :class:`~dsv4cp.harness.case.Case` of ``point`` (its config and documents from
-    :func:`point_inputs`) under ``split``: what its timed steps and its parity check both run.
-    ``options``: the kernel options resolved for the point (default: the point's over the environment)."""
-    if options is None:
-        options = kernel_options.resolved_with(point.kernel_options or {})
+    :func:`point_inputs`) under ``split``: what its timed steps and its parity check both run, with the
+    point's kernel options over those in force."""
     return Case(cfg=cfg, ratio=point.ratio, lengths=tuple(lengths), total=point.tokens, split=split.bounds,
                 seed=point.seed, dtype=point.dtype, device=device.type, direction=point.direction,
                 overlap=point.overlap, recompute=point.recompute, backend=point_backend(point, cfg, device),
-                kernel_options=options, deterministic=point.deterministic, compile=point.compile)
+                kernel_options=kernel_options.KernelOptions.resolve(point.kernel_options or {}),
+                deterministic=point.deterministic, compile=point.compile)
 
 
 def point_step(point: Point, cfg: DSv4Config, packed: PackedSeqs, split: RowSplit, device: torch.device,
