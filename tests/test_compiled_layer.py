@@ -93,7 +93,7 @@ def test_compiled_step_on_the_kernels_custom_ops_matches_eager(triton_paths, see
     layer's option scope: the ops are handed the options)."""
     layer, packed, x, weight = build_case(
         CheckCase(lengths=(9, 0, 23), total=32, ratio=4, seed=seed, backend="triton"), torch.device("cpu"))
-    layer.kernel_options = kernel_options.canonical({"topk_keys": "scores", "triton_dq_in_dkv": "0"})
+    layer.kernel_options = kernel_options.KernelOptions.resolve({"topk_keys": "scores", "triton_dq_in_dkv": "0"})
     eager = copy.deepcopy(layer)
     kernel_options.reset_backends_ran()
     want, want_dx, want_grads = _step(eager, packed, x, weight)

@@ -132,7 +132,7 @@ def triton_paths(monkeypatch):
 
 def _layer_step(layer, packed, x, weight, scores: str):
     layer = copy.deepcopy(layer)
-    layer.kernel_options = kernel_options.canonical({"indexer_loss_scores": scores})
+    layer.kernel_options = kernel_options.KernelOptions.resolve({"indexer_loss_scores": scores})
     x = x.clone().requires_grad_()
     result = layer(x, packed)
     ((result.out * weight).sum() + result.indexer_loss).backward()

@@ -197,7 +197,7 @@ def test_layer_with_the_fused_kl_matches_torch_kl(seed, monkeypatch):
 
     def step(options):
         run = copy.deepcopy(layer)
-        run.kernel_options = kernel_options.canonical(options)
+        run.kernel_options = kernel_options.KernelOptions.resolve(options)
         leaf = x.clone().requires_grad_()
         kernel_options.reset_backends_ran()
         result = run(leaf, packed)
@@ -243,7 +243,7 @@ def test_compiled_layer_reaches_the_fused_pass_through_its_custom_op(seed, monke
     monkeypatch.setattr(compress_pool, "use_triton", lambda values, gates: serves(values))
     monkeypatch.setattr(ops_kl, "fused_serves", lambda *ts: all(t.dtype == torch.float32 for t in ts))
     layer, packed, x, weight = build_case(CheckCase(lengths=(9, 0, 23), total=32, seed=seed), torch.device("cpu"))
-    layer.kernel_options = kernel_options.canonical({"indexer_loss_kl": "triton"})
+    layer.kernel_options = kernel_options.KernelOptions.resolve({"indexer_loss_kl": "triton"})
 
     def step(run, compiled):
         leaf = x.clone().requires_grad_()
