@@ -4,8 +4,9 @@ input gradient, every parameter gradient).
 
 Prints per quantity "identical" or the largest difference and the first differing element. Exit code 1
 when the configuration claims bitwise replay (see 'dsv4cp env': on CPU every backend; on CUDA only
---deterministic with a deterministic sparse-attention backward) and a quantity differs, or with --ties when
-the selection breaks the tie rule or differs between CP degrees. Examples:
+--deterministic with a deterministic sparse-attention backward) and a quantity differs, when a quantity
+holds NaN or infinity (always: the same NaNs replay bit for bit), or with --ties when the selection breaks
+the tie rule or differs between CP degrees. Examples:
 
   dsv4cp check-determinism --cp 2 --lengths 5,127,0,168
   dsv4cp check-determinism --cp 2 --ties
@@ -35,6 +36,7 @@ from dsv4cp.harness.replay import (
     Difference,
     Replay,
     Snapshot,
+    nonfinite_quantities,
     replay_differences,
     replay_rank,
     tie_rule_violations,
@@ -153,6 +155,12 @@ def _report(args: argparse.Namespace, case: Replay, device: torch.device, runs: 
               + (": FAIL (the configuration claims bitwise replay)" if claims else " (expected: not claimed)"))
     else:
         print(f"all {len(names)} quantities identical in every run")
+    for cp, per_rank in runs.items():
+        broken = nonfinite_quantities(per_rank)
+        if broken:  # identical NaNs replay bit for bit: the check would pass on a broken step
+            failed = True
+            print(f"FAIL: non-finite (NaN or infinity) at cp={cp}: {', '.join(broken)}; a replay of a broken "
+                  "step proves nothing")
     if case.ties:
         failed |= not _report_ties(runs, check)
     return 1 if failed else 0

@@ -15,7 +15,7 @@ API (used by ``cli/*.py``):
   ``dsv4cp <cmd>: error: ...`` line; ``torch.OutOfMemoryError`` -> 3; anything else is a bug and keeps
   its traceback). Under torchrun the line starts with ``[rank R]``.
 * argparse types: :func:`positive_int`, :func:`non_negative_int`, :func:`positive_float`,
-  :func:`int_list` (comma-separated positive ints).
+  :func:`int_list` (comma-separated positive ints), :func:`float_in_range` (a bounded number).
 * :func:`flag_message`: rewrites ``total: ...`` (a config/packing field) to ``--tokens: ...``
   (the flag the user typed), from the one table :data:`FIELD_FLAGS`.
 * Option adders: :func:`add_layer_options` (``--preset --ratio --tokens --lengths --packing
@@ -209,6 +209,21 @@ def positive_float(text: str) -> float:
     if not (value > 0 and value != float("inf")):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
     return value
+
+
+def float_in_range(low: float, high: float, unit: str = "") -> Callable[[str], float]:
+    """argparse type: a number in ``[low, high]`` (``unit`` named in the error, e.g. ``" s"``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not low <= value <= high:  # NaN fails both comparisons
+            raise argparse.ArgumentTypeError(f"must be from {low:g} to {high:g}{unit}, got {text!r}")
+        return value
+
+    return parse
 
 
 def int_list(text: str) -> list[int]:

@@ -178,6 +178,14 @@ def replay_differences(per_rank: list[list[Snapshot]], fresh: list[Snapshot] | N
     return worst(found)
 
 
+def nonfinite_quantities(per_rank: list[list[Snapshot]]) -> list[str]:
+    """The floating-point quantities (in :func:`quantity_order`) that hold NaN or infinity in any replay of
+    any rank: equal bits of a broken computation prove nothing, so such a replay is never a pass."""
+    bad = {name for snapshots in per_rank for snapshot in snapshots for name, tensor in snapshot.items()
+           if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())}
+    return quantity_order(bad)
+
+
 def whole_selection(per_rank: list[Snapshot]) -> torch.Tensor | None:
     """``[T, K]`` the selected entries of every row, the ranks' rows in order (None: no indexer)."""
     if "selected" not in per_rank[0]:
