@@ -490,7 +490,7 @@ def append_bytes(path: str | os.PathLike, data: bytes) -> None:
 def _write_all(fd: int, data: bytes) -> None:
     """Write all of ``data`` (a short write is followed by the rest, until the system says why it stops),
     then fsync."""
-    rest = memoryview(data)
+    rest = memoryview(data)[os.write(fd, data):]  # the whole line in one call, unless the disk is full
     while rest:
         rest = rest[os.write(fd, rest):]
     os.fsync(fd)
