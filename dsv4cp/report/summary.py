@@ -115,7 +115,20 @@ def _headline_section(report: ReportParts) -> list[str]:
         lines += [f"{int(emulated.sum())} point(s) with an `emulated_rank` are **compute only**: ranks measured alone "
                   "on one device (`all`: every rank in turn, its time the slowest rank's), collectives replaced by "
                   "no-ops, so they hold no communication and no waiting for peers.", ""]
-    return lines + [tables_module.to_markdown(_measured(report.table("headline")))]
+    return lines + _unmeasured_lines(report.table("failures"), len(report.table("headline"))) + [
+        tables_module.to_markdown(_measured(report.table("headline")))]
+
+
+def _unmeasured_lines(failures: pd.DataFrame, points: int) -> list[str]:
+    """The headline's count of the points that did not measure, by status kind (none: no line), so a run
+    whose every point failed says so first rather than showing an empty table alone."""
+    if failures.empty:
+        return []
+    kinds = failures["status"].map(lambda status: status.split(":")[0]).value_counts()
+    tally = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+    lead = "**No point measured**: all" if len(failures) >= points else f"{len(failures)} of"
+    return [f"{lead} {points} points did not measure ({tally}): their statuses are under "
+            "\"Points that did not measure\".", ""]
 
 
 def _targets_section(report: ReportParts) -> list[str]:
@@ -287,7 +300,7 @@ def report_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     diagnosed = diagnosis_module.diagnosis_tables(df)
     checked = tables_module.ok_points(df)
     extra = {"targets": targets_module.evaluate(df), **diagnosed,
-             "parity_failures": parity_failures(checked, tables_module.varying_axes(checked) if len(checked) else [])}
+             "parity_failures": parity_failures(checked, tables_module.varying_axes(checked))}
     return {"headline": tables.pop("headline"), **extra, **tables}
 
 

@@ -122,7 +122,7 @@ def evaluate(df: pd.DataFrame, declared: dict[str, tuple[Target, ...]] | None = 
     ``declared``: the targets per run (default: :func:`declared_targets`)."""
     declared = declared_targets(df) if declared is None else declared
     points_all = ok_points(df)
-    axes = varying_axes(points_all) if len(points_all) else []
+    axes = varying_axes(points_all)
     rows = []
     for run in runs_of(df):
         points = points_all[points_all["run"] == run]
