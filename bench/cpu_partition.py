@@ -15,7 +15,7 @@ overhead would dwarf the tiny layer's phases) as a per-phase table for ``dsv4cp 
     python -m bench.cpu_partition --phases-out P.csv
     python -m bench.cpu_partition --calibration CAL.json --machine-file M.json --out T.csv
 
-The runs recorded in results/2026-12-01-cpu-partition*/ (their run.sh) used it.
+The runs recorded in results/2026-12-01-cpu-balanced-partition*/ (their run.sh) used it.
 """
 
 from __future__ import annotations

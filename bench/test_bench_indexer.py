@@ -429,7 +429,7 @@ SELECT_SWEEP = [(2048, 8, 8, 2), (2048, 8, 4, 2), (1024, 8, 4, 2), (2048, 10, 8,
                 (4096, 4, 8, 2), (2048, 4, 8, 2), (1024, 4, 2, 2)]
 """Radix-select launches timed by ``test_indexer_select_config`` (``block_n, radix_bits, num_warps,
 num_stages``): the ladder (:data:`dsv4cp.kernels.select_top_triton.SELECT_CONFIGS`), other steps and
-warps, and other digit widths: a first H200 run (results/2026-12-01-h200-speed4) timed the selection at
+warps, and other digit widths: a first H200 run (results/2026-12-01-h200-radix-topk-glue) timed the selection at
 ~(passes x bins) (8 bits 14.3 ms, 10 bits 35.1, 11 bits 80.3 at 64K), so narrower digits (more passes
 over an L2-resident row, far fewer bins) are swept too."""
 

@@ -25,10 +25,10 @@ Kernels:
   slots on the matrix unit's M, heads on N, so the head sum runs along each thread's registers and a
   lane quad (``DSV4CP_TRITON_PROBS_SLOTS_ON_M=0``: ``q @ keys^T``, heads on M, whose sum crosses the
   warps through shared memory: 5.65 against 4.63 ms at T = 32K on an H200,
-  results/2026-12-01-h200-speed4/graph). Otherwise the program loops over the head blocks inside each
+  results/2026-12-01-h200-radix-topk-glue/graph). Otherwise the program loops over the head blocks inside each
   slot block (the keys stay loaded, q re-read from L2, heads on M), accumulating the head sum in a fixed
   order: no atomics, deterministic. Measured on an H200: 11.5 ms in the layer at the flash shape with
-  T = 65536 (results/2026-12-01-h200-speed4/trace-auto/kernels.csv; 9.47 ms in a later trace), 4.73 ms
+  T = 65536 (results/2026-12-01-h200-radix-topk-glue/trace-auto/kernels.csv; 9.47 ms in a later trace), 4.73 ms
   in bench/test_bench_attention_probs.py at T = 32768 (~4 TB/s of gathered rows and q).
 * ``_head_probs_chunked_kernel`` (kernel option ``triton_probs_kernel=d_chunks``, the default): the
   head dim is the
@@ -148,7 +148,7 @@ from dsv4cp.kernels._triton_gather import gather_rows
 from dsv4cp.kernels._triton_launch import Kernels
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels._triton_launch import pinned_config as _pinned_config
-from dsv4cp.kernels.sparse_attention_triton import (
+from dsv4cp.kernels.sparse_attention_launch import (
     _SUPPORTED_DTYPES,
     LOG2E,
     MAX_HEAD_DIM,

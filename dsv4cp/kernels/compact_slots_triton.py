@@ -11,7 +11,7 @@ it, and a second store writes ``-1`` over the places from the count on (disjoint
 ordering between the two). Why a kernel: the torch version is a running count, a batched binary search
 and a gather, each a pass over ``[T, slots]`` plus int64 temporaries, ~0.4 ms at 16K queries x 640 slots
 on an H200 (``bench/test_bench_sparse_attention.py::test_library_slot_compaction``,
-results/2026-12-02-h200-speed6/libraries/compaction.txt, which timed it inside the adapters); this
+results/2026-12-02-h200-layer-defaults/libraries/compaction.txt, which timed it inside the adapters); this
 reads the row once and writes the output once.
 """
 

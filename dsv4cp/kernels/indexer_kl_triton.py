@@ -22,7 +22,7 @@ at 4 TB/s (expected, not measured; the bool mask rather than the int64 entries s
 reference it replaces runs ~25 kernels (masked fills, log_softmax, xlogy, sums) and keeps several
 ``[rows, K]`` tensors for its backward: with the finiteness sums and the target's normalisation, ~1.9 ms
 of the layer's ``indexer.loss.fwd`` and ~0.7 ms of its ``indexer.loss.bwd`` measured on an H200
-(``results/2026-12-02-h200-speed5/final/trace-auto-one``).
+(``results/2026-12-02-h200-indexer-attention-variants/final/trace-auto-one``).
 
 The masses and scores are loaded under the row's bound ``cols < K`` and masked after: with ``K`` a
 multiple of 16 (the JIT's specialisation) they are 16-byte vector loads (``ld.global.v4.b32``; under the

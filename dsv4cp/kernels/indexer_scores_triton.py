@@ -43,7 +43,7 @@ n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gra
 
 * ``atomic``: 4.2 G fp32 additions (17 GB of ``REDG.F32x4`` payload) into the 8 MB ``dkeys``, which
   stays in L2: bound by the L2's reduction throughput. Measured on an H200: ``_gather_bwd_kernel``
-  12.0 ms (``results/2026-12-01-h200-speed4/trace-auto/kernels.csv``), against 2.57 ms for the forward
+  12.0 ms (``results/2026-12-01-h200-radix-topk-glue/trace-auto/kernels.csv``), against 2.57 ms for the forward
   kernel, which gathers the same key rows (8.6 GB from L2) for one of the three products.
 * ``sorted``: the contributions are written once and read once, 2 x 16.9 GB of HBM traffic (a chunk's
   2 GiB does not fit L2): ~8.5 ms at 4 TB/s; the sort (int16 keys while G < 2^15, int64 values: two
@@ -52,7 +52,7 @@ n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gra
 * ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same sorting: ~5 ms of reduction traffic expected.
 
 Measured on an H200 at these shapes (``bench/test_bench_indexer.py::test_indexer_scores_reduce``,
-``results/2026-12-02-h200-speed5/kernels/scores_reduce.txt``): backward alone ``atomic`` 11.78 ms,
+``results/2026-12-02-h200-indexer-attention-variants/kernels/scores_reduce.txt``): backward alone ``atomic`` 11.78 ms,
 ``sorted`` 19.95 ms, ``sorted-bf16`` 16.26 ms (forward + backward 13.98 / 21.78 / 18.42 ms). The model's
 mistake: it charged the atomics ~9 ms of the kernel, but replacing them by plain stores of the same
 bytes leaves the kernel about as slow, so the sorted reductions add their sort and segment sums on top;
@@ -282,7 +282,7 @@ GATHER_BWD_CONFIGS = [(32, 4, 2), (16, 4, 2), (16, 4, 1), (64, 8, 1), (64, 8, 2)
                       (32, 8, 2)]
 """bf16 / fp16 backward tiles (``block_k, num_warps, num_stages``), first = default, fastest first as
 measured on an H200 (``bench/test_bench_indexer.py::test_indexer_scores_fwd_bwd``, 64K flash shapes,
-forward + backward, ``results/2026-12-01-h200-speed3``): 14.29 / 14.60 / 15.61 / 17.50 / 17.76 / 18.07 /
+forward + backward, ``results/2026-12-01-h200-packed-keys-relaxed-atomics``): 14.29 / 14.60 / 15.61 / 17.50 / 17.76 / 18.07 /
 21.33 / 26.29 ms, against 34.26 ms for the acq_rel-atomics kernel it replaced. Compiled for sm_90a with
 Triton 3.6 (ptxas, Di = 128, Hi = 64): ``(32, 4, 2)`` uses 240 registers per thread without spilling,
 2 resident programs per SM (``(64, 8, 2)``: 202 registers, 1 program)."""

@@ -135,7 +135,7 @@ see the cost argument above)."""
 SELECT_CONFIGS = [(2048, 8, 4, 2), (2048, 8, 8, 2), (1024, 8, 4, 2), (512, 8, 4, 1)]
 """Compiled ladder (``block_n, radix_bits, num_warps, num_stages``), first = default; any of them fits
 (compiled for sm_90a with Triton 3.6, no spills). ``bench/test_bench_indexer.py::test_indexer_select_config``
-times them with other digit widths on the H200: at 64K (results/2026-12-01-h200-speed4) ``(2048, 8, 4, 2)``
+times them with other digit widths on the H200: at 64K (results/2026-12-01-h200-radix-topk-glue) ``(2048, 8, 4, 2)``
 11.1 ms, ``(2048, 8, 8, 2)`` 14.1, ``(1024, 8, 4, 2)`` 12.8; 3 to 6-bit digits 11.5-16.7 ms, 10-bit 35.0."""
 
 SELECT_VARIANTS = ("bounded", "plain")

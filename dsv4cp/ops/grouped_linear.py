@@ -12,7 +12,7 @@ slice of the ``[L, G, O]`` result (cuBLAS takes a leading dimension, so neither 
 forward and backward. :func:`head_group_projection` also owns its input gradient, so the backward of
 the RoPE rotation turns that buffer's last ``P`` dims in place (:func:`dsv4cp.ops.norm_rope.rotate_tail_`)
 instead of writing a rotated copy of the whole gradient (on an H200 at 64K: 2.24 -> 0.32 ms; the step's
-peak memory stayed 26.8 GiB, results/2026-12-01-h200-speed4).
+peak memory stayed 26.8 GiB, results/2026-12-01-h200-radix-topk-glue).
 
 Under ``torch.compile`` both run as the einsum instead: Dynamo cannot trace a matmul into a strided
 ``out=`` slice (a graph break each), and the compiler plans the layouts of the map and its backward itself.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200, after the kernel-options registry / one-step / cost-model refactor: the GPU test suite and the
-# flash C layer at 64K (figures to set beside results/2026-12-01-h200-speed4), then every rank of CP 4 and CP 8
+# flash C layer at 64K (figures to set beside results/2026-12-01-h200-radix-topk-glue), then every rank of CP 4 and CP 8
 # emulated in turn on the one GPU (`profile --emulate-rank all`: compute and memory only, no communication) with
 # equal, balanced and measured splits, and a sample of CP 64 ranks at 1M tokens.
 # Device calls made back to back (the machine stays warm 30 s); wheels from ../shared/gpu/fetch_wheels.sh,

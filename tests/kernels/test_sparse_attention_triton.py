@@ -153,7 +153,7 @@ def test_dq_in_dkv_environment_switch(seed, monkeypatch):
     """DSV4CP_TRITON_DQ_IN_DKV selects the placement (its own cached configurations) both ways (1 is also
     the default, so 0 is what shows the variable is read), the keyword wins over it, and a value other
     than 0 / 1 is refused before any kernel runs."""
-    from dsv4cp.kernels import sparse_attention_triton as sat
+    from dsv4cp.kernels import sparse_attention_launch as sat
 
     q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
     out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
@@ -258,7 +258,7 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
     """The variables of the forward's logits layout and lazy rescale, the dkv kernel's one product and both
     directions' indices ahead select the variants (each under its own cached configuration) both ways, the keywords
     win over them, and a value they do not allow is refused before any kernel runs."""
-    from dsv4cp.kernels import sparse_attention_triton as sat
+    from dsv4cp.kernels import sparse_attention_launch as sat
 
     q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
