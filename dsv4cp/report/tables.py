@@ -127,7 +127,8 @@ def group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
 def headline(df: pd.DataFrame) -> pd.DataFrame:
     """Per point (every status): the axes that vary, status, time median [p20, p80], tokens/s,
     TFLOP/s per GPU, MFU, measured/bound and the machine of its bound, peak GiB (max over ranks), exposed
-    comm % of comm time and parity with CP = 1 (``sweep --check``; blank when not checked)."""
+    comm % of comm time and parity with CP = 1 (``sweep --check``; blank when not checked), and when a
+    record holds a value no measurement can (blank in its column), ``invalid``: which and why."""
     axes = varying_axes(df)
     out = df[axes + ["status"]].copy()
     for column in ("time_ms_median", "time_ms_p20", "time_ms_p80", "tokens_per_s", "tflops_per_gpu", "mfu",
@@ -139,7 +140,14 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
     exposed = pd.to_numeric(df["exposed_comm_ms"], errors="coerce")
     out["exposed_comm_pct"] = (100.0 * exposed / comm).where(comm > 0)
     out["parity"] = df["parity"].map(parity_cell)
+    if "invalid" in df and df["invalid"].notna().any():  # blanked above: say which and why
+        out["invalid"] = df["invalid"].map(invalid_cell)
     return out.reset_index(drop=True)
+
+
+def invalid_cell(invalid: object) -> str:
+    """A record's impossible values (``load_runs``' ``invalid``: metric -> why) in one cell."""
+    return "; ".join(f"{name}: {why}" for name, why in invalid.items()) if isinstance(invalid, dict) else ""
 
 
 def phase_breakdown(df: pd.DataFrame) -> pd.DataFrame:
