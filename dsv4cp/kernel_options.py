@@ -67,6 +67,8 @@ class KernelOption:
     default: str | bool | None = None
     choices: tuple[str, ...] = ()
     fields: tuple[str, ...] = ()
+    powers_of_two: tuple[str, ...] = ()
+    """A tile's fields that must be powers of two (checked on parsing: a bad pin fails where it is read)."""
 
     def parse(self, value: object, origin: str) -> str | bool | tuple[int, ...] | None:
         """``value`` (text, or a Python value of the option's type) as the option's type; ``ValueError``
@@ -99,6 +101,9 @@ class KernelOption:
         except (TypeError, ValueError):
             raise ValueError(f"{origin}: expected '{','.join(self.fields)}' ({len(self.fields)} integers) or "
                              f"'auto', got {value!r}{self._also(origin)}") from None
+        for field_name, number in zip(self.fields, numbers):
+            if field_name in self.powers_of_two and (number < 1 or number & (number - 1)):
+                raise ValueError(f"{origin}: {field_name} must be a power of two, got {number}{self._also(origin)}")
         return numbers
 
     def _also(self, origin: str) -> str:
@@ -123,8 +128,8 @@ class KernelOption:
         return f"auto | {','.join(self.fields)}"
 
 
-def _tile(name: str, op: str, fields: tuple[str, ...], doc: str) -> KernelOption:
-    return KernelOption(name, "DSV4CP_" + name.upper(), TILE, op, doc, None, (), fields)
+def _tile(name: str, op: str, fields: tuple[str, ...], doc: str, powers_of_two: tuple[str, ...] = ()) -> KernelOption:
+    return KernelOption(name, "DSV4CP_" + name.upper(), TILE, op, doc, None, (), fields, powers_of_two)
 
 
 _KERNEL_TILE = ("block_h", "block_k", "num_warps", "num_stages")
@@ -207,7 +212,7 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
           "pins the d_chunks probabilities kernel (slots_on_m 0 or 1; programs_per_sm 0: one program per "
           "(query, slot block), else a persistent grid)"),
     _tile("triton_norm_rope_config", "norm_rope", ("block_h", "num_warps"),
-          "pins the fused norm / RoPE kernels' launch (powers of two)"),
+          "pins the fused norm / RoPE kernels' launch (powers of two)", powers_of_two=("block_h", "num_warps")),
 )}
 """Every kernel option by name."""
 

@@ -594,7 +594,7 @@ def logsumexp_over_triton(
         _launch_lse_chunked(q, keys, idx, scale, lse, block_d, pinned_chunks)
         return lse
     ladder = _ladder(block_d, h, q.dtype)
-    pinned = _pinned("triton_lse_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
+    pinned = _pinned(KernelConfig, ladder[0], kernel_options.get("triton_lse_config"), block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_lse_kernel", q.device)
 
@@ -674,8 +674,8 @@ def head_summed_probs_triton(
         return out
     on_m = _slots_on_m(slots_on_m)
     ladder = _ladder(block_d, h, q.dtype, head_loop=h > _block_h(h))
-    pinned = _pinned("triton_probs_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
-                     num_warps=num_warps, num_stages=num_stages)
+    pinned = _pinned(KernelConfig, ladder[0], kernel_options.get("triton_probs_config"), block_h=block_h,
+                     block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_head_probs_kernel", q.device)
 
     def launch(cfg: KernelConfig) -> None:

@@ -184,16 +184,17 @@ def test_layer_with_the_fused_kl_matches_torch_kl(seed, monkeypatch):
     """The layer (packed documents, empty slots, fp32, the indexer's Triton paths on the interpreter): the
     loss and every gradient with ``indexer_loss_kl=triton`` against ``torch``, both on the selection's
     scores and on recomputed ones."""
-    from dsv4cp.cp.check import CheckCase, build_case
+    from dsv4cp.harness.build import build_case
+    from dsv4cp.harness.case import Case
     from dsv4cp.ops import indexer as ops_indexer
 
     monkeypatch.setattr(ops_indexer, "triton_serves", lambda x: x.dtype != torch.float64 and x.shape[-1] % 16 == 0)
     monkeypatch.setattr(ops_kl, "fused_serves", lambda *ts: all(t.dtype == torch.float32 for t in ts))
-    layer, packed, x, weight = build_case(CheckCase(lengths=(9, 0, 23, 5), total=40, seed=seed), torch.device("cpu"))
+    layer, packed, x, weight = build_case(Case(lengths=(9, 0, 23, 5), total=40, seed=seed), torch.device("cpu"))
 
     def step(options):
         run = copy.deepcopy(layer)
-        run.kernel_options = kernel_options.canonical(options)
+        run.kernel_options = kernel_options.KernelOptions.resolve(options)
         leaf = x.clone().requires_grad_()
         kernel_options.reset_backends_ran()
         result = run(leaf, packed)
@@ -226,7 +227,8 @@ def test_compiled_layer_reaches_the_fused_pass_through_its_custom_op(seed, monke
     graph break, the fused pass run (its custom op notes it), the eager step's loss and gradients."""
     from torch._dynamo.utils import counters
 
-    from dsv4cp.cp.check import CheckCase, build_case
+    from dsv4cp.harness.build import build_case
+    from dsv4cp.harness.case import Case
     from dsv4cp.ops import attention_probs, compress_pool, norm_rope
     from dsv4cp.ops import indexer as ops_indexer
 
@@ -238,8 +240,8 @@ def test_compiled_layer_reaches_the_fused_pass_through_its_custom_op(seed, monke
     monkeypatch.setattr(norm_rope, "use_fused", lambda x, freqs=None: serves(x))
     monkeypatch.setattr(compress_pool, "use_triton", lambda values, gates: serves(values))
     monkeypatch.setattr(ops_kl, "fused_serves", lambda *ts: all(t.dtype == torch.float32 for t in ts))
-    layer, packed, x, weight = build_case(CheckCase(lengths=(9, 0, 23), total=32, seed=seed), torch.device("cpu"))
-    layer.kernel_options = kernel_options.canonical({"indexer_loss_kl": "triton"})
+    layer, packed, x, weight = build_case(Case(lengths=(9, 0, 23), total=32, seed=seed), torch.device("cpu"))
+    layer.kernel_options = kernel_options.KernelOptions.resolve({"indexer_loss_kl": "triton"})
 
     def step(run, compiled):
         leaf = x.clone().requires_grad_()
