@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.kernels import is_deterministic
 from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows
 from dsv4cp.kernels._triton_launch import pinned as _pinned
@@ -46,6 +47,7 @@ from dsv4cp.kernels.sparse_attention_launch import (
     BWD_SCRATCH_BYTES,
     BWD_SCRATCH_MIN_CHUNK_ROWS,
     BWD_SCRATCH_MIN_CHUNKS,
+    DQ_IN_DKV_DEFAULT,
     LOG2E,
     DkvConfig,
     KernelConfig,
@@ -56,10 +58,8 @@ from dsv4cp.kernels.sparse_attention_launch import (
     _dkv_dq_ladder,
     _dkv_ladder,
     _dot_f32,
-    _dq_in_dkv,
     _dq_ladder,
     _launch,
-    _option_flag,
     _precision,
     _scores_ladder,
 )
@@ -324,9 +324,9 @@ def sparse_attention_bwd(
     num_stages: int | None = None,
     dkv_config: DkvConfig | None = None,
     scratch_bytes: int | None = None,
-    dq_in_dkv: bool | None = None,
-    dkv_one_product: bool | None = None,
-    index_ahead: bool | None = None,
+    dq_in_dkv: bool = DQ_IN_DKV_DEFAULT,
+    dkv_one_product: bool = OPTIONS["triton_dkv_one_product"].default,
+    index_ahead: bool = OPTIONS["triton_bwd_index_ahead"].default,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`sparse_attention_fwd` (Triton).
 
@@ -341,14 +341,14 @@ def sparse_attention_bwd(
         scratch_bytes: scratch budget per query chunk (default :data:`BWD_SCRATCH_BYTES`).
         dq_in_dkv: ``True``: the dq kernel only writes p / ds (64 heads per program on wgmma) and the
             dkv kernel accumulates dq by column block beside the kv gradients; ``False``: the dq kernel
-            accumulates dq (mma.sync, 32 heads per program at D = 512); ``None``: the kernel option
-            ``triton_dq_in_dkv`` (:data:`DQ_IN_DKV_ENV`, else :data:`DQ_IN_DKV_DEFAULT`). block_h..num_stages
-            pin the first kernel, dkv_config the second.
+            accumulates dq (mma.sync, 32 heads per program at D = 512); default: the kernel option
+            ``triton_dq_in_dkv``'s (:data:`DQ_IN_DKV_DEFAULT`). block_h..num_stages pin the first kernel,
+            dkv_config the second.
         dkv_one_product: ``True``: the dkv kernel forms ``ds^T q + p^T dO`` as one product over
             ``[ds | p]`` (p and ds share one scratch buffer, row by row); ``False``: two chained products;
-            ``None``: the kernel option ``triton_dkv_one_product``.
-        index_ahead: ``True``: both kernels load the next step's row indices one step ahead; ``None``: the
-            kernel option ``triton_bwd_index_ahead``.
+            default: the kernel option ``triton_dkv_one_product``'s.
+        index_ahead: ``True``: both kernels load the next step's row indices one step ahead; default: the
+            kernel option ``triton_bwd_index_ahead``'s.
 
     Returns:
         ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
@@ -382,9 +382,9 @@ def backward_plan(
     num_stages: int | None = None,
     dkv_config: DkvConfig | None = None,
     scratch_bytes: int | None = None,
-    dq_in_dkv: bool | None = None,
-    dkv_one_product: bool | None = None,
-    index_ahead: bool | None = None,
+    dq_in_dkv: bool = DQ_IN_DKV_DEFAULT,
+    dkv_one_product: bool = OPTIONS["triton_dkv_one_product"].default,
+    index_ahead: bool = OPTIONS["triton_bwd_index_ahead"].default,
 ) -> BackwardPlan | None:
     """The launches of :func:`sparse_attention_bwd` (same arguments, checked the same way) with their
     buffers allocated, run by :meth:`BackwardPlan.run` or part by part; None when there is no query or no
@@ -402,9 +402,7 @@ def backward_plan(
             raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
     if deterministic is None:
         deterministic = is_deterministic()
-    acc_dq_in_dkv = _dq_in_dkv(dq_in_dkv)
-    one_product = _option_flag("triton_dkv_one_product", dkv_one_product)
-    ahead = _option_flag("triton_bwd_index_ahead", index_ahead)
+    acc_dq_in_dkv, one_product, ahead = bool(dq_in_dkv), bool(dkv_one_product), bool(index_ahead)
     q, kv, idx, dout, out = q.contiguous(), kv.contiguous(), idx.contiguous(), dout.contiguous(), out.contiguous()
     kt = idx.shape[1]
     if t == 0 or kt == 0:
@@ -423,9 +421,9 @@ def backward_plan(
         dout=dout, topk_length=None if topk_length is None else topk_length.contiguous(),
         deterministic=deterministic, acc_dq_in_dkv=acc_dq_in_dkv, one_product=one_product, ahead=ahead,
         chunk=chunk, dq_ladder=dq_ladder, dkv_ladder=dkv_ladder,
-        dq_pinned=_pinned("triton_bwd_config", KernelConfig, dq_ladder[0], block_h=block_h, block_k=block_k,
+        dq_pinned=_pinned(KernelConfig, dq_ladder[0], block_h=block_h, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages),
-        dkv_pinned=_pinned("triton_dkv_config", DkvConfig, dkv_ladder[0],
+        dkv_pinned=_pinned(DkvConfig, dkv_ladder[0],
                            **({} if dkv_config is None else vars(dkv_config))),
     )
 

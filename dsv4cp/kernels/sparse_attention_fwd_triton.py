@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4cp import kernel_options
+from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels.sparse_attention_launch import (
@@ -43,7 +43,6 @@ from dsv4cp.kernels.sparse_attention_launch import (
     _fwd_ladder,
     _fwd_slots_on_m_ladder,
     _launch,
-    _option_flag,
     _precision,
 )
 
@@ -186,9 +185,9 @@ def sparse_attention_fwd(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    logits: str | None = None,
-    index_ahead: bool | None = None,
-    lazy_rescale: bool | None = None,
+    logits: str = OPTIONS["triton_fwd_logits"].default,
+    index_ahead: bool = OPTIONS["triton_fwd_index_ahead"].default,
+    lazy_rescale: bool = OPTIONS["triton_fwd_lazy_rescale"].default,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of sparse multi-query attention with a sink (Triton).
 
@@ -203,22 +202,21 @@ def sparse_attention_fwd(
         block_h, block_k, num_warps, num_stages: pin a launch configuration (default: the ladder).
         logits: the logits' layout, ``"duplicated"`` (both warpgroups compute all of them), ``"split"``
             (each computes half of the slots) or ``"slots_on_m"`` (``kv @ q^T``): ``LOGITS`` of
-            ``_fwd_kernel``; ``None``: the kernel option ``triton_fwd_logits``.
-        index_ahead: ``True``: each step loads the next step's row indices (``INDEX_AHEAD``); ``None``:
-            the kernel option ``triton_fwd_index_ahead``.
+            ``_fwd_kernel`` (default: the kernel option ``triton_fwd_logits``'s).
+        index_ahead: ``True``: each step loads the next step's row indices (``INDEX_AHEAD``; default:
+            the kernel option ``triton_fwd_index_ahead``'s).
         lazy_rescale: ``True``: with split logits, the accumulator is rescaled only when a head's max rises
-            by more than 2^8 (``LAZY_RESCALE``); ``None``: the kernel option ``triton_fwd_lazy_rescale``.
+            by more than 2^8 (``LAZY_RESCALE``; default: the kernel option ``triton_fwd_lazy_rescale``'s).
 
     Returns:
         ``out [T, H, D]`` in q's dtype and ``lse [T, H]`` fp32 (natural log, sink excluded, -inf for a
         row with no valid key, whose ``out`` is 0).
     """
     _check(q, kv, idx, sink, topk_length)
-    layout = kernel_options.get("triton_fwd_logits") if logits is None else logits
+    layout, ahead = logits, bool(index_ahead)
     if layout not in FWD_LOGITS:
         raise ValueError(f"logits: must be one of {', '.join(FWD_LOGITS)}, got {layout!r}")
-    ahead = _option_flag("triton_fwd_index_ahead", index_ahead)
-    lazy = _option_flag("triton_fwd_lazy_rescale", lazy_rescale) and layout == "split"
+    lazy = bool(lazy_rescale) and layout == "split"
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
     sink = sink.to(torch.float32).contiguous()
     t, h, d = q.shape
@@ -229,7 +227,7 @@ def sparse_attention_fwd(
     topk = topk_length.contiguous() if topk_length is not None else idx  # dummy pointer when absent
     block_d = triton.next_power_of_2(d)
     ladder = (_fwd_slots_on_m_ladder if layout == "slots_on_m" else _fwd_ladder)(block_d, h, q.dtype)
-    pinned = _pinned("triton_fwd_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
+    pinned = _pinned(KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_fwd_kernel", q.device)
 

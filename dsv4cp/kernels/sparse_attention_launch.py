@@ -46,9 +46,9 @@ BWD_SCRATCH_MIN_CHUNK_ROWS = 1024
 
 DQ_IN_DKV_ENV = kernel_options.OPTIONS["triton_dq_in_dkv"].env
 """The variable of the kernel option ``triton_dq_in_dkv``, the backward's dq placement (``1``: dq
-accumulated by the dkv kernel); the ``dq_in_dkv`` keyword of :func:`sparse_attention_bwd` wins over it."""
+accumulated by the dkv kernel), which the op hands to the ``dq_in_dkv`` keyword of the backward."""
 DQ_IN_DKV_DEFAULT = kernel_options.OPTIONS["triton_dq_in_dkv"].default
-"""The placement when neither the keyword nor the environment says: in the dkv kernel, the faster on an
+"""The placement by default: in the dkv kernel, the faster on an
 H200 (docs/kernels.md)."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -158,19 +158,6 @@ def _dkv_dq_ladder(block_d: int, heads: int, dtype: torch.dtype, one_product: bo
         wide = min(block_d, 128)
         ladder = [(64, wide, 4, 2), (32, wide, 4, 1), (16, min(wide, 32), 4, 1)]
     return [DkvConfig(*c) for c in ladder]
-
-
-def _option_flag(option: str, explicit: bool | None) -> bool:
-    """A variant switch: the keyword argument ``explicit``, else the flag kernel option ``option``."""
-    if explicit is not None:
-        return bool(explicit)
-    return bool(kernel_options.get(option))
-
-
-def _dq_in_dkv(explicit: bool | None) -> bool:
-    """Where the backward accumulates dq: the keyword argument, else the kernel option ``triton_dq_in_dkv``
-    (``0``: in the dq kernel; ``1``: in the dkv kernel; default :data:`DQ_IN_DKV_DEFAULT`)."""
-    return _option_flag("triton_dq_in_dkv", explicit)
 
 
 def _dkv_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[DkvConfig]:

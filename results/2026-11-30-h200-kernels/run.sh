@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Kernel correctness (gpu-marked tests) and benchmarks on one H200, with the cuDNN frontend wheels
-# installed (../shared/gpu/README.md): Triton vs torch vs cuDNN DSA backward side by side in one run.
-# From the repository root on the GPU machine, after `bash .gpu/install_wheels.sh stash` (call 1):
-#   eval "$(bash .gpu/install_wheels.sh install)"; bash results/2026-11-30-h200-kernels/run.sh $OUT
+# Kernel correctness (gpu-marked tests) and benchmarks on one H200, with the cuDNN frontend 1.32 installed:
+# Triton vs torch vs cuDNN DSA backward side by side in one run. From the repository root:
+#   bash results/2026-11-30-h200-kernels/run.sh $OUT
 set -uo pipefail
 out=${1:-.}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -1,19 +1,12 @@
 #!/usr/bin/env bash
-# All GPU measurements of 2026-12-01 on ONE H200 (the 2-GPU kind was not lent this session), in two
-# device calls of under 10 minutes each. From the repository root on the GPU machine, with the nvtx and
-# sgl-flash-mla wheels in .whlsmall/ (carried):
+# All GPU measurements of 2026-12-01 on one H200, in two parts. From the repository root, with nvtx and
+# sgl-flash-mla installed:
 #   bash results/2026-12-01-h200-cp1-after-fixes/run.sh a $OUT    # GPU tests, profile CP = 1, strong-scaling sweep
 #   bash results/2026-12-01-h200-cp1-after-fixes/run.sh b $OUT    # kernels and packing sweeps, GPU benchmarks (baselines)
-# Everything is written under ./gpu-results/ and packed into $OUT/part-<a|b>.tar.gz (the device tool
-# returns at most 8 files); unpack from the repository root.
+# Everything is written under ./gpu-results/ and archived into $OUT/part-<a|b>.tar.gz.
 set -uo pipefail
 part=$1; out=${2:-.}
-if [ -d .whlsmall ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlsmall/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 DSV4CP_GIT_SHA=${DSV4CP_GIT_SHA:-}
-quiet() { grep -v -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:"; }
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 day=results/2026-12-01-h200-cp1-after-fixes
 mkdir -p "$day"
 case $part in

@@ -4,18 +4,13 @@
 # fake process group; collectives are no-ops, so communication is NOT measured), under
 # `--partition equal` and `--partition balanced` (and balanced with the measured H200 calibration when
 # `profile` has `--calibration`), against a real CP = 1 profile. About 3 minutes. From the repository
-# root on the GPU machine, with the nvtx and sgl-flash-mla wheels in .whlsmall/ (carried):
+# root, with nvtx and sgl-flash-mla installed:
 #   bash results/2026-12-01-h200-cp2-emulated/run.sh $OUT
-# Everything is written under results/2026-12-01-h200-cp2-emulated/ (or DSV4CP_EMULATE_DIR) and packed into $OUT/emulated.tar.gz;
-# unpack from the repository root. summary.txt holds the per-rank table.
+# Everything is written under results/2026-12-01-h200-cp2-emulated/ (or DSV4CP_EMULATE_DIR) and archived into $OUT/emulated.tar.gz.
+# summary.txt holds the per-rank table.
 set -uo pipefail
 out=${1:-.}
-if [ -d .whlsmall ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlsmall/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DSV4CP_GIT_SHA=${DSV4CP_GIT_SHA:-}
-quiet() { grep -v -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:"; }
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 here=results/2026-12-01-h200-cp2-emulated
 day=${DSV4CP_EMULATE_DIR:-$here}  # where the outputs go (a later run writes beside its own results)
 mkdir -p "$day"

@@ -1,21 +1,14 @@
 #!/usr/bin/env bash
-# Issue 11 (speed) on ONE H200, in three device calls made back to back (the machine stays warm 30 s):
-#   call 1, carrying .whl  : bash results/2026-12-01-h200-kernel-configs-stream-topk/run.sh stash
-#   call 2, carrying .whl2 : bash results/2026-12-01-h200-kernel-configs-stream-topk/run.sh kernels $OUT
-#   call 3                 : bash results/2026-12-01-h200-kernel-configs-stream-topk/run.sh layer $OUT
-# .whl/.whl2 come from `../shared/gpu/fetch_wheels.sh nvtx cudnn flashmla` (cuDNN frontend + CuTe DSL,
-# nvtx, sgl-flash-mla; the CuTe DSL wheel is split over the two folders). Outputs are written under
-# results/2026-12-01-h200-kernel-configs-stream-topk/ (and results/runs/, results/baselines/h200/) and packed into
-# $OUT/<part>.tar.gz; unpack from the repository root.
+# The first speed pass on one H200, in two parts (the optional backends of ../gpu_env.sh installed):
+#   bash results/2026-12-01-h200-kernel-configs-stream-topk/run.sh kernels $OUT
+#   bash results/2026-12-01-h200-kernel-configs-stream-topk/run.sh layer $OUT
+# Outputs are written under results/2026-12-01-h200-kernel-configs-stream-topk/ (and results/runs/,
+# results/baselines/h200/) and archived into $OUT/<part>.tar.gz.
 set -uo pipefail
 part=$1; out=${2:-.}
 day=results/2026-12-01-h200-kernel-configs-stream-topk
-wheels=$HOME/wheels
-case $part in
-  stash) mkdir -p "$wheels" && cp .whl/* "$wheels"/ && ls "$wheels"; exit 0 ;;
-esac
-source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
-save() { tar czf "$out/$part.tar.gz" "$day" "$@"; }  # after every step: a call cut at its time limit keeps what ran
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
+save() { tar czf "$out/$part.tar.gz" "$day" "$@"; }  # after every step: a part cut at its time limit keeps what ran
 mkdir -p "$day"
 case $part in
   kernels)

@@ -1,24 +1,19 @@
 #!/usr/bin/env bash
-# Issue 11/12 re-measure on ONE H200 after the first speed run (../2026-12-01-h200-kernel-configs-stream-topk) set the
+# The layer on ONE H200 after the first speed run (../2026-12-01-h200-kernel-configs-stream-topk) set the
 # defaults it measured faster: chunked top-k with the packed-key selection, sparse backward "dq in dkv"
-# (64,64,8,1 + dkv 64,256,8,2). Device calls made back to back (the machine stays warm 30 s):
-#   call 1, carrying .whl  : mkdir -p $HOME/wheels && cp .whl/* $HOME/wheels/
-#   call 2, carrying .whl3 : mkdir -p $HOME/wheels && cp .whl3/* $HOME/wheels/   (nvtx, apache-tvm-ffi)
-#   call 3, carrying .whl2 : bash results/2026-12-01-h200-layer-backends/run.sh main $OUT    (about 9 minutes)
-#   call 4                 : bash results/2026-12-01-h200-layer-backends/run.sh tests $OUT   (GPU tests)
-# (.whl/.whl2 from `../shared/gpu/fetch_wheels.sh nvtx cudnn flashmla`; .whl3 holds the two wheels moved
-# out of .whl2 to keep every call under the 64 MiB carry limit.) Outputs under this folder and
-# ../2026-12-01-h200-cp2-emulated, packed into $OUT/<part>.tar.gz; unpack from the repository root.
-# Afterwards, in a fresh warm-up of the same three calls (call 3 replaced by this one), the sparse-attention
-# backends side by side in one run (FlashMLA, cuDNN, Triton with both dq placements, torch; flash and pro):
+# (64,64,8,1 + dkv 64,256,8,2). Parts, run in this order (the optional backends of ../gpu_env.sh installed):
+#   bash results/2026-12-01-h200-layer-backends/run.sh main $OUT    (about 9 minutes)
+#   bash results/2026-12-01-h200-layer-backends/run.sh tests $OUT   (GPU tests)
+# Outputs under this folder and ../2026-12-01-h200-cp2-emulated, archived into $OUT/<part>.tar.gz.
+# Afterwards, the sparse-attention backends side by side in one run (FlashMLA, cuDNN, Triton with both dq
+# placements, torch; flash and pro):
 #   bash results/2026-12-01-h200-layer-backends/run.sh sparse $OUT
-# Pass DSV4CP_GIT_SHA=<the commit, from your checkout> in the command: the device's copy of the repository
-# has a stale .git, so `git rev-parse HEAD` there names an older commit.
+# DSV4CP_GIT_SHA=<commit> names the commit measured.
 set -uo pipefail
 part=$1; out=${2:-.}
 day=results/2026-12-01-h200-layer-backends
-source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
-save() { tar czf "$out/$part.tar.gz" "$day" "$@"; }  # after every step: a call cut at its time limit keeps what ran
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
+save() { tar czf "$out/$part.tar.gz" "$day" "$@"; }  # after every step: a part cut at its time limit keeps what ran
 mkdir -p "$day"
 case $part in
   main)

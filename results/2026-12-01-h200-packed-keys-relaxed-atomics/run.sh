@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# Issue 11, last call of 2026-12-01 on ONE H200 (nvtx + sgl-flash-mla wheels carried in .whlsmall; no
-# cuDNN, so the layer is profiled with Triton kernels only): the indexer-scores backward with relaxed
+# One H200 with nvtx and sgl-flash-mla installed (no cuDNN frontend, so the layer is profiled with Triton
+# kernels only): the indexer-scores backward with relaxed
 # atomics (and its tiles) against the acq_rel kernel, the score kernel writing packed selection keys
 # against the fp32 buffer, their GPU tests, and the flash C layer with `--kernel-backend triton`.
 #   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-packed-keys-relaxed-atomics/run.sh $OUT
 set -uo pipefail
 out=${1:-.}
 day=results/2026-12-01-h200-packed-keys-relaxed-atomics
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlsmall/*.whl
-export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 DSV4CP_GIT_SHA=${DSV4CP_GIT_SHA:-}
-quiet() { grep -v -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:"; }
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 save() { tar czf "$out/speed3.tar.gz" "$day"; }
 mkdir -p "$day"
 table() {  # table JSON: backend, median ms, TFLOP/s per benchmark

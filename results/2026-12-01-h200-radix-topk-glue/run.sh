@@ -1,31 +1,29 @@
 #!/usr/bin/env bash
-# Issue 11/12 on ONE H200 after the glue fixes of the fourth speed pass: the indexer queries' RoPE fused
+# One H200 after the glue fixes of the fourth speed pass: the indexer queries' RoPE fused
 # (was torch cat/stack), the output projection's grouped map without copies (`dsv4cp.ops.grouped_linear`),
 # the radix-select top-k (`dsv4cp.kernels.select_top_triton`, default `DSV4CP_TOPK_SELECT=radix`).
-# Device calls made back to back (the machine stays warm 30 s), wheels as in ../2026-12-01-h200-layer-backends:
-#   call 1, carrying .whl  : mkdir -p $HOME/wheels && cp .whl/* $HOME/wheels/
-#   call 2, carrying .whl3 : mkdir -p $HOME/wheels && cp .whl3/* $HOME/wheels/
-#   call 3, carrying .whl2 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-radix-topk-glue/run.sh kernels $OUT
-#   call 4                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-radix-topk-glue/run.sh layer $OUT
-#   call 5                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-radix-topk-glue/run.sh emulate $OUT
+# Parts, run in this order (the optional backends of ../gpu_env.sh installed):
+#   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-radix-topk-glue/run.sh kernels $OUT
+#   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-radix-topk-glue/run.sh layer $OUT
+#   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-radix-topk-glue/run.sh emulate $OUT
 # kernels: GPU tests of the changed paths, the top-k benchmark (torch selection vs radix, select tiles).
 # layer: the flash C layer profiled with `auto` (FlashMLA + cuDNN) and with Triton only (traces,
 #    per-phase memory, kernels per phase).
 # emulate: CP = 2 rank emulation (equal / balanced / calibrated) with a calibration refit from the
 #    `auto` trace of `layer`.
-# final, final-layer (later, at the final commit, after the wheel calls again): the whole GPU test suite;
+# final, final-layer (later, at the final commit): the whole GPU test suite;
 #    the `auto` layer once more with every default, and traces of the two emulated CP = 2 ranks (equal).
 # graph (after those): the probabilities kernel's two logit layouts, the GPU tests of the CUDA-graph
 #    timing, and the `auto` layer eager, as CUDA-graph replays (--cuda-graph) and with the other layout.
 # The kernels/layer/emulate calls above ran at commit 4fe3447 with DSV4CP_TRITON_SELECT_CONFIG=2048,8,4,2
 # exported for layer and emulate (the select sweep of `kernels` had just found it fastest; the default
-# since d81b296), and with dsv4cp/model/partition.py as committed (.pin: a change in progress was not sent).
-# Outputs under this folder, packed into $OUT/<part>.tar.gz after every step; unpack from the repository
-# root. Pass DSV4CP_GIT_SHA from your checkout: the device's copy has a stale .git.
+# since d81b296), and with dsv4cp/model/partition.py as committed.
+# Outputs under this folder, archived into $OUT/<part>.tar.gz after every step.
+# DSV4CP_GIT_SHA names the commit measured.
 set -uo pipefail
 part=$1; out=${2:-.}
 day=results/2026-12-01-h200-radix-topk-glue
-source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 save() { tar czf "$out/$part.tar.gz" "$day"; }
 table() {  # table JSON: name, median ms, TFLOP/s per benchmark
   python3 -c "import json,sys

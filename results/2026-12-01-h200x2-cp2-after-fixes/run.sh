@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
-# The 2 x H200 measurements of 2026-12-01, in two device calls of under 10 minutes each. From the
-# repository root on the GPU machine, with the nvtx and sgl-flash-mla wheels in .whlsmall/ (carried):
+# The 2 x H200 measurements of 2026-12-01, in two parts. From the repository root, with nvtx and
+# sgl-flash-mla installed:
 #   bash results/2026-12-01-h200x2-cp2-after-fixes/run.sh a $OUT   # CP parity; overlap none vs async (traces); overlap sweep
 #   bash results/2026-12-01-h200x2-cp2-after-fixes/run.sh b $OUT   # strong scaling, packing and partition sweeps
-# Everything is written under the repository and packed into $OUT/part-<a|b>.tar.gz; unpack from the root.
+# Everything is written under the repository and archived into $OUT/part-<a|b>.tar.gz.
 set -uo pipefail
 part=$1; out=${2:-.}
-if [ -d .whlsmall ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlsmall/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-quiet() { grep -v -e "OMP_NUM_THREADS" -e "^\*\*\*" -e "USDT" -e "STAGE:" -e "^W1201"; }
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 day=results/2026-12-01-h200x2-cp2-after-fixes
 tr="torchrun --nproc-per-node 2"
 case $part in

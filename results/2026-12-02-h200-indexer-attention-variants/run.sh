@@ -2,21 +2,18 @@
 # One H200: the indexer's kernels and the Triton sparse attention, each new variant timed side by side with
 # the kernel it may replace in ONE run (pytest-benchmark), then the flash C layer profiled (64K tokens, one
 # document and histogram packing, fwd+bwd, bf16) with traces and the per-phase measured / bound tables.
-# Device calls made back to back (the machine stays warm 30 s), wheels as in ../2026-12-01-h200-radix-topk-glue:
-#   call 1, carrying .whl  : mkdir -p $HOME/wheels && cp .whl/* $HOME/wheels/
-#   call 2, carrying .whl3 : mkdir -p $HOME/wheels && cp .whl3/* $HOME/wheels/
-#   call 3, carrying .whl2 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-indexer-attention-variants/run.sh kernels $OUT
-#   call 4                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-indexer-attention-variants/run.sh layer $OUT
+# Parts, run in this order (the optional backends of ../gpu_env.sh installed):
+#   DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-indexer-attention-variants/run.sh kernels $OUT
+#   DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-indexer-attention-variants/run.sh layer $OUT
 # Second pass, at the commit with the chosen defaults (TAG names the output folder):
-#   wheels as calls 1-2, then carrying .whl2: TAG=kernels2 bash ... kernels2 $OUT; bash ... determinism $OUT
+#   TAG=kernels2 bash ... kernels2 $OUT; bash ... determinism $OUT
 #   TAG=final KB="auto triton" PACKINGS=... bash ... layer $OUT
-# Outputs under this folder (PART/ per part), packed into $OUT/<part>.tar.gz after every step; unpack from
-# the repository root. Pass DSV4CP_GIT_SHA from your checkout: the device's copy has a stale .git.
+# Outputs under this folder (PART/ per part), archived into $OUT/<part>.tar.gz after every step.
 set -uo pipefail
 part=$1; out=${2:-.}; tag=${TAG:-$part}
 day=results/2026-12-02-h200-indexer-attention-variants
 dir=$day/$tag
-source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 save() { tar czf "$out/$tag.tar.gz" "$dir"; }
 table() {  # a pytest-benchmark JSON: name, median ms, TFLOP/s per benchmark
   python3 -c "import json,sys

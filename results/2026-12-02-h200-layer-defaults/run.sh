@@ -2,21 +2,19 @@
 # One H200: what the previous pass left unmeasured, then the layer at this pass's defaults.
 #   kernels: the GPU-marked tests of the kernels changed since 2026-12-01 (all of them, no -x), the indexer
 #            scores backward's parts alone (what bounds it), the Triton sparse backward's variants and parts
-#            (the one-product dkv kernel included), and the top-k's scoring tile sweep; needs no wheels.
+#            (the one-product dkv kernel included), and the top-k's scoring tile sweep; no optional backend.
 #   layer:   the flash C layer (64K tokens, fwd+bwd, bf16) as a sweep over kernel backend x deterministic,
 #            plus the Inductor-compiled point, into ONE run directory (the report pairs them), with traces
 #            and phase_vs_bound tables of the eager points, then check-cp of the compiled layer against the
-#            reference (part check). Needs the wheels (.whl then .whl3 copied to $HOME/wheels by two
-#            earlier calls, .whl2 carried by this one; the cuDNN frontend wheel moved from .whl2 to .whl3, as
-#            the tree had grown past the carry limit with it).
-#   libraries: the real FlashMLA / cuDNN adapters and the slot compaction, side by side (all wheels).
+#            reference (part check). With the optional backends of ../gpu_env.sh installed.
+#   libraries: the real FlashMLA / cuDNN adapters and the slot compaction, side by side (every optional backend).
 #   prelayer: the GPU tests and benchmarks of the kernels added since (slot compaction, the fused KL pass,
-#            the loss on the selection's scores), in the call before the layer's.
+#            the loss on the selection's scores), run before the layer.
 # Usage: DSV4CP_GIT_SHA=<commit> bash results/2026-12-02-h200-layer-defaults/run.sh PART $OUT   (TAG names the folder)
 set -uo pipefail
 part=$1; out=${2:-.}; tag=${TAG:-$part}
 dir=results/2026-12-02-h200-layer-defaults/$tag
-source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 save() { tar czf "$out/$tag.tar.gz" "$dir"; }
 table() {  # a pytest-benchmark JSON: name, median ms, TFLOP/s per benchmark
   python3 -c "import json,sys
@@ -45,7 +43,7 @@ case $part in
     bench sparse_bwd bench/test_bench_sparse_attention.py "test_sparse_attention_backward and flash and not torch and not pro and not parts and not deterministic" 130
     bench sparse_bwd_parts bench/test_bench_sparse_attention.py "flash and parts" 60
     bench score_tiles bench/test_bench_indexer.py "test_indexer_score_config" 50 ;;
-  libraries)  # with every wheel: the real FlashMLA / cuDNN adapters against the oracle (slot compaction on
+  libraries)  # with every optional backend: the real FlashMLA / cuDNN adapters against the oracle (slot compaction on
     # and off), the slot compaction side by side, the last sparse-attention GPU test the first call's limit cut
     # off, and the one-product backward's new tile with the indices ahead
     { echo "\$ pytest -m gpu -rfE tests/kernels/test_optional_backends.py tests/kernels/test_sparse_attention_triton.py -k 'real or T64-H7-D512-N300-Kt200'"
@@ -70,7 +68,7 @@ case $part in
       timeout 330 python3 -m dsv4cp.cli.main sweep "$spec" --profile --progress off --out "$dir/sweep" 2>&1 | quiet | tail -30
       echo "(exit ${PIPESTATUS[0]})"; } 2>&1 | tee "$dir/sweep.txt"; save
     python3 -m bench.phase_vs_bound "$dir/sweep" > "$dir/phase_vs_bound.txt" 2>&1; save ;;
-  verify)  # after the review, no wheels: the GPU tests of the Triton kernels at this pass's defaults (the
+  verify)  # after the review, no optional backend: the GPU tests of the Triton kernels at this pass's defaults (the
     # sparse backward's one product on its new tile, indices ahead; the fused KL; the compaction kernel; the
     # scores with the selection's scores) and check-cp of the triton layer (CP = 1 against eager CP = 1)
     { echo "\$ pytest -m gpu -rfE tests/kernels/test_sparse_attention_triton.py tests/kernels/test_indexer_kl_triton.py tests/kernels/test_compact_slots_triton.py tests/test_indexer_loss_selection_scores.py"
