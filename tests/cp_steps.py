@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from dsv4cp.harness.build import randomize_
 
 from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
+from dsv4cp.harness.build import randomize_
 
 
 def seeded_cp_forward(rank: int, world: int, packed: PackedSeqs, ratio: int, seed: int, **layer_options):
