@@ -23,15 +23,11 @@ import pytest
 import torch
 
 from dsv4cp import kernel_options
-from dsv4cp.kernels import HAS_TRITON, triton_available
 from dsv4cp.ops import indexer_kl as ops_kl
 from dsv4cp.ops.indexer_kl import fused_kl_rows, indexer_kl, kl_distillation
+from triton_marks import HAS_CUDA, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-
-if not HAS_TRITON or not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
