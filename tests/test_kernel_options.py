@@ -19,10 +19,10 @@ def clean_environment(monkeypatch):
 
 
 def test_every_option_is_complete_and_named_after_its_variable():
-    assert len(ko.OPTIONS) == 30
+    assert len(ko.OPTIONS) == 31
     for name, option in ko.OPTIONS.items():
         assert option.name == name and option.env == "DSV4CP_" + name.upper(), name
-        assert option.kind in (ko.CHOICE, ko.FLAG, ko.TILE) and option.op and option.doc, name
+        assert option.kind in (ko.CHOICE, ko.FLAG, ko.TILE, ko.SLOWDOWN) and option.op and option.doc, name
         if option.kind == ko.CHOICE:
             assert option.default in option.choices, name
         if option.kind == ko.TILE:
@@ -125,3 +125,32 @@ def test_backends_ran_notes():
     assert ko.backends_ran() == {"indexer_topk": "torch", "sparse_attention.fwd": "flashmla"}
     ko.reset_backends_ran()
     assert ko.backends_ran() == {}
+
+
+def test_the_injected_slowdown_is_off_by_default_parsed_and_recorded(monkeypatch):
+    assert ko.get("inject_slowdown") is None and ko.resolved()["inject_slowdown"] == "off"
+    assert "inject_slowdown" not in (ko.configuration({}) or {})  # off: no point id names it
+    monkeypatch.setenv("DSV4CP_INJECT_SLOWDOWN", " sparse_attn:0.25 ")
+    assert ko.get("inject_slowdown") == ("sparse_attn", 0.25) and ko.resolved()["inject_slowdown"] == "sparse_attn:0.25"
+    for bad in ("q_proj:0.2", "sparse_attn:0", "sparse_attn:-1", "sparse_attn:x", "sparse_attn", "sparse_attn:nan"):
+        with pytest.raises(ValueError, match=r"^inject_slowdown: expected 'off' or PHASE:FRACTION"):
+            ko.canonical({"inject_slowdown": bad})
+
+
+def test_an_injected_slowdown_lengthens_only_its_phase_by_its_fraction():
+    import time
+
+    from dsv4cp.profiling.injection import injected_slowdown
+
+    def cpu_ms(phase: str) -> float:
+        start = time.process_time()
+        with injected_slowdown(phase):
+            deadline = time.process_time() + 0.02
+            while time.process_time() < deadline:  # 20 ms of CPU work
+                pass
+        return (time.process_time() - start) * 1e3
+
+    assert cpu_ms("sparse_attn") < 25  # off
+    with ko.overrides({"inject_slowdown": "sparse_attn:0.5"}):
+        assert 29 < cpu_ms("sparse_attn") < 35  # 20 ms + 50 %
+        assert cpu_ms("q_proj") < 25  # another phase: untouched

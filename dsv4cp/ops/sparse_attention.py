@@ -19,6 +19,7 @@ from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
 from dsv4cp.ops.custom_op_library import options_in_force
+from dsv4cp.profiling.injection import injected_slowdown
 from dsv4cp.profiling.nvtx import nvtx_range
 
 
@@ -215,7 +216,7 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, idx, sink, scale, topk_length, backend, options):
         kernel_options.note_backend("sparse_attention.fwd", backend.direction_names[0])
-        with _options_in_force(options):  # inside the caller's sparse_attn.fwd
+        with _options_in_force(options), injected_slowdown("sparse_attn"):  # inside the caller's sparse_attn.fwd
             out, lse = backend.forward(q, kv, idx, sink, scale, topk_length)
         ctx.save_for_backward(q, kv, idx, sink, out, lse, topk_length)
         ctx.scale, ctx.backend, ctx.options = scale, backend, options
@@ -226,7 +227,7 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, kv, idx, sink, out, lse, topk_length = ctx.saved_tensors
         kernel_options.note_backend("sparse_attention.bwd", ctx.backend.direction_names[1])
-        with nvtx_range("sparse_attn.bwd"), _options_in_force(ctx.options):
+        with nvtx_range("sparse_attn.bwd"), _options_in_force(ctx.options), injected_slowdown("sparse_attn"):
             dq, dkv, dsink = ctx.backend.backward(dout.contiguous(), q, kv, idx, sink, ctx.scale, out, lse, topk_length)
         return dq, dkv, None, dsink, None, None, None, None
 
