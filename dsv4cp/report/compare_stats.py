@@ -19,9 +19,10 @@ per-point level (3 and 3 samples cannot go below p = 0.05) is ``undecided`` beyo
 Band rule (old records without samples): beyond the threshold AND the two p20..p80 bands apart.
 
 A/B (the CI gate, :func:`ratio_interval` and :func:`ab_verdict`): head and base samples taken
-interleaved in one job; the head/base ratio is the Hodges-Lehmann estimate exp(median of every
-log(head_i / base_j)), its interval the distribution-free one of the Mann-Whitney U statistic (the
-k-th smallest and largest of those log ratios, k from U's exact null distribution). FASTER / SLOWER
+interleaved in one job, in pairs (one step of each, next to each other); the head/base ratio is the
+Hodges-Lehmann estimate of the pairs' log ratios, its interval the distribution-free one of the
+Wilcoxon signed-rank statistic (k from its exact null distribution). Pairing cancels the loaded
+machine's slow spells, which an unpaired test counts as noise. FASTER / SLOWER
 need the interval to exclude 1 AND the estimate beyond the threshold; an estimate beyond the threshold
 with an interval that holds 1 is UNDECIDED (too noisy to tell); the rest is SAME.
 
@@ -180,26 +181,20 @@ class RatioInterval:
 
 
 @functools.lru_cache(maxsize=64)
-def u_null_cdf(m: int, n: int) -> tuple[float, ...]:
-    """P(U <= u) for u = 0 .. m*n under the null (no ties): U's exact distribution, from the number of
-    arrangements of m and n samples with u pairs in order (counted one sample at a time)."""
-    ways = [[np.zeros(m * n + 1) for _ in range(n + 1)] for _ in range(m + 1)]
-    for i in range(m + 1):
-        for j in range(n + 1):
-            if i == 0 or j == 0:
-                ways[i][j][0] = 1.0
-                continue
-            # the largest of the i + j samples is from the first group (it tops all j) or from the second
-            ways[i][j][j:] += ways[i - 1][j][: m * n + 1 - j]
-            ways[i][j] += ways[i][j - 1]
-    counts = ways[m][n]
-    return tuple(np.cumsum(counts) / counts.sum())
+def signed_rank_cdf(n: int) -> tuple[float, ...]:
+    """P(T <= t) for t = 0 .. n(n+1)/2 under the null: the Wilcoxon signed-rank statistic's exact
+    distribution (each of the ranks 1..n counted in T with probability 1/2, independently)."""
+    ways = np.zeros(n * (n + 1) // 2 + 1)
+    ways[0] = 1.0
+    for rank in range(1, n + 1):
+        ways[rank:] = ways[rank:] + ways[:-rank].copy()
+    return tuple(np.cumsum(ways) / ways.sum())
 
 
-def excluded_pairs(m: int, n: int, confidence: float) -> int:
-    """How many of the m*n pairwise log ratios each end of the interval drops: the largest k with
-    P(U < k) <= (1 - confidence) / 2 (0: the interval is the whole range, the samples too few)."""
-    cdf = u_null_cdf(m, n)
+def excluded_averages(n: int, confidence: float) -> int:
+    """How many of the n(n+1)/2 Walsh averages each end of the interval drops: the largest k with
+    P(T < k) <= (1 - confidence) / 2 (0: the pairs are too few, the interval is unbounded)."""
+    cdf = signed_rank_cdf(n)
     tail = (1 - confidence) / 2
     k = 0
     while k < len(cdf) and cdf[k] <= tail:
@@ -208,18 +203,24 @@ def excluded_pairs(m: int, n: int, confidence: float) -> int:
 
 
 def ratio_interval(base: Sequence[float], head: Sequence[float], confidence: float) -> RatioInterval:
-    """Hodges-Lehmann head/base ratio with its distribution-free ``confidence`` interval (module
-    docstring); ``ValueError`` for fewer than 2 samples a side or a time that is not finite and > 0."""
+    """The head/base ratio of PAIRED samples (``base[i]`` and ``head[i]`` taken next to each other, so a
+    slow spell of the machine slows both): the Hodges-Lehmann estimate exp(median of the Walsh averages
+    of log(head_i / base_i)) with the signed-rank interval at ``confidence``. ``ValueError`` for unequal
+    or fewer than 2 pairs, or a time that is not finite and > 0."""
     b, h = np.asarray(base, dtype=float), np.asarray(head, dtype=float)
     for name, values in (("base", b), ("head", h)):
         if len(values) < 2 or not np.all(np.isfinite(values) & (values > 0)):
             raise ValueError(f"{name}: needs at least 2 finite times > 0, got {values.tolist()}")
+    if len(b) != len(h):
+        raise ValueError(f"head: {len(h)} samples for {len(b)} of base: the samples must be paired")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence: must lie in (0, 1), got {confidence}")
-    logs = np.sort((np.log(h)[:, None] - np.log(b)[None, :]).ravel())
-    k = excluded_pairs(len(h), len(b), confidence)
-    low, high = (logs[k - 1], logs[len(logs) - k]) if k > 0 else (-math.inf, math.inf)
-    return RatioInterval(float(np.exp(np.median(logs))), float(np.exp(low)), float(np.exp(high)), confidence)
+    logs = np.log(h) - np.log(b)
+    upper = np.triu_indices(len(logs))
+    walsh = np.sort((logs[upper[0]] + logs[upper[1]]) / 2)
+    k = excluded_averages(len(logs), confidence)
+    low, high = (walsh[k - 1], walsh[len(walsh) - k]) if k > 0 else (-math.inf, math.inf)
+    return RatioInterval(float(np.exp(np.median(walsh))), float(np.exp(low)), float(np.exp(high)), confidence)
 
 
 def ab_verdict(interval: RatioInterval, threshold: float) -> str:
