@@ -255,12 +255,12 @@ def run_sweep(spec: Path, out: Path) -> None:
     print(f"gate: pipeline: the sweep recorded {len(records)} points, all ok")
 
 
-def ab(spec: Path, commit: str, plan: Plan, accepted: list[dict]) -> dict:
-    """Steps 2-5; returns the figures (printed as it goes)."""
+def ab(spec: Path, commit: str, plan: Plan, accepted: list[dict], head: Path = ROOT) -> dict:
+    """Steps 2-5 with ``head``'s dsv4cp as the head; returns the figures."""
     started = time.monotonic()
     with checked_out(commit) as tree:
-        workers = {"base": Worker("base", tree, spec), "head": Worker("head", ROOT, spec),
-                   "head2": Worker("head2", ROOT, spec)}
+        workers = {"base": Worker("base", tree, spec), "head": Worker("head", head, spec),
+                   "head2": Worker("head2", head, spec)}
         try:
             hello = {label: worker.ready() for label, worker in workers.items()}
             print(f"gate: workers ready in {time.monotonic() - started:.0f} s")
@@ -403,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", default="5%", help="smallest change a verdict names (default 5%%)")
     parser.add_argument("--alpha", type=float, default=0.05, help="family-wise error of the intervals (0.05)")
     parser.add_argument("--skip-sweep", action="store_true", help="skip the pipeline check")
+    parser.add_argument("--head-tree", type=Path, default=ROOT,
+                        help="the tree whose dsv4cp is the head (default: this repository; a scratch copy "
+                        "with a change to try)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--refresh", action="store_true", help="name HEAD as the base (clean tree, --reason)")
     parser.add_argument("--reason", default=None, help="why the base moves (recorded by --refresh)")
@@ -426,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_sweep(args.spec, Path(work) / "smoke")
         commit, why = (git("rev-parse", "--verify", f"{args.base}^{{commit}}"), "--base") if args.base \
             else base_commit(args.gate_file)
-        figures = ab(args.spec, commit, plan, accepted)
+        figures = ab(args.spec, commit, plan, accepted, args.head_tree)
         lines, summary = report(figures, plan, commit, why)
         print("\n".join(lines))
         seconds = time.monotonic() - started
