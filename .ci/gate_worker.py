@@ -116,17 +116,26 @@ class Case:
         self.step_ms, self.phase_ms = sorted(steps)[1], sorted(phases)[1]
         self._torch = torch
 
-    def _in_force(self, kernel_options, inject: float | None = None):
-        values = dict(self.options)
-        if inject is not None:
-            values["inject_slowdown"] = f"sparse_attn:{inject:g}"
-        return kernel_options.overrides(values)
+    def _in_force(self, kernel_options):
+        return kernel_options.overrides(self.options)
 
     def time_ms(self, inject: float | None) -> float:
+        """One step's CPU ms; ``inject``: its sparse_attn phase that fraction slower (``inject_slowdown``,
+        set on the layer's resolved options: the head's; a base without the option never gets one)."""
+        import dataclasses
+
         from dsv4cp import kernel_options
 
-        with self._in_force(kernel_options, inject):
-            return _cpu_ms(self.step)
+        layer = self.step.layer
+        plain = getattr(layer, "kernel_options", None)
+        if inject is not None:
+            layer.kernel_options = dataclasses.replace(plain, inject_slowdown=("sparse_attn", inject))
+        try:
+            with self._in_force(kernel_options):
+                return _cpu_ms(self.step)
+        finally:
+            if inject is not None:
+                layer.kernel_options = plain
 
 
 def main() -> int:

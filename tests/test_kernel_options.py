@@ -4,6 +4,7 @@ what-ran notes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -127,11 +128,56 @@ def test_backends_ran_notes():
     assert ko.backends_ran() == {}
 
 
+def test_kernel_options_fields_are_the_registry():
+    """One field per option, of its default, in the registry's order (``origins`` last, not compared)."""
+    fields = [f.name for f in dataclasses.fields(ko.KernelOptions)]
+    assert fields == [*ko.OPTIONS, "origins"]
+    defaults = ko.KernelOptions()
+    for name, option in ko.OPTIONS.items():
+        assert getattr(defaults, name) == option.default, name
+        assert f"``{name}``: {option.doc}" in ko.KernelOptions.__doc__, name
+
+
+def test_kernel_options_resolve_precedence_and_errors(monkeypatch):
+    """Overrides over an enclosing block over the variable over the default; a variable's bad value named
+    by the variable, an override's by the option; the result hashable and equal to ``resolved()``."""
+    assert ko.KernelOptions.resolve() == ko.KernelOptions()
+    monkeypatch.setenv("DSV4CP_TOPK_IMPL", "stream")
+    monkeypatch.setenv("DSV4CP_TRITON_FWD_CONFIG", "64,32,8,3")
+    got = ko.KernelOptions.resolve()
+    assert (got.topk_impl, got.triton_fwd_config, got.where("topk_impl")) == ("stream", (64, 32, 8, 3),
+                                                                              "DSV4CP_TOPK_IMPL")
+    assert got.texts() == ko.resolved() and hash(got) == hash(ko.KernelOptions.resolve())
+    with ko.overrides({"topk_impl": "chunked", "triton_dq_in_dkv": "0"}):
+        inner = ko.KernelOptions.resolve({"triton_dq_in_dkv": True})
+    assert (inner.topk_impl, inner.triton_dq_in_dkv, inner.where("topk_impl")) == ("chunked", True, "topk_impl")
+    monkeypatch.setenv("DSV4CP_TRITON_DQ_IN_DKV", "yes")
+    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_DQ_IN_DKV: .*'yes' \(kernel option triton_dq_in_dkv\)"):
+        ko.KernelOptions.resolve()
+    with pytest.raises(ValueError, match=r"^triton_fwd_logits: .*'wide'"):
+        ko.KernelOptions.resolve({"triton_fwd_logits": "wide", "triton_dq_in_dkv": "1"})
+    with pytest.raises(ValueError, match=r"^kernel option: unknown name 'fast'"):
+        ko.KernelOptions.resolve({"fast": "1"})
+
+
+def test_kernel_options_from_resolved_round_trips_a_record():
+    """A record's ``kernel_options`` (every option as text, or only some) give back the options it ran;
+    values in their one form (a list tile becomes a tuple: hashable)."""
+    options = ko.KernelOptions(topk_impl="stream", triton_bwd_config=[32, 64, 8, 2], triton_dkv_one_product="0")
+    assert options.triton_bwd_config == (32, 64, 8, 2) and options.triton_dkv_one_product is False
+    assert ko.KernelOptions.from_resolved(options.texts()) == options
+    assert ko.KernelOptions.from_resolved({"topk_impl": "stream"}).non_default() == {"topk_impl": "stream"}
+    assert options.non_default() == ko.non_default(options.texts())
+    with pytest.raises(ValueError, match=r"^triton_bwd_config: expected .*'1,2'"):
+        ko.KernelOptions.from_resolved({"triton_bwd_config": "1,2"})
+
+
 def test_the_injected_slowdown_is_off_by_default_parsed_and_recorded(monkeypatch):
     assert ko.get("inject_slowdown") is None and ko.resolved()["inject_slowdown"] == "off"
     assert "inject_slowdown" not in (ko.configuration({}) or {})  # off: no point id names it
     monkeypatch.setenv("DSV4CP_INJECT_SLOWDOWN", " sparse_attn:0.25 ")
-    assert ko.get("inject_slowdown") == ("sparse_attn", 0.25) and ko.resolved()["inject_slowdown"] == "sparse_attn:0.25"
+    assert ko.KernelOptions.resolve().inject_slowdown == ("sparse_attn", 0.25)
+    assert ko.resolved()["inject_slowdown"] == "sparse_attn:0.25"
     for bad in ("q_proj:0.2", "sparse_attn:0", "sparse_attn:-1", "sparse_attn:x", "sparse_attn", "sparse_attn:nan"):
         with pytest.raises(ValueError, match=r"^inject_slowdown: expected 'off' or PHASE:FRACTION"):
             ko.canonical({"inject_slowdown": bad})
@@ -142,15 +188,14 @@ def test_an_injected_slowdown_lengthens_only_its_phase_by_its_fraction():
 
     from dsv4cp.profiling.injection import injected_slowdown
 
-    def cpu_ms(phase: str) -> float:
+    def cpu_ms(phase: str, setting) -> float:
         start = time.process_time()
-        with injected_slowdown(phase):
+        with injected_slowdown(phase, setting):
             deadline = time.process_time() + 0.02
             while time.process_time() < deadline:  # 20 ms of CPU work
                 pass
         return (time.process_time() - start) * 1e3
 
-    assert cpu_ms("sparse_attn") < 25  # off
-    with ko.overrides({"inject_slowdown": "sparse_attn:0.5"}):
-        assert 29 < cpu_ms("sparse_attn") < 35  # 20 ms + 50 %
-        assert cpu_ms("q_proj") < 25  # another phase: untouched
+    assert cpu_ms("sparse_attn", None) < 25  # off
+    assert 29 < cpu_ms("sparse_attn", ("sparse_attn", 0.5)) < 35  # 20 ms + 50 %
+    assert cpu_ms("q_proj", ("sparse_attn", 0.5)) < 25  # another phase: untouched

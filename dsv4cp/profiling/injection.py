@@ -2,7 +2,7 @@
 the CI gate's power: each call of the phase spins, after its work, for FRACTION x the host CPU time
 that work took, so the phase runs (1 + FRACTION) x its own time whatever the machine's speed or load.
 CPU time (not wall time): a loaded machine's stalls neither lengthen nor shorten the added work. Off by
-default (one option lookup per call); never set in a measurement.
+default; never set in a measurement.
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from dsv4cp import kernel_options
-
 
 @contextlib.contextmanager
-def injected_slowdown(phase: str) -> Iterator[None]:
-    """Run the block; when ``inject_slowdown`` names ``phase``, spin for its fraction of the block's CPU time."""
-    setting = kernel_options.get("inject_slowdown")
+def injected_slowdown(phase: str, setting: tuple[str, float] | None) -> Iterator[None]:
+    """Run the block; when ``setting`` (the ``inject_slowdown`` option's value) names ``phase``, spin for
+    its fraction of the block's CPU time."""
     if setting is None or setting[0] != phase:
         yield
         return
