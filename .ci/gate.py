@@ -395,13 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default=None, help="commit to compare against (default: what gate.json names)")
     parser.add_argument("--gate-file", type=Path, default=GATE_FILE, help="the base's record (--refresh writes it)")
     parser.add_argument("--accepted", type=Path, default=ACCEPTED_FILE, help="accepted counter changes (YAML)")
-    parser.add_argument("--rounds", type=int, default=12,
-                        help="paired steps per comparison (default 12: the fewest whose interval can exclude 1 "
-                        "at 0.05 / 30 cases)")
+    parser.add_argument("--rounds", type=int, default=14,
+                        help="paired steps per comparison (default 14; 13 is the fewest whose interval can exclude 1 "
+                        "at 0.01 / 30 cases)")
     parser.add_argument("--blocks", type=int, default=20, help="self-comparisons, block 0 also the gate's (20)")
     parser.add_argument("--injections", type=int, default=1, help="blocks per injected level (default 1)")
     parser.add_argument("--threshold", default="5%", help="smallest change a verdict names (default 5%%)")
-    parser.add_argument("--alpha", type=float, default=0.05, help="family-wise error of the intervals (0.05)")
+    parser.add_argument("--alpha", type=float, default=0.01, help="family-wise error of the intervals (0.01)")
     parser.add_argument("--skip-sweep", action="store_true", help="skip the pipeline check")
     parser.add_argument("--head-tree", type=Path, default=ROOT,
                         help="the tree whose dsv4cp is the head (default: this repository; a scratch copy "

