@@ -94,11 +94,14 @@ def base_commit(gate_file: Path) -> tuple[str, str]:
     if gate_file.exists():
         recorded = json.loads(gate_file.read_text())["commit"]
         return git("rev-parse", "--verify", f"{recorded}^{{commit}}"), f"named by {gate_file.relative_to(ROOT)}"
+    head = git("rev-parse", "HEAD")
     for ref, why in (("origin/main", "merge base with origin/main"), ("HEAD~1", "HEAD~1")):
         try:
-            return (git("merge-base", ref, "HEAD") if ref == "origin/main" else git("rev-parse", ref)), why
+            found = git("merge-base", ref, "HEAD") if ref == "origin/main" else git("rev-parse", ref)
         except UnusableInput:
             continue
+        if found != head:  # on main itself the merge base is the head: compare with its parent
+            return found, why
     raise UnusableInput("base: no gate.json, no origin/main and no HEAD~1 to compare against")
 
 
