@@ -291,7 +291,7 @@ def indexer_topk_stream(
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
     base, ratio = _check_key_row_limit(key_row_limit)
-    pinned = pinned_config(config, "triton_topk_stream_config", IndexerConfig)
+    pinned = pinned_config(config, IndexerConfig)
     t, hi, di = q.shape
     g = keys.shape[0]
     out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)

@@ -376,9 +376,10 @@ def _check_k(k) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _pinned(config: IndexerConfig | None) -> IndexerConfig | None:
-    """``config``, else the kernel option ``triton_indexer_config``, else None (the ladder); checked."""
-    return pinned_config(config, "triton_indexer_config", IndexerConfig)
+def _pinned(config: IndexerConfig | tuple[int, ...] | None) -> IndexerConfig | None:
+    """``config`` (an :class:`IndexerConfig` or the kernel option ``triton_indexer_config``'s integers),
+    else None (the ladder); checked."""
+    return pinned_config(config, IndexerConfig)
 
 
 def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pinned, row_ranges=None) -> None:
@@ -555,8 +556,8 @@ def indexer_topk_triton(
 
 
 def _resolved_variant(select_variant: str | None) -> str:
-    """The radix select's kernel: ``select_variant``, else the kernel option ``topk_select_variant``."""
-    return kernel_options.get("topk_select_variant") if select_variant is None else select_variant
+    """The radix select's kernel: ``select_variant``, else the kernel option ``topk_select_variant``'s default."""
+    return kernel_options.OPTIONS["topk_select_variant"].default if select_variant is None else select_variant
 
 
 def _unpack_scores(keys: torch.Tensor) -> torch.Tensor:

@@ -516,12 +516,11 @@ def select_config_ladder(interpreted: bool) -> list[SelectConfig]:
 
 def _pinned(config: SelectConfig | None) -> SelectConfig | None:
     """``config``, else the kernel option ``triton_select_config``, else None (the ladder); checked."""
-    if config is not None and not isinstance(config, SelectConfig):
+    if config is not None and not isinstance(config, (SelectConfig, tuple)):
         raise ValueError(f"config: must be a SelectConfig, got {type(config).__name__}")
-    source = "config" if config is not None else kernel_options.where("triton_select_config")
-    config = pinned_config(config, "triton_select_config", SelectConfig)
+    config = pinned_config(config, SelectConfig)
     if config is not None and not 1 <= config.radix_bits <= MAX_RADIX_BITS:
-        raise ValueError(f"{source}.radix_bits: must be in [1, {MAX_RADIX_BITS}], got {config.radix_bits}")
+        raise ValueError(f"config.radix_bits: must be in [1, {MAX_RADIX_BITS}], got {config.radix_bits}")
     return config
 
 
@@ -611,7 +610,7 @@ def select_top_triton(
 
 def _variant(variant: str | None) -> str:
     if variant is None:
-        return kernel_options.get("topk_select_variant")  # type: ignore[return-value]  (a choice: its word)
+        return kernel_options.OPTIONS["topk_select_variant"].default  # type: ignore[return-value]  (a word)
     if variant not in SELECT_VARIANTS:
         raise ValueError(f"variant: must be one of {', '.join(map(repr, SELECT_VARIANTS))}, got {variant!r}")
     return variant
