@@ -5,12 +5,18 @@ honours, a type (a choice of words, a flag, or a tile of N named integers), its 
 default, the op it affects and a one-line doc. A device-dependent default is the word ``auto``: the
 op resolves it (and notes what it chose, below). A tile's ``auto`` is the kernel's launch ladder.
 
-Where a value comes from, highest first: an explicit value (:func:`overrides`), the environment
-variable, the default. This module is the only place in dsv4cp that reads those variables (and
-Triton's own ``TRITON_INTERPRET``): the ops ask :func:`get` and pass the values to the kernels as
-keyword arguments.
+:class:`KernelOptions` holds every option's value, one typed field each, resolved once
+(:meth:`KernelOptions.resolve`; from a record's texts: :meth:`KernelOptions.from_resolved`) and handed
+down as an argument: the layer holds one, the ops take it as ``options=``, their autograd functions keep it
+for backward, the kernels get the values they need as keyword arguments and the custom ops as typed inputs.
+Nothing below the harness reads an option from this module's state. Where a value comes from, highest
+first: the overrides given to :meth:`~KernelOptions.resolve`, an enclosing :func:`overrides` block (the
+callers above the layer), the environment variable, the default. This module is the only place in dsv4cp
+that reads those variables (and Triton's own ``TRITON_INTERPRET``); :func:`get`, :func:`resolved` and
+:func:`describe` serve the callers above the layer (records, ``dsv4cp env``).
 
-What actually ran: the ops call :func:`note_backend` with the implementation of each op and direction
+What actually ran (an explicit recorder, not an input: nothing reads it back to choose a kernel): the ops
+call :func:`note_backend` with the implementation of each op and direction
 (``sparse_attention.fwd`` -> ``triton``, ``indexer_topk`` -> ``triton/chunked/radix/packed``) and the
 kernels' launchers with the tile the ladder picked (``sparse_attention.fwd.config`` ->
 ``block_h=64,block_k=64,num_warps=4,num_stages=2``); :func:`backends_ran` reads them back for a
@@ -303,9 +309,8 @@ class KernelOptions:
             elif name in _EXPLICIT:
                 values[name] = _EXPLICIT[name]
             else:
-                text = os.environ.get(option.env, "").strip()
-                values[name] = option.parse(text, option.env) if text else option.default
-                if text:
+                values[name], from_variable = _from_environment(option)
+                if from_variable:
                     origins.append((name, option.env))
         return cls(**values, origins=tuple(origins))
 
@@ -364,6 +369,13 @@ def _option(name: str) -> KernelOption:
     return option
 
 
+def _from_environment(option: KernelOption) -> tuple[str | bool | tuple[int, ...] | None, bool]:
+    """``(value, whether it came from the variable)``: ``option``'s ``DSV4CP_*`` variable parsed (a bad one
+    named), else its default. The one reader of the options' variables."""
+    text = os.environ.get(option.env, "").strip()
+    return (option.parse(text, option.env), True) if text else (option.default, False)
+
+
 def source(name: str) -> str:
     """Where :func:`get` takes ``name`` from: ``"explicit"``, ``"env"`` or ``"default"``."""
     option = _option(name)
@@ -385,10 +397,7 @@ def get(name: str) -> str | bool | tuple[int, ...] | None:
     option = _option(name)
     if name in _EXPLICIT:
         return _EXPLICIT[name]  # type: ignore[return-value]
-    text = os.environ.get(option.env, "").strip()
-    if text:
-        return option.parse(text, option.env)
-    return option.default
+    return _from_environment(option)[0]
 
 
 def resolved() -> dict[str, str]:

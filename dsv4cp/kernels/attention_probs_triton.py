@@ -567,9 +567,9 @@ def logsumexp_over_triton(
         scale: logit scale.
         block_h, block_k, num_warps, num_stages: pin the ``whole_d`` launch (default: the ladder).
         kernel: ``whole_d`` (``_lse_kernel``) or ``d_chunks`` (``_lse_chunked_kernel``, launched by
-            ``chunk_config``); default: the kernel option ``triton_lse_kernel``.
-        chunk_config: pins the ``d_chunks`` launch (default: the kernel option
-            ``triton_lse_chunk_config``, else its ladder).
+            ``chunk_config``); default: the kernel option ``triton_lse_kernel``'s.
+        chunk_config: pins the ``d_chunks`` launch (a config or the kernel option
+            ``triton_lse_chunk_config``'s integers; default: its ladder).
 
     Returns: natural-log lse, ``-inf`` where a query has no valid slot (same contract as
     :func:`dsv4cp.ops.attention_probs.logsumexp_over`).
@@ -636,9 +636,9 @@ def head_summed_probs_triton(
             kernel option ``triton_probs_slots_on_m``; see :func:`_slots_on_m`).
         kernel: ``whole_d`` (``_head_probs_kernel``, launched by ``block_h`` ... ``slots_on_m``) or
             ``d_chunks`` (``_head_probs_chunked_kernel``, launched by ``chunk_config``); default: the
-            kernel option ``triton_probs_kernel``.
-        chunk_config: pins the ``d_chunks`` launch (default: the kernel option
-            ``triton_probs_chunk_config``, else its ladder).
+            kernel option ``triton_probs_kernel``'s.
+        chunk_config: pins the ``d_chunks`` launch (a config or the kernel option
+            ``triton_probs_chunk_config``'s integers; default: its ladder).
 
     Returns: 0 at empty slots (same contract as :func:`dsv4cp.ops.attention_probs.head_summed_probs`).
     """

@@ -23,6 +23,7 @@ from dsv4cp.config import DSv4Config
 from dsv4cp.cp.check import randomize_
 from dsv4cp.cp.comm import group_size_and_rank
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.layer.attention import AttentionOutput, DSv4Attention
 from dsv4cp.packing import PackedSeqs
 
@@ -68,13 +69,14 @@ def build_step(
     cfg: DSv4Config, ratio: int, packed: PackedSeqs, *, seed: int, backward: bool,
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend: str = "auto",
     overlap: str = "none", recompute: bool = False, cp_group: dist.ProcessGroup | None = None,
-    split: RowSplit | None = None, rank: int | None = None,
+    split: RowSplit | None = None, rank: int | None = None, kernel_options: KernelOptions | None = None,
 ) -> LayerStep:
     """The seeded step of a layer of ``cfg`` at compression ``ratio`` on ``packed`` (see the module docstring).
 
     ``rank``: whose rows of ``split`` (default: equal slices of ``packed.total`` over the group) to
     draw, with its input generator; default: this process's rank in ``cp_group`` (0 without one).
-    ``backend``, ``overlap`` and ``recompute`` go to :class:`DSv4Attention`. ``ValueError`` naming
+    ``backend``, ``overlap``, ``recompute`` and ``kernel_options`` (resolved once by the caller; None: the
+    layer resolves them) go to :class:`DSv4Attention`. ``ValueError`` naming
     ``rank`` for a rank outside the split, before anything is built.
     """
     device = torch.device(device)
@@ -84,7 +86,8 @@ def build_step(
         split = RowSplit.equal(packed.total, cp)
     if not 0 <= rank < split.cp:
         raise ValueError(f"rank: must be in [0, {split.cp}) of the split's ranks, got {rank}")
-    layer = DSv4Attention(cfg, ratio, backend=backend, overlap=overlap, recompute=recompute)
+    layer = DSv4Attention(cfg, ratio, backend=backend, overlap=overlap, recompute=recompute,
+                          kernel_options=kernel_options)
     randomize_(layer, torch.Generator().manual_seed(seed))
     layer = layer.to(device=device, dtype=dtype)
     rows = split.rows(rank)

@@ -165,10 +165,12 @@ def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Mach
 
 def point_step(point: Point, cfg: DSv4Config, packed: PackedSeqs, split: RowSplit, device: torch.device,
                 group: dist.ProcessGroup | None = None) -> LayerStep:
-    """The point's seeded training step on this process's rank of ``group`` (:mod:`dsv4cp.layer.step`)."""
+    """The point's seeded training step on this process's rank of ``group`` (:mod:`dsv4cp.layer.step`), its
+    kernel options resolved once (the point's over the environment's)."""
     return build_step(cfg, point.ratio, packed, seed=point.seed, backward=point.backward, device=device,
                       dtype=DTYPES[point.dtype], backend=point_backend(point, cfg, device), overlap=point.overlap,
-                      recompute=point.recompute, cp_group=group, split=split)
+                      recompute=point.recompute, cp_group=group, split=split,
+                      kernel_options=kernel_options.KernelOptions.resolve(point.kernel_options))
 
 
 def point_backend(point: Point, cfg: DSv4Config, device: torch.device) -> str:
