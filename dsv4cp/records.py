@@ -69,7 +69,7 @@ METRICS: tuple[str, ...] = (
     "device_used_bytes",  # list[int | None] per rank
     "exposed_comm_ms", "comm_ms", "overlap_ratio",  # totals of rank 0's overlap table; None unless profiled
     "phases",  # list[dict]: the per-phase overlap rows of every rank, per step; None unless profiled
-    "parity",  # list[dict]: the CP = 1 parity check per quantity (check.Comparison); None unless checked
+    "parity",  # list[dict]: the parity check against fp64 per quantity (harness.parity.Comparison); None unless checked
     "memory_phases",  # list[dict]: per rank and phase, allocated bytes at entry/exit and peak; None unless asked
     "split",  # list[int]: the ranks' row split points (0 = b_0 <= ... <= b_cp = tokens)
     "calibration",  # str: the calibration the balanced split was computed with; None: the model's bounds
@@ -447,14 +447,19 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _record_line(record: dict) -> bytes:
+    """``record`` as its line of a records file; ``ValueError`` when a column is missing."""
+    missing = [name for name in COLUMNS if name not in record]
+    if missing:
+        raise ValueError(f"record: missing columns {missing}; build it with make_record")
+    return (json.dumps(record, allow_nan=True) + "\n").encode()
+
+
 def append_record(path: str | os.PathLike, record: dict) -> None:
     """Append ``record`` as one JSON line, atomically: one ``os.write`` of the whole line on an
     ``O_APPEND`` descriptor, then fsync, so a killed writer leaves at most a missing line, never
     half of one mixed into the next. Creates the parent directory."""
-    missing = [name for name in COLUMNS if name not in record]
-    if missing:
-        raise ValueError(f"record: missing columns {missing}; build it with make_record")
-    line = (json.dumps(record, allow_nan=True) + "\n").encode()
+    line = _record_line(record)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -465,6 +470,52 @@ def append_record(path: str | os.PathLike, record: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_record(path: str | os.PathLike, record: dict) -> bool:
+    """Put ``record`` in place of the records of its point in ``path`` whose status is ``error: ...`` (a
+    point measured again by ``sweep --resume --retry-errors``): the first such line takes it, any later one
+    is dropped; every other line, valid or not, is kept as it is. Returns False (and leaves the file alone)
+    when there is no such record: append it then.
+
+    The file is rewritten beside itself and renamed over the old one after an fsync, so a reader, or a
+    writer killed at any moment, finds the old file (the failed record) or the new one (the new record),
+    never neither; the records stay in the order they were first measured in."""
+    path = Path(path)
+    line = _record_line(record)
+    kept: list[bytes] = []
+    replaced = False
+    for text in path.read_bytes().splitlines(keepends=True) if path.exists() else []:
+        parsed, reason = _parse_line(text.rstrip(b"\n"))
+        superseded = (reason is None and check_record(parsed) is None and parsed["point_id"] == record["point_id"]
+                      and parsed["status"].startswith("error"))
+        if not superseded:
+            kept.append(text)
+        elif not replaced:
+            kept.append(line)
+            replaced = True
+    if replaced:
+        _replace_file(path, b"".join(kept))
+    return replaced
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file beside it, fsynced, renamed over it (and
+    the directory fsynced, so the rename outlives a crash); the temporary file is removed on failure."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 @dataclass(frozen=True)
@@ -594,9 +645,7 @@ def move_records(path: str | os.PathLike, to: str | os.PathLike, moved: Callable
         os.fsync(fd)
     finally:
         os.close(fd)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_bytes(b"".join(kept))
-    os.replace(temporary, path)
+    _replace_file(path, b"".join(kept))
     return len(taken)
 
 

@@ -12,11 +12,12 @@ measuring groups are created with ``point_timeout``, so a rank stuck in a collec
 point gives up after that long. After a failed point the measuring groups are created afresh (a
 communicator that saw a failure may be unusable). Rank 0 appends one record per point to
 ``RUN_DIR/records.jsonl`` as soon as the point is done; with ``resume`` the points already
-recorded are skipped (and so are recorded errors, unless ``retry_errors``), unless their record ran
-other kernel options than the point runs now: such a record moves to ``RUN_DIR/superseded.jsonl`` and
-the point is measured again (:func:`supersede_stale_records`). A point that was being
-measured when the run died is measured again on resume; if the run died there twice, it is recorded
-as an error instead (see :data:`MAX_ATTEMPTS`).
+recorded are skipped (and so are recorded errors, unless ``retry_errors``: then a point's new record
+takes the place of its failed one, :func:`dsv4cp.records.replace_record`, so the run holds one record
+per point), unless their record ran other kernel options than the point runs now: such a record moves to
+``RUN_DIR/superseded.jsonl`` and the point is measured again (:func:`supersede_stale_records`). A point
+that was being measured when the run died is measured again on resume; if the run died there twice, it
+is recorded as an error instead (see :data:`MAX_ATTEMPTS`).
 
 A run directory has one writer: :func:`run_sweep` holds its lock
 (:class:`dsv4cp.sweeps.run_lock.RunDirLock`) from its checks to its last record, and a second sweep
@@ -57,6 +58,7 @@ from dsv4cp.records import (
     move_records,
     option_differences,
     read_records,
+    replace_record,
     resolved_options,
     write_meta,
 )
@@ -292,6 +294,7 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, poi
     control = dist.new_group(backend="gloo", timeout=timeout * CONTROL_TIMEOUT_FACTOR) if distributed else None
     groups = _Groups(world, options.dist_backend, timeout)
     done: dict[str, str] = {}
+    retried: set[str] = set()  # recorded as errors, measured again: their new records replace the failed ones
     crashed: str | None = None
     if rank == 0:
         _check_parent()
@@ -300,6 +303,9 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, poi
             drop_partial_line(options.out / RECORDS_FILE)
             supersede_stale_records(options.out, points)
             done = recorded_statuses(options.out, options.retry_errors, points)
+            if options.retry_errors:
+                retried = {record["point_id"] for record in read_records(options.out / RECORDS_FILE, [])
+                           if record["status"].startswith("error")} - set(done)
         if not (options.resume and (options.out / META_FILE).exists()):
             identity = identity_fields(dict(spec.source), [point.point_id for point in points])
             write_meta(options.out, {**run_meta(world, device, dict(spec.source)), **identity})
@@ -332,7 +338,8 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, poi
             record = make_record(point.axes(), metrics, sweep=spec.name, status=status, machine=machine,
                                  git_sha=sha, error=error, **columns)
             _check_parent()
-            append_record(options.out / RECORDS_FILE, record)
+            if point.point_id not in retried or not replace_record(options.out / RECORDS_FILE, record):
+                append_record(options.out / RECORDS_FILE, record)
             (options.out / INFLIGHT_FILE).unlink(missing_ok=True)
             counts["recorded"] += 1
             kind = "ok" if status == STATUS_OK else "skipped" if status.startswith("skipped") else "failed"
