@@ -6,6 +6,16 @@ only place that defines the columns and their types (:data:`COLUMN_TYPES`, :data
 the only reader: every line is checked as it is read (:func:`check_record`; a bad one is named
 ``file:line: reason`` and skipped). It imports nothing but the standard library so every layer of the
 package (and a notebook without torch) can use it.
+
+Every line is strict JSON: a value that is not a finite number (a phase without communication has no
+overlap ratio, ``nan``) is written as ``null``, which means "not measured or undefined" everywhere in a
+record. JSON has no NaN or Infinity: Python writes them as bare ``NaN``, which ``jq``, JavaScript,
+Go, Rust and most other strict parsers reject, so a file holding one could not be read by them at all.
+Files written before hold bare ``NaN`` there; :func:`read_records` still reads them.
+
+A value of the right type may still be one no measurement can hold (an imbalance below 1, a negative
+peak, an MFU above 100%, a NaN throughput): :func:`impossible_values` names them and why; the loader
+(``dsv4cp.report.load``) blanks them and reports them as invalid, so a report never shows or judges one.
 """
 
 from __future__ import annotations
@@ -292,6 +302,80 @@ def check_times(median: object, low: object, high: object, samples: list | None 
     return None
 
 
+def _finite(value: object) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
+def _at_least(low: float, what: str) -> Callable[[object], str | None]:
+    def problem(value: object) -> str | None:
+        if not _finite(value):
+            return f"{what} must be a finite number, got {_shown(value)}"
+        return None if value >= low * (1 - _RELATIVE_SLACK) else f"{what} must be >= {low:g}, got {value!r}"
+    return problem
+
+
+def _positive(what: str) -> Callable[[object], str | None]:
+    def problem(value: object) -> str | None:
+        return None if _finite(value) and value > 0 else f"{what} must be a finite number > 0, got {_shown(value)}"
+    return problem
+
+
+def _fraction(what: str) -> Callable[[object], str | None]:
+    def problem(value: object) -> str | None:
+        if _finite(value) and 0 <= value <= 1 + _RELATIVE_SLACK:
+            return None
+        return f"{what} must lie in 0..1 (0..100%), got {_shown(value)}"
+    return problem
+
+
+def _each(check: Callable[[object], str | None]) -> Callable[[object], str | None]:
+    """A list's check: the first item (None skipped: a rank not measured) that fails ``check``."""
+    def problem(values: object) -> str | None:
+        for rank, value in enumerate(values):
+            why = None if value is None else check(value)
+            if why is not None:
+                return f"rank {rank}: {why}"
+        return None
+    return problem
+
+
+VALUE_RULES: dict[str, Callable[[object], str | None]] = {
+    "imbalance_max_over_mean": _at_least(1.0, "the max over the mean of the ranks' times"),
+    "rank_time_ms_median": _each(_positive("a measured time")),
+    "tokens_per_s": _positive("a throughput"),
+    "tflops_per_gpu": _positive("a throughput"),
+    "mfu": _fraction("a share of the machine's matmul ceiling"),
+    "model_flops": _positive("a FLOP count"),
+    "bound_ms": _positive("a lower bound on the step's time"),
+    "measured_over_bound": _positive("a ratio of two times"),
+    "peak_allocated_bytes": _each(_at_least(0, "a byte count")),
+    "device_used_bytes": _each(_at_least(0, "a byte count")),
+    "comm_ms": _at_least(0, "a communication time"),
+    "exposed_comm_ms": _at_least(0, "a communication time"),
+    "overlap_ratio": _fraction("a share of the communication time"),
+    "slowest_rank_ms": _positive("a measured time"),
+    "compile_s": _at_least(0, "a wall time"),
+}
+"""Metric -> why a value of the right type (:data:`COLUMN_TYPES`) cannot be a measurement, or None;
+a metric that is None (not measured) is never checked."""
+
+
+def impossible_values(record: dict) -> dict[str, str]:
+    """Metric -> why its value cannot be a measurement, for every metric of ``record`` (a valid record,
+    :func:`check_record`) that :data:`VALUE_RULES` rejects, or that contradicts another (more exposed
+    communication than communication; a slowest rank outside the ranks). Empty for a sound record."""
+    found = {name: why for name, rule in VALUE_RULES.items()
+             if record.get(name) is not None and (why := rule(record[name])) is not None}
+    comm, exposed = record.get("comm_ms"), record.get("exposed_comm_ms")
+    if (_finite(comm) and _finite(exposed) and "comm_ms" not in found and "exposed_comm_ms" not in found
+            and exposed > comm * (1 + _RELATIVE_SLACK) + 1e-9):
+        found["exposed_comm_ms"] = f"exposed communication {exposed!r} ms exceeds all communication {comm!r} ms"
+    slowest, cp = record.get("slowest_rank"), record.get("cp")
+    if _is_int(slowest) and _is_int(cp) and slowest >= cp:
+        found["slowest_rank"] = f"rank {slowest} is not one of the cp = {cp} ranks"
+    return found
+
+
 def check_meta(meta: object) -> str | None:
     """Why ``meta`` (a parsed ``meta.json``) is not a valid one, or None when it is."""
     if not isinstance(meta, dict):
@@ -452,7 +536,7 @@ def _record_line(record: dict) -> bytes:
     missing = [name for name in COLUMNS if name not in record]
     if missing:
         raise ValueError(f"record: missing columns {missing}; build it with make_record")
-    return (json.dumps(record, allow_nan=True) + "\n").encode()
+    return (json.dumps(finite_or_null(record), allow_nan=False) + "\n").encode()
 
 
 def append_record(path: str | os.PathLike, record: dict) -> None:
@@ -470,6 +554,18 @@ def append_record(path: str | os.PathLike, record: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def finite_or_null(value: object) -> object:
+    """``value`` with every float that is not finite (NaN, infinity), at any depth of its lists and
+    objects, replaced by None: what strict JSON can hold (see the module docstring)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
 
 
 def replace_record(path: str | os.PathLike, record: dict) -> bool:
@@ -535,14 +631,16 @@ class RecordProblem:
         return f"{self.path}:{self.line}: {self.reason}"
 
 
-def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None = None) -> list[dict]:
+def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None = None,
+                 line_numbers: list[int] | None = None) -> list[dict]:
     """Every valid record of a ``.jsonl`` file (or of ``RUN_DIR/records.jsonl`` when given a directory).
 
     Every line is checked (:func:`check_record`); a line that is not a valid record (not UTF-8, not
     JSON, another schema version, a field of the wrong type, an ``ok`` record with a broken time, a
     trailing line without its newline left by a killed writer) is skipped: appended to ``problems``
     as a :class:`RecordProblem` (``file:line: reason``) when a list is given, else warned about.
-    Never raises for the file's content.
+    Never raises for the file's content. ``line_numbers``, when given, receives the line (from 1) of
+    each record returned, in order (what names a duplicated line).
     """
     path = Path(path)
     if path.is_dir():
@@ -563,6 +661,8 @@ def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None =
             record.update(_added_axis_defaults(record))
             record.setdefault("emulated", _emulated(record))
             records.append(record)
+            if line_numbers is not None:
+                line_numbers.append(number)
             continue
         named = record.get("point_id") if isinstance(record, dict) else None
         found.append(RecordProblem(str(path), number, reason, named if isinstance(named, str) else None,
