@@ -185,6 +185,11 @@ def _triton_backward(deterministic: bool | None) -> Callable:
             kernel_options.note_backend("sparse_attention.bwd", "torch")
             return sparse_attention_torch.sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse,
                                                                     topk_length)
+        if kernel_options.get("triton_bwd_dq_pass") and not (
+                kernels.is_deterministic() if deterministic is None else deterministic):
+            from dsv4cp.kernels.sparse_attention_bwd_dq_pass_triton import sparse_attention_bwd_dq_pass
+
+            return sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, topk_length)
         from dsv4cp.kernels.sparse_attention_triton import sparse_attention_bwd  # lazy: imports triton
 
         return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, topk_length, deterministic=deterministic,
