@@ -25,11 +25,12 @@ import torch
 from bench.test_bench_sparse_attention import SHAPES, _flops_forward, _inputs
 from dsv4cp.profiling.timing import benchmark
 
-KV_TILES = {"flash": [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (64, 256, 8, 3)],
-            "pro": [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3)]}
+KV_TILES = {"flash": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 2), (32, 128, 4, 2),
+                      (128, 64, 8, 2), (64, 256, 8, 2), (64, 128, 4, 2)],
+            "pro": [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2)]}
 """The kv pass's tiles (block_k, block_d, num_warps, num_stages) timed per shape."""
-DQ_TILES = {"flash": [(64, 256, 32, 4, 3), (64, 512, 32, 8, 3), (64, 128, 32, 4, 3), (64, 256, 32, 8, 3)],
-            "pro": [(128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 3), (64, 256, 32, 4, 3)]}
+DQ_TILES = {"flash": [(64, 512, 32, 8, 3), (64, 512, 32, 8, 4), (64, 256, 32, 4, 3), (64, 256, 32, 4, 4)],
+            "pro": [(128, 256, 32, 8, 3), (128, 256, 32, 8, 4), (128, 128, 32, 8, 3), (64, 256, 32, 4, 3)]}
 """The dq pass's tiles (block_h, block_d, block_k, num_warps, num_stages) timed per shape."""
 TOLERANCE = 1e-2
 BACKWARD_FLOP_FACTOR = 2.5  # DESIGN 4.3, as bench/test_bench_sparse_attention.py
