@@ -3,7 +3,7 @@ tokens), and print the splits the balanced policy chooses with and without it. R
 in seconds on any machine:
 
     python -m bench.calibration_check --calibration results/baselines/h200/calibration.json \
-        --one-document-phases results/2026-12-01-h200x2/overlap_async.csv \
+        --one-document-phases results/2026-12-01-h200x2-cp2-after-fixes/overlap_async.csv \
         --histogram-records results/runs/h200x2-overlap/records.jsonl
 
 1. Calibrated per-rank compute (the CP = 1 fit applied to the CP = 2 model) against the measured

@@ -8,7 +8,7 @@ small) with every launch captured instead of run, then compiles each captured la
 ``cuda:90`` (Hopper) with the runtime's specialisation (16-byte aligned pointers and integers divisible
 by 16 marked, integers equal to 1 made constants) and reads the binary with the ``cuobjdump`` that ships
 with triton: registers per thread, stack bytes (spills), shared memory, wgmma instructions (``HGMMA``)
-and mma.sync ones (``HMMA``). These are the figures the kernels' docstrings quote.
+and mma.sync ones (``HMMA``). These are the figures docs/kernels.md quotes.
 
 Run it from the repository root on any machine with triton (no ``TRITON_INTERPRET``)::
 
@@ -58,7 +58,7 @@ class _Recorder:
 
 def capture(cand: Candidate, shape: Shape) -> list[Launch]:
     """The launches the wrapper makes for ``cand`` at ``shape`` (bf16, ``QUERIES`` queries), captured."""
-    from dsv4cp.kernels import sparse_attention_triton as sat
+    from dsv4cp.kernels import sparse_attention_bwd_triton, sparse_attention_fwd_triton
 
     g = torch.Generator().manual_seed(0)
     n = shape.tokens + shape.n_compressed
@@ -69,9 +69,10 @@ def capture(cand: Candidate, shape: Shape) -> list[Launch]:
     launches: list[Launch] = []
     with contextlib.ExitStack() as patches:
         # compiled, not interpreted, launches: the GPU's build and matrix-unit precision
-        patches.enter_context(mock.patch.object(sat, "_build", lambda name, device: _Recorder(name, launches)))
-        patches.enter_context(mock.patch.object(sat, "_dot_f32", lambda q: False))
-        patches.enter_context(mock.patch.object(sat, "_precision", lambda q: "tf32"))
+        for module in (sparse_attention_fwd_triton, sparse_attention_bwd_triton):
+            patches.enter_context(mock.patch.object(module, "_build", lambda name, device: _Recorder(name, launches)))
+            patches.enter_context(mock.patch.object(module, "_dot_f32", lambda q: False))
+            patches.enter_context(mock.patch.object(module, "_precision", lambda q: "tf32"))
         if cand.direction == "fwd":
             fwd_call(cand, q, kv, idx, sink, scale)
         else:
@@ -85,9 +86,9 @@ def compile_launch(launch: Launch) -> dict[str, int]:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from dsv4cp.kernels import sparse_attention_triton as sat
+    from dsv4cp.kernels import sparse_attention_launch, sparse_attention_triton  # noqa: F401  (registers the bodies)
 
-    fn = triton.jit(sat._BODIES[launch.name])
+    fn = triton.jit(sparse_attention_launch._BODIES[launch.name])
     options = {k: launch.kwargs.pop(k) for k in ("num_warps", "num_stages")}
     signature, constexprs, attrs = {}, dict(launch.kwargs), {}
     for i, (name, value) in enumerate(zip(fn.arg_names, launch.args)):

@@ -36,15 +36,13 @@ the scores kernel, the dkv kernel, and the deterministic mode's sort and sums): 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
-from dsv4cp.kernel_options import OPTIONS
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import cudnn_dsa, flashmla
-from dsv4cp.ops.sparse_attention import available_backend, backend_names, resolve_backend
+from dsv4cp.ops.sparse_attention import SparseAttentionBackend, available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
 _BEFORE_FWD = {"triton_fwd_logits": "duplicated", "triton_fwd_index_ahead": "0", "triton_fwd_lazy_rescale": "0"}
@@ -88,29 +86,11 @@ selectors ``-k "not pro"`` / ``"not torch"`` would drop it)."""
 LIBRARY_HEAD_DIMS = {flashmla.NAME: flashmla.SUPPORTED_HEAD_DIMS, cudnn_dsa.NAME: cudnn_dsa.SUPPORTED_HEAD_DIMS}
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int
-    heads: int
-    dim: int
-    window: int
-    selected: int
-
-    @property
-    def n_compressed(self) -> int:
-        return max(self.tokens // 4, self.selected)
-
-    @property
-    def kt(self) -> int:
-        return self.window + self.selected
-
-
 SHAPES = {
-    "tiny": Shape("tiny", 8, 4, 32, 8, 8),
-    "flash": Shape("flash", 16384, 64, 512, 128, 512),
-    "pro": Shape("pro", 16384, 128, 512, 128, 1024),
-    "packed": Shape("packed", 16384, 64, 512, 128, 512),
+    "tiny": Shape("tiny", 8, 4, 32, 8, window=8),
+    "flash": Shape("flash", 16384, 64, 512, 512, window=128),
+    "pro": Shape("pro", 16384, 128, 512, 1024, window=128),
+    "packed": Shape("packed", 16384, 64, 512, 512, window=128),
 }
 SHAPE_PARAMS = [
     pytest.param("tiny", id="tiny"),
@@ -135,15 +115,12 @@ def _backend(name: str, shape: Shape):
 _INPUTS: dict = {}
 
 
-def _impl(name: str, shape: Shape, variants: dict, monkeypatch):
-    """The backend ``name``, or for a variant the triton backend with the variant's kernel options set
-    (through their variables, for this test only)."""
+def _impl(name: str, shape: Shape, variants: dict) -> tuple[SparseAttentionBackend, KernelOptions]:
+    """The backend ``name`` and the kernel options it runs with (the environment's, resolved once), or for a
+    variant the triton backend with the variant's options over them."""
     if name not in variants:
-        return _backend(name, shape)
-    impl = _backend("triton", shape)
-    for option, value in variants[name].items():
-        monkeypatch.setenv(OPTIONS[option].env, value)
-    return impl
+        return _backend(name, shape), KernelOptions.resolve()
+    return _backend("triton", shape), KernelOptions.resolve(variants[name])
 
 
 def _inputs(shape: Shape):
@@ -168,7 +145,7 @@ def _inputs(shape: Shape):
         window, selected = _packed_slots(shape, device, g)
     else:
         scores = torch.rand(t, shape.n_compressed, device=device, generator=g)
-        selected = scores.topk(shape.selected, dim=1).indices + t
+        selected = scores.topk(shape.topk, dim=1).indices + t
         del scores
     idx = torch.cat([window, selected], dim=1).to(torch.int32).contiguous()
     valid = int((idx >= 0).sum().item())
@@ -195,10 +172,10 @@ def _packed_slots(shape: Shape, device, g) -> tuple[torch.Tensor, torch.Tensor]:
     window = torch.where(j <= pos[:, None], tok[:, None] - j, -1)
     first_entry = (starts // 4)[doc]  # each document's compressed entries, contiguous after the t token rows
     visible = (pos + 1) // 4
-    width = max(int(visible.max()), shape.selected)
+    width = max(int(visible.max()), shape.topk)
     scores = torch.rand(t, width, device=device, generator=g)
     scores = scores.masked_fill(torch.arange(width, device=device)[None, :] >= visible[:, None], -1.0)
-    top = scores.topk(shape.selected, dim=1)
+    top = scores.topk(shape.topk, dim=1)
     selected = torch.where(top.values >= 0, t + first_entry[:, None] + top.indices, -1)
     return window, selected
 
@@ -236,9 +213,9 @@ def _rounds() -> tuple[int, int]:
 
 @pytest.mark.parametrize("backend", [*BACKENDS, *FORWARD_VARIANTS])
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
-def test_sparse_attention_forward(benchmark, measure, monkeypatch, shape_name, backend):
+def test_sparse_attention_forward(benchmark, measure, shape_name, backend):
     shape = SHAPES[shape_name]
-    impl = _impl(backend, shape, FORWARD_VARIANTS, monkeypatch)
+    impl, options = _impl(backend, shape, FORWARD_VARIANTS)
     entry = _inputs(shape)
     q, kv, idx, sink, scale = entry["args"]
     benchmark.group = f"sparse_attention.fwd.{shape.name}"
@@ -247,11 +224,11 @@ def test_sparse_attention_forward(benchmark, measure, monkeypatch, shape_name, b
     if impl.forward is None:
         pytest.skip(f"{backend}: backward-only backend")
     try:
-        impl.forward(q, kv, idx, sink, scale, None)  # compile / first-call costs outside the timing
+        impl.forward(q, kv, idx, sink, scale, None, options=options)  # compile / first-call costs outside the timing
     except NotImplementedError as exc:
         pytest.skip(f"{backend}: no forward ({exc})")
     rounds, warmup = _rounds()
-    out, lse = measure(lambda: impl.forward(q, kv, idx, sink, scale, None), None,
+    out, lse = measure(lambda: impl.forward(q, kv, idx, sink, scale, None, options=options), None,
                        flops=_flops_forward(shape, entry["valid"]), bytes_moved=_bytes(shape, entry["valid"], False),
                        rounds=rounds, warmup_rounds=warmup, device=q.device)
     assert out.shape == q.shape and lse.shape == q.shape[:2]
@@ -259,9 +236,9 @@ def test_sparse_attention_forward(benchmark, measure, monkeypatch, shape_name, b
 
 @pytest.mark.parametrize("backend", [*BACKENDS, *BACKWARD_VARIANTS])
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
-def test_sparse_attention_backward(benchmark, measure, monkeypatch, shape_name, backend):
+def test_sparse_attention_backward(benchmark, measure, shape_name, backend):
     shape = SHAPES[shape_name]
-    impl = _impl(backend, shape, BACKWARD_VARIANTS, monkeypatch)
+    impl, options = _impl(backend, shape, BACKWARD_VARIANTS)
     entry = _inputs(shape)
     q, kv, idx, sink, scale = entry["args"]
     out, lse, dout = _backward_inputs(shape, entry)
@@ -273,7 +250,7 @@ def test_sparse_attention_backward(benchmark, measure, monkeypatch, shape_name, 
         pytest.skip(f"{backend}: forward-only backend")
 
     def call():
-        return impl.backward(dout, q, kv, idx, sink, scale, out, lse, None)
+        return impl.backward(dout, q, kv, idx, sink, scale, out, lse, None, options=options)
 
     try:
         call()
@@ -306,7 +283,7 @@ def _part_bytes(shape: Shape, valid: int, part: str) -> float:
 
 @pytest.mark.parametrize("mode,part", _BACKWARD_PARTS, ids=lambda v: v)
 @pytest.mark.parametrize("shape_name", SHAPE_PARAMS)
-def test_sparse_attention_backward_parts(benchmark, measure, monkeypatch, shape_name, mode, part):
+def test_sparse_attention_backward_parts(benchmark, measure, shape_name, mode, part):
     """Where the triton backward's time goes, each part alone over all of its query chunks
     (:class:`~dsv4cp.kernels.sparse_attention_triton.BackwardPlan`, default kernel options): ``delta``
     (the preprocessing kernel: delta and the sink-gradient partials), ``scores`` (the first kernel: p and
@@ -320,11 +297,11 @@ def test_sparse_attention_backward_parts(benchmark, measure, monkeypatch, shape_
     _backend("triton", shape)  # skips where the triton backend cannot run
     from dsv4cp.kernels import sparse_attention_triton as sat
 
-    monkeypatch.setenv(OPTIONS["triton_dkv_one_product"].env, "1" if mode == "one-matmul" else "0")
     entry = _inputs(shape)
     q, kv, idx, sink, scale = entry["args"]
     out, lse, dout = _backward_inputs(shape, entry)
-    plan = sat.backward_plan(dout, q, kv, idx, sink, scale, out, lse, deterministic=mode == "deterministic")
+    plan = sat.backward_plan(dout, q, kv, idx, sink, scale, out, lse, deterministic=mode == "deterministic",
+                             dkv_one_product=mode == "one-matmul")
     starts = list(plan.starts())
     plan.preprocess()
     for t0 in starts:  # every launch compiled, the scratch and the contributions filled once
@@ -352,19 +329,19 @@ def test_sparse_attention_backward_parts(benchmark, measure, monkeypatch, shape_
 @pytest.mark.parametrize("compact", ["compact", "as-is"])
 @pytest.mark.parametrize("library", ["flashmla", "cudnn"])
 @pytest.mark.parametrize("shape_name", ["flash", "packed"])
-def test_library_slot_compaction(benchmark, measure, monkeypatch, shape_name, library, compact):
+def test_library_slot_compaction(benchmark, measure, shape_name, library, compact):
     """FlashMLA's forward and cuDNN's backward handed each query's valid slots first with their count as
     ``topk_length`` (``compact``, the kernel option ``library_compact_slots=1``) or every slot as it is
     (``as-is``): on one document (``flash``: few empty slots) and on packed documents (``packed``: most
     slots of short documents empty)."""
     shape = SHAPES[shape_name]
     impl = _backend(library, shape)
-    monkeypatch.setenv(OPTIONS["library_compact_slots"].env, "1" if compact == "compact" else "0")
+    options = KernelOptions(library_compact_slots=compact == "compact")
     entry = _inputs(shape)
     q, kv, idx, sink, scale = entry["args"]
     if library == "flashmla":
         def call():
-            return impl.forward(q, kv, idx, sink, scale, None)
+            return impl.forward(q, kv, idx, sink, scale, None, options=options)
         flops = _flops_forward(shape, entry["valid"])
     else:
         out, lse, dout = _backward_inputs(shape, entry)

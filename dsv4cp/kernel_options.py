@@ -25,11 +25,12 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "OPTIONS",
     "KernelOption",
+    "KernelOptions",
     "backends_ran",
     "canonical",
     "check_values",
@@ -66,6 +67,8 @@ class KernelOption:
     default: str | bool | None = None
     choices: tuple[str, ...] = ()
     fields: tuple[str, ...] = ()
+    powers_of_two: tuple[str, ...] = ()
+    """A tile's fields that must be powers of two (checked on parsing: a bad pin fails where it is read)."""
 
     def parse(self, value: object, origin: str) -> str | bool | tuple[int, ...] | None:
         """``value`` (text, or a Python value of the option's type) as the option's type; ``ValueError``
@@ -98,6 +101,9 @@ class KernelOption:
         except (TypeError, ValueError):
             raise ValueError(f"{origin}: expected '{','.join(self.fields)}' ({len(self.fields)} integers) or "
                              f"'auto', got {value!r}{self._also(origin)}") from None
+        for field_name, number in zip(self.fields, numbers):
+            if field_name in self.powers_of_two and (number < 1 or number & (number - 1)):
+                raise ValueError(f"{origin}: {field_name} must be a power of two, got {number}{self._also(origin)}")
         return numbers
 
     def _also(self, origin: str) -> str:
@@ -122,8 +128,8 @@ class KernelOption:
         return f"auto | {','.join(self.fields)}"
 
 
-def _tile(name: str, op: str, fields: tuple[str, ...], doc: str) -> KernelOption:
-    return KernelOption(name, "DSV4CP_" + name.upper(), TILE, op, doc, None, (), fields)
+def _tile(name: str, op: str, fields: tuple[str, ...], doc: str, powers_of_two: tuple[str, ...] = ()) -> KernelOption:
+    return KernelOption(name, "DSV4CP_" + name.upper(), TILE, op, doc, None, (), fields, powers_of_two)
 
 
 _KERNEL_TILE = ("block_h", "block_k", "num_warps", "num_stages")
@@ -213,9 +219,110 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
           "pins the d_chunks probabilities kernel (slots_on_m 0 or 1; programs_per_sm 0: one program per "
           "(query, slot block), else a persistent grid)"),
     _tile("triton_norm_rope_config", "norm_rope", ("block_h", "num_warps"),
-          "pins the fused norm / RoPE kernels' launch (powers of two)"),
+          "pins the fused norm / RoPE kernels' launch (powers of two)", powers_of_two=("block_h", "num_warps")),
 )}
 """Every kernel option by name."""
+
+
+def _default(name: str) -> str | bool | None:
+    return OPTIONS[name].default
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Every kernel option's value, resolved once (:meth:`resolve`) and handed down as an argument: the
+    layer holds one, the ops take it as ``options=``, their autograd functions keep it for backward, and
+    each kernel wrapper gets the values it needs. One field per option of :data:`OPTIONS`, of the option's
+    type: a choice its word (``auto`` where the op resolves it by device), a flag a bool, a tile a tuple of
+    ints (None: ``auto``, the launch ladder); each field's doc is its option's (listed below). Frozen and
+    hashable: ``torch.compile`` treats it as a constant, and a cache may key on it.
+
+    ``origins``: the options whose value came from their ``DSV4CP_*`` variable, with that variable (not
+    compared): an error about such a value names the variable (:meth:`where`).
+    """
+
+    topk_impl: str = _default("topk_impl")
+    topk_select: str = _default("topk_select")
+    topk_keys: str = _default("topk_keys")
+    topk_select_variant: str = _default("topk_select_variant")
+    triton_indexer_config: tuple[int, ...] | None = _default("triton_indexer_config")
+    triton_topk_stream_config: tuple[int, ...] | None = _default("triton_topk_stream_config")
+    triton_select_config: tuple[int, ...] | None = _default("triton_select_config")
+    triton_gather_bwd_config: tuple[int, ...] | None = _default("triton_gather_bwd_config")
+    triton_scores_bwd_reduce: str = _default("triton_scores_bwd_reduce")
+    triton_scores_bwd_scratch: tuple[int, ...] | None = _default("triton_scores_bwd_scratch")
+    indexer_loss_scores: str = _default("indexer_loss_scores")
+    indexer_loss_kl: str = _default("indexer_loss_kl")
+    triton_fwd_config: tuple[int, ...] | None = _default("triton_fwd_config")
+    triton_fwd_logits: str = _default("triton_fwd_logits")
+    triton_fwd_index_ahead: bool = _default("triton_fwd_index_ahead")
+    triton_fwd_lazy_rescale: bool = _default("triton_fwd_lazy_rescale")
+    triton_bwd_config: tuple[int, ...] | None = _default("triton_bwd_config")
+    triton_dkv_config: tuple[int, ...] | None = _default("triton_dkv_config")
+    triton_dq_in_dkv: bool = _default("triton_dq_in_dkv")
+    triton_dkv_one_product: bool = _default("triton_dkv_one_product")
+    library_compact_slots: bool = _default("library_compact_slots")
+    triton_bwd_index_ahead: bool = _default("triton_bwd_index_ahead")
+    triton_bwd_dq_pass: bool = _default("triton_bwd_dq_pass")
+    triton_kv_pass_config: tuple[int, ...] | None = _default("triton_kv_pass_config")
+    triton_dq_pass_config: tuple[int, ...] | None = _default("triton_dq_pass_config")
+    triton_probs_config: tuple[int, ...] | None = _default("triton_probs_config")
+    triton_lse_config: tuple[int, ...] | None = _default("triton_lse_config")
+    triton_lse_kernel: str = _default("triton_lse_kernel")
+    triton_lse_chunk_config: tuple[int, ...] | None = _default("triton_lse_chunk_config")
+    triton_probs_slots_on_m: bool = _default("triton_probs_slots_on_m")
+    triton_probs_kernel: str = _default("triton_probs_kernel")
+    triton_probs_chunk_config: tuple[int, ...] | None = _default("triton_probs_chunk_config")
+    triton_norm_rope_config: tuple[int, ...] | None = _default("triton_norm_rope_config")
+    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in OPTIONS:  # every value checked (a bad one named) and in its type's one form (hashable)
+            object.__setattr__(self, name, OPTIONS[name].parse(getattr(self, name), self.where(name)))
+
+    @classmethod
+    def resolve(cls, overrides: Mapping[str, object] | None = None) -> KernelOptions:
+        """The options in force: ``overrides`` (name -> value, as text or of the option's type), over the
+        values of an enclosing :func:`overrides` block, over the ``DSV4CP_*`` variables, over the defaults.
+        The one place where the variables are read. ``ValueError`` naming the option (and the variable)
+        and the value for a bad one."""
+        given = {name: _option(name).parse(value, name) for name, value in dict(overrides or {}).items()}
+        values, origins = {}, []
+        for name, option in OPTIONS.items():
+            if name in given:
+                values[name] = given[name]
+            elif name in _EXPLICIT:
+                values[name] = _EXPLICIT[name]
+            else:
+                text = os.environ.get(option.env, "").strip()
+                values[name] = option.parse(text, option.env) if text else option.default
+                if text:
+                    origins.append((name, option.env))
+        return cls(**values, origins=tuple(origins))
+
+    @classmethod
+    def from_resolved(cls, texts: Mapping[str, str]) -> KernelOptions:
+        """The options a record stores (``{name: text}``, as :meth:`texts` and :func:`resolved` give them);
+        an option it lacks has its default. ``ValueError`` naming an unknown option or a bad value."""
+        return cls(**{name: _option(name).parse(text, name) for name, text in texts.items()})
+
+    def texts(self) -> dict[str, str]:
+        """Every option's value as text, by name (the registry's order): what a record stores."""
+        return {name: option.text(getattr(self, name)) for name, option in OPTIONS.items()}
+
+    def non_default(self) -> dict[str, str]:
+        """The options at a value other than their default, as text (:func:`non_default`)."""
+        return non_default(self.texts())
+
+    def where(self, name: str) -> str:
+        """What an error about option ``name``'s value starts with: its variable when the value came from
+        the environment, else the option's name."""
+        return dict(self.origins).get(name, name)
+
+
+KernelOptions.__doc__ += "\n    Fields:\n\n" + "\n".join(
+    f"    * ``{name}``: {option.doc}" for name, option in OPTIONS.items()) + "\n"
+
 
 _EXPLICIT: dict[str, object] = {}
 """Values set by :func:`overrides` (parsed), by name."""
@@ -259,7 +366,7 @@ def get(name: str) -> str | bool | tuple[int, ...] | None:
 
 def resolved() -> dict[str, str]:
     """Every option's current value as text, by name (JSON-safe, stable order): what a record stores."""
-    return {name: option.text(get(name)) for name, option in OPTIONS.items()}
+    return KernelOptions.resolve().texts()
 
 
 def resolved_with(values: Mapping[str, object]) -> dict[str, str]:

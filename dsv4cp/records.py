@@ -6,6 +6,16 @@ only place that defines the columns and their types (:data:`COLUMN_TYPES`, :data
 the only reader: every line is checked as it is read (:func:`check_record`; a bad one is named
 ``file:line: reason`` and skipped). It imports nothing but the standard library so every layer of the
 package (and a notebook without torch) can use it.
+
+Every line is strict JSON: a value that is not a finite number (a phase without communication has no
+overlap ratio, ``nan``) is written as ``null``, which means "not measured or undefined" everywhere in a
+record. JSON has no NaN or Infinity: Python writes them as bare ``NaN``, which ``jq``, JavaScript,
+Go, Rust and most other strict parsers reject, so a file holding one could not be read by them at all.
+Files written before hold bare ``NaN`` there; :func:`read_records` still reads them.
+
+A value of the right type may still be one no measurement can hold (an imbalance below 1, a negative
+peak, an MFU above 100%, a NaN throughput): :func:`impossible_values` names them and why; the loader
+(``dsv4cp.report.load``) blanks them and reports them as invalid, so a report never shows or judges one.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ METRICS: tuple[str, ...] = (
     "device_used_bytes",  # list[int | None] per rank
     "exposed_comm_ms", "comm_ms", "overlap_ratio",  # totals of rank 0's overlap table; None unless profiled
     "phases",  # list[dict]: the per-phase overlap rows of every rank, per step; None unless profiled
-    "parity",  # list[dict]: the CP = 1 parity check per quantity (check.Comparison); None unless checked
+    "parity",  # list[dict]: the parity check against fp64 per quantity (harness.parity.Comparison); None unless checked
     "memory_phases",  # list[dict]: per rank and phase, allocated bytes at entry/exit and peak; None unless asked
     "split",  # list[int]: the ranks' row split points (0 = b_0 <= ... <= b_cp = tokens)
     "calibration",  # str: the calibration the balanced split was computed with; None: the model's bounds
@@ -292,6 +302,80 @@ def check_times(median: object, low: object, high: object, samples: list | None 
     return None
 
 
+def _finite(value: object) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
+def _at_least(low: float, what: str) -> Callable[[object], str | None]:
+    def problem(value: object) -> str | None:
+        if not _finite(value):
+            return f"{what} must be a finite number, got {_shown(value)}"
+        return None if value >= low * (1 - _RELATIVE_SLACK) else f"{what} must be >= {low:g}, got {value!r}"
+    return problem
+
+
+def _positive(what: str) -> Callable[[object], str | None]:
+    def problem(value: object) -> str | None:
+        return None if _finite(value) and value > 0 else f"{what} must be a finite number > 0, got {_shown(value)}"
+    return problem
+
+
+def _fraction(what: str) -> Callable[[object], str | None]:
+    def problem(value: object) -> str | None:
+        if _finite(value) and 0 <= value <= 1 + _RELATIVE_SLACK:
+            return None
+        return f"{what} must lie in 0..1 (0..100%), got {_shown(value)}"
+    return problem
+
+
+def _each(check: Callable[[object], str | None]) -> Callable[[object], str | None]:
+    """A list's check: the first item (None skipped: a rank not measured) that fails ``check``."""
+    def problem(values: object) -> str | None:
+        for rank, value in enumerate(values):
+            why = None if value is None else check(value)
+            if why is not None:
+                return f"rank {rank}: {why}"
+        return None
+    return problem
+
+
+VALUE_RULES: dict[str, Callable[[object], str | None]] = {
+    "imbalance_max_over_mean": _at_least(1.0, "the max over the mean of the ranks' times"),
+    "rank_time_ms_median": _each(_positive("a measured time")),
+    "tokens_per_s": _positive("a throughput"),
+    "tflops_per_gpu": _positive("a throughput"),
+    "mfu": _fraction("a share of the machine's matmul ceiling"),
+    "model_flops": _positive("a FLOP count"),
+    "bound_ms": _positive("a lower bound on the step's time"),
+    "measured_over_bound": _positive("a ratio of two times"),
+    "peak_allocated_bytes": _each(_at_least(0, "a byte count")),
+    "device_used_bytes": _each(_at_least(0, "a byte count")),
+    "comm_ms": _at_least(0, "a communication time"),
+    "exposed_comm_ms": _at_least(0, "a communication time"),
+    "overlap_ratio": _fraction("a share of the communication time"),
+    "slowest_rank_ms": _positive("a measured time"),
+    "compile_s": _at_least(0, "a wall time"),
+}
+"""Metric -> why a value of the right type (:data:`COLUMN_TYPES`) cannot be a measurement, or None;
+a metric that is None (not measured) is never checked."""
+
+
+def impossible_values(record: dict) -> dict[str, str]:
+    """Metric -> why its value cannot be a measurement, for every metric of ``record`` (a valid record,
+    :func:`check_record`) that :data:`VALUE_RULES` rejects, or that contradicts another (more exposed
+    communication than communication; a slowest rank outside the ranks). Empty for a sound record."""
+    found = {name: why for name, rule in VALUE_RULES.items()
+             if record.get(name) is not None and (why := rule(record[name])) is not None}
+    comm, exposed = record.get("comm_ms"), record.get("exposed_comm_ms")
+    if (_finite(comm) and _finite(exposed) and "comm_ms" not in found and "exposed_comm_ms" not in found
+            and exposed > comm * (1 + _RELATIVE_SLACK) + 1e-9):
+        found["exposed_comm_ms"] = f"exposed communication {exposed!r} ms exceeds all communication {comm!r} ms"
+    slowest, cp = record.get("slowest_rank"), record.get("cp")
+    if _is_int(slowest) and _is_int(cp) and slowest >= cp:
+        found["slowest_rank"] = f"rank {slowest} is not one of the cp = {cp} ranks"
+    return found
+
+
 def check_meta(meta: object) -> str | None:
     """Why ``meta`` (a parsed ``meta.json``) is not a valid one, or None when it is."""
     if not isinstance(meta, dict):
@@ -351,6 +435,52 @@ def match_id(record: dict) -> str:
     return point_id({**record, "kernel_options": None, "fresh_batches": None})
 
 
+def resolved_options(record: dict) -> dict[str, str] | None:
+    """Every kernel option's value as ``record``'s point ran (its ``kernel_options`` column), or None when
+    the record holds no mapping of them (written before options were recorded): unknown. An option the
+    mapping lacks (added to the registry after the record was written) is unknown too, never read as
+    today's default: :func:`option_differences` and :func:`configuration_key` keep it apart."""
+    options = record.get("kernel_options")
+    return dict(options) if isinstance(options, dict) else None
+
+
+def configuration_key(record: dict) -> str:
+    """The identity of how ``record``'s point ran: the first 12 hex digits of the sha1 of the sorted JSON of
+    its :data:`CONFIG_FIELDS` as stored (every resolved kernel option, the backends that ran, the fresh
+    batches). Two records are measurements of the same kernels only when their :func:`point_id` (the axes,
+    kept for history) and this key both agree; every consumer that pairs records (``sweep --resume``, the
+    report's runs side by side, ``compare``) keys on both. An option one record lacks is unknown there, so
+    such a record never shares a key with one that holds it; two records holding no options at all (written
+    before options were recorded) share one, as ``compare`` treats two unknown configurations as equal."""
+    values = {name: _plain(record.get(name)) for name in CONFIG_FIELDS}
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _plain(value: object) -> object:
+    """A column's value as its record holds it, also when read back from a DataFrame row (a numpy scalar
+    as its Python number, a missing value as None), so a record and its row share a key."""
+    if hasattr(value, "item") and not isinstance(value, (dict, list, str)):
+        value = value.item()
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def option_differences(stored: dict[str, str] | None, current: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """Option -> (value in ``stored``, value in ``current``) for every option on which a record's resolved
+    options (:func:`resolved_options`; None: all unknown) and the ones a point runs now differ, sorted by
+    name; ``"unknown"`` for an option one side lacks (an option missing from a record is not read as
+    today's default). A record without options differs in one entry, ``kernel_options``: (unknown, recorded)."""
+    if stored is None:
+        return {"kernel_options": (UNKNOWN, "recorded")}
+    names = sorted(set(stored) | set(current))
+    return {name: (stored.get(name, UNKNOWN), current.get(name, UNKNOWN)) for name in names
+            if stored.get(name, UNKNOWN) != current.get(name, UNKNOWN)}
+
+
+UNKNOWN = "unknown"
+"""How :func:`option_differences` names the value of an option one side does not hold."""
+
+
 def check_status(status: str) -> str:
     """``status`` unchanged if valid, else ``ValueError`` naming it."""
     if not isinstance(status, str) or not (
@@ -401,14 +531,19 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _record_line(record: dict) -> bytes:
+    """``record`` as its line of a records file; ``ValueError`` when a column is missing."""
+    missing = [name for name in COLUMNS if name not in record]
+    if missing:
+        raise ValueError(f"record: missing columns {missing}; build it with make_record")
+    return (json.dumps(finite_or_null(record), allow_nan=False) + "\n").encode()
+
+
 def append_record(path: str | os.PathLike, record: dict) -> None:
     """Append ``record`` as one JSON line, atomically: one ``os.write`` of the whole line on an
     ``O_APPEND`` descriptor, then fsync, so a killed writer leaves at most a missing line, never
     half of one mixed into the next. Creates the parent directory."""
-    missing = [name for name in COLUMNS if name not in record]
-    if missing:
-        raise ValueError(f"record: missing columns {missing}; build it with make_record")
-    line = (json.dumps(record, allow_nan=True) + "\n").encode()
+    line = _record_line(record)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -419,6 +554,64 @@ def append_record(path: str | os.PathLike, record: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def finite_or_null(value: object) -> object:
+    """``value`` with every float that is not finite (NaN, infinity), at any depth of its lists and
+    objects, replaced by None: what strict JSON can hold (see the module docstring)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
+def replace_record(path: str | os.PathLike, record: dict) -> bool:
+    """Put ``record`` in place of the records of its point in ``path`` whose status is ``error: ...`` (a
+    point measured again by ``sweep --resume --retry-errors``): the first such line takes it, any later one
+    is dropped; every other line, valid or not, is kept as it is. Returns False (and leaves the file alone)
+    when there is no such record: append it then.
+
+    The file is rewritten beside itself and renamed over the old one after an fsync, so a reader, or a
+    writer killed at any moment, finds the old file (the failed record) or the new one (the new record),
+    never neither; the records stay in the order they were first measured in."""
+    path = Path(path)
+    line = _record_line(record)
+    kept: list[bytes] = []
+    replaced = False
+    for text in path.read_bytes().splitlines(keepends=True) if path.exists() else []:
+        parsed, reason = _parse_line(text.rstrip(b"\n"))
+        superseded = (reason is None and check_record(parsed) is None and parsed["point_id"] == record["point_id"]
+                      and parsed["status"].startswith("error"))
+        if not superseded:
+            kept.append(text)
+        elif not replaced:
+            kept.append(line)
+            replaced = True
+    if replaced:
+        _replace_file(path, b"".join(kept))
+    return replaced
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file beside it, fsynced, renamed over it (and
+    the directory fsynced, so the rename outlives a crash); the temporary file is removed on failure."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 @dataclass(frozen=True)
@@ -438,14 +631,16 @@ class RecordProblem:
         return f"{self.path}:{self.line}: {self.reason}"
 
 
-def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None = None) -> list[dict]:
+def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None = None,
+                 line_numbers: list[int] | None = None) -> list[dict]:
     """Every valid record of a ``.jsonl`` file (or of ``RUN_DIR/records.jsonl`` when given a directory).
 
     Every line is checked (:func:`check_record`); a line that is not a valid record (not UTF-8, not
     JSON, another schema version, a field of the wrong type, an ``ok`` record with a broken time, a
     trailing line without its newline left by a killed writer) is skipped: appended to ``problems``
     as a :class:`RecordProblem` (``file:line: reason``) when a list is given, else warned about.
-    Never raises for the file's content.
+    Never raises for the file's content. ``line_numbers``, when given, receives the line (from 1) of
+    each record returned, in order (what names a duplicated line).
     """
     path = Path(path)
     if path.is_dir():
@@ -466,6 +661,8 @@ def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None =
             record.update(_added_axis_defaults(record))
             record.setdefault("emulated", _emulated(record))
             records.append(record)
+            if line_numbers is not None:
+                line_numbers.append(number)
             continue
         named = record.get("point_id") if isinstance(record, dict) else None
         found.append(RecordProblem(str(path), number, reason, named if isinstance(named, str) else None,
@@ -520,6 +717,36 @@ def drop_partial_line(path: str | os.PathLike) -> bool:
                   stacklevel=2)
     os.truncate(path, keep)
     return True
+
+
+def move_records(path: str | os.PathLike, to: str | os.PathLike, moved: Callable[[dict], bool]) -> int:
+    """Move the valid records of ``path`` for which ``moved(record)`` holds to the end of ``to``, byte for
+    byte (every other line, invalid ones too, stays in ``path`` in its order); returns how many moved. The
+    moved lines are appended to ``to`` and synced before ``path`` is replaced (atomically, by a rename), so
+    a kill in between leaves a record in both files, never in neither."""
+    path, to = Path(path), Path(to)
+    if not path.exists():
+        return 0
+    kept, taken = [], []
+    for line in path.read_bytes().splitlines(keepends=True):
+        record, reason = _parse_line(line) if line.strip() else (None, "blank")
+        if reason is None and check_record(record) is None and moved(record):
+            taken.append(line)
+        else:
+            kept.append(line)
+    if not taken:
+        return 0
+    fd = os.open(to, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        data = b"".join(taken)
+        written = os.write(fd, data)
+        if written != len(data):  # a regular file takes the whole buffer; anything else is a disk error
+            raise OSError(f"{to}: wrote {written} of {len(data)} bytes")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _replace_file(path, b"".join(kept))
+    return len(taken)
 
 
 def write_meta(run_dir: str | os.PathLike, meta: dict) -> None:

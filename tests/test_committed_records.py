@@ -10,7 +10,8 @@ from dsv4cp import kernel_options
 from dsv4cp.records import check_record, read_records
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-BEFORE_THE_SCHEMA = {"2026-11-30-norm-rope-h200x2", "2026-11-30-profile-h200x2", "2026-11-30-profile-h200x2-after"}
+BEFORE_THE_SCHEMA = {"2026-11-30-h200x2-norm-rope", "2026-11-30-h200x2-layer-64k",
+                     "2026-11-30-h200x2-loss-target-kernels"}
 """Runs written before records carried a schema version: read by nothing, kept as they were measured."""
 
 

@@ -39,13 +39,15 @@ def _rope_inputs(seed: int, rows: int = 5, heads: int = 3, d: int = 32):
 
 def test_norm_rope_ops_pass_opcheck_and_match_the_reference(seed):
     x, positions, freqs = _rope_inputs(seed)
-    torch.library.opcheck(norm_rope_library.head_norm_rope_fwd, (x.requires_grad_(), positions, freqs, 1e-6, ""))
-    torch.library.opcheck(norm_rope_library.rope_tail, (x, positions, freqs, True, ""))
+    for config in ([], [2, 4]):  # the default launch rule, and a pinned one (two head blocks of 2)
+        torch.library.opcheck(norm_rope_library.head_norm_rope_fwd, (x.requires_grad_(), positions, freqs, 1e-6,
+                                                                      config))
+        torch.library.opcheck(norm_rope_library.rope_tail, (x, positions, freqs, True, config))
     upstream = torch.randn(x.shape, generator=_gen(seed + 1))
     for name, op, reference in (
-        ("head_norm_rope", lambda t: norm_rope_library.head_norm_rope_fwd(t, positions, freqs, 1e-6, "")[0],
+        ("head_norm_rope", lambda t: norm_rope_library.head_norm_rope_fwd(t, positions, freqs, 1e-6, [2, 4])[0],
          lambda t: apply_rope(rms_norm(t, 1e-6), positions, freqs)),
-        ("rope_tail", lambda t: norm_rope_library.rope_tail(t, positions, freqs, True, ""),
+        ("rope_tail", lambda t: norm_rope_library.rope_tail(t, positions, freqs, True, [2, 4]),
          lambda t: apply_rope(t, positions, freqs, inverse=True)),
     ):
         got_x, want_x = x.detach().clone().requires_grad_(), x.detach().double().requires_grad_()
@@ -75,11 +77,11 @@ def _pool_inputs(seed: int, groups: int = 4, r: int = 4, dc: int = 16):
 def test_compress_pool_op_passes_opcheck_and_matches_the_reference(seed):
     values, gates, ape, group_rows, group_valid = _pool_inputs(seed)
     leaves = [t.requires_grad_() for t in (values, gates, ape)]
-    torch.library.opcheck(compress_pool_library.compress_pool_fwd, (*leaves, group_rows, group_valid, ""))
+    torch.library.opcheck(compress_pool_library.compress_pool_fwd, (*leaves, group_rows, group_valid))
     upstream = torch.randn(group_rows.shape[0], values.shape[1] // 2, generator=_gen(seed + 1))
     got_in = [t.detach().clone().requires_grad_() for t in leaves]
     want_in = [t.detach().double().requires_grad_() for t in leaves]
-    got = compress_pool_library.compress_pool_fwd(*got_in, group_rows, group_valid, "")[0]
+    got = compress_pool_library.compress_pool_fwd(*got_in, group_rows, group_valid)[0]
     want = compress_pool_torch(*want_in, group_rows, group_valid)
     (got * upstream).sum().backward()
     (want * upstream.double()).sum().backward()

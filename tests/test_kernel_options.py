@@ -4,6 +4,7 @@ what-ran notes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -125,3 +126,47 @@ def test_backends_ran_notes():
     assert ko.backends_ran() == {"indexer_topk": "torch", "sparse_attention.fwd": "flashmla"}
     ko.reset_backends_ran()
     assert ko.backends_ran() == {}
+
+
+def test_kernel_options_fields_are_the_registry():
+    """One field per option, of its default, in the registry's order (``origins`` last, not compared)."""
+    fields = [f.name for f in dataclasses.fields(ko.KernelOptions)]
+    assert fields == [*ko.OPTIONS, "origins"]
+    defaults = ko.KernelOptions()
+    for name, option in ko.OPTIONS.items():
+        assert getattr(defaults, name) == option.default, name
+        assert f"``{name}``: {option.doc}" in ko.KernelOptions.__doc__, name
+
+
+def test_kernel_options_resolve_precedence_and_errors(monkeypatch):
+    """Overrides over an enclosing block over the variable over the default; a variable's bad value named
+    by the variable, an override's by the option; the result hashable and equal to ``resolved()``."""
+    assert ko.KernelOptions.resolve() == ko.KernelOptions()
+    monkeypatch.setenv("DSV4CP_TOPK_IMPL", "stream")
+    monkeypatch.setenv("DSV4CP_TRITON_FWD_CONFIG", "64,32,8,3")
+    got = ko.KernelOptions.resolve()
+    assert (got.topk_impl, got.triton_fwd_config, got.where("topk_impl")) == ("stream", (64, 32, 8, 3),
+                                                                              "DSV4CP_TOPK_IMPL")
+    assert got.texts() == ko.resolved() and hash(got) == hash(ko.KernelOptions.resolve())
+    with ko.overrides({"topk_impl": "chunked", "triton_dq_in_dkv": "0"}):
+        inner = ko.KernelOptions.resolve({"triton_dq_in_dkv": True})
+    assert (inner.topk_impl, inner.triton_dq_in_dkv, inner.where("topk_impl")) == ("chunked", True, "topk_impl")
+    monkeypatch.setenv("DSV4CP_TRITON_DQ_IN_DKV", "yes")
+    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_DQ_IN_DKV: .*'yes' \(kernel option triton_dq_in_dkv\)"):
+        ko.KernelOptions.resolve()
+    with pytest.raises(ValueError, match=r"^triton_fwd_logits: .*'wide'"):
+        ko.KernelOptions.resolve({"triton_fwd_logits": "wide", "triton_dq_in_dkv": "1"})
+    with pytest.raises(ValueError, match=r"^kernel option: unknown name 'fast'"):
+        ko.KernelOptions.resolve({"fast": "1"})
+
+
+def test_kernel_options_from_resolved_round_trips_a_record():
+    """A record's ``kernel_options`` (every option as text, or only some) give back the options it ran;
+    values in their one form (a list tile becomes a tuple: hashable)."""
+    options = ko.KernelOptions(topk_impl="stream", triton_bwd_config=[32, 64, 8, 2], triton_dkv_one_product="0")
+    assert options.triton_bwd_config == (32, 64, 8, 2) and options.triton_dkv_one_product is False
+    assert ko.KernelOptions.from_resolved(options.texts()) == options
+    assert ko.KernelOptions.from_resolved({"topk_impl": "stream"}).non_default() == {"topk_impl": "stream"}
+    assert options.non_default() == ko.non_default(options.texts())
+    with pytest.raises(ValueError, match=r"^triton_bwd_config: expected .*'1,2'"):
+        ko.KernelOptions.from_resolved({"triton_bwd_config": "1,2"})

@@ -1,5 +1,6 @@
-"""The README stands alone: its "Using the layer" program runs as written, every ``dsv4cp`` command the
-user-facing docs show parses with today's command line, and nothing links to files a user cannot open."""
+"""The README and the docs under docs/ stand alone: the layer guide's program runs as written, every
+``dsv4cp`` command the user-facing docs show parses with today's command line, the spec reference's example
+is a valid spec, and nothing links to files a user cannot open."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ from dsv4cp.sweeps.spec import expand, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+LAYER_GUIDE = ROOT / "docs" / "guide" / "layer.md"
+SPEC_REFERENCE = ROOT / "docs" / "spec.md"
 # Markdown files a user reads for commands to copy; each must show only commands that parse today.
-COMMAND_DOCS = ("README.md", "results/README.md", "results/baselines/README.md", "results/runs/cpu-smoke/README.md")
+USER_DOCS = ("README.md", *sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "docs").rglob("*.md")))
+COMMAND_DOCS = (*USER_DOCS, "results/README.md", "results/baselines/README.md", "results/runs/cpu-smoke/README.md")
+README_MAX_LINES = 150
 EXAMPLE_MARKER = re.compile(r"<!-- readme-example: (\S+) -->\n```python\n(.*?)```", re.DOTALL)
 FENCED_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SHELL_LANGUAGES = ("", "bash", "sh", "console", "shell")
@@ -29,9 +34,9 @@ ENTRY_MODULES = ("dsv4cp", "dsv4cp.cli.main")  # python -m / torchrun -m targets
 
 
 def _example() -> tuple[str, str]:
-    """(path the README names, code) of the README's runnable "Using the layer" block."""
-    found = EXAMPLE_MARKER.findall(README.read_text())
-    assert len(found) == 1, "README.md must hold exactly one '<!-- readme-example: PATH -->' python block"
+    """(path the layer guide names, code) of the guide's runnable program."""
+    found = EXAMPLE_MARKER.findall(LAYER_GUIDE.read_text())
+    assert len(found) == 1, "docs/guide/layer.md must hold exactly one '<!-- readme-example: PATH -->' python block"
     return found[0]
 
 
@@ -77,28 +82,42 @@ def test_cli_argv_extraction_finds_every_form():
                      ["sweep", "s.yaml", "--out", "runs/s"], None]
 
 
+def _doc_argvs(doc: str) -> list[list[str]]:
+    return [argv for command in _shell_commands((ROOT / doc).read_text()) if (argv := _cli_argv(command))]
+
+
 @pytest.mark.parametrize("doc", COMMAND_DOCS)
 def test_every_shown_command_parses(doc):
     """A renamed or removed flag in any shown command fails here (argparse exits on it)."""
-    argvs = [argv for command in _shell_commands((ROOT / doc).read_text()) if (argv := _cli_argv(command))]
     bad = []
-    for argv in argvs:
+    for argv in _doc_argvs(doc):
         try:
             build_parser().parse_args(argv)
         except SystemExit as exit_:
             bad.append(f"dsv4cp {shlex.join(argv)}  (argparse exit {exit_.code})")
     assert not bad, f"{doc} shows commands the CLI rejects:\n" + "\n".join(bad)
-    if doc == "README.md":  # the extraction must not silently find nothing
-        assert ["sweep", "sweeps/smoke.yaml", "--out", "runs/smoke", "--profile"] in argvs
-        assert ["sweep", "sweeps/cp_scaling.yaml", "--out", "runs/cp_scaling"] in argvs
-        assert {argv[0] for argv in argvs} >= {"env", "layer", "check-cp", "profile", "overlap", "model",
-                                              "sweep", "report", "compare"}
 
 
-def test_readme_spec_example_is_a_valid_spec():
-    """The README's sweep-spec example loads and expands: 3 ratios x 2 cp x 2 zipped (tokens, packing),
+def test_the_docs_show_every_command():
+    """The extraction must not silently find nothing: the README shows the main job on CPU and on GPUs,
+    and the README with the guides shows every sub-command."""
+    readme = _doc_argvs("README.md")
+    assert ["sweep", "sweeps/smoke.yaml", "--out", "runs/smoke", "--profile"] in readme
+    assert ["sweep", "sweeps/cp_scaling.yaml", "--out", "runs/cp_scaling"] in readme
+    shown = {argv[0] for doc in USER_DOCS for argv in _doc_argvs(doc)}
+    assert shown >= {"env", "layer", "check-cp", "check-determinism", "profile", "overlap", "model", "predict",
+                     "sweep", "report", "compare"}
+
+
+def test_readme_fits_two_screens():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move the detail into docs/"
+
+
+def test_spec_reference_example_is_a_valid_spec():
+    """The spec reference's example loads and expands: 3 ratios x 2 cp x 2 zipped (tokens, packing),
     less the 3 points with cp 1 and histogram packing."""
-    blocks = [body for language, body in FENCED_BLOCK.findall(README.read_text()) if language == "yaml"]
+    blocks = [body for language, body in FENCED_BLOCK.findall(SPEC_REFERENCE.read_text()) if language == "yaml"]
     assert len(blocks) == 1
     points = expand(parse_spec(yaml.safe_load(blocks[0])))
     assert len(points) == 9
@@ -116,8 +135,9 @@ UNSHIPPED_REFERENCE = re.compile(r"\.\./shared|DESIGN(\.md| \d)")
 """The design notes the project grew from are not shipped: users get ``docs/design.md §n`` instead."""
 
 
-def test_readme_points_only_at_shipped_docs():
-    assert not UNSHIPPED_REFERENCE.search(README.read_text()), "refer to docs/design.md sections instead"
+@pytest.mark.parametrize("doc", USER_DOCS)
+def test_docs_point_only_at_shipped_docs(doc):
+    assert not UNSHIPPED_REFERENCE.search((ROOT / doc).read_text()), "refer to docs/design.md sections instead"
 
 
 def test_package_messages_point_only_at_shipped_docs():
@@ -129,7 +149,7 @@ def test_package_messages_point_only_at_shipped_docs():
     assert not offenders, "\n".join(offenders)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "results/README.md"])
+@pytest.mark.parametrize("doc", COMMAND_DOCS)
 def test_doc_links_resolve(doc):
     for target in re.findall(r"\]\(([^)\s]+)\)", (ROOT / doc).read_text()):
         if re.match(r"[a-z]+://", target):
@@ -140,11 +160,11 @@ def test_doc_links_resolve(doc):
 
 def test_example_file_is_the_readme_block():
     path, code = _example()
-    assert (ROOT / path).read_text() == code, f"{path} and README.md's 'Using the layer' block differ"
+    assert (ROOT / path).read_text() == code, f"{path} and docs/guide/layer.md's program differ"
 
 
 def test_readme_example_runs_as_written(tmp_path):
-    """The README's block, run as a script without a launcher: it spawns 2 gloo ranks (tiny shapes on
+    """The layer guide's block, run as a script without a launcher: it spawns 2 gloo ranks (tiny shapes on
     CPU) and rank 0 prints the output shape, the global indexer loss and the input-gradient norm."""
     _, code = _example()
     script = tmp_path / "use_layer.py"

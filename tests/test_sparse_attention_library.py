@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.ops import sparse_attention
+from dsv4cp.ops.sparse_attention import option_values, options_of
 from dsv4cp.ops.sparse_attention_library import sparse_attention_fwd
 
 
@@ -21,8 +23,20 @@ def _inputs(seed: int, t: int = 12, h: int = 2, d: int = 16, n: int = 20, k: int
 
 def test_custom_op_passes_opcheck(seed):
     q, kv, idx, sink, length = _inputs(seed)
-    torch.library.opcheck(sparse_attention_fwd, (q, kv, idx, sink, 0.25, length, "torch"))
-    torch.library.opcheck(sparse_attention_fwd, (q, kv, idx, sink, 0.25, None, "torch"))
+    pinned = KernelOptions(triton_fwd_config=(16, 16, 4, 1), triton_dq_in_dkv=False, library_compact_slots=False)
+    for options in (KernelOptions(), pinned):
+        values = option_values(options)
+        torch.library.opcheck(sparse_attention_fwd, (q, kv, idx, sink, 0.25, length, "torch", *values))
+        torch.library.opcheck(sparse_attention_fwd, (q, kv, idx, sink, 0.25, None, "torch", *values))
+
+
+def test_option_values_round_trip():
+    """The custom ops' option arguments give back the options they came from (tiles as lists, [] for auto)."""
+    options = KernelOptions(triton_fwd_config=(16, 16, 4, 1), triton_dkv_config=(16, 32, 4, 1),
+                            triton_fwd_logits="duplicated", triton_bwd_index_ahead=False)
+    values = option_values(options)
+    assert values[0] == [16, 16, 4, 1] and values[4] == [] and options_of(values) == options
+    assert options_of(option_values(KernelOptions())) == KernelOptions()
 
 
 def test_compiled_op_has_no_graph_break_and_matches_eager(seed):

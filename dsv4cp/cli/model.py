@@ -7,7 +7,7 @@ Examples:
   dsv4cp model --preset flash --ratio 4 --tokens 262144 --cp 64 --machine internode --bandwidth 40
   dsv4cp model --preset flash --ratio 4 --packing histogram --extrapolate --machine internode
   dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 8 --partition balanced --align 8
-  dsv4cp model --cp 1 --machine h200x2 --calibrate results/2026-12-01-h200/trace --indexer-scan prefix \
+  dsv4cp model --cp 1 --machine h200x2 --calibrate results/2026-12-01-h200-cp1-after-fixes/trace --indexer-scan prefix \
       --calibration-out cal.json
   dsv4cp model --preset flash --ratio 4 --tokens 65536 --cp 2 --partition balanced --calibration cal.json
 """

@@ -208,14 +208,24 @@ def run(args: argparse.Namespace) -> int:
                              "(--emulate-rank all) or run the real ranks under torchrun; or pass --split-file")
         rounds = dict(target=args.target_imbalance, max_rounds=args.max_rounds, max_rank_bytes=_max_rank_bytes(args))
         if rank == ALL_RANKS:
-            emulate_measured(args, point, device, run_options, machine, calibration, out, **rounds)
+            try:
+                emulate_measured(args, point, device, run_options, machine, calibration, out, **rounds)
+            except NonFiniteResult as err:
+                return _nonfinite_failure(err)
             return 0
-        measure_measured(args, point, group, device, run_options, machine, calibration, out, **rounds)
+        status = EXIT_OK
+        try:
+            measure_measured(args, point, group, device, run_options, machine, calibration, out, **rounds)
+        except NonFiniteResult as err:  # raised on every rank at once, so all of them reach the barrier below
+            status = _nonfinite_failure(err, printed=rank == 0)
         dist.barrier(group)
         dist.destroy_process_group()
-        return 0
+        return status
     if rank == ALL_RANKS or isinstance(rank, tuple):
-        emulate_in_turn(args, point, device, run_options, machine, trace_dir, calibration, out, split=split)
+        try:
+            emulate_in_turn(args, point, device, run_options, machine, trace_dir, calibration, out, split=split)
+        except NonFiniteResult as err:
+            return _nonfinite_failure(err)
         return 0
     if emulated:
         group = init_emulated_group(cp, rank, seed=args.seed)
@@ -224,10 +234,7 @@ def run(args: argparse.Namespace) -> int:
         _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out,
                             split)
     except NonFiniteResult as err:  # raised on every rank at once, so all of them reach the barrier below
-        if rank == 0 or emulated:
-            print(f"dsv4cp profile: error: {err}: the timed steps computed NaN or infinity, no record written",
-                  file=sys.stderr)
-        status = EXIT_FAILED
+        status = _nonfinite_failure(err, printed=rank == 0 or emulated)
     finally:  # also on an error: the fake group must not outlive this command in the process
         if emulated:
             destroy_emulated_group(group)
@@ -235,6 +242,14 @@ def run(args: argparse.Namespace) -> int:
         dist.barrier(group)
         dist.destroy_process_group()
     return status
+
+
+def _nonfinite_failure(err: NonFiniteResult, printed: bool = True) -> int:
+    """One line naming what is not finite (when ``printed``: once per run, not per rank), and exit 1."""
+    if printed:
+        print(f"dsv4cp profile: error: {err}: the timed steps computed NaN or infinity, no record written",
+              file=sys.stderr)
+    return EXIT_FAILED
 
 
 def _measure_and_report(args, point, group, device, rank, run_options, machine, trace_dir, calibration, out,

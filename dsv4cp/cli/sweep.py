@@ -33,9 +33,9 @@ from dsv4cp.cli.common import (
     add_kernel_option_argument,
     add_machine_options,
     check_output_dir,
+    float_in_range,
     kernel_option_values,
     machine_from_args,
-    positive_float,
     positive_int,
     progress_enabled,
     resolve_dist_backend,
@@ -50,6 +50,10 @@ from dsv4cp.sweeps.spec import (
     load_spec,
     with_kernel_options,
 )
+
+POINT_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)
+"""``--point-timeout``'s allowed seconds: below one, a rank's ordinary start-up would time out; a week is past
+any point (and a timeout beyond what ``datetime.timedelta`` holds would fail in every rank)."""
 
 HELP = "run a sweep spec (YAML) and record every point (RUN_DIR/records.jsonl + meta.json)"
 
@@ -69,11 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --profile: also write each point's CUDA allocator history per rank "
                              "(RUN_DIR/traces/<point_id>/memory_snapshot_rank<r>.pickle); CUDA only")
     parser.add_argument("--nsys", action="store_true", help="also run steps inside an nsys capture range per point")
-    parser.add_argument("--check", action="store_true", help="also check parity with CP = 1 at every point")
+    parser.add_argument("--check", action="store_true",
+                        help="also check every point's timed layer and inputs against the fp64 reference layer")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the expanded points (marking those that cannot run: exit 2 then) and exit")
-    parser.add_argument("--point-timeout", type=positive_float, default=600.0,
-                        help="seconds a collective of one point may wait before the point is recorded as an error")
+    parser.add_argument("--point-timeout", type=float_in_range(*POINT_TIMEOUT_RANGE_S, " s"), default=600.0,
+                        help="seconds a collective of one point may wait before the point is recorded as an error "
+                             f"(from {POINT_TIMEOUT_RANGE_S[0]:g} to {POINT_TIMEOUT_RANGE_S[1]:g})")
     parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
                         help="progress bar with ETA on stderr, rank 0 only; auto: only when stderr is a terminal")
     add_kernel_option_argument(parser)
@@ -121,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"sweep {spec.name}: {summary.resumed_failed} of the points already there had failed "
                   "(--retry-errors runs the errors again)")
         if summary.parity_failed:
-            print(f"sweep {spec.name}: parity with CP = 1 FAILED at {summary.parity_failed} points")
+            print(f"sweep {spec.name}: parity with the fp64 reference FAILED at {summary.parity_failed} points")
     return EXIT_FAILED if summary.parity_failed or summary.any_failed else EXIT_OK
 
 

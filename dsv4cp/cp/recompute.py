@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4cp.ops.custom_op_library import options_in_force
-from dsv4cp.ops.sparse_attention import SparseAttentionBackend
+from dsv4cp.kernel_options import KernelOptions
+from dsv4cp.ops.sparse_attention import DEFAULT_OPTIONS, SparseAttentionBackend, option_values
 from dsv4cp.profiling.nvtx import nvtx_range
 
 QueryFn = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
@@ -57,12 +57,13 @@ def _key_buffer(kv_ext: torch.Tensor, compressed: torch.Tensor | None) -> torch.
 
 class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend, on_compressed_grad):
+    def forward(ctx, latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend, on_compressed_grad,
+                options):
         with nvtx_range("q_proj.fwd"):
             q = _queries(query_fn, latent, q_weight)
         keys = _key_buffer(kv_ext, compressed)
-        options = options_in_force()  # the forward's kernel options, for the backward too
-        out, lse = torch.ops.dsv4cp.sparse_attention_fwd(q, keys, idx, sink, scale, None, backend.name, options)
+        options = option_values(options)  # the forward's kernel options, for the backward too
+        out, lse = torch.ops.dsv4cp.sparse_attention_fwd(q, keys, idx, sink, scale, None, backend.name, *options)
         ctx.save_for_backward(latent, q_weight, kv_ext, compressed, idx, sink, out, lse)
         ctx.query_fn, ctx.scale, ctx.backend, ctx.on_compressed_grad = query_fn, scale, backend, on_compressed_grad
         ctx.options = options
@@ -80,7 +81,7 @@ class _RecomputedAttention(torch.autograd.Function):
                 weight_in = q_weight.detach().requires_grad_()
                 q = ctx.query_fn(latent_in, weight_in, slice(None))
         dq, dkeys, dsink = torch.ops.dsv4cp.sparse_attention_bwd(
-            dout, q.detach(), keys, idx, sink, ctx.scale, out, lse, None, ctx.backend.name, ctx.options
+            dout, q.detach(), keys, idx, sink, ctx.scale, out, lse, None, ctx.backend.name, *ctx.options
         )
         del keys
         dkv_ext = dkeys[: kv_ext.shape[0]]
@@ -89,21 +90,23 @@ class _RecomputedAttention(torch.autograd.Function):
             ctx.on_compressed_grad(dcompressed)  # complete here: its reduce-scatter flies during the query backward
         with nvtx_range("q_proj.bwd"):
             dlatent, dweight = torch.autograd.grad(q, (latent_in, weight_in), dq)
-        return dlatent, dweight, dkv_ext, dcompressed, None, dsink, None, None, None, None
+        return dlatent, dweight, dkv_ext, dcompressed, None, dsink, None, None, None, None, None
 
 
 def recomputed_attention(
     latent: torch.Tensor, q_weight: torch.Tensor, query_fn: QueryFn, kv_ext: torch.Tensor,
     compressed: torch.Tensor | None, idx: torch.Tensor, sink: torch.Tensor, scale: float,
     backend: SparseAttentionBackend, on_compressed_grad: GradHook | None = None,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention of ``query_fn(latent, q_weight)`` over ``[kv_ext | compressed]`` rows.
 
     Returns ``(out, lse, q, key_buffer)``; ``q`` and ``key_buffer`` are detached views for
     forward-only consumers (the indexer loss) and are not kept for backward. In backward,
     ``on_compressed_grad`` receives the gradient of ``compressed`` (complete, since the attention
-    is its only differentiable consumer) before the query backward starts.
+    is its only differentiable consumer) before the query backward starts. ``options``: the kernel
+    options of both directions.
     """
     return _RecomputedAttention.apply(
-        latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend, on_compressed_grad
+        latent, q_weight, kv_ext, compressed, idx, sink, query_fn, scale, backend, on_compressed_grad, options
     )

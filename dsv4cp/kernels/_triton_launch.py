@@ -124,14 +124,14 @@ def pinned_config(config, option: str, cls, name: str = "config"):
     return cfg
 
 
-def pinned(option: str, cls, default, **overrides):
-    """A pinned config from keyword arguments (unset fields from ``default``) or the tile kernel option
-    ``option``, else None."""
+def pinned(cls, default, tile: tuple[int, ...] | None = None, **overrides):
+    """A pinned config from keyword arguments (unset fields from ``default``), else from ``tile`` (a tile
+    kernel option's integers in field order), else None (the ladder)."""
     if any(v is not None for v in overrides.values()):
         cfg = cls(**{k: (overrides[k] if overrides.get(k) is not None else getattr(default, k))
                      for k in cls.__dataclass_fields__})
     else:
-        cfg = option_config(option, cls)
+        cfg = None if tile is None else cls(*tile)
     if cfg is not None:
         check_tiles(cfg)
     return cfg

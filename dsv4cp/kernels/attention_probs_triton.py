@@ -24,15 +24,11 @@ Kernels:
   denominators are loaded once, before the slot loop, and by default the logits are ``keys @ q^T``:
   slots on the matrix unit's M, heads on N, so the head sum runs along each thread's registers and a
   lane quad (``DSV4CP_TRITON_PROBS_SLOTS_ON_M=0``: ``q @ keys^T``, heads on M, whose sum crosses the
-  warps through shared memory: 5.65 against 4.63 ms at T = 32K on an H200,
-  results/2026-12-01-h200-speed4/graph). Otherwise the program loops over the head blocks inside each
+  warps through shared memory, which is slower). Otherwise the program loops over the head blocks inside each
   slot block (the keys stay loaded, q re-read from L2, heads on M), accumulating the head sum in a fixed
-  order: no atomics, deterministic. Measured on an H200: 11.5 ms in the layer at the flash shape with
-  T = 65536 (results/2026-12-01-h200-speed4/trace-auto/kernels.csv; 9.47 ms in a later trace), 4.73 ms
-  in bench/test_bench_attention_probs.py at T = 32768 (~4 TB/s of gathered rows and q).
+  order: no atomics, deterministic.
 * ``_head_probs_chunked_kernel`` (kernel option ``triton_probs_kernel=d_chunks``, the default): the
-  head dim is the
-  matrix product's reduction loop. A work item is (query, block of ``BLOCK_K`` slots); each step
+  head dim is the matrix product's reduction loop. A work item is (query, block of ``BLOCK_K`` slots); each step
   gathers ``[BLOCK_K, BLOCK_DC]`` key columns and the matching ``[BLOCK_H, BLOCK_DC]`` q columns into
   shared memory and accumulates the ``[BLOCK_K, BLOCK_H]`` (or, ``slots_on_m=0``, ``[BLOCK_H, BLOCK_K]``)
   logits in registers; the last chunk of a head block adds its probabilities' head sum, the last head
@@ -52,77 +48,16 @@ fp32 gathers, einsum and exp temporaries); the matrix work, 2 T H K D = 1.1 PFLO
 wgmma, so the kernels are bound by the gathers: ~4 ms at H200 bandwidth if every row came from HBM,
 less as the key buffer (a few MB of compressed rows) stays largely in the 50 MB L2.
 
-Resources at ``D = 512`` on sm_90, checked by compiling for sm_90 with Triton 3.9 without a GPU
-(``triton.compile`` + cuobjdump; registers, shared memory, local-memory spills):
-
-* bf16, ``H <= 64`` (both kernels): ``BLOCK_H = 64, BLOCK_K = 64, 4 warps, 2 stages``: 192 KB shared
-  (q 64 KB + 2 x 64 KB of cp.async-pipelined gathered rows), one warpgroup issuing ``wgmma m64n64``,
-  126 (probs) / 128 (lse) registers, no spill (``bench/compile_attention_probs_sm90.py``: 128 for the
-  probabilities with Triton 3.6, 215 with 3.9). There is no ``[64, 512]`` fp32 accumulator (the
-  forward's), only the ``[64, BLOCK_K]`` logits; 8 warps would make both warpgroups compute the same
-  product (Triton lays the logits out over warps [8, 1]). Next on the ladder: ``BLOCK_K = 32, 3 stages``
-  (128 KB, 104 registers) and ``BLOCK_K = 16, 3 stages`` (96 KB).
-* bf16 probabilities with ``H > 64`` (head loop): ``64, 64, 8 warps, 2 stages``: 192 KB (the q tile is
-  pipelined too), 188 registers, no spill (4 warps spill ~290 bytes per thread).
-* fp32 (fp32 products, on the CUDA cores): ``32, 32, 8 warps, 1 stage``: 128 KB, 98 registers, no spill
-  (4 warps spill heavily).
-
-Measured on an H200 (bench/test_bench_attention_probs.py, T = 32768, launch fields below): the
-``d_chunks`` default ``64,512,64,16,5,1,1`` 3.96 ms (4.8 TB/s of rows and q, 278 TFLOP/s) against
-4.73 ms for ``whole_d``; ``64,512,64,8,5,1,1`` 4.35, ``64,512,32,8,7,1,1`` 4.67, ``64,512,32,8,9,1,1``
-4.86, ``64,256,64,8,7,1,1`` 5.48, ``64,256,32,8,7,1,1`` 6.41, ``64,256,64,8,5,0,1`` 5.31,
-``64,128,64,8,5,1,2`` 5.25 (5.96 with one program per item), ``64,128,64,4,7,1,2`` 5.13 (heads on M
-5.45), ``64,64,64,4,5,1,4`` 5.17 ms. What helped: every slot of a query in one item (q read once),
-128-byte row pieces (whole L2 lines, half the per-step index loads) and more warps (the epilogue and
-the gathers' address work spread over 512 threads). Both kernels move rows at ~4-5 TB/s, so the gathers
-from L2 bound them; the next gains are in bytes (cross-query reuse of rows) rather than in the tiling.
-
-Why the ``d_chunks`` kernel (the model it was built on): compiled for sm_90 with Triton 3.6 (the PTX of
-``64,64,4,2``), the ``whole_d`` kernel's loop waits for its gathered block, multiplies, forms the
-probabilities and only then issues the next block's gather (Triton 3.9 also copies q, held in
-registers, back to shared memory in every iteration): the 64 KB gather, the 2K-cycle product and the
-epilogue run one after the other, one program per multiprocessor, nothing else to hide the gather's
-latency; its 3-stage entries keep a single gathered buffer. ``d_chunks`` keeps 3-5 steps of gathers in
-flight (Triton pipelines the index load and the gather in separate stages: ``num_stages`` s keeps
-``(s - 1) // 2 + 1`` gathered tiles) and reads q from L2 in ``[64, BLOCK_DC]`` chunks instead of keeping
-it. Its L2 bytes per query are the 512 KB of rows, q's 64 KB once per slot block and the indices
-(``8 BLOCK_K`` bytes per step with int64, re-read each step, mostly from L1): rows and q come to
-~38.7 GB at T = 65536 with ``BLOCK_K = 512`` (q read once), ~43 GB with ``256``, ~52 GB with ``128``; at
-~7 TB/s of L2 that is an expected ~5.5 / 6.1 / 7.4 ms, against ~2.2 ms of wgmma that now overlaps the
-gathers.
-The exp and head sum (T H K = 2.1 G ``exp2``, ~0.5 ms of the multi-function units) run once per item
-while the next item's gathers are in flight.
-
-``d_chunks`` resources at the flash shape (bf16, H = 64, D = 512; ``python -m
-bench.compile_attention_probs_sm90`` with Triton 3.6, the GPU machine's; launch fields ``block_h,
-block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm``), no spill unless said:
-
-* ``64,512,64,16,5,1,1`` (first on the ladder): 3 gathered ``[512, 64]`` tiles, 226 KB shared, 128
-  registers (the most 16 warps can have), no spill.
-* ``64,512,32,8,7,1,1``: 158 KB shared (4 gathered ``[512, 32]`` tiles + q chunks),
-  238 registers (the ``[512, 64]`` fp32 logits are 128 of them), 1 program per multiprocessor;
-  ``64,512,32,8,9,1,1``: 5 tiles, 198 KB, 249 registers; ``64,512,64,8,5,1,1`` (each step reads
-  128-byte row pieces, whole L2 lines, and half the index loads): 3 tiles, 226 KB, 230 registers;
-  over four warpgroups with ``block_d = 32`` (``64,512,32,16,7,1,1``): 24 bytes of spill, with 5 tiles
-  88; eight warpgroups (``64,512,64,32,5,1,1``, 64 registers): 80 bytes.
-* ``64,256,32,8,7,1,1``: 87 KB, 177 registers: 1 program (registers); ``64,256,64,8,7,1,1``: 167 KB,
-  176 registers; ``64,256,64,8,5,0,1`` (heads on M, ``wgmma m64n128`` per warpgroup): 128 KB, 176
-  registers.
-* ``64,128,64,8,5,1,2``: 74.5 KB, 124 registers: 2 programs per multiprocessor (8 warps each);
-  ``64,128,64,4,7,1,2``: 99.5 KB, 176 registers, 2 programs (``64,128,64,4,7,0,2``, heads on M, one
-  ``wgmma m64n128``: 101 KB, 199 registers, 2 programs); ``64,64,64,4,5,1,4``: 49 KB, 105 registers,
-  4 programs. ``64,128,64,8,7,1,2`` (4 tiles) needs 143 registers: one program only, so it is not on
-  the ladder; one warpgroup with heads on M and 256 slots (``wgmma m64n256``, a 128-register
-  accumulator) spills ~50 bytes.
-* ``H > 64`` (128 in the pro preset): ``128,256,64,8,5,1,1`` first, 128 heads a step so that the rows
-  are gathered once per query (a 64-head block gathers them once per head block): 149 KB, 235
-  registers; 16 warps spill 104 bytes. Not measured yet.
-* fp32: ``32,32,32,8,3,1,0`` (fp32 products on the CUDA cores), then ``16,16,32,4,1,1,0``.
-* log-sum-exp (``block_h, block_k, block_d, num_warps, num_stages, programs_per_sm``):
-  ``64,256,64,16,7,1`` (first, not measured yet): 167 KB, 128 registers, no spill; ``64,512,64,16,5,1``:
-  225 KB, 16 bytes of spill; ``64,256,32,8,7,1``: 87 KB, 174 registers; ``64,128,64,4,7,2``: 99 KB,
-  185 registers, 2 programs per multiprocessor; ``64,512,32,8,7,1`` (q read once per query at K = 512):
-  157 KB, 254 registers; ``64,64,64,4,5,2``: 49 KB, 119 registers; none of these four spills.
+Why ``d_chunks``: the ``whole_d`` kernel's loop waits for its gathered block, multiplies, forms the
+probabilities and only then issues the next block's gather, one program per multiprocessor, so nothing
+hides the gather's latency. ``d_chunks`` keeps several steps of gathers in flight (Triton pipelines the
+index load and the gather in separate stages: ``num_stages`` s keeps ``(s - 1) // 2 + 1`` gathered tiles)
+and reads q from L2 in ``[BLOCK_H, BLOCK_DC]`` chunks instead of holding it; with every slot of a query in
+one item q is read once per query. The kernels are bound by the gathers from L2, not by the matrix unit.
+The probabilities ladder's first entry measured fastest at the flash shape; every first entry fits
+sm_90's shared memory and registers without spilling, and the next entries take over on
+``OutOfResources``. The resources
+and timings of every entry, and the results folders that hold them: docs/kernels.md.
 
 ``DSV4CP_TRITON_PROBS_CONFIG`` / ``DSV4CP_TRITON_LSE_CONFIG`` (``"block_h,block_k,num_warps,num_stages"``)
 or the wrappers' keyword arguments pin a configuration; otherwise the first of the ladder that compiles
@@ -148,7 +83,7 @@ from dsv4cp.kernels._triton_gather import gather_rows
 from dsv4cp.kernels._triton_launch import Kernels
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels._triton_launch import pinned_config as _pinned_config
-from dsv4cp.kernels.sparse_attention_triton import (
+from dsv4cp.kernels.sparse_attention_launch import (
     _SUPPORTED_DTYPES,
     LOG2E,
     MAX_HEAD_DIM,
@@ -493,8 +428,8 @@ def _chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[ChunkCon
         ladder = [(128, 256, 64, 8, 5, 1, 1), (bh, 512, 64, 16, 5, 1, 1), (bh, 512, 32, 8, 7, 1, 1),
                   (bh, 64, 64, 4, 5, 1, 4), (min(bh, 32), 32, 64, 4, 3, 1, 0)]
     elif block_d >= 256:
-        # in the order an H200 measured them (bench/test_bench_attention_probs.py, T = 32768): 3.96, 4.35,
-        # 4.67, 5.13, 5.17 ms (the whole_d kernel: 4.73 ms); the 226 KB tiles first, smaller ones next
+        # fastest first as bench/test_bench_attention_probs.py measured them on an H200 (docs/kernels.md);
+        # the 226 KB tiles first, smaller ones next
         ladder = [(bh, 512, 64, 16, 5, 1, 1), (bh, 512, 64, 8, 5, 1, 1), (bh, 512, 32, 8, 7, 1, 1),
                   (bh, 128, 64, 4, 7, 1, 2), (bh, 64, 64, 4, 5, 1, 4), (min(bh, 32), 32, 64, 4, 3, 1, 0)]
     else:
@@ -659,7 +594,7 @@ def logsumexp_over_triton(
         _launch_lse_chunked(q, keys, idx, scale, lse, block_d, pinned_chunks)
         return lse
     ladder = _ladder(block_d, h, q.dtype)
-    pinned = _pinned("triton_lse_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
+    pinned = _pinned(KernelConfig, ladder[0], kernel_options.get("triton_lse_config"), block_h=block_h, block_k=block_k,
                      num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_lse_kernel", q.device)
 
@@ -739,8 +674,8 @@ def head_summed_probs_triton(
         return out
     on_m = _slots_on_m(slots_on_m)
     ladder = _ladder(block_d, h, q.dtype, head_loop=h > _block_h(h))
-    pinned = _pinned("triton_probs_config", KernelConfig, ladder[0], block_h=block_h, block_k=block_k,
-                     num_warps=num_warps, num_stages=num_stages)
+    pinned = _pinned(KernelConfig, ladder[0], kernel_options.get("triton_probs_config"), block_h=block_h,
+                     block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     kernel = _build("_head_probs_kernel", q.device)
 
     def launch(cfg: KernelConfig) -> None:

@@ -9,10 +9,8 @@ Kernel (``_compact_kernel``): one program per row, the whole row in one tile (``
 slots): a prefix sum of the valid flags gives each valid slot its place, one masked scatter store writes
 it, and a second store writes ``-1`` over the places from the count on (disjoint addresses, so no
 ordering between the two). Why a kernel: the torch version is a running count, a batched binary search
-and a gather, each a pass over ``[T, slots]`` plus int64 temporaries, ~0.4 ms at 16K queries x 640 slots
-on an H200 (``bench/test_bench_sparse_attention.py::test_library_slot_compaction``,
-results/2026-12-02-h200-speed6/libraries/compaction.txt, which timed it inside the adapters); this
-reads the row once and writes the output once.
+and a gather, each a pass over ``[T, slots]`` plus int64 temporaries; this reads the row once and writes
+the output once.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ sum of ``dgates``: each program stores its block's partial sums, reduced afterwa
 order: deterministic).
 
 Why: autograd of the torch composition runs an fp32 index_add of ``[C * S, W]`` values and gates,
-the cat / masked_fill / softmax backward chain and fp32 copies of the gathered ``[C, S, W]`` tensors:
-on H200 at 64K tokens (flash C layer) the compressor's backward took 5x its forward.
+the cat / masked_fill / softmax backward chain and fp32 copies of the gathered ``[C, S, W]`` tensors,
+several times the forward's traffic.
 
 Kernels: one program per (block of ``BLOCK_G`` groups, block of ``BLOCK_C`` columns) loops over the
 ``S`` slots, gathering ``[BLOCK_G, BLOCK_C]`` tiles (contiguous columns of BLOCK_G rows). The forward

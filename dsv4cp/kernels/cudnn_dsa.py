@@ -22,7 +22,7 @@ Adapter to the op contract (:func:`dsv4cp.ops.sparse_attention`), whose value is
 * ``D`` must be 512 (``D = 576`` means ``Dv = 512``, a different op: ValueError);
 * heads padded to a multiple of 64 with zero ``q``/``out``/``dout``, ``lse = 0`` and ``-inf`` sinks: a
   padded head has zero ``dO`` and zero ``delta``, so it adds exactly nothing to ``dkv`` or ``d_sink``;
-* ``idx`` is compacted (kernel option ``library_compact_slots``, default 1): each query's valid slots
+* ``idx`` is compacted (``compact``: the kernel option ``library_compact_slots``, default 1): each query's valid slots
   (``>= 0`` and before the op's ``topk_length``) first, in their order, ``-1`` after them, padded to a
   multiple of 64 (one key block), and their count passed as the library's ``topk_length``
   (:func:`~dsv4cp.kernels._library.compact_slots`), so the kernel skips the empty slots instead of
@@ -43,7 +43,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from dsv4cp import kernel_options
 from dsv4cp.kernels._library import (
     availability,
     check_inputs,
@@ -139,7 +138,8 @@ def _unpack(result) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return dq, dkv, dsink
 
 
-def sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None):
+def sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None, *,
+                              compact: bool = True):
     """``(dq, dkv, dsink)`` of the op contract, computed by cuDNN's DSA backward."""
     _check_deterministic()
     check_inputs(q, kv, idx, sink, name=NAME, library="cuDNN", head_dims=SUPPORTED_HEAD_DIMS,
@@ -153,7 +153,7 @@ def sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse, topk_leng
     dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     kl = padded_slots(kt)
     length_lib = None
-    if kernel_options.get("library_compact_slots"):  # valid slots first: no -1 before the length
+    if compact:  # valid slots first: no -1 before the length
         idx_lib, length_lib = compact_slots(idx, topk_length, kl)
     else:
         idx_lib = idx.to(torch.int32)

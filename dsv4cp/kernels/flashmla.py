@@ -26,7 +26,7 @@ Adapter to the op contract (:func:`dsv4cp.ops.sparse_attention`), whose value is
 * ``D`` must be 512 (``D = 576`` would give a ``[T, H, 512]`` output of a different op: ValueError);
 * heads go in groups of at most 128, each padded to 64 or 128 with zero queries and ``-inf`` sinks
   (a ``-inf`` sink has no effect); the padded heads' outputs are dropped;
-* ``idx`` is compacted (kernel option ``library_compact_slots``, default 1): each query's valid slots
+* ``idx`` is compacted (``compact``: the kernel option ``library_compact_slots``, default 1): each query's valid slots
   (``>= 0`` and before the op's ``topk_length``) first, in their order, ``-1`` after them, padded to a
   multiple of 128 (at least 128), and their count passed as ``topk_length``
   (:func:`~dsv4cp.kernels._library.compact_slots`), so the kernel skips the empty slots of short rows
@@ -48,7 +48,6 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from dsv4cp import kernel_options
 from dsv4cp.kernels._library import (
     availability,
     check_inputs,
@@ -140,7 +139,7 @@ def head_groups(h: int) -> list[tuple[int, int, int]]:
     return groups
 
 
-def sparse_attention_forward(q, kv, idx, sink, scale, topk_length=None):
+def sparse_attention_forward(q, kv, idx, sink, scale, topk_length=None, *, compact: bool = True):
     """``(out [T, H, D] in q.dtype, lse [T, H] fp32)`` of the op contract, computed by FlashMLA."""
     check_inputs(q, kv, idx, sink, name=NAME, library="FlashMLA", head_dims=SUPPORTED_HEAD_DIMS,
                  computes_in="bf16")
@@ -154,7 +153,7 @@ def sparse_attention_forward(q, kv, idx, sink, scale, topk_length=None):
 
     kv_lib = kv.to(torch.bfloat16).contiguous().unsqueeze(1)  # [N, 1, D]: one kv head
     kl = padded_slots(kt)
-    if kernel_options.get("library_compact_slots"):  # valid slots first, their count as the length
+    if compact:  # valid slots first, their count as the length
         idx_lib, length = compact_slots(idx, topk_length, kl)
     else:
         idx_lib = idx.to(torch.int32)

@@ -42,26 +42,19 @@ Traffic and time model at the 64K flash shapes (T = 65536, Hi = 64, Di = 128, K 
 n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gradient values):
 
 * ``atomic``: 4.2 G fp32 additions (17 GB of ``REDG.F32x4`` payload) into the 8 MB ``dkeys``, which
-  stays in L2: bound by the L2's reduction throughput. Measured on an H200: ``_gather_bwd_kernel``
-  12.0 ms (``results/2026-12-01-h200-speed4/trace-auto/kernels.csv``), against 2.57 ms for the forward
-  kernel, which gathers the same key rows (8.6 GB from L2) for one of the three products.
+  stays in L2: bound by the L2's reduction throughput (the forward kernel gathers the same key rows,
+  8.6 GB from L2, for one of the three products).
 * ``sorted``: the contributions are written once and read once, 2 x 16.9 GB of HBM traffic (a chunk's
   2 GiB does not fit L2): ~8.5 ms at 4 TB/s; the sort (int16 keys while G < 2^15, int64 values: two
   radix passes), the inverse permutation and the destinations' reads add ~60 B per slot, ~2 GB
   (~0.5-1 ms) expected.
 * ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same sorting: ~5 ms of reduction traffic expected.
 
-Measured on an H200 at these shapes (``bench/test_bench_indexer.py::test_indexer_scores_reduce``,
-``results/2026-12-02-h200-speed5/kernels/scores_reduce.txt``): backward alone ``atomic`` 11.78 ms,
-``sorted`` 19.95 ms, ``sorted-bf16`` 16.26 ms (forward + backward 13.98 / 21.78 / 18.42 ms). The model's
-mistake: it charged the atomics ~9 ms of the kernel, but replacing them by plain stores of the same
-bytes leaves the kernel about as slow, so the sorted reductions add their sort and segment sums on top;
-``test_indexer_scores_reduce_parts`` times each part alone (sort and destinations, kernel, sums) to
-say which. The sorted reductions are the deterministic path (the torch reference they replace in
-deterministic mode made a 64K step 4.6x slower, ``results/2026-12-01-h200-determinism``); ``atomic``
-stays the default. Per-slot contributions cannot reach the loss + scores backward's target of 2.5x its
-1.38 ms bound (3.45 ms): the bound counts no reduction traffic, and the kernel gathers 8.6 GB of key
-rows besides (the forward kernel, one product over the same gathers, takes 2.57 ms).
+Measured, the atomics are not what bounds the kernel: replacing them by plain stores of the same bytes
+leaves it about as slow, so the sorted reductions add their sort and segment sums on top
+(``bench/test_bench_indexer.py::test_indexer_scores_reduce`` and ``test_indexer_scores_reduce_parts``;
+the figures: docs/kernels.md). The sorted reductions are the deterministic path; ``atomic`` stays the
+default.
 
 Memory: the sorted reductions' scratch per chunk is the ``[chunk * K, Di]`` contributions plus an
 estimated :data:`INDEX_BYTES_PER_SLOT` per slot of sort buffers, at most :data:`BWD_SCRATCH_BYTES`
@@ -281,11 +274,8 @@ def _gather_fwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> l
 GATHER_BWD_CONFIGS = [(32, 4, 2), (16, 4, 2), (16, 4, 1), (64, 8, 1), (64, 8, 2), (64, 8, 3), (32, 8, 1),
                       (32, 8, 2)]
 """bf16 / fp16 backward tiles (``block_k, num_warps, num_stages``), first = default, fastest first as
-measured on an H200 (``bench/test_bench_indexer.py::test_indexer_scores_fwd_bwd``, 64K flash shapes,
-forward + backward, ``results/2026-12-01-h200-speed3``): 14.29 / 14.60 / 15.61 / 17.50 / 17.76 / 18.07 /
-21.33 / 26.29 ms, against 34.26 ms for the acq_rel-atomics kernel it replaced. Compiled for sm_90a with
-Triton 3.6 (ptxas, Di = 128, Hi = 64): ``(32, 4, 2)`` uses 240 registers per thread without spilling,
-2 resident programs per SM (``(64, 8, 2)``: 202 registers, 1 program)."""
+``bench/test_bench_indexer.py::test_indexer_scores_fwd_bwd`` measured them at the 64K flash shapes
+(the figures: docs/kernels.md). ``(32, 4, 2)`` fits two resident programs per SM without spilling."""
 
 
 def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[GatherBwdConfig]:
@@ -404,7 +394,7 @@ class BackwardPlan:
             contrib_dtype = torch.bfloat16 if reduction == "sorted-bf16" else torch.float32
             chunk = sorted_chunk_rows(t, ksel, di, contrib_dtype.itemsize, scratch_bytes)
             contrib = torch.empty(chunk * ksel, di, dtype=contrib_dtype, device=q.device)
-        # every query's program writes its whole dq and dw rows: no fill (1 GB of dq at 64K: 0.32 ms on an H200)
+        # every query's program writes its whole dq and dw rows: no fill (a fill of dq would be a pass over it)
         return cls(q, w, keys, idx, grad, torch.empty_like(q), torch.empty(t, q.shape[1], dtype=torch.float32,
                    device=q.device), torch.zeros(keys.shape[0], di, dtype=torch.float32, device=q.device),
                    contrib, chunk, reduction, config)

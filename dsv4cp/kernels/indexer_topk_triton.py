@@ -54,10 +54,9 @@ and no second pass. A block skips a tile only when none of its rows has a surviv
 ``BLOCK_M`` stays at 16 rows (also: the ``[BLOCK_M, KP]`` int64 lists live in registers). Nothing of
 size ``[T, G]`` or ``[rows, width]`` exists: the extra memory is the ``[T, k]`` output and ``O(T)``
 metadata. Which tile is fastest on the H200 is what ``bench/test_bench_indexer.py`` measures
-(``test_indexer_topk_stream_config``). Measured on an H200 (flash shapes, results/2026-12-01-h200-speed):
-62.97 ms at 32K tokens and 236.90 ms at 64K, against 5.84 / 18.92 ms for the scoring alone and
-24.01 / 73.94 ms for the chunked path of then: the estimate above was wrong, the merges cost ~12x the
-scoring and 16-row tiles run the scoring on mma.sync, not wgmma.
+(``test_indexer_topk_stream_config``). Measured, the estimate above was wrong: the merges cost far more
+than the scoring and 16-row tiles run the scoring on mma.sync, not wgmma, so this path is slower than
+the chunked one and not the default (docs/kernels.md).
 
 Key ranges. Each program scans only the key rows its queries can see: with ``key_row_limit = (base,
 ratio)`` (a CP layout's static causal bound, :func:`~dsv4cp.kernels.indexer_plan.plan_static_chunks`),

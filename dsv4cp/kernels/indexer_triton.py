@@ -40,9 +40,8 @@ tile), and the matrix unit's K dimension is ``Di = 128`` (8 x k16 steps per head
 byte, so a WIDE key tile matters more than a tall query tile; programs run in query-block-major order
 (key block fastest), so the programs in flight share their query tiles through L2. Default tile on
 sm_90 (Di <= 128, bf16): ``BLOCK_M = 64, BLOCK_N = 128, 4 warps, 3 stages``, two programs per SM (one's
-epilogue runs under the other's products; measured on an H200 at T = 32K in one run,
-results/2026-12-02-h200-speed6/kernels/score_tiles.txt: 5.61 ms = 392 TFLOP/s against 6.10 ms = 361 for
-the previous default, ``BLOCK_M = 64, BLOCK_N = 256, 8 warps, 3 stages``). That one, checked by compiling for
+epilogue runs under the other's products; faster than the previous default, ``BLOCK_M = 64, BLOCK_N =
+256, 8 warps, 3 stages``: docs/kernels.md). That one, checked by compiling for
 sm_90a with Triton 3.9 without a GPU (``triton.compile`` with the runtime's 16-divisibility
 specialisation of pointers and strides, then ptxas -v): two warpgroups, each owning 128 of the 256
 columns (``wgmma m64n128k16``, 8 per head), ``acc`` and ``s_h`` 64 fp32 registers per thread each,
@@ -147,10 +146,8 @@ __all__ = [
 
 TOPK_IMPL_ENV = kernel_options.OPTIONS["topk_impl"].env
 """The variable of the kernel option ``topk_impl``: the op's top-k path, ``chunked`` (default: this
-module) or ``stream``. Measured on an H200 (flash shapes, 64K tokens, ``results/2026-12-01-h200-speed``):
-chunked 73.9 ms (its selection then ``select_top`` in torch; with the radix select, exact plan: 34.6 ms,
-``results/2026-12-01-h200-speed4``), stream 236.9 ms (its per-tile sort-and-merge on the CUDA cores
-costs 12x the scoring), scoring alone 18.9 ms."""
+module) or ``stream`` (slower: its per-tile sort-and-merge on the CUDA cores costs many times the
+scoring; docs/kernels.md)."""
 
 TOPK_SELECT_ENV = kernel_options.OPTIONS["topk_select"].env
 """The variable of the kernel option ``topk_select``, the chunked top-k's selection: ``radix`` (fp32
@@ -305,8 +302,7 @@ def _score_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[I
     if dtype == torch.float32:
         ladder = [(64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
     elif block_d <= 128:  # 64 x 128 with 4 warps first: two programs per SM, one's epilogue under the other's
-        # products; 5.61 ms against 6.10 ms at 64 x 256 x 8 (T = 32K, one run,
-        # results/2026-12-02-h200-speed6/kernels/score_tiles.txt)
+        # products (faster than 64 x 256 x 8 at the flash shape: docs/kernels.md)
         ladder = [(64, 128, 4, 3), (64, 256, 8, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 128, 8, 3),
                   (64, 64, 4, 2), (32, 64, 4, 1)]
     else:

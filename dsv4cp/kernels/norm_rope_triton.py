@@ -45,8 +45,8 @@ fp32 product's rounding: the ulp of a 1e6 rad angle is 0.0625) -- far above bf16
 
 Launch: ``BLOCK_H = min(next_pow2(H), max(1, 4096 // BLOCK_D))`` heads (8 at D = 512: a [8, 512] tile,
 16 fp32 values per thread at 8 warps), 4 warps up to 2048 elements per tile, else 8.
-The kernel option ``triton_norm_rope_config`` (``DSV4CP_TRITON_NORM_ROPE_CONFIG="block_h,num_warps"``)
-pins both (block_h a power of two). Checked by
+The ``config`` keyword (the op hands it the kernel option ``triton_norm_rope_config``,
+``"block_h,num_warps"``) pins both (powers of two). Checked by
 compiling for sm_90 with Triton 3.9 without a GPU (``triton.compile`` with 16-divisible pointers and
 strides, as launches specialise them, + ptxas -v), bf16 at D = 512, [8, 512] tiles, 8 warps: forward 40
 registers (32 for the rope-only variant), backward 48, no spill; 16-byte vector loads and stores of
@@ -284,18 +284,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _launch_params(h: int, d: int) -> tuple[int, int, int]:
-    """``(BLOCK_D, BLOCK_H, num_warps)``, from the kernel option ``triton_norm_rope_config`` or the default
-    rule; notes the launch as ``norm_rope.config``."""
+Config = tuple[int, int] | None
+"""A pinned launch ``(block_h, num_warps)`` (the kernel option ``triton_norm_rope_config``, powers of two,
+checked where it is read), or None: the default rule."""
+
+
+def _launch_params(h: int, d: int, config: Config) -> tuple[int, int, int]:
+    """``(BLOCK_D, BLOCK_H, num_warps)``, from the pinned ``config`` or the default rule; notes the launch
+    as ``norm_rope.config``."""
     block_d = _pow2(d)
-    pinned = kernel_options.get("triton_norm_rope_config")
-    if pinned is not None:
-        block_h, num_warps = pinned
-        source = kernel_options.where("triton_norm_rope_config")
-        if block_h < 1 or block_h & (block_h - 1):
-            raise ValueError(f"{source}: block_h must be a power of two, got {block_h}")
-        if num_warps < 1 or num_warps & (num_warps - 1):
-            raise ValueError(f"{source}: num_warps must be a power of two, got {num_warps}")
+    if config is not None:
+        block_h, num_warps = kernel_options.OPTIONS["triton_norm_rope_config"].parse(config, "config")
     else:
         block_h = min(_pow2(h), max(1, 4096 // block_d))
         num_warps = 4 if block_h * block_d <= 2048 else 8
@@ -307,7 +306,8 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(2) == 1 or t.shape[2] == 1 else t.contiguous()
 
 
-def _rope_fwd(x, cos, sin, *, norm: bool, inverse: bool, eps: float = 0.0, out: torch.Tensor | None = None):
+def _rope_fwd(x, cos, sin, *, norm: bool, inverse: bool, eps: float = 0.0, out: torch.Tensor | None = None,
+              config: Config = None):
     """``(out, rstd or None)``: the forward kernel (also rope_tail's backward, with inverse flipped).
     ``out``: where to write (x itself rotates in place; last dim contiguous); default a new tensor."""
     x = _last_contiguous(x)
@@ -317,7 +317,7 @@ def _rope_fwd(x, cos, sin, *, norm: bool, inverse: bool, eps: float = 0.0, out: 
     rstd = torch.empty(rows, h, dtype=torch.float32, device=x.device) if norm else None
     if out.numel() == 0:
         return out, rstd
-    block_d, block_h, num_warps = _launch_params(h, d)
+    block_d, block_h, num_warps = _launch_params(h, d, config)
     half_p = cos.shape[1]
     kernel = _kernels().build("_rope_fwd_kernel", x.device)
     kernel[(rows, -(-h // block_h))](
@@ -329,13 +329,13 @@ def _rope_fwd(x, cos, sin, *, norm: bool, inverse: bool, eps: float = 0.0, out: 
     return out, rstd
 
 
-def _norm_rope_bwd(g, x, rstd, cos, sin):
+def _norm_rope_bwd(g, x, rstd, cos, sin, config: Config = None):
     g, x = _last_contiguous(g), _last_contiguous(x)
     rows, h, d = x.shape
     dx = torch.empty(rows, h, d, dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx
-    block_d, block_h, num_warps = _launch_params(h, d)
+    block_d, block_h, num_warps = _launch_params(h, d, config)
     half_p = cos.shape[1]
     kernel = _kernels().build("_norm_rope_bwd_kernel", x.device)
     kernel[(rows, -(-h // block_h))](
@@ -354,10 +354,11 @@ def _norm_rope_bwd(g, x, rstd, cos, sin):
 
 class _HeadNormRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, positions, freqs, eps):
+    def forward(ctx, x, positions, freqs, eps, config):
         cos, sin = rope_table(positions, freqs)
-        out, rstd = _rope_fwd(x, cos, sin, norm=True, inverse=False, eps=eps)
+        out, rstd = _rope_fwd(x, cos, sin, norm=True, inverse=False, eps=eps, config=config)
         ctx.save_for_backward(x, rstd, positions, freqs)
+        ctx.config = config
         return out
 
     @staticmethod
@@ -365,20 +366,20 @@ class _HeadNormRope(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, rstd, positions, freqs = ctx.saved_tensors
         if grad_out is None or not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
         cos, sin = rope_table(positions, freqs)
         if grad_out.dtype != x.dtype:
             grad_out = grad_out.to(x.dtype)
-        return _norm_rope_bwd(grad_out, x, rstd, cos, sin), None, None, None
+        return _norm_rope_bwd(grad_out, x, rstd, cos, sin, ctx.config), None, None, None, None
 
 
 class _RopeTail(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, positions, freqs, inverse):
+    def forward(ctx, x, positions, freqs, inverse, config):
         cos, sin = rope_table(positions, freqs)
-        out, _ = _rope_fwd(x, cos, sin, norm=False, inverse=inverse)
+        out, _ = _rope_fwd(x, cos, sin, norm=False, inverse=inverse, config=config)
         ctx.save_for_backward(positions, freqs)
-        ctx.inverse = inverse
+        ctx.inverse, ctx.config = inverse, config
         return out
 
     @staticmethod
@@ -386,13 +387,14 @@ class _RopeTail(torch.autograd.Function):
     def backward(ctx, grad_out):
         positions, freqs = ctx.saved_tensors
         if grad_out is None or not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
         cos, sin = rope_table(positions, freqs)
-        grad, _ = _rope_fwd(grad_out, cos, sin, norm=False, inverse=not ctx.inverse)
-        return grad, None, None, None
+        grad, _ = _rope_fwd(grad_out, cos, sin, norm=False, inverse=not ctx.inverse, config=ctx.config)
+        return grad, None, None, None, None
 
 
-def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
+def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, eps: float, *,
+                   config: Config = None) -> torch.Tensor:
     """``apply_rope(rms_norm(x, eps), positions, freqs)`` fused (differentiable in x).
 
     Args:
@@ -400,25 +402,28 @@ def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor
         positions: ``[rows]`` integer document positions (angles formed in fp64, see the module docs).
         freqs: ``[P/2]`` angular frequencies (fp64 or fp32), ``2 <= P <= D``.
         eps: the RMS norm's epsilon.
+        config: a pinned launch ``(block_h, num_warps)`` of both directions (:data:`Config`).
 
     Returns:
         ``[rows, H, D]`` contiguous, x's dtype: the per-(row, head) RMS-normalised x (fp32 math) with its
         last P dims rotated pairwise by ``positions * freqs``.
     """
     _check(x, positions, freqs, eps)
-    return _HeadNormRope.apply(x, positions, freqs.detach(), float(eps))
+    return _HeadNormRope.apply(x, positions, freqs.detach(), float(eps), config)
 
 
-def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False, *,
+              config: Config = None) -> torch.Tensor:
     """``apply_rope(x, positions, freqs, inverse)`` fused (differentiable in x): the first ``D - P`` dims
     copied, the last ``P`` rotated by ``+positions * freqs`` (``-`` when ``inverse``) in fp32.
 
     Args and result as :func:`head_norm_rope` (without eps)."""
     _check(x, positions, freqs)
-    return _RopeTail.apply(x, positions, freqs.detach(), bool(inverse))
+    return _RopeTail.apply(x, positions, freqs.detach(), bool(inverse), config)
 
 
-def rotate_tail_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rotate_tail_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False, *,
+                 config: Config = None) -> torch.Tensor:
     """In place, not differentiable: rotate the last ``P`` dims of ``x [rows, H, D]`` by ``+positions *
     freqs`` (``-`` when ``inverse``), as :func:`rope_tail` does, reading and writing only those dims (the
     first ``D - P`` are not touched: ``P / D`` of the traffic of a rotating copy). Returns ``x``.
@@ -431,5 +436,5 @@ def rotate_tail_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, 
         return x
     cos, sin = rope_table(positions, freqs)
     tail = x[..., x.shape[2] - 2 * freqs.numel():]
-    _rope_fwd(tail, cos, sin, norm=False, inverse=inverse, out=tail)
+    _rope_fwd(tail, cos, sin, norm=False, inverse=inverse, out=tail, config=config)
     return x

@@ -8,10 +8,10 @@ from typing import Any
 
 def compiled_resources() -> list[dict[str, Any]]:
     """One row per compiled variant of every kernel this package has built on a GPU."""
-    from dsv4cp.kernels import attention_probs_triton, indexer_triton, norm_rope_triton, sparse_attention_triton
+    from dsv4cp.kernels import attention_probs_triton, indexer_triton, norm_rope_triton, sparse_attention_launch
 
     rows = []
-    for module in (sparse_attention_triton, attention_probs_triton, indexer_triton, norm_rope_triton):
+    for module in (sparse_attention_launch, attention_probs_triton, indexer_triton, norm_rope_triton):
         kernels = getattr(module, "_KERNELS", None)
         for (name, interpreted), fn in (kernels.built if kernels is not None else {}).items():
             if interpreted:
@@ -20,7 +20,7 @@ def compiled_resources() -> list[dict[str, Any]]:
                 for kernel in caches[0].values():
                     meta = kernel.metadata
                     rows.append({
-                        "kernel": f"{module.__name__.rsplit('.', 1)[-1]}.{name}", "device": device,
+                        "kernel": f"{kernels.bodies[name].__module__.rsplit('.', 1)[-1]}.{name}", "device": device,
                         "registers": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
                         "shared_bytes": getattr(meta, "shared", None), "num_warps": getattr(meta, "num_warps", None),
                         "num_stages": getattr(meta, "num_stages", None),

@@ -41,7 +41,7 @@ wrote the chunk, up to 1 GiB, far more than the 50 MB L2): ~0.5 ms at ~4 TB/s. T
 a row the same program just read: the rows in flight (132 SMs x 4 resident programs, register-bound at
 64 registers x 256 threads, x 32 KB for the causal average row, 64 KB at most) are 17-34 MB, inside L2,
 so each costs ~0.2-0.3 ms at L2 bandwidth: ~1.5-2 ms for the selection in all if memory-bound, against
-~19 ms for ``torch.topk`` over packed int64 keys (twice the bytes, ~80 radix digit-count launches). Per
+``torch.topk`` over packed int64 keys (twice the bytes, ~80 radix digit-count launches). Per
 element and pass the kernel spends ~15 integer ops and one shared-memory atomic. The risk is that
 atomic: lanes of a warp adding to the same bin serialise, and in pass 1 the top 8 bits (sign and 7
 exponent bits) of one row's scores fall into a handful of bins. Wider digits (11-12 bits: the sign, the
@@ -54,9 +54,9 @@ score (:data:`dsv4cp.kernels.indexer_plan.TOPK_RADIX_BYTES_PER_SCORE`), so chunk
 
 Second kernel, ``bounded`` (``_select_bounded_kernel``; kernel option ``topk_select_variant``, the
 default; ``plain`` keeps the kernel above). Same contract, same tie rule; it attacks the number of passes over the
-row, which is what the measurements price: on the H200 (Triton 3.6) the sweep of ``SELECT_CONFIGS``
-fits ~1.6 ms per pass over the 64K rows plus ~4.4 us per histogram bin and pass (3 to 10-bit digits:
-11.1-35.0 ms), and the layer's selection took 10.05 ms (``trace-auto``), ~5x the traffic model above.
+row, which is what the measurements price: the sweep of ``SELECT_CONFIGS`` fits a fixed cost per pass
+over the rows plus a cost per histogram bin and pass, and the layer's selection took several times the
+traffic model above (docs/kernels.md).
 Per element and pass the ``plain`` kernel compiles (sm_90a, Triton 3.9) to ~33 SASS instructions in a
 histogram pass (int64 key arithmetic, the member test, one branch-guarded ``ATOMS.POPC.INC`` per
 member) and pass 1 sends a row into a handful of bins (its scores share sign and exponent bits).
@@ -92,11 +92,8 @@ histograms run over the ``block_n`` lane maxima and the ~600-entry list. Compile
 shared memory for the histogram (``plain``: 85 registers); per element ~11 SASS instructions in pass 0
 and ~42 in the listing (two block scans and their layout conversions through shared memory), per
 program ~300 per histogram pass over the lane maxima and ~310 per pass, ~560 for the compaction over
-the list (``LIST_BLOCK = 1024``). Measured on the H200 (``bench/test_bench_indexer.py``, 64K, flash
-shapes; the version before the lane-maximum bound, which ran one histogram pass over the row to reach
-the list): the selection alone 7.91 ms against 11.24 (exact plan), 6.66 against 9.60 with the static
-plan's row limits, the whole chunked top-k 27.05 against 30.84 ms. The current version, two reads and
-no row histogram, is expected lower still (not measured yet). Scratch: ``[rows, keep + extra]``
+the list (``LIST_BLOCK = 1024``); ``bench/test_bench_indexer.py`` times it against ``plain``
+(docs/kernels.md). Scratch: ``[rows, keep + extra]``
 int32 + fp32 (the size of the int64 output), beyond the planner's 4 bytes per score.
 
 ``return_values=True`` also returns the chosen columns' scores (bit for bit; the ``bounded`` kernel
@@ -135,8 +132,7 @@ see the cost argument above)."""
 SELECT_CONFIGS = [(2048, 8, 4, 2), (2048, 8, 8, 2), (1024, 8, 4, 2), (512, 8, 4, 1)]
 """Compiled ladder (``block_n, radix_bits, num_warps, num_stages``), first = default; any of them fits
 (compiled for sm_90a with Triton 3.6, no spills). ``bench/test_bench_indexer.py::test_indexer_select_config``
-times them with other digit widths on the H200: at 64K (results/2026-12-01-h200-speed4) ``(2048, 8, 4, 2)``
-11.1 ms, ``(2048, 8, 8, 2)`` 14.1, ``(1024, 8, 4, 2)`` 12.8; 3 to 6-bit digits 11.5-16.7 ms, 10-bit 35.0."""
+times them with other digit widths (docs/kernels.md)."""
 
 SELECT_VARIANTS = ("bounded", "plain")
 """The kernel option ``topk_select_variant``'s words: ``bounded`` (:func:`_select_bounded_kernel`:

@@ -19,8 +19,8 @@ no second row to share that read with (the selection of a compressed row by two 
 random), so the pass would read ``T * Kt * 2H * D`` elements of q / dO instead of ``T * 2H * D``. The
 query-major product reads each query's block once; only its sums need the atomics.
 
-Kernel options: ``triton_bwd_dq_pass`` selects this backward (``sparse_attention_bwd_dq_pass``),
-``triton_kv_pass_config`` / ``triton_dq_pass_config`` pin its two launches (else their ladders).
+Kernel options (read by the op, :mod:`dsv4cp.ops.sparse_attention`): ``triton_bwd_dq_pass`` selects this
+backward, ``triton_kv_pass_config`` / ``triton_dq_pass_config`` pin its two launches (else their ladders).
 Deterministic mode is the default backward's (no atomics); this one always adds with atomics.
 """
 
@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4cp.kernels._triton_launch import Kernels, pinned_config
-from dsv4cp.kernels.sparse_attention_triton import _dot_f32, _precision, backward_plan
+from dsv4cp.kernels._triton_launch import Kernels, check_tiles
+from dsv4cp.kernels.sparse_attention_bwd_triton import backward_plan
+from dsv4cp.kernels.sparse_attention_launch import _dot_f32, _precision
 
 __all__ = ["DqPassConfig", "KvPassConfig", "SplitBackwardPlan", "sparse_attention_bwd_dq_pass",
            "split_backward_plan"]
@@ -277,9 +278,18 @@ def split_backward_plan(dout, q, kv, idx, sink, scale, out, lse, topk_length=Non
     return SplitBackwardPlan(
         base=base, kv_ladder=_kv_pass_ladder(block_d, q.shape[1], q.dtype),
         dq_ladder=_dq_pass_ladder(block_d, q.shape[1], q.dtype),
-        kv_pinned=pinned_config(kv_config, "triton_kv_pass_config", KvPassConfig, "kv_config"),
-        dq_pinned=pinned_config(dq_config, "triton_dq_pass_config", DqPassConfig, "dq_config"),
+        kv_pinned=_checked(kv_config, "kv_config"), dq_pinned=_checked(dq_config, "dq_config"),
     )
+
+
+def _checked(config, name: str):
+    """A pinned configuration (None: the ladder) with its tiles powers of two >= 16 and at least one warp
+    and stage; errors start with ``name``, the keyword argument."""
+    if config is not None:
+        check_tiles(config, prefix=f"{name}.")
+        if config.num_warps < 1 or config.num_stages < 1:
+            raise ValueError(f"{name}: num_warps and num_stages must be >= 1, got {config}")
+    return config
 
 
 def sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, topk_length=None, *,
@@ -287,8 +297,7 @@ def sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, topk_l
                                  dq_config: DqPassConfig | None = None):
     """Backward of the Triton sparse attention with dq in its own pass: the arguments and results of
     :func:`~dsv4cp.kernels.sparse_attention_triton.sparse_attention_bwd` (kv gradients by fp32 atomics);
-    ``kv_config`` / ``dq_config`` pin the two passes (else the kernel options ``triton_kv_pass_config`` /
-    ``triton_dq_pass_config``, else their ladders)."""
+    ``kv_config`` / ``dq_config`` pin the two passes (else their ladders)."""
     plan = split_backward_plan(dout, q, kv, idx, sink, scale, out, lse, topk_length, kv_config=kv_config,
                                dq_config=dq_config)
     if plan is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -16,6 +15,7 @@ from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_
 from dsv4cp.cp.layout import RowSplit, layer_split
 from dsv4cp.cp.layout_cache import layout_for
 from dsv4cp.cp.recompute import recomputed_attention
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.indexer import Indexer
 from dsv4cp.layer.indexer_loss import indexer_loss, selection_scores_wanted
@@ -50,10 +50,14 @@ class DSv4Attention(PrecisionPinned):
             projections, backward reduce-scatters with the query-path backward).
         recompute: selective recompute; keep neither the query up-projection nor the key buffer for
             backward, rebuild them there from the saved parts (docs/design.md §3.6). Same results.
-        kernel_options: kernel options (:mod:`dsv4cp.kernel_options`, name -> value, checked here) in
-            force while the layer's forward runs and, later, its backward (entered when the backward
-            reaches the layer's outputs, left when that backward pass ends:
-            :func:`dsv4cp.ops.kernel_scope.options_in_backward`).
+        kernel_options: the layer's kernel options (:class:`~dsv4cp.kernel_options.KernelOptions`), resolved
+            once by the caller; None: :meth:`~dsv4cp.kernel_options.KernelOptions.resolve` here (the
+            ``DSV4CP_*`` variables over the defaults). Held at construction, like the backend: the
+            layer's kernels are part of its configuration, a compiled layer sees one constant, and its
+            forward's signature stays that of the other layers. The sparse attention (and its recompute)
+            take it as an argument and keep it for backward; the ops that do not yet take it see it in
+            force through the forward and, later, the backward
+            (:func:`dsv4cp.ops.kernel_scope.options_in_backward`).
         check_ranks: before each step, check with one tiny collective that every rank of ``cp_group``
             got the same ``packed`` offsets, split and dtype (a mismatch otherwise returns garbage
             silently) and that no rank rejected its own input (e.g. ``x`` with the wrong rows on one
@@ -70,12 +74,14 @@ class DSv4Attention(PrecisionPinned):
 
     def __init__(
         self, cfg: DSv4Config, compress_ratio: int, *, backend: str = "auto", overlap: str = "none",
-        recompute: bool = False, check_ranks: bool = False, kernel_options: Mapping[str, object] | None = None,
+        recompute: bool = False, check_ranks: bool = False, kernel_options: KernelOptions | None = None,
     ):
         super().__init__()
         cfg.check_ratio(compress_ratio)
         check_backend_name(backend)
-        self.kernel_options = kernel_option_registry.canonical(kernel_options or {})
+        if kernel_options is not None and not isinstance(kernel_options, KernelOptions):
+            raise ValueError(f"kernel_options: must be a KernelOptions, got {type(kernel_options).__name__}")
+        self.kernel_options = KernelOptions.resolve() if kernel_options is None else kernel_options
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap: must be one of {OVERLAP_MODES}, got {overlap!r}")
         self.cfg, self.compress_ratio, self.kind = cfg, compress_ratio, layer_kind(compress_ratio)
@@ -108,11 +114,12 @@ class DSv4Attention(PrecisionPinned):
         split: RowSplit | None = None,
     ) -> AttentionOutput:
         """Run the layer on this rank's rows (:meth:`_forward`), its ``kernel_options`` in force."""
-        if not self.kernel_options:
+        values = self.kernel_options.non_default()
+        if not values:
             return self._forward(x, packed, cp_group, split)
-        with kernel_option_registry.overrides(self.kernel_options):
+        with kernel_option_registry.overrides(values):
             out, loss = self._forward(x, packed, cp_group, split)
-        return AttentionOutput(*options_in_backward((out, loss), self.kernel_options))
+        return AttentionOutput(*options_in_backward((out, loss), values))
 
     def _forward(
         self, x: torch.Tensor, packed: PackedSeqs, cp_group: dist.ProcessGroup | None = None,
@@ -150,15 +157,16 @@ class DSv4Attention(PrecisionPinned):
         # Launch the gathers of compressed keys first so they fly while the queries are computed.
         index_keys = compressed = None
         if self.indexer is not None:
-            local_keys = phase_region("indexer.compress", self.indexer.keys, x_ext.detach(), layout, freqs)
+            local_keys = phase_region("indexer.compress", self.indexer.keys, x_ext.detach(), layout, freqs,
+                                      self.kernel_options)
             index_keys = all_gather_rows(local_keys, cp_group, self.overlap, name="index_k")
         if self.compressor is not None:
-            local_kv = phase_region("compress", self.compressor, x_ext, layout, freqs)
+            local_kv = phase_region("compress", self.compressor, x_ext, layout, freqs, self.kernel_options)
             compressed = all_gather_rows(local_kv, cp_group, self.overlap, name="kv")
 
         def queries(latent: torch.Tensor, weight: torch.Tensor, sl: slice = slice(None)) -> torch.Tensor:
             q = nn.functional.linear(latent, weight).view(latent.shape[0], h, d)
-            return head_norm_rope(q, positions[sl], freqs, cfg.rms_eps)
+            return head_norm_rope(q, positions[sl], freqs, cfg.rms_eps, options=self.kernel_options)
 
         # Backward order (docs/design.md §3.5), fixed by graph edges: each reduce-scatter is launched once its
         # gradient is complete and before the query path's backward starts (``ahead_of``); its wait
@@ -177,7 +185,7 @@ class DSv4Attention(PrecisionPinned):
             index_region = BackwardRegion("indexer.q_proj.bwd")  # trained by the indexer loss only
             with nvtx_range("indexer.q_proj.fwd"):
                 index_q, index_w = index_region.outputs(
-                    *self.indexer.queries(latent.detach(), x.detach(), positions, freqs)
+                    *self.indexer.queries(latent.detach(), x.detach(), positions, freqs, self.kernel_options)
                 )
             index_keys_all = index_keys.wait(ahead_of=q_path_end)
             with nvtx_range("indexer.topk.fwd"):
@@ -206,11 +214,13 @@ class DSv4Attention(PrecisionPinned):
                 latent, self.wq_b.weight, queries, kv_ext, compressed_all, idx, self.attn_sink,
                 cfg.softmax_scale, backend,
                 on_compressed_grad=compressed.launch_backward if compressed is not None else None,
+                options=self.kernel_options,
             )
         else:
             with nvtx_range("layout.fwd"):
                 key_buffer = kv_ext if compressed_all is None else torch.cat((kv_ext, compressed_all), dim=0)
-            out, lse = sparse_attention(q, key_buffer, idx, self.attn_sink, cfg.softmax_scale, backend=self.backend)
+            out, lse = sparse_attention(q, key_buffer, idx, self.attn_sink, cfg.softmax_scale, backend=self.backend,
+                                        options=self.kernel_options)
 
         loss = None
         if self.indexer is not None:
@@ -228,13 +238,14 @@ class DSv4Attention(PrecisionPinned):
 
     def _kv(self, x_ext: torch.Tensor, ext_positions: torch.Tensor) -> torch.Tensor:
         """The one key/value row per token: ``RoPE(RMSNorm(wkv x))``."""
-        return rope_tail(self.kv_norm(self.wkv(x_ext))[:, None], ext_positions, self.rope_freqs)[:, 0]
+        return rope_tail(self.kv_norm(self.wkv(x_ext))[:, None], ext_positions, self.rope_freqs,
+                         options=self.kernel_options)[:, 0]
 
     def _project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo the query rotation on each head's output, then the grouped low-rank projection."""
         cfg = self.cfg
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)  # the heads of a group are consecutive
-        latent = head_group_projection(out, wo_a, positions, self.rope_freqs).flatten(1)
+        latent = head_group_projection(out, wo_a, positions, self.rope_freqs, options=self.kernel_options).flatten(1)
         return self.wo_b(latent)
 
     def _check_inputs(
@@ -268,5 +279,5 @@ class DSv4Attention(PrecisionPinned):
         return (
             f"kind={self.kind}, compress_ratio={self.compress_ratio}, backend={self.backend!r}, "
             f"overlap={self.overlap!r}, recompute={self.recompute}"
-            + (f", kernel_options={self.kernel_options}" if self.kernel_options else "")
+            + (f", kernel_options={values}" if (values := self.kernel_options.non_default()) else "")
         )

@@ -7,11 +7,12 @@ from torch import nn
 
 from dsv4cp.config import layer_kind
 from dsv4cp.cp.layout import RankLayout
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.layer.hadamard import hadamard_rotate
 from dsv4cp.layer.norm import RMSNorm
 from dsv4cp.layer.precision import PrecisionPinned
 from dsv4cp.ops.compress_pool import compress_pool
-from dsv4cp.ops.norm_rope import rope_tail
+from dsv4cp.ops.norm_rope import DEFAULT_OPTIONS, rope_tail
 
 
 class Compressor(PrecisionPinned):
@@ -37,15 +38,17 @@ class Compressor(PrecisionPinned):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, x_ext: torch.Tensor, layout: RankLayout, freqs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ext: torch.Tensor, layout: RankLayout, freqs: torch.Tensor,
+                options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
         """``x_ext [E, hidden]`` (halo + own rows) -> this rank's owned entries ``[capacity, dim]``
-        (zero rows in unused slots), normalised and rotated at each group's first position."""
+        (zero rows in unused slots), normalised and rotated at each group's first position; ``options``:
+        the layer's kernel options."""
         # The pooling runs in fp32 inside the op; its result is fp32 (fp64 for fp64 rows). Every group
         # starts at a document position that is a multiple of r, so the bias by slot equals the bias by
         # position ``ext_pos % r``.
         pooled = compress_pool(self.wkv(x_ext), self.wgate(x_ext), self.ape, layout.group_rows, layout.group_valid)
         # rope_tail: one fused kernel on CUDA where the torch rotation launches ~15 small ones each way
-        entries = rope_tail(self.norm(pooled)[:, None], layout.group_pos, freqs)[:, 0].to(x_ext.dtype)
+        entries = rope_tail(self.norm(pooled)[:, None], layout.group_pos, freqs, options=options)[:, 0].to(x_ext.dtype)
         if self.rotate:
             entries = hadamard_rotate(entries)
         return entries * layout.group_valid[:, None].to(entries.dtype)

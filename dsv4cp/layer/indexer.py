@@ -7,9 +7,10 @@ from torch import nn
 
 from dsv4cp.config import INDEXER_RATIO, DSv4Config
 from dsv4cp.cp.layout import RankLayout
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.hadamard import hadamard_rotate
-from dsv4cp.ops.norm_rope import rope_tail
+from dsv4cp.ops.norm_rope import DEFAULT_OPTIONS, rope_tail
 
 
 class Indexer(nn.Module):
@@ -27,15 +28,18 @@ class Indexer(nn.Module):
         self.weight_scale = self.heads**-0.5 * self.dim**-0.5
 
     def queries(
-        self, latent: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor
+        self, latent: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+        options: KernelOptions = DEFAULT_OPTIONS,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``latent [L, q_lora]``, ``x [L, hidden]`` -> queries ``[L, Hi, Di]`` and head weights ``[L, Hi]``."""
+        """``latent [L, q_lora]``, ``x [L, hidden]`` -> queries ``[L, Hi, Di]`` and head weights ``[L, Hi]``
+        (``options``: the layer's kernel options)."""
         q = self.wq_b(latent).view(latent.shape[0], self.heads, self.dim)
-        q = rope_tail(q, positions, freqs)  # fused on CUDA: the torch rotation's cat/stack cost ~8 ms at 64K
+        q = rope_tail(q, positions, freqs, options=options)  # fused on CUDA: the torch rotation's cat/stack: ~8 ms
         if self.hadamard:
             q = hadamard_rotate(q)
         return q, self.weights_proj(x) * self.weight_scale
 
-    def keys(self, x_ext: torch.Tensor, layout: RankLayout, freqs: torch.Tensor) -> torch.Tensor:
+    def keys(self, x_ext: torch.Tensor, layout: RankLayout, freqs: torch.Tensor,
+             options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
         """This rank's owned indexer keys ``[capacity, Di]``."""
-        return self.compressor(x_ext, layout, freqs)
+        return self.compressor(x_ext, layout, freqs, options)

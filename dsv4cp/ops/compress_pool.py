@@ -19,7 +19,7 @@ import torch
 
 from dsv4cp.kernels import compress_pool_triton
 from dsv4cp.kernels.compress_pool_triton import check_pool_inputs, use_triton
-from dsv4cp.ops.custom_op_library import note_eager, options_in_force
+from dsv4cp.ops.custom_op_library import note_eager
 
 __all__ = ["POOL_BACKENDS", "compress_pool", "compress_pool_torch"]
 
@@ -76,8 +76,7 @@ def compress_pool(values: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, 
     if backend == "triton" or (backend == "auto" and use_triton(values, gates)):
         note_eager("compress_pool", "triton")
         if torch.compiler.is_compiling():  # one opaque node: .compress_pool_library
-            pooled, _lse = torch.ops.dsv4cp.compress_pool_fwd(values, gates, ape, group_rows, group_valid,
-                                                              options_in_force())
+            pooled, _lse = torch.ops.dsv4cp.compress_pool_fwd(values, gates, ape, group_rows, group_valid)
             return pooled
         return compress_pool_triton.compress_pool_triton(values, gates, ape, group_rows, group_valid)
     note_eager("compress_pool", "torch")

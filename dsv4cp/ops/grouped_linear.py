@@ -6,13 +6,12 @@
 
 ``torch.einsum("lgi,goi->lgo")`` runs the map as one batched matmul over a group-major layout, so
 autograd permutes ``x`` (all heads' outputs: 4 GiB at 64K tokens in the flash preset) and its gradient
-into ``[G, L, I]`` copies and back: 7.6 ms of copy kernels per step on an H200. Here each group is one
+into ``[G, L, I]`` copies and back, every step. Here each group is one
 matmul that reads its ``[L, I]`` slice in place (rows ``G * I`` apart) and writes straight into its
 slice of the ``[L, G, O]`` result (cuBLAS takes a leading dimension, so neither side is copied),
 forward and backward. :func:`head_group_projection` also owns its input gradient, so the backward of
 the RoPE rotation turns that buffer's last ``P`` dims in place (:func:`dsv4cp.ops.norm_rope.rotate_tail_`)
-instead of writing a rotated copy of the whole gradient (on an H200 at 64K: 2.24 -> 0.32 ms; the step's
-peak memory stayed 26.8 GiB, results/2026-12-01-h200-speed4).
+instead of writing a rotated copy of the whole gradient.
 
 Under ``torch.compile`` both run as the einsum instead: Dynamo cannot trace a matmul into a strided
 ``out=`` slice (a graph break each), and the compiler plans the layouts of the map and its backward itself.
@@ -22,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4cp.ops.norm_rope import rope_tail, rotate_tail_
+from dsv4cp.kernel_options import KernelOptions
+from dsv4cp.ops.norm_rope import DEFAULT_OPTIONS, rope_tail, rotate_tail_
 
 __all__ = ["grouped_linear", "head_group_projection"]
 
@@ -32,16 +32,16 @@ class _GroupedLinear(torch.autograd.Function):
     head's last ``P`` dims first when ``positions`` is given; ``weight [G, O, H / G * D]``."""
 
     @staticmethod
-    def forward(ctx, x, weight, positions, freqs):
+    def forward(ctx, x, weight, positions, freqs, options):
         rows, groups = x.shape[0], weight.shape[0]
-        if positions is not None:
-            x = rope_tail(x, positions, freqs, inverse=True)  # autograd is off here: a plain rotated copy
+        if positions is not None:  # autograd is off here: a plain rotated copy
+            x = rope_tail(x, positions, freqs, inverse=True, options=options)
         grouped = x.view(rows, groups, weight.shape[2])  # explicit width: zero rows are legal
         y = x.new_empty(rows, groups, weight.shape[1])
         for g in range(groups):
             torch.mm(grouped[:, g], weight[g].t(), out=y[:, g])
         ctx.save_for_backward(grouped, weight, positions, freqs)
-        ctx.heads = x.shape[1:]
+        ctx.heads, ctx.options = x.shape[1:], options
         return y
 
     @staticmethod
@@ -58,8 +58,8 @@ class _GroupedLinear(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(grouped.shape[0], *ctx.heads)
             if positions is not None:  # the rotation by -angle is orthogonal: its backward turns by +angle
-                rotate_tail_(dx, positions, freqs, inverse=False)
-        return dx, dw, None, None
+                rotate_tail_(dx, positions, freqs, inverse=False, options=ctx.options)
+        return dx, dw, None, None, None
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, x_name: str, x_shape: str) -> None:
@@ -89,11 +89,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.einsum("lgi,goi->lgo", x, weight)
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:  # the per-group rows must view as [L, G * I]
         x = x.contiguous()
-    return _GroupedLinear.apply(x, weight, None, None)
+    return _GroupedLinear.apply(x, weight, None, None, DEFAULT_OPTIONS)
 
 
 def head_group_projection(
-    heads: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor
+    heads: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """The output projection's first map: ``y[l, g] = weight[g] @ concat_{h in g} R(-positions[l]) heads[l, h]``
     with ``R`` the partial RoPE rotation of :func:`dsv4cp.ops.norm_rope.apply_rope` (the heads of group
@@ -103,6 +104,7 @@ def head_group_projection(
         heads: ``[L, H, D]`` attention outputs (any layout with a contiguous last dim; copied otherwise).
         weight: ``[G, O, H / G * D]``, heads' dtype and device (``G`` divides ``H``).
         positions: ``[L]`` integer document positions; ``freqs``: ``[P / 2]`` angular frequencies, ``P <= D``.
+        options: the kernel options of the rotation (:func:`dsv4cp.ops.norm_rope.rope_tail`), both directions.
     Returns:
         ``[L, G, O]`` contiguous, heads' dtype; equal to :func:`grouped_linear` of ``rope_tail(heads,
         positions, freqs, inverse=True)`` reshaped to ``[L, G, H / G * D]``.
@@ -117,8 +119,9 @@ def head_group_projection(
     if not isinstance(freqs, torch.Tensor) or freqs.dim() != 1 or not 0 < 2 * freqs.numel() <= d:
         raise ValueError(f"freqs: must be a [P/2] tensor with 2 <= P <= D={d}, got {getattr(freqs, 'shape', freqs)}")
     if torch.compiler.is_compiling():
-        turned = rope_tail(heads, positions, freqs, inverse=True).reshape(rows, groups, weight.shape[2])
+        turned = rope_tail(heads, positions, freqs, inverse=True, options=options)
+        turned = turned.reshape(rows, groups, weight.shape[2])
         return torch.einsum("lgi,goi->lgo", turned, weight)
     if heads.stride(2) != 1 and d > 1:
         heads = heads.contiguous()
-    return _GroupedLinear.apply(heads, weight, positions, freqs.detach())
+    return _GroupedLinear.apply(heads, weight, positions, freqs.detach(), options)

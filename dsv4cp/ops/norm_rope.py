@@ -6,7 +6,9 @@
 * :func:`rope_tail`: ``apply_rope(x, positions, freqs, inverse)`` on the attention outputs;
 * :func:`rotate_tail_`: the same rotation in place, not differentiable (on a buffer the caller owns).
 
-The last two run the fused Triton kernels of :mod:`dsv4cp.kernels.norm_rope_triton` where they serve
+The last three take the call's kernel options (``options``, a
+:class:`~dsv4cp.kernel_options.KernelOptions`: the launch pin ``triton_norm_rope_config``) and run the fused
+Triton kernels of :mod:`dsv4cp.kernels.norm_rope_triton` where they serve
 the input (:func:`use_fused`: CUDA, bf16 / fp16 / fp32, D a multiple of 16) and the references otherwise.
 """
 
@@ -14,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import norm_rope_triton
 from dsv4cp.kernels.norm_rope_triton import use_fused
-from dsv4cp.ops.custom_op_library import note_eager, options_in_force
+from dsv4cp.ops.custom_op_library import note_eager
 
 __all__ = ["apply_rope", "head_norm_rope", "rms_norm", "rope_tail", "rotate_tail_", "use_fused"]
 
@@ -68,35 +71,44 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, in
     return torch.cat((x[..., :-p], rotated.to(x.dtype)), dim=-1)
 
 
-def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
+DEFAULT_OPTIONS = KernelOptions()
+
+
+def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, eps: float, *,
+                   options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``apply_rope(rms_norm(x, eps), positions, freqs)`` of ``x [rows, H, D]`` (weightless per-head norm),
     differentiable in x; ``[rows, H, D]`` in x's dtype. Fused on CUDA: no fp32 copy kept for backward."""
     fused = use_fused(x, freqs)
     note_eager("norm_rope", "triton" if fused else "torch")
     if fused and torch.compiler.is_compiling():  # one opaque node: .norm_rope_library
-        return torch.ops.dsv4cp.head_norm_rope_fwd(x, positions, freqs.detach(), float(eps), options_in_force())[0]
+        return torch.ops.dsv4cp.head_norm_rope_fwd(x, positions, freqs.detach(), float(eps),
+                                                   list(options.triton_norm_rope_config or ()))[0]
     if fused:
-        return norm_rope_triton.head_norm_rope(x, positions, freqs, eps)
+        return norm_rope_triton.head_norm_rope(x, positions, freqs, eps, config=options.triton_norm_rope_config)
     return apply_rope(rms_norm(x, eps), positions, freqs)
 
 
-def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False, *,
+              options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``apply_rope(x, positions, freqs, inverse)`` of ``x [rows, H, D]``, differentiable in x; fused on
     CUDA (rotates the tail in place of copying the whole tensor)."""
     fused = use_fused(x, freqs)
     note_eager("rope_tail", "triton" if fused else "torch")
     if fused and torch.compiler.is_compiling():  # one opaque node: .norm_rope_library
-        return torch.ops.dsv4cp.rope_tail(x, positions, freqs.detach(), bool(inverse), options_in_force())
+        return torch.ops.dsv4cp.rope_tail(x, positions, freqs.detach(), bool(inverse),
+                                          list(options.triton_norm_rope_config or ()))
     if fused:
-        return norm_rope_triton.rope_tail(x, positions, freqs, inverse=inverse)
+        return norm_rope_triton.rope_tail(x, positions, freqs, inverse=inverse, config=options.triton_norm_rope_config)
     return apply_rope(x, positions, freqs, inverse=inverse)
 
 
-def rotate_tail_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rotate_tail_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False, *,
+                 options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``x[..., -P:] = apply_rope(x[..., -P:], positions, freqs, inverse)`` in place on ``x [rows, H, D]``
     (not differentiable; returns x). Fused on CUDA: only the last ``P`` dims are read and written."""
     if use_fused(x, freqs) and x.stride(2) == 1:
-        return norm_rope_triton.rotate_tail_(x, positions, freqs, inverse=inverse)
+        return norm_rope_triton.rotate_tail_(x, positions, freqs, inverse=inverse,
+                                             config=options.triton_norm_rope_config)
     tail = x[..., x.shape[-1] - 2 * freqs.numel():]
     tail.copy_(apply_rope(tail, positions, freqs, inverse=inverse))
     return x

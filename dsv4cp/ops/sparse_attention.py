@@ -3,29 +3,31 @@
 Every key, window or compressed, reaches attention through this op; backends register a forward and
 a backward implementing the same contract, and ``torch`` is the oracle the others are tested against.
 Each call notes the implementation that ran per direction (``sparse_attention.fwd`` / ``.bwd``,
-:func:`dsv4cp.kernel_options.note_backend`); ``options`` sets kernel options for both directions.
+:func:`dsv4cp.kernel_options.note_backend`); ``options`` (a :class:`~dsv4cp.kernel_options.KernelOptions`)
+holds the kernel options of both directions: the backends get it as their ``options`` keyword and hand its
+values to the kernels, and the autograd function keeps it for the backward.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dsv4cp import choices, kernel_options, kernels
+from dsv4cp.kernel_options import OPTIONS, TILE, KernelOptions
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
-from dsv4cp.ops.custom_op_library import options_in_force
 from dsv4cp.profiling.nvtx import nvtx_range
 
 
 @dataclass(frozen=True)
 class SparseAttentionBackend:
-    """A forward ``(q, kv, idx, sink, scale, topk_length) -> (out, lse)`` and a backward
-    ``(dout, q, kv, idx, sink, scale, out, lse, topk_length) -> (dq, dkv, dsink)``.
+    """A forward ``(q, kv, idx, sink, scale, topk_length, *, options) -> (out, lse)`` and a backward
+    ``(dout, q, kv, idx, sink, scale, out, lse, topk_length, *, options) -> (dq, dkv, dsink)``, ``options``
+    the call's :class:`~dsv4cp.kernel_options.KernelOptions` (keyword, default: the defaults).
 
     Either may be None for a one-sided library (FlashMLA has only a forward, cuDNN's DSA only a
     backward on Hopper); such backends are used in a pair named ``"forward+backward"``, e.g.
@@ -53,8 +55,8 @@ class SparseAttentionBackend:
 
 
 _BACKENDS: dict[str, SparseAttentionBackend] = {}
-# What "auto" tries per direction, fastest first; the first available on a CUDA device wins (measured on
-# an H200: forward FlashMLA 569 TFLOP/s vs Triton 246; backward cuDNN DSA 279 vs Triton 136). On
+# What "auto" tries per direction, fastest first as measured on an H200 (docs/kernels.md); the first
+# available on a CUDA device wins. On
 # any other device "auto" is the oracle "torch": Triton's CPU interpreter is for kernel tests only.
 AUTO_FORWARD_ORDER: list[str] = ["flashmla", "triton"]
 AUTO_BACKWARD_ORDER: list[str] = ["cudnn", "triton"]
@@ -168,60 +170,111 @@ def available_backend(name: str, device: torch.device) -> SparseAttentionBackend
 # before triton's first import.
 
 
-def _triton_forward(q, kv, idx, sink, scale, topk_length=None):
+DEFAULT_OPTIONS = KernelOptions()
+"""The options of a call that names none (the registry's defaults; nothing read from the environment)."""
+
+OPTION_NAMES = ("triton_fwd_config", "triton_fwd_logits", "triton_fwd_index_ahead", "triton_fwd_lazy_rescale",
+                "triton_bwd_config", "triton_dkv_config", "triton_dq_in_dkv", "triton_dkv_one_product",
+                "triton_bwd_index_ahead", "library_compact_slots", "triton_bwd_dq_pass", "triton_kv_pass_config",
+                "triton_dq_pass_config")
+"""The kernel options the backends read: the custom ops (:mod:`.sparse_attention_library`) take their values
+as arguments (:func:`option_values`), so a compiled graph holds them as constants."""
+
+
+def option_values(options: KernelOptions) -> tuple:
+    """``options``' values of :data:`OPTION_NAMES`, in order, as the custom ops take them (a tile as a list
+    of ints, ``[]`` for ``auto``)."""
+    return tuple(list(value or ()) if OPTIONS[name].kind == TILE else value
+                 for name in OPTION_NAMES for value in (getattr(options, name),))
+
+
+def options_of(values: tuple) -> KernelOptions:
+    """The options the custom ops' ``values`` (:func:`option_values`) hold (every other option: its default)."""
+    return KernelOptions(**{name: (tuple(value) or None) if OPTIONS[name].kind == TILE else value
+                            for name, value in zip(OPTION_NAMES, values)})
+
+
+def _tile(fields: tuple[str, ...], tile: tuple[int, ...] | None) -> dict[str, int]:
+    """A pinned tile as the kernel wrapper's keyword arguments (none for ``auto``: the ladder)."""
+    return dict(zip(fields, tile)) if tile is not None else {}
+
+
+def _torch_forward(q, kv, idx, sink, scale, topk_length=None, *, options=DEFAULT_OPTIONS):
+    return sparse_attention_torch.sparse_attention_forward(q, kv, idx, sink, scale, topk_length)
+
+
+def _torch_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None, *, options=DEFAULT_OPTIONS):
+    return sparse_attention_torch.sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length)
+
+
+def _triton_forward(q, kv, idx, sink, scale, topk_length=None, *, options=DEFAULT_OPTIONS):
     if q.dtype == torch.float64:  # tl.dot has no fp64 matrix-unit path: the oracle serves fp64 (tests)
         kernel_options.note_backend("sparse_attention.fwd", "torch")
         return sparse_attention_torch.sparse_attention_forward(q, kv, idx, sink, scale, topk_length)
     from dsv4cp.kernels.sparse_attention_triton import sparse_attention_fwd  # lazy: imports triton
 
-    return sparse_attention_fwd(q, kv, idx, sink, scale, topk_length)
+    return sparse_attention_fwd(q, kv, idx, sink, scale, topk_length, logits=options.triton_fwd_logits,
+                                index_ahead=options.triton_fwd_index_ahead,
+                                lazy_rescale=options.triton_fwd_lazy_rescale,
+                                **_tile(OPTIONS["triton_fwd_config"].fields, options.triton_fwd_config))
 
 
 def _triton_backward(deterministic: bool | None) -> Callable:
     """The Triton backward; ``deterministic=None`` follows :func:`dsv4cp.kernels.is_deterministic`."""
 
-    def backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None):
+    def backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None, *, options=DEFAULT_OPTIONS):
         if q.dtype == torch.float64:
             kernel_options.note_backend("sparse_attention.bwd", "torch")
             return sparse_attention_torch.sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse,
                                                                     topk_length)
-        if kernel_options.get("triton_bwd_dq_pass") and not (
-                kernels.is_deterministic() if deterministic is None else deterministic):
-            from dsv4cp.kernels.sparse_attention_bwd_dq_pass_triton import sparse_attention_bwd_dq_pass
+        if options.triton_bwd_dq_pass and not (kernels.is_deterministic() if deterministic is None else deterministic):
+            from dsv4cp.kernels.sparse_attention_bwd_dq_pass_triton import (  # lazy: imports triton
+                DqPassConfig,
+                KvPassConfig,
+                sparse_attention_bwd_dq_pass,
+            )
 
-            return sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, topk_length)
-        from dsv4cp.kernels.sparse_attention_triton import sparse_attention_bwd  # lazy: imports triton
+            kv_tile, dq_tile = options.triton_kv_pass_config, options.triton_dq_pass_config
+            return sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, topk_length,
+                                                kv_config=None if kv_tile is None else KvPassConfig(*kv_tile),
+                                                dq_config=None if dq_tile is None else DqPassConfig(*dq_tile))
+        from dsv4cp.kernels.sparse_attention_triton import DkvConfig, sparse_attention_bwd  # lazy: imports triton
 
+        dkv = options.triton_dkv_config
         return sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, topk_length, deterministic=deterministic,
-                                    dq_in_dkv=bool(kernel_options.get("triton_dq_in_dkv")))
+                                    dkv_config=None if dkv is None else DkvConfig(*dkv),
+                                    dq_in_dkv=options.triton_dq_in_dkv, dkv_one_product=options.triton_dkv_one_product,
+                                    index_ahead=options.triton_bwd_index_ahead,
+                                    **_tile(OPTIONS["triton_bwd_config"].fields, options.triton_bwd_config))
 
     return backward
 
 
-register_backend(SparseAttentionBackend(
-    "torch", sparse_attention_torch.sparse_attention_forward, sparse_attention_torch.sparse_attention_backward,
-    available=lambda device: True,
-))
+def _flashmla_forward(q, kv, idx, sink, scale, topk_length=None, *, options=DEFAULT_OPTIONS):
+    return flashmla.sparse_attention_forward(q, kv, idx, sink, scale, topk_length,
+                                             compact=options.library_compact_slots)
+
+
+def _cudnn_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length=None, *, options=DEFAULT_OPTIONS):
+    return cudnn_dsa.sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse, topk_length,
+                                               compact=options.library_compact_slots)
+
+
+register_backend(SparseAttentionBackend("torch", _torch_forward, _torch_backward, available=lambda device: True))
 register_backend(SparseAttentionBackend("triton", _triton_forward, _triton_backward(None), kernels.triton_available))
 register_backend(SparseAttentionBackend("triton-deterministic", _triton_forward, _triton_backward(True),
                                         kernels.triton_available))
-register_backend(SparseAttentionBackend(flashmla.NAME, flashmla.sparse_attention_forward, None, flashmla.available,
+register_backend(SparseAttentionBackend(flashmla.NAME, _flashmla_forward, None, flashmla.available,
                                         head_dims=flashmla.SUPPORTED_HEAD_DIMS))
-register_backend(SparseAttentionBackend(cudnn_dsa.NAME, None, cudnn_dsa.sparse_attention_backward,
-                                        cudnn_dsa.available, head_dims=cudnn_dsa.SUPPORTED_HEAD_DIMS))
-
-
-def _options_in_force(options: Mapping[str, object] | None):
-    """``kernel_options.overrides(options)``, or nothing to enter when there are none."""
-    return contextlib.nullcontext() if not options else kernel_options.overrides(options)
+register_backend(SparseAttentionBackend(cudnn_dsa.NAME, None, _cudnn_backward, cudnn_dsa.available,
+                                        head_dims=cudnn_dsa.SUPPORTED_HEAD_DIMS))
 
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, idx, sink, scale, topk_length, backend, options):
         kernel_options.note_backend("sparse_attention.fwd", backend.direction_names[0])
-        with _options_in_force(options):  # inside the caller's sparse_attn.fwd
-            out, lse = backend.forward(q, kv, idx, sink, scale, topk_length)
+        out, lse = backend.forward(q, kv, idx, sink, scale, topk_length, options=options)  # in the caller's range
         ctx.save_for_backward(q, kv, idx, sink, out, lse, topk_length)
         ctx.scale, ctx.backend, ctx.options = scale, backend, options
         ctx.mark_non_differentiable(lse)
@@ -231,8 +284,9 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, kv, idx, sink, out, lse, topk_length = ctx.saved_tensors
         kernel_options.note_backend("sparse_attention.bwd", ctx.backend.direction_names[1])
-        with nvtx_range("sparse_attn.bwd"), _options_in_force(ctx.options):
-            dq, dkv, dsink = ctx.backend.backward(dout.contiguous(), q, kv, idx, sink, ctx.scale, out, lse, topk_length)
+        with nvtx_range("sparse_attn.bwd"):
+            dq, dkv, dsink = ctx.backend.backward(dout.contiguous(), q, kv, idx, sink, ctx.scale, out, lse, topk_length,
+                                                  options=ctx.options)
         return dq, dkv, None, dsink, None, None, None, None
 
 
@@ -263,7 +317,7 @@ def sparse_attention(
     scale: float,
     topk_length: torch.Tensor | None = None,
     backend: str = "auto",
-    options: Mapping[str, object] | None = None,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-query sparse attention with an attention sink, over flat packed tensors.
 
@@ -278,8 +332,8 @@ def sparse_attention(
         topk_length: optional ``[T]`` int32 in ``[0, Kt]``; query ``t`` uses only its first
             ``topk_length[t]`` slots.
         backend: "torch", another registered backend, or "auto".
-        options: kernel options (:mod:`dsv4cp.kernel_options`, name -> value) in force while this call's
-            forward and, later, its backward run (checked here, before any work).
+        options: the kernel options of this call's forward and, later, its backward (default: the
+            registry's defaults; :meth:`dsv4cp.kernel_options.KernelOptions.resolve` adds the environment's).
 
     Returns:
         ``out [T, H, D]`` in ``q``'s dtype: ``sum_j e^{l_j} kv_j / (sum_j e^{l_j} + e^{sink_h})`` with
@@ -293,13 +347,11 @@ def sparse_attention(
     """
     _check_inputs(q, kv, idx, sink, topk_length)
     if torch.compiler.is_compiling():  # one opaque node per direction: dsv4cp.ops.sparse_attention_library
-        with _options_in_force(options):
-            in_force = options_in_force()
-        return torch.ops.dsv4cp.sparse_attention_fwd(q, kv, idx, sink, float(scale), topk_length, backend, in_force)
+        return torch.ops.dsv4cp.sparse_attention_fwd(q, kv, idx, sink, float(scale), topk_length, backend,
+                                                     *option_values(options))
+    if not isinstance(options, KernelOptions):
+        raise ValueError(f"options: must be a KernelOptions, got {type(options).__name__}")
     chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
-    if options:
-        options = dict(options)
-        kernel_options.check_values(options)  # every name and value, before any work
     with nvtx_range("sparse_attn.fwd"):  # one range: on CUDA the index checks are kernels of the attention
         _check_index_values(kv.shape[0], idx, topk_length)
         out, lse = _SparseAttention.apply(q, kv, idx, sink, float(scale), topk_length, chosen, options)

@@ -1,7 +1,10 @@
 """Two runs side by side (``dsv4cp report A B``): matched points in columns with compare's verdict,
 unmatched points with how the nearest point of the other run differs.
 
-Points match by ``point_id`` (every axis), as ``dsv4cp compare`` matches them; the ratio, noise bands
+Points match by ``point_id`` (every axis) and the configuration they ran
+(:func:`dsv4cp.records.configuration_key`: every resolved kernel option, the backends): two records of one
+point id that ran other kernels are listed apart, each "only in" its run, naming the options that differ.
+The ratio, noise bands
 and verdict are compare's own (:func:`dsv4cp.report.compare.compare` on the median step time at
 :data:`THRESHOLD`), here with different hardware allowed: the run-level differences (machine, GPU,
 commit, library versions) are named beside the table instead.
@@ -13,7 +16,7 @@ import math
 
 import pandas as pd
 
-from dsv4cp.records import AXES
+from dsv4cp.records import AXES, configuration_key, option_differences, resolved_options
 from dsv4cp.report import compare as compare_module
 from dsv4cp.report import tables
 
@@ -33,6 +36,11 @@ def _latest(points: pd.DataFrame) -> pd.DataFrame:
     return points.drop_duplicates("point_id", keep="last").set_index("point_id")
 
 
+def _same_kernels(point_id: str, point: pd.Series, others: pd.DataFrame) -> bool:
+    """Whether ``others`` holds ``point_id`` measured with the same kernels as ``point``."""
+    return point_id in others.index and configuration_key(point) == configuration_key(others.loc[point_id])
+
+
 def _axis_text(value: object) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
@@ -44,6 +52,11 @@ def _differences(point: pd.Series, others: pd.DataFrame, mine: str, theirs: str)
     ``"overlap none (A) vs async (B)"``; ``"B has no point"`` when ``others`` is empty."""
     if others.empty:
         return f"{theirs} has no point"
+    if point.name in others.index:  # the same axes, other kernels
+        other = others.loc[point.name]
+        changes = option_differences(resolved_options(point), resolved_options(other) or {})
+        named = ", ".join(f"{name} {old} ({mine}) vs {new} ({theirs})" for name, (old, new) in changes.items())
+        return "kernels differ: " + (named or "the backends that ran")
     differing = [[a for a in AXES if _axis_text(point[a]) != _axis_text(other[a])] for _, other in others.iterrows()]
     best = min(range(len(differing)), key=lambda i: len(differing[i]))
     nearest = others.iloc[best]
@@ -72,7 +85,7 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for point_id, a in a_points.iterrows():
         row = {axis: a[axis] for axis in axes}
-        if point_id in b_points.index:
+        if _same_kernels(point_id, a, b_points):
             b = b_points.loc[point_id]
             row.update(match=MATCHED, **_values(a, "a"), **_values(b, "b"))
             row["b_over_a"] = row["b_time_ms"] / row["a_time_ms"] if row["a_time_ms"] > 0 else math.nan
@@ -82,7 +95,7 @@ def comparison(df: pd.DataFrame) -> pd.DataFrame:
             row.update(match=ONLY_A, **_values(a, "a"), verdict="", differences=_differences(a, b_points, "A", "B"))
         rows.append(row)
     for point_id, b in b_points.iterrows():
-        if point_id not in a_points.index:
+        if not _same_kernels(point_id, b, a_points):
             rows.append({**{axis: b[axis] for axis in axes}, "match": ONLY_B, **_values(b, "b"), "verdict": "",
                          "differences": _differences(b, a_points, "B", "A")})
     return pd.DataFrame(rows, columns=[*axes, *VALUE_COLUMNS])

@@ -12,9 +12,12 @@ measuring groups are created with ``point_timeout``, so a rank stuck in a collec
 point gives up after that long. After a failed point the measuring groups are created afresh (a
 communicator that saw a failure may be unusable). Rank 0 appends one record per point to
 ``RUN_DIR/records.jsonl`` as soon as the point is done; with ``resume`` the points already
-recorded are skipped (and so are recorded errors, unless ``retry_errors``). A point that was being
-measured when the run died is measured again on resume; if the run died there twice, it is recorded
-as an error instead (see :data:`MAX_ATTEMPTS`).
+recorded are skipped (and so are recorded errors, unless ``retry_errors``: then a point's new record
+takes the place of its failed one, :func:`dsv4cp.records.replace_record`, so the run holds one record
+per point), unless their record ran other kernel options than the point runs now: such a record moves to
+``RUN_DIR/superseded.jsonl`` and the point is measured again (:func:`supersede_stale_records`). A point
+that was being measured when the run died is measured again on resume; if the run died there twice, it
+is recorded as an error instead (see :data:`MAX_ATTEMPTS`).
 
 A run directory has one writer: :func:`run_sweep` holds its lock
 (:class:`dsv4cp.sweeps.run_lock.RunDirLock`) from its checks to its last record, and a second sweep
@@ -52,7 +55,11 @@ from dsv4cp.records import (
     append_record,
     drop_partial_line,
     make_record,
+    move_records,
+    option_differences,
     read_records,
+    replace_record,
+    resolved_options,
     write_meta,
 )
 from dsv4cp.sweeps.identity import check_resume, identity_fields
@@ -64,6 +71,10 @@ from dsv4cp.sweeps.spec import Point, SweepSpec
 
 INFLIGHT_FILE = "inflight.json"
 """RUN_DIR file naming the point being measured (and how many runs died measuring it)."""
+
+SUPERSEDED_FILE = "superseded.jsonl"
+"""RUN_DIR file of the records ``--resume`` measured again because their point now runs other kernel
+options (kept, never read as part of the run: ``dsv4cp report RUN_DIR/superseded.jsonl`` shows them)."""
 
 MAX_ATTEMPTS = 2
 """A point that was being measured when the run died this many times (a hang past the timeout that
@@ -124,11 +135,17 @@ def _is_failure(status: str) -> bool:
     return status == STATUS_OOM or status.startswith("error")
 
 
-def recorded_statuses(out: Path, retry_errors: bool) -> dict[str, str]:
-    """Point id -> recorded status of the points in ``out``'s records that a resumed run skips."""
+def recorded_statuses(out: Path, retry_errors: bool, points: Sequence[Point] = ()) -> dict[str, str]:
+    """Point id -> recorded status of the points in ``out``'s records that a resumed run skips: of the
+    ``points``, those whose record ran every kernel option as the point runs it now (the others are
+    measured again: :func:`supersede_stale_records`)."""
+    now = _options_now(points)
     done, problems = {}, []
     for record in read_records(out / RECORDS_FILE, problems):
         if retry_errors and record["status"].startswith("error"):
+            continue
+        current = now.get(record["point_id"])
+        if current is not None and option_differences(resolved_options(record), current):
             continue
         done[record["point_id"]] = record["status"]
     for problem in problems:  # an invalid line records nothing: its point is measured again
@@ -137,6 +154,42 @@ def recorded_statuses(out: Path, retry_errors: bool) -> dict[str, str]:
         print(f"--resume: {len(problems)} invalid record line(s) skipped; their points are measured again",
               file=sys.stderr)
     return done
+
+
+def _options_now(points: Sequence[Point]) -> dict[str, dict[str, str]]:
+    """Point id -> every kernel option's value as the point runs now (:func:`_options_of`), computed once
+    per distinct set of the points' own options."""
+    by_setting: dict[tuple, dict[str, str]] = {}
+    now = {}
+    for point in points:
+        setting = tuple(sorted((point.kernel_options or {}).items()))
+        if setting not in by_setting:
+            by_setting[setting] = _options_of(point)
+        now[point.point_id] = by_setting[setting]
+    return now
+
+
+def supersede_stale_records(out: Path, points: Sequence[Point]) -> int:
+    """Move the records of ``out`` whose point ran other kernel options than it runs now (a default changed,
+    an option was added or removed, a ``DSV4CP_*`` variable differs) to ``RUN_DIR/superseded.jsonl``, so
+    that ``--resume`` measures those points again and the run holds one configuration per point; says on
+    stderr, in one line, how many and which options differ. Returns how many moved."""
+    now = _options_now(points)
+    differing: dict[str, set[str]] = {}
+
+    def stale(record: dict) -> bool:
+        current = now.get(record["point_id"])
+        found = {} if current is None else option_differences(resolved_options(record), current)
+        for name, (old, new) in found.items():
+            differing.setdefault(name, set()).add(f"{old} -> {new}")
+        return bool(found)
+
+    moved = move_records(out / RECORDS_FILE, out / SUPERSEDED_FILE, stale)
+    if moved:
+        named = "; ".join(f"{name} {', '.join(sorted(changes))}" for name, changes in sorted(differing.items()))
+        print(f"--resume: {moved} recorded point(s) ran other kernel options than they run now ({named}): "
+              f"measuring them again; their records moved to {out / SUPERSEDED_FILE}", file=sys.stderr)
+    return moved
 
 
 def check_out_dir(out: Path, resume: bool) -> None:
@@ -171,7 +224,7 @@ def run_sweep(spec: SweepSpec, points: Sequence[Point], options: SweepOptions,
                 return sweep_rank(dist.get_rank(), dist.get_world_size(), device, spec, points, options)
             finally:
                 dist.destroy_process_group()
-        done = recorded_statuses(options.out, options.retry_errors) if options.resume else {}
+        done = recorded_statuses(options.out, options.retry_errors, points) if options.resume else {}
         pending = [point for point in points if point.point_id not in done]
         if not pending:  # nothing left to measure: no ranks to start
             failed_before = sum(_is_failure(done[point.point_id]) for point in points)
@@ -241,13 +294,18 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, poi
     control = dist.new_group(backend="gloo", timeout=timeout * CONTROL_TIMEOUT_FACTOR) if distributed else None
     groups = _Groups(world, options.dist_backend, timeout)
     done: dict[str, str] = {}
+    retried: set[str] = set()  # recorded as errors, measured again: their new records replace the failed ones
     crashed: str | None = None
     if rank == 0:
         _check_parent()
         options.out.mkdir(parents=True, exist_ok=True)
         if options.resume:
             drop_partial_line(options.out / RECORDS_FILE)
-            done = recorded_statuses(options.out, options.retry_errors)
+            supersede_stale_records(options.out, points)
+            done = recorded_statuses(options.out, options.retry_errors, points)
+            if options.retry_errors:
+                retried = {record["point_id"] for record in read_records(options.out / RECORDS_FILE, [])
+                           if record["status"].startswith("error")} - set(done)
         if not (options.resume and (options.out / META_FILE).exists()):
             identity = identity_fields(dict(spec.source), [point.point_id for point in points])
             write_meta(options.out, {**run_meta(world, device, dict(spec.source)), **identity})
@@ -280,7 +338,8 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, poi
             record = make_record(point.axes(), metrics, sweep=spec.name, status=status, machine=machine,
                                  git_sha=sha, error=error, **columns)
             _check_parent()
-            append_record(options.out / RECORDS_FILE, record)
+            if point.point_id not in retried or not replace_record(options.out / RECORDS_FILE, record):
+                append_record(options.out / RECORDS_FILE, record)
             (options.out / INFLIGHT_FILE).unlink(missing_ok=True)
             counts["recorded"] += 1
             kind = "ok" if status == STATUS_OK else "skipped" if status.startswith("skipped") else "failed"

@@ -52,7 +52,7 @@ from dsv4cp.choices import COMPILE_BACKENDS, OVERLAP_MODES, check_backend_name, 
 from dsv4cp.config import DTYPE_NAMES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config
 from dsv4cp.cp.partition import POLICIES, split_rows
 from dsv4cp.records import AXES, point_id
-from dsv4cp.sweeps.strict_yaml import DuplicateKeyError, load_strict
+from dsv4cp.sweeps.strict_yaml import AliasExpansionError, DuplicateKeyError, load_strict
 from dsv4cp.targets import Target, parse_targets
 from dsv4cp.workloads import packing_lengths, parse_packing
 
@@ -332,7 +332,8 @@ def check_axis_value(axis: str, value: Any, where: str | None = None) -> None:
 
 # ------------------------------------------------------------------------------------- loading
 def load_spec(path: str | Path) -> SweepSpec:
-    """Read and validate a YAML spec file (a key given twice in one mapping is an error)."""
+    """Read and validate a YAML spec file (a key given twice in one mapping, or aliases expanding it
+    beyond :data:`~dsv4cp.sweeps.strict_yaml.MAX_ALIASED_VALUES` values, is an error)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"spec: {path} is not a file")
@@ -340,7 +341,7 @@ def load_spec(path: str | Path) -> SweepSpec:
         data = load_strict(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:
         raise ValueError(f"spec: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except DuplicateKeyError as err:
+    except (DuplicateKeyError, AliasExpansionError) as err:  # valid YAML, refused for a spec
         raise ValueError(f"spec: {path}: {err}") from None
     except yaml.YAMLError as err:
         raise ValueError(f"spec: {path} is not valid YAML ({err})") from None

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One H200, no carried wheels (so `auto` resolves to the Triton kernels: the record's `backends` says so): the
-# cost-growth sweep, profiled, packed into one archive. Then, on any machine, the report:
-#   device call: DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-cost-growth/run.sh $OUT
-#   here:        dsv4cp report results/2026-12-01-h200-cost-growth/run --out results/2026-12-01-h200-cost-growth/report
+# One H200 without the optional backends (so `auto` resolves to the Triton kernels: the record's `backends`
+# says so): the cost-growth sweep, profiled, archived. Then, on any machine, the report:
+#   on the H200: DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-cost-growth/run.sh $OUT
+#   anywhere:    dsv4cp report results/2026-12-01-h200-cost-growth/run --out results/2026-12-01-h200-cost-growth/report
 set -uo pipefail
 out=${1:-.}
 day=results/2026-12-01-h200-cost-growth

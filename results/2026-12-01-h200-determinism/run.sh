@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One H200: bitwise replay of the flash C layer per backend (dsv4cp check-determinism, CP = 1: one GPU), the
 # time and memory cost of determinism (profile --deterministic) and the layer under torch.compile.
-# Device calls (wheels as in ../2026-12-01-h200-emulate-all: .whl, .whl3, then this call carrying .whl2):
+# With the optional backends of ../gpu_env.sh installed:
 #   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-determinism/run.sh $OUT
-# Outputs under this folder, packed into $OUT/determinism.tar.gz; unpack from the repository root.
+# Outputs under this folder, archived into $OUT/determinism.tar.gz.
 set -uo pipefail
 out=${1:-.}
 day=results/2026-12-01-h200-determinism
-source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 mkdir -p "$day"
 replay="--cp 1 --preset flash --ratio 4 --lengths 8000,4000,4384 --dtype bf16 --replays 3"
 flash="--preset flash --ratio 4 --tokens 65536 --packing one --backward --dtype bf16 --warmup 2 --reps 6 --progress off"

@@ -1,26 +1,22 @@
 #!/usr/bin/env bash
 # One H200, after the kernel-options registry / one-step / cost-model refactor: the GPU test suite and the
-# flash C layer at 64K (figures to set beside results/2026-12-01-h200-speed4), then every rank of CP 4 and CP 8
+# flash C layer at 64K (figures to set beside results/2026-12-01-h200-radix-topk-glue), then every rank of CP 4 and CP 8
 # emulated in turn on the one GPU (`profile --emulate-rank all`: compute and memory only, no communication) with
 # equal, balanced and measured splits, and a sample of CP 64 ranks at 1M tokens.
-# Device calls made back to back (the machine stays warm 30 s); wheels from ../shared/gpu/fetch_wheels.sh,
-# regrouped so every call stays under the 64 MiB carry limit (.whl: the cuDNN CuTe DSL's first part; .whl3:
-# FlashMLA, nvtx and the small CuTe DSL wheels; .whl2: the DSL's second part and the cuDNN frontend):
-#   call 1, carrying .whl  : mkdir -p $HOME/wheels && cp .whl/* $HOME/wheels/
-#   call 2, carrying .whl3 : mkdir -p $HOME/wheels && cp .whl3/* $HOME/wheels/
-#   call 3, carrying .whl2 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-emulate-all/run.sh tests $OUT
-#   call 4                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-emulate-all/run.sh one-document $OUT
-#   call 5                 : DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-emulate-all/run.sh more $OUT
+# Parts, run in this order (the optional backends of ../gpu_env.sh installed):
+#   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-emulate-all/run.sh tests $OUT
+#   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-emulate-all/run.sh one-document $OUT
+#   DSV4CP_GIT_SHA=<commit> bash results/2026-12-01-h200-emulate-all/run.sh more $OUT
 # tests: `dsv4cp env`, the whole GPU test suite, and the flash C layer (64K tokens, one document, fwd+bwd, bf16)
 #   with `auto` and with Triton only. one-document: one 256K document on cp 8 (equal, balanced, measured) and one
 #   128K document on cp 4 (measured). more: histogram packing at 256K on cp 8 (equal, measured) and ranks 0, 31, 63
 #   of cp 64 at 1M tokens (equal, balanced). The balanced and measured splits start from the committed H200
 #   calibration (results/baselines/h200/calibration.json).
-# Outputs under this folder, packed into $OUT/<part>.tar.gz after every step; unpack from the repository root.
+# Outputs under this folder, archived into $OUT/<part>.tar.gz after every step.
 set -uo pipefail
 part=$1; out=${2:-.}
 day=results/2026-12-01-h200-emulate-all
-source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 save() { tar czf "$out/$part.tar.gz" "$day"; }
 mkdir -p "$day"
 cal=results/baselines/h200/calibration.json

@@ -11,20 +11,18 @@
 # Both start from the committed H200 calibration (results/baselines/h200/calibration.json), so round 0 is the
 # balanced split of last time; the rounds, the best split and the refitted calibration (with its per-rank
 # factors) are written beside this script.
-# Device calls made back to back (the machine stays warm 30 s); wheels from ../shared/gpu/fetch_wheels.sh:
-#   call 1, carrying .whl  : mkdir -p $HOME/wheels && cp .whl/* $HOME/wheels/
-#   call 2, carrying .whl3 : mkdir -p $HOME/wheels && cp .whl3/* $HOME/wheels/
-#   call 3, carrying .whl2 : DSV4CP_GIT_SHA=<commit> [PACKINGS=one] bash results/2026-12-02-h200-measured-split/run.sh $OUT
-# (PACKINGS: the points to run, default "one histogram"; the device time left on 2026-12-02 ran only "one")
-# Budget: under 8 minutes in all (last time each measured point took ~150 s with --reps 4; 8 reps add ~20 s);
-# each point is cut at 220 s. Outputs under this folder, packed into $OUT/measured-split.tar.gz after every
-# point; unpack from the repository root. Afterwards, offline (no device), the refit's view of the rounds:
+# With the optional backends of ../gpu_env.sh installed:
+#   DSV4CP_GIT_SHA=<commit> [PACKINGS=one] bash results/2026-12-02-h200-measured-split/run.sh $OUT
+# (PACKINGS: the points to run, default "one histogram"; on 2026-12-02 only "one" ran)
+# Under 8 minutes in all (last time each measured point took ~150 s with --reps 4; 8 reps add ~20 s);
+# each point is cut at 220 s. Outputs under this folder, archived into $OUT/measured-split.tar.gz after every
+# point. Afterwards, on any machine, the refit's view of the rounds:
 #   python -m bench.replay_measured_split results/2026-12-02-h200-measured-split/split-cp8-262144-one.json \
 #     --packing one --calibration results/baselines/h200/calibration.json
 set -uo pipefail
 out=${1:-.}
 day=results/2026-12-02-h200-measured-split
-source results/gpu_env.sh  # the wheels, PYTHONPATH, DSV4CP_GIT_SHA, quiet()
+source results/gpu_env.sh  # PYTHONPATH, NCCL_NVLS_ENABLE=0, DSV4CP_GIT_SHA, quiet()
 save() { tar czf "$out/measured-split.tar.gz" "$day"; }
 mkdir -p "$day"
 cal=results/baselines/h200/calibration.json

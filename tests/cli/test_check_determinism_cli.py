@@ -3,7 +3,10 @@ bad input exits 2 naming its flag before any run."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from dsv4cp.cli.main import main
 
@@ -33,3 +36,26 @@ def test_zero_replays_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as raised:
         main(["check-determinism", "--replays", "0"])
     assert raised.value.code == 2 and "--replays" in capsys.readouterr().err
+
+
+def test_a_nonfinite_step_fails_although_its_nans_replay_bit_for_bit(monkeypatch, capsys):
+    from dsv4cp.cli import check_determinism
+    from dsv4cp.cp import check
+
+    original = check.randomize_
+
+    def poisoned(layer, generator):  # one NaN weight: every replay computes the same NaNs
+        original(layer, generator)
+        with torch.no_grad():
+            layer.wkv.weight.view(-1)[0] = math.nan
+
+    monkeypatch.setattr(check, "randomize_", poisoned)
+    # the fresh process would not see the poisoned weight: replay it here instead
+    monkeypatch.setattr(check_determinism, "_fresh_process", lambda args, extra: {
+        1: [check_determinism.replay_rank(0, 1, torch.device("cpu"),
+                                          check_determinism._replay_case(args, 1, torch.device("cpu")))[0]]})
+    code = main(["check-determinism", "--cp", "1", "--lengths", "9,23", "--ratio", "0", "--replays", "2"])
+    out = capsys.readouterr().out
+    assert "quantities identical in every run" in out  # the bits agree ...
+    assert code == 1, out  # ... and the check fails all the same, naming what is not finite
+    assert "FAIL: non-finite (NaN or infinity) at cp=1: out, x_grad" in out, out

@@ -141,6 +141,9 @@ USAGE_ERRORS = [
     (["sweep"], "dsv4cp sweep: error: the following arguments are required: spec (see 'dsv4cp sweep --help')"),
     (["sweep", "s.yaml", "--nproc", "0"],
      "dsv4cp sweep: error: argument --nproc: must be a positive int, got '0' (see 'dsv4cp sweep --help')"),
+    *[(["sweep", "s.yaml", "--point-timeout", value],  # beyond what a timedelta holds, none, NaN: refused
+       f"dsv4cp sweep: error: argument --point-timeout: must be from 1 to 604800 s, got '{value}' "
+       "(see 'dsv4cp sweep --help')") for value in ("1e30", "0.001", "nan", "inf")],
     (["report"], "dsv4cp report: error: the following arguments are required: RUN_DIR (see 'dsv4cp report --help')"),
     (["compare", "a"],
      "dsv4cp compare: error: the following arguments are required: NEW (see 'dsv4cp compare --help')"),

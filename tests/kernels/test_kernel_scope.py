@@ -9,6 +9,7 @@ import torch
 
 from dsv4cp import kernel_options
 from dsv4cp.config import DSv4Config
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import triton_available
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.ops import sparse_attention
@@ -51,9 +52,9 @@ def test_options_hold_in_backward_and_leave_after_it(seed, monkeypatch):
 @needs_triton
 def test_layer_backward_runs_with_its_options(seed):
     cfg = DSv4Config.preset("tiny")
-    pin = {"triton_bwd_config": "16,16,4,1", "triton_dq_in_dkv": "0"}
+    pin = {"triton_bwd_config": "16,16,4,1", "triton_dq_in_dkv": "0", "triton_bwd_dq_pass": "0"}
     torch.manual_seed(seed)
-    layer = DSv4Attention(cfg, 4, backend="triton", kernel_options=pin)
+    layer = DSv4Attention(cfg, 4, backend="triton", kernel_options=KernelOptions.resolve(pin))
     x = torch.randn(32, cfg.hidden, requires_grad=True)
     out = layer(x, PackedSeqs.from_lengths([32]))
     kernel_options.reset_backends_ran()
@@ -64,7 +65,9 @@ def test_layer_backward_runs_with_its_options(seed):
     assert "sparse_attention.bwd_dq_dq_in_dkv.config" not in ran  # triton_dq_in_dkv=0 took effect
     assert kernel_options.source("triton_bwd_config") != "explicit"
     with pytest.raises(ValueError, match="^triton_dq_in_dkv: must be '0' or '1'"):
-        DSv4Attention(cfg, 4, kernel_options={"triton_dq_in_dkv": "yes"})
+        KernelOptions.resolve({"triton_dq_in_dkv": "yes"})
+    with pytest.raises(ValueError, match="^kernel_options: must be a KernelOptions, got dict"):
+        DSv4Attention(cfg, 4, kernel_options=pin)
 
 
 @needs_triton
@@ -75,11 +78,11 @@ def test_sparse_attention_options_reach_both_directions(seed):
     idx = torch.randint(-1, 10, (6, 7), generator=gen, dtype=torch.int32)
     sink = torch.randn(2, generator=gen, requires_grad=True)
     kernel_options.reset_backends_ran()
-    options = {"triton_fwd_config": "16,16,4,1", "triton_dq_in_dkv": False}
+    options = KernelOptions(triton_fwd_config=(16, 16, 4, 1), triton_dq_in_dkv=False, triton_bwd_dq_pass=False)
     out, _ = sparse_attention(q, kv, idx, sink, 0.25, backend="triton", options=options)
     out.sum().backward()
     ran = kernel_options.backends_ran()
     assert ran["sparse_attention.fwd.config"] == "block_h=16,block_k=16,num_warps=4,num_stages=1", ran
     assert "sparse_attention.bwd_dq.config" in ran and "sparse_attention.bwd_dq_dq_in_dkv.config" not in ran
-    with pytest.raises(ValueError, match="^triton_fwd_config: expected"):
-        sparse_attention(q, kv, idx, sink, 0.25, backend="triton", options={"triton_fwd_config": "16"})
+    with pytest.raises(ValueError, match="^options: must be a KernelOptions, got dict"):
+        sparse_attention(q, kv, idx, sink, 0.25, backend="triton", options={"triton_fwd_config": "16,16,4,1"})

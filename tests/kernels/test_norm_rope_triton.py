@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 
 import torch
 
-from dsv4cp.kernels import triton_available
+from dsv4cp import kernel_options
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels.norm_rope_triton import (
     head_norm_rope,
     rope_table,
@@ -31,13 +32,9 @@ from dsv4cp.kernels.norm_rope_triton import (
 )
 from dsv4cp.layer.norm import rms_norm
 from dsv4cp.layer.rope import apply_rope
+from triton_marks import HAS_CUDA, needs_cuda, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-
-if not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover - triton imported too early
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 EPS = 1e-6
 
@@ -174,25 +171,31 @@ def test_strided_inputs_and_gradients(seed):
     assert rel_fro(tail, apply_rope(x, positions, freqs, inverse=True)) < 1e-6, f"seed={seed}"
 
 
-@pytest.mark.parametrize("config", ["1,4", "2,4", "16,8"])
-def test_pinned_config_head_blocks(monkeypatch, config, seed):
-    """Several head blocks per row (BLOCK_H < H, the last one partial) and a block wider than H."""
-    monkeypatch.setenv("DSV4CP_TRITON_NORM_ROPE_CONFIG", config)
+@pytest.mark.parametrize("config", [(1, 4), (2, 4), (16, 8)])
+def test_pinned_config_head_blocks(config, seed):
+    """Several head blocks per row (BLOCK_H < H, the last one partial) and a block wider than H, pinned by
+    the ``config`` keyword in both directions."""
     x, positions, freqs = make_case(seed, 5, 3, 32, 8)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1))
-    out, dx = fwd_bwd(lambda t: head_norm_rope(t, positions, freqs, EPS), x, grad)
+    kernel_options.reset_backends_ran()
+    out, dx = fwd_bwd(lambda t: head_norm_rope(t, positions, freqs, EPS, config=config), x, grad)
+    assert kernel_options.backends_ran()["norm_rope.config"] == "block_h={},num_warps={}".format(*config)
     ref, dx_ref = fwd_bwd(lambda t: reference_norm_rope(t, positions, freqs), x, grad)
     assert rel_fro(out, ref) < 1e-5 and rel_fro(dx, dx_ref) < 1e-5, f"seed={seed} config={config}"
-    tail = rope_tail(x, positions, freqs)
+    tail = rope_tail(x, positions, freqs, config=config)
     assert rel_fro(tail, apply_rope(x, positions, freqs)) < 1e-6, f"seed={seed} config={config}"
 
 
 @pytest.mark.parametrize("config", ["8", "3,4", "8,3", "a,b"])
 def test_pinned_config_errors(monkeypatch, config, seed):
+    """A bad pin fails where the options are resolved, naming the variable; a bad ``config`` keyword
+    fails at the kernel, naming it."""
     monkeypatch.setenv("DSV4CP_TRITON_NORM_ROPE_CONFIG", config)
-    x, positions, freqs = make_case(seed, 2, 3, 16, 4)
     with pytest.raises(ValueError, match="^DSV4CP_TRITON_NORM_ROPE_CONFIG:"):
-        rope_tail(x, positions, freqs)
+        KernelOptions.resolve()
+    x, positions, freqs = make_case(seed, 2, 3, 16, 4)
+    with pytest.raises(ValueError, match="^config:"):
+        rope_tail(x, positions, freqs, config=config)  # the keyword reads text as the option does
 
 
 def test_large_eps(seed):

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 import torch
 
 from dsv4cp import kernel_options
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels.sparse_attention_bwd_dq_pass_triton import (  # noqa: E402  (after the skip)
     DqPassConfig,
     KvPassConfig,
@@ -65,23 +66,30 @@ def test_many_queries_on_few_rows(seed):
 
 
 def test_option_selects_the_dq_pass_backward(seed, monkeypatch):
-    """``triton_bwd_dq_pass=1`` routes the triton backend's backward here (its launches appear in what
-    ran), deterministic mode keeps the default backward, and a pinned tile that is not a power of two is
-    refused naming the option's variable."""
+    """``triton_bwd_dq_pass`` (default on) routes the triton backend's backward here (its launch appears in
+    what ran) and off to the dq-in-dkv kernels, deterministic mode keeps the default backward, a pinned tile
+    reaches the pass, and one that is not a power of two is refused naming where it came from."""
     q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 3, 16, 10, 9, topk=True)
     out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
     ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
-    for name in ("triton", "triton-deterministic"):
+    cases = [("triton", KernelOptions(), True), ("triton", KernelOptions(triton_bwd_dq_pass=False), False),
+             ("triton-deterministic", KernelOptions(), False),
+             ("triton", KernelOptions(triton_kv_pass_config=(16, 16, 4, 1), triton_dq_pass_config=(16, 16, 16, 4, 1)),
+              True)]
+    for name, options, dq_pass in cases:
         kernel_options.reset_backends_ran()
-        with kernel_options.overrides({"triton_bwd_dq_pass": True}):
-            got = resolve_backend(name, q.device).backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
+        got = resolve_backend(name, q.device).backward(dout, q, kv, idx, sink, scale, out, lse, tl_, options=options)
         ran = kernel_options.backends_ran()
-        _check(got, ref, f"seed={seed} {name}", 1e-4)
-        assert ("sparse_attention.bwd_dq_pass.config" in ran) == (name == "triton"), f"{name}: {ran}"
-    monkeypatch.setenv(kernel_options.OPTIONS["triton_kv_pass_config"].env, "24,16,4,1")
-    with pytest.raises(ValueError, match="DSV4CP_TRITON_KV_PASS_CONFIG.block_k: must be a power of two"):
-        sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, tl_)
+        _check(got, ref, f"seed={seed} {name} {options}", 1e-4)
+        assert ("sparse_attention.bwd_dq_pass.config" in ran) == dq_pass, f"{name} {options}: {ran}"
+        if options.triton_kv_pass_config is not None:
+            assert ran["sparse_attention.bwd_kv_pass.config"] == "block_k=16,block_d=16,num_warps=4,num_stages=1", ran
+    with pytest.raises(ValueError, match=r"^kv_config\.block_k: must be a power of two"):
+        sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, tl_, kv_config=KvPassConfig(24, 16, 4, 1))
+    monkeypatch.setenv(kernel_options.OPTIONS["triton_dq_pass_config"].env, "16,16,16,4")
+    with pytest.raises(ValueError, match="DSV4CP_TRITON_DQ_PASS_CONFIG"):
+        KernelOptions.resolve()
 
 
 @pytest.mark.parametrize("heads, n_selected", [(64, 512), (128, 1024), (3, 64)], ids=["flash", "pro", "H3"])

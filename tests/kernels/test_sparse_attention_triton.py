@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 
 import torch
 
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import (
     DkvConfig,
     is_deterministic,
@@ -149,11 +150,22 @@ def test_backward_dq_in_dkv_matches_torch_fp32(case, deterministic, seed):
     assert got[0][2].abs().max().item() == 0.0, f"{msg}: topk_length 0 must get dq = 0"
 
 
-def test_dq_in_dkv_environment_switch(seed, monkeypatch):
-    """DSV4CP_TRITON_DQ_IN_DKV selects the placement (its own cached configurations) both ways (1 is also
-    the default, so 0 is what shows the variable is read), the keyword wins over it, and a value other
-    than 0 / 1 is refused before any kernel runs."""
-    from dsv4cp.kernels import sparse_attention_triton as sat
+def _op_gradients(q, kv, idx, sink, scale, tl_, dout, options):
+    """The op's forward and gradients on the Triton backend under ``options`` (the kernels clamp the
+    lengths to the slots; the op takes them in range)."""
+    leaves = [t.detach().requires_grad_() for t in (q, kv, sink)]
+    out, _ = sparse_attention(leaves[0], leaves[1], idx, leaves[2], scale, tl_.clamp(0, idx.shape[1]),
+                              backend="triton", options=options)
+    out.backward(dout)
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+def test_dq_in_dkv_switch(seed, monkeypatch):
+    """DSV4CP_TRITON_DQ_IN_DKV, resolved into the options the op takes, selects the placement (its own
+    cached configurations) both ways (1 is also the default, so 0 is what shows the variable is read), the
+    kernel's keyword selects it too, and a value other than 0 / 1 is refused when resolved (before any
+    kernel runs)."""
+    from dsv4cp.kernels import sparse_attention_launch as sat
 
     q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
     out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
@@ -162,17 +174,25 @@ def test_dq_in_dkv_environment_switch(seed, monkeypatch):
     for pinning in ("DSV4CP_TRITON_BWD_CONFIG", "DSV4CP_TRITON_DKV_CONFIG"):  # a pinned launch caches nothing
         monkeypatch.delenv(pinning, raising=False)
     in_dkv, in_dq = {"bwd_dq_dq_in_dkv", "bwd_dkv_dq_in_dkv"}, {"bwd_dq", "bwd_dkv"}
-    for env, keyword, expected in (("1", None, in_dkv), ("0", None, in_dq), ("1", False, in_dq), ("0", True, in_dkv)):
+
+    def check(kinds, expected, msg):
+        assert expected <= kinds and not ((in_dkv | in_dq) - expected) & kinds, f"{msg}: {kinds}"
+
+    for env, expected in (("1", in_dkv), ("0", in_dq)):
         monkeypatch.setenv(sat.DQ_IN_DKV_ENV, env)
         sat._CHOSEN.clear()
+        _, got = _op_gradients(q, kv, idx, sink, scale, tl_, dout, KernelOptions.resolve())
+        check({key[0] for key in sat._CHOSEN}, expected, f"seed={seed} env={env}")
+        assert all(rel_fro(a, b) < 1e-4 for a, b in zip(got, ref)), f"seed={seed} env={env}"
+    monkeypatch.delenv(sat.DQ_IN_DKV_ENV)
+    for keyword, expected in ((False, in_dq), (True, in_dkv)):
+        sat._CHOSEN.clear()
         got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, dq_in_dkv=keyword)
-        kinds = {key[0] for key in sat._CHOSEN}
-        msg = f"seed={seed} env={env} keyword={keyword}"
-        assert expected <= kinds and not ((in_dkv | in_dq) - expected) & kinds, f"{msg}: {kinds}"
-        assert all(rel_fro(a, b) < 1e-4 for a, b in zip(got, ref)), msg
+        check({key[0] for key in sat._CHOSEN}, expected, f"seed={seed} keyword={keyword}")
+        assert all(rel_fro(a, b) < 1e-4 for a, b in zip(got, ref)), f"seed={seed} keyword={keyword}"
     monkeypatch.setenv(sat.DQ_IN_DKV_ENV, "yes")
     with pytest.raises(ValueError, match=f"^{sat.DQ_IN_DKV_ENV}: .*'yes'"):
-        sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_)
+        KernelOptions.resolve()
 
 
 @pytest.mark.parametrize("logits", ["split", "slots_on_m"])
@@ -256,9 +276,10 @@ VARIANT_VARIABLES = ("DSV4CP_TRITON_DKV_ONE_PRODUCT", "DSV4CP_TRITON_FWD_INDEX_A
 
 def test_variant_options_select_the_kernels(seed, monkeypatch):
     """The variables of the forward's logits layout and lazy rescale, the dkv kernel's one product and both
-    directions' indices ahead select the variants (each under its own cached configuration) both ways, the keywords
-    win over them, and a value they do not allow is refused before any kernel runs."""
-    from dsv4cp.kernels import sparse_attention_triton as sat
+    directions' indices ahead, resolved into the options the op takes, select the variants (each under its
+    own cached configuration) both ways; the kernels' keywords select them too; a value a variable does not
+    allow is refused when resolved, a layout the forward does not know by the forward."""
+    from dsv4cp.kernels import sparse_attention_launch as sat
 
     q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
@@ -267,35 +288,40 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
     for pinning in ("DSV4CP_TRITON_FWD_CONFIG", "DSV4CP_TRITON_BWD_CONFIG", "DSV4CP_TRITON_DKV_CONFIG"):
         monkeypatch.delenv(pinning, raising=False)  # a pinned launch caches nothing
     monkeypatch.delenv(sat.DQ_IN_DKV_ENV, raising=False)
+    monkeypatch.setenv("DSV4CP_TRITON_BWD_DQ_PASS", "0")  # the variants are those of the dq-in-dkv backward
     # each launch caches its configuration under its kind, the shape class and the variant's switches
     variants = {("fwd", "split", True, True), ("bwd_dq_dq_in_dkv", True), ("bwd_dkv_dq_in_dkv", True, True)}
     plain = {("fwd", "duplicated", False, False), ("bwd_dq_dq_in_dkv", False), ("bwd_dkv_dq_in_dkv", False, False)}
-    for env, keyword, split in (("1", None, True), ("0", None, False), ("1", False, False), ("0", True, True)):
+
+    def kinds():
+        return {(key[0], *key[len(sat._config_key(q)) + 1:]) for key in sat._CHOSEN}
+
+    for env, split in (("1", True), ("0", False)):
         for variable in VARIANT_VARIABLES:
             monkeypatch.setenv(variable, env)
-        monkeypatch.setenv(LOGITS_VARIABLE, "split" if env == "1" else "duplicated")
+        monkeypatch.setenv(LOGITS_VARIABLE, "split" if split else "duplicated")
         sat._CHOSEN.clear()
-        layout = None if keyword is None else ("split" if keyword else "duplicated")
-        out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits=layout, index_ahead=keyword,
-                                        lazy_rescale=keyword)
-        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, dkv_one_product=keyword,
-                                   index_ahead=keyword)
-        kinds = {(key[0], *key[len(sat._config_key(q)) + 1:]) for key in sat._CHOSEN}
-        msg = f"seed={seed} env={env} keyword={keyword}"
-        assert kinds == (variants if split else plain), f"{msg}: {kinds}"
+        out, got = _op_gradients(q, kv, idx, sink, scale, tl_, dout, KernelOptions.resolve())
+        msg = f"seed={seed} env={env}"
+        assert kinds() == (variants if split else plain), f"{msg}: {kinds()}"
         assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out"
         assert all(rel_fro(a, b) < 1e-4 for a, b in zip(got, ref)), f"{msg}: gradients"
-    forward = lambda: sparse_attention_fwd(q, kv, idx, sink, scale, tl_)  # noqa: E731
-    backward = lambda: sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_)  # noqa: E731
-    for variable in VARIANT_VARIABLES:
-        monkeypatch.setenv(variable, "0")
-    monkeypatch.setenv(LOGITS_VARIABLE, "duplicated")
-    for variable, call in zip((*VARIANT_VARIABLES, LOGITS_VARIABLE), (backward, forward, backward, forward, forward)):
-        saved = os.environ[variable]
+    for variable in (*VARIANT_VARIABLES, LOGITS_VARIABLE):
+        monkeypatch.delenv(variable)
+    for split in (False, True):
+        sat._CHOSEN.clear()
+        out, _ = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits="split" if split else "duplicated",
+                                      index_ahead=split, lazy_rescale=split)
+        got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, dkv_one_product=split,
+                                   index_ahead=split)
+        msg = f"seed={seed} keywords={split}"
+        assert kinds() == (variants if split else plain), f"{msg}: {kinds()}"
+        assert rel_fro(out, ref_out) < 1e-4 and all(rel_fro(a, b) < 1e-4 for a, b in zip(got, ref)), msg
+    for variable in (*VARIANT_VARIABLES, LOGITS_VARIABLE):
         monkeypatch.setenv(variable, "yes")
         with pytest.raises(ValueError, match=f"^{variable}: .*'yes'"):
-            call()
-        monkeypatch.setenv(variable, saved)
+            KernelOptions.resolve()
+        monkeypatch.delenv(variable)
     with pytest.raises(ValueError, match="^logits: .*'heads'"):
         sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits="heads")
 

@@ -16,7 +16,7 @@ from dsv4cp.packing import PackedSeqs
 
 CALIBRATION = Path(__file__).resolve().parents[1] / "data" / "h200x2-flash-c-64k-records.jsonl"
 """Profile records measured on 2 x H200 (flash C layer, 64K tokens, fwd+bwd bf16, CP = 1 and 2; a copy of
-results/2026-11-30-norm-rope-h200x2/records.jsonl)."""
+results/2026-11-30-h200x2-norm-rope/records.jsonl)."""
 
 
 def _records() -> list[dict]:

@@ -23,7 +23,7 @@ from dsv4cp.model.memory import (
 
 FLASH = DSv4Config.preset("flash")
 RECORDS = Path(__file__).resolve().parents[1] / "data" / "h200x2-flash-c-64k-records.jsonl"
-"""Profile records measured on 2 x H200 (a copy of results/2026-11-30-norm-rope-h200x2/records.jsonl)."""
+"""Profile records measured on 2 x H200 (a copy of results/2026-11-30-h200x2-norm-rope/records.jsonl)."""
 
 
 def _split(cp: int, tokens: int = 65536, **kwargs) -> tuple[int, int]:

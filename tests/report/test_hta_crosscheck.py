@@ -23,7 +23,7 @@ from dsv4cp.report import load_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "h200x2-flash-c-async-trace-rank0.json.gz"
 """Rank 0's Kineto trace of a flash C layer step on 2 x H200, async overlap (a copy of
-results/2026-11-30-profile-h200x2-after/trace_async_rank0.json.gz)."""
+results/2026-11-30-h200x2-loss-target-kernels/trace_async_rank0.json.gz)."""
 _COPY_PREFIXES = ("Memcpy", "Memset")
 """Kineto's names of copy-engine and memset work."""
 

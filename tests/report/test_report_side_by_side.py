@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 from report_helpers import grid, write_run
@@ -69,3 +71,18 @@ def test_report_of_two_runs_writes_the_comparison_and_its_section(two_runs, tmp_
     summary = (tmp_path / "ab" / "summary.md").read_text()
     assert "## A vs B" in summary and "A = a, B = b" in summary
     assert f"{len(SHARED)} matched points" in summary and "1 regression" in summary
+
+
+def test_one_point_id_measured_with_other_kernels_is_not_matched():
+    # committed runs: the flash C 64K one-document point (id 8dd88e6e6397) before and after defaults changed
+    results = Path(__file__).resolve().parents[2] / "results"
+    a = results / "2026-12-02-h200-indexer-attention-variants" / "final" / "profile-auto-one"
+    b = results / "2026-12-02-h200-layer-defaults" / "layer" / "sweep"
+    table = side_by_side.comparison(load_runs([a, b]))
+    assert table.loc[table["match"] == side_by_side.MATCHED, "b_over_a"].isna().all()  # nothing paired across kernels
+    assert "8dd88e6e6397" in {r["point_id"] for r in read_records(a)} & {r["point_id"] for r in read_records(b)}
+    only_a = table[table["match"] == side_by_side.ONLY_A]
+    assert len(only_a) == 1 and (only_a["differences"].iloc[0]
+                                 == "kernels differ: indexer_loss_kl unknown (A) vs triton (B), indexer_loss_scores "
+                                    "unknown (A) vs selection (B), library_compact_slots unknown (A) vs 1 (B), "
+                                    "triton_bwd_index_ahead 0 (A) vs 1 (B), triton_dkv_one_product 0 (A) vs 1 (B)")

@@ -11,7 +11,7 @@ import yaml
 
 from dsv4cp.cli.main import main
 from dsv4cp.cp.launch import spawn
-from dsv4cp.layer import step as layer_step
+from dsv4cp.harness import build as layer_step
 from dsv4cp.records import read_records
 from dsv4cp.sweeps.measure import NonFiniteResult, measure_point
 from dsv4cp.sweeps.spec import RunOptions, make_point
@@ -107,3 +107,18 @@ def test_every_rank_raises_when_one_rank_is_not_finite() -> None:
     """Rank 0's own results are finite (a window layer, forward only), yet it raises with rank 1: no
     rank goes on alone into a later collective."""
     assert spawn(_poisoned_rank_1, 2) == ["non-finite output on rank 1"] * 2
+
+
+@pytest.mark.parametrize("partition", ["equal", "measured"])
+def test_profile_emulating_every_rank_exits_1_in_one_line_naming_what_is_not_finite(monkeypatch, tmp_path, capsys,
+                                                                                      partition: str) -> None:
+    monkeypatch.setattr(layer_step, "randomize_", _poisoning_randomize(layer_step.randomize_, "wkv.weight"))
+    out = tmp_path / "run"
+    args = ["profile", "--preset", "tiny", "--ratio", "0", "--tokens", "64", "--warmup", "0", "--reps", "1",
+            "--kernel-backend", "torch", "--cp", "2", "--emulate-rank", "all", "--partition", partition,
+            "--out", str(out)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err == ("dsv4cp profile: error: non-finite output on rank 0: the timed steps computed NaN or infinity, "
+                   "no record written\n"), err
+    assert not (out / "records.jsonl").exists()

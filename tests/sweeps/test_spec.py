@@ -3,6 +3,7 @@ YAML keys, run names that would leave runs/, and the points that cannot run (fou
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from dsv4cp.sweeps.spec import (
     parse_spec,
     point_problem,
 )
+from dsv4cp.sweeps.strict_yaml import MAX_ALIASED_VALUES
 
 SWEEPS = Path(__file__).resolve().parents[2] / "sweeps"
 
@@ -201,6 +203,41 @@ def test_merge_keys_still_override_without_being_duplicates(tmp_path):
                     + "exclude:\n  - {<<: *shared, cp: 2}\n")
     spec = load_spec(path)
     assert spec.exclude == ({"tokens": 64, "cp": 2},)  # the explicit key wins over the merged one
+
+
+def _alias_bomb(levels: int) -> str:
+    """A spec whose last anchor stands for 9 ** levels values in about 50 bytes a level."""
+    anchors = ["&a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    anchors += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "name: t\nbase: {tokens: 64}\ndescription:\n" + "".join(f"  - {anchor}\n" for anchor in anchors)
+
+
+@pytest.mark.parametrize("levels", [6, 12])  # 12: 9 ** 12 values, beyond any memory if expanded
+def test_aliases_expanding_a_spec_beyond_their_bound_are_refused_before_it_is_built(tmp_path, levels):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(levels))
+    started = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        load_spec(path)
+    assert time.monotonic() - started < 5  # counted on the written graph, not expanded
+    assert str(err.value).startswith(f"spec: {path}: its aliases (*name) expand it by "), str(err.value)[:300]
+    assert f"more than the {MAX_ALIASED_VALUES} allowed" in str(err.value)
+
+
+def test_an_alias_inside_its_own_anchor_is_refused(tmp_path):
+    path = tmp_path / "loop.yaml"
+    path.write_text("name: t\nbase: {tokens: 64}\ndescription: &loop [1, *loop]\n")
+    with pytest.raises(ValueError) as err:
+        load_spec(path)
+    assert str(err.value) == (f"spec: {path}: an alias refers to a value that contains it (the anchor at line 3): "
+                              "it would expand without end")
+
+
+def test_aliases_within_their_bound_still_load(tmp_path):
+    path = tmp_path / "shared.yaml"
+    path.write_text("name: t\nbase: {tokens: 64}\naxes: {ratio: [0, 4], seed: [0, 1]}\n"
+                    "exclude:\n  - &rule {ratio: 4, seed: 1}\n  - *rule\n")
+    assert load_spec(path).exclude == ({"ratio": 4, "seed": 1}, {"ratio": 4, "seed": 1})
 
 
 def test_a_spec_that_is_not_utf8_is_named(tmp_path):

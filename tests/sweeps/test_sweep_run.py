@@ -20,6 +20,7 @@ from dsv4cp.cli.main import main
 from dsv4cp.cp.launch import spawn
 from dsv4cp.profiling.overlap import KERNEL_COLUMNS
 from dsv4cp.records import COLUMNS, read_meta, read_records
+from dsv4cp.report.load import load_runs
 from dsv4cp.sweeps import runner
 from dsv4cp.sweeps.identity import spec_hash
 from dsv4cp.sweeps.measure import measure_point
@@ -145,9 +146,39 @@ def test_one_rank_skips_larger_cp_and_retries_errors_on_request(tmp_path, capsys
     args = ["sweep", str(spec), "--out", str(out), "--nproc", "1", "--resume", "--progress", "off"]
     assert main(args) == 1
     assert read_records(out) == records
-    assert main([*args, "--retry-errors"]) == 1  # measured again, failed again
+    assert main([*args, "--retry-errors"]) == 1  # measured again, failed again: its new record replaces the old
     again = read_records(out)
-    assert again[:3] == records and [r["point_id"] for r in again[3:]] == [records[1]["point_id"]]
+    assert [again[0], again[2]] == [records[0], records[2]] and again[1]["point_id"] == records[1]["point_id"]
+    assert again[1]["status"] == records[1]["status"]
+
+
+def test_a_retried_point_replaces_its_failed_record_keeping_every_other_line(tmp_path, monkeypatch, capsys):
+    spec = _write_spec(tmp_path / "retry.yaml", base={"tokens": 32, "ratio": 0, "pass": "fwd", "cp": 1},
+                       axes={"seed": [0, 1, 2]})
+    out = tmp_path / "run"
+    args = ["sweep", str(spec), "--out", str(out), "--nproc", "1", "--progress", "off"]
+    measure = runner.measure_under_partition
+
+    def failing_at_seed_1(point, *rest, **kwargs):
+        if point.seed == 1:
+            raise RuntimeError("injected failure")
+        return measure(point, *rest, **kwargs)
+
+    monkeypatch.setattr(runner, "measure_under_partition", failing_at_seed_1)
+    assert main(args) == 1
+    first = read_records(out)
+    assert [r["status"] for r in first] == ["ok", "error: RuntimeError: injected failure", "ok"]
+    with (out / "records.jsonl").open("a") as file:  # a line that is no record stays as it is
+        file.write("not a record\n")
+    monkeypatch.setattr(runner, "measure_under_partition", measure)
+    assert main([*args, "--resume", "--retry-errors"]) == 0
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and lines[3] == "not a record"
+    after = read_records(out, [])
+    assert [r["point_id"] for r in after] == [r["point_id"] for r in first]  # one record per point, in order
+    assert [after[0], after[2]] == [first[0], first[2]] and after[1]["status"] == "ok"
+    assert len(load_runs(out, [])) == 3  # the report's loader counts the spec's 3 points
+    assert "0 failed" in capsys.readouterr().out
 
 
 def test_a_point_the_run_died_in_is_retried_once_then_recorded_as_an_error(tmp_path):

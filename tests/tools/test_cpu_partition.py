@@ -13,7 +13,7 @@ from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cpu-partition"
-"""The CPU machine and the prefix-scan calibration of results/2026-12-01-cpu-partition-prefix (copies)."""
+"""The CPU machine and the prefix-scan calibration of results/2026-12-01-cpu-partition-prefix-topk (copies)."""
 
 
 def test_phase_clock_charges_the_innermost_open_range(monkeypatch):

@@ -15,7 +15,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_phase_vs_bound_reproduces_its_recorded_table(capsys):
-    """Inputs: the record of results/2026-12-01-h200-speed4/profile-auto (and its trace's overlap.csv); output:
+    """Inputs: the record of results/2026-12-01-h200-radix-topk-glue/profile-auto (and its trace's overlap.csv); output:
     that folder's phase_vs_bound.txt, under a title naming the point."""
     data = DATA / "phase-vs-bound"
     expected = (data / "phase_vs_bound.txt").read_text()
@@ -44,7 +44,7 @@ def test_phase_vs_bound_prices_the_records_own_packing(tmp_path, capsys):
 
 
 def test_partition_shares_reproduce_the_recorded_shares(capsys):
-    """Inputs and output: results/2026-12-01-cpu-partition-prefix/ (partition-cpu.csv, machine-cpu.json,
+    """Inputs and output: results/2026-12-01-cpu-partition-prefix-topk/ (partition-cpu.csv, machine-cpu.json,
     calibration-cpu-prefix.json; per_rank.txt)."""
     data = DATA / "cpu-partition"
     assert partition_shares.main(["--table", str(data / "partition-cpu.csv"), "--machine-file",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU regression baselines on ONE H200 (about 3-4 minutes): the kernels sweep at CP = 1 and the GPU-size
-# benchmarks. From the repository root on the GPU machine (optionally after installing the cuDNN / FlashMLA
-# wheels: a backend that is missing is recorded as an error point / skipped benchmark, and compare ignores it):
+# benchmarks. From the repository root (optionally with the cuDNN frontend / FlashMLA
+# installed: a backend that is missing is recorded as an error point / skipped benchmark, and compare ignores it):
 #   bash results/baselines/h200/run.sh results/baselines/h200
 # Gate a change against it later with results/baselines/README.md's commands.
 set -euo pipefail
