@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype, one_shape_at_a_time
 from dsv4cp.ops.attention_probs import head_summed_probs_torch
 
 # d_chunks launches (block_h, block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm) timed
@@ -92,15 +92,9 @@ def _triton_lse():
     return logsumexp_over_triton
 
 
-_INPUTS: dict = {}
-
-
+@one_shape_at_a_time
 def _inputs(shape: Shape):
     """Cached ``(q, keys, idx, scale, log_denominator)`` and the valid-slot count for the shape."""
-    key = (shape.name, bench_device().type)
-    if key in _INPUTS:
-        return _INPUTS[key]
-    _INPUTS.clear()
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(1234)
     t, h, d = shape.tokens, shape.heads, shape.dim
@@ -115,7 +109,6 @@ def _inputs(shape: Shape):
         idx[s:e] = scores.topk(shape.topk, dim=1).indices + t
     lden = torch.randn(t, h, device=device, generator=g) + 8.0
     entry = {"args": (q, keys, idx, d**-0.5, lden), "valid": int((idx >= 0).sum().item())}
-    _INPUTS[key] = entry
     return entry
 
 

@@ -62,12 +62,10 @@ output (``None`` on CPU); ``chunks`` / ``budget_bytes`` for the Triton paths.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype, one_shape_at_a_time
 from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.ops.indexer import indexer_topk
 
@@ -98,16 +96,9 @@ SHAPE_PARAMS = [pytest.param("tiny", id="tiny")] + [
 
 
 
-_INPUTS: dict = {}
-
-
+@one_shape_at_a_time
 def _inputs(shape: Shape) -> dict:
     """Cached inputs of one shape (the previous shape's are dropped first)."""
-    key = (shape.name, bench_device().type)
-    if key in _INPUTS:
-        return _INPUTS[key]
-    _INPUTS.clear()
-    gc.collect()
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(4242)
     t, hi, di, n = shape.tokens, shape.heads, shape.dim, shape.n_compressed
@@ -122,7 +113,6 @@ def _inputs(shape: Shape) -> dict:
     visible_pairs = int(query_limit.clamp_max(n).sum().item())
     entry = {"q": q, "w": w, "keys": keys, "query_doc": query_doc, "query_limit": query_limit,
              "key_doc": key_doc, "key_j": key_j, "visible_pairs": visible_pairs}
-    _INPUTS[key] = entry
     return entry
 
 

@@ -31,12 +31,10 @@ Di = 16, K = 8, fp32 (on CPU every variant runs the torch paths: the fused pass 
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype, one_shape_at_a_time
 from dsv4cp import kernel_options
 from dsv4cp.layer.indexer_loss import indexer_loss
 from dsv4cp.ops.attention_probs import head_summed_probs, logsumexp_over
@@ -56,17 +54,10 @@ SHAPES = {
 }
 SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("64k", id="64k", marks=GPU_ONLY)]
 
-_INPUTS: dict = {}
-
-
+@one_shape_at_a_time
 def _inputs(shape: Shape) -> dict:
     """Cached inputs of one shape: attention queries / key buffer / lse, indexer inputs, the top-k's
     selection and its scores, the target (for the ``prediction`` scope)."""
-    key = (shape.name, bench_device().type)
-    if key in _INPUTS:
-        return _INPUTS[key]
-    _INPUTS.clear()
-    gc.collect()
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(2024)
     t, n = shape.tokens, shape.n_compressed
@@ -95,7 +86,6 @@ def _inputs(shape: Shape) -> dict:
                  key_rows=key_rows.to(torch.int32),  # as the layer hands them (its attention index)
                  real=torch.ones(t, dtype=torch.bool, device=device),
                  window_idx=torch.zeros(t, 0, dtype=torch.int64, device=device))
-    _INPUTS[key] = entry
     return entry
 
 

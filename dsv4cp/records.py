@@ -20,6 +20,7 @@ peak, an MFU above 100%, a NaN throughput): :func:`impossible_values` names them
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -540,20 +541,56 @@ def _record_line(record: dict) -> bytes:
 
 
 def append_record(path: str | os.PathLike, record: dict) -> None:
-    """Append ``record`` as one JSON line, atomically: one ``os.write`` of the whole line on an
-    ``O_APPEND`` descriptor, then fsync, so a killed writer leaves at most a missing line, never
-    half of one mixed into the next. Creates the parent directory."""
+    """Append ``record`` as one JSON line, whole or not at all (:func:`append_bytes`), so neither a killed
+    writer nor a full disk leaves half a line for the next record to join. Creates the parent directory."""
     line = _record_line(record)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    append_bytes(path, line)
+
+
+def append_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Append ``data`` to ``path`` (created if missing) as a whole or not at all, then fsync.
+
+    One ``os.write`` on an ``O_APPEND`` descriptor takes the whole buffer unless the disk is full (or a
+    quota, or an I/O error, stops it part way): then the rest is written until the system says why, and
+    the part that did land is cut off again before that error is raised, naming ``path``, so the file
+    ends where it ended before. A kill between the write and the cut leaves a partial last line, which
+    every reader skips (:func:`read_records`) and a resumed sweep drops (:func:`drop_partial_line`)."""
+    path = Path(path)
+    fd = _opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        written = os.write(fd, line)
-        if written != len(line):  # a regular file takes the whole buffer; anything else is a disk error
-            raise OSError(f"{path}: wrote {written} of {len(line)} bytes")
-        os.fsync(fd)
+        start = os.fstat(fd).st_size
+        try:
+            _write_all(fd, data)
+        except OSError as err:
+            with contextlib.suppress(OSError):  # the cut frees space: it works when the write did not
+                os.ftruncate(fd, start)
+            raise _naming(err, path) from None
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` (a short write is followed by the rest, until the system says why it stops),
+    then fsync."""
+    rest = memoryview(data)[os.write(fd, data):]  # the whole line in one call, unless the disk is full
+    while rest:
+        rest = rest[os.write(fd, rest):]
+    os.fsync(fd)
+
+
+def _opened(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, flags, 0o644)
+    except OSError as err:
+        raise _naming(err, path) from None
+
+
+def _naming(err: OSError, path: Path) -> OSError:
+    """``err`` naming ``path`` (an ``os.write`` or ``fsync`` error names no file): the CLI's one line is
+    then ``PATH: No space left on device``."""
+    return OSError(err.errno, err.strerror or str(err), str(path))
 
 
 def finite_or_null(value: object) -> object:
@@ -591,27 +628,33 @@ def replace_record(path: str | os.PathLike, record: dict) -> bool:
             kept.append(line)
             replaced = True
     if replaced:
-        _replace_file(path, b"".join(kept))
+        write_file_atomically(path, b"".join(kept))
     return replaced
 
 
-def _replace_file(path: Path, data: bytes) -> None:
+def write_file_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: a temporary file beside it, fsynced, renamed over it (and
-    the directory fsynced, so the rename outlives a crash); the temporary file is removed on failure."""
+    the directory fsynced, so the rename outlives a crash); on any error (a full disk, a read-only
+    directory) the temporary file is removed, ``path`` keeps its old content, and the error names ``path``."""
+    path = Path(path)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
         os.replace(temporary, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except OSError as err:
+        raise _naming(err, path) from None
     finally:
-        temporary.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -736,16 +779,8 @@ def move_records(path: str | os.PathLike, to: str | os.PathLike, moved: Callable
             kept.append(line)
     if not taken:
         return 0
-    fd = os.open(to, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        data = b"".join(taken)
-        written = os.write(fd, data)
-        if written != len(data):  # a regular file takes the whole buffer; anything else is a disk error
-            raise OSError(f"{to}: wrote {written} of {len(data)} bytes")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _replace_file(path, b"".join(kept))
+    append_bytes(to, b"".join(taken))
+    write_file_atomically(path, b"".join(kept))
     return len(taken)
 
 
@@ -758,9 +793,7 @@ def write_meta(run_dir: str | os.PathLike, meta: dict) -> None:
     full["schema"] = SCHEMA_VERSION
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    temporary = run_dir / f".{META_FILE}.{os.getpid()}"
-    temporary.write_text(json.dumps(full, indent=2, default=str) + "\n")
-    os.replace(temporary, run_dir / META_FILE)
+    write_file_atomically(run_dir / META_FILE, (json.dumps(full, indent=2, default=str) + "\n").encode())
 
 
 def read_meta(run_dir: str | os.PathLike) -> dict:

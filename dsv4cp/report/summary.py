@@ -293,6 +293,17 @@ def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     }
 
 
+def _cpu_lines(df: pd.DataFrame) -> list[str]:
+    """Why CP > 1 is slower on a CPU machine, when a run's records ran on one (nothing otherwise)."""
+    machines = sorted({str(m) for m in df.loc[tables_module.on_cpu(df), "machine"]})
+    if not machines:
+        return []
+    return [f"**On a CPU machine ({', '.join(machines)}), CP > 1 is expected to be slower than CP = 1**: the ranks "
+            "are processes sharing the same host cores (on 2 cores, CP = 2 gives each rank one core where CP = 1 "
+            "had both) and their collectives copy through host memory (gloo), so scaling targets miss there. "
+            "A CPU run checks that every code path runs and agrees; how CP scales is measured on GPUs.", ""]
+
+
 def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dict[str, Plot],
                    table_dir: str = "tables", plot_dir: str = "plots") -> str:
     """``summary.md``'s text: runs, then :data:`SECTIONS` (headline, targets, diagnosis, where the time
@@ -300,7 +311,7 @@ def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dic
     (``plot_dir/NAME.png``), relative paths)."""
     report = ReportParts(df, tables, plots, table_dir, plot_dir)
     lines = [f"# dsv4cp report: {', '.join(tables_module.runs_of(df))}", "",
-             f"Hardware: {tables_module.hardware(df)}.", "", "## Runs", "",
+             f"Hardware: {tables_module.hardware(df)}.", "", *_cpu_lines(df), "## Runs", "",
              tables_module.to_markdown(_runs_table(df))]
     for section in SECTIONS:
         lines += section(report)

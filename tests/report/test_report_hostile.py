@@ -114,3 +114,14 @@ def test_records_are_strict_json_and_old_files_with_nan_still_load(tmp_path, see
     assert "NaN" in (run / "records.jsonl").read_text()
     frame = load_runs([run], problems := [])
     assert not problems and len(frame) == 1 and math.isnan(frame.loc[0, "phases"][0]["overlap_ratio"])
+
+
+def test_a_cpu_run_says_cp_above_one_is_expected_to_be_slower(tmp_path, seed):
+    points = grid(cp=[1, 2], tokens=[1024])
+    cpu = write_run(tmp_path / "cpu", points, seed=seed, machine="cpu-2core")
+    gpu = write_run(tmp_path / "gpu", points, seed=seed)
+    for run in (cpu, gpu):
+        assert main(["report", str(run)]) == 0
+    note = "**On a CPU machine (cpu-2core), CP > 1 is expected to be slower than CP = 1**"
+    assert note in (cpu / "report" / "summary.md").read_text()
+    assert "On a CPU machine" not in (gpu / "report" / "summary.md").read_text()
