@@ -37,7 +37,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype, one_shape_at_a_time
 from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import SparseAttentionBackend, available_backend, backend_names, resolve_backend
@@ -107,9 +107,6 @@ def _backend(name: str, shape: Shape):
         pytest.skip(str(exc))
 
 
-_INPUTS: dict = {}
-
-
 def _impl(name: str, shape: Shape, variants: dict) -> tuple[SparseAttentionBackend, KernelOptions]:
     """The backend ``name`` and the kernel options it runs with (the environment's, resolved once), or for a
     variant the triton backend with the variant's options over them."""
@@ -118,13 +115,10 @@ def _impl(name: str, shape: Shape, variants: dict) -> tuple[SparseAttentionBacke
     return _backend("triton", shape), KernelOptions.resolve(variants[name])
 
 
+@one_shape_at_a_time
 def _inputs(shape: Shape):
     """Cached (q, kv, idx, sink, scale, valid_keys) for the shape, plus (out, lse, dout) by the torch
     oracle for the backward benchmarks (made on first request)."""
-    key = (shape.name, bench_device().type)
-    if key in _INPUTS:
-        return _INPUTS[key]
-    _INPUTS.clear()  # one shape's tensors at a time (pro: several GiB)
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(1234)
     t, h, d = shape.tokens, shape.heads, shape.dim
@@ -145,7 +139,6 @@ def _inputs(shape: Shape):
     idx = torch.cat([window, selected], dim=1).to(torch.int32).contiguous()
     valid = int((idx >= 0).sum().item())
     entry = {"args": (q, kv, idx, sink, d**-0.5), "valid": valid}
-    _INPUTS[key] = entry
     return entry
 
 

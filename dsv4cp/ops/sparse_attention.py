@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4cp import choices, kernel_options, kernels
-from dsv4cp.kernel_options import OPTIONS, TILE, KernelOptions
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, OPTIONS, KernelOptions
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
@@ -170,9 +170,6 @@ def available_backend(name: str, device: torch.device) -> SparseAttentionBackend
 # before triton's first import.
 
 
-DEFAULT_OPTIONS = KernelOptions()
-"""The options of a call that names none (the registry's defaults; nothing read from the environment)."""
-
 OPTION_NAMES = ("triton_fwd_config", "triton_fwd_logits", "triton_fwd_index_ahead", "triton_fwd_lazy_rescale",
                 "triton_bwd_config", "triton_dkv_config", "triton_dq_in_dkv", "triton_dkv_one_product",
                 "triton_bwd_index_ahead", "library_compact_slots")
@@ -181,16 +178,13 @@ as arguments (:func:`option_values`), so a compiled graph holds them as constant
 
 
 def option_values(options: KernelOptions) -> tuple:
-    """``options``' values of :data:`OPTION_NAMES`, in order, as the custom ops take them (a tile as a list
-    of ints, ``[]`` for ``auto``)."""
-    return tuple(list(value or ()) if OPTIONS[name].kind == TILE else value
-                 for name in OPTION_NAMES for value in (getattr(options, name),))
+    """``options``' values of :data:`OPTION_NAMES`, in order, as the custom ops take them."""
+    return options.op_values(OPTION_NAMES)
 
 
 def options_of(values: tuple) -> KernelOptions:
     """The options the custom ops' ``values`` (:func:`option_values`) hold (every other option: its default)."""
-    return KernelOptions(**{name: (tuple(value) or None) if OPTIONS[name].kind == TILE else value
-                            for name, value in zip(OPTION_NAMES, values)})
+    return KernelOptions.from_op_values(OPTION_NAMES, values)
 
 
 def _tile(fields: tuple[str, ...], tile: tuple[int, ...] | None) -> dict[str, int]:
