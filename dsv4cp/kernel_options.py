@@ -241,6 +241,13 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "topk_length, so they skip the empty ones (1), or every slot with -1 where empty (0)", True),
     KernelOption("triton_bwd_index_ahead", "DSV4CP_TRITON_BWD_INDEX_AHEAD", FLAG, "sparse_attention",
                  "Triton attention backward's two kernels load each step's kv-row indices one step ahead (1)", True),
+    KernelOption("triton_bwd_dq_pass", "DSV4CP_TRITON_BWD_DQ_PASS", FLAG, "sparse_attention",
+                 "Triton attention backward (not deterministic) computes dq in its own pass after the scores "
+                 "kernel and the kv gradients in a pass without it (1), or dq beside the kv gradients (0)", True),
+    _tile("triton_kv_pass_config", "sparse_attention", ("block_k", "block_d", "num_warps", "num_stages"),
+          "pins the kv-gradient pass of the Triton attention backward with its own dq pass"),
+    _tile("triton_dq_pass_config", "sparse_attention", ("block_h", "block_d", "block_k", "num_warps", "num_stages"),
+          "pins the dq pass of the Triton attention backward with its own dq pass"),
     _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),
     _tile("triton_lse_config", "attention_probs", _KERNEL_TILE, "pins the log-sum-exp kernel"),
     KernelOption("triton_lse_kernel", "DSV4CP_TRITON_LSE_KERNEL", CHOICE, "attention_probs",
@@ -311,6 +318,9 @@ class KernelOptions:
     triton_dkv_one_product: bool = _default("triton_dkv_one_product")
     library_compact_slots: bool = _default("library_compact_slots")
     triton_bwd_index_ahead: bool = _default("triton_bwd_index_ahead")
+    triton_bwd_dq_pass: bool = _default("triton_bwd_dq_pass")
+    triton_kv_pass_config: tuple[int, ...] | None = _default("triton_kv_pass_config")
+    triton_dq_pass_config: tuple[int, ...] | None = _default("triton_dq_pass_config")
     triton_probs_config: tuple[int, ...] | None = _default("triton_probs_config")
     triton_lse_config: tuple[int, ...] | None = _default("triton_lse_config")
     triton_lse_kernel: str = _default("triton_lse_kernel")

@@ -173,7 +173,8 @@ def available_backend(name: str, device: torch.device) -> SparseAttentionBackend
 
 OPTION_NAMES = ("triton_fwd_config", "triton_fwd_logits", "triton_fwd_index_ahead", "triton_fwd_lazy_rescale",
                 "triton_bwd_config", "triton_dkv_config", "triton_dq_in_dkv", "triton_dkv_one_product",
-                "triton_bwd_index_ahead", "library_compact_slots")
+                "triton_bwd_index_ahead", "library_compact_slots", "triton_bwd_dq_pass", "triton_kv_pass_config",
+                "triton_dq_pass_config")
 """The kernel options the backends read: the custom ops (:mod:`.sparse_attention_library`) take their values
 as arguments (:func:`option_values`), so a compiled graph holds them as constants."""
 
@@ -221,6 +222,17 @@ def _triton_backward(deterministic: bool | None) -> Callable:
             kernel_options.note_backend("sparse_attention.bwd", "torch")
             return sparse_attention_torch.sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse,
                                                                     topk_length)
+        if options.triton_bwd_dq_pass and not (kernels.is_deterministic() if deterministic is None else deterministic):
+            from dsv4cp.kernels.sparse_attention_bwd_dq_pass_triton import (  # lazy: imports triton
+                DqPassConfig,
+                KvPassConfig,
+                sparse_attention_bwd_dq_pass,
+            )
+
+            kv_tile, dq_tile = options.triton_kv_pass_config, options.triton_dq_pass_config
+            return sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, topk_length,
+                                                kv_config=None if kv_tile is None else KvPassConfig(*kv_tile),
+                                                dq_config=None if dq_tile is None else DqPassConfig(*dq_tile))
         from dsv4cp.kernels.sparse_attention_triton import DkvConfig, sparse_attention_bwd  # lazy: imports triton
 
         dkv = options.triton_dkv_config
