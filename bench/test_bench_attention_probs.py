@@ -178,6 +178,7 @@ def test_head_summed_probs_layout(benchmark, measure, slots_on_m, monkeypatch):
     """The Triton kernel at the flash shape with its default tile, logits as ``q @ keys^T`` (heads on the
     matrix unit's M: the head sum crosses warps; ``DSV4CP_TRITON_PROBS_SLOTS_ON_M=0``) or ``keys @ q^T``
     (slots on M, the default since an H200 measured it 1.22x faster)."""
+    from dsv4cp.kernel_options import KernelOptions
     from dsv4cp.kernels.attention_probs_triton import SLOTS_ON_M_ENV
 
     monkeypatch.setenv(SLOTS_ON_M_ENV, slots_on_m)
@@ -187,10 +188,12 @@ def test_head_summed_probs_layout(benchmark, measure, slots_on_m, monkeypatch):
     q, keys, idx, scale, lden = entry["args"]
     benchmark.group = "indexer_loss.head_summed_probs.flash.layout"
     benchmark.extra_info.update(backend="triton", shape=shape.name, slots_on_m=slots_on_m == "1", dtype=str(q.dtype))
-    fn(q, keys, idx, scale, lden, kernel="whole_d")
+    on_m = KernelOptions.resolve().triton_probs_slots_on_m
+    fn(q, keys, idx, scale, lden, kernel="whole_d", slots_on_m=on_m)
     rounds, warmup = _rounds()
-    measure(lambda: fn(q, keys, idx, scale, lden, kernel="whole_d"), None, flops=_flops(shape, entry["valid"]),
-            bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup, device=q.device)
+    measure(lambda: fn(q, keys, idx, scale, lden, kernel="whole_d", slots_on_m=on_m), None,
+            flops=_flops(shape, entry["valid"]), bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds,
+            warmup_rounds=warmup, device=q.device)
 
 
 def _kernel_id(variant) -> str:

@@ -92,7 +92,8 @@ def _inputs(shape: Shape) -> dict:
 def _step(entry: dict, scope: str, options: dict):
     """A no-argument callable: one forward + backward of ``scope`` under ``options``."""
     leaves = [entry[name].detach().clone().requires_grad_(True) for name in ("index_q", "index_w", "index_keys")]
-    selection = entry["scores"] if options["indexer_loss_scores"] == "selection" else None
+    resolved = kernel_options.KernelOptions.resolve(options)
+    selection = entry["scores"] if resolved.indexer_loss_scores == "selection" else None
     weight = entry["real"].to(torch.float32)
 
     def loss():
@@ -101,21 +102,21 @@ def _step(entry: dict, scope: str, options: dict):
                             scored_entries=entry["selected"], attention_lse=entry["lse"], sink=entry["sink"],
                             scale=entry["scale"], index_q=leaves[0], index_w=leaves[1], index_keys=leaves[2],
                             real=entry["real"], global_real_tokens=entry["q"].shape[0], coeff=1e-2,
-                            selection_scores=selection, scored_key_rows=entry["key_rows"])
+                            selection_scores=selection, scored_key_rows=entry["key_rows"], options=resolved)
 
     def prediction():
         idx = entry["selected"]
-        scores = indexer_scores(*leaves, idx) if selection is None else indexer_scores_given(*leaves, idx, selection)
-        return indexer_kl(entry["target"], scores, idx >= 0, weight)
+        scores = (indexer_scores(*leaves, idx, options=resolved) if selection is None
+                  else indexer_scores_given(*leaves, idx, selection, options=resolved))
+        return indexer_kl(entry["target"], scores, idx >= 0, weight, impl=resolved.indexer_loss_kl)
 
     body = loss if scope == "loss" else prediction
 
     def step():
         for leaf in leaves:
             leaf.grad = None
-        with kernel_options.overrides(options):
-            value = body()
-            value.backward()
+        value = body()
+        value.backward()
         return value
 
     return step

@@ -90,7 +90,8 @@ def capture_trace(
     """Profile ``warmup + steps`` calls of ``step_fn`` and write the last ``steps`` to ``rank{R}.json``.
 
     Activities are CPU plus CUDA when CUDA is available. ``rank`` defaults to the
-    torch.distributed rank (0 without it). Returns the written file's path.
+    torch.distributed rank (0 without it). Returns the written file's path; ``OSError`` naming it when the
+    profiler could not write it (Kineto only logs that).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -117,6 +118,10 @@ def capture_trace(
             if on_gpu:
                 torch.cuda.synchronize()  # keep each step's kernels inside the step in the trace
             prof.step()
+    if not path.is_file():  # Kineto logs a failed write (a full disk) on stderr and returns as if it wrote
+        Path(f"{path}.tmp").unlink(missing_ok=True)  # what it wrote before it stopped
+        raise OSError(0, "the profiler could not write its trace (is the disk full, or the folder not writable?)",
+                      str(path))
     return path
 
 
