@@ -14,7 +14,8 @@ import math
 import pandas as pd
 
 NOT_CHECKED = ""
-"""The headline's parity cell of a point that was not checked (CP = 1, or no ``--check``)."""
+"""The headline's parity cell of a point that was not checked (no ``--check``; before the check compared
+against fp64, CP = 1 points were never checked)."""
 
 FAILURE_COLUMNS: tuple[str, ...] = ("point_id", "quantity", "max_rel_error", "cosine", "worst")
 
