@@ -317,7 +317,7 @@ def report(figures: dict, plan: Plan, commit: str, why: str) -> tuple[list[str],
     cases, gate = figures["cases"], figures["gate"]
     confidence = 1 - plan.alpha / len(cases)
     lines = [f"gate: base {commit[:12]} ({why}) vs head; {plan.rounds} step pairs per comparison, "
-             f"interval {100 * confidence:.3g}% (alpha {plan.alpha:g} / {len(cases)} cases), threshold "
+             f"interval {100 * confidence:.4g}% (alpha {plan.alpha:g} / {len(cases)} cases), threshold "
              f"{100 * plan.threshold:g}%; times are process CPU ms of one step"]
     if figures["defaults"]:
         lines.append("gate: kernel option defaults differ (the A/B ratios below are old vs new default): "
