@@ -74,6 +74,18 @@ class _PhaseClock:
             self.seconds += time.process_time() - self._open.pop(phase)
 
 
+def _point_step(point, cfg, lengths, packed, split, device, group):
+    """The point's step as the sweep builds it: through its harness Case where the tree has one, else
+    (an older base) through ``point_step``."""
+    from dsv4cp.sweeps import measure
+
+    if hasattr(measure, "point_case"):
+        from dsv4cp.harness.build import build_step
+
+        return build_step(measure.point_case(point, cfg, lengths, split, device), cp_group=group, device=device)
+    return measure.point_step(point, cfg, packed, split, device, group)
+
+
 def _cpu_ms(step) -> float:
     start = time.process_time()
     step()
@@ -88,7 +100,7 @@ class Case:
         from dsv4cp.model.machine import CPU_ESTIMATE
         from dsv4cp.packing import PackedSeqs
         from dsv4cp.profiling import nvtx
-        from dsv4cp.sweeps.measure import point_split, point_step
+        from dsv4cp.sweeps.measure import point_split
         from dsv4cp.sweeps.spec import point_inputs
 
         self.point, self.options = point, dict(point.kernel_options or {})
@@ -96,7 +108,7 @@ class Case:
         packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
         split = point_split(point, cfg, lengths)
         with self._in_force(kernel_options):
-            self.step = point_step(point, cfg, packed, split, device, group if point.cp > 1 else None)
+            self.step = _point_step(point, cfg, lengths, packed, split, device, group if point.cp > 1 else None)
             for _ in range(2):  # warm-up: first-call allocations and caches
                 self.step()
             clock = _PhaseClock()
