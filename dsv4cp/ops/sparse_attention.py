@@ -20,6 +20,7 @@ from dsv4cp.kernel_options import DEFAULT_OPTIONS, OPTIONS, KernelOptions
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
+from dsv4cp.profiling.injection import injected_slowdown
 from dsv4cp.profiling.nvtx import nvtx_range
 
 
@@ -172,7 +173,8 @@ def available_backend(name: str, device: torch.device) -> SparseAttentionBackend
 
 OPTION_NAMES = ("triton_fwd_config", "triton_fwd_logits", "triton_fwd_index_ahead", "triton_fwd_lazy_rescale",
                 "triton_bwd_config", "triton_dkv_config", "triton_dq_in_dkv", "triton_dkv_one_product",
-                "triton_bwd_index_ahead", "library_compact_slots")
+                "triton_bwd_index_ahead", "library_compact_slots", "triton_bwd_dq_pass", "triton_kv_pass_config",
+                "triton_dq_pass_config")
 """The kernel options the backends read: the custom ops (:mod:`.sparse_attention_library`) take their values
 as arguments (:func:`option_values`), so a compiled graph holds them as constants."""
 
@@ -220,6 +222,17 @@ def _triton_backward(deterministic: bool | None) -> Callable:
             kernel_options.note_backend("sparse_attention.bwd", "torch")
             return sparse_attention_torch.sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse,
                                                                     topk_length)
+        if options.triton_bwd_dq_pass and not (kernels.is_deterministic() if deterministic is None else deterministic):
+            from dsv4cp.kernels.sparse_attention_bwd_dq_pass_triton import (  # lazy: imports triton
+                DqPassConfig,
+                KvPassConfig,
+                sparse_attention_bwd_dq_pass,
+            )
+
+            kv_tile, dq_tile = options.triton_kv_pass_config, options.triton_dq_pass_config
+            return sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, topk_length,
+                                                kv_config=None if kv_tile is None else KvPassConfig(*kv_tile),
+                                                dq_config=None if dq_tile is None else DqPassConfig(*dq_tile))
         from dsv4cp.kernels.sparse_attention_triton import DkvConfig, sparse_attention_bwd  # lazy: imports triton
 
         dkv = options.triton_dkv_config
@@ -256,7 +269,8 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, idx, sink, scale, topk_length, backend, options):
         kernel_options.note_backend("sparse_attention.fwd", backend.direction_names[0])
-        out, lse = backend.forward(q, kv, idx, sink, scale, topk_length, options=options)  # in the caller's range
+        with injected_slowdown("sparse_attn", options.inject_slowdown):  # in the caller's range
+            out, lse = backend.forward(q, kv, idx, sink, scale, topk_length, options=options)
         ctx.save_for_backward(q, kv, idx, sink, out, lse, topk_length)
         ctx.scale, ctx.backend, ctx.options = scale, backend, options
         ctx.mark_non_differentiable(lse)
@@ -266,7 +280,7 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, kv, idx, sink, out, lse, topk_length = ctx.saved_tensors
         kernel_options.note_backend("sparse_attention.bwd", ctx.backend.direction_names[1])
-        with nvtx_range("sparse_attn.bwd"):
+        with nvtx_range("sparse_attn.bwd"), injected_slowdown("sparse_attn", ctx.options.inject_slowdown):
             dq, dkv, dsink = ctx.backend.backward(dout.contiguous(), q, kv, idx, sink, ctx.scale, out, lse, topk_length,
                                                   options=ctx.options)
         return dq, dkv, None, dsink, None, None, None, None

@@ -24,7 +24,7 @@ needs_triton = pytest.mark.skipif(not triton_available("cpu"), reason="needs Tri
 @needs_triton
 def test_layer_backward_runs_with_its_options(seed):
     cfg = DSv4Config.preset("tiny")
-    pin = {"triton_bwd_config": "16,16,4,1", "triton_dq_in_dkv": "0"}
+    pin = {"triton_bwd_config": "16,16,4,1", "triton_dq_in_dkv": "0", "triton_bwd_dq_pass": "0"}
     torch.manual_seed(seed)
     layer = DSv4Attention(cfg, 4, backend="triton", kernel_options=KernelOptions.resolve(pin))
     x = torch.randn(32, cfg.hidden, requires_grad=True)
@@ -50,7 +50,7 @@ def test_sparse_attention_options_reach_both_directions(seed):
     idx = torch.randint(-1, 10, (6, 7), generator=gen, dtype=torch.int32)
     sink = torch.randn(2, generator=gen, requires_grad=True)
     kernel_options.reset_backends_ran()
-    options = KernelOptions(triton_fwd_config=(16, 16, 4, 1), triton_dq_in_dkv=False)
+    options = KernelOptions(triton_fwd_config=(16, 16, 4, 1), triton_dq_in_dkv=False, triton_bwd_dq_pass=False)
     out, _ = sparse_attention(q, kv, idx, sink, 0.25, backend="triton", options=options)
     out.sum().backward()
     ran = kernel_options.backends_ran()
