@@ -113,8 +113,14 @@ def test_spawn_raises_a_ranks_disk_error_as_itself_and_names_a_killed_rank():
     assert time.monotonic() - started < 250  # the other rank was stopped, not waited for (300 s)
 
 
-@pytest.mark.parametrize("target", ["process", "group"])
-def test_an_interrupt_stops_the_sweep_promptly_keeping_its_records(tmp_path, target):
+@pytest.mark.parametrize(("target", "signum", "last_line"), [
+    ("process", signal.SIGINT, "dsv4cp sweep: interrupted"),
+    ("group", signal.SIGINT, "dsv4cp sweep: interrupted"),
+    ("process", signal.SIGTERM, "dsv4cp sweep: stopped by SIGTERM"),
+    ("group", signal.SIGTERM, "dsv4cp sweep: stopped by SIGTERM"),
+    ("process", signal.SIGHUP, "dsv4cp sweep: stopped by SIGHUP"),
+])
+def test_a_stop_signal_ends_the_sweep_promptly_keeping_its_records(tmp_path, target, signum, last_line):
     spec = _spec(tmp_path / "long.yaml", cp=2, seeds=30)
     out = tmp_path / "run"
     command = [sys.executable, "-m", "dsv4cp", "sweep", str(spec), "--out", str(out), "--progress", "off"]
@@ -127,14 +133,14 @@ def test_an_interrupt_stops_the_sweep_promptly_keeping_its_records(tmp_path, tar
                 break
             time.sleep(0.05)
         assert process.poll() is None, "the sweep ended before it could be interrupted"
-        (os.kill if target == "process" else os.killpg)(process.pid, signal.SIGINT)
+        (os.kill if target == "process" else os.killpg)(process.pid, signum)
         stdout, stderr = process.communicate(timeout=60)  # every remaining point would take minutes
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert process.returncode == 130, stderr
-    assert stderr.strip().splitlines()[-1] == "dsv4cp sweep: interrupted", stderr
+    assert process.returncode == 128 + signum, stderr
+    assert stderr.strip().splitlines()[-1] == last_line, stderr
     problems = []
     kept = read_records(out, problems)
     assert 2 <= len(kept) < 30 and not problems
