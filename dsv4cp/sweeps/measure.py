@@ -41,7 +41,7 @@ from dsv4cp.layer import AttentionOutput
 from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
-from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, this_machine
+from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, physical_limits, this_machine
 from dsv4cp.model.partition import policy_split
 from dsv4cp.ops.determinism import deterministic_backend
 from dsv4cp.ops.sparse_attention import resolve_backend
@@ -202,7 +202,9 @@ def measure_point(
 
     ``machine``: the ceilings of the model bound and MFU (default: the machine this process runs on,
     :func:`~dsv4cp.model.machine.this_machine`; where it has none, no bound: ``bound_ms``,
-    ``measured_over_bound`` and ``bound_machine`` stay None); MFU is left None off GPU, where that
+    ``measured_over_bound``, ``bound_measured_ms``, ``measured_over_measured_bound`` and ``bound_machine``
+    stay None; ``bound_ms`` is at the machine's physical limits, :func:`~dsv4cp.model.machine.physical_limits`,
+    ``bound_measured_ms`` at its own ceilings); MFU is left None off GPU, where that
     ceiling means nothing. ``trace_dir``: write a Kineto trace per
     rank under it and fill the overlap metrics. ``nsys``: also run ``run.nsys_steps`` steps inside
     ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``). ``on_step``: called
@@ -278,6 +280,8 @@ def _measure(
         split.validate(point.tokens, point.cp, floor_rows(cfg, point.ratio, point.cp, None), field="split")
     # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
     bound = estimate(cfg, point.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(point.direction)
+    physical = None if machine is None else estimate(cfg, point.ratio, packed, cp, physical_limits(machine),
+                                                     split=split).summary(point.direction)
     resolved = {"sparse_attention": resolve_backend(point_backend(point, cfg, device), device,
                                                     head_dim=cfg.head_dim).name}
     if device.type == "cuda":
@@ -326,9 +330,10 @@ def _measure(
         "split": list(split.bounds),
         "calibration": calibration.label if calibration is not None and point.partition != "equal" else None,
         "model_flops": bound.model_flops, "bound_machine": None if machine is None else machine.name,
-        "bound_ms": None if machine is None else bound.bound_overlap_s * 1e3,
-        "measured_over_bound": seconds / bound.bound_overlap_s if machine is not None and bound.bound_overlap_s > 0
-        else None,
+        "bound_ms": None if physical is None else physical.bound_overlap_s * 1e3,
+        "measured_over_bound": _over(seconds, physical),
+        "bound_measured_ms": None if machine is None else bound.bound_overlap_s * 1e3,
+        "measured_over_measured_bound": _over(seconds, bound if machine is not None else None),
         "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],
         "compile_s": compiled.seconds if compiled else None,
         "graph_breaks": compiled.graph_breaks if compiled else None,
@@ -381,6 +386,11 @@ def _measure(
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
     return Measurement(metrics, resolved, overlap, attribution, kernel_options=options, backends=backends)
+
+
+def _over(seconds: float, bound) -> float | None:
+    """A measured time over a bound's (a :class:`~dsv4cp.model.DirectionSummary`'s), None without one."""
+    return seconds / bound.bound_overlap_s if bound is not None and bound.bound_overlap_s > 0 else None
 
 
 def _raise_if_nonfinite(per_rank: list[list[str]]) -> None:

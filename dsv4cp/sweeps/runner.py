@@ -411,7 +411,9 @@ def _line(index: int, total: int, point: Point, record: dict) -> str:
     """One printed line per recorded point."""
     status = record["status"]
     if status == STATUS_OK:
-        status = f"{record['time_ms_median']:.4g} ms (model bound {record['bound_ms']:.3g} ms)"
+        status = f"{record['time_ms_median']:.4g} ms" + (
+            f" (model bound {record['bound_ms']:.3g} ms at the physical limits, {record['bound_measured_ms']:.3g} ms "
+            "at the measured ceilings)" if record["bound_ms"] is not None else "")
     return f"[{index + 1}/{total}] {point.point_id} {point.label()}: {status}"
 
 
