@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -17,3 +19,29 @@ def bench_device() -> torch.device:
 def bench_dtype() -> torch.dtype:
     """bf16 on the GPU (what the model runs in); fp32 for the tiny CPU cases under the interpreter."""
     return torch.bfloat16 if HAS_CUDA else torch.float32
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark shape: ``tokens`` query rows of ``heads`` heads of width ``dim``, each reading ``topk``
+    selected compressed entries out of ``n_compressed`` (ratio 4), plus ``window`` sliding-window slots
+    (sparse attention) and an indexer of ``index_heads`` heads of width ``index_dim`` (indexer loss)."""
+
+    name: str
+    tokens: int
+    heads: int
+    dim: int
+    topk: int
+    window: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
+
+    @property
+    def n_compressed(self) -> int:
+        """Compressed entries of a ratio-4 layer over ``tokens`` rows, at least ``topk`` (tiny shapes)."""
+        return max(self.tokens // 4, self.topk)
+
+    @property
+    def kt(self) -> int:
+        """Slots per query of the sparse attention: the window's, then the selected entries'."""
+        return self.window + self.topk

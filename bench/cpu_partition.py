@@ -1,6 +1,6 @@
 """Per-rank CPU time of a C layer under the equal and the balanced (calibrated) split, gloo ranks.
 
-Each rank runs the suite's training step (:mod:`dsv4cp.layer.step`, fwd+bwd) on one thread and times
+Each rank runs the suite's training step (:mod:`dsv4cp.harness.build`, fwd+bwd) on one thread and times
 it with ``time.thread_time`` (the CPU time of the calling thread: its compute, not the waits in gloo's
 collectives), so the per-rank work shows even when all ranks share two cores; this clock, not the
 suite's wall-clock timer, because the ranks' waits are what it must leave out. Printed and written
@@ -34,11 +34,11 @@ from dsv4cp.cli.common import HelpFormatter
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.launch import spawn
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.layer.step import build_step
+from dsv4cp.harness.build import build_step
+from dsv4cp.harness.case import Case
 from dsv4cp.model import BOTH, Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.partition import policy_split
-from dsv4cp.packing import PackedSeqs
 from dsv4cp.profiling.nvtx import full_name, set_phase_listener
 from dsv4cp.workloads import packing_lengths
 
@@ -71,8 +71,9 @@ def rank_cpu_ms(cfg, ratio, lengths, tokens, split, warmup, reps, seed, clock=No
     """Median CPU milliseconds of this rank's fwd+bwd steps (one process: no group; ``clock``: a phase
     listener told of the timed steps' ranges)."""
     group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-    step = build_step(cfg, ratio, PackedSeqs.from_lengths(lengths, total=tokens), seed=seed, backward=True,
-                      cp_group=group, split=split)
+    case = Case(cfg=cfg, ratio=ratio, lengths=tuple(lengths), total=tokens, seed=seed,
+                split=split.bounds if split is not None else None)
+    step = build_step(case, cp_group=group)
     times = []
     for index in range(warmup + reps):
         if group is not None:

@@ -34,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from dsv4cp.config import DSv4Config  # noqa: E402
-from dsv4cp.layer.step import build_step  # noqa: E402
+from dsv4cp.harness.build import build_step  # noqa: E402
+from dsv4cp.harness.case import Case  # noqa: E402
 from dsv4cp.packing import PackedSeqs  # noqa: E402
 from dsv4cp.profiling import nvtx  # noqa: E402
 from host_reads import HostReads  # noqa: E402  (tests/ helper, found through the path above)
@@ -171,7 +172,8 @@ def measure(tokens: int, docs: int, triton: bool, recompute: bool, reps: int) ->
     """One counted step (ops, launches, host reads), then ``reps`` timed steps (median ms per phase)."""
     packed = PackedSeqs.from_lengths(_lengths(tokens, docs), total=tokens)
     backend = "triton" if triton else "torch"
-    step = build_step(CFG, 4, packed, seed=0, backward=True, backend=backend, recompute=recompute)
+    step = build_step(Case(cfg=CFG, ratio=4, lengths=tuple(packed.lengths()), total=tokens, seed=0, backend=backend,
+                           recompute=recompute))
     paths = _cuda_path_on_cpu() if triton else contextlib.nullcontext()
     with paths:
         step()  # warm-up: kernels built, configurations chosen

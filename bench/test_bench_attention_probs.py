@@ -22,12 +22,10 @@ for the log-sum-exp kernels (:data:`LSE_CHUNK_VARIANTS`, same inputs and byte co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
 from dsv4cp.ops.attention_probs import head_summed_probs_torch
 
 # d_chunks launches (block_h, block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm) timed
@@ -66,19 +64,6 @@ LSE_CHUNK_VARIANTS = [
     (64, 512, 32, 8, 7, 1),  # every slot in one step: q read once per query
     (64, 64, 64, 4, 5, 2),
 ]
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int
-    heads: int
-    dim: int
-    k: int
-
-    @property
-    def n_compressed(self) -> int:
-        return max(self.tokens // 4, self.k)
 
 
 SHAPES = {
@@ -122,12 +107,12 @@ def _inputs(shape: Shape):
     q = torch.randn(t, h, d, device=device, generator=g)
     q = (q * d**0.5 / q.norm(dim=-1, keepdim=True)).to(dtype)  # per-head RMS-normalised, as in the model
     keys = torch.randn(t + shape.n_compressed, d, device=device, generator=g).to(dtype)
-    idx = torch.empty(t, shape.k, dtype=torch.int64, device=device)
+    idx = torch.empty(t, shape.topk, dtype=torch.int64, device=device)
     step = max(1, 2**28 // (4 * shape.n_compressed))  # random scores in blocks of <= 256 MiB
     for s in range(0, t, step):
         e = min(s + step, t)
         scores = torch.rand(e - s, shape.n_compressed, device=device, generator=g)
-        idx[s:e] = scores.topk(shape.k, dim=1).indices + t
+        idx[s:e] = scores.topk(shape.topk, dim=1).indices + t
     lden = torch.randn(t, h, device=device, generator=g) + 8.0
     entry = {"args": (q, keys, idx, d**-0.5, lden), "valid": int((idx >= 0).sum().item())}
     _INPUTS[key] = entry
@@ -140,7 +125,7 @@ def _flops(shape: Shape, valid: int) -> float:
 
 def _bytes(shape: Shape, valid: int) -> float:
     el = torch.finfo(bench_dtype()).bits // 8
-    t, h, k = shape.tokens, shape.heads, shape.k
+    t, h, k = shape.tokens, shape.heads, shape.topk
     return t * h * shape.dim * el + t * k * 8 + t * h * 4 + t * k * 4 + valid * shape.dim * el
 
 
@@ -157,7 +142,7 @@ def test_head_summed_probs(benchmark, measure, shape_name, backend):
     q, keys, idx, scale, lden = entry["args"]
     benchmark.group = f"indexer_loss.head_summed_probs.{shape.name}"
     benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, H=shape.heads, D=shape.dim,
-                                K=shape.k, valid_slots=entry["valid"], dtype=str(q.dtype))
+                                K=shape.topk, valid_slots=entry["valid"], dtype=str(q.dtype))
     fn(q, keys, idx, scale, lden)  # compile / first-call costs outside the timing
     rounds, warmup = _rounds()
     out = measure(lambda: fn(q, keys, idx, scale, lden), None, flops=_flops(shape, entry["valid"]),

@@ -63,12 +63,11 @@ output (``None`` on CPU); ``chunks`` / ``budget_bytes`` for the Triton paths.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
 from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.ops.indexer import indexer_topk
 
@@ -84,19 +83,6 @@ _SELECT = {"triton-chunked-radix": "radix", "triton-chunked-radix-bounded": "rad
 
 _SELECT_VARIANT = {"triton-chunked-radix": "plain", "triton-chunked-radix-bounded": "bounded"}
 """``DSV4CP_TOPK_SELECT_VARIANT`` per backend (the radix select's kernel; the others run the default)."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int
-    heads: int
-    dim: int
-    topk: int
-
-    @property
-    def n_keys(self) -> int:
-        return self.tokens // 4
 
 
 SHAPES = {
@@ -124,7 +110,7 @@ def _inputs(shape: Shape) -> dict:
     gc.collect()
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(4242)
-    t, hi, di, n = shape.tokens, shape.heads, shape.dim, shape.n_keys
+    t, hi, di, n = shape.tokens, shape.heads, shape.dim, shape.n_compressed
     q = torch.randn(t, hi, di, device=device, generator=g).to(dtype)
     keys = torch.randn(n, di, device=device, generator=g).to(dtype)
     w = torch.randn(t, hi, device=device, generator=g) * (hi * di) ** -0.5
@@ -222,7 +208,7 @@ def _bytes(shape: Shape, entry: dict) -> float:
     """Logical traffic: q, w, keys read once, the [T, K] int64 selection written once."""
     el = entry["q"].element_size()
     t, hi, di = shape.tokens, shape.heads, shape.dim
-    return t * hi * di * el + t * hi * 4 + shape.n_keys * di * el + t * shape.topk * 8
+    return t * hi * di * el + t * hi * 4 + shape.n_compressed * di * el + t * shape.topk * 8
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -252,7 +238,7 @@ def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
     fn()  # compile / pick a configuration outside the timing
     peak = _peak_extra_bytes(fn)
     benchmark.extra_info.update(
-        backend=backend, shape=shape.name, T=shape.tokens, Hi=shape.heads, Di=shape.dim, G=shape.n_keys,
+        backend=backend, shape=shape.name, T=shape.tokens, Hi=shape.heads, Di=shape.dim, G=shape.n_compressed,
         K=shape.topk, dtype=str(entry["q"].dtype), visible_pairs=entry["visible_pairs"],
         peak_extra_bytes=peak, peak_extra_gib=None if peak is None else peak / 2**30, **info,
     )
@@ -261,7 +247,7 @@ def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
                   warmup_rounds=warmup, device=entry["q"].device)
     if not backend.startswith("triton-score"):
         assert out.shape == (shape.tokens, shape.topk) and out.dtype == torch.int64
-        assert ((out >= -1) & (out < shape.n_keys)).all()
+        assert ((out >= -1) & (out < shape.n_compressed)).all()
 
 
 PACKED_DOCS = 16
@@ -283,7 +269,7 @@ def test_indexer_topk_packed(benchmark, measure, variant, monkeypatch):
     monkeypatch.setenv(_VARIANT_ENV, variant)
     shape = SHAPES["64k"]
     entry = _inputs(shape)
-    t, n = shape.tokens, shape.n_keys
+    t, n = shape.tokens, shape.n_compressed
     doc_tokens, doc_keys = t // PACKED_DOCS, n // PACKED_DOCS
     pos = torch.arange(t, device=entry["q"].device)
     key_rows = torch.arange(n, device=pos.device)
@@ -326,7 +312,7 @@ def _time_pinned_tile(benchmark, measure, cfg, group: str, backend: str, run_wit
         pytest.skip(f"{cfg}: does not fit ({exc})")
     benchmark.group = group
     benchmark.extra_info.update(backend=backend, config=list(cfg), T=shape.tokens, Hi=shape.heads, Di=shape.dim,
-                                G=shape.n_keys, visible_pairs=entry["visible_pairs"], **extra)
+                                G=shape.n_compressed, visible_pairs=entry["visible_pairs"], **extra)
     rounds, warmup = _rounds(shape)
     measure(run, None, flops=2.0 * shape.heads * shape.dim * entry["visible_pairs"],
             bytes_moved=_bytes(shape, entry), rounds=rounds, warmup_rounds=warmup, device=entry["q"].device)
@@ -415,7 +401,7 @@ def _time_selection(benchmark, measure, shape_name: str, backend: str, config, g
     select()  # compile outside the timing
     benchmark.group = group
     buffer_bytes = sum(block.numel() * block.element_size() for _, _, block in chunks)
-    benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, G=shape.n_keys, K=shape.topk,
+    benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, G=shape.n_compressed, K=shape.topk,
                                 chunks=len(chunks), buffer_bytes=buffer_bytes,
                                 visible_pairs=entry["visible_pairs"])
     rounds, warmup = _rounds(shape)
@@ -495,7 +481,7 @@ def _selection(shape: Shape, entry: dict) -> tuple[torch.Tensor, torch.Tensor, i
     visible ones (``-1`` beyond), and a random upstream gradient, zero at the empty slots."""
     device = entry["q"].device
     g = torch.Generator(device=device).manual_seed(99)
-    limit = entry["query_limit"].clamp_max(shape.n_keys)
+    limit = entry["query_limit"].clamp_max(shape.n_compressed)
     slots = torch.arange(shape.topk, device=device)
     idx = (torch.rand(shape.tokens, shape.topk, device=device, generator=g) * limit[:, None]).long()
     idx = torch.where(slots[None, :] < limit[:, None], idx, -1)

@@ -32,12 +32,11 @@ Di = 16, K = 8, fp32 (on CPU every variant runs the torch paths: the fused pass 
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
 from dsv4cp import kernel_options
 from dsv4cp.layer.indexer_loss import indexer_loss
 from dsv4cp.ops.attention_probs import head_summed_probs, logsumexp_over
@@ -51,24 +50,9 @@ VARIANTS = {
 }
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int
-    heads: int
-    head_dim: int
-    index_heads: int
-    index_dim: int
-    topk: int
-
-    @property
-    def entries(self) -> int:
-        return self.tokens // 4
-
-
 SHAPES = {
-    "tiny": Shape("tiny", 64, 4, 32, 4, 16, 8),
-    "64k": Shape("64k", 65536, 64, 512, 64, 128, 512),
+    "tiny": Shape("tiny", 64, 4, 32, 8, index_heads=4, index_dim=16),
+    "64k": Shape("64k", 65536, 64, 512, 512, index_heads=64, index_dim=128),
 }
 SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("64k", id="64k", marks=GPU_ONLY)]
 
@@ -85,10 +69,10 @@ def _inputs(shape: Shape) -> dict:
     gc.collect()
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(2024)
-    t, n = shape.tokens, shape.entries
-    scale = shape.head_dim ** -0.5
-    q = torch.randn(t, shape.heads, shape.head_dim, device=device, generator=g).to(dtype)
-    key_buffer = torch.randn(t + n, shape.head_dim, device=device, generator=g).to(dtype)
+    t, n = shape.tokens, shape.n_compressed
+    scale = shape.dim ** -0.5
+    q = torch.randn(t, shape.heads, shape.dim, device=device, generator=g).to(dtype)
+    key_buffer = torch.randn(t + n, shape.dim, device=device, generator=g).to(dtype)
     index_q = torch.randn(t, shape.index_heads, shape.index_dim, device=device, generator=g).to(dtype)
     index_w = torch.randn(t, shape.index_heads, device=device, generator=g)
     index_w = index_w * (shape.index_heads * shape.index_dim) ** -0.5

@@ -1,7 +1,7 @@
 """Whole-layer microbenchmarks (DESIGN 1, 5): one :class:`DSv4Attention` layer per type, W (ratio 0),
 C (ratio 4, indexer top-k and its loss) and H (a larger ratio), forward and forward + backward, at CP = 1.
 
-Each round runs the suite's one training step (:mod:`dsv4cp.layer.step`, the step ``layer``, ``profile``
+Each round runs the suite's one training step (:mod:`dsv4cp.harness.build`, the step ``layer``, ``profile``
 and the sweeps time) on one packed batch of a single document: ``fwd`` its forward alone (recording the
 autograd graph, as a training forward does), ``fwd_bwd`` also its backward, seeded with a fixed random
 upstream gradient of the output and the indexer loss, into the input and every parameter. Shapes:
@@ -25,9 +25,9 @@ import torch
 
 from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
 from dsv4cp.config import DSv4Config, layer_kind
-from dsv4cp.layer.step import LayerStep, build_step
+from dsv4cp.harness.build import LayerStep, build_step
+from dsv4cp.harness.case import Case
 from dsv4cp.model import BOTH, estimate
-from dsv4cp.packing import PackedSeqs
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,13 @@ def _rounds() -> tuple[int, int]:
 
 
 def _build(shape: Shape, ratio: int, backward: bool) -> LayerStep:
-    """The seeded training step (:mod:`dsv4cp.layer.step`) of the layer on one document of the shape."""
-    packed = PackedSeqs.from_lengths([shape.tokens])
-    return build_step(DSv4Config.preset(shape.preset), ratio, packed, seed=1234 + ratio, backward=backward,
-                      device=bench_device(), dtype=bench_dtype(), backend=_backend())
+    """The seeded training step (:mod:`dsv4cp.harness.build`) of the layer on one document of the shape."""
+    dtype = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}[bench_dtype()]
+    device = bench_device()
+    case = Case(cfg=DSv4Config.preset(shape.preset), ratio=ratio, lengths=(shape.tokens,), seed=1234 + ratio,
+                dtype=dtype, device=torch.device(device).type, direction="fwd+bwd" if backward else "fwd",
+                backend=_backend())
+    return build_step(case, device=device)
 
 
 @pytest.mark.parametrize("phase", list(PASSES))

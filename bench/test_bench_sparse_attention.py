@@ -34,12 +34,10 @@ the scores kernel, the dkv kernel, and the deterministic mode's sort and sums): 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
 from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import SparseAttentionBackend, available_backend, backend_names, resolve_backend
@@ -83,29 +81,11 @@ selectors ``-k "not pro"`` / ``"not torch"`` would drop it)."""
 LIBRARY_HEAD_DIMS = {flashmla.NAME: flashmla.SUPPORTED_HEAD_DIMS, cudnn_dsa.NAME: cudnn_dsa.SUPPORTED_HEAD_DIMS}
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int
-    heads: int
-    dim: int
-    window: int
-    selected: int
-
-    @property
-    def n_compressed(self) -> int:
-        return max(self.tokens // 4, self.selected)
-
-    @property
-    def kt(self) -> int:
-        return self.window + self.selected
-
-
 SHAPES = {
-    "tiny": Shape("tiny", 8, 4, 32, 8, 8),
-    "flash": Shape("flash", 16384, 64, 512, 128, 512),
-    "pro": Shape("pro", 16384, 128, 512, 128, 1024),
-    "packed": Shape("packed", 16384, 64, 512, 128, 512),
+    "tiny": Shape("tiny", 8, 4, 32, 8, window=8),
+    "flash": Shape("flash", 16384, 64, 512, 512, window=128),
+    "pro": Shape("pro", 16384, 128, 512, 1024, window=128),
+    "packed": Shape("packed", 16384, 64, 512, 512, window=128),
 }
 SHAPE_PARAMS = [
     pytest.param("tiny", id="tiny"),
@@ -160,7 +140,7 @@ def _inputs(shape: Shape):
         window, selected = _packed_slots(shape, device, g)
     else:
         scores = torch.rand(t, shape.n_compressed, device=device, generator=g)
-        selected = scores.topk(shape.selected, dim=1).indices + t
+        selected = scores.topk(shape.topk, dim=1).indices + t
         del scores
     idx = torch.cat([window, selected], dim=1).to(torch.int32).contiguous()
     valid = int((idx >= 0).sum().item())
@@ -187,10 +167,10 @@ def _packed_slots(shape: Shape, device, g) -> tuple[torch.Tensor, torch.Tensor]:
     window = torch.where(j <= pos[:, None], tok[:, None] - j, -1)
     first_entry = (starts // 4)[doc]  # each document's compressed entries, contiguous after the t token rows
     visible = (pos + 1) // 4
-    width = max(int(visible.max()), shape.selected)
+    width = max(int(visible.max()), shape.topk)
     scores = torch.rand(t, width, device=device, generator=g)
     scores = scores.masked_fill(torch.arange(width, device=device)[None, :] >= visible[:, None], -1.0)
-    top = scores.topk(shape.selected, dim=1)
+    top = scores.topk(shape.topk, dim=1)
     selected = torch.where(top.values >= 0, t + first_entry[:, None] + top.indices, -1)
     return window, selected
 

@@ -71,7 +71,7 @@ METRICS: tuple[str, ...] = (
     "device_used_bytes",  # list[int | None] per rank
     "exposed_comm_ms", "comm_ms", "overlap_ratio",  # totals of rank 0's overlap table; None unless profiled
     "phases",  # list[dict]: the per-phase overlap rows of every rank, per step; None unless profiled
-    "parity",  # list[dict]: the CP = 1 parity check per quantity (check.Comparison); None unless checked
+    "parity",  # list[dict]: the parity check against fp64 per quantity (harness.parity.Comparison); None unless checked
     "memory_phases",  # list[dict]: per rank and phase, allocated bytes at entry/exit and peak; None unless asked
     "split",  # list[int]: the ranks' row split points (0 = b_0 <= ... <= b_cp = tokens)
     "calibration",  # str: the calibration the balanced split was computed with; None: the model's bounds

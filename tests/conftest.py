@@ -282,8 +282,8 @@ def assert_margin(info: dict, tol: float) -> None:
 
 
 def assert_parity_passes(cases, per_rank: list[list[list[dict]]]) -> None:
-    """Every quantity of every ``dsv4cp.cp.check`` case passed on all ranks (``per_rank[rank][case]``)."""
-    from dsv4cp.cp.check import merge_ranks
+    """Every quantity of every ``dsv4cp.harness.parity`` case passed on all ranks (``per_rank[rank][case]``)."""
+    from dsv4cp.harness.parity import merge_ranks
 
     failures = []
     for i, case in enumerate(cases):

@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 
 from dsv4cp import kernel_options
 from dsv4cp.cli.main import main
-from dsv4cp.cp.check import CheckCase, build_case
+from dsv4cp.harness.build import build_case
+from dsv4cp.harness.case import Case
 from dsv4cp.kernels import HAS_TRITON
 from dsv4cp.ops import attention_probs, compress_pool, indexer, norm_rope
 from dsv4cp.profiling.compilation import UNPLACED, explain_breaks
@@ -33,7 +34,7 @@ def _step(layer, packed, x, weight, compile_backend=None):
 
 @pytest.mark.parametrize("ratio", [0, 4])
 def test_compiled_step_matches_eager(ratio, seed):
-    layer, packed, x, weight = build_case(CheckCase(lengths=(5, 60, 0, 31), total=96, ratio=ratio, seed=seed),
+    layer, packed, x, weight = build_case(Case(lengths=(5, 60, 0, 31), total=96, ratio=ratio, seed=seed),
                                           torch.device("cpu"))
     eager = copy.deepcopy(layer)
     torch._dynamo.reset()
@@ -51,7 +52,7 @@ def test_compiled_step_matches_eager(ratio, seed):
 
 @pytest.mark.parametrize("ratio", [0, 4])
 def test_the_compiled_layer_is_one_graph(ratio, seed):
-    layer, packed, x, _ = build_case(CheckCase(lengths=(9, 23), ratio=ratio, seed=seed), torch.device("cpu"))
+    layer, packed, x, _ = build_case(Case(lengths=(9, 23), ratio=ratio, seed=seed), torch.device("cpu"))
     torch._dynamo.reset()
     explained = explain_breaks(layer, x.requires_grad_(), packed)
     assert (explained.graphs, explained.breaks) == (1, 0), explained.lines()
@@ -60,7 +61,7 @@ def test_the_compiled_layer_is_one_graph(ratio, seed):
 def test_graph_breaks_are_named_with_their_place(seed):
     """Selective recompute's autograd function (a closure over the query path, and a backward that calls
     autograd) is the one part Dynamo cannot trace: a bounded number of breaks, each with a reason."""
-    layer, packed, x, _ = build_case(CheckCase(lengths=(9, 23), ratio=4, seed=seed, recompute=True),
+    layer, packed, x, _ = build_case(Case(lengths=(9, 23), ratio=4, seed=seed, recompute=True),
                                      torch.device("cpu"))
     torch._dynamo.reset()
     explained = explain_breaks(layer, x.requires_grad_(), packed)
@@ -92,7 +93,7 @@ def test_compiled_step_on_the_kernels_custom_ops_matches_eager(triton_paths, see
     the layer's kernel options reaching the kernels of both directions (a compiled graph runs outside the
     layer's option scope: the ops are handed the options)."""
     layer, packed, x, weight = build_case(
-        CheckCase(lengths=(9, 0, 23), total=32, ratio=4, seed=seed, backend="triton"), torch.device("cpu"))
+        Case(lengths=(9, 0, 23), total=32, ratio=4, seed=seed, backend="triton"), torch.device("cpu"))
     layer.kernel_options = kernel_options.KernelOptions.resolve({"topk_keys": "scores", "triton_dq_in_dkv": "0"})
     eager = copy.deepcopy(layer)
     kernel_options.reset_backends_ran()
@@ -124,7 +125,7 @@ def test_check_cp_rejects_an_unknown_compile_backend(capsys):
 def test_check_cp_compiled_cp2_matches_eager_cp1(capsys):
     assert main(["check-cp", "--cp", "2", "--ratio", "0", "--lengths", "9,0,55", "--compile", "aot_eager"]) == 0
     out = capsys.readouterr().out
-    verdicts = {line.split()[0]: line.split()[3] for line in out.splitlines()
+    verdicts = {line.split()[0]: line.split()[5] for line in out.splitlines()
                 if line.split() and line.split()[0] in ("out", "x_grad", "param_grads")}
     assert verdicts == {"out": "ok", "x_grad": "ok", "param_grads": "ok"}, out
     assert "compiled with aot_eager" in out and "torch.compile:" in out

@@ -23,9 +23,10 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
 
 from dsv4cp.config import DSv4Config
-from dsv4cp.cp.check import CheckCase, build_case
 from dsv4cp.cp.layout import build_layout
 from dsv4cp.cp.mtp import rolled_source_valid
+from dsv4cp.harness.build import build_case
+from dsv4cp.harness.case import Case
 from dsv4cp.kernels.indexer_plan import key_ranges
 from dsv4cp.packing import PackedSeqs
 
@@ -82,7 +83,7 @@ def _lookup_report(seen: dict[str, list[str]]) -> tuple[list[str], int]:
 
 @pytest.mark.parametrize("ratio", [0, 4])
 def test_no_lookup_of_the_compiled_layer_reads_a_view(ratio, seed):
-    layer, packed, x, weight = build_case(CheckCase(lengths=(5, 60, 0, 31), total=96, ratio=ratio, seed=seed),
+    layer, packed, x, weight = build_case(Case(lengths=(5, 60, 0, 31), total=96, ratio=ratio, seed=seed),
                                           torch.device("cpu"))
     seen: dict[str, list[str]] = {}
     torch._dynamo.reset()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dsv4cp.cli import check_determinism
-from dsv4cp.cp.check import CheckCase
-from dsv4cp.cp.determinism import ReplayCase
+from dsv4cp.harness.case import Case
+from dsv4cp.harness.replay import Replay
 from dsv4cp.ops.determinism import (
     NEVER,
     REGISTRY,
@@ -64,7 +64,7 @@ def test_deterministic_algorithms_restores_the_setting():
 
 
 def test_a_claimed_configuration_that_differs_exits_1(capsys):
-    case = ReplayCase(CheckCase(lengths=(8,), ratio=0, backend="torch"), replays=2)
+    case = Replay(Case(lengths=(8,), ratio=0, backend="torch"), replays=2)
     first = {"out": torch.ones(2, 3), "x_grad": torch.zeros(2, 3)}
     changed = {"out": first["out"].clone(), "x_grad": first["x_grad"]}
     changed["out"][1, 2] = 1.5

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from conftest import TINY_C, cfg_for, make_layer, packed
 from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
-from dsv4cp.cp.check import randomize_
 from dsv4cp.cp.launch import spawn
+from dsv4cp.harness.build import randomize_
 from dsv4cp.kernels import set_deterministic
 from host_reads import HostReads
 

@@ -26,8 +26,10 @@ import torch
 
 from conftest import TINY_C, packed, randn
 from dsv4cp import kernel_options
-from dsv4cp.cp.check import CheckCase, build_case
+from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout
+from dsv4cp.harness.build import build_case
+from dsv4cp.harness.case import Case
 from dsv4cp.kernels import HAS_TRITON, set_deterministic, triton_available
 from dsv4cp.layer import attention as attention_module
 from dsv4cp.layer.indexer_loss import indexer_loss
@@ -162,7 +164,7 @@ LAYER_CASES = [("fp32", False), ("fp64", False), ("fp32", True)]
 
 @pytest.mark.parametrize("dtype,recompute", LAYER_CASES, ids=["fp32", "fp64", "fp32-recompute"])
 def test_layer_on_recomputed_selection_scores_is_bitwise_recompute(dtype, recompute, seed, monkeypatch):
-    layer, packed, x, weight = build_case(CheckCase(**CASE, dtype=dtype, seed=seed, recompute=recompute),
+    layer, packed, x, weight = build_case(Case(**CASE, dtype=dtype, seed=seed, recompute=recompute),
                                           torch.device("cpu"))
     want_loss, want = _layer_step(layer, packed, x, weight, "recompute")
     seen = _recomputed_selection_scores(monkeypatch)
@@ -176,7 +178,7 @@ def test_layer_on_recomputed_selection_scores_is_bitwise_recompute(dtype, recomp
 
 def test_layer_triton_on_recomputed_selection_scores_is_bitwise_recompute(triton_paths, seed, monkeypatch):
     """The Triton paths: the recompute's scores are the gather kernel's, the backward the same kernels'."""
-    layer, packed, x, weight = build_case(CheckCase(**CASE, seed=seed), torch.device("cpu"))
+    layer, packed, x, weight = build_case(Case(**CASE, seed=seed), torch.device("cpu"))
     kernel_options.reset_backends_ran()
     want_loss, want = _layer_step(layer, packed, x, weight, "recompute")
     assert kernel_options.backends_ran()["indexer_scores.fwd"] == "triton"
@@ -211,7 +213,7 @@ def _score_gap_bound(monkeypatch, layer, packed, x) -> float:
 def test_layer_on_selection_scores_differs_by_their_rounding_only(paths, seed, monkeypatch, request):
     if paths == "triton":
         request.getfixturevalue("triton_paths")
-    layer, packed, x, weight = build_case(CheckCase(**CASE, seed=seed), torch.device("cpu"))
+    layer, packed, x, weight = build_case(Case(**CASE, seed=seed), torch.device("cpu"))
     kernel_options.reset_backends_ran()
     want_loss, want = _layer_step(layer, packed, x, weight, "recompute")
     assert "indexer_scores.fwd" in kernel_options.backends_ran()
@@ -236,11 +238,11 @@ def test_selection_option_reaches_the_top_k(seed, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(attention_module, "indexer_topk", topk)
-    layer, packed, x, weight = build_case(CheckCase(**CASE, seed=seed), torch.device("cpu"))
+    layer, packed, x, weight = build_case(Case(**CASE, seed=seed), torch.device("cpu"))
     for scores in ("selection", "recompute"):
         _layer_step(layer, packed, x, weight, scores)
     assert asked == [True, False]
-    dense, packed, x, weight = build_case(CheckCase(**CASE, seed=seed, config_overrides={"indexer_loss": "dense"}),
+    dense, packed, x, weight = build_case(Case(**CASE, seed=seed, cfg=DSv4Config.preset("tiny", indexer_loss="dense")),
                                           torch.device("cpu"))
     _layer_step(dense, packed, x, weight, "selection")
     assert asked[-1] is False  # the dense variant scores every visible entry itself

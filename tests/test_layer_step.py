@@ -1,4 +1,4 @@
-"""The one timed training step (dsv4cp.layer.step): its gradients are those of ``sum(out * upstream) +
+"""The one timed training step (dsv4cp.harness.build): its gradients are those of ``sum(out * upstream) +
 indexer_loss``, and ``layer`` and ``profile`` at CP = 1 build the same step from the same flags."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dsv4cp.cli.main import build_parser
 from dsv4cp.cli.profile import point_from_args
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
-from dsv4cp.layer.step import build_step
+from dsv4cp.harness.build import build_step
+from dsv4cp.harness.case import Case
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.sweeps.measure import point_inputs, point_split, point_step
 
@@ -30,7 +31,7 @@ def _grads(step) -> dict[str, torch.Tensor]:
 def test_step_seeds_the_gradients_of_the_weighted_output_plus_the_indexer_loss(ratio, seed):
     cfg = DSv4Config.preset("tiny")
     packed = PackedSeqs.from_lengths([40, 24])
-    step = build_step(cfg, ratio, packed, seed=seed, backward=True, dtype=torch.float64, backend="torch")
+    step = build_step(Case(cfg=cfg, ratio=ratio, lengths=(40, 24), seed=seed, dtype="fp64", backend="torch"))
     reference_layer = copy.deepcopy(step.layer)
     x = step.x.detach().clone().requires_grad_(True)
 
@@ -53,8 +54,7 @@ def test_step_seeds_the_gradients_of_the_weighted_output_plus_the_indexer_loss(r
 
 
 def test_forward_only_step_leaves_no_gradient(seed):
-    step = build_step(DSv4Config.preset("tiny"), 4, PackedSeqs.from_lengths([64]), seed=seed, backward=False,
-                      backend="torch")
+    step = build_step(Case(ratio=4, lengths=(64,), seed=seed, direction="fwd", backend="torch"))
     result = step()
     assert not step.x.requires_grad and step.x.grad is None
     assert all(p.grad is None for p in step.layer.parameters())
@@ -62,16 +62,15 @@ def test_forward_only_step_leaves_no_gradient(seed):
 
 
 def test_ranks_draw_different_rows_and_a_bad_rank_is_named(seed):
-    cfg, packed = DSv4Config.preset("tiny"), PackedSeqs.from_lengths([64])
-    split = RowSplit.equal(64, 2)
-    first = build_step(cfg, 0, packed, seed=seed, backward=True, split=split, rank=0, backend="torch")
-    second = build_step(cfg, 0, packed, seed=seed, backward=True, split=split, rank=1, backend="torch")
+    cfg = DSv4Config.preset("tiny")
+    case = Case(cfg=cfg, ratio=0, lengths=(64,), seed=seed, split=RowSplit.equal(64, 2).bounds, backend="torch")
+    first, second = build_step(case, rank=0), build_step(case, rank=1)
     assert first.x.shape == second.x.shape == (32, cfg.hidden)
     assert not torch.equal(first.x, second.x) and not torch.equal(first.upstream, second.upstream)
     for a, b in zip(first.layer.parameters(), second.layer.parameters()):
         assert torch.equal(a, b)  # the weights depend on the seed only
     with pytest.raises(ValueError, match="rank"):
-        build_step(cfg, 0, packed, seed=seed, backward=True, split=split, rank=2)
+        build_step(case, rank=2)
 
 
 @pytest.mark.parametrize("ratio", [0, 4, 8])

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dsv4cp.config import DSv4Config
-from dsv4cp.cp.determinism import global_entries
 from dsv4cp.cp.layout import build_layout
+from dsv4cp.harness.selection import global_entries
 from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.contracts import select_top
 from dsv4cp.ops.indexer import indexer_topk

@@ -28,11 +28,13 @@ from pathlib import Path
 import torch
 
 from dsv4cp.cli.check_cp import add_arguments as add_check_cp_arguments
-from dsv4cp.cli.check_cp import build_case as build_check_case
+from dsv4cp.cli.check_cp import checked_case
 from dsv4cp.cli.common import gather_torchrun_ranks, positive_int, resolve_dist_backend, torchrun_world
-from dsv4cp.cp.determinism import (
+from dsv4cp.cp.launch import spawn, under_torchrun
+from dsv4cp.environment import deterministic_algorithms
+from dsv4cp.harness.replay import (
     Difference,
-    ReplayCase,
+    Replay,
     Snapshot,
     nonfinite_quantities,
     replay_differences,
@@ -40,8 +42,6 @@ from dsv4cp.cp.determinism import (
     tie_rule_violations,
     whole_selection,
 )
-from dsv4cp.cp.launch import spawn, under_torchrun
-from dsv4cp.environment import deterministic_algorithms
 from dsv4cp.ops.determinism import attention_replays_bitwise
 from dsv4cp.ops.sparse_attention import resolve_backend
 
@@ -98,11 +98,11 @@ def _run_under_torchrun(args: argparse.Namespace, backend: str, device: torch.de
     return _report(args, case, device, runs, fresh)
 
 
-def _replay_case(args: argparse.Namespace, world: int, device: torch.device) -> ReplayCase:
+def _replay_case(args: argparse.Namespace, world: int, device: torch.device) -> Replay:
     """Validated on the host before any process starts (``--ties`` on a layer without an indexer fails here)."""
-    check = build_check_case(args, world, device)
+    case = checked_case(args, world, device)
     try:
-        return ReplayCase(check, args.replays, args.deterministic, args.ties)
+        return Replay(case, args.replays, args.ties)
     except ValueError as err:
         raise ValueError(f"--{err}") from None
 
@@ -123,14 +123,14 @@ def _fresh_process(args: argparse.Namespace, extra: list[str]) -> dict[int, list
         return torch.load(path, weights_only=False)
 
 
-def _report(args: argparse.Namespace, case: ReplayCase, device: torch.device, runs: dict[int, list[list[Snapshot]]],
+def _report(args: argparse.Namespace, case: Replay, device: torch.device, runs: dict[int, list[list[Snapshot]]],
             fresh: dict[int, list[Snapshot]]) -> int:
-    check = case.check
-    with deterministic_algorithms(case.deterministic_mode):
-        chosen = resolve_backend(check.backend, device, head_dim=check.config().head_dim).name
-    claims = attention_replays_bitwise(chosen, device, case.deterministic_mode)
-    print(f"check-determinism preset={check.preset} ratio={check.ratio} cp={max(runs)} docs={len(check.lengths)} "
-          f"tokens={check.total} dtype={check.dtype} backend={chosen} deterministic_mode={case.deterministic_mode} "
+    check = case.case
+    with deterministic_algorithms(check.deterministic):
+        chosen = resolve_backend(check.backend, device, head_dim=check.cfg.head_dim).name
+    claims = attention_replays_bitwise(chosen, device, check.deterministic)
+    print(f"check-determinism preset={check.cfg.name} ratio={check.ratio} cp={max(runs)} docs={len(check.lengths)} "
+          f"tokens={check.rows()} dtype={check.dtype} backend={chosen} deterministic_mode={check.deterministic} "
           f"recompute={check.recompute} overlap={check.overlap} ties={case.ties} replays={case.replays} "
           f"+ 1 fresh process (cp {', '.join(map(str, sorted(fresh)))})")
     why = "every path is deterministic on CPU" if device.type != "cuda" else (

@@ -59,6 +59,7 @@ from dsv4cp.config import DTYPE_NAMES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config, 
 if TYPE_CHECKING:  # imported where used: a command that reads no tensor (sweep --dry-run) never imports torch
     import torch
 
+    from dsv4cp.harness.case import Case
     from dsv4cp.packing import PackedSeqs
 
 EXIT_OK = 0
@@ -430,6 +431,27 @@ def layer_inputs(args: argparse.Namespace, cp: int = 1) -> LayerInputs:
 
     check_backend_name(args.kernel_backend)  # its "backend:" message becomes "--kernel-backend:"
     return LayerInputs(cfg, lengths, packed, packing)
+
+
+def case_from_args(
+    args: argparse.Namespace, inputs: LayerInputs, *, device: torch.device, dtype: torch.dtype | str, backward: bool,
+    split: tuple[int, ...] | None = None, compile: str | None = None,
+) -> Case:
+    """The :class:`~dsv4cp.harness.case.Case` the layer options describe (resolved by :func:`layer_inputs`),
+    with the command's ``--kernel-option`` values over the environment and the defaults, resolved here once;
+    the options a command lacks (``--overlap``, ``--deterministic``) take the Case's defaults."""
+    from dsv4cp.config import DTYPES
+    from dsv4cp.harness.case import Case
+
+    dtype_name = dtype if isinstance(dtype, str) else dict(zip(DTYPES.values(), DTYPE_NAMES))[dtype]
+    return Case(
+        cfg=inputs.cfg, ratio=args.ratio, lengths=tuple(inputs.lengths), total=inputs.packed.total,
+        pad_to_multiple=args.pad_to_multiple, split=split, seed=args.seed, dtype=dtype_name, device=device.type,
+        direction="fwd+bwd" if backward else "fwd", overlap=getattr(args, "overlap", "none"),
+        recompute=args.recompute, backend=args.kernel_backend,
+        kernel_options=kernel_options.KernelOptions.resolve(kernel_option_values(args)),
+        deterministic=getattr(args, "deterministic", False), compile=compile,
+    )
 
 
 def resolve_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:

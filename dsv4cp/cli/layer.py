@@ -30,6 +30,7 @@ from dsv4cp.cli.common import (
     add_layer_options,
     add_memory_options,
     add_timing_options,
+    case_from_args,
     check_memory,
     kernels_line,
     layer_inputs,
@@ -37,7 +38,7 @@ from dsv4cp.cli.common import (
     progress_enabled,
     resolve_dtype,
 )
-from dsv4cp.layer.step import LayerStep, build_step
+from dsv4cp.harness.build import LayerStep, build_step
 from dsv4cp.profiling.memory import track_memory
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.profiling.timing import benchmark
@@ -57,8 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def step_from_args(args: argparse.Namespace, inputs: LayerInputs, device: torch.device,
                    dtype: torch.dtype) -> LayerStep:
     """The seeded training step the flags describe: the step ``profile`` times at CP = 1 for the same flags."""
-    return build_step(inputs.cfg, args.ratio, inputs.packed, seed=args.seed, backward=args.backward, device=device,
-                      dtype=dtype, backend=args.kernel_backend, recompute=args.recompute)
+    return build_step(case_from_args(args, inputs, device=device, dtype=dtype, backward=args.backward), device=device)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --profile: also write each point's CUDA allocator history per rank "
                              "(RUN_DIR/traces/<point_id>/memory_snapshot_rank<r>.pickle); CUDA only")
     parser.add_argument("--nsys", action="store_true", help="also run steps inside an nsys capture range per point")
-    parser.add_argument("--check", action="store_true", help="also check parity with CP = 1 at every point")
+    parser.add_argument("--check", action="store_true",
+                        help="also check every point's timed layer and inputs against the fp64 reference layer")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the expanded points (marking those that cannot run: exit 2 then) and exit")
     parser.add_argument("--point-timeout", type=float_in_range(*POINT_TIMEOUT_RANGE_S, " s"), default=600.0,
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"sweep {spec.name}: {summary.resumed_failed} of the points already there had failed "
                   "(--retry-errors runs the errors again)")
         if summary.parity_failed:
-            print(f"sweep {spec.name}: parity with CP = 1 FAILED at {summary.parity_failed} points")
+            print(f"sweep {spec.name}: parity with the fp64 reference FAILED at {summary.parity_failed} points")
     return EXIT_FAILED if summary.parity_failed or summary.any_failed else EXIT_OK
 
 

@@ -1,9 +1,10 @@
-"""Parity with CP = 1 in the report: the ``sweep --check`` results (record field ``parity``).
+"""Parity in the report: the ``sweep --check`` results (record field ``parity``).
 
-A checked point's ``parity`` is a list of comparisons, one per quantity (output slice, input gradient,
-indexer loss, parameter gradients: ``dsv4cp.cp.check.Comparison`` as a dict with ``quantity``,
-``max_rel_error``, ``cosine``, ``passed``, ``worst``). CP = 1 points and points swept without
-``--check`` hold None.
+A checked point's ``parity`` is a list of comparisons, one per quantity (output slice, selection,
+indexer loss, input gradient, parameter gradients: ``dsv4cp.harness.parity.Comparison`` as a dict with
+``quantity``, ``max_rel_error``, ``cosine``, ``passed``, ``worst``, and since the check compares against
+the fp64 reference, ``rel_error`` and ``tolerance``; older records compared CP with CP = 1 and left
+CP = 1 points unchecked). Points swept without ``--check`` hold None.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch._dynamo.utils import counters
 
-from dsv4cp.layer.step import LayerStep
+from dsv4cp.harness.build import LayerStep
 from dsv4cp.profiling.compilation import check_compile_backend
 
 

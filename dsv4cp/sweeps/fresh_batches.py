@@ -17,7 +17,7 @@ batch 0 is the point's own step; batch ``b >= 1`` has the same documents (the po
 seed give the same lengths: the same work, the same model bound and split, so the fresh-batch time
 differs from the repeated one by what the batch changes, not by other documents), its own offset
 tensors, and its own input rows and upstream gradient, drawn from a device generator seeded
-``seed * INPUT_SEED_STRIDE + b * cp + rank + 1`` (batch 0's formula, :mod:`dsv4cp.layer.step`,
+``seed * INPUT_SEED_STRIDE + b * cp + rank + 1`` (batch 0's formula, :mod:`dsv4cp.harness.build`,
 continued: distinct per batch and rank). The layer (weights, gradients) is shared.
 """
 
@@ -30,8 +30,8 @@ import torch
 
 from dsv4cp.cp.comm import group_size_and_rank
 from dsv4cp.cp.layout_cache import clear_layouts
+from dsv4cp.harness.build import INPUT_SEED_STRIDE, LayerStep
 from dsv4cp.layer import AttentionOutput
-from dsv4cp.layer.step import INPUT_SEED_STRIDE, LayerStep
 from dsv4cp.sweeps.spec import Point
 
 __all__ = ["FreshBatches", "batch_bytes", "batch_seed", "check_fresh_batches", "fresh_batches"]
@@ -77,7 +77,7 @@ class FreshBatches:
 def fresh_batches(step: LayerStep, count: int, seed: int) -> FreshBatches:
     """``count`` (>= 2) batches for ``step``'s layer (see the module docstring): ``step`` itself, then
     ``count - 1`` built here with copies of its offsets and rows drawn from ``seed``, the seed ``step`` was
-    built with (:func:`dsv4cp.layer.step.build_step`); forgets every kept layout. ``ValueError`` naming
+    built with (:func:`dsv4cp.harness.build.build_step`); forgets every kept layout. ``ValueError`` naming
     ``fresh_batches`` for a count below 2."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 2:
         raise ValueError(f"fresh_batches: the steps cycle through at least 2 batches, got {count!r}")
@@ -98,5 +98,5 @@ def fresh_batches(step: LayerStep, count: int, seed: int) -> FreshBatches:
 
 def batch_seed(seed: int, batch: int, cp: int, rank: int) -> int:
     """The seed of rank ``rank``'s input rows in batch ``batch`` of ``cp`` ranks: batch 0's is
-    :func:`~dsv4cp.layer.step.build_step`'s ``seed * INPUT_SEED_STRIDE + rank + 1``."""
+    :func:`~dsv4cp.harness.build.build_step`'s ``seed * INPUT_SEED_STRIDE + rank + 1``."""
     return seed * INPUT_SEED_STRIDE + batch * cp + rank + 1

@@ -5,7 +5,8 @@ torch.distributed for CP = 1). It builds the seeded packing (identical on all ra
 layer and this rank's rows, times the step with :func:`dsv4cp.profiling.timing.benchmark`, measures
 one more step's peak memory, computes the model's FLOPs and bound, and optionally records a Kineto
 trace and its per-phase overlap table, runs steps inside an nsys capture range, and checks parity
-with CP = 1. Timing, tracing and nsys are separate passes: no profiler is attached while timing.
+of the same Case (weights, inputs, kernels) against the fp64 reference layer. Timing, tracing and
+nsys are separate passes: no profiler is attached while timing.
 
 A ``cuda_graph`` point times replays of the step captured once in a CUDA graph: the kernels' time
 without Python and launch overhead. Only the timing changes: the peak memory, memory phases, traces
@@ -32,13 +33,14 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp import kernel_options
-from dsv4cp.config import DTYPES, DSv4Config
-from dsv4cp.cp.check import CheckCase, merge_ranks, run_rank
+from dsv4cp.config import DSv4Config
 from dsv4cp.cp.emulate import emulated_rank
 from dsv4cp.cp.partition import RowSplit, floor_rows
 from dsv4cp.environment import deterministic_algorithms
+from dsv4cp.harness.build import LayerStep, build_step
+from dsv4cp.harness.case import Case
+from dsv4cp.harness.parity import merge_ranks, run_rank
 from dsv4cp.layer import AttentionOutput
-from dsv4cp.layer.step import LayerStep, build_step
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import CPU_ESTIMATE, no_machine_reason, physical_limits, this_machine
@@ -163,12 +165,21 @@ def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Mach
                         direction=point.direction, calibration=calibration)
 
 
+def point_case(point: Point, cfg: DSv4Config, lengths: list[int], split: RowSplit, device: torch.device) -> Case:
+    """The :class:`~dsv4cp.harness.case.Case` of ``point`` (its config and documents from
+    :func:`point_inputs`) under ``split``: what its timed steps and its parity check both run, with the
+    point's kernel options over those in force."""
+    return Case(cfg=cfg, ratio=point.ratio, lengths=tuple(lengths), total=point.tokens, split=split.bounds,
+                seed=point.seed, dtype=point.dtype, device=device.type, direction=point.direction,
+                overlap=point.overlap, recompute=point.recompute, backend=point_backend(point, cfg, device),
+                kernel_options=kernel_options.KernelOptions.resolve(point.kernel_options or {}),
+                deterministic=point.deterministic, compile=point.compile)
+
+
 def point_step(point: Point, cfg: DSv4Config, packed: PackedSeqs, split: RowSplit, device: torch.device,
-                group: dist.ProcessGroup | None = None) -> LayerStep:
-    """The point's seeded training step on this process's rank of ``group`` (:mod:`dsv4cp.layer.step`)."""
-    return build_step(cfg, point.ratio, packed, seed=point.seed, backward=point.backward, device=device,
-                      dtype=DTYPES[point.dtype], backend=point_backend(point, cfg, device), overlap=point.overlap,
-                      recompute=point.recompute, cp_group=group, split=split)
+               group: dist.ProcessGroup | None = None) -> LayerStep:
+    """The point's seeded training step on this process's rank of ``group`` (:mod:`dsv4cp.harness.build`)."""
+    return build_step(point_case(point, cfg, packed.lengths(), split, device), cp_group=group, device=device)
 
 
 def point_backend(point: Point, cfg: DSv4Config, device: torch.device) -> str:
@@ -207,7 +218,8 @@ def measure_point(
     ``bound_measured_ms`` at its own ceilings); MFU is left None off GPU, where that
     ceiling means nothing. ``trace_dir``: write a Kineto trace per
     rank under it and fill the overlap metrics. ``nsys``: also run ``run.nsys_steps`` steps inside
-    ``cudaProfilerStart/Stop``. ``check``: compare with CP = 1 (metric ``parity``). ``on_step``: called
+    ``cudaProfilerStart/Stop``. ``check``: compare the timed Case (its weights, inputs and kernels)
+    with the fp64 reference layer (:mod:`dsv4cp.harness.parity`; metric ``parity``). ``on_step``: called
     after each warm-up and timed step (a progress bar, :mod:`dsv4cp.profiling.progress`).
     ``memory_phases``: one more step recording each phase's memory (metric ``memory_phases``).
     ``calibration``: measured-over-bound phase factors the balanced split uses (metric ``calibration``).
@@ -258,7 +270,7 @@ def _measure(
         raise ValueError(f"emulated_rank: the point has {point.emulated_rank}, the group "
                          + ("is a real one" if emulated is None else f"emulates rank {emulated}"))
     if check and emulated is not None:
-        raise ValueError("check: the CP = 1 parity check needs every real rank, not one emulated rank")
+        raise ValueError("check: the parity check needs every real rank, not one emulated rank")
     check_fresh_batches(point)
     check_cuda_graph(point, device)
     if memory_snapshot:
@@ -378,12 +390,8 @@ def _measure(
                 metrics.update(exposed_comm_ms=float(total["exposed_comm_ms"]), comm_ms=float(total["comm_ms"]),
                                overlap_ratio=_float_or_none(total["overlap_ratio"]))
 
-    if check and cp > 1:
-        case = CheckCase(preset=point.preset, ratio=point.ratio, lengths=tuple(lengths), total=point.tokens,
-                         dtype=point.dtype, overlap=point.overlap, recompute=point.recompute,
-                         backend=point_backend(point, cfg, device), seed=point.seed, compile=point.compile,
-                         config_overrides={"indexer_loss": point.loss}, split=split.bounds)
-        mine = run_rank(rank, cp, device, case, group)
+    if check:  # the timed Case itself (point_step's): its weights, its inputs, its kernels
+        mine = run_rank(rank, cp, device, point_case(point, cfg, packed.lengths(), split, device), group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
     return Measurement(metrics, resolved, overlap, attribution, kernel_options=options, backends=backends)
 

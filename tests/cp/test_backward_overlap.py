@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from conftest import seed_of
 from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
-from dsv4cp.cp.check import randomize_
 from dsv4cp.cp.comm import all_gather_rows
 from dsv4cp.cp.launch import spawn
+from dsv4cp.harness.build import randomize_
 from dsv4cp.layer import attention
 
 CASES = [(4, False), (4, True), (8, False), (8, True)]

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
-from dsv4cp.cp.check import randomize_
 from dsv4cp.cp.launch import spawn
+from dsv4cp.harness.build import randomize_
 
 
 def _run_twice(rank: int, world: int, device: torch.device, ratios: list[int]) -> list[bool]:

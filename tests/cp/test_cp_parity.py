@@ -10,8 +10,10 @@ import random
 import pytest
 
 from conftest import assert_parity_passes, seed_of
-from dsv4cp.cp.check import CheckCase, run_cases
+from dsv4cp.config import DSv4Config
 from dsv4cp.cp.launch import spawn
+from dsv4cp.harness.case import Case
+from dsv4cp.harness.parity import run_cases
 
 # (ratio, indexer-loss variant): W, C sparse, C dense, H (tiny preset: window 8 covers ratio 8).
 LAYER_TYPES = [(0, "sparse"), (4, "sparse"), (4, "dense"), (8, "sparse")]
@@ -35,30 +37,30 @@ def packings(cp: int) -> dict[str, tuple[tuple[int, ...], int | None, int]]:
     }
 
 
-def cases_for(cp: int) -> list[CheckCase]:
+def cases_for(cp: int) -> list[Case]:
     cases = []
     for i, ((ratio, loss), (_name, (lengths, total, pad))) in enumerate(
         itertools.product(LAYER_TYPES, packings(cp).items())
     ):
         overlap, recompute = MODES[i % len(MODES)]
-        cases.append(CheckCase(ratio=ratio, lengths=lengths, total=total, pad_to_multiple=pad, overlap=overlap,
-                               recompute=recompute, seed=i, config_overrides={"indexer_loss": loss}))
+        cases.append(Case(ratio=ratio, lengths=lengths, total=total, pad_to_multiple=pad, overlap=overlap,
+                               recompute=recompute, seed=i, cfg=DSv4Config.preset("tiny", indexer_loss=loss)))
     # every mode on the packing with the most boundary crossings
     lengths, total, pad = packings(cp)["many_short"]
     for ratio, loss in LAYER_TYPES:
         for overlap, recompute in MODES:
-            cases.append(CheckCase(ratio=ratio, lengths=lengths, total=total, overlap=overlap, recompute=recompute,
-                                   config_overrides={"indexer_loss": loss}))
+            cases.append(Case(ratio=ratio, lengths=lengths, total=total, overlap=overlap, recompute=recompute,
+                                   cfg=DSv4Config.preset("tiny", indexer_loss=loss)))
     return cases
 
 
-def fp64_cases() -> list[CheckCase]:
-    return [CheckCase(ratio=r, lengths=(5, 70, 0, 41), total=120, dtype="fp64", overlap=overlap,
-                      recompute=recompute, config_overrides={"indexer_loss": loss})
+def fp64_cases() -> list[Case]:
+    return [Case(ratio=r, lengths=(5, 70, 0, 41), total=120, dtype="fp64", overlap=overlap,
+                      recompute=recompute, cfg=DSv4Config.preset("tiny", indexer_loss=loss))
             for r, loss in LAYER_TYPES for overlap, recompute in MODES]
 
 
-def random_cases(rng: random.Random, cp: int) -> list[CheckCase]:
+def random_cases(rng: random.Random, cp: int) -> list[Case]:
     """Random documents (empty ones included) with a random padding tail, one case per layer ratio.
 
     Drawn from a seeded generator rather than by Hypothesis: they share their CP size's spawn, and a batch
@@ -68,7 +70,7 @@ def random_cases(rng: random.Random, cp: int) -> list[CheckCase]:
         lengths = [rng.randint(0, 40) for _ in range(rng.randint(1, 8))]
         padded_end = sum(lengths) + rng.randint(0, 12)
         total = max(-(-padded_end // cp) * cp, 8 * cp)
-        cases.append(CheckCase(ratio=ratio, lengths=tuple(lengths), total=total, overlap="async",
+        cases.append(Case(ratio=ratio, lengths=tuple(lengths), total=total, overlap="async",
                                seed=rng.randrange(100)))
     return cases
 
@@ -76,7 +78,7 @@ def random_cases(rng: random.Random, cp: int) -> list[CheckCase]:
 FP64_CP = 3
 
 
-def _groups(cp: int) -> dict[str, list[CheckCase]]:
+def _groups(cp: int) -> dict[str, list[Case]]:
     """Every test's cases at ``cp``, by test."""
     groups = {"packings": cases_for(cp), "random": random_cases(random.Random(seed_of("random packings", cp)), cp)}
     if cp == FP64_CP:
@@ -85,7 +87,7 @@ def _groups(cp: int) -> dict[str, list[CheckCase]]:
 
 
 @functools.cache
-def _parity(cp: int) -> dict[str, tuple[list[CheckCase], list[list[list[dict]]]]]:
+def _parity(cp: int) -> dict[str, tuple[list[Case], list[list[list[dict]]]]]:
     """Test -> (its cases at ``cp``, per rank their results): ONE spawn per CP size runs every test's cases
     (a spawn costs seconds, a case a fraction of one)."""
     groups = _groups(cp)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from conftest import seed_of
 from dsv4cp.config import DSv4Config
-from dsv4cp.cp.check import CheckCase, build_case
 from dsv4cp.cp.emulate import (
     destroy_emulated_group,
     emulated_rank,
@@ -29,17 +28,19 @@ from dsv4cp.cp.emulate import (
     is_emulated,
 )
 from dsv4cp.cp.launch import spawn
+from dsv4cp.harness.build import build_case
+from dsv4cp.harness.case import Case
 from dsv4cp.model.partition import partition
 from dsv4cp.profiling import nvtx
 from host_reads import HostReads
 
 
-def cases(world: int) -> tuple[CheckCase, ...]:
+def cases(world: int) -> tuple[Case, ...]:
     balanced = partition([264], world, DSv4Config.preset("tiny"), 8, policy="balanced").bounds
     return (
-        CheckCase(ratio=4, lengths=(90, 150, 24), overlap="async", backend="torch",
+        Case(ratio=4, lengths=(90, 150, 24), overlap="async", backend="torch",
                   seed=seed_of("emulate", 4)),
-        CheckCase(ratio=8, lengths=(264,), overlap="async", recompute=True, partition="balanced", split=balanced,
+        Case(ratio=8, lengths=(264,), overlap="async", recompute=True, split=balanced,
                   backend="torch", seed=seed_of("emulate", 8)),
     )
 
@@ -57,7 +58,7 @@ class _Phases:
         pass
 
 
-def _step(rank: int, world: int, device: torch.device, case: CheckCase, group: dist.ProcessGroup) -> dict:
+def _step(rank: int, world: int, device: torch.device, case: Case, group: dist.ProcessGroup) -> dict:
     """One forward + backward of rank ``rank``'s rows: its phases, output, and what is finite."""
     layer, packed, x, weight = build_case(case, device)  # the parity check's layer and tensors
     split = case.row_split(world)
@@ -89,7 +90,7 @@ def _step(rank: int, world: int, device: torch.device, case: CheckCase, group: d
     }
 
 
-def _real_rank(rank: int, world: int, device: torch.device, cases: tuple[CheckCase, ...]) -> dict:
+def _real_rank(rank: int, world: int, device: torch.device, cases: tuple[Case, ...]) -> dict:
     group = dist.group.WORLD
     fills_untouched = _fills_leave_real_group_alone(group, rank, world)
     try:
@@ -113,7 +114,7 @@ def _fills_leave_real_group_alone(group: dist.ProcessGroup, rank: int, world: in
     return torch.equal(gathered, expected) and bool((scattered == -1.0).all())
 
 
-def _emulated(rank: int, world: int, cases: tuple[CheckCase, ...]) -> list[dict]:
+def _emulated(rank: int, world: int, cases: tuple[Case, ...]) -> list[dict]:
     group = init_emulated_group(world, rank, seed=seed_of("emulate fills", world, rank))
     try:
         assert is_emulated(group) and emulated_rank(group) == rank and group.size() == world
@@ -206,7 +207,7 @@ def test_emulated_ranks_on_the_gpu(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     device = torch.device("cuda")
-    case = CheckCase(ratio=4, lengths=(512, 1536), overlap="async", dtype="bf16", backend="auto",
+    case = Case(ratio=4, lengths=(512, 1536), overlap="async", dtype="bf16", backend="auto",
                      seed=seed_of("emulate gpu"))
     steps = []
     for rank in (0, 1):

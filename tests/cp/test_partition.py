@@ -172,12 +172,12 @@ def test_partition_rejects_bad_arguments() -> None:
 
 def test_check_case_rejects_a_malformed_split_before_slicing() -> None:
     """check-cp's ranks slice their rows with the case's split: a malformed one is a ValueError first."""
-    from dsv4cp.cp.check import CheckCase
+    from dsv4cp.harness.case import Case
 
-    case = CheckCase(ratio=4, lengths=(60,), total=60, split=(0, 60))
+    case = Case(ratio=4, lengths=(60,), total=60, split=(0, 60))
     with pytest.raises(ValueError, match="^split.bounds: must hold cp \\+ 1 = 3"):
         case.row_split(2)
-    assert CheckCase(ratio=4, lengths=(60,), total=60, split=(0, 20, 60)).row_split(2).bounds == (0, 20, 60)
+    assert Case(ratio=4, lengths=(60,), total=60, split=(0, 20, 60)).row_split(2).bounds == (0, 20, 60)
 
 
 def test_split_accessors() -> None:

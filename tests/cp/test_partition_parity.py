@@ -13,10 +13,11 @@ import torch.distributed as dist
 
 from conftest import assert_parity_passes
 from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
-from dsv4cp.cp.check import CheckCase, run_cases
 from dsv4cp.cp.launch import spawn
 from dsv4cp.cp.mtp import roll_hidden_left, roll_left
 from dsv4cp.cp.partition import RowSplit, halo_rows
+from dsv4cp.harness.case import Case
+from dsv4cp.harness.parity import run_cases
 from dsv4cp.model.partition import partition
 
 # (ratio, indexer-loss variant): W, C sparse, C dense, H (tiny preset: window 8 covers ratio 8).
@@ -37,7 +38,7 @@ def _packings(cp: int) -> dict[str, tuple[tuple[int, ...], int]]:
     }
 
 
-def balanced_cases(cp: int) -> list[CheckCase]:
+def balanced_cases(cp: int) -> list[Case]:
     cases = []
     for i, ((ratio, loss), (lengths, total)) in enumerate(
         itertools.product(LAYER_TYPES, _packings(cp).values())
@@ -45,27 +46,27 @@ def balanced_cases(cp: int) -> list[CheckCase]:
         overlap, recompute = MODES[i % len(MODES)]
         cfg = DSv4Config.preset("tiny", indexer_loss=loss)
         split = partition(lengths, cp, cfg, ratio, policy="balanced", total=total).bounds
-        cases.append(CheckCase(ratio=ratio, lengths=lengths, total=total, dtype="fp64", overlap=overlap,
-                               recompute=recompute, seed=i, partition="balanced", split=split,
-                               config_overrides={"indexer_loss": loss}))
+        cases.append(Case(ratio=ratio, lengths=lengths, total=total, dtype="fp64", overlap=overlap,
+                               recompute=recompute, seed=i, split=split,
+                               cfg=DSv4Config.preset("tiny", indexer_loss=loss)))
     return cases
 
 
-def straddling_cases() -> list[CheckCase]:
+def straddling_cases() -> list[Case]:
     """Hand-placed splits over 3 ranks: a slice of exactly the halo, boundaries inside compressed
     groups and inside their overlap predecessors, a boundary at a document start."""
     lengths, total = (5, 30, 0, 17, 60), 120
     splits = [(0, HALO, 64, 120), (0, 50, 50 + HALO, 120), (0, 35, 103, 120), (0, 41, 62, 120)]
     return [
-        CheckCase(ratio=ratio, lengths=lengths, total=total, dtype="fp64", overlap=overlap, recompute=recompute,
-                  split=split, seed=j, config_overrides={"indexer_loss": loss})
+        Case(ratio=ratio, lengths=lengths, total=total, dtype="fp64", overlap=overlap, recompute=recompute,
+                  split=split, seed=j, cfg=DSv4Config.preset("tiny", indexer_loss=loss))
         for j, (split, (ratio, loss), (overlap, recompute)) in enumerate(
             zip(itertools.cycle(splits), LAYER_TYPES * 2, MODES[::-1] + MODES)
         )
     ]
 
 
-def _cp3_checks(rank: int, world: int, device: torch.device, cases: list[CheckCase]) -> dict:
+def _cp3_checks(rank: int, world: int, device: torch.device, cases: list[Case]) -> dict:
     """Everything of the default run that needs 3 ranks, in ONE spawn (each costs seconds)."""
     return {
         "parity": run_cases(rank, world, device, cases),
@@ -105,7 +106,7 @@ def test_balanced_split_cp8_matches_cp1() -> None:
     assert_parity_passes(cases, spawn(run_cases, 8, cases))
 
 
-def _split_cases(rng: random.Random) -> list[CheckCase]:
+def _split_cases(rng: random.Random) -> list[Case]:
     """Random documents (empty ones included) cut at a random point, every layer type and mode among them.
 
     Drawn from the test's seed: a batch Hypothesis draws as one example is its minimal one first (a single
@@ -116,9 +117,9 @@ def _split_cases(rng: random.Random) -> list[CheckCase]:
         lengths = [rng.randint(0, 40) for _ in range(rng.randint(1, 6))]
         total = max(sum(lengths) + rng.randint(0, 9), cp * HALO)
         cut = rng.randint(HALO, total - HALO)
-        cases.append(CheckCase(ratio=ratio, lengths=tuple(lengths), total=total, dtype="fp64", overlap=overlap,
+        cases.append(Case(ratio=ratio, lengths=tuple(lengths), total=total, dtype="fp64", overlap=overlap,
                                recompute=recompute, split=(0, cut, total), seed=rng.randrange(100),
-                               config_overrides={"indexer_loss": loss}))
+                               cfg=DSv4Config.preset("tiny", indexer_loss=loss)))
     return cases
 
 

@@ -1,4 +1,4 @@
-"""Bitwise replay (:mod:`dsv4cp.cp.determinism`): the torch and Triton-interpreter paths give the same bits
+"""Bitwise replay (:mod:`dsv4cp.harness.replay`): the torch and Triton-interpreter paths give the same bits
 on every replay at CP = 1 and 2, the all-tie plateau selects by the earliest-entry rule at both, and the
 comparison itself reports a one-ulp change."""
 
@@ -7,35 +7,34 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4cp.cp.check import CheckCase
-from dsv4cp.cp.determinism import (
-    ReplayCase,
+from dsv4cp.cp.launch import spawn
+from dsv4cp.harness.case import Case
+from dsv4cp.harness.replay import (
+    Replay,
     compare_tensors,
     replay_differences,
     replay_rank,
     tie_rule_violations,
     whole_selection,
 )
-from dsv4cp.cp.launch import spawn
 from dsv4cp.kernels import triton_available
 
 LENGTHS = (37, 0, 70, 21)  # an empty document, documents straddling the CP = 2 boundary at row 64
 BACKENDS = ["torch"] + (["triton"] if triton_available("cpu") else [])
 
 
-def _cases(seed: int) -> list[ReplayCase]:
+def _cases(seed: int) -> list[Replay]:
     cases = []
     for backend in BACKENDS:
-        cases.append(ReplayCase(CheckCase(lengths=LENGTHS, ratio=4, backend=backend, seed=seed, overlap="async"),
-                                replays=2, deterministic_mode=backend == "torch"))
+        cases.append(Replay(Case(lengths=LENGTHS, ratio=4, backend=backend, seed=seed, overlap="async",
+                                 deterministic=backend == "torch"), replays=2))
         if backend == "torch":  # a W layer: the window path alone (the interpreter is slow: once is enough)
-            cases.append(ReplayCase(CheckCase(lengths=LENGTHS, ratio=0, backend=backend, seed=seed), replays=2))
-        cases.append(ReplayCase(CheckCase(lengths=LENGTHS, ratio=4, backend=backend, seed=seed), replays=1,
-                                ties=True))
+            cases.append(Replay(Case(lengths=LENGTHS, ratio=0, backend=backend, seed=seed), replays=2))
+        cases.append(Replay(Case(lengths=LENGTHS, ratio=4, backend=backend, seed=seed), replays=1, ties=True))
     return cases
 
 
-def _replay_all(rank: int, world: int, device: torch.device, cases: list[ReplayCase]) -> list:
+def _replay_all(rank: int, world: int, device: torch.device, cases: list[Replay]) -> list:
     return [replay_rank(rank, world, device, case) for case in cases]
 
 
@@ -57,9 +56,9 @@ def test_every_replay_is_bitwise_identical(runs, cp):
             continue
         found = replay_differences(per_rank)
         assert "x_grad" in found and any(n.startswith("grad/") for n in found)
-        assert case.check.ratio == 0 or "selected" in found
+        assert case.case.ratio == 0 or "selected" in found
         differing = {n: d.describe() for n, d in found.items() if not d.identical}
-        assert not differing, f"cp={cp} {case.check.backend} ratio={case.check.ratio}: {differing}"
+        assert not differing, f"cp={cp} {case.case.backend} ratio={case.case.ratio}: {differing}"
 
 
 def test_tie_plateau_selects_earliest_entries_at_every_cp(runs):
@@ -69,16 +68,16 @@ def test_tie_plateau_selects_earliest_entries_at_every_cp(runs):
         case = runs["cases"][i]
         for cp in (1, 2):
             selection = whole_selection([s[0] for s in runs[cp][i]])
-            assert tie_rule_violations(selection, case.check) == 0, f"{case.check.backend} cp={cp}"
-            assert torch.equal(selection, reference), f"{case.check.backend} cp={cp}: differs from torch cp=1"
-    assert (reference >= 0).sum(dim=1).max() == case.check.config().index_topk  # some row has a full top-k
+            assert tie_rule_violations(selection, case.case) == 0, f"{case.case.backend} cp={cp}"
+            assert torch.equal(selection, reference), f"{case.case.backend} cp={cp}: differs from torch cp=1"
+    assert (reference >= 0).sum(dim=1).max() == case.case.cfg.index_topk  # some row has a full top-k
 
 
 def test_without_ties_the_rule_check_fails(runs):
     """The rule check can fail: random keys select other entries than the earliest ones."""
     case = runs["cases"][0]
     assert not case.ties
-    assert tie_rule_violations(whole_selection([s[0] for s in runs[1][0]]), case.check) > 0
+    assert tie_rule_violations(whole_selection([s[0] for s in runs[1][0]]), case.case) > 0
 
 
 def test_compare_reports_one_ulp_and_signed_zero():

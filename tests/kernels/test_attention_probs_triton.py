@@ -26,7 +26,6 @@ pytest.importorskip("triton")
 import torch
 
 from dsv4cp import kernel_options
-from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.attention_probs_triton import (
     SLOTS_ON_M_ENV,
     ChunkConfig,
@@ -35,13 +34,9 @@ from dsv4cp.kernels.attention_probs_triton import (
     logsumexp_over_triton,
 )
 from dsv4cp.ops import attention_probs as il
+from triton_marks import needs_cuda, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-
-if not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover - triton imported too early
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 
 def make_case(seed: int, t: int, h: int, d: int, n: int, k: int, *, device="cpu", idx_dtype=torch.int64):

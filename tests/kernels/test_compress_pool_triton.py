@@ -27,16 +27,12 @@ import torch
 from conftest import cfg_for, rel_err
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import RankLayout, build_layout
-from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.compress_pool_triton import check_pool_inputs, compress_pool_triton, use_triton
 from dsv4cp.ops.compress_pool import compress_pool, compress_pool_torch
 from dsv4cp.packing import PackedSeqs
+from triton_marks import HAS_CUDA, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-
-if not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover - triton imported too early
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 
 def naive_pool(values, gates, ape, layout_rows, valid, ext_pos):

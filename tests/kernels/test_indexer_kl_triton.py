@@ -23,15 +23,11 @@ import pytest
 import torch
 
 from dsv4cp import kernel_options
-from dsv4cp.kernels import HAS_TRITON, triton_available
 from dsv4cp.ops import indexer_kl as ops_kl
 from dsv4cp.ops.indexer_kl import fused_kl_rows, indexer_kl, kl_distillation
+from triton_marks import HAS_CUDA, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-
-if not HAS_TRITON or not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
@@ -188,12 +184,13 @@ def test_layer_with_the_fused_kl_matches_torch_kl(seed, monkeypatch):
     """The layer (packed documents, empty slots, fp32, the indexer's Triton paths on the interpreter): the
     loss and every gradient with ``indexer_loss_kl=triton`` against ``torch``, both on the selection's
     scores and on recomputed ones."""
-    from dsv4cp.cp.check import CheckCase, build_case
+    from dsv4cp.harness.build import build_case
+    from dsv4cp.harness.case import Case
     from dsv4cp.ops import indexer as ops_indexer
 
     monkeypatch.setattr(ops_indexer, "triton_serves", lambda x: x.dtype != torch.float64 and x.shape[-1] % 16 == 0)
     monkeypatch.setattr(ops_kl, "fused_serves", lambda *ts: all(t.dtype == torch.float32 for t in ts))
-    layer, packed, x, weight = build_case(CheckCase(lengths=(9, 0, 23, 5), total=40, seed=seed), torch.device("cpu"))
+    layer, packed, x, weight = build_case(Case(lengths=(9, 0, 23, 5), total=40, seed=seed), torch.device("cpu"))
 
     def step(options):
         run = copy.deepcopy(layer)
@@ -230,7 +227,8 @@ def test_compiled_layer_reaches_the_fused_pass_through_its_custom_op(seed, monke
     graph break, the fused pass run (its custom op notes it), the eager step's loss and gradients."""
     from torch._dynamo.utils import counters
 
-    from dsv4cp.cp.check import CheckCase, build_case
+    from dsv4cp.harness.build import build_case
+    from dsv4cp.harness.case import Case
     from dsv4cp.ops import attention_probs, compress_pool, norm_rope
     from dsv4cp.ops import indexer as ops_indexer
 
@@ -242,7 +240,7 @@ def test_compiled_layer_reaches_the_fused_pass_through_its_custom_op(seed, monke
     monkeypatch.setattr(norm_rope, "use_fused", lambda x, freqs=None: serves(x))
     monkeypatch.setattr(compress_pool, "use_triton", lambda values, gates: serves(values))
     monkeypatch.setattr(ops_kl, "fused_serves", lambda *ts: all(t.dtype == torch.float32 for t in ts))
-    layer, packed, x, weight = build_case(CheckCase(lengths=(9, 0, 23), total=32, seed=seed), torch.device("cpu"))
+    layer, packed, x, weight = build_case(Case(lengths=(9, 0, 23), total=32, seed=seed), torch.device("cpu"))
     layer.kernel_options = kernel_options.KernelOptions.resolve({"indexer_loss_kl": "triton"})
 
     def step(run, compiled):

@@ -29,7 +29,6 @@ import torch
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout, entry_capacity, split_rows
-from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.contracts import pack_selection_keys
 from dsv4cp.kernels.indexer_plan import (
     TOPK_BYTES_PER_SCORE,
@@ -42,10 +41,9 @@ from dsv4cp.ops.indexer import fused_indexer_topk as indexer_topk_triton
 from dsv4cp.ops.indexer import indexer_topk
 from dsv4cp.packing import PackedSeqs
 from host_reads import HostReads
+from triton_marks import skip_module_without_triton
 
-if not triton_available("cpu") and not torch.cuda.is_available():  # pragma: no cover
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 CFG = DSv4Config.preset("tiny")
 

@@ -24,7 +24,6 @@ pytest.importorskip("triton")
 import torch
 
 from dsv4cp import kernel_options
-from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.indexer_plan import (
     TOPK_BYTES_PER_SCORE,
     TOPK_RADIX_BYTES_PER_SCORE,
@@ -32,12 +31,9 @@ from dsv4cp.kernels.indexer_plan import (
 )
 from dsv4cp.kernels.indexer_triton import iter_score_chunks
 from dsv4cp.ops.indexer import fused_indexer_topk, indexer_scores, indexer_topk
+from triton_marks import HAS_CUDA, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-
-if not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover - no interpreter on CPU
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 from tests.kernels.test_indexer_triton import make_case, visible_of  # noqa: E402  (after the skip)
 

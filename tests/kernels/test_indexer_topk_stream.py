@@ -29,7 +29,6 @@ import torch
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout, entry_capacity, split_rows
-from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.indexer_plan import query_limits
 from dsv4cp.kernels.indexer_topk_triton import MAX_STREAM_K, indexer_topk_stream
 from dsv4cp.kernels.indexer_triton import IndexerConfig
@@ -46,14 +45,11 @@ from kernels.test_indexer_triton import (
     reference_topk,
 )
 from test_indexer_topk_prefix import layout_inputs
+from triton_marks import needs_cuda, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 CFG = DSv4Config.preset("tiny")
 
-if not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 
 def stream(case, k: int, **kw) -> torch.Tensor:

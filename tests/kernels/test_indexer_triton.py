@@ -27,7 +27,7 @@ import torch
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout
-from dsv4cp.kernels import set_deterministic, triton_available
+from dsv4cp.kernels import set_deterministic
 from dsv4cp.kernels.contracts import pack_selection_keys
 from dsv4cp.kernels.indexer_plan import TOPK_BYTES_PER_SCORE, key_ranges, plan_chunks, query_limits
 from dsv4cp.kernels.indexer_scores_triton import (
@@ -46,14 +46,9 @@ from dsv4cp.kernels.indexer_triton import (
 from dsv4cp.ops.indexer import fused_indexer_topk as indexer_topk_triton
 from dsv4cp.ops.indexer import indexer_scores, indexer_topk
 from dsv4cp.packing import PackedSeqs
+from triton_marks import needs_cuda, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-
-if not triton_available(DEVICE):  # pragma: no cover - triton imported without the interpreter on CPU
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 
 # ---------------------------------------------------------------------------------------------- inputs

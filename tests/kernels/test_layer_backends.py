@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
-from dsv4cp.cp.check import randomize_
+from dsv4cp.harness.build import randomize_
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,6 @@ import torch
 
 from dsv4cp import kernel_options
 from dsv4cp.kernel_options import KernelOptions
-from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.norm_rope_triton import (
     head_norm_rope,
     rope_table,
@@ -33,13 +32,9 @@ from dsv4cp.kernels.norm_rope_triton import (
 )
 from dsv4cp.layer.norm import rms_norm
 from dsv4cp.layer.rope import apply_rope
+from triton_marks import HAS_CUDA, needs_cuda, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-
-if not triton_available("cuda" if HAS_CUDA else "cpu"):  # pragma: no cover - triton imported too early
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 EPS = 1e-6
 

@@ -26,7 +26,6 @@ pytest.importorskip("triton")
 import torch
 
 from dsv4cp.kernel_options import OPTIONS
-from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.contracts import select_top
 from dsv4cp.kernels.select_top_triton import (
     SELECT_CONFIG_ENV,
@@ -36,13 +35,9 @@ from dsv4cp.kernels.select_top_triton import (
     select_config_ladder,
     select_top_triton,
 )
+from triton_marks import HAS_CUDA, skip_module_without_triton
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-
-if not triton_available(DEVICE):  # pragma: no cover - triton imported without the interpreter on CPU
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 
 VARIANT_ENV = OPTIONS["topk_select_variant"].env

@@ -11,15 +11,13 @@ pytest.importorskip("triton")
 import torch
 
 from conftest import seed_of
-from dsv4cp.kernels import triton_available
 from dsv4cp.kernels.indexer_topk_triton import indexer_topk_stream
 from dsv4cp.kernels.indexer_triton import indexer_topk_triton
 from dsv4cp.ops.indexer import indexer_topk
 from kernels.test_indexer_triton import make_case
+from triton_marks import skip_module_without_triton
 
-if not triton_available("cuda" if torch.cuda.is_available() else "cpu"):  # pragma: no cover
-    pytest.skip("triton cannot run here (CPU needs TRITON_INTERPRET=1 before triton's import)",
-                allow_module_level=True)
+skip_module_without_triton()
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's NaN
 

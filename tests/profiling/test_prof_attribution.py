@@ -192,7 +192,7 @@ def test_gpu_layer_step_leaves_no_indexer_kernel_outside_the_phases(tmp_path, se
     tests): the indexer-score backward and the layout work run in their phases; what stays outside is
     printed (the layer input's gradient sums), with the step's attribution lines."""
     from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
-    from dsv4cp.cp.check import randomize_
+    from dsv4cp.harness.build import randomize_
     from dsv4cp.profiling.overlap import UNATTRIBUTED, kernel_table
     from dsv4cp.profiling.trace import capture_trace, load_kineto_dir
 

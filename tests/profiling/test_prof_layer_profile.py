@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
-from dsv4cp.cp.check import randomize_
 from dsv4cp.cp.launch import spawn
+from dsv4cp.harness.build import randomize_
 from dsv4cp.profiling import nvtx
 from dsv4cp.profiling.nvtx import RANGE_NAMES
 from dsv4cp.profiling.overlap import TOTAL

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import assert_parity_passes
-from dsv4cp.cp.check import CheckCase, run_cases
 from dsv4cp.cp.launch import spawn
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.harness.case import Case
+from dsv4cp.harness.parity import run_cases
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.sweeps.measure import point_inputs
@@ -129,7 +130,7 @@ def test_measured_splits_keep_cp_parity(seed):
                                       target=1.0)
     splits = sorted({r.split for r in result.rounds})
     assert any(bounds != RowSplit.equal(360, 3).bounds for bounds in splits), splits
-    cases = [CheckCase(ratio=4, lengths=(360,), total=360, dtype="fp64", overlap=("none", "async")[i % 2],
+    cases = [Case(ratio=4, lengths=(360,), total=360, dtype="fp64", overlap=("none", "async")[i % 2],
                        split=bounds, seed=seed % 100 + i) for i, bounds in enumerate(splits)]
     assert_parity_passes(cases, spawn(_parity, 3, cases))
 

@@ -11,7 +11,7 @@ import yaml
 
 from dsv4cp.cli.main import main
 from dsv4cp.cp.launch import spawn
-from dsv4cp.layer import step as layer_step
+from dsv4cp.harness import build as layer_step
 from dsv4cp.records import read_records
 from dsv4cp.sweeps.measure import NonFiniteResult, measure_point
 from dsv4cp.sweeps.spec import RunOptions, make_point

@@ -1,13 +1,14 @@
-"""Bitwise replay check: the same layer step, run again on the same inputs, gives the same bits.
+"""Replay pass: the same layer step of a Case, run again on the same inputs, gives the same bits.
 
-A replay is the parity check's step (:func:`dsv4cp.cp.check.build_case`: the same layer, batch and
-output weighting from one seed) run from a fresh copy of the layer: forward on this rank's rows,
-backward of ``sum(out * weight) + indexer_loss``. Each replay leaves a :data:`Snapshot` of this rank's
-output, indexer loss, selected top-k entries (as global entry numbers, so CP degrees compare), input
-gradient and every parameter gradient (this rank's partial sums: the reduction over ranks is data
-parallelism's, not the layer's). :func:`compare_snapshots` compares two of them bit for bit.
+A replay is the Case's step (:mod:`dsv4cp.harness.build`: its layer, and the batch's inputs and upstream
+gradient as one rank draws them, sliced to this rank's rows so that every CP degree replays the same
+batch) run from a fresh copy of the layer: forward on this rank's rows, the one objective's backward.
+Each replay leaves a :data:`Snapshot` of this rank's output, indexer loss, selected top-k entries (as
+global entry numbers, so CP degrees compare), input gradient and every parameter gradient (this rank's
+partial sums: the reduction over ranks is data parallelism's, not the layer's). :func:`compare_snapshots`
+compares two of them bit for bit.
 
-Ties on purpose (``ReplayCase.ties``): the indexer compressor's value projection is zeroed, so every
+Ties on purpose (``Replay.ties``): the indexer compressor's value projection is zeroed, so every
 indexer key is zero and every visible entry of a query scores exactly 0: one plateau of ties per query,
 which the documented rule resolves to the query's earliest visible entries (:func:`tie_rule_violations`).
 """
@@ -16,17 +17,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dsv4cp.cp.check import CheckCase, build_case
-from dsv4cp.cp.layout import RankLayout, build_layout
+from dsv4cp import kernel_options
+from dsv4cp.cp.layout import build_layout
 from dsv4cp.environment import deterministic_algorithms
-from dsv4cp.layer import attention as attention_module
+from dsv4cp.harness.build import backward_, build_layer, one_rank_inputs
+from dsv4cp.harness.case import Case
+from dsv4cp.harness.selection import global_entries, recording_selection
 
 Snapshot = dict[str, torch.Tensor]
 """Quantity name -> CPU tensor: ``out``, ``indexer_loss``, ``selected``, ``x_grad``, ``grad/<param>``."""
@@ -35,21 +36,19 @@ FIXED_QUANTITIES = ("out", "indexer_loss", "selected", "x_grad")
 
 
 @dataclass(frozen=True)
-class ReplayCase:
-    """What to replay: one parity-check case, how often, in which mode."""
+class Replay:
+    """What to replay: one Case (in deterministic mode when ``case.deterministic``), how often."""
 
-    check: CheckCase
+    case: Case
     replays: int = 3
-    deterministic_mode: bool = False
-    """Run under ``torch.use_deterministic_algorithms(True)``."""
     ties: bool = False
     """Zero the indexer keys so that every visible entry ties (C layers only)."""
 
     def __post_init__(self) -> None:
         if self.replays < 1:
             raise ValueError(f"replays: must be >= 1, got {self.replays}")
-        if self.ties and self.check.ratio != 4:
-            raise ValueError(f"ties: needs a C layer (ratio 4, the one with an indexer), got ratio {self.check.ratio}")
+        if self.ties and self.case.ratio != 4:
+            raise ValueError(f"ties: needs a C layer (ratio 4, the one with an indexer), got ratio {self.case.ratio}")
 
 
 @dataclass(frozen=True)
@@ -69,66 +68,39 @@ class Difference:
         return f"max |diff| {self.max_abs:.3e}, first at {list(self.first_index or ())} ({self.where})"
 
 
-@contextmanager
-def _recording_selection(sink: list[torch.Tensor]) -> Iterator[None]:
-    """Record every top-k selection the layer makes (it does not return them) while the block runs."""
-    original = attention_module.indexer_topk
-
-    def recording(*args, **kwargs):
-        selected = original(*args, **kwargs)
-        sink.append(selected[0] if isinstance(selected, tuple) else selected)  # (rows, scores) with scores
-        return selected
-
-    attention_module.indexer_topk = recording
-    try:
-        yield
-    finally:
-        attention_module.indexer_topk = original
-
-
-def global_entries(selected: torch.Tensor, layout: RankLayout) -> torch.Tensor:
-    """``[rows, K]`` gathered-buffer rows -> the entries' batch-wide numbers ``eid`` (``-1`` stays ``-1``):
-    the same entry has the same number at every CP degree."""
-    rows = selected.clamp_min(0)
-    doc = layout.gathered_doc[rows].clamp_min(0)
-    eid = layout.doc_first_eid[doc] + layout.gathered_j[rows]
-    return torch.where(selected >= 0, eid, -1)
-
-
 def make_ties_(layer: torch.nn.Module) -> None:
     """Zero the indexer keys' value projection: every key is then 0 and every score exactly 0."""
     with torch.no_grad():
         layer.indexer.compressor.wkv.weight.zero_()
 
 
-def replay_rank(rank: int, world: int, device: torch.device, case: ReplayCase,
+def replay_rank(rank: int, world: int, device: torch.device, replay: Replay,
                 group: dist.ProcessGroup | None = None) -> list[Snapshot]:
-    """``case.replays`` snapshots of rank ``rank`` of ``world`` (world 1: no process group needed).
+    """``replay.replays`` snapshots of rank ``rank`` of ``world`` (world 1: no process group needed).
 
     Called under :func:`dsv4cp.cp.launch.spawn`, torchrun, or directly for CP = 1.
     """
     if world > 1 and group is None:
         group = dist.group.WORLD
-    check = case.check if world > 1 else dataclasses.replace(case.check, split=None)  # the split is for CP > 1
-    with deterministic_algorithms(case.deterministic_mode):
-        pristine, packed, x, weight = build_case(check, device)
-        if case.ties:
+    case = replay.case if world > 1 else dataclasses.replace(replay.case, split=None)  # the split is for CP > 1
+    with kernel_options.overrides(case.kernel_options.texts()), deterministic_algorithms(case.deterministic):
+        pristine = build_layer(case, device)
+        packed = case.packed(device)
+        x, upstream = one_rank_inputs(case, device)  # one rank's draw: every CP degree's batch
+        if replay.ties:
             make_ties_(pristine)
-        split = check.row_split(world)
+        split = case.row_split(world)
         mine = slice(split.start(rank), split.start(rank) + split.rows(rank))
-        layout = build_layout(packed, pristine.cfg, check.ratio, rank, world, split=split) if check.ratio else None
+        layout = build_layout(packed, pristine.cfg, case.ratio, rank, world, split=split) if case.ratio else None
         snapshots = []
-        for _ in range(case.replays):
+        for _ in range(replay.replays):
             layer = copy.deepcopy(pristine)
             x_local = x[mine].clone().requires_grad_()
             selections: list[torch.Tensor] = []
-            with _recording_selection(selections):
-                step = layer if check.compile is None else torch.compile(layer, backend=check.compile)
+            with recording_selection(selections):
+                step = layer if case.compile is None else torch.compile(layer, backend=case.compile)
                 result = step(x_local, packed, cp_group=group if world > 1 else None, split=split)
-            objective = (result.out.float() * weight[mine].float()).sum()
-            if result.indexer_loss is not None:
-                objective = objective + result.indexer_loss.float()
-            objective.backward()
+            backward_(result, upstream[mine])
             snapshot = {"out": result.out, "x_grad": x_local.grad}
             if result.indexer_loss is not None:
                 snapshot["indexer_loss"] = result.indexer_loss
@@ -221,11 +193,11 @@ def whole_selection(per_rank: list[Snapshot]) -> torch.Tensor | None:
     return torch.cat([s["selected"] for s in per_rank])
 
 
-def tie_rule_violations(selected: torch.Tensor, case: CheckCase) -> int:
+def tie_rule_violations(selected: torch.Tensor, case: Case) -> int:
     """Rows whose selection is not their earliest ``min(K, visible)`` visible entries in entry order:
     what the tie rule gives when every visible entry of a query ties (:func:`make_ties_`)."""
     packed = case.packed()
-    layout = build_layout(packed, case.config(), case.ratio)
+    layout = build_layout(packed, case.cfg, case.ratio)
     visible = layout.all_visible_idx()  # [T, M] gathered rows in entry order, -1 padded (CP = 1: rows == eid)
     k = selected.shape[1]
     expected = torch.full_like(selected, -1)
