@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import gc
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+T = TypeVar("T")
+
 GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="GPU-size shape needs CUDA")]
 """Marks for a GPU-size parameter: it runs only on a CUDA device (and under ``-m gpu``)."""
 
@@ -45,3 +51,21 @@ class Shape:
     def kt(self) -> int:
         """Slots per query of the sparse attention: the window's, then the selected entries'."""
         return self.window + self.topk
+
+
+def one_shape_at_a_time(build: Callable[..., T]) -> Callable[..., T]:
+    """``build(shape)`` cached for the last shape it built on this run's device: a new shape drops the
+    previous one's tensors first (a GPU-size shape holds several GiB), so the benchmarks of one shape share
+    one set of inputs."""
+    cache: dict = {}
+
+    @functools.wraps(build)
+    def cached(shape) -> T:
+        key = (shape.name, bench_device().type)
+        if key not in cache:
+            cache.clear()
+            gc.collect()
+            cache[key] = build(shape)
+        return cache[key]
+
+    return cached

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype, one_shape_at_a_time
 from dsv4cp.ops.attention_probs import head_summed_probs_torch
 
 # d_chunks launches (block_h, block_k, block_d, num_warps, num_stages, slots_on_m, programs_per_sm) timed
@@ -92,15 +92,9 @@ def _triton_lse():
     return logsumexp_over_triton
 
 
-_INPUTS: dict = {}
-
-
+@one_shape_at_a_time
 def _inputs(shape: Shape):
     """Cached ``(q, keys, idx, scale, log_denominator)`` and the valid-slot count for the shape."""
-    key = (shape.name, bench_device().type)
-    if key in _INPUTS:
-        return _INPUTS[key]
-    _INPUTS.clear()
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(1234)
     t, h, d = shape.tokens, shape.heads, shape.dim
@@ -115,7 +109,6 @@ def _inputs(shape: Shape):
         idx[s:e] = scores.topk(shape.topk, dim=1).indices + t
     lden = torch.randn(t, h, device=device, generator=g) + 8.0
     entry = {"args": (q, keys, idx, d**-0.5, lden), "valid": int((idx >= 0).sum().item())}
-    _INPUTS[key] = entry
     return entry
 
 
@@ -185,6 +178,7 @@ def test_head_summed_probs_layout(benchmark, measure, slots_on_m, monkeypatch):
     """The Triton kernel at the flash shape with its default tile, logits as ``q @ keys^T`` (heads on the
     matrix unit's M: the head sum crosses warps; ``DSV4CP_TRITON_PROBS_SLOTS_ON_M=0``) or ``keys @ q^T``
     (slots on M, the default since an H200 measured it 1.22x faster)."""
+    from dsv4cp.kernel_options import KernelOptions
     from dsv4cp.kernels.attention_probs_triton import SLOTS_ON_M_ENV
 
     monkeypatch.setenv(SLOTS_ON_M_ENV, slots_on_m)
@@ -194,10 +188,12 @@ def test_head_summed_probs_layout(benchmark, measure, slots_on_m, monkeypatch):
     q, keys, idx, scale, lden = entry["args"]
     benchmark.group = "indexer_loss.head_summed_probs.flash.layout"
     benchmark.extra_info.update(backend="triton", shape=shape.name, slots_on_m=slots_on_m == "1", dtype=str(q.dtype))
-    fn(q, keys, idx, scale, lden, kernel="whole_d")
+    on_m = KernelOptions.resolve().triton_probs_slots_on_m
+    fn(q, keys, idx, scale, lden, kernel="whole_d", slots_on_m=on_m)
     rounds, warmup = _rounds()
-    measure(lambda: fn(q, keys, idx, scale, lden, kernel="whole_d"), None, flops=_flops(shape, entry["valid"]),
-            bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds, warmup_rounds=warmup, device=q.device)
+    measure(lambda: fn(q, keys, idx, scale, lden, kernel="whole_d", slots_on_m=on_m), None,
+            flops=_flops(shape, entry["valid"]), bytes_moved=_bytes(shape, entry["valid"]), rounds=rounds,
+            warmup_rounds=warmup, device=q.device)
 
 
 def _kernel_id(variant) -> str:

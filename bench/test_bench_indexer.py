@@ -62,14 +62,12 @@ output (``None`` on CPU); ``chunks`` / ``budget_bytes`` for the Triton paths.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
-from dsv4cp.kernel_options import OPTIONS
-from dsv4cp.ops.indexer import indexer_topk
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype, one_shape_at_a_time
+from dsv4cp.kernel_options import OPTIONS, KernelOptions
+from dsv4cp.ops.indexer import indexer_topk, scores_backward_keywords
 
 _VARIANT_ENV = OPTIONS["topk_select_variant"].env
 
@@ -98,16 +96,9 @@ SHAPE_PARAMS = [pytest.param("tiny", id="tiny")] + [
 
 
 
-_INPUTS: dict = {}
-
-
+@one_shape_at_a_time
 def _inputs(shape: Shape) -> dict:
     """Cached inputs of one shape (the previous shape's are dropped first)."""
-    key = (shape.name, bench_device().type)
-    if key in _INPUTS:
-        return _INPUTS[key]
-    _INPUTS.clear()
-    gc.collect()
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(4242)
     t, hi, di, n = shape.tokens, shape.heads, shape.dim, shape.n_compressed
@@ -122,7 +113,6 @@ def _inputs(shape: Shape) -> dict:
     visible_pairs = int(query_limit.clamp_max(n).sum().item())
     entry = {"q": q, "w": w, "keys": keys, "query_doc": query_doc, "query_limit": query_limit,
              "key_doc": key_doc, "key_j": key_j, "visible_pairs": visible_pairs}
-    _INPUTS[key] = entry
     return entry
 
 
@@ -151,11 +141,11 @@ def _runner(backend: str, shape: Shape, entry: dict):
 
     lo, hi = it.key_ranges(*vis_args)
     # bytes per score of each path's chunk plan: radix fp32 4, packed int64 keys 16, torch fp32 keys 24
-    from dsv4cp import kernel_options
     from dsv4cp.kernels import interpreted
     from dsv4cp.ops.indexer import fused_indexer_topk
 
-    select = kernel_options.get("topk_select")
+    options = KernelOptions.resolve()  # the variables this benchmark sets, read once
+    select = options.topk_select
     radix = backend in ("triton-chunked-radix", "triton-chunked-radix-bounded", "triton-score-radix") or (
         backend in ("triton", "triton-chunked")
         and (select == "radix" or (select == "auto" and not interpreted(q.device))))  # the op's rule
@@ -168,7 +158,7 @@ def _runner(backend: str, shape: Shape, entry: dict):
         impl = "stream" if backend == "triton-stream" else None if backend == "triton" else "chunked"
         if impl == "stream":
             info = {}  # one kernel pass: no chunks, no budget
-        return (lambda: fused_indexer_topk(q, w, keys, *vis_args, shape.topk, impl=impl)), info
+        return (lambda: fused_indexer_topk(q, w, keys, *vis_args, shape.topk, impl=impl, options=options)), info
 
     def score_only():
         last = None
@@ -267,6 +257,7 @@ def test_indexer_topk_packed(benchmark, measure, variant, monkeypatch):
 
     monkeypatch.setenv(TOPK_SELECT_ENV, "radix")
     monkeypatch.setenv(_VARIANT_ENV, variant)
+    options = KernelOptions.resolve()
     shape = SHAPES["64k"]
     entry = _inputs(shape)
     t, n = shape.tokens, shape.n_compressed
@@ -278,7 +269,7 @@ def test_indexer_topk_packed(benchmark, measure, variant, monkeypatch):
 
     def run():
         return fused_indexer_topk(entry["q"], entry["w"], entry["keys"], *vis, shape.topk, impl="chunked",
-                                  key_row_limit=(0, 4))
+                                  key_row_limit=(0, 4), options=options)
 
     run()  # compile outside the timing
     benchmark.group = "indexer.topk.packed.64k"
@@ -520,10 +511,12 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
     idx, grad, valid = _selection(shape, entry)
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, w, keys)]
 
+    settings = scores_backward_keywords(KernelOptions.resolve())  # the pin this benchmark sets, read once
+
     def step():
         for x in leaves:
             x.grad = None
-        out = fn(*leaves, idx)
+        out = fn(*leaves, idx, **settings) if backend.startswith("triton") else fn(*leaves, idx)
         out.backward(grad)
         return out
 

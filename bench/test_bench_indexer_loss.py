@@ -31,12 +31,10 @@ Di = 16, K = 8, fp32 (on CPU every variant runs the torch paths: the fused pass 
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype, one_shape_at_a_time
 from dsv4cp import kernel_options
 from dsv4cp.layer.indexer_loss import indexer_loss
 from dsv4cp.ops.attention_probs import head_summed_probs, logsumexp_over
@@ -56,17 +54,10 @@ SHAPES = {
 }
 SHAPE_PARAMS = [pytest.param("tiny", id="tiny"), pytest.param("64k", id="64k", marks=GPU_ONLY)]
 
-_INPUTS: dict = {}
-
-
+@one_shape_at_a_time
 def _inputs(shape: Shape) -> dict:
     """Cached inputs of one shape: attention queries / key buffer / lse, indexer inputs, the top-k's
     selection and its scores, the target (for the ``prediction`` scope)."""
-    key = (shape.name, bench_device().type)
-    if key in _INPUTS:
-        return _INPUTS[key]
-    _INPUTS.clear()
-    gc.collect()
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(2024)
     t, n = shape.tokens, shape.n_compressed
@@ -95,14 +86,14 @@ def _inputs(shape: Shape) -> dict:
                  key_rows=key_rows.to(torch.int32),  # as the layer hands them (its attention index)
                  real=torch.ones(t, dtype=torch.bool, device=device),
                  window_idx=torch.zeros(t, 0, dtype=torch.int64, device=device))
-    _INPUTS[key] = entry
     return entry
 
 
 def _step(entry: dict, scope: str, options: dict):
     """A no-argument callable: one forward + backward of ``scope`` under ``options``."""
     leaves = [entry[name].detach().clone().requires_grad_(True) for name in ("index_q", "index_w", "index_keys")]
-    selection = entry["scores"] if options["indexer_loss_scores"] == "selection" else None
+    resolved = kernel_options.KernelOptions.resolve(options)
+    selection = entry["scores"] if resolved.indexer_loss_scores == "selection" else None
     weight = entry["real"].to(torch.float32)
 
     def loss():
@@ -111,21 +102,21 @@ def _step(entry: dict, scope: str, options: dict):
                             scored_entries=entry["selected"], attention_lse=entry["lse"], sink=entry["sink"],
                             scale=entry["scale"], index_q=leaves[0], index_w=leaves[1], index_keys=leaves[2],
                             real=entry["real"], global_real_tokens=entry["q"].shape[0], coeff=1e-2,
-                            selection_scores=selection, scored_key_rows=entry["key_rows"])
+                            selection_scores=selection, scored_key_rows=entry["key_rows"], options=resolved)
 
     def prediction():
         idx = entry["selected"]
-        scores = indexer_scores(*leaves, idx) if selection is None else indexer_scores_given(*leaves, idx, selection)
-        return indexer_kl(entry["target"], scores, idx >= 0, weight)
+        scores = (indexer_scores(*leaves, idx, options=resolved) if selection is None
+                  else indexer_scores_given(*leaves, idx, selection, options=resolved))
+        return indexer_kl(entry["target"], scores, idx >= 0, weight, impl=resolved.indexer_loss_kl)
 
     body = loss if scope == "loss" else prediction
 
     def step():
         for leaf in leaves:
             leaf.grad = None
-        with kernel_options.overrides(options):
-            value = body()
-            value.backward()
+        value = body()
+        value.backward()
         return value
 
     return step

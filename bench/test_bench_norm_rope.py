@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, bench_device, bench_dtype, one_shape_at_a_time
 from dsv4cp.layer.norm import rms_norm
 from dsv4cp.layer.rope import apply_rope
 
@@ -69,15 +69,9 @@ def _torch(op: str):
     return lambda x, positions, freqs: apply_rope(x, positions, freqs, inverse=True)
 
 
-_INPUTS: dict = {}
-
-
+@one_shape_at_a_time
 def _inputs(shape: Shape):
     """Cached ``(x leaf requiring grad, upstream gradient, positions, freqs)`` for the shape."""
-    key = (shape.name, bench_device().type)
-    if key in _INPUTS:
-        return _INPUTS[key]
-    _INPUTS.clear()
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(1234)
     size = (shape.rows, shape.heads, shape.dim)
@@ -86,8 +80,7 @@ def _inputs(shape: Shape):
     positions = torch.randint(0, 2**20, (shape.rows,), device=device, generator=g)
     p = shape.rope_dim
     freqs = 10000.0 ** (-torch.arange(0, p, 2, dtype=torch.float64) / p)
-    _INPUTS[key] = (x, grad, positions, freqs)
-    return _INPUTS[key]
+    return x, grad, positions, freqs
 
 
 def _bytes(shape: Shape, op: str, phase: str) -> float:

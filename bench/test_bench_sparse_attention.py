@@ -22,7 +22,9 @@ logits computed by both warpgroups; backward dq accumulated by the dkv kernel, t
 ``ds^T q + p^T dO`` as one product, ``DSV4CP_TRITON_DKV_ONE_PRODUCT=1``), ``triton-index-ahead`` (each
 direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TRITON_FWD_INDEX_AHEAD=1`` /
 ``DSV4CP_TRITON_BWD_INDEX_AHEAD=1``), the two combined, and the forward's default at other tiles
-(``triton-split-ahead-<tile>``). The current kernels against the new ones at the flash shape::
+(``triton-split-ahead-<tile>``), and ``triton-dkv-with-dq`` (the backward before the one with its own dq
+pass: dq beside the kv gradients in the dkv kernel, ``DSV4CP_TRITON_BWD_DQ_PASS=0``; the others above
+set it too). The current kernels against the new ones at the flash shape::
 
     pytest bench/test_bench_sparse_attention.py -m gpu -k "flash and triton and not deterministic"
 
@@ -37,14 +39,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype
+from bench.common import GPU_ONLY, HAS_CUDA, Shape, bench_device, bench_dtype, one_shape_at_a_time
 from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import SparseAttentionBackend, available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
 _BEFORE_FWD = {"triton_fwd_logits": "duplicated", "triton_fwd_index_ahead": "0", "triton_fwd_lazy_rescale": "0"}
-_BEFORE_BWD = {"triton_dq_in_dkv": "1", "triton_dkv_one_product": "0", "triton_bwd_index_ahead": "0"}
+_BEFORE_BWD = {"triton_bwd_dq_pass": "0", "triton_dq_in_dkv": "1", "triton_dkv_one_product": "0",
+               "triton_bwd_index_ahead": "0"}
 FORWARD_VARIANTS = {
     "triton-duplicated-logits": _BEFORE_FWD,
     "triton-split-logits": _BEFORE_FWD | {"triton_fwd_logits": "split"},
@@ -73,6 +76,8 @@ BACKWARD_VARIANTS = {
        for tile in ("64,128,4,2", "64,64,4,2", "64,256,8,2")},
     "triton-dkv-one-matmul-64x128x4x2-index-ahead": _BEFORE_BWD | {
         "triton_dkv_one_product": "1", "triton_dkv_config": "64,128,4,2", "triton_bwd_index_ahead": "1"},
+    # the default before the backward with its own dq pass: dq beside the kv gradients in the dkv kernel
+    "triton-dkv-with-dq": {"triton_bwd_dq_pass": "0"},
 }
 """Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set,
 every option of the direction named, so the kernels before the variants (``triton-duplicated-logits``,
@@ -107,9 +112,6 @@ def _backend(name: str, shape: Shape):
         pytest.skip(str(exc))
 
 
-_INPUTS: dict = {}
-
-
 def _impl(name: str, shape: Shape, variants: dict) -> tuple[SparseAttentionBackend, KernelOptions]:
     """The backend ``name`` and the kernel options it runs with (the environment's, resolved once), or for a
     variant the triton backend with the variant's options over them."""
@@ -118,13 +120,10 @@ def _impl(name: str, shape: Shape, variants: dict) -> tuple[SparseAttentionBacke
     return _backend("triton", shape), KernelOptions.resolve(variants[name])
 
 
+@one_shape_at_a_time
 def _inputs(shape: Shape):
     """Cached (q, kv, idx, sink, scale, valid_keys) for the shape, plus (out, lse, dout) by the torch
     oracle for the backward benchmarks (made on first request)."""
-    key = (shape.name, bench_device().type)
-    if key in _INPUTS:
-        return _INPUTS[key]
-    _INPUTS.clear()  # one shape's tensors at a time (pro: several GiB)
     device, dtype = bench_device(), bench_dtype()
     g = torch.Generator(device=device).manual_seed(1234)
     t, h, d = shape.tokens, shape.heads, shape.dim
@@ -145,7 +144,6 @@ def _inputs(shape: Shape):
     idx = torch.cat([window, selected], dim=1).to(torch.int32).contiguous()
     valid = int((idx >= 0).sum().item())
     entry = {"args": (q, kv, idx, sink, d**-0.5), "valid": valid}
-    _INPUTS[key] = entry
     return entry
 
 

@@ -5,12 +5,18 @@ honours, a type (a choice of words, a flag, or a tile of N named integers), its 
 default, the op it affects and a one-line doc. A device-dependent default is the word ``auto``: the
 op resolves it (and notes what it chose, below). A tile's ``auto`` is the kernel's launch ladder.
 
-Where a value comes from, highest first: an explicit value (:func:`overrides`), the environment
-variable, the default. This module is the only place in dsv4cp that reads those variables (and
-Triton's own ``TRITON_INTERPRET``): the ops ask :func:`get` and pass the values to the kernels as
-keyword arguments.
+:class:`KernelOptions` holds every option's value, one typed field each, resolved once
+(:meth:`KernelOptions.resolve`; from a record's texts: :meth:`KernelOptions.from_resolved`) and handed
+down as an argument: the layer holds one, the ops take it as ``options=``, their autograd functions keep it
+for backward, the kernels get the values they need as keyword arguments and the custom ops as typed inputs.
+Nothing below the harness reads an option from this module's state. Where a value comes from, highest
+first: the overrides given to :meth:`~KernelOptions.resolve`, an enclosing :func:`overrides` block (the
+callers above the layer), the environment variable, the default. This module is the only place in dsv4cp
+that reads those variables (and Triton's own ``TRITON_INTERPRET``); :func:`get`, :func:`resolved` and
+:func:`describe` serve the callers above the layer (records, ``dsv4cp env``).
 
-What actually ran: the ops call :func:`note_backend` with the implementation of each op and direction
+What actually ran (an explicit recorder, not an input: nothing reads it back to choose a kernel): the ops
+call :func:`note_backend` with the implementation of each op and direction
 (``sparse_attention.fwd`` -> ``triton``, ``indexer_topk`` -> ``triton/chunked/radix/packed``) and the
 kernels' launchers with the tile the ladder picked (``sparse_attention.fwd.config`` ->
 ``block_h=64,block_k=64,num_warps=4,num_stages=2``); :func:`backends_ran` reads them back for a
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "OPTIONS",
     "KernelOption",
+    "DEFAULT_OPTIONS",
     "KernelOptions",
     "backends_ran",
     "canonical",
@@ -67,8 +74,10 @@ class KernelOption:
     default: str | bool | None = None
     choices: tuple[str, ...] = ()
     fields: tuple[str, ...] = ()
-    powers_of_two: tuple[str, ...] = ()
-    """A tile's fields that must be powers of two (checked on parsing: a bad pin fails where it is read)."""
+    rules: tuple[tuple[str, str], ...] = ()
+    """A tile's field -> the rule its value keeps (:data:`TILE_RULES`), checked on parsing, so a bad pin fails
+    where the options are resolved and names its variable. Fields without one: ``block_*`` a matrix-unit
+    tile, ``num_warps`` / ``num_stages`` at least 1, any other integer."""
 
     def parse(self, value: object, origin: str) -> str | bool | tuple[int, ...] | None:
         """``value`` (text, or a Python value of the option's type) as the option's type; ``ValueError``
@@ -101,9 +110,13 @@ class KernelOption:
         except (TypeError, ValueError):
             raise ValueError(f"{origin}: expected '{','.join(self.fields)}' ({len(self.fields)} integers) or "
                              f"'auto', got {value!r}{self._also(origin)}") from None
+        rules = dict(self.rules)
         for field_name, number in zip(self.fields, numbers):
-            if field_name in self.powers_of_two and (number < 1 or number & (number - 1)):
-                raise ValueError(f"{origin}: {field_name} must be a power of two, got {number}{self._also(origin)}")
+            rule = rules.get(field_name) or _DEFAULT_RULES.get(field_name) or (
+                "tile" if field_name.startswith("block_") else None)
+            if rule is not None and not TILE_RULES[rule][0](number):
+                raise ValueError(f"{origin}.{field_name}: must be {TILE_RULES[rule][1]}, got {number}"
+                                 f"{self._also(origin)}")
         return numbers
 
     def _also(self, origin: str) -> str:
@@ -128,8 +141,19 @@ class KernelOption:
         return f"auto | {','.join(self.fields)}"
 
 
-def _tile(name: str, op: str, fields: tuple[str, ...], doc: str, powers_of_two: tuple[str, ...] = ()) -> KernelOption:
-    return KernelOption(name, "DSV4CP_" + name.upper(), TILE, op, doc, None, (), fields, powers_of_two)
+TILE_RULES = {
+    "tile": (lambda n: n >= 16 and not n & (n - 1), "a power of two >= 16 (matrix-unit tile)"),
+    "power_of_two": (lambda n: n >= 1 and not n & (n - 1), "a power of two"),
+    "positive": (lambda n: n >= 1, ">= 1"),
+    "non_negative": (lambda n: n >= 0, ">= 0"),
+    "flag": (lambda n: n in (0, 1), "0 or 1"),
+}
+"""Rule name -> (test, what it asks, in words) of a tile's field."""
+_DEFAULT_RULES = {"num_warps": "positive", "num_stages": "positive"}
+
+
+def _tile(name: str, op: str, fields: tuple[str, ...], doc: str, **rules: str) -> KernelOption:
+    return KernelOption(name, "DSV4CP_" + name.upper(), TILE, op, doc, None, (), fields, tuple(rules.items()))
 
 
 _KERNEL_TILE = ("block_h", "block_k", "num_warps", "num_stages")
@@ -153,13 +177,13 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     _tile("triton_select_config", "indexer_topk", ("block_n", "radix_bits", "num_warps", "num_stages"),
           "pins the radix select kernel's launch"),
     _tile("triton_gather_bwd_config", "indexer_scores", ("block_k", "num_warps", "num_stages", "relaxed_atomics"),
-          "pins the gathered indexer scores' backward launch (relaxed_atomics 0 or 1)"),
+          "pins the gathered indexer scores' backward launch (relaxed_atomics 0 or 1)", relaxed_atomics="flag"),
     KernelOption("triton_scores_bwd_reduce", "DSV4CP_TRITON_SCORES_BWD_REDUCE", CHOICE, "indexer_scores",
                  "indexer scores backward's key-gradient sum: fp32 atomics, or per-slot fp32 / bf16 contributions "
                  "summed per key row in sorted order (deterministic; deterministic mode turns atomic into sorted)",
                  "atomic", ("atomic", "sorted", "sorted-bf16")),
     _tile("triton_scores_bwd_scratch", "indexer_scores", ("mib",),
-          "caps the sorted key-gradient reductions' scratch per chunk of queries, in MiB (auto: 2048)"),
+          "caps the sorted key-gradient reductions' scratch per chunk of queries, in MiB (auto: 2048)", mib="positive"),
     KernelOption("indexer_loss_scores", "DSV4CP_INDEXER_LOSS_SCORES", CHOICE, "indexer_loss",
                  "sparse indexer loss's prediction: the top-k selection's scores of the chosen entries "
                  "(selection; the streaming top-k keeps none, so topk_impl=stream then runs chunked) or those "
@@ -191,6 +215,13 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "topk_length, so they skip the empty ones (1), or every slot with -1 where empty (0)", True),
     KernelOption("triton_bwd_index_ahead", "DSV4CP_TRITON_BWD_INDEX_AHEAD", FLAG, "sparse_attention",
                  "Triton attention backward's two kernels load each step's kv-row indices one step ahead (1)", True),
+    KernelOption("triton_bwd_dq_pass", "DSV4CP_TRITON_BWD_DQ_PASS", FLAG, "sparse_attention",
+                 "Triton attention backward (not deterministic) computes dq in its own pass after the scores "
+                 "kernel and the kv gradients in a pass without it (1), or dq beside the kv gradients (0)", True),
+    _tile("triton_kv_pass_config", "sparse_attention", ("block_k", "block_d", "num_warps", "num_stages"),
+          "pins the kv-gradient pass of the Triton attention backward with its own dq pass"),
+    _tile("triton_dq_pass_config", "sparse_attention", ("block_h", "block_d", "block_k", "num_warps", "num_stages"),
+          "pins the dq pass of the Triton attention backward with its own dq pass"),
     _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),
     _tile("triton_lse_config", "attention_probs", _KERNEL_TILE, "pins the log-sum-exp kernel"),
     KernelOption("triton_lse_kernel", "DSV4CP_TRITON_LSE_KERNEL", CHOICE, "attention_probs",
@@ -200,7 +231,7 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     _tile("triton_lse_chunk_config", "attention_probs",
           ("block_h", "block_k", "block_d", "num_warps", "num_stages", "programs_per_sm"),
           "pins the d_chunks log-sum-exp kernel (programs_per_sm 0: one program per (query, head block), "
-          "else a persistent grid)"),
+          "else a persistent grid)", programs_per_sm="non_negative"),
     KernelOption("triton_probs_slots_on_m", "DSV4CP_TRITON_PROBS_SLOTS_ON_M", FLAG, "attention_probs",
                  "probabilities kernel puts the slots on the matrix unit's M (1) or the heads (0)", True),
     KernelOption("triton_probs_kernel", "DSV4CP_TRITON_PROBS_KERNEL", CHOICE, "attention_probs",
@@ -210,9 +241,10 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     _tile("triton_probs_chunk_config", "attention_probs",
           ("block_h", "block_k", "block_d", "num_warps", "num_stages", "slots_on_m", "programs_per_sm"),
           "pins the d_chunks probabilities kernel (slots_on_m 0 or 1; programs_per_sm 0: one program per "
-          "(query, slot block), else a persistent grid)"),
+          "(query, slot block), else a persistent grid)", slots_on_m="flag", programs_per_sm="non_negative"),
     _tile("triton_norm_rope_config", "norm_rope", ("block_h", "num_warps"),
-          "pins the fused norm / RoPE kernels' launch (powers of two)", powers_of_two=("block_h", "num_warps")),
+          "pins the fused norm / RoPE kernels' launch (powers of two)", block_h="power_of_two",
+          num_warps="power_of_two"),
 )}
 """Every kernel option by name."""
 
@@ -256,6 +288,9 @@ class KernelOptions:
     triton_dkv_one_product: bool = _default("triton_dkv_one_product")
     library_compact_slots: bool = _default("library_compact_slots")
     triton_bwd_index_ahead: bool = _default("triton_bwd_index_ahead")
+    triton_bwd_dq_pass: bool = _default("triton_bwd_dq_pass")
+    triton_kv_pass_config: tuple[int, ...] | None = _default("triton_kv_pass_config")
+    triton_dq_pass_config: tuple[int, ...] | None = _default("triton_dq_pass_config")
     triton_probs_config: tuple[int, ...] | None = _default("triton_probs_config")
     triton_lse_config: tuple[int, ...] | None = _default("triton_lse_config")
     triton_lse_kernel: str = _default("triton_lse_kernel")
@@ -284,9 +319,8 @@ class KernelOptions:
             elif name in _EXPLICIT:
                 values[name] = _EXPLICIT[name]
             else:
-                text = os.environ.get(option.env, "").strip()
-                values[name] = option.parse(text, option.env) if text else option.default
-                if text:
+                values[name], from_variable = _from_environment(option)
+                if from_variable:
                     origins.append((name, option.env))
         return cls(**values, origins=tuple(origins))
 
@@ -304,11 +338,29 @@ class KernelOptions:
         """The options at a value other than their default, as text (:func:`non_default`)."""
         return non_default(self.texts())
 
+    def op_values(self, names: tuple[str, ...]) -> tuple:
+        """The values of the options ``names``, in order, as a ``torch.library`` custom op takes them (typed
+        inputs a compiled graph holds as constants): a choice its word, a flag a bool, a tile a list of ints
+        (``[]`` for ``auto``)."""
+        return tuple(list(value or ()) if OPTIONS[name].kind == TILE else value
+                     for name in names for value in (getattr(self, name),))
+
+    @classmethod
+    def from_op_values(cls, names: tuple[str, ...], values: tuple) -> KernelOptions:
+        """The options a custom op's ``values`` of ``names`` (:meth:`op_values`) hold; every other option at
+        its default."""
+        return cls(**{name: (tuple(value) or None) if OPTIONS[name].kind == TILE else value
+                      for name, value in zip(names, values)})
+
     def where(self, name: str) -> str:
         """What an error about option ``name``'s value starts with: its variable when the value came from
         the environment, else the option's name."""
         return dict(self.origins).get(name, name)
 
+
+DEFAULT_OPTIONS = KernelOptions()
+"""Every option at its default (nothing read from the environment): what an op uses when its caller passes
+no options."""
 
 KernelOptions.__doc__ += "\n    Fields:\n\n" + "\n".join(
     f"    * ``{name}``: {option.doc}" for name, option in OPTIONS.items()) + "\n"
@@ -325,6 +377,13 @@ def _option(name: str) -> KernelOption:
     if option is None:
         raise ValueError(f"kernel option: unknown name {name!r}; choose from {', '.join(OPTIONS)}")
     return option
+
+
+def _from_environment(option: KernelOption) -> tuple[str | bool | tuple[int, ...] | None, bool]:
+    """``(value, whether it came from the variable)``: ``option``'s ``DSV4CP_*`` variable parsed (a bad one
+    named), else its default. The one reader of the options' variables."""
+    text = os.environ.get(option.env, "").strip()
+    return (option.parse(text, option.env), True) if text else (option.default, False)
 
 
 def source(name: str) -> str:
@@ -348,10 +407,7 @@ def get(name: str) -> str | bool | tuple[int, ...] | None:
     option = _option(name)
     if name in _EXPLICIT:
         return _EXPLICIT[name]  # type: ignore[return-value]
-    text = os.environ.get(option.env, "").strip()
-    if text:
-        return option.parse(text, option.env)
-    return option.default
+    return _from_environment(option)[0]
 
 
 def resolved() -> dict[str, str]:

@@ -6,10 +6,21 @@ only place that defines the columns and their types (:data:`COLUMN_TYPES`, :data
 the only reader: every line is checked as it is read (:func:`check_record`; a bad one is named
 ``file:line: reason`` and skipped). It imports nothing but the standard library so every layer of the
 package (and a notebook without torch) can use it.
+
+Every line is strict JSON: a value that is not a finite number (a phase without communication has no
+overlap ratio, ``nan``) is written as ``null``, which means "not measured or undefined" everywhere in a
+record. JSON has no NaN or Infinity: Python writes them as bare ``NaN``, which ``jq``, JavaScript,
+Go, Rust and most other strict parsers reject, so a file holding one could not be read by them at all.
+Files written before hold bare ``NaN`` there; :func:`read_records` still reads them.
+
+A value of the right type may still be one no measurement can hold (an imbalance below 1, a negative
+peak, an MFU above 100%, a NaN throughput): :func:`impossible_values` names them and why; the loader
+(``dsv4cp.report.load``) blanks them and reports them as invalid, so a report never shows or judges one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -322,6 +333,82 @@ def check_times(median: object, low: object, high: object, samples: list | None 
     return None
 
 
+def _finite(value: object) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
+def _at_least(low: float, what: str) -> Callable[[object], str | None]:
+    def problem(value: object) -> str | None:
+        if not _finite(value):
+            return f"{what} must be a finite number, got {_shown(value)}"
+        return None if value >= low * (1 - _RELATIVE_SLACK) else f"{what} must be >= {low:g}, got {value!r}"
+    return problem
+
+
+def _positive(what: str) -> Callable[[object], str | None]:
+    def problem(value: object) -> str | None:
+        return None if _finite(value) and value > 0 else f"{what} must be a finite number > 0, got {_shown(value)}"
+    return problem
+
+
+def _fraction(what: str) -> Callable[[object], str | None]:
+    def problem(value: object) -> str | None:
+        if _finite(value) and 0 <= value <= 1 + _RELATIVE_SLACK:
+            return None
+        return f"{what} must lie in 0..1 (0..100%), got {_shown(value)}"
+    return problem
+
+
+def _each(check: Callable[[object], str | None]) -> Callable[[object], str | None]:
+    """A list's check: the first item (None skipped: a rank not measured) that fails ``check``."""
+    def problem(values: object) -> str | None:
+        for rank, value in enumerate(values):
+            why = None if value is None else check(value)
+            if why is not None:
+                return f"rank {rank}: {why}"
+        return None
+    return problem
+
+
+VALUE_RULES: dict[str, Callable[[object], str | None]] = {
+    "imbalance_max_over_mean": _at_least(1.0, "the max over the mean of the ranks' times"),
+    "rank_time_ms_median": _each(_positive("a measured time")),
+    "tokens_per_s": _positive("a throughput"),
+    "tflops_per_gpu": _positive("a throughput"),
+    "mfu": _fraction("a share of the machine's matmul ceiling"),
+    "model_flops": _positive("a FLOP count"),
+    "bound_ms": _positive("a lower bound on the step's time"),
+    "measured_over_bound": _positive("a ratio of two times"),
+    "bound_measured_ms": _positive("a lower bound on the step's time"),
+    "measured_over_measured_bound": _positive("a ratio of two times"),
+    "peak_allocated_bytes": _each(_at_least(0, "a byte count")),
+    "device_used_bytes": _each(_at_least(0, "a byte count")),
+    "comm_ms": _at_least(0, "a communication time"),
+    "exposed_comm_ms": _at_least(0, "a communication time"),
+    "overlap_ratio": _fraction("a share of the communication time"),
+    "slowest_rank_ms": _positive("a measured time"),
+    "compile_s": _at_least(0, "a wall time"),
+}
+"""Metric -> why a value of the right type (:data:`COLUMN_TYPES`) cannot be a measurement, or None;
+a metric that is None (not measured) is never checked."""
+
+
+def impossible_values(record: dict) -> dict[str, str]:
+    """Metric -> why its value cannot be a measurement, for every metric of ``record`` (a valid record,
+    :func:`check_record`) that :data:`VALUE_RULES` rejects, or that contradicts another (more exposed
+    communication than communication; a slowest rank outside the ranks). Empty for a sound record."""
+    found = {name: why for name, rule in VALUE_RULES.items()
+             if record.get(name) is not None and (why := rule(record[name])) is not None}
+    comm, exposed = record.get("comm_ms"), record.get("exposed_comm_ms")
+    if (_finite(comm) and _finite(exposed) and "comm_ms" not in found and "exposed_comm_ms" not in found
+            and exposed > comm * (1 + _RELATIVE_SLACK) + 1e-9):
+        found["exposed_comm_ms"] = f"exposed communication {exposed!r} ms exceeds all communication {comm!r} ms"
+    slowest, cp = record.get("slowest_rank"), record.get("cp")
+    if _is_int(slowest) and _is_int(cp) and slowest >= cp:
+        found["slowest_rank"] = f"rank {slowest} is not one of the cp = {cp} ranks"
+    return found
+
+
 def check_meta(meta: object) -> str | None:
     """Why ``meta`` (a parsed ``meta.json``) is not a valid one, or None when it is."""
     if not isinstance(meta, dict):
@@ -482,24 +569,72 @@ def _record_line(record: dict) -> bytes:
     missing = [name for name in COLUMNS if name not in record]
     if missing:
         raise ValueError(f"record: missing columns {missing}; build it with make_record")
-    return (json.dumps(record, allow_nan=True) + "\n").encode()
+    return (json.dumps(finite_or_null(record), allow_nan=False) + "\n").encode()
 
 
 def append_record(path: str | os.PathLike, record: dict) -> None:
-    """Append ``record`` as one JSON line, atomically: one ``os.write`` of the whole line on an
-    ``O_APPEND`` descriptor, then fsync, so a killed writer leaves at most a missing line, never
-    half of one mixed into the next. Creates the parent directory."""
+    """Append ``record`` as one JSON line, whole or not at all (:func:`append_bytes`), so neither a killed
+    writer nor a full disk leaves half a line for the next record to join. Creates the parent directory."""
     line = _record_line(record)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    append_bytes(path, line)
+
+
+def append_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Append ``data`` to ``path`` (created if missing) as a whole or not at all, then fsync.
+
+    One ``os.write`` on an ``O_APPEND`` descriptor takes the whole buffer unless the disk is full (or a
+    quota, or an I/O error, stops it part way): then the rest is written until the system says why, and
+    the part that did land is cut off again before that error is raised, naming ``path``, so the file
+    ends where it ended before. A kill between the write and the cut leaves a partial last line, which
+    every reader skips (:func:`read_records`) and a resumed sweep drops (:func:`drop_partial_line`)."""
+    path = Path(path)
+    fd = _opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        written = os.write(fd, line)
-        if written != len(line):  # a regular file takes the whole buffer; anything else is a disk error
-            raise OSError(f"{path}: wrote {written} of {len(line)} bytes")
-        os.fsync(fd)
+        start = os.fstat(fd).st_size
+        try:
+            _write_all(fd, data)
+        except OSError as err:
+            with contextlib.suppress(OSError):  # the cut frees space: it works when the write did not
+                os.ftruncate(fd, start)
+            raise _naming(err, path) from None
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` (a short write is followed by the rest, until the system says why it stops),
+    then fsync."""
+    rest = memoryview(data)[os.write(fd, data):]  # the whole line in one call, unless the disk is full
+    while rest:
+        rest = rest[os.write(fd, rest):]
+    os.fsync(fd)
+
+
+def _opened(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, flags, 0o644)
+    except OSError as err:
+        raise _naming(err, path) from None
+
+
+def _naming(err: OSError, path: Path) -> OSError:
+    """``err`` naming ``path`` (an ``os.write`` or ``fsync`` error names no file): the CLI's one line is
+    then ``PATH: No space left on device``."""
+    return OSError(err.errno, err.strerror or str(err), str(path))
+
+
+def finite_or_null(value: object) -> object:
+    """``value`` with every float that is not finite (NaN, infinity), at any depth of its lists and
+    objects, replaced by None: what strict JSON can hold (see the module docstring)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
 
 
 def replace_record(path: str | os.PathLike, record: dict) -> bool:
@@ -525,27 +660,33 @@ def replace_record(path: str | os.PathLike, record: dict) -> bool:
             kept.append(line)
             replaced = True
     if replaced:
-        _replace_file(path, b"".join(kept))
+        write_file_atomically(path, b"".join(kept))
     return replaced
 
 
-def _replace_file(path: Path, data: bytes) -> None:
+def write_file_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: a temporary file beside it, fsynced, renamed over it (and
-    the directory fsynced, so the rename outlives a crash); the temporary file is removed on failure."""
+    the directory fsynced, so the rename outlives a crash); on any error (a full disk, a read-only
+    directory) the temporary file is removed, ``path`` keeps its old content, and the error names ``path``."""
+    path = Path(path)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
         os.replace(temporary, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except OSError as err:
+        raise _naming(err, path) from None
     finally:
-        temporary.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -565,14 +706,16 @@ class RecordProblem:
         return f"{self.path}:{self.line}: {self.reason}"
 
 
-def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None = None) -> list[dict]:
+def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None = None,
+                 line_numbers: list[int] | None = None) -> list[dict]:
     """Every valid record of a ``.jsonl`` file (or of ``RUN_DIR/records.jsonl`` when given a directory).
 
     Every line is checked (:func:`check_record`); a line that is not a valid record (not UTF-8, not
     JSON, another schema version, a field of the wrong type, an ``ok`` record with a broken time, a
     trailing line without its newline left by a killed writer) is skipped: appended to ``problems``
     as a :class:`RecordProblem` (``file:line: reason``) when a list is given, else warned about.
-    Never raises for the file's content.
+    Never raises for the file's content. ``line_numbers``, when given, receives the line (from 1) of
+    each record returned, in order (what names a duplicated line).
     """
     path = Path(path)
     if path.is_dir():
@@ -594,6 +737,8 @@ def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None =
             record.setdefault("emulated", _emulated(record))
             _with_both_bounds(record)
             records.append(record)
+            if line_numbers is not None:
+                line_numbers.append(number)
             continue
         named = record.get("point_id") if isinstance(record, dict) else None
         found.append(RecordProblem(str(path), number, reason, named if isinstance(named, str) else None,
@@ -667,16 +812,8 @@ def move_records(path: str | os.PathLike, to: str | os.PathLike, moved: Callable
             kept.append(line)
     if not taken:
         return 0
-    fd = os.open(to, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        data = b"".join(taken)
-        written = os.write(fd, data)
-        if written != len(data):  # a regular file takes the whole buffer; anything else is a disk error
-            raise OSError(f"{to}: wrote {written} of {len(data)} bytes")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _replace_file(path, b"".join(kept))
+    append_bytes(to, b"".join(taken))
+    write_file_atomically(path, b"".join(kept))
     return len(taken)
 
 
@@ -689,9 +826,7 @@ def write_meta(run_dir: str | os.PathLike, meta: dict) -> None:
     full["schema"] = SCHEMA_VERSION
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    temporary = run_dir / f".{META_FILE}.{os.getpid()}"
-    temporary.write_text(json.dumps(full, indent=2, default=str) + "\n")
-    os.replace(temporary, run_dir / META_FILE)
+    write_file_atomically(run_dir / META_FILE, (json.dumps(full, indent=2, default=str) + "\n").encode())
 
 
 def read_meta(run_dir: str | os.PathLike) -> dict:

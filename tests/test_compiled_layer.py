@@ -94,7 +94,8 @@ def test_compiled_step_on_the_kernels_custom_ops_matches_eager(triton_paths, see
     layer's option scope: the ops are handed the options)."""
     layer, packed, x, weight = build_case(
         Case(lengths=(9, 0, 23), total=32, ratio=4, seed=seed, backend="triton"), torch.device("cpu"))
-    layer.kernel_options = kernel_options.KernelOptions.resolve({"topk_keys": "scores", "triton_dq_in_dkv": "0"})
+    layer.kernel_options = kernel_options.KernelOptions.resolve({"topk_keys": "scores", "triton_dq_in_dkv": "0",
+                                                                  "triton_bwd_dq_pass": "0"})
     eager = copy.deepcopy(layer)
     kernel_options.reset_backends_ran()
     want, want_dx, want_grads = _step(eager, packed, x, weight)

@@ -30,6 +30,7 @@ from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout
 from dsv4cp.harness.build import build_case
 from dsv4cp.harness.case import Case
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.kernels import HAS_TRITON, set_deterministic, triton_available
 from dsv4cp.layer import attention as attention_module
 from dsv4cp.layer.indexer_loss import indexer_loss
@@ -53,9 +54,9 @@ def _scores_case(seed: int, dtype: torch.dtype, t: int = 9, hi: int = 4, di: int
     return q, w, keys, idx, grad
 
 
-def _grads(fn, q, w, keys, idx, grad, *given):
+def _grads(fn, q, w, keys, idx, grad, *given, **options):
     leaves = [x.clone().requires_grad_() for x in (q, w, keys)]
-    out = fn(*leaves, idx, *given)
+    out = fn(*leaves, idx, *given, **options)
     (out * grad.to(out.dtype)).sum().backward()
     return out.detach(), [leaf.grad for leaf in leaves]
 
@@ -86,13 +87,13 @@ def test_given_scores_are_the_triton_op_bitwise(reduce, deterministic, dtype, se
     q, w, keys, idx, grad = _scores_case(seed, dtype)
     set_deterministic(deterministic)
     try:
-        with kernel_options.overrides({"triton_scores_bwd_reduce": reduce}):
-            kernel_options.reset_backends_ran()
-            want = _grads(indexer_scores, q, w, keys, idx, grad)
-            want_ran = kernel_options.backends_ran()
-            kernel_options.reset_backends_ran()
-            got = _grads(indexer_scores_given, q, w, keys, idx, grad, want[0])
-            got_ran = kernel_options.backends_ran()
+        options = KernelOptions(triton_scores_bwd_reduce=reduce)
+        kernel_options.reset_backends_ran()
+        want = _grads(indexer_scores, q, w, keys, idx, grad, options=options)
+        want_ran = kernel_options.backends_ran()
+        kernel_options.reset_backends_ran()
+        got = _grads(indexer_scores_given, q, w, keys, idx, grad, want[0], options=options)
+        got_ran = kernel_options.backends_ran()
     finally:
         set_deterministic(False)
     _assert_bitwise(got, want, seed, f"triton {reduce}")
@@ -273,9 +274,9 @@ def test_gpu_selection_scores_at_flash_head_sizes(seed):
     scale = (magnitudes * w.abs()[:, None]).sum(-1)
     assert bool((((scores - again).abs() <= 1e-5 * scale) | ~valid).all()), f"seed={seed}"
     grad = torch.randn(rows.shape, device="cuda", generator=gen)
-    with kernel_options.overrides({"triton_scores_bwd_reduce": "sorted"}):
-        want = _grads(indexer_scores, q, w, keys, rows, grad)
-        got = _grads(indexer_scores_given, q, w, keys, rows, grad, again)
+    options = KernelOptions(triton_scores_bwd_reduce="sorted")
+    want = _grads(indexer_scores, q, w, keys, rows, grad, options=options)
+    got = _grads(indexer_scores_given, q, w, keys, rows, grad, again, options=options)
     _assert_bitwise(got, want, seed, "gpu sorted")
 
 
@@ -290,8 +291,9 @@ def test_top_k_scores_custom_op_passes_opcheck_and_is_the_eager_call(seed):
     keys = torch.randn(g, 16, generator=gen)
     visibility = (torch.zeros(t, dtype=torch.int64), torch.randint(0, 8, (t,), generator=gen),
                   torch.zeros(g, dtype=torch.int64), torch.arange(g))
-    torch.library.opcheck(indexer_library.indexer_topk_scores, (q, w, keys, *visibility, 4, None, ""))
-    rows, scores = indexer_library.indexer_topk_scores(q, w, keys, *visibility, 4, None, "")
+    defaults = DEFAULT_OPTIONS.op_values(ops_indexer.TOPK_OPTION_NAMES)
+    torch.library.opcheck(indexer_library.indexer_topk_scores, (q, w, keys, *visibility, 4, None, *defaults))
+    rows, scores = indexer_library.indexer_topk_scores(q, w, keys, *visibility, 4, None, *defaults)
     want_rows, want_scores = ops_indexer.fused_indexer_topk(q, w, keys, *visibility, 4, return_scores=True)
     assert torch.equal(rows, want_rows) and torch.equal(scores, want_scores)
     assert (rows < 0).any() and (rows >= 0).any()

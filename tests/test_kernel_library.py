@@ -2,7 +2,7 @@
 
 Each op passes ``torch.library.opcheck`` (schema, fake shapes, autograd registration, AOT dispatch) on small
 random inputs and equals its torch reference, gradients included; the kernel options an op is handed as
-text are the ones its kernels run under.
+typed inputs are the ones its kernels run under.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from dsv4cp import kernel_options
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.ops import attention_probs_library, compress_pool_library, indexer_library, norm_rope_library
 from dsv4cp.ops.attention_probs import head_summed_probs_torch, logsumexp_over_torch
 from dsv4cp.ops.compress_pool import compress_pool_torch
-from dsv4cp.ops.custom_op_library import options_from, options_in_force
-from dsv4cp.ops.indexer import indexer_scores, indexer_topk
+from dsv4cp.ops.indexer import SCORES_OPTION_NAMES, TOPK_OPTION_NAMES, indexer_scores, indexer_topk
 from dsv4cp.ops.norm_rope import apply_rope, rms_norm
+
+TOPK_DEFAULTS = DEFAULT_OPTIONS.op_values(TOPK_OPTION_NAMES)
+SCORES_DEFAULTS = DEFAULT_OPTIONS.op_values(SCORES_OPTION_NAMES)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -102,11 +105,11 @@ def _indexer_inputs(seed: int, t: int = 6, hi: int = 4, di: int = 16, g: int = 1
 def test_indexer_scores_op_passes_opcheck_and_matches_the_reference(seed):
     q, w, keys, idx = _indexer_inputs(seed)
     leaves = [t.requires_grad_() for t in (q, w, keys)]
-    torch.library.opcheck(indexer_library.indexer_scores_fwd, (*leaves, idx, ""))
+    torch.library.opcheck(indexer_library.indexer_scores_fwd, (*leaves, idx, *SCORES_DEFAULTS))
     upstream = torch.randn(idx.shape, generator=_gen(seed + 1)) * (idx >= 0)  # empty slots: no gradient
     got_in = [t.detach().clone().requires_grad_() for t in leaves]
     want_in = [t.detach().double().requires_grad_() for t in leaves]
-    got = indexer_library.indexer_scores_fwd(*got_in, idx, "")
+    got = indexer_library.indexer_scores_fwd(*got_in, idx, *SCORES_DEFAULTS)
     want = indexer_scores(*want_in, idx)  # CPU tensors: the torch reference
     (got * upstream).sum().backward()
     (want * upstream.double()).sum().backward()
@@ -127,7 +130,7 @@ def _visibility(seed: int, t: int = 6, g: int = 10):
 def test_indexer_topk_op_passes_opcheck_and_matches_the_reference(seed):
     q, w, keys, _ = _indexer_inputs(seed)
     visibility = _visibility(seed + 2)
-    torch.library.opcheck(indexer_library.indexer_topk, (q, w, keys, *visibility, 3, None, ""))
+    torch.library.opcheck(indexer_library.indexer_topk, (q, w, keys, *visibility, 3, None, *TOPK_DEFAULTS))
     query_doc, query_limit, key_doc, key_j = visibility
 
     def visible(rows: slice) -> torch.Tensor:
@@ -136,7 +139,7 @@ def test_indexer_topk_op_passes_opcheck_and_matches_the_reference(seed):
 
     want = indexer_topk(q.double(), w.double(), keys.double(), visible, 3)  # the torch reference
     assert int((want >= 0).sum()) > 0 and int((want < 0).sum()) > 0  # selections, and rows seeing fewer keys
-    assert torch.equal(indexer_library.indexer_topk(q, w, keys, *visibility, 3, None, ""), want)
+    assert torch.equal(indexer_library.indexer_topk(q, w, keys, *visibility, 3, None, *TOPK_DEFAULTS), want)
 
 
 def test_attention_probs_ops_pass_opcheck_and_match_the_reference(seed):
@@ -145,37 +148,26 @@ def test_attention_probs_ops_pass_opcheck_and_match_the_reference(seed):
     idx = torch.randint(-1, 9, (6, 5), generator=gen)
     idx[2] = -1  # a query with no key: lse -inf, probabilities 0
     denominator = torch.randn(6, 3, generator=gen) + 3.0
-    torch.library.opcheck(attention_probs_library.logsumexp_over, (q, keys, idx, 0.25, "whole_d", ""))
+    torch.library.opcheck(attention_probs_library.logsumexp_over, (q, keys, idx, 0.25, "whole_d", [], []))
     torch.library.opcheck(attention_probs_library.head_summed_probs,
-                          (q, keys, idx, 0.25, denominator, False, "whole_d", ""))
+                          (q, keys, idx, 0.25, denominator, False, "whole_d", [], []))
     want_lse = logsumexp_over_torch(q.double(), keys.double(), idx, 0.25)
     want = head_summed_probs_torch(q.double(), keys.double(), idx, 0.25, denominator.double())
     for kernel in ("whole_d", "d_chunks"):
-        got_lse = attention_probs_library.logsumexp_over(q, keys, idx, 0.25, kernel, "")
+        got_lse = attention_probs_library.logsumexp_over(q, keys, idx, 0.25, kernel, [], [])
         assert torch.equal(got_lse.isinf(), want_lse.isinf())
         _close(got_lse.masked_fill(got_lse.isinf(), 0), want_lse.masked_fill(want_lse.isinf(), 0), f"lse {kernel}")
         for slots_on_m in (False, True):
-            got = attention_probs_library.head_summed_probs(q, keys, idx, 0.25, denominator, slots_on_m, kernel, "")
+            got = attention_probs_library.head_summed_probs(q, keys, idx, 0.25, denominator, slots_on_m, kernel,
+                                                            [], [])
             _close(got, want, f"probs {kernel} slots_on_m={slots_on_m}")
 
 
-def test_options_in_force_round_trip_and_reach_the_kernels(monkeypatch):
-    for option in kernel_options.OPTIONS.values():
-        monkeypatch.delenv(option.env, raising=False)
-    with kernel_options.overrides({"topk_impl": "stream", "triton_norm_rope_config": "2,4"}):
-        text = options_in_force()
-    assert text == "topk_impl=stream;triton_norm_rope_config=2,4"
-    assert options_in_force() == ""  # every option at its default outside the block
-    with options_from(text):
-        assert kernel_options.get("topk_impl") == "stream" and kernel_options.get("triton_norm_rope_config") == (2, 4)
-    with pytest.raises(ValueError, match="topk_impl"):
-        with options_from("topk_impl=sideways"):
-            pass
-
-
-@pytest.mark.parametrize("options, path", [("", "triton/chunked/torch/packed"), ("topk_impl=stream", "triton/stream")])
+@pytest.mark.parametrize("options, path", [({}, "triton/chunked/torch/packed"),
+                                           ({"topk_impl": "stream"}, "triton/stream")])
 def test_indexer_topk_op_runs_the_path_its_options_name(options, path, seed):
     q, w, keys, _ = _indexer_inputs(seed)
     kernel_options.reset_backends_ran()
-    indexer_library.indexer_topk(q, w, keys, *_visibility(seed + 2), 3, None, options)
+    values = KernelOptions(**options).op_values(TOPK_OPTION_NAMES)
+    indexer_library.indexer_topk(q, w, keys, *_visibility(seed + 2), 3, None, *values)
     assert kernel_options.backends_ran()["indexer_topk"] == path

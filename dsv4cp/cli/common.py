@@ -71,10 +71,13 @@ EXIT_CODES_HELP = """\
 exit codes:
   0  success
   1  a check failed (check-cp: a quantity missed its tolerance; layer, profile: the step's output,
-     indexer loss or gradients are not finite)
-  2  bad input: usage errors, invalid values, unreadable or unwritable paths (one line on stderr)
+     indexer loss or gradients are not finite; sweep: a point failed), or a spawned rank died (one line
+     naming it and its signal)
+  2  bad input: usage errors, invalid values, unreadable or unwritable paths, a full disk (one line on
+     stderr; what was written before stays whole: a sweep continues with --resume)
   3  out of memory: refused before allocating (the estimate exceeds free memory; --force skips the
      check) or the device ran out while running
+  130  interrupted (SIGINT): the points a sweep recorded stay; --resume continues it
 """
 
 DIST_BACKENDS = ("gloo", "nccl")
@@ -160,8 +163,12 @@ def run_command(command: str, fn: Callable[[], int | None]) -> int:
         print(f"{prog}: error: {_rank_prefix()}{_describe(err)}", file=sys.stderr)
         return EXIT_USAGE
     except RuntimeError as err:  # torch.OutOfMemoryError is one
+        from dsv4cp.cp.launch import RankExited  # here: a command that never spawns imports no torch for it
         from dsv4cp.profiling.memory import is_out_of_memory
 
+        if isinstance(err, RankExited):
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return EXIT_FAILED
         if not is_out_of_memory(err):
             raise
         lines = str(err).strip().splitlines() or [type(err).__name__]

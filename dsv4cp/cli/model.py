@@ -184,14 +184,17 @@ def _run_calibrate(args, cfg, machine, lengths) -> int:
     """Fit, print and save a calibration from the profile at ``--calibrate`` (measured at this point)."""
     if args.partition != "equal":
         raise ValueError("--calibrate: fits profiles of equal splits; drop --partition balanced")
-    want = {"preset": args.preset, "ratio": args.ratio, "tokens": args.tokens}
+    want = {"preset": args.preset, "ratio": args.ratio, "tokens": args.tokens, "packing": _packing_name(args),
+            "loss": args.loss}
+    if args.lengths is None and args.packing.startswith("histogram"):  # the seed draws the documents
+        want["seed"] = args.seed
     profile = read_profile(args.calibrate, cp=args.cp, want=want)
     check_profile_point(profile, want)
     measured = profile.table
     est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens)
     source = (f"{args.calibrate} (preset={args.preset} ratio={args.ratio} tokens={args.tokens} cp={args.cp} "
-              f"packing={'lengths' if args.lengths else args.packing} loss={args.loss} "
-              f"indexer_scan={args.indexer_scan})")
+              f"packing={'lengths' if args.lengths else want['packing']} loss={args.loss} "
+              f"pass={profile.point.get('pass')} indexer_scan={args.indexer_scan})")
     calibration = fit(measured, est, source=source, indexer_scan=args.indexer_scan)
     _print_machine(machine)
     keys = ["rank", "phase_class", "direction"]
@@ -208,6 +211,13 @@ def _run_calibrate(args, cfg, machine, lengths) -> int:
               f"profile ran faster than the lower bound of machine {machine.name}; the bound's machine or the "
               "trace is wrong (profiled elsewhere? pass --machine)", file=sys.stderr)
     return 0
+
+
+def _packing_name(args: argparse.Namespace) -> str:
+    """The command's batch as a record's ``packing`` names it (``one``, ``fixed:<len>``, ``lengths:<a,b,...>``)."""
+    if args.lengths is not None:
+        return "lengths:" + ",".join(str(n) for n in parse_lengths(args.lengths))
+    return f"fixed:{args.doc_len}" if args.packing == "fixed" else args.packing
 
 
 def _print_machine(m: Machine) -> None:

@@ -8,8 +8,11 @@ With exactly two runs (A, then B) the report adds ``tables/comparison.{csv,md}``
 median step time in A and B, B / A and ``dsv4cp compare``'s verdict, then the points only one run
 holds with how the nearest point of the other differs, and the runs' own differences (machine, commit)
 in ``summary.md``. Every record is checked as it is read: a line that is not a valid record is named
-(``file:line: reason``) on stderr, left out of the report and counted; the report is still written,
-and the exit status is 1 only with ``--strict``.
+(``file:line: reason``) on stderr, left out of the report and counted (a line repeating an earlier
+record counts once); a record's value that no measurement can hold (a NaN throughput, an imbalance below
+1, a negative peak) is blanked, named in the headline and never judged against a target. The report is
+still written, and the exit status is 1 only with ``--strict``. The same run given twice (``runs/X
+./runs/X``, or a copy of it) is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: RUN_DIR/report for one run directory; required otherwise)")
     parser.add_argument("--strict", action="store_true",
-                        help="exit 1 when any line of the records was skipped as invalid (the report is still written)")
+                        help="exit 1 when any line of the records was skipped as invalid or a record holds an "
+                             "impossible value (the report is still written)")
 
 
 def print_skipped(problems: list, strict: bool) -> None:
@@ -53,4 +57,8 @@ def run(args: argparse.Namespace) -> int:
         out = args.runs[0] / "report"
     print(write_report(runs, check_output_dir(out, "--out")))
     print_skipped(problems, args.strict)
-    return 1 if problems and args.strict else 0
+    impossible = int(runs["invalid"].notna().sum())
+    if impossible:
+        print(f"{impossible} record(s) hold values no measurement can (blank in the report, named in its headline)"
+              + ("; --strict: exit 1" if args.strict else ""), file=sys.stderr)
+    return 1 if (problems or impossible) and args.strict else 0

@@ -9,15 +9,19 @@ check before it writes anything, for the moment between the parent's death and i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import io
+import logging
 import os
+import pickle
 import signal
 import socket
 import sys
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -77,9 +81,41 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)  # orphaned already: nothing to report to, nothing to run
 
 
+class RankExited(RuntimeError):
+    """A spawned rank ended without a result and without raising: killed by a signal, or exited."""
+
+
+FORWARDED_ERRORS = (OSError, ValueError, KeyboardInterrupt)
+"""What a rank raises that is no bug (a full disk, a bad value met late, an interrupt sent to the rank):
+re-raised by :func:`spawn` as itself, so the command reports it in one line as it would from one process."""
+
+INTERRUPT_GRACE_S = 30.0
+"""After forwarding an interrupt, how long :func:`spawn` waits for its ranks to stop by themselves (they
+stop between two operations) before it terminates them."""
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """The first SIGINT interrupts the rank; later ones (the terminal's and the spawner's forwarded copy
+    both arrive) are ignored so that they cannot break the clean-up the first one started."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _forwardable(err: BaseException) -> BaseException | None:
+    """``err`` when the spawner should re-raise it as is (:data:`FORWARDED_ERRORS`, picklable), else None."""
+    if not isinstance(err, FORWARDED_ERRORS):
+        return None
+    try:
+        pickle.dumps(err)
+    except Exception:  # an exception holding what cannot travel: its text still does
+        return None
+    return err
+
+
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, results,
             parent_pid: int) -> None:
     _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, _interrupt_once)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **{PARENT_PID_ENV: str(parent_pid)},
@@ -93,7 +129,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
         torch.save(fn(rank, world, device, *args), buffer)
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException as err:  # report the failure to the parent, then fail this rank
-        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        results.put((rank, "error", (f"{type(err).__name__}: {err}\n{traceback.format_exc()}", _forwardable(err))))
         raise
     finally:
         if dist.is_initialized():
@@ -103,8 +139,12 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
 def spawn(fn: Callable[..., Any], world: int, *args, backend: str = "gloo") -> list[Any]:
     """Call ``fn(rank, world, device, *args)`` on ``world`` new processes; return each rank's result.
 
-    ``fn`` must be importable (a module-level function). A failing rank raises ``RuntimeError``
-    here with its message and traceback, after the other ranks are stopped. The ranks die with this
+    ``fn`` must be importable (a module-level function). When a rank fails, the others are stopped, then:
+    an error of :data:`FORWARDED_ERRORS` it raised is raised here as is; a rank killed by a signal (or
+    exiting without a result) raises :class:`RankExited` naming the rank and the signal; anything else
+    raises ``RuntimeError`` with every failing rank's message and traceback. An interrupt (SIGINT) of
+    this process is forwarded to the ranks, which stop between two operations; they are terminated
+    after :data:`INTERRUPT_GRACE_S`, then ``KeyboardInterrupt`` is raised here. The ranks die with this
     process; call it from the main thread (Linux sends the parent-death signal when the thread that
     started a child ends).
     """
@@ -112,7 +152,7 @@ def spawn(fn: Callable[..., Any], world: int, *args, backend: str = "gloo") -> l
     results = ctx.SimpleQueue()
     port = free_port()
     collected: dict[int, Any] = {}
-    errors: list[str] = []
+    errors: list[tuple[int, str, BaseException | None]] = []
 
     def drain() -> None:  # read as results arrive: a large result would otherwise fill the pipe
         while not results.empty():
@@ -120,16 +160,65 @@ def spawn(fn: Callable[..., Any], world: int, *args, backend: str = "gloo") -> l
             if status == "ok":
                 collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
-                errors.append(f"rank {rank}: {payload}")
+                errors.append((rank, *payload))
 
     context = mp.start_processes(_worker, args=(world, port, backend, fn, args, results, os.getpid()), nprocs=world,
                                  join=False, start_method="spawn")
+    exited: mp.ProcessExitedException | None = None
     try:
-        while not context.join(timeout=0.05):
-            drain()
-    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        with _quiet_termination():
+            while not context.join(timeout=0.05):
+                drain()
+    except mp.ProcessExitedException as err:  # a rank died without raising; the others were terminated
+        exited = err
+    except mp.ProcessRaisedException:
         pass  # the failing rank's own message is in the queue; the others were terminated by join()
+    except KeyboardInterrupt:
+        _stop_interrupted(context)
+        raise
     drain()
+    forwarded = [error for _, _, error in errors if error is not None]
+    if forwarded:  # the cause: a rank whose peer failed sees only a closed connection
+        raise forwarded[0]
+    if exited is not None:
+        how = f"was killed by {exited.signal_name}" if exited.signal_name else f"exited with code {exited.exit_code}"
+        raise RankExited(f"rank {exited.error_index} (pid {exited.error_pid}) {how}; the other ranks were stopped")
     if errors or len(collected) != world:
-        raise RuntimeError("distributed run failed:\n" + ("\n".join(errors) or "a rank exited without a result"))
+        raise RuntimeError("distributed run failed:\n" + ("\n".join(f"rank {rank}: {text}" for rank, text, _ in errors)
+                                                          or "a rank exited without a result"))
     return [collected[r] for r in range(world)]
+
+
+@contextlib.contextmanager
+def _quiet_termination() -> Iterator[None]:
+    """Without torch's warning per rank it terminates after another failed: stopping them is the contract
+    here, and the failure itself is reported in one line."""
+    logger = logging.getLogger("torch.multiprocessing.spawn")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _stop_interrupted(context: mp.ProcessContext) -> None:
+    """Forward an interrupt to every live rank, give them :data:`INTERRUPT_GRACE_S` to stop, then terminate
+    (and kill) the rest, so that none goes on measuring after this process has exited."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second interrupt must not cut this clean-up short
+    try:
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        for process in context.processes:
+            process.join(max(deadline - time.monotonic(), 0))
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4cp.kernel_options import KernelOptions
-from dsv4cp.ops.sparse_attention import DEFAULT_OPTIONS, SparseAttentionBackend, option_values
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
+from dsv4cp.ops.sparse_attention import SparseAttentionBackend, option_values
 from dsv4cp.profiling.nvtx import nvtx_range
 
 QueryFn = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]

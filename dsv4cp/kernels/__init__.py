@@ -13,8 +13,9 @@ Public API (the kernel wrappers load triton lazily on attribute access):
 * :func:`set_deterministic`, :func:`is_deterministic`, :func:`triton_available`,
   :func:`triton_interpreting`, :func:`interpreted`, :func:`triton_serves`.
 
-Kernel choices and launch pins come from :mod:`dsv4cp.kernel_options` (keyword arguments of the
-wrappers; a pin left None is read there): nothing here reads the environment.
+Kernel choices and launch pins are keyword arguments of the wrappers: the ops hand them the values of
+the caller's :class:`~dsv4cp.kernel_options.KernelOptions`; one left out takes its option's default (a pin:
+the ladder). Nothing here reads the environment or a global option.
 
 Availability: CUDA devices; CPU when ``TRITON_INTERPRET=1`` and triton is (or will be) imported in
 interpreter mode.

@@ -109,18 +109,16 @@ def check_tiles(cfg, prefix: str = "") -> None:
             raise ValueError(f"{prefix}{name}: must be a power of two >= 16 (matrix-unit tile), got {value}")
 
 
-def pinned_config(config, option: str, cls, name: str = "config"):
-    """``config`` (the keyword argument ``name``), else the ``cls`` configuration of the tile kernel option
-    ``option``, else None (the ladder); checked: ``block_*`` tiles (:func:`check_tiles`), ``num_warps``
-    and ``num_stages`` >= 1. Errors start with where the configuration came from (``name``, the option's
-    variable or its name: :func:`dsv4cp.kernel_options.where`)."""
-    source = name if config is not None else kernel_options.where(option)
-    cfg = config if config is not None else option_config(option, cls)
-    if cfg is None:
+def pinned_config(config, cls, name: str = "config"):
+    """``config`` (the keyword argument ``name``: a ``cls``, or a tile kernel option's integers in field
+    order) as a ``cls``, or None (the ladder); checked: ``block_*`` tiles (:func:`check_tiles`),
+    ``num_warps`` and ``num_stages`` >= 1. Errors start with ``name``."""
+    if config is None:
         return None
-    check_tiles(cfg, prefix=f"{source}.")
+    cfg = config if isinstance(config, cls) else cls(*config)
+    check_tiles(cfg, prefix=f"{name}.")
     if cfg.num_warps < 1 or cfg.num_stages < 1:
-        raise ValueError(f"{source}: num_warps and num_stages must be >= 1, got {cfg}")
+        raise ValueError(f"{name}: num_warps and num_stages must be >= 1, got {cfg}")
     return cfg
 
 
@@ -135,13 +133,6 @@ def pinned(cls, default, tile: tuple[int, ...] | None = None, **overrides):
     if cfg is not None:
         check_tiles(cfg)
     return cfg
-
-
-def option_config(option: str, cls):
-    """The ``cls`` configuration of the tile kernel option ``option`` (its integers in field order), or
-    None when it is ``auto``."""
-    values = kernel_options.get(option)
-    return None if values is None else cls(*values)
 
 
 _TEXTS: dict[object, str] = {}

@@ -450,9 +450,9 @@ def _grid_programs(items: int, programs_per_sm: int, device: torch.device) -> in
 
 
 def _kernel_choice(explicit: str | None, option: str) -> str:
-    """``explicit``, else the kernel option ``option`` (``triton_probs_kernel``: ``d_chunks`` default,
-    ``whole_d``; ``triton_lse_kernel``: ``whole_d`` default, ``d_chunks``)."""
-    name = kernel_options.get(option) if explicit is None else explicit
+    """``explicit``, else the kernel option ``option``'s default (``triton_probs_kernel``: ``d_chunks``;
+    ``triton_lse_kernel``: ``whole_d``)."""
+    name = kernel_options.OPTIONS[option].default if explicit is None else explicit
     if name not in KERNEL_CHOICES:
         raise ValueError(f"kernel: must be one of {', '.join(KERNEL_CHOICES)}, got {name!r}")
     return name
@@ -475,12 +475,10 @@ def _lse_chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[LseC
     return [LseChunkConfig(*c) for c in ladder]
 
 
-def _refuse_whole_d_pins(tile_option: str, **pins: int | None) -> None:
-    """The ``whole_d`` launch's keyword arguments and tile option (``tile_option``) do not apply to
-    ``d_chunks``: refuse them rather than ignore them (``chunk_config`` pins that kernel)."""
+def _refuse_whole_d_pins(**pins: int | None) -> None:
+    """The ``whole_d`` launch's keyword arguments do not apply to ``d_chunks``: refuse them rather than
+    ignore them (``chunk_config`` pins that kernel)."""
     given = [name for name, value in pins.items() if value is not None]
-    if not given and kernel_options.get(tile_option) is not None:
-        given = [kernel_options.where(tile_option)]
     if given:
         raise ValueError(f"{given[0]}: pins the whole_d kernel, but the kernel is d_chunks (pin that one with "
                          f"chunk_config, or choose kernel='whole_d')")
@@ -498,11 +496,11 @@ def _check_chunk_config(cfg: ChunkConfig | LseChunkConfig | None, source: str) -
 
 
 def _slots_on_m(explicit: bool | None) -> bool:
-    """``explicit``, else the kernel option ``triton_probs_slots_on_m`` (``1`` default, ``0``): with one head
+    """``explicit``, else the kernel option ``triton_probs_slots_on_m``'s default (``1``): with one head
     block, compute the logits as ``keys @ q^T`` (slots on the matrix unit's M, heads on N) so the head sum
     reduces along each thread's registers and a lane quad instead of across the warps through shared
     memory."""
-    return bool(kernel_options.get("triton_probs_slots_on_m")) if explicit is None else bool(explicit)
+    return bool(kernel_options.OPTIONS["triton_probs_slots_on_m"].default if explicit is None else explicit)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -569,9 +567,9 @@ def logsumexp_over_triton(
         scale: logit scale.
         block_h, block_k, num_warps, num_stages: pin the ``whole_d`` launch (default: the ladder).
         kernel: ``whole_d`` (``_lse_kernel``) or ``d_chunks`` (``_lse_chunked_kernel``, launched by
-            ``chunk_config``); default: the kernel option ``triton_lse_kernel``.
-        chunk_config: pins the ``d_chunks`` launch (default: the kernel option
-            ``triton_lse_chunk_config``, else its ladder).
+            ``chunk_config``); default: the kernel option ``triton_lse_kernel``'s.
+        chunk_config: pins the ``d_chunks`` launch (a config or the kernel option
+            ``triton_lse_chunk_config``'s integers; default: its ladder).
 
     Returns: natural-log lse, ``-inf`` where a query has no valid slot (same contract as
     :func:`dsv4cp.ops.attention_probs.logsumexp_over`).
@@ -586,16 +584,14 @@ def logsumexp_over_triton(
         return lse.fill_(float("-inf"))
     block_d = triton.next_power_of_2(d)
     if _kernel_choice(kernel, "triton_lse_kernel") == "d_chunks":
-        _refuse_whole_d_pins("triton_lse_config", block_h=block_h, block_k=block_k, num_warps=num_warps,
-                             num_stages=num_stages)
-        pinned_chunks = _pinned_config(chunk_config, "triton_lse_chunk_config", LseChunkConfig, "chunk_config")
-        _check_chunk_config(pinned_chunks, "chunk_config" if chunk_config is not None
-                            else kernel_options.where("triton_lse_chunk_config"))
+        _refuse_whole_d_pins(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+        pinned_chunks = _pinned_config(chunk_config, LseChunkConfig, "chunk_config")
+        _check_chunk_config(pinned_chunks, "chunk_config")
         _launch_lse_chunked(q, keys, idx, scale, lse, block_d, pinned_chunks)
         return lse
     ladder = _ladder(block_d, h, q.dtype)
-    pinned = _pinned(KernelConfig, ladder[0], kernel_options.get("triton_lse_config"), block_h=block_h, block_k=block_k,
-                     num_warps=num_warps, num_stages=num_stages)
+    pinned = _pinned(KernelConfig, ladder[0], block_h=block_h, block_k=block_k, num_warps=num_warps,
+                     num_stages=num_stages)
     kernel = _build("_lse_kernel", q.device)
 
     def launch(cfg: KernelConfig) -> None:
@@ -640,9 +636,9 @@ def head_summed_probs_triton(
             kernel option ``triton_probs_slots_on_m``; see :func:`_slots_on_m`).
         kernel: ``whole_d`` (``_head_probs_kernel``, launched by ``block_h`` ... ``slots_on_m``) or
             ``d_chunks`` (``_head_probs_chunked_kernel``, launched by ``chunk_config``); default: the
-            kernel option ``triton_probs_kernel``.
-        chunk_config: pins the ``d_chunks`` launch (default: the kernel option
-            ``triton_probs_chunk_config``, else its ladder).
+            kernel option ``triton_probs_kernel``'s.
+        chunk_config: pins the ``d_chunks`` launch (a config or the kernel option
+            ``triton_probs_chunk_config``'s integers; default: its ladder).
 
     Returns: 0 at empty slots (same contract as :func:`dsv4cp.ops.attention_probs.head_summed_probs`).
     """
@@ -665,17 +661,15 @@ def head_summed_probs_triton(
         return out.zero_()
     block_d = triton.next_power_of_2(d)
     if _kernel_choice(kernel, "triton_probs_kernel") == "d_chunks":
-        _refuse_whole_d_pins("triton_probs_config", block_h=block_h, block_k=block_k, num_warps=num_warps,
-                             num_stages=num_stages)
-        pinned = _pinned_config(chunk_config, "triton_probs_chunk_config", ChunkConfig, "chunk_config")
-        _check_chunk_config(pinned, "chunk_config" if chunk_config is not None
-                            else kernel_options.where("triton_probs_chunk_config"))
+        _refuse_whole_d_pins(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+        pinned = _pinned_config(chunk_config, ChunkConfig, "chunk_config")
+        _check_chunk_config(pinned, "chunk_config")
         _launch_chunked(q, keys, idx, scale, lden, out, block_d, pinned)
         return out
     on_m = _slots_on_m(slots_on_m)
     ladder = _ladder(block_d, h, q.dtype, head_loop=h > _block_h(h))
-    pinned = _pinned(KernelConfig, ladder[0], kernel_options.get("triton_probs_config"), block_h=block_h,
-                     block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    pinned = _pinned(KernelConfig, ladder[0], block_h=block_h, block_k=block_k, num_warps=num_warps,
+                     num_stages=num_stages)
     kernel = _build("_head_probs_kernel", q.device)
 
     def launch(cfg: KernelConfig) -> None:

@@ -286,14 +286,14 @@ def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> l
     return [GatherBwdConfig(*c) for c in GATHER_BWD_CONFIGS]
 
 
-def _gather_bwd_pinned(config: GatherBwdConfig | None) -> GatherBwdConfig | None:
-    """``config``, else the kernel option ``triton_gather_bwd_config``, else None (the ladder); checked."""
-    cfg = pinned_config(config, "triton_gather_bwd_config", GatherBwdConfig, name="bwd_config")
+def _gather_bwd_pinned(config: GatherBwdConfig | tuple[int, ...] | None) -> GatherBwdConfig | None:
+    """``config`` (a :class:`GatherBwdConfig` or the kernel option ``triton_gather_bwd_config``'s integers),
+    else None (the ladder); checked."""
+    cfg = pinned_config(config, GatherBwdConfig, name="bwd_config")
     if cfg is None:
         return None
-    source = "bwd_config" if config is not None else kernel_options.where("triton_gather_bwd_config")
-    if cfg.relaxed_atomics not in (0, 1):  # the env gives ints; True / False compare equal to 1 / 0
-        raise ValueError(f"{source}: relaxed_atomics must be 0 or 1, got {cfg.relaxed_atomics!r}")
+    if cfg.relaxed_atomics not in (0, 1):  # the option gives ints; True / False compare equal to 1 / 0
+        raise ValueError(f"bwd_config: relaxed_atomics must be 0 or 1, got {cfg.relaxed_atomics!r}")
     return dataclasses.replace(cfg, relaxed_atomics=bool(cfg.relaxed_atomics))
 
 
@@ -492,26 +492,18 @@ class _TritonIndexerScores(torch.autograd.Function):
 
 
 def _reduction_of(reduce: str | None) -> str:
-    """``reduce`` (checked), else the kernel option ``triton_scores_bwd_reduce``."""
+    """``reduce`` (checked), else the kernel option ``triton_scores_bwd_reduce``'s default."""
     if reduce is None:
-        return kernel_options.get("triton_scores_bwd_reduce")  # type: ignore[return-value]  (a choice)
+        return kernel_options.OPTIONS["triton_scores_bwd_reduce"].default  # type: ignore[return-value]
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce: must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduce!r}")
     return reduce
 
 
 def _scratch_of(scratch_bytes: int | None) -> int:
-    """``scratch_bytes`` (checked), else the kernel option ``triton_scores_bwd_scratch`` (MiB), else
-    :data:`BWD_SCRATCH_BYTES`."""
+    """``scratch_bytes`` (checked), else :data:`BWD_SCRATCH_BYTES`."""
     if scratch_bytes is None:
-        pinned = kernel_options.get("triton_scores_bwd_scratch")
-        if pinned is None:
-            return BWD_SCRATCH_BYTES
-        (mib,) = pinned  # type: ignore[misc]  (a one-field tile)
-        if mib < 1:
-            raise ValueError(f"{kernel_options.where('triton_scores_bwd_scratch')}: must be at least 1 MiB, "
-                             f"got {mib}")
-        return mib * 2**20
+        return BWD_SCRATCH_BYTES
     if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 1:
         raise ValueError(f"scratch_bytes: must be a positive int, got {scratch_bytes!r}")
     return scratch_bytes
@@ -526,13 +518,14 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]`` (q's dtype), ``idx`` int32/int64 (``-1`` =
     empty slot: score 0 there, no gradient). Backward: ``dq`` and ``dw`` per query (no atomics), ``dkeys``
     by the reduction ``reduce`` (one of :data:`REDUCTIONS`; default: the kernel option
-    ``triton_scores_bwd_reduce``): fp32 atomics (``atomic``; ``sorted`` instead when
+    ``triton_scores_bwd_reduce``'s): fp32 atomics (``atomic``; ``sorted`` instead when
     :func:`dsv4cp.kernels.is_deterministic` at backward time), or per-slot contributions in fp32
     (``sorted``) or bf16 (``sorted-bf16``) summed per key row in a fixed order, bitwise reproducible, in
-    chunks of queries whose scratch stays within ``scratch_bytes`` (default: the kernel option
-    ``triton_scores_bwd_scratch`` in MiB, else :data:`BWD_SCRATCH_BYTES`). Gradients are returned in the
-    inputs' dtypes. ``bwd_config`` pins the backward's launch (default: the kernel option
-    ``triton_gather_bwd_config``, else the ladder). Every argument is checked here, before any work.
+    chunks of queries whose scratch stays within ``scratch_bytes`` (default: :data:`BWD_SCRATCH_BYTES`;
+    the op hands the kernel option ``triton_scores_bwd_scratch`` in MiB). Gradients are returned in the
+    inputs' dtypes. ``bwd_config`` pins the backward's launch (a :class:`GatherBwdConfig` or the kernel
+    option ``triton_gather_bwd_config``'s integers; default: the ladder). Every argument is checked here,
+    before any work.
     """
     pinned, reduction, scratch = check_settings(q, w, keys, idx, bwd_config=bwd_config, reduce=reduce,
                                                 scratch_bytes=scratch_bytes)
@@ -543,7 +536,7 @@ def check_settings(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
                    bwd_config: GatherBwdConfig | None = None, reduce: str | None = None,
                    scratch_bytes: int | None = None) -> tuple[GatherBwdConfig | None, str, int]:
     """The checks :func:`indexer_scores_triton` makes before any work (the inputs, then the backward's
-    launch pin, reduction and scratch, each from its argument or else its kernel option): ``ValueError``
+    launch pin, reduction and scratch, each from its argument or else its default): ``ValueError``
     naming the first bad one, else ``(pinned launch or None, reduction, scratch bytes)``."""
     _check_qwk(q, w, keys)
     _check_idx(q, idx)

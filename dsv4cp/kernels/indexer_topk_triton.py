@@ -277,8 +277,9 @@ def indexer_topk_stream(
     """Rows of ``keys`` with the ``k`` highest indexer scores among those visible, per query, in one
     streaming kernel pass (no score buffer). Arguments and result as in
     :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton` (``k <= MAX_STREAM_K``); ``config`` pins
-    the launch (``block_m`` query rows per program, ``block_n`` key rows per tile; default
-    the kernel option ``triton_topk_stream_config``, else :func:`stream_config_ladder`). ``native_sort``: sort with
+    the launch (``block_m`` query rows per program, ``block_n`` key rows per tile: an
+    :class:`IndexerConfig` or the kernel option ``triton_topk_stream_config``'s integers; default:
+    :func:`stream_config_ladder`). ``native_sort``: sort with
     ``tl.sort`` / ``tl.bitonic_merge`` (default on CUDA) or with the vectorised network (default under
     the interpreter, where ``tl.sort`` is very slow); lets a CPU test run the GPU's sorting code.
 
@@ -291,7 +292,7 @@ def indexer_topk_stream(
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
     base, ratio = _check_key_row_limit(key_row_limit)
-    pinned = pinned_config(config, "triton_topk_stream_config", IndexerConfig)
+    pinned = pinned_config(config, IndexerConfig)
     t, hi, di = q.shape
     g = keys.shape[0]
     out = torch.full((t, k), -1, dtype=torch.int64, device=q.device)

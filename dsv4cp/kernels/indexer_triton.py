@@ -88,8 +88,9 @@ int32 visibility arrays, the fp32 transposed head weights ``[Hi, T]``).
 
 Kernels are built lazily per execution mode: CUDA tensors use compiled ``triton.jit`` kernels, CPU
 tensors Triton's interpreter (tiny sizes only; ``TRITON_INTERPRET=1`` must be set before triton's first
-import). Configurations: the ``config`` keyword (default: the kernel option ``triton_indexer_config``,
-``"block_m,block_n,num_warps,num_stages"``, else the ladder) pins the score kernel's launch.
+import). Configurations: the ``config`` keyword (an :class:`IndexerConfig` or the integers of the kernel
+option ``triton_indexer_config``, ``"block_m,block_n,num_warps,num_stages"``; default: the ladder) pins the
+score kernel's launch.
 """
 
 from __future__ import annotations
@@ -376,9 +377,10 @@ def _check_k(k) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _pinned(config: IndexerConfig | None) -> IndexerConfig | None:
-    """``config``, else the kernel option ``triton_indexer_config``, else None (the ladder); checked."""
-    return pinned_config(config, "triton_indexer_config", IndexerConfig)
+def _pinned(config: IndexerConfig | tuple[int, ...] | None) -> IndexerConfig | None:
+    """``config`` (an :class:`IndexerConfig` or the kernel option ``triton_indexer_config``'s integers),
+    else None (the ladder); checked."""
+    return pinned_config(config, IndexerConfig)
 
 
 def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pinned, row_ranges=None) -> None:
@@ -489,9 +491,9 @@ def indexer_topk_triton(
         keys_mode: on the torch selection, ``"packed"`` (int64 keys from the kernel) or ``"scores"``.
         budget_bytes: per-chunk budget for the score buffer and the selection's temporaries (default
             :data:`TOPK_BUDGET_BYTES`; see :func:`~dsv4cp.kernels.indexer_plan.plan_chunks`).
-        config: pin the score kernel's launch (default: the kernel option ``triton_indexer_config``, else
-            the ladder); ``select_config``: the radix select's (a
-            :class:`~dsv4cp.kernels.select_top_triton.SelectConfig`; default: its kernel option).
+        config: pin the score kernel's launch (the kernel option ``triton_indexer_config``'s integers or
+            a config; default: the ladder); ``select_config``: the radix select's (a
+            :class:`~dsv4cp.kernels.select_top_triton.SelectConfig` or ``triton_select_config``'s integers).
         key_row_limit: ``(base, ratio)``: the caller guarantees that query row ``t`` sees no key row at
             or past ``base + t // ratio + 1`` (a CP layout's :attr:`~dsv4cp.cp.layout.RankLayout.key_row_limit`).
             Given, the chunks are planned from sizes alone (:func:`plan_static_chunks`): no device
@@ -499,7 +501,7 @@ def indexer_topk_triton(
             (:func:`key_ranges`, :func:`plan_chunks`), which reads the device once per call.
 
         select_variant: the radix select's kernel (``"bounded"`` or ``"plain"``; default: the kernel
-            option ``topk_select_variant``).
+            option ``topk_select_variant``'s).
         return_scores: also return the chosen key rows' scores, as the score kernel wrote them.
 
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are visible;
@@ -555,8 +557,8 @@ def indexer_topk_triton(
 
 
 def _resolved_variant(select_variant: str | None) -> str:
-    """The radix select's kernel: ``select_variant``, else the kernel option ``topk_select_variant``."""
-    return kernel_options.get("topk_select_variant") if select_variant is None else select_variant
+    """The radix select's kernel: ``select_variant``, else the kernel option ``topk_select_variant``'s default."""
+    return kernel_options.OPTIONS["topk_select_variant"].default if select_variant is None else select_variant
 
 
 def _unpack_scores(keys: torch.Tensor) -> torch.Tensor:

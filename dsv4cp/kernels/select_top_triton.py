@@ -515,13 +515,13 @@ def select_config_ladder(interpreted: bool) -> list[SelectConfig]:
 
 
 def _pinned(config: SelectConfig | None) -> SelectConfig | None:
-    """``config``, else the kernel option ``triton_select_config``, else None (the ladder); checked."""
-    if config is not None and not isinstance(config, SelectConfig):
+    """``config`` (a :class:`SelectConfig` or the kernel option ``triton_select_config``'s integers), else
+    None (the ladder); checked."""
+    if config is not None and not isinstance(config, (SelectConfig, tuple)):
         raise ValueError(f"config: must be a SelectConfig, got {type(config).__name__}")
-    source = "config" if config is not None else kernel_options.where("triton_select_config")
-    config = pinned_config(config, "triton_select_config", SelectConfig)
+    config = pinned_config(config, SelectConfig)
     if config is not None and not 1 <= config.radix_bits <= MAX_RADIX_BITS:
-        raise ValueError(f"{source}.radix_bits: must be in [1, {MAX_RADIX_BITS}], got {config.radix_bits}")
+        raise ValueError(f"config.radix_bits: must be in [1, {MAX_RADIX_BITS}], got {config.radix_bits}")
     return config
 
 
@@ -570,9 +570,10 @@ def select_top_triton(
         row_limit: ``(base, ratio, row0)``: the caller guarantees that row ``r`` holds no finite score at
             or past column ``base + (row0 + r) // ratio + 1`` (clamped to ``[0, columns]``); those
             columns are then never read. None: every column is read.
-        config: pin the launch (default: the kernel option ``triton_select_config``, else :func:`select_config_ladder`).
+        config: pin the launch (a config or the kernel option ``triton_select_config``'s integers;
+            default: :func:`select_config_ladder`).
         variant: ``"bounded"`` or ``"plain"`` (:data:`SELECT_VARIANTS`; default: the kernel option
-            ``topk_select_variant``).
+            ``topk_select_variant``'s).
         return_values: also return the chosen columns' scores.
         row_range: ``(start, stop)``, integer ``[rows]`` tensors on the scores' device: the caller
             guarantees that row ``r`` holds no finite score outside columns ``[start[r], stop[r])``
@@ -611,7 +612,7 @@ def select_top_triton(
 
 def _variant(variant: str | None) -> str:
     if variant is None:
-        return kernel_options.get("topk_select_variant")  # type: ignore[return-value]  (a choice: its word)
+        return kernel_options.OPTIONS["topk_select_variant"].default  # type: ignore[return-value]  (a word)
     if variant not in SELECT_VARIANTS:
         raise ValueError(f"variant: must be one of {', '.join(map(repr, SELECT_VARIANTS))}, got {variant!r}")
     return variant

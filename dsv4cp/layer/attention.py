@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsv4cp import kernel_options as kernel_option_registry
 from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.agreement import check_ranks_agree
 from dsv4cp.cp.comm import OVERLAP_MODES, all_gather_rows, exchange_halo, group_size_and_rank, hold_backward_waits
@@ -24,7 +23,6 @@ from dsv4cp.layer.precision import PrecisionPinned
 from dsv4cp.layer.rope import rope_frequencies
 from dsv4cp.ops.grouped_linear import head_group_projection
 from dsv4cp.ops.indexer import indexer_topk
-from dsv4cp.ops.kernel_scope import options_in_backward
 from dsv4cp.ops.norm_rope import head_norm_rope, rope_tail
 from dsv4cp.ops.sparse_attention import check_backend_name, resolve_backend, sparse_attention
 from dsv4cp.packing import PackedSeqs
@@ -54,10 +52,8 @@ class DSv4Attention(PrecisionPinned):
             once by the caller; None: :meth:`~dsv4cp.kernel_options.KernelOptions.resolve` here (the
             ``DSV4CP_*`` variables over the defaults). Held at construction, like the backend: the
             layer's kernels are part of its configuration, a compiled layer sees one constant, and its
-            forward's signature stays that of the other layers. The sparse attention (and its recompute)
-            take it as an argument and keep it for backward; the ops that do not yet take it see it in
-            force through the forward and, later, the backward
-            (:func:`dsv4cp.ops.kernel_scope.options_in_backward`).
+            forward's signature stays that of the other layers. Every op of the layer takes it as an
+            argument (its submodules get it per call) and its autograd functions keep it for backward.
         check_ranks: before each step, check with one tiny collective that every rank of ``cp_group``
             got the same ``packed`` offsets, split and dtype (a mismatch otherwise returns garbage
             silently) and that no rank rejected its own input (e.g. ``x`` with the wrong rows on one
@@ -113,19 +109,7 @@ class DSv4Attention(PrecisionPinned):
         self, x: torch.Tensor, packed: PackedSeqs, cp_group: dist.ProcessGroup | None = None,
         split: RowSplit | None = None,
     ) -> AttentionOutput:
-        """Run the layer on this rank's rows (:meth:`_forward`), its ``kernel_options`` in force."""
-        values = self.kernel_options.non_default()
-        if not values:
-            return self._forward(x, packed, cp_group, split)
-        with kernel_option_registry.overrides(values):
-            out, loss = self._forward(x, packed, cp_group, split)
-        return AttentionOutput(*options_in_backward((out, loss), values))
-
-    def _forward(
-        self, x: torch.Tensor, packed: PackedSeqs, cp_group: dist.ProcessGroup | None = None,
-        split: RowSplit | None = None,
-    ) -> AttentionOutput:
-        """Run the layer on this rank's rows.
+        """Run the layer on this rank's rows, with its ``kernel_options``.
 
         Args:
             x: ``[b_{rho+1} - b_rho, hidden]``, this rank's contiguous slice ``[b_rho, b_{rho+1})`` of
@@ -191,13 +175,13 @@ class DSv4Attention(PrecisionPinned):
             with nvtx_range("indexer.topk.fwd"):
                 local_doc = layout.local_doc
                 # the loss's prediction may be the selection's own scores ([L, K] fp32, freed after the loss)
-                with_scores = selection_scores_wanted(cfg.indexer_loss)
+                with_scores = selection_scores_wanted(cfg.indexer_loss, self.kernel_options)
                 selected = indexer_topk(
                     index_q, index_w, index_keys_all,
                     lambda sl: layout.visible_mask(local_doc[sl], positions[sl]), cfg.index_topk,
                     visibility=(local_doc, layout.visible_entries(), layout.gathered_doc, layout.gathered_j),
                     key_row_limit=layout.key_row_limit,  # static chunk plan: no device read
-                    return_scores=with_scores,
+                    return_scores=with_scores, options=self.kernel_options,
                 )
                 selected, selection_scores = selected if with_scores else (selected, None)
 
@@ -233,6 +217,7 @@ class DSv4Attention(PrecisionPinned):
                     index_keys=index_keys_all, real=layout.real, global_real_tokens=packed.real_tokens,
                     coeff=cfg.indexer_loss_coeff, selection_scores=selection_scores,
                     scored_key_rows=lowered if cfg.indexer_loss == "sparse" else None,  # the attention's rows
+                    options=self.kernel_options,
                 )
         return AttentionOutput(phase_region("out_proj", self._project_out, out, positions), loss)
 

@@ -7,12 +7,12 @@ from torch import nn
 
 from dsv4cp.config import layer_kind
 from dsv4cp.cp.layout import RankLayout
-from dsv4cp.kernel_options import KernelOptions
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.layer.hadamard import hadamard_rotate
 from dsv4cp.layer.norm import RMSNorm
 from dsv4cp.layer.precision import PrecisionPinned
 from dsv4cp.ops.compress_pool import compress_pool
-from dsv4cp.ops.norm_rope import DEFAULT_OPTIONS, rope_tail
+from dsv4cp.ops.norm_rope import rope_tail
 
 
 class Compressor(PrecisionPinned):

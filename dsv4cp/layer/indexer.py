@@ -7,10 +7,10 @@ from torch import nn
 
 from dsv4cp.config import INDEXER_RATIO, DSv4Config
 from dsv4cp.cp.layout import RankLayout
-from dsv4cp.kernel_options import KernelOptions
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.layer.compressor import Compressor
 from dsv4cp.layer.hadamard import hadamard_rotate
-from dsv4cp.ops.norm_rope import DEFAULT_OPTIONS, rope_tail
+from dsv4cp.ops.norm_rope import rope_tail
 
 
 class Indexer(nn.Module):

@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4cp import kernel_options
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.ops.attention_probs import head_summed_probs, logsumexp_over
 from dsv4cp.ops.indexer import indexer_scores, indexer_scores_given
 from dsv4cp.ops.indexer_kl import indexer_kl, kl_distillation
@@ -139,6 +139,7 @@ def indexer_loss(
     coeff: float,
     selection_scores: torch.Tensor | None = None,
     scored_key_rows: torch.Tensor | None = None,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """This rank's share of ``coeff * mean_t KL`` over real tokens of the whole batch.
 
@@ -163,6 +164,7 @@ def indexer_loss(
         scored_key_rows: sparse only: ``scored_entries``' key-buffer rows (``entry + compressed_offset``,
             ``-1`` empty; ``[L, K]`` int32 / int64) when the caller has them (the layer's attention index):
             the target is computed at them, not at rows rebuilt here (the same rows: the same bits).
+        options: the layer's kernel options (the target's, the scores' and the KL pass's kernels).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant: must be one of {VARIANTS}, got {variant!r}")
@@ -182,16 +184,17 @@ def indexer_loss(
     if variant == "sparse":
         log_denominator = torch.logaddexp(attention_lse.detach(), sink)
         total = _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q,
-                             index_w, index_keys, weight, selection_scores, scored_key_rows)
+                             index_w, index_keys, weight, selection_scores, scored_key_rows, options)
         return total * _scale_if_finite(index_q, index_w, index_keys, normaliser, total)
-    window_lse = torch.logaddexp(logsumexp_over(q, key_buffer, window_idx, scale), sink)
+    window_lse = torch.logaddexp(logsumexp_over(q, key_buffer, window_idx, scale, options=options), sink)
 
     def chunk_loss(rows: slice, q_rows: torch.Tensor, w_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         entries = scored_entries(rows)
         key_rows = torch.where(entries >= 0, entries + compressed_offset, -1)
-        log_denominator = torch.logaddexp(window_lse[rows], logsumexp_over(q[rows], key_buffer, key_rows, scale))
-        target_mass = head_summed_probs(q[rows], key_buffer, key_rows, scale, log_denominator)
-        scores = indexer_scores(q_rows, w_rows, keys, entries)
+        log_denominator = torch.logaddexp(window_lse[rows], logsumexp_over(q[rows], key_buffer, key_rows, scale,
+                                                                           options=options))
+        target_mass = head_summed_probs(q[rows], key_buffer, key_rows, scale, log_denominator, options=options)
+        scores = indexer_scores(q_rows, w_rows, keys, entries, options=options)
         return kl_distillation(target_mass, scores, entries >= 0, weight[rows])
 
     m = scored_entries(slice(0, 0)).shape[1]  # M from a call on no rows
@@ -200,10 +203,11 @@ def indexer_loss(
     return total * _scale_if_finite(index_q, index_w, index_keys, normaliser, total)
 
 
-def selection_scores_wanted(variant: str) -> bool:
+def selection_scores_wanted(variant: str, options: KernelOptions) -> bool:
     """Whether the layer hands :func:`indexer_loss` the selection's scores: the sparse variant, with the
-    kernel option ``indexer_loss_scores`` at ``selection`` (``recompute``: the loss scores the entries)."""
-    return variant == "sparse" and kernel_options.get("indexer_loss_scores") == "selection"
+    kernel option ``indexer_loss_scores`` of ``options`` at ``selection`` (``recompute``: the loss scores the
+    entries)."""
+    return variant == "sparse" and options.indexer_loss_scores == "selection"
 
 
 def _scale_if_finite(index_q: torch.Tensor, index_w: torch.Tensor, index_keys: torch.Tensor, scale: float,
@@ -226,7 +230,7 @@ def _scale_if_finite(index_q: torch.Tensor, index_w: torch.Tensor, index_keys: t
 
 def _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominator, scale, index_q, index_w,
                  index_keys, weight, selection_scores: torch.Tensor | None = None,
-                 key_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 key_rows: torch.Tensor | None = None, options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """The sparse variant's unnormalised sum over rows (``[L, K]`` tensors throughout): the KL terms of
     :func:`~dsv4cp.ops.indexer_kl.indexer_kl` (the kernel option ``indexer_loss_kl``) at the selection's
     scores when given, else at the entries scored again; the target at ``key_rows`` (built from the
@@ -234,10 +238,11 @@ def _sparse_loss(q, key_buffer, compressed_offset, scored_entries, log_denominat
     valid = scored_entries >= 0
     if key_rows is None:
         key_rows = torch.where(valid, scored_entries + compressed_offset, -1)
-    target_mass = head_summed_probs(q, key_buffer, key_rows, scale, log_denominator)
+    target_mass = head_summed_probs(q, key_buffer, key_rows, scale, log_denominator, options=options)
     if selection_scores is None:
-        scores = indexer_scores(index_q, index_w, index_keys, scored_entries)
+        scores = indexer_scores(index_q, index_w, index_keys, scored_entries, options=options)
     else:
-        scores = indexer_scores_given(index_q, index_w, index_keys, scored_entries, selection_scores)
+        scores = indexer_scores_given(index_q, index_w, index_keys, scored_entries, selection_scores,
+                                      options=options)
     region = BackwardRegion("indexer.loss.bwd")
-    return region.output(indexer_kl(target_mass, region.input(scores), valid, weight))
+    return region.output(indexer_kl(target_mass, region.input(scores), valid, weight, impl=options.indexer_loss_kl))

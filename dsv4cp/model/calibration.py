@@ -274,8 +274,10 @@ def fit(measured: pd.DataFrame, est: LayerEstimate, source: str = "", indexer_sc
                        fitted=fitted)
 
 
-POINT_CHECKS: tuple[str, ...] = ("preset", "ratio", "tokens")
-"""What a profile must share with the point a calibration is fitted for (its cp is checked by :func:`fit`)."""
+POINT_CHECKS: tuple[str, ...] = ("preset", "ratio", "tokens", "packing", "loss")
+"""What a profile must share with the point a calibration is fitted for (its cp is checked by :func:`fit`):
+the layer, the batch size and the documents the batch holds (a one-document trace fits other phase times
+than a histogram batch), and the indexer loss."""
 
 
 @dataclass(frozen=True)
@@ -321,9 +323,11 @@ def check_profile_point(profile: Profile, want: dict) -> None:
         raise ValueError(f"--calibrate: {profile.source!r} does not say which point it measured (no {POINT_FILE} "
                          f"beside it, no records.jsonl of its run); asked for {asked}: profile it again with "
                          f"--trace-dir, or pass the run's records.jsonl")
-    got = " ".join(f"{k}={profile.point.get(k)}" for k in POINT_CHECKS)
-    if any(profile.point.get(k) != want[k] for k in POINT_CHECKS):
-        raise ValueError(f"--calibrate: {profile.source!r} measured {got}, not the point asked for ({asked}); "
+    differs = [k for k in (*POINT_CHECKS, "seed") if k in want and profile.point.get(k) != want[k]]
+    if differs:
+        got = ", ".join(f"{k}={profile.point.get(k)!r}" for k in differs)
+        asked_for = ", ".join(f"{k}={want[k]!r}" for k in differs)
+        raise ValueError(f"--calibrate: {profile.source!r} measured {got}, not {asked_for} (asked for ({asked})); "
                          "pass the profile of this point, or this command the profile's point")
 
 
@@ -338,9 +342,11 @@ def _read_records(path: Path) -> list[dict]:
 
 
 def _first_agreeing(records: list[dict], want: dict | None) -> dict:
-    """The first record agreeing with ``want`` on :data:`POINT_CHECKS`, else the first."""
-    agreeing = [r for r in records if want is not None and all(r.get(k) == want.get(k) for k in POINT_CHECKS)]
-    return (agreeing or records)[0]
+    """The first record agreeing with ``want`` on :data:`POINT_CHECKS` (one of forward + backward first: it
+    fits both directions), else the first (which :func:`check_profile_point` then refuses, naming both)."""
+    agreeing = [r for r in records if want is not None and all(r.get(k) == want.get(k) for k in want)]
+    both = [r for r in agreeing if r.get("pass") == "fwd+bwd"]
+    return (both or agreeing or records)[0]
 
 
 def _trace_point(csv: Path, cp: int | None, want: dict | None) -> dict | None:

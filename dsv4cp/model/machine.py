@@ -146,6 +146,20 @@ GPU_PRESETS: dict[str, str] = {"H200": "h200x2"}
 """The preset of each GPU model with measured ceilings, by a word of ``torch.cuda.get_device_name()``."""
 
 
+def record_preset(bound_machine: object, machine_label: object) -> str | None:
+    """The preset of the machine a record was measured on: its bound's machine (``bound_machine``) when
+    that is a preset, else the preset of the GPU its ``machine`` label names (:data:`GPU_PRESETS`:
+    ``2xNVIDIA H200`` -> ``h200x2``), ``cpu-estimate`` for a CPU label (``cpu-2core``); None when neither
+    says (another GPU, no label)."""
+    if isinstance(bound_machine, str) and bound_machine in MACHINE_PRESETS and bound_machine != "cpu":
+        return bound_machine
+    if not isinstance(machine_label, str):
+        return None
+    if machine_label.startswith("cpu"):
+        return CPU_ESTIMATE.name
+    return next((preset for word, preset in GPU_PRESETS.items() if word in machine_label.upper()), None)
+
+
 def this_machine() -> Machine | None:
     """The machine this process runs on: the preset of its GPU (:data:`GPU_PRESETS`), the
     :data:`CPU_ESTIMATE` without CUDA, or None (no bound) on a GPU without a preset

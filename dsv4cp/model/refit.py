@@ -7,11 +7,13 @@ are refitted on what the ranks themselves took: each measured split ``k`` gives,
 measured step time ``m[k, r]`` and the model's per-class bounds ``b[k, r, c]`` (class and direction), and
 the factors ``f`` minimise
 
-    sum over (k, r) of ((m[k, r] - sum_c f_c b[k, r, c]) / m[k, r])^2 + ridge * sum_c (f_c / p_c - 1)^2
+    sum over (k, r) of ((m[k, r] - sum_c f_c b[k, r, c]) / m[k, r])^2 + ridge * sum_c (f_c / p_c - s)^2
 
-with ``p`` the prior factors (the calibration the split started from; 1 without one). The relative
+with ``p`` the prior factors (the calibration the split started from) and ``s = 1``; without a prior,
+``p = 1`` and ``s`` the one common factor that fits the samples best (:func:`_common_level`). The relative
 residual weighs every rank alike; the ridge keeps classes the samples cannot tell apart (there are ten
-class factors and often fewer ranks) at their prior. The fit is tried for every indexer scan
+class factors and often fewer ranks) at their prior, or without one at the level the samples show. The fit
+is tried for every indexer scan
 (:data:`~dsv4cp.model.phase_classes.INDEXER_SCANS`: which gathered entries the top-k is charged for) and the
 best-fitting one is kept (on the classes alone, before the per-rank factors below), unless it fits only
 marginally better than the prior's scan (:data:`SCAN_MARGIN`). Per class, so the result transfers to other
@@ -127,7 +129,7 @@ def _fit_scan(samples, prior: Calibration, direction: str, ridge: float, scan: s
     priors = np.array([prior.factor(*key.split(".")) for key in keys])
     bounds = np.vstack([t.reindex(columns=keys, fill_value=0.0).to_numpy() for t in rows]) * priors
     m, rank = np.asarray(measured, dtype=float), np.asarray(ranks)
-    scale = _class_scale(bounds / m[:, None], ridge)
+    scale = _class_scale(bounds / m[:, None], ridge, towards_common_level=not prior.factors)
     per_rank = _rank_factors(m, bounds @ scale, rank) if with_ranks else np.ones(1)
     modelled = bounds @ scale * (per_rank[rank] if with_ranks else 1.0)
     residual = float(np.sqrt(np.mean((modelled / m - 1.0) ** 2)))
@@ -137,14 +139,27 @@ def _fit_scan(samples, prior: Calibration, direction: str, ridge: float, scan: s
     return residual, factors, dict(zip(keys, map(float, scale))), rank_factors, classes_only
 
 
-def _class_scale(design: np.ndarray, ridge: float) -> np.ndarray:
+def _class_scale(design: np.ndarray, ridge: float, towards_common_level: bool) -> np.ndarray:
     """Factor / prior per class minimising the relative residuals (``design``: bound x prior / measured per
-    row) plus the ridge towards the prior, clipped to :data:`FACTOR_RANGE`."""
+    row) plus the ridge towards the prior, or, with ``towards_common_level`` (no prior: its factors of 1 say
+    nothing), towards the common level of the samples; clipped to :data:`FACTOR_RANGE`."""
     count = design.shape[1]
+    level = _common_level(design) if towards_common_level else 1.0
     lhs = np.vstack([design, np.sqrt(ridge) * np.eye(count)])
-    rhs = np.concatenate([np.ones(design.shape[0]), np.sqrt(ridge) * np.ones(count)])
+    rhs = np.concatenate([np.ones(design.shape[0]), np.sqrt(ridge) * level * np.ones(count)])
     scale, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
     return np.clip(scale, *FACTOR_RANGE)
+
+
+def _common_level(design: np.ndarray) -> float:
+    """The one factor / prior shared by every class that best fits the rows (least squares on the relative
+    residuals): where the ridge pulls the classes the samples cannot tell apart when there is no prior.
+    Towards 1 instead (the bound itself), a device 2-5x slower than its bounds would have those classes
+    pulled off the level that every sample shows, which no per-rank factor can take back (they keep a
+    geometric mean of 1): one round of 4 ranks then left relative residuals of up to 0.1."""
+    summed = design.sum(axis=1)
+    norm = float(summed @ summed)
+    return float(np.clip(summed.sum() / norm, *FACTOR_RANGE)) if norm > 0 else 1.0
 
 
 def _rank_factors(measured: np.ndarray, modelled: np.ndarray, rank: np.ndarray) -> np.ndarray:

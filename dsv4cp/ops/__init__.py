@@ -7,15 +7,16 @@
 * :mod:`.norm_rope`: RMS norm and RoPE, fused on CUDA for the attention's queries and outputs;
 * :mod:`.compress_pool`: the compressor's gated pooling of r-token groups (torch reference, Triton on CUDA);
 * :mod:`.grouped_linear`: the output projection's per-group map, without the copies a batched einsum makes;
-* :mod:`.kernel_scope`: kernel options (:mod:`dsv4cp.kernel_options`) held through a region's later backward.
 * :mod:`.sparse_attention_library`: the attention op as ``torch.library`` custom ops, what ``torch.compile`` traces;
   likewise :mod:`.indexer_library`, :mod:`.indexer_kl_library`, :mod:`.attention_probs_library`,
   :mod:`.norm_rope_library` and :mod:`.compress_pool_library` for the other Triton kernels
-  (:mod:`.custom_op_library`: what they share);
+  (:mod:`.custom_op_library`: how their dispatch notes what ran);
 * :mod:`.determinism`: which backends replay bitwise, per op and direction, and deterministic mode.
 
-The ops read the kernel options, pass the resolved choices to the kernels as keyword arguments and note
-what ran (:func:`dsv4cp.kernel_options.note_backend`).
+The ops take the caller's kernel options as an argument (``options``, a
+:class:`~dsv4cp.kernel_options.KernelOptions`: nothing here reads them from a global), pass the values each
+kernel needs as its keyword arguments (the custom ops take them as typed inputs), keep them in their autograd
+functions for backward and note what ran (:func:`dsv4cp.kernel_options.note_backend`, an explicit recorder).
 
 ``dsv4cp.ops`` imports ``dsv4cp.kernels`` and chooses among them; kernels never import ops.
 """

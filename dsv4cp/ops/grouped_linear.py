@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4cp.kernel_options import KernelOptions
-from dsv4cp.ops.norm_rope import DEFAULT_OPTIONS, rope_tail, rotate_tail_
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
+from dsv4cp.ops.norm_rope import rope_tail, rotate_tail_
 
 __all__ = ["grouped_linear", "head_group_projection"]
 

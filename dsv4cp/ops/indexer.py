@@ -8,8 +8,9 @@ Two ops, both chunked over queries so neither the per-head score tensor nor the 
   :func:`indexer_scores_given`: the same op on scores already computed (the selection's), no forward work.
 
 CUDA inputs run the Triton kernels; :func:`fused_indexer_topk` is the top-k's Triton backend, which
-chooses its path from the kernel options (:mod:`dsv4cp.kernel_options`: ``topk_impl``, ``topk_select``,
-``topk_keys``) and notes what ran (``indexer_topk`` -> ``triton/chunked/radix``, ``triton/stream``, ...,
+chooses its path from the call's kernel options (``options``, a :class:`~dsv4cp.kernel_options.KernelOptions`:
+``topk_impl``, ``topk_select``, ``topk_keys``, the select kernel and the launch pins) and notes what
+ran (``indexer_topk`` -> ``triton/chunked/radix``, ``triton/stream``, ...,
 or ``torch``).
 """
 
@@ -20,9 +21,10 @@ from collections.abc import Callable
 import torch
 
 from dsv4cp import kernel_options
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.kernels import interpreted, triton_serves
 from dsv4cp.kernels.contracts import check_key_row_limit, select_top
-from dsv4cp.ops.custom_op_library import note_eager, options_in_force
+from dsv4cp.ops.custom_op_library import note_eager
 from dsv4cp.profiling.autograd_ranges import BackwardRegion
 from dsv4cp.profiling.nvtx import nvtx_range
 
@@ -43,7 +45,7 @@ def _chunk(per_query: int) -> int:
 def indexer_topk(
     q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: Callable[[slice], torch.Tensor], k: int,
     visibility: tuple[torch.Tensor, ...] | None = None, key_row_limit: tuple[int, int] | None = None,
-    return_scores: bool = False,
+    return_scores: bool = False, *, options: KernelOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``keys`` with the ``k`` highest scores among those visible, per query.
 
@@ -62,6 +64,7 @@ def indexer_topk(
             causal prefix like the Triton plan's; without it every chunk scores all ``G`` rows.
         return_scores: also return the scores of the chosen entries, as the selection saw them (the
             indexer loss's prediction at those entries, without scoring them again).
+        options: the kernel options of the Triton path (:func:`fused_indexer_topk`).
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are
         visible. Among equal scores at the cut the lower key rows win (keys must be in entry order,
         gaps allowed), so every CP layout selects the same entries. A NaN or infinite score is never
@@ -78,12 +81,11 @@ def indexer_topk(
         raise ValueError(f"return_scores: must be a bool, got {return_scores!r}")
     if visibility is not None and triton_serves(q) and torch.compiler.is_compiling():
         limit = None if key_row_limit is None else list(key_row_limit)  # the custom ops: .indexer_library
-        if return_scores:
-            return torch.ops.dsv4cp.indexer_topk_scores(q, w, keys, *visibility, k, limit, options_in_force())
-        return torch.ops.dsv4cp.indexer_topk(q, w, keys, *visibility, k, limit, options_in_force())
+        op = torch.ops.dsv4cp.indexer_topk_scores if return_scores else torch.ops.dsv4cp.indexer_topk
+        return op(q, w, keys, *visibility, k, limit, *options.op_values(TOPK_OPTION_NAMES))
     if visibility is not None and triton_serves(q):
         return fused_indexer_topk(q, w, keys, *visibility, k, key_row_limit=key_row_limit,
-                                  return_scores=return_scores)
+                                  return_scores=return_scores, options=options)
     note_eager("indexer_topk", "torch")
     t, hi, _ = q.shape
     g = keys.shape[0]
@@ -126,6 +128,12 @@ def indexer_topk(
 
 TOPK_IMPLS = ("chunked", "stream")
 
+TOPK_OPTION_NAMES = ("topk_impl", "topk_select", "topk_keys", "topk_select_variant", "triton_indexer_config",
+                     "triton_topk_stream_config", "triton_select_config")
+"""The kernel options of the top-k: its custom ops (:mod:`.indexer_library`) take their values as arguments."""
+SCORES_OPTION_NAMES = ("triton_gather_bwd_config", "triton_scores_bwd_reduce", "triton_scores_bwd_scratch")
+"""The kernel options of the scores' backward, taken as arguments by the scores' custom ops."""
+
 
 @torch.no_grad()
 def fused_indexer_topk(
@@ -133,26 +141,29 @@ def fused_indexer_topk(
     key_doc: torch.Tensor, key_j: torch.Tensor, k: int, chunk: int | None = None, *,
     budget_bytes: int | None = None, config=None, key_row_limit: tuple[int, int] | None = None,
     impl: str | None = None, select: str | None = None, keys_mode: str | None = None,
-    select_variant: str | None = None, return_scores: bool = False,
+    select_variant: str | None = None, return_scores: bool = False, options: KernelOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`indexer_topk` on the Triton kernels, from visibility tensors (the contract of
     :func:`dsv4cp.kernels.indexer_triton.indexer_topk_triton`, whose arguments these are).
 
-    The path: ``impl`` (else the kernel option ``topk_impl``): ``"chunked"`` (score buffers + a
+    Each keyword left None takes its kernel option from ``options``. The path: ``impl`` (else
+    ``topk_impl``): ``"chunked"`` (score buffers + a
     selection) or ``"stream"`` (:func:`dsv4cp.kernels.indexer_topk_triton.indexer_topk_stream`, one pass;
-    ``chunk`` and ``budget_bytes`` do not apply, ``config`` pins its tiles; ``k`` above its
+    ``chunk`` and ``budget_bytes`` do not apply, ``config`` (else ``triton_topk_stream_config``) pins its
+    tiles; ``k`` above its
     ``MAX_STREAM_K`` runs chunked). The chunked selection: ``select`` (else ``topk_select``; ``auto``:
     ``radix`` for compiled kernels, ``torch`` under the interpreter) and, on the torch selection, the
     buffer ``keys_mode`` (else ``topk_keys``); the radix select's kernel: ``select_variant`` (else
-    ``topk_select_variant``). Every option is read (and checked) whichever path runs.
+    ``topk_select_variant``); the chunked score kernel's pin: ``config`` (else ``triton_indexer_config``),
+    the radix select's: ``triton_select_config``. Every keyword is checked whichever path runs.
     ``return_scores``: also the chosen rows' scores (see :func:`indexer_topk`); the streaming kernel keeps
     none, so it then runs chunked. Notes ``indexer_topk`` -> ``triton/stream``, ``triton/chunked/radix``
     (``.../radix/bounded`` for that kernel) or ``triton/chunked/torch/<keys>``.
     """
-    chosen_impl = _choice(impl, "topk_impl", "impl", TOPK_IMPLS)
-    chosen_select = _choice(select, "topk_select", "select", ("auto", "radix", "torch"))
-    chosen_keys = _choice(keys_mode, "topk_keys", "keys_mode", ("packed", "scores"))
-    chosen_variant = _choice(select_variant, "topk_select_variant", "select_variant", ("bounded", "plain"))
+    chosen_impl = _choice(impl, options.topk_impl, "impl", TOPK_IMPLS)
+    chosen_select = _choice(select, options.topk_select, "select", ("auto", "radix", "torch"))
+    chosen_keys = _choice(keys_mode, options.topk_keys, "keys_mode", ("packed", "scores"))
+    chosen_variant = _choice(select_variant, options.topk_select_variant, "select_variant", ("bounded", "plain"))
     if chosen_select == "auto":
         chosen_select = "torch" if interpreted(q.device) else "radix"
     if chosen_impl == "stream" and not return_scores:
@@ -161,22 +172,24 @@ def fused_indexer_topk(
         if not isinstance(k, int) or k <= stream.MAX_STREAM_K:  # larger running lists do not fit on chip
             kernel_options.note_backend("indexer_topk", "triton/stream")
             return stream.indexer_topk_stream(q, w, keys, query_doc, query_limit, key_doc, key_j, k,
-                                              config=config, key_row_limit=key_row_limit)
+                                              config=options.triton_topk_stream_config if config is None else config,
+                                              key_row_limit=key_row_limit)
     from dsv4cp.kernels.indexer_triton import indexer_topk_triton  # lazy: imports triton
 
     path = ("radix" if chosen_variant == "plain" else "radix/bounded") if chosen_select == "radix" else \
         f"torch/{chosen_keys}"
     kernel_options.note_backend("indexer_topk", f"triton/chunked/{path}")
     return indexer_topk_triton(q, w, keys, query_doc, query_limit, key_doc, key_j, k, chunk, select=chosen_select,
-                               keys_mode=chosen_keys, budget_bytes=budget_bytes, config=config,
-                               key_row_limit=key_row_limit, select_variant=chosen_variant,
-                               return_scores=return_scores)
+                               keys_mode=chosen_keys, budget_bytes=budget_bytes,
+                               config=options.triton_indexer_config if config is None else config,
+                               select_config=options.triton_select_config, key_row_limit=key_row_limit,
+                               select_variant=chosen_variant, return_scores=return_scores)
 
 
-def _choice(explicit: str | None, option: str, keyword: str, allowed: tuple[str, ...]) -> str:
-    """``explicit`` (the keyword ``keyword``, checked against ``allowed``), else the kernel option."""
+def _choice(explicit: str | None, option_value: str, keyword: str, allowed: tuple[str, ...]) -> str:
+    """``explicit`` (the keyword ``keyword``, checked against ``allowed``), else the kernel option's value."""
     if explicit is None:
-        return kernel_options.get(option)  # type: ignore[return-value]  (a choice: its word)
+        return option_value
     if explicit not in allowed:
         raise ValueError(f"{keyword}: must be one of {', '.join(map(repr, allowed))}, got {explicit!r}")
     return explicit
@@ -234,12 +247,21 @@ class _IndexerScores(torch.autograd.Function):
         return dq.to(q.dtype), dw.to(w.dtype), dkeys.to(keys.dtype), None
 
 
-def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def scores_backward_keywords(options: KernelOptions) -> dict:
+    """The Triton scores' backward settings of ``options``, as :func:`indexer_scores_triton` takes them."""
+    scratch = options.triton_scores_bwd_scratch
+    return {"bwd_config": options.triton_gather_bwd_config, "reduce": options.triton_scores_bwd_reduce,
+            "scratch_bytes": None if scratch is None else scratch[0] * 2**20}
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
+                   options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """Differentiable scores ``[T, K]`` (fp32, fp64 for fp64) of queries at key rows ``idx [T, K]``.
 
     ``q [T, Hi, Di]``, ``w [T, Hi]``, ``keys [G, Di]``; slots with ``idx == -1`` hold meaningless
     values and receive no gradient: the caller masks them. CUDA inputs run on the Triton kernels, whose
-    backward sums the key gradient as the kernel option ``triton_scores_bwd_reduce`` says (fp32 atomics
+    backward sums the key gradient as the kernel option ``triton_scores_bwd_reduce`` of ``options`` says
+    (with its launch pin and scratch: ``triton_gather_bwd_config``, ``triton_scores_bwd_scratch``; fp32 atomics
     by default; in deterministic mode a fixed-order sorted reduction instead; see :mod:`.determinism`).
     """
     if triton_serves(q):
@@ -247,12 +269,12 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: to
 
         note_eager("indexer_scores.fwd", "triton")
         if torch.compiler.is_compiling():  # one opaque node per direction: .indexer_library
-            return torch.ops.dsv4cp.indexer_scores_fwd(q, w, keys, idx, options_in_force())
+            return torch.ops.dsv4cp.indexer_scores_fwd(q, w, keys, idx, *options.op_values(SCORES_OPTION_NAMES))
         # the kernels' autograd function opens no range of its own: mark its backward here
         region = BackwardRegion("indexer.score.bwd")
         q, w, keys = (region.input(t) for t in (q, w, keys))
         with nvtx_range("indexer.score.fwd"):
-            return region.output(indexer_scores_triton(q, w, keys, idx))
+            return region.output(indexer_scores_triton(q, w, keys, idx, **scores_backward_keywords(options)))
     note_eager("indexer_scores.fwd", "torch")
     return _IndexerScores.apply(q, w, keys, idx)
 
@@ -275,10 +297,10 @@ class _GivenScores(torch.autograd.Function):
 class _GivenScoresTriton(torch.autograd.Function):
     """The Triton scores' backward for scores handed in: the custom op ``dsv4cp::indexer_scores_bwd`` (the
     compiled :func:`indexer_scores`' backward: the eager one's kernels, reduction, launch pin and scratch)
-    under the kernel options in force at the forward, eager and compiled alike."""
+    with the forward's kernel options (their values as the custom op takes them), eager and compiled alike."""
 
     @staticmethod
-    def forward(ctx, q, w, keys, idx, scores, options: str):
+    def forward(ctx, q, w, keys, idx, scores, options: tuple):
         ctx.save_for_backward(q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous())
         ctx.options = options
         return scores.view_as(scores)
@@ -286,15 +308,15 @@ class _GivenScoresTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, w, keys, idx = ctx.saved_tensors
-        dq, dw, dkeys = torch.ops.dsv4cp.indexer_scores_bwd(grad, q, w, keys, idx, ctx.options)
+        dq, dw, dkeys = torch.ops.dsv4cp.indexer_scores_bwd(grad, q, w, keys, idx, *ctx.options)
         return dq, dw, dkeys, None, None, None
 
 
 def indexer_scores_given(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
-                         scores: torch.Tensor) -> torch.Tensor:
+                         scores: torch.Tensor, *, options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """:func:`indexer_scores` whose forward returns ``scores`` (no kernel, no copy: a view) and whose
     backward is :func:`indexer_scores`' own on the same backend: the torch reference's, or the Triton
-    kernels' (their key-gradient reduction, launch pin and scratch from the kernel options in force here,
+    kernels' (their key-gradient reduction, launch pin and scratch from ``options``,
     deterministic mode as it stands when the backward runs).
 
     ``scores [T, K]``: the scores at ``idx`` already computed (e.g. by ``indexer_topk(...,
@@ -322,7 +344,7 @@ def indexer_scores_given(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, i
         if not torch.compiler.is_compiling():  # as indexer_scores_triton: every setting checked before any work
             from dsv4cp.kernels.indexer_scores_triton import check_settings  # lazy: imports triton
 
-            check_settings(q, w, keys, idx)
+            check_settings(q, w, keys, idx, **scores_backward_keywords(options))
         # the custom op opens the backward's phase range itself
-        return _GivenScoresTriton.apply(q, w, keys, idx, scores, options_in_force())
+        return _GivenScoresTriton.apply(q, w, keys, idx, scores, options.op_values(SCORES_OPTION_NAMES))
     return _GivenScores.apply(q, w, keys, idx, scores)

@@ -86,13 +86,13 @@ def indexer_kl(target_mass: torch.Tensor, scores: torch.Tensor, valid: torch.Ten
     """:func:`kl_distillation`: a scalar, differentiable in ``scores``.
 
     ``impl``: ``"torch"`` (the reference) or ``"triton"`` (the fused pass where it serves the scores,
-    :func:`fused_serves`, else the reference); default: the kernel option ``indexer_loss_kl``. The fused
+    :func:`fused_serves`, else the reference); default: the kernel option ``indexer_loss_kl``'s default. The fused
     pass notes ``indexer_kl`` -> ``triton``; the reference notes nothing (a compiled graph's code generated
     from it could not, :mod:`.custom_op_library`). Shapes as :func:`fused_kl_rows`; the reference takes any
     float dtype.
     """
     if impl is None:
-        impl = kernel_options.get("indexer_loss_kl")
+        impl = kernel_options.OPTIONS["indexer_loss_kl"].default
     elif impl not in KL_IMPLS:
         raise ValueError(f"impl: must be one of {', '.join(map(repr, KL_IMPLS))}, got {impl!r}")
     if impl == "triton" and fused_serves(scores, target_mass, row_weight):

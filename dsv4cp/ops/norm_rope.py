@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4cp.kernel_options import KernelOptions
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.kernels import norm_rope_triton
 from dsv4cp.kernels.norm_rope_triton import use_fused
 from dsv4cp.ops.custom_op_library import note_eager
@@ -69,9 +69,6 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, in
     even, odd = rot[..., 0], rot[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
     return torch.cat((x[..., :-p], rotated.to(x.dtype)), dim=-1)
-
-
-DEFAULT_OPTIONS = KernelOptions()
 
 
 def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, eps: float, *,

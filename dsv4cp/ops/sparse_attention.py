@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4cp import choices, kernel_options, kernels
-from dsv4cp.kernel_options import OPTIONS, TILE, KernelOptions
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, OPTIONS, KernelOptions
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
@@ -170,27 +170,22 @@ def available_backend(name: str, device: torch.device) -> SparseAttentionBackend
 # before triton's first import.
 
 
-DEFAULT_OPTIONS = KernelOptions()
-"""The options of a call that names none (the registry's defaults; nothing read from the environment)."""
-
 OPTION_NAMES = ("triton_fwd_config", "triton_fwd_logits", "triton_fwd_index_ahead", "triton_fwd_lazy_rescale",
                 "triton_bwd_config", "triton_dkv_config", "triton_dq_in_dkv", "triton_dkv_one_product",
-                "triton_bwd_index_ahead", "library_compact_slots")
+                "triton_bwd_index_ahead", "library_compact_slots", "triton_bwd_dq_pass", "triton_kv_pass_config",
+                "triton_dq_pass_config")
 """The kernel options the backends read: the custom ops (:mod:`.sparse_attention_library`) take their values
 as arguments (:func:`option_values`), so a compiled graph holds them as constants."""
 
 
 def option_values(options: KernelOptions) -> tuple:
-    """``options``' values of :data:`OPTION_NAMES`, in order, as the custom ops take them (a tile as a list
-    of ints, ``[]`` for ``auto``)."""
-    return tuple(list(value or ()) if OPTIONS[name].kind == TILE else value
-                 for name in OPTION_NAMES for value in (getattr(options, name),))
+    """``options``' values of :data:`OPTION_NAMES`, in order, as the custom ops take them."""
+    return options.op_values(OPTION_NAMES)
 
 
 def options_of(values: tuple) -> KernelOptions:
     """The options the custom ops' ``values`` (:func:`option_values`) hold (every other option: its default)."""
-    return KernelOptions(**{name: (tuple(value) or None) if OPTIONS[name].kind == TILE else value
-                            for name, value in zip(OPTION_NAMES, values)})
+    return KernelOptions.from_op_values(OPTION_NAMES, values)
 
 
 def _tile(fields: tuple[str, ...], tile: tuple[int, ...] | None) -> dict[str, int]:
@@ -226,6 +221,17 @@ def _triton_backward(deterministic: bool | None) -> Callable:
             kernel_options.note_backend("sparse_attention.bwd", "torch")
             return sparse_attention_torch.sparse_attention_backward(dout, q, kv, idx, sink, scale, out, lse,
                                                                     topk_length)
+        if options.triton_bwd_dq_pass and not (kernels.is_deterministic() if deterministic is None else deterministic):
+            from dsv4cp.kernels.sparse_attention_bwd_dq_pass_triton import (  # lazy: imports triton
+                DqPassConfig,
+                KvPassConfig,
+                sparse_attention_bwd_dq_pass,
+            )
+
+            kv_tile, dq_tile = options.triton_kv_pass_config, options.triton_dq_pass_config
+            return sparse_attention_bwd_dq_pass(dout, q, kv, idx, sink, scale, out, lse, topk_length,
+                                                kv_config=None if kv_tile is None else KvPassConfig(*kv_tile),
+                                                dq_config=None if dq_tile is None else DqPassConfig(*dq_tile))
         from dsv4cp.kernels.sparse_attention_triton import DkvConfig, sparse_attention_bwd  # lazy: imports triton
 
         dkv = options.triton_dkv_config

@@ -12,7 +12,9 @@ time count once):
 * ``comm_ms``: union of the phase's communication kernels (name starts with ``nccl``, any case).
 * ``overlap_ms``: the part of the phase's communication during which ANY compute kernel of the rank
   runs (compute launched by another phase hides a collective just as well).
-* ``overlap_ratio``: overlap / comm; NaN when the phase has no communication.
+* ``overlap_ratio``: overlap / comm; NaN when the phase has no communication. Compute overlaps
+  communication only where it runs on another stream (thread): a CPU op enclosing a blocking collective
+  on its own thread waits for it, and hides none of it.
 * ``exposed_comm_ms``: comm - overlap.
 * ``idle_ms``: the phase's window minus the union of ALL kernels of the rank inside it.
 
@@ -176,6 +178,38 @@ def _select(intervals: _Intervals, mask: np.ndarray) -> _Intervals:
     return intervals[0][mask], intervals[1][mask]
 
 
+def _minus(a: _Intervals, b: _Intervals) -> _Intervals:
+    """The points of ``a`` outside ``b``, as disjoint sorted intervals."""
+    (a_starts, a_ends), (b_starts, b_ends) = _union(a), _union(b)
+    kept: list[tuple[int, int]] = []
+    first = 0
+    for start, end in zip(a_starts.tolist(), a_ends.tolist()):
+        while first < b_starts.size and b_ends[first] <= start:
+            first += 1
+        cursor, k = start, first
+        while k < b_starts.size and b_starts[k] < end:
+            if b_starts[k] > cursor:
+                kept.append((cursor, int(b_starts[k])))
+            cursor = max(cursor, int(b_ends[k]))
+            k += 1
+        if cursor < end:
+            kept.append((cursor, end))
+    return _as_intervals(kept)
+
+
+def _hiding_compute(kernels: list[KernelRecord], intervals: _Intervals, is_comm: np.ndarray) -> _Intervals:
+    """When compute can hide communication: a compute record's time, less the time its own stream spends
+    in a collective. A GPU stream runs one kernel at a time, so nothing changes there; a CPU op
+    enclosing a blocking collective on its thread (an autograd function's, the step's) is that thread
+    waiting, not computing beside it: counted as compute, it would hide the whole collective."""
+    streams = np.fromiter((k.stream for k in kernels), np.int64, len(kernels))
+    parts = []
+    for stream in np.unique(streams).tolist():
+        mine = streams == stream
+        parts.append(_minus(_select(intervals, mine & ~is_comm), _select(intervals, mine & is_comm)))
+    return _concat(*parts) if parts else _EMPTY
+
+
 # ---------------------------------------------------------------------------------------------
 # Attribution of one rank's kernels to its ranges.
 
@@ -300,7 +334,7 @@ def overlap_table(
     rows: list[dict[str, object]] = []
     for rank in sorted(set(kernels_of) | set(ranges_of) | set(windows)):
         att = _attribute(kernels_of[rank], ranges_of[rank])
-        all_compute = _select(att.intervals, ~att.is_comm)
+        all_compute = _hiding_compute(att.kernels, att.intervals, att.is_comm)
         names = np.array([p or "" for p in att.phase], dtype=object)  # "" never names a range
         for phase, instance_windows in att.windows.items():
             mask = names == phase

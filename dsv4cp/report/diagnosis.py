@@ -184,7 +184,7 @@ def diagnosis_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     traces are missing (a bare ``.jsonl`` of records, a moved run) is left out."""
     points = ok_points(df).dropna(subset=list(MODEL_AXES))
     points = points[points["phases"].map(lambda p: isinstance(p, list))]
-    axes = varying_axes(points) if len(points) else []
+    axes = varying_axes(points)
     ranks, phases = [], []
     for _, point in points.iterrows():
         directory = trace_directory(point)

@@ -42,7 +42,7 @@ def cost_growth(df: pd.DataFrame) -> pd.DataFrame:
     (blank on its first), and the parallel efficiency against the CP = 1 point at the same size
     (blank without one, 1.0 at CP = 1)."""
     points = tables.ok_points(df)
-    axes = list(dict.fromkeys([*tables.varying_axes(points), "cp", "tokens"])) if len(points) else []
+    axes = list(dict.fromkeys([*tables.varying_axes(points), "cp", "tokens"]))
     columns = [*axes, *COLUMNS_AFTER_AXES]
     if points.empty:
         return pd.DataFrame(columns=columns)

@@ -54,7 +54,7 @@ def roofline(df: pd.DataFrame) -> pd.DataFrame:
     the varying axes, then :data:`MEASURED_COLUMNS` (``fraction_of_roof`` = achieved / roof)."""
     points = tables.ok_points(df).dropna(subset=list(tables.MODEL_AXES))
     points = points[points["phases"].map(lambda p: isinstance(p, list)).astype(bool)]  # a mask even when empty
-    axes = list(dict.fromkeys([*tables.varying_axes(points), "cp"])) if len(points) else []
+    axes = list(dict.fromkeys([*tables.varying_axes(points), "cp"]))
     rows = []
     for (_, point), cpu in zip(points.iterrows(), tables.on_cpu(points)):
         measured = _measured_ms(point["phases"])

@@ -1,8 +1,10 @@
 """How report plots tell series apart and where their legends go.
 
-Series get a colour from a 10-colour cycle and a marker from a 9-marker cycle at the same index: 10
-and 9 are coprime, so no two of the first 90 series share both (and the first 9 differ in both); a
-line style changes every 90 series after that. Legends sit outside the axes (in the figure margin
+Series get a colour from a 40-colour cycle (tab10's, then the light shades of tab20 and the 20 of
+tab20b, so a plot of up to 40 series gives each its own colour: a 10-colour cycle had 15 strong-scaling
+series share 5 colours) and a marker from a 9-marker cycle at the same index: 40 and 9 are coprime, so no
+two of the first 360 series share both (and the first 9 differ in both); a line style changes every 360
+series after that. Legends sit outside the axes (in the figure margin
 that constrained layout keeps for them), so no legend hides a line, a bar or a title.
 """
 
@@ -15,7 +17,9 @@ from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-COLORS: tuple[tuple[float, float, float], ...] = tuple(colormaps["tab10"].colors)
+COLORS: tuple[tuple[float, float, float], ...] = (
+    *colormaps["tab10"].colors, *colormaps["tab20"].colors[1::2], *colormaps["tab20b"].colors)
+"""40 distinct colours, the ten strongest first (tab20's even colours are tab10's, so only its odd ones)."""
 MARKERS: tuple[str, ...] = ("o", "s", "^", "D", "v", "P", "X", "*", "h")
 LINESTYLES: tuple[str, ...] = ("-", "--", ":", "-.")
 AREA_COLORS: tuple[tuple[float, float, float], ...] = (*colormaps["tab20"].colors, *colormaps["tab20b"].colors)

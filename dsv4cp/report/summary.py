@@ -119,7 +119,32 @@ def _headline_section(report: ReportParts) -> list[str]:
         lines += [f"{int(emulated.sum())} point(s) with an `emulated_rank` are **compute only**: ranks measured alone "
                   "on one device (`all`: every rank in turn, its time the slowest rank's), collectives replaced by "
                   "no-ops, so they hold no communication and no waiting for peers.", ""]
-    return lines + [tables_module.to_markdown(_measured(report.table("headline")))]
+    return lines + _unmeasured_lines(report.table("failures"), len(report.table("headline"))) + _invalid_lines(
+        report.df) + [tables_module.to_markdown(_measured(report.table("headline")))]
+
+
+def _invalid_lines(df: pd.DataFrame) -> list[str]:
+    """The headline's list of records holding values no measurement can (``load_runs``' ``invalid``)."""
+    held = df[df["invalid"].notna()] if "invalid" in df else df.iloc[:0]
+    if held.empty:
+        return []
+    labels = tables_module.point_labels(held, tables_module.varying_axes(df))
+    return [f"**{len(held)} record(s) hold values no measurement can**: left blank below, never judged against "
+            "a target (the `invalid` column):", "",
+            *(f"- {label} ({point_id}): {tables_module.invalid_cell(invalid)}"
+              for label, point_id, invalid in zip(labels, held["point_id"], held["invalid"])), ""]
+
+
+def _unmeasured_lines(failures: pd.DataFrame, points: int) -> list[str]:
+    """The headline's count of the points that did not measure, by status kind (none: no line), so a run
+    whose every point failed says so first rather than showing an empty table alone."""
+    if failures.empty:
+        return []
+    kinds = failures["status"].map(lambda status: status.split(":")[0]).value_counts()
+    tally = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+    lead = "**No point measured**: all" if len(failures) >= points else f"{len(failures)} of"
+    return [f"{lead} {points} points did not measure ({tally}): their statuses are under "
+            "\"Points that did not measure\".", ""]
 
 
 def _targets_section(report: ReportParts) -> list[str]:
@@ -133,7 +158,7 @@ def _targets_section(report: ReportParts) -> list[str]:
     causes = diagnosis_module.point_causes(report.table("diagnosis"))
     for (run, name, rule), rows in judged.groupby(["run", "target", "rule"], sort=False):
         counts = rows["verdict"].value_counts()
-        verdicts = (targets_module.MET, targets_module.MISSED, targets_module.NOT_APPLICABLE)
+        verdicts = targets_module.VERDICTS
         tally = ", ".join(f"{verdict} {counts[verdict]}" for verdict in verdicts if verdict in counts)
         if len(rows) == 1:
             lines.append(f"- {run}: {name} ({rule}): {_verdict(rows.iloc[0], causes, with_point=True)}")
@@ -153,6 +178,8 @@ def _verdict(row, causes: dict[str, str], with_point: bool) -> str:
     if row.verdict == targets_module.MISSED:
         cause = causes.get(row.point_id, "not profiled: `sweep --profile` gives the diagnosis that names the cause")
         return f"{where}**{row.measured:.4g}**: MISSED by {row.miss_pct:.1f}%; {cause}"
+    if row.verdict == targets_module.INVALID:
+        return f"{where}INVALID, not judged: {row.reason}"
     return f"{where}not applicable: {row.reason}"
 
 
@@ -270,6 +297,17 @@ def all_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     }
 
 
+def _cpu_lines(df: pd.DataFrame) -> list[str]:
+    """Why CP > 1 is slower on a CPU machine, when a run's records ran on one (nothing otherwise)."""
+    machines = sorted({str(m) for m in df.loc[tables_module.on_cpu(df), "machine"]})
+    if not machines:
+        return []
+    return [f"**On a CPU machine ({', '.join(machines)}), CP > 1 is expected to be slower than CP = 1**: the ranks "
+            "are processes sharing the same host cores (on 2 cores, CP = 2 gives each rank one core where CP = 1 "
+            "had both) and their collectives copy through host memory (gloo), so scaling targets miss there. "
+            "A CPU run checks that every code path runs and agrees; how CP scales is measured on GPUs.", ""]
+
+
 def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dict[str, Plot],
                    table_dir: str = "tables", plot_dir: str = "plots") -> str:
     """``summary.md``'s text: runs, then :data:`SECTIONS` (headline, targets, diagnosis, where the time
@@ -277,7 +315,7 @@ def render_summary(df: pd.DataFrame, tables: dict[str, pd.DataFrame], plots: dic
     (``plot_dir/NAME.png``), relative paths)."""
     report = ReportParts(df, tables, plots, table_dir, plot_dir)
     lines = [f"# dsv4cp report: {', '.join(tables_module.runs_of(df))}", "",
-             f"Hardware: {tables_module.hardware(df)}.", "", "## Runs", "",
+             f"Hardware: {tables_module.hardware(df)}.", "", *_cpu_lines(df), "## Runs", "",
              tables_module.to_markdown(_runs_table(df))]
     for section in SECTIONS:
         lines += section(report)
@@ -291,7 +329,7 @@ def report_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     diagnosed = diagnosis_module.diagnosis_tables(df)
     checked = tables_module.ok_points(df)
     extra = {"targets": targets_module.evaluate(df), **diagnosed,
-             "parity_failures": parity_failures(checked, tables_module.varying_axes(checked) if len(checked) else [])}
+             "parity_failures": parity_failures(checked, tables_module.varying_axes(checked))}
     return {"headline": tables.pop("headline"), **extra, **tables}
 
 

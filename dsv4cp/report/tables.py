@@ -128,7 +128,8 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
     """Per point (every status): the axes that vary, status, time median [p20, p80], tokens/s,
     TFLOP/s per GPU, MFU, measured/bound at the physical limits (``measured_over_bound``) and at the measured
     ceilings of ``bound_machine`` (``measured_over_measured_bound``), peak GiB (max over ranks), exposed
-    comm % of comm time and parity with CP = 1 (``sweep --check``; blank when not checked)."""
+    comm % of comm time and parity with CP = 1 (``sweep --check``; blank when not checked), and when a
+    record holds a value no measurement can (blank in its column), ``invalid``: which and why."""
     axes = varying_axes(df)
     out = df[axes + ["status"]].copy()
     for column in ("time_ms_median", "time_ms_p20", "time_ms_p80", "tokens_per_s", "tflops_per_gpu", "mfu",
@@ -140,14 +141,21 @@ def headline(df: pd.DataFrame) -> pd.DataFrame:
     exposed = pd.to_numeric(df["exposed_comm_ms"], errors="coerce")
     out["exposed_comm_pct"] = (100.0 * exposed / comm).where(comm > 0)
     out["parity"] = df["parity"].map(parity_cell)
+    if "invalid" in df and df["invalid"].notna().any():  # blanked above: say which and why
+        out["invalid"] = df["invalid"].map(invalid_cell)
     return out.reset_index(drop=True)
+
+
+def invalid_cell(invalid: object) -> str:
+    """A record's impossible values (``load_runs``' ``invalid``: metric -> why) in one cell."""
+    return "; ".join(f"{name}: {why}" for name, why in invalid.items()) if isinstance(invalid, dict) else ""
 
 
 def phase_breakdown(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (profiled point, rank, phase) of the points' overlap tables, plus ``busy_ms`` =
     compute + exposed comm (the phase's share of the rank's step). Points without ``phases`` are left out."""
     points = ok_points(df)
-    axes = varying_axes(points) if len(points) else []
+    axes = varying_axes(points)
     rows = []
     for _, point in points.iterrows():
         if not isinstance(point["phases"], list):
@@ -175,7 +183,7 @@ def scaling(df: pd.DataFrame, kind: str) -> pd.DataFrame:
         raise ValueError(f"kind: must be 'strong' or 'weak', got {kind!r}")
     points = ok_points(df)
     free = {"cp", "tokens_per_rank"} if kind == "strong" else {"cp", "tokens"}
-    axes = varying_axes(points) if len(points) else []
+    axes = varying_axes(points)
     ratios = ["speedup", "efficiency"] if kind == "strong" else ["efficiency"]
     rows = []
     for _, group in points.groupby(group_key(points, ["run", *(a for a in AXES if a not in free)]), sort=False):
@@ -199,7 +207,7 @@ def overlap_comparison(df: pd.DataFrame) -> pd.DataFrame:
     (``time_ms_median[none]``, ...), and ``async_speedup`` = T(none) / T(async) where both were
     measured. Only configurations measured in two or more modes appear."""
     points = ok_points(df)
-    shown = [a for a in varying_axes(points) if a != "overlap"] if len(points) else []
+    shown = [a for a in varying_axes(points) if a != "overlap"]
     rows = []
     key = group_key(points, ["run", *(a for a in AXES if a != "overlap")])
     for _, group in points.groupby(key, sort=False):
@@ -219,7 +227,7 @@ def _groups_varying_in(df: pd.DataFrame, axis: str):
     """``(shown, group)`` per configuration of the ok points that agree on every axis but ``axis``:
     ``shown`` the values of the other varying axes (the table's key columns), ``group`` its points."""
     points = ok_points(df)
-    shown = [a for a in varying_axes(points) if a != axis] if len(points) else []
+    shown = [a for a in varying_axes(points) if a != axis]
     for _, group in points.groupby(group_key(points, ["run", *(a for a in AXES if a != axis)]), sort=False):
         yield {a: group[a].iloc[0] for a in shown}, group
 
@@ -313,7 +321,7 @@ def memory(df: pd.DataFrame) -> pd.DataFrame:
     where the point recorded ``memory_phases``, ``peak_phase``: the phase holding the peak on the
     rank with the largest one."""
     points = ok_points(df)
-    axes = list(dict.fromkeys([*varying_axes(points), "cp", "tokens", "tokens_per_rank"])) if len(points) else []
+    axes = list(dict.fromkeys([*varying_axes(points), "cp", "tokens", "tokens_per_rank"]))
     out = points[axes].copy()
     peak = points["peak_allocated_bytes"].map(_max_gib)
     cpu = on_cpu(points)
@@ -342,7 +350,7 @@ def memory_peaks(df: pd.DataFrame) -> pd.DataFrame:
     the peak phase and closed by then that left the most memory allocated (exit minus entry, GiB), i.e.
     the largest allocations still live when the peak phase starts."""
     points = ok_points(df)
-    axes = list(dict.fromkeys([*varying_axes(points), "cp"])) if len(points) else []
+    axes = list(dict.fromkeys([*varying_axes(points), "cp"]))
     columns = [*axes, "rank", "memory_kind", "peak_gib", "peak_phase", "open_phases", "held_by"]
     rows = []
     for (_, point), cpu in zip(points.iterrows(), on_cpu(points)):
@@ -376,7 +384,7 @@ def _held_by(rows: list[dict], stack: list[str]) -> str:
 def imbalance(df: pd.DataFrame) -> pd.DataFrame:
     """Per point, by packing: max/mean of the per-rank median times and the spread in ms."""
     points = ok_points(df)
-    axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
+    axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"]))
     out = points[axes].copy()
     out["imbalance_max_over_mean"] = pd.to_numeric(points["imbalance_max_over_mean"], errors="coerce")
     out["rank_spread_ms"] = points["rank_time_ms_median"].map(_spread)
@@ -430,7 +438,7 @@ def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
     point's seed) and the same row split (the point's ``partition``), so a gap between the columns is the
     part the FLOP count does not explain. Points missing an axis the model needs are left out."""
     points = ok_points(df).dropna(subset=list(MODEL_AXES))
-    axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"])) if len(points) else []
+    axes = list(dict.fromkeys(["packing", *varying_axes(points), "cp"]))
     rows = []
     for _, point in points.iterrows():
         summary = point_estimate(point).summary(point["pass"])
@@ -446,7 +454,7 @@ def measured_vs_bound(df: pd.DataFrame) -> pd.DataFrame:
     physical limits, ``bound_measured_ms`` at the measured ceilings of ``bound_machine``), FLOPs and
     achieved rates. A record from before the physical bound has only the second (its ``bound_ms`` empty)."""
     points = ok_points(df)
-    axes = varying_axes(points) if len(points) else []
+    axes = varying_axes(points)
     if "cp" in points and "cp" not in axes:  # the plot colours points by cp even when all share one
         axes.append("cp")
     out = points[axes].copy()

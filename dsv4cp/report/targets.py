@@ -18,14 +18,23 @@ from dsv4cp.report.parity import failure_count, max_rel_error
 from dsv4cp.report.tables import GIB, ok_points, point_labels, runs_of, varying_axes
 from dsv4cp.targets import PAIR_METRICS, Target, parse_targets
 
-MET, MISSED, NOT_APPLICABLE = "met", "missed", "not applicable"
+MET, MISSED, NOT_APPLICABLE, INVALID = "met", "missed", "not applicable", "invalid"
+VERDICTS: tuple[str, ...] = (MET, MISSED, INVALID, NOT_APPLICABLE)
+
+SOURCES: dict[str, tuple[str, ...]] = {
+    "time_ms": ("time_ms_median",), "imbalance": ("imbalance_max_over_mean",), "peak_gib": ("peak_allocated_bytes",),
+    "exposed_comm_fraction": ("comm_ms", "exposed_comm_ms"), "time_ratio": ("time_ms_median",),
+    "memory_ratio": ("peak_allocated_bytes",), "scaling_efficiency": ("time_ms_median",),
+}
+"""A target metric -> the record columns it is computed from (default: the column of its name)."""
 
 COLUMNS: tuple[str, ...] = (
     "run", "target", "rule", "point", "point_id", "partner_id", "measured", "verdict", "miss_pct", "reason",
 )
 """``rule``: the target in words; ``point``/``point_id``: the point judged (a pair metric: its numerator
 point; ``partner_id`` the denominator's); ``miss_pct``: how far past the value a missed target is, in %
-of the value; ``reason``: why a target is not applicable."""
+of the value; ``reason``: why a target is not applicable, or ``invalid``: which value it would be judged
+on cannot be a measurement, and why (a NaN or impossible value is never met)."""
 
 _NEEDS = {
     "exposed_comm_fraction": "not profiled (sweep --profile measures communication)",
@@ -117,12 +126,25 @@ def _partner(points: pd.DataFrame, point: pd.Series, target: Target) -> pd.Serie
     return matches.iloc[-1] if len(matches) else None
 
 
+def _invalid_source(metric: str, points: list[pd.Series]) -> str | None:
+    """Why a target's value would be computed from an impossible value (``load_runs`` blanked it and named it
+    in the record's ``invalid``), or None."""
+    for point in points:
+        invalid = point.get("invalid")
+        if not isinstance(invalid, dict):
+            continue
+        for column in SOURCES.get(metric, (metric,)):
+            if column in invalid:
+                return f"point {point['point_id']}: {column}: {invalid[column]}"
+    return None
+
+
 def evaluate(df: pd.DataFrame, declared: dict[str, tuple[Target, ...]] | None = None) -> pd.DataFrame:
     """Every declared target of every run judged on that run's measured points (``COLUMNS``).
     ``declared``: the targets per run (default: :func:`declared_targets`)."""
     declared = declared_targets(df) if declared is None else declared
     points_all = ok_points(df)
-    axes = varying_axes(points_all) if len(points_all) else []
+    axes = varying_axes(points_all)
     rows = []
     for run in runs_of(df):
         points = points_all[points_all["run"] == run]
@@ -146,7 +168,11 @@ def evaluate(df: pd.DataFrame, declared: dict[str, tuple[Target, ...]] | None = 
                     row["partner_id"] = partner["point_id"]
                     measured = pair_metric(target.metric, point, partner)
                 else:
-                    measured = point_metric(target.metric, point)
+                    partner, measured = None, point_metric(target.metric, point)
+                broken = _invalid_source(target.metric, [point] if partner is None else [point, partner])
+                if broken is not None:
+                    rows.append({**row, "verdict": INVALID, "reason": broken})
+                    continue
                 if math.isnan(measured):
                     rows.append({**row, "verdict": NOT_APPLICABLE, "reason": _missing(target.metric, point)})
                     continue

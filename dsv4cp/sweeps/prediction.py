@@ -22,7 +22,7 @@ from dsv4cp.model import Machine, estimate
 from dsv4cp.model.costs import range_to_phase
 from dsv4cp.model.step_prediction import StepPrediction, predict_step
 from dsv4cp.packing import PackedSeqs
-from dsv4cp.records import AXES, STATUS_OK
+from dsv4cp.records import AXES, STATUS_OK, point_id
 from dsv4cp.sweeps.measure import point_inputs
 from dsv4cp.sweeps.spec import ALL_RANKS, make_point
 
@@ -98,10 +98,10 @@ def prediction_frame(records: list[dict], machine: Machine) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
-def _identity(record: dict) -> tuple:
-    """The point without its cp, emulation or split policy: what a CP = 1 run shares with it."""
-    return tuple(record.get(name) for name in AXES
-                 if name not in ("cp", "tokens_per_rank", "emulated_rank", "partition", "overlap"))
+def _identity(record: dict) -> str:
+    """The point without its cp, emulation or split policy: what a CP = 1 run shares with it (the id of
+    its other axes, so a mapping value such as ``kernel_options`` keys it as the point id does)."""
+    return point_id({**record, **dict.fromkeys(("cp", "tokens_per_rank", "emulated_rank", "partition", "overlap"))})
 
 
 def _label(record: dict) -> str:

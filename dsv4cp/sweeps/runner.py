@@ -41,7 +41,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dsv4cp import kernel_options
-from dsv4cp.cp.launch import init_from_env, parent_alive, spawn, under_torchrun
+from dsv4cp.cp.launch import RankExited, init_from_env, parent_alive, spawn, under_torchrun
 from dsv4cp.environment import git_sha, machine_label
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
@@ -60,6 +60,7 @@ from dsv4cp.records import (
     read_records,
     replace_record,
     resolved_options,
+    write_file_atomically,
     write_meta,
 )
 from dsv4cp.sweeps.identity import check_resume, identity_fields
@@ -234,16 +235,33 @@ def run_sweep(spec: SweepSpec, points: Sequence[Point], options: SweepOptions,
         if world == 1:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             return sweep_rank(0, 1, device, spec, points, options)
-        return spawn(sweep_rank, world, spec, points, options, backend=options.dist_backend)[0]
+        try:
+            return spawn(sweep_rank, world, spec, points, options, backend=options.dist_backend)[0]
+        except RankExited as err:
+            raise RankExited(f"{err}; the points recorded so far are kept in {options.out}: --resume "
+                             "continues the run") from None
 
 
 def _mark_inflight(out: Path, point_id: str) -> None:
     """Note (atomically) that ``point_id`` is being measured, counting the attempts across resumes."""
     previous = _read_inflight(out)
-    attempts = previous["attempts"] + 1 if previous and previous["point_id"] == point_id else 1
-    temporary = out / f".{INFLIGHT_FILE}.tmp"
-    temporary.write_text(json.dumps({"point_id": point_id, "attempts": attempts}))
-    os.replace(temporary, out / INFLIGHT_FILE)
+    _write_inflight(out, point_id, previous["attempts"] + 1 if previous and previous["point_id"] == point_id else 1)
+
+
+def _unmark_interrupted(out: Path) -> None:
+    """Take back the attempt an interrupt (SIGINT) ended: the user stopped the point, it did not kill the
+    run, so it must not count towards :data:`MAX_ATTEMPTS`."""
+    inflight = _read_inflight(out)
+    if inflight is None:
+        return
+    if inflight["attempts"] > 1:
+        _write_inflight(out, inflight["point_id"], inflight["attempts"] - 1)
+    else:
+        (out / INFLIGHT_FILE).unlink(missing_ok=True)
+
+
+def _write_inflight(out: Path, point_id: str, attempts: int) -> None:
+    write_file_atomically(out / INFLIGHT_FILE, json.dumps({"point_id": point_id, "attempts": attempts}).encode())
 
 
 def _read_inflight(out: Path) -> dict | None:
@@ -317,38 +335,44 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, poi
     machine, sha = machine_label(device, world), git_sha() if rank == 0 else None
     counts = dict(recorded=0, ok=0, failed=0, skipped=0, resumed=0, parity_failed=0, resumed_failed=0)
     bar = tqdm(total=len(points), disable=not (options.progress and rank == 0), unit="point", file=sys.stderr)
-    for index, point in enumerate(points):
-        bar.set_postfix_str(point.label())
-        if point.point_id in done:
-            counts["resumed"] += 1
-            counts["resumed_failed"] += _is_failure(done[point.point_id])
-            bar.update()
-            continue
-        if point.cp > world:
-            status, error, metrics, columns = f"skipped: needs cp={point.cp}", None, {}, {}
-        elif point.point_id == crashed:
-            status, error, metrics, columns = CRASHED_STATUS, None, {}, {}
-        else:
+    try:
+        for index, point in enumerate(points):
+            bar.set_postfix_str(point.label())
+            if point.point_id in done:
+                counts["resumed"] += 1
+                counts["resumed_failed"] += _is_failure(done[point.point_id])
+                bar.update()
+                continue
+            if point.cp > world:
+                status, error, metrics, columns = f"skipped: needs cp={point.cp}", None, {}, {}
+            elif point.point_id == crashed:
+                status, error, metrics, columns = CRASHED_STATUS, None, {}, {}
+            else:
+                if rank == 0:
+                    _check_parent()
+                    _mark_inflight(options.out, point.point_id)
+                status, error, metrics, columns = _run_point(point, rank, device, groups, control, spec, options)
             if rank == 0:
+                columns.setdefault("kernel_options", _options_of(point))  # a point not measured: what it would run
+                record = make_record(point.axes(), metrics, sweep=spec.name, status=status, machine=machine,
+                                     git_sha=sha, error=error, **columns)
                 _check_parent()
-                _mark_inflight(options.out, point.point_id)
-            status, error, metrics, columns = _run_point(point, rank, device, groups, control, spec, options)
+                if point.point_id not in retried or not replace_record(options.out / RECORDS_FILE, record):
+                    append_record(options.out / RECORDS_FILE, record)
+                (options.out / INFLIGHT_FILE).unlink(missing_ok=True)
+                counts["recorded"] += 1
+                kind = "ok" if status == STATUS_OK else "skipped" if status.startswith("skipped") else "failed"
+                counts[kind] += 1
+                if any(not row["passed"] for row in metrics.get("parity") or []):
+                    counts["parity_failed"] += 1
+                bar.write(_line(index, len(points), point, record))
+            bar.update()
+    except KeyboardInterrupt:  # stopped by the user: every point recorded so far stays
         if rank == 0:
-            columns.setdefault("kernel_options", _options_of(point))  # a point not measured: what it would run
-            record = make_record(point.axes(), metrics, sweep=spec.name, status=status, machine=machine,
-                                 git_sha=sha, error=error, **columns)
-            _check_parent()
-            if point.point_id not in retried or not replace_record(options.out / RECORDS_FILE, record):
-                append_record(options.out / RECORDS_FILE, record)
-            (options.out / INFLIGHT_FILE).unlink(missing_ok=True)
-            counts["recorded"] += 1
-            kind = "ok" if status == STATUS_OK else "skipped" if status.startswith("skipped") else "failed"
-            counts[kind] += 1
-            if any(not row["passed"] for row in metrics.get("parity") or []):
-                counts["parity_failed"] += 1
-            bar.write(_line(index, len(points), point, record))
-        bar.update()
-    bar.close()
+            _unmark_interrupted(options.out)  # the point in flight: not counted as a death
+        raise
+    finally:
+        bar.close()
     return SweepSummary(**counts)
 
 

@@ -40,16 +40,16 @@ def test_zero_replays_is_a_usage_error(capsys):
 
 def test_a_nonfinite_step_fails_although_its_nans_replay_bit_for_bit(monkeypatch, capsys):
     from dsv4cp.cli import check_determinism
-    from dsv4cp.cp import check
+    from dsv4cp.harness import build
 
-    original = check.randomize_
+    original = build.randomize_
 
     def poisoned(layer, generator):  # one NaN weight: every replay computes the same NaNs
         original(layer, generator)
         with torch.no_grad():
             layer.wkv.weight.view(-1)[0] = math.nan
 
-    monkeypatch.setattr(check, "randomize_", poisoned)
+    monkeypatch.setattr(build, "randomize_", poisoned)
     # the fresh process would not see the poisoned weight: replay it here instead
     monkeypatch.setattr(check_determinism, "_fresh_process", lambda args, extra: {
         1: [check_determinism.replay_rank(0, 1, torch.device("cpu"),

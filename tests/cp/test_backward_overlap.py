@@ -14,13 +14,12 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import seed_of
-from dsv4cp import DSv4Attention, DSv4Config, PackedSeqs
+from cp_steps import seeded_cp_forward
+from dsv4cp import PackedSeqs
 from dsv4cp.cp.comm import all_gather_rows
 from dsv4cp.cp.launch import spawn
-from dsv4cp.harness.build import randomize_
 from dsv4cp.layer import attention
 
 CASES = [(4, False), (4, True), (8, False), (8, True)]
@@ -33,16 +32,8 @@ PREFIX = "dsv4cp."
 
 
 def _step(rank: int, world: int, ratio: int, recompute: bool, overlap: str, seed: int, record: bool):
-    cfg = DSv4Config.preset("tiny")
     packed = PackedSeqs.from_lengths([50, 0, 94], total=160)
-    generator = torch.Generator().manual_seed(seed)
-    layer = DSv4Attention(cfg, ratio, overlap=overlap, recompute=recompute)
-    randomize_(layer, generator)
-    x_all = torch.randn(packed.total, cfg.hidden, generator=generator)
-    rows = packed.total // world
-    x = x_all[rank * rows : (rank + 1) * rows].clone().requires_grad_()
-    res = layer(x, packed, dist.group.WORLD)
-    loss = res.out.square().sum() + (res.indexer_loss if res.indexer_loss is not None else 0)
+    layer, x, _, loss = seeded_cp_forward(rank, world, packed, ratio, seed, overlap=overlap, recompute=recompute)
     phases = []
     if record:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

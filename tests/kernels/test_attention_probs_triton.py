@@ -26,6 +26,7 @@ pytest.importorskip("triton")
 import torch
 
 from dsv4cp import kernel_options
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels.attention_probs_triton import (
     SLOTS_ON_M_ENV,
     ChunkConfig,
@@ -103,16 +104,16 @@ def test_matches_torch_fp32(h, d, k, kernel, seed):
 
 @pytest.mark.parametrize("h", [1, 5, 8])
 def test_heads_on_m_layout_matches_torch(h, seed, monkeypatch):
-    """``DSV4CP_TRITON_PROBS_SLOTS_ON_M=0``: the other logit layout (heads on M; the default has slots on M)
-    gives the same head-summed probabilities, also with padded heads and several slot blocks; a bad value
-    is refused."""
+    """``slots_on_m=False``: the other logit layout (heads on M; the default has slots on M) gives the same
+    head-summed probabilities, also with padded heads and several slot blocks; a bad value of its variable is
+    refused where the options are resolved."""
     q, keys, idx, scale, lden = make_case(seed, 6, h, 32, 60, 40)
-    monkeypatch.setenv(SLOTS_ON_M_ENV, "0")
-    p = head_summed_probs_triton(q, keys, idx, scale, lden, block_k=16, num_warps=4, num_stages=1, kernel="whole_d")
+    p = head_summed_probs_triton(q, keys, idx, scale, lden, block_k=16, num_warps=4, num_stages=1, kernel="whole_d",
+                                 slots_on_m=False)
     check_probs(p, il.head_summed_probs_torch(q, keys, idx, scale, lden), idx, 1e-4, f"seed={seed} H={h}")
     monkeypatch.setenv(SLOTS_ON_M_ENV, "yes")
     with pytest.raises(ValueError, match=SLOTS_ON_M_ENV):
-        head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d")
+        KernelOptions.resolve()
 
 
 def test_head_loop_and_slot_blocks(seed):
@@ -289,40 +290,44 @@ def test_d_chunks_bf16_ladder_and_grid_independence(seed):
 
 
 def test_d_chunks_through_the_options(seed, monkeypatch):
-    """``DSV4CP_TRITON_PROBS_KERNEL=d_chunks`` routes the op to the chunked kernel and
-    ``DSV4CP_TRITON_PROBS_CHUNK_CONFIG`` pins its launch (noted as what ran); bad values name the variable
-    or the field."""
+    """``DSV4CP_TRITON_PROBS_KERNEL=d_chunks``, resolved into the options the op takes, routes it to the
+    chunked kernel and ``DSV4CP_TRITON_PROBS_CHUNK_CONFIG`` pins its launch (noted as what ran); bad values
+    are refused where the options are resolved, naming the variable or the field; a whole_d pin is refused
+    by the d_chunks kernel, not ignored."""
+    monkeypatch.setattr(il, "triton_serves", lambda x: True)  # the op on the kernels (interpreted on CPU)
     q, keys, idx, scale, lden = make_case(seed, 5, 3, 32, 20, 9)
     ref = il.head_summed_probs_torch(q, keys, idx, scale, lden)
     monkeypatch.setenv("DSV4CP_TRITON_PROBS_KERNEL", "d_chunks")
     monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", "16,16,16,4,1,0,2")
     kernel_options.reset_backends_ran()
-    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden), ref, idx, 1e-4, f"seed={seed}")
+    got = il.head_summed_probs(q, keys, idx, scale, lden, options=KernelOptions.resolve())
+    check_probs(got, ref, idx, 1e-4, f"seed={seed}")
     ran = kernel_options.backends_ran()
     assert ran.get("attention_probs.probs_chunks.config") == (
         "block_h=16,block_k=16,block_d=16,num_warps=4,num_stages=1,slots_on_m=0,programs_per_sm=2"), ran
-    monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", "16,16,16,4,1,2,2")
-    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_PROBS_CHUNK_CONFIG\.slots_on_m"):
-        head_summed_probs_triton(q, keys, idx, scale, lden)
-    monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", "16,16,16,4,1")
-    with pytest.raises(ValueError, match="DSV4CP_TRITON_PROBS_CHUNK_CONFIG"):
-        head_summed_probs_triton(q, keys, idx, scale, lden)
+    for text, pattern in (("16,16,16,4,1,2,2", r"^DSV4CP_TRITON_PROBS_CHUNK_CONFIG\.slots_on_m"),
+                          ("16,16,16,4,1", "^DSV4CP_TRITON_PROBS_CHUNK_CONFIG: expected")):
+        monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", text)
+        with pytest.raises(ValueError, match=pattern):
+            KernelOptions.resolve()
+    monkeypatch.setenv("DSV4CP_TRITON_PROBS_CHUNK_CONFIG", "16,16,16,4,1,0,2")
     monkeypatch.setenv("DSV4CP_TRITON_PROBS_CONFIG", "16,16,4,1")  # the whole_d tile: refused, not ignored
-    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_PROBS_CONFIG: pins the whole_d kernel"):
-        head_summed_probs_triton(q, keys, idx, scale, lden)
+    with pytest.raises(ValueError, match=r"^block_h: pins the whole_d kernel"):
+        il.head_summed_probs(q, keys, idx, scale, lden, options=KernelOptions.resolve())
     monkeypatch.delenv("DSV4CP_TRITON_PROBS_CONFIG")
     monkeypatch.setenv("DSV4CP_TRITON_PROBS_KERNEL", "tiles")
     with pytest.raises(ValueError, match="DSV4CP_TRITON_PROBS_KERNEL"):
-        head_summed_probs_triton(q, keys, idx, scale, lden)
+        KernelOptions.resolve()
+    monkeypatch.delenv("DSV4CP_TRITON_PROBS_KERNEL")
     monkeypatch.setenv("DSV4CP_TRITON_LSE_KERNEL", "d_chunks")
     monkeypatch.setenv("DSV4CP_TRITON_LSE_CHUNK_CONFIG", "16,16,16,4,1,3")
-    check_lse(logsumexp_over_triton(q, keys, idx, scale), il.logsumexp_over_torch(q, keys, idx, scale), 1e-4,
-              f"seed={seed}")
+    check_lse(il.logsumexp_over(q, keys, idx, scale, options=KernelOptions.resolve()),
+              il.logsumexp_over_torch(q, keys, idx, scale), 1e-4, f"seed={seed}")
     assert kernel_options.backends_ran().get("attention_probs.lse_chunks.config") == (
         "block_h=16,block_k=16,block_d=16,num_warps=4,num_stages=1,programs_per_sm=3")
     monkeypatch.setenv("DSV4CP_TRITON_LSE_CHUNK_CONFIG", "16,16,16,4,1,-2")
     with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_LSE_CHUNK_CONFIG\.programs_per_sm"):
-        logsumexp_over_triton(q, keys, idx, scale)
+        KernelOptions.resolve()
 
 
 @pytest.mark.parametrize("config, field", [
@@ -375,14 +380,14 @@ def _gpu_case(seed: int, t: int, h: int, d: int, k: int, dtype: torch.dtype):
 @needs_cuda
 @pytest.mark.parametrize("slots_on_m", ["0", "1"])
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
-def test_gpu_flash_shape_bf16(idx_dtype, slots_on_m, seed, monkeypatch):
-    monkeypatch.setenv(SLOTS_ON_M_ENV, slots_on_m)
+def test_gpu_flash_shape_bf16(idx_dtype, slots_on_m, seed):
     q, keys, idx, scale, lden, q32, k32, ref_lse = _gpu_case(seed, 2048, 64, 512, 512, torch.bfloat16)
     idx = idx.to(idx_dtype)
     msg = f"seed={seed}"
     check_lse(logsumexp_over_triton(q, keys, idx, scale, kernel="whole_d"), ref_lse, 1e-2, msg)
     ref_p = il.head_summed_probs_torch(q32, k32, idx, scale, lden)
-    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d"), ref_p, idx, 1e-2, msg)
+    check_probs(head_summed_probs_triton(q, keys, idx, scale, lden, kernel="whole_d", slots_on_m=slots_on_m == "1"),
+                ref_p, idx, 1e-2, msg)
 
 
 @pytest.mark.gpu

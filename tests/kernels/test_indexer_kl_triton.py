@@ -117,17 +117,16 @@ def test_op_sum_and_options(seed, monkeypatch):
     option chooses; a bad ``impl`` is named."""
     mass, scores, valid, weight = make_rows(seed, 16, 64)
     _, _, want = reference(mass, scores, valid, weight)
-    ref = indexer_kl(mass, scores, valid, weight)  # the default: torch
+    ref = indexer_kl(mass, scores, valid, weight, impl="torch")
     assert torch.equal(ref, kl_distillation(mass, scores, valid, weight))
     if not HAS_CUDA:  # the fused pass serves CUDA tensors only: the reference runs
         assert torch.equal(indexer_kl(mass, scores, valid, weight, impl="triton"), ref)
     monkeypatch.setattr(ops_kl, "fused_serves", lambda *ts: all(t.dtype == torch.float32 for t in ts))
     got = indexer_kl(mass, scores, valid, weight, impl="triton")
     assert torch.equal(got, fused_kl_rows(mass, scores, valid, weight).sum())
-    with kernel_options.overrides({"indexer_loss_kl": "triton"}):
-        kernel_options.reset_backends_ran()
-        assert torch.equal(indexer_kl(mass, scores, valid, weight), got)
-        assert kernel_options.backends_ran()["indexer_kl"] == "triton"
+    kernel_options.reset_backends_ran()
+    assert torch.equal(indexer_kl(mass, scores, valid, weight), got)  # the option's default: triton
+    assert kernel_options.backends_ran()["indexer_kl"] == "triton"
     assert torch.equal(indexer_kl(mass, scores, valid, weight, impl="torch"), ref)
     assert abs(float(got) - float(want)) <= 1e-5 * float(term_scale(mass, scores, valid).sum()), f"seed={seed}"
     with pytest.raises(ValueError, match=r"^impl: must be one of 'torch', 'triton', got 'cuda'"):

@@ -8,10 +8,14 @@ repeat the comparisons at the flash shapes (Hi = 64, Di = 128, K = 512, bf16).""
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("triton")  # the kernels module below imports it
+
 import torch
 
 from dsv4cp import kernel_options
 from dsv4cp.environment import deterministic_algorithms
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import interpreted, set_deterministic, triton_available
 from dsv4cp.kernels.indexer_scores_triton import (
     BWD_SCRATCH_BYTES,
@@ -22,7 +26,7 @@ from dsv4cp.kernels.indexer_scores_triton import (
     resolve_reduction,
     sorted_chunk_rows,
 )
-from dsv4cp.ops.indexer import indexer_scores
+from dsv4cp.ops.indexer import indexer_scores, scores_backward_keywords
 from tests.kernels.test_indexer_triton import selection_with_gaps
 
 pytestmark = pytest.mark.skipif(not triton_available("cpu") and not torch.cuda.is_available(),
@@ -188,8 +192,8 @@ def test_deterministic_mode_turns_atomic_into_sorted(seed, monkeypatch):
                                        (False, "sorted-bf16", "triton/sorted-bf16")):
         monkeypatch.setenv(REDUCE_ENV, option)
         set_deterministic(deterministic)
-        try:
-            grads(indexer_scores_triton, q, w, keys, idx, grad)
+        try:  # the variable resolved into options, handed over as the op does
+            grads(indexer_scores_triton, q, w, keys, idx, grad, **scores_backward_keywords(KernelOptions.resolve()))
         finally:
             set_deterministic(False)
         assert kernel_options.backends_ran()["indexer_scores.bwd"] == ran, (deterministic, option)
@@ -217,13 +221,19 @@ def test_the_op_runs_triton_in_deterministic_mode(seed, monkeypatch):
     ({"scratch_bytes": 0}, {}, r"^scratch_bytes: must be a positive int"),
     ({"scratch_bytes": 1.5}, {}, r"^scratch_bytes: must be a positive int"),
     ({}, {REDUCE_ENV: "sorted16"}, rf"^{REDUCE_ENV}: must be one of"),
-    ({}, {SCRATCH_ENV: "0"}, rf"^{SCRATCH_ENV}: must be at least 1 MiB, got 0"),
+    ({}, {SCRATCH_ENV: "0"}, rf"^{SCRATCH_ENV}\.mib: must be >= 1, got 0"),
     ({}, {SCRATCH_ENV: "1,2"}, rf"^{SCRATCH_ENV}: expected 'mib'"),
 ])
 def test_bad_reduction_settings_raise_at_the_call(kw, env, match, seed, monkeypatch):
+    """Bad settings by keyword fail at the call (before any work, not at backward); by their variable,
+    where the options are resolved."""
     q, w, keys, idx, _ = scores_case(seed, t=4, kk=5)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    if env:
+        with pytest.raises(ValueError, match=match):
+            KernelOptions.resolve()
+        return
     leaf = q.clone().requires_grad_(True)
     with pytest.raises(ValueError, match=match):
         indexer_scores_triton(leaf, w, keys, idx, **kw)  # before any work, not at backward
@@ -237,7 +247,9 @@ def test_scratch_option_sets_the_chunking(seed, monkeypatch):
     assert sorted_chunk_rows(4, 1100, 256, 4, 2**20) == 1
     one_chunk = grads(indexer_scores_triton, q, w, keys, idx, grad, reduce="sorted")[2]
     monkeypatch.setenv(SCRATCH_ENV, "1")
-    per_query = grads(indexer_scores_triton, q, w, keys, idx, grad, reduce="sorted")[2]
+    settings = dict(scores_backward_keywords(KernelOptions.resolve()), reduce="sorted")
+    assert settings["scratch_bytes"] == 2**20
+    per_query = grads(indexer_scores_triton, q, w, keys, idx, grad, **settings)[2]
     assert torch.equal(per_query, one_chunk) and one_chunk.abs().sum() > 0, f"seed={seed}"
 
 

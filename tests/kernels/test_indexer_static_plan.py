@@ -29,6 +29,7 @@ import torch
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout, entry_capacity, split_rows
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels.contracts import pack_selection_keys
 from dsv4cp.kernels.indexer_plan import (
     TOPK_BYTES_PER_SCORE,
@@ -36,7 +37,7 @@ from dsv4cp.kernels.indexer_plan import (
     plan_static_chunks,
     query_limits,
 )
-from dsv4cp.kernels.indexer_triton import TOPK_KEYS_ENV, indexer_score_matrix, iter_score_chunks
+from dsv4cp.kernels.indexer_triton import indexer_score_matrix, iter_score_chunks
 from dsv4cp.ops.indexer import fused_indexer_topk as indexer_topk_triton
 from dsv4cp.ops.indexer import indexer_topk
 from dsv4cp.packing import PackedSeqs
@@ -140,9 +141,8 @@ def layout_case(lay, gen: torch.Generator, integer: bool):
 @pytest.mark.parametrize("keys_mode", ["packed", "scores"])
 @pytest.mark.parametrize("lengths,total", CP_PACKINGS)
 @pytest.mark.parametrize("cp", [1, 2, 3])
-def test_static_plan_selects_what_the_exact_plan_and_the_torch_op_select(lengths, total, cp, keys_mode, seed,
-                                                                         monkeypatch):
-    monkeypatch.setenv(TOPK_KEYS_ENV, keys_mode)  # the kernel's packed keys or fp32 scores + select_top
+def test_static_plan_selects_what_the_exact_plan_and_the_torch_op_select(lengths, total, cp, keys_mode, seed):
+    options = KernelOptions(topk_keys=keys_mode)  # the kernel's packed keys or fp32 scores + select_top
     gen = torch.Generator().manual_seed(seed)
     pk = PackedSeqs.from_lengths(lengths, total=total)
     for rank in range(cp):
@@ -151,11 +151,11 @@ def test_static_plan_selects_what_the_exact_plan_and_the_torch_op_select(lengths
         vis = lay.visible_mask(lay.local_doc, lay.local_pos)
         for k in (2, 6):
             ref = indexer_topk(case["q"], case["w"], case["keys"], lambda sl, vis=vis: vis[sl], k)
-            exact = indexer_topk_triton(**case, k=k)
+            exact = indexer_topk_triton(**case, k=k, options=options)
             assert torch.equal(exact, ref), f"seed={seed} rank={rank}/{cp} k={k}: exact plan"
             for chunk, budget in ((None, None), (5, None), (None, TOPK_BYTES_PER_SCORE * 16 * 3)):
                 static = indexer_topk_triton(**case, k=k, chunk=chunk, budget_bytes=budget,
-                                             key_row_limit=lay.key_row_limit, impl="chunked")
+                                             key_row_limit=lay.key_row_limit, impl="chunked", options=options)
                 assert torch.equal(static, ref), f"seed={seed} rank={rank}/{cp} k={k} chunk={chunk} budget={budget}"
 
 

@@ -29,6 +29,7 @@ import torch
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout, entry_capacity, split_rows
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels.indexer_plan import query_limits
 from dsv4cp.kernels.indexer_topk_triton import MAX_STREAM_K, indexer_topk_stream
 from dsv4cp.kernels.indexer_triton import IndexerConfig
@@ -175,10 +176,11 @@ def test_impl_switch_env_and_fallback(monkeypatch, seed):
     for impl in ("stream", "chunked"):
         assert torch.equal(indexer_topk_triton(*args, 4, impl=impl), ref), f"seed={seed} impl={impl}"
         monkeypatch.setenv("DSV4CP_TOPK_IMPL", impl)
-        assert torch.equal(indexer_topk_triton(*args, 4), ref), f"seed={seed} env={impl}"
+        got = indexer_topk_triton(*args, 4, options=KernelOptions.resolve())
+        assert torch.equal(got, ref), f"seed={seed} env={impl}"
     monkeypatch.setenv("DSV4CP_TOPK_IMPL", "radix")
     with pytest.raises(ValueError, match="^DSV4CP_TOPK_IMPL:.*'radix'"):
-        indexer_topk_triton(*args, 4)
+        KernelOptions.resolve()
     with pytest.raises(ValueError, match="^impl:.*'fast'"):
         indexer_topk_triton(*args, 4, impl="fast")
     monkeypatch.delenv("DSV4CP_TOPK_IMPL")
@@ -203,7 +205,7 @@ def test_invalid_arguments_raise_naming_the_field(monkeypatch, seed):
         stream(case, 2, config=IndexerConfig(16, 24, 4, 1))
     monkeypatch.setenv("DSV4CP_TRITON_TOPK_STREAM_CONFIG", "16,16")
     with pytest.raises(ValueError, match="^DSV4CP_TRITON_TOPK_STREAM_CONFIG:"):
-        stream(case, 2)
+        KernelOptions.resolve()
 
 
 # ---------------------------------------------------------------------------------------------- GPU tests

@@ -27,6 +27,7 @@ import torch
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.layout import build_layout
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import set_deterministic
 from dsv4cp.kernels.contracts import pack_selection_keys
 from dsv4cp.kernels.indexer_plan import TOPK_BYTES_PER_SCORE, key_ranges, plan_chunks, query_limits
@@ -44,7 +45,7 @@ from dsv4cp.kernels.indexer_triton import (
     iter_score_chunks,
 )
 from dsv4cp.ops.indexer import fused_indexer_topk as indexer_topk_triton
-from dsv4cp.ops.indexer import indexer_scores, indexer_topk
+from dsv4cp.ops.indexer import indexer_scores, indexer_topk, scores_backward_keywords
 from dsv4cp.packing import PackedSeqs
 from triton_marks import needs_cuda, skip_module_without_triton
 
@@ -225,8 +226,9 @@ def test_topk_identical_with_exact_scores_and_ties(t, hi, di, entries, cp, k, se
 
 @pytest.mark.parametrize("t,hi,di,entries,cp", CPU_CASES)
 def test_packed_and_scores_buffers_select_identically_with_ties(t, hi, di, entries, cp, seed, monkeypatch):
-    """``DSV4CP_TOPK_KEYS``: the score kernel's packed-key epilogue and the fp32 buffer + ``select_top``
-    choose exactly the reference's entries, ties included, also over many small chunks."""
+    """``DSV4CP_TOPK_KEYS``, resolved into the options the op takes: the score kernel's packed-key epilogue
+    and the fp32 buffer + ``select_top`` choose exactly the reference's entries, ties included, also over
+    many small chunks."""
     case = make_case(seed, t, hi, di, entries, cp, integer=True)
     for k in (1, 4, 9, 40):
         ref = reference_topk(case, k)
@@ -234,7 +236,7 @@ def test_packed_and_scores_buffers_select_identically_with_ties(t, hi, di, entri
         for mode in ("packed", "scores"):
             monkeypatch.setenv(TOPK_KEYS_ENV, mode)
             for chunk in (None, 5):
-                got = triton_topk(case, k, chunk=chunk, impl="chunked")
+                got = triton_topk(case, k, chunk=chunk, impl="chunked", options=KernelOptions.resolve())
                 assert torch.equal(got, ref), f"seed={seed} k={k} {mode} chunk={chunk}\n{got}\n{ref}"
 
 
@@ -266,9 +268,11 @@ def test_packed_keys_are_the_packed_score_matrix(seed):
 
 def test_bad_topk_keys_env_is_named(seed, monkeypatch):
     case = make_case(seed, 8, 2, 16, [6], 1, integer=True)
+    with pytest.raises(ValueError, match="^keys_mode:"):
+        triton_topk(case, 2, impl="chunked", keys_mode="int64")
     monkeypatch.setenv(TOPK_KEYS_ENV, "int64")
     with pytest.raises(ValueError, match=TOPK_KEYS_ENV):
-        triton_topk(case, 2, impl="chunked")
+        KernelOptions.resolve()
 
 
 @pytest.mark.parametrize("t,hi,di,entries,cp", CPU_CASES)
@@ -498,12 +502,14 @@ def scores_and_grads(fn, q, w, keys, idx, grad, **kw):
                                  GatherBwdConfig(64, 8, 2)], ids=str)
 def test_indexer_scores_pinned_backward_matches_torch(cfg, seed, monkeypatch):
     """Every backward variant (relaxed or acq_rel atomics, one or several slot blocks per query), pinned
-    by keyword and by the environment, gives torch's gradients."""
+    by keyword and by the environment (resolved into options, handed over as the op does), gives torch's
+    gradients."""
     q, w, keys, idx, grad = scores_case(seed)
     ref = scores_and_grads(indexer_scores, q, w, keys, idx, grad)
     got_kw = scores_and_grads(indexer_scores_triton, q, w, keys, idx, grad, bwd_config=cfg)
     monkeypatch.setenv(BWD_CONFIG_ENV, f"{cfg.block_k},{cfg.num_warps},{cfg.num_stages},{int(cfg.relaxed_atomics)}")
-    got_env = scores_and_grads(indexer_scores_triton, q, w, keys, idx, grad)
+    got_env = scores_and_grads(indexer_scores_triton, q, w, keys, idx, grad,
+                               **scores_backward_keywords(KernelOptions.resolve()))
     assert (idx < 0).any() and (indexer_scores_triton(q, w, keys, idx)[idx < 0] == 0).all(), f"seed={seed}"
     for how, got in (("keyword", got_kw), ("env", got_env)):
         for name, a, b in zip(("out", "dq", "dw", "dkeys"), got, ref):
@@ -526,13 +532,18 @@ def test_indexer_scores_backward_ladder_is_checked():
     (GatherBwdConfig(32, 0, 1), None, r"^bwd_config: num_warps"),
     (GatherBwdConfig(32, 4, 1, 2), None, r"^bwd_config: relaxed_atomics"),
     (None, "32,4,1", rf"^{BWD_CONFIG_ENV}:"),
-    (None, "32,4,1,3", rf"^{BWD_CONFIG_ENV}: relaxed_atomics"),
+    (None, "32,4,1,3", rf"^{BWD_CONFIG_ENV}\.relaxed_atomics"),
     (None, "8,4,1,1", rf"^{BWD_CONFIG_ENV}\.block_k:"),
 ])
 def test_indexer_scores_bad_backward_config_raises_before_work(cfg, env, match, seed, monkeypatch):
+    """A bad pin by keyword fails at the call (before the backward), by its variable where the options are
+    resolved."""
     q, w, keys, idx, _ = scores_case(seed, t=4, kk=5)
     if env is not None:
         monkeypatch.setenv(BWD_CONFIG_ENV, env)
+        with pytest.raises(ValueError, match=match):
+            KernelOptions.resolve()
+        return
     leaf = q.clone().requires_grad_(True)
     with pytest.raises(ValueError, match=match):
         indexer_scores_triton(leaf, w, keys, idx, bwd_config=cfg)  # at the call, not at backward

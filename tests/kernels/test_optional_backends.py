@@ -630,9 +630,7 @@ def test_explicit_request_of_missing_backend_names_the_package(name, needle):
     pair = "torch+cudnn" if name == "cudnn" else "flashmla+torch"
     with pytest.raises(ValueError, match=rf"'{name}' is not available") as info:
         sa.resolve_backend(pair, torch.device("cpu"))
-    if needle not in str(info.value):
-        pytest.xfail("the registry's 'not available' message does not yet append available.missing_hint "
-                     "(a two-line change in dsv4cp/ops/sparse_attention.py::_available)")
+    assert needle in str(info.value), str(info.value)
 
 
 def test_import_never_needs_the_libraries():

@@ -17,7 +17,7 @@ Inputs are random, from the per-test ``seed`` (DSV4CP_TEST_SEED varies it, failu
 
 from __future__ import annotations
 
-import os
+import functools
 
 import pytest
 
@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 import torch
 
-from dsv4cp.kernel_options import OPTIONS
+from dsv4cp.kernel_options import OPTIONS, KernelOptions
 from dsv4cp.kernels.contracts import select_top
 from dsv4cp.kernels.select_top_triton import (
     SELECT_CONFIG_ENV,
@@ -41,12 +41,15 @@ skip_module_without_triton()
 
 
 VARIANT_ENV = OPTIONS["topk_select_variant"].env
+select_kernel = select_top_triton
+"""The kernel itself: the fixture below rebinds ``select_top_triton`` to it with each variant."""
 
 
 @pytest.fixture(autouse=True, params=SELECT_VARIANTS)
 def variant(request, monkeypatch) -> str:
-    """Every test runs each radix-select kernel (the kernel option ``topk_select_variant``)."""
-    monkeypatch.setenv(VARIANT_ENV, request.param)
+    """Every test runs each radix-select kernel (its ``variant`` keyword: the kernel option
+    ``topk_select_variant``)."""
+    monkeypatch.setitem(globals(), "select_top_triton", functools.partial(select_kernel, variant=request.param))
     return request.param
 
 
@@ -76,7 +79,7 @@ def check(scores: torch.Tensor, keep: int, msg: str, **kwargs) -> torch.Tensor:
     gathered = torch.where(expected >= 0, scores.gather(1, expected.clamp_min(0)), 0.0)
     assert values.dtype == torch.float32 and values.shape == expected.shape, msg
     assert torch.equal(values.view(torch.int32).cpu(), gathered.view(torch.int32).cpu()), f"{msg}\n{values}"
-    if os.environ[VARIANT_ENV] == "bounded":  # the plain kernel's launch is the same either way (gathered here)
+    if select_top_triton.keywords["variant"] == "bounded":  # the plain kernel launches the same either way
         assert torch.equal(select_top_triton(scores, keep, **kwargs), got), msg  # the same without the values
     return got
 
@@ -214,24 +217,23 @@ def test_other_digit_widths(radix_bits, seed):
 
 
 def test_config_pins_and_env(monkeypatch, seed):
+    """A launch pinned by keyword or by the variable (resolved into options, its integers handed over as
+    the op does); bad pins refused, by the variable where resolved, by the keyword at the call."""
     gen = torch.Generator().manual_seed(seed)
     scores = tied_scores(gen, 3, 50)
     check(scores, 7, f"seed={seed}", config=SelectConfig(16, 8, 2, 1))
     monkeypatch.setenv(SELECT_CONFIG_ENV, "64,6,4,1")
-    check(scores, 7, f"seed={seed}")
-    monkeypatch.setenv(SELECT_CONFIG_ENV, "64,4,1")
-    with pytest.raises(ValueError, match=SELECT_CONFIG_ENV):
-        select_top_triton(scores, 7)
-    monkeypatch.setenv(SELECT_CONFIG_ENV, "48,8,4,1")
-    with pytest.raises(ValueError, match="block_n"):
-        select_top_triton(scores, 7)
-    monkeypatch.setenv(SELECT_CONFIG_ENV, "64,13,4,1")
-    with pytest.raises(ValueError, match="radix_bits"):
-        select_top_triton(scores, 7)
+    check(scores, 7, f"seed={seed}", config=KernelOptions.resolve().triton_select_config)
+    for text, pattern in (("64,4,1", SELECT_CONFIG_ENV), ("48,8,4,1", "block_n")):
+        monkeypatch.setenv(SELECT_CONFIG_ENV, text)
+        with pytest.raises(ValueError, match=pattern):
+            KernelOptions.resolve()
+    with pytest.raises(ValueError, match="^config.radix_bits"):
+        select_top_triton(scores, 7, config=(64, 13, 4, 1))
     monkeypatch.delenv(SELECT_CONFIG_ENV)
     monkeypatch.setenv(VARIANT_ENV, "heap")
     with pytest.raises(ValueError, match=VARIANT_ENV):
-        select_top_triton(scores, 7)
+        KernelOptions.resolve()
 
 
 def test_bounded_pass_zero_cases(seed):
@@ -349,15 +351,16 @@ def test_chunked_topk_radix_matches_torch_selection(key_row_limit, monkeypatch, 
     gen = torch.Generator().manual_seed(seed)
     inputs = one_document(gen, 96, 2, 16)
     monkeypatch.delenv(TOPK_SELECT_ENV, raising=False)  # the interpreter's default: torch.topk
-    kwargs = {"chunk": 40, "budget_bytes": 4 * 24 * 20, "key_row_limit": key_row_limit, "impl": "chunked"}
-    expected = indexer_topk_triton(*inputs, 5, **kwargs)
+    kwargs = {"chunk": 40, "budget_bytes": 4 * 24 * 20, "key_row_limit": key_row_limit, "impl": "chunked",
+              "select_variant": select_top_triton.keywords["variant"]}
+    expected = indexer_topk_triton(*inputs, 5, **kwargs, options=KernelOptions.resolve())
     assert (expected == -1).any() and (expected >= 0).any()
     monkeypatch.setenv(TOPK_SELECT_ENV, "radix")
-    got = indexer_topk_triton(*inputs, 5, **kwargs)
+    got = indexer_topk_triton(*inputs, 5, **kwargs, options=KernelOptions.resolve())
     assert torch.equal(got, expected), f"seed={seed}\n{got}\n{expected}"
     monkeypatch.setenv(TOPK_SELECT_ENV, "heap")
     with pytest.raises(ValueError, match=TOPK_SELECT_ENV):
-        indexer_topk_triton(*inputs, 5, **kwargs)
+        KernelOptions.resolve()
 
 
 @pytest.mark.gpu

@@ -288,6 +288,7 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
     for pinning in ("DSV4CP_TRITON_FWD_CONFIG", "DSV4CP_TRITON_BWD_CONFIG", "DSV4CP_TRITON_DKV_CONFIG"):
         monkeypatch.delenv(pinning, raising=False)  # a pinned launch caches nothing
     monkeypatch.delenv(sat.DQ_IN_DKV_ENV, raising=False)
+    monkeypatch.setenv("DSV4CP_TRITON_BWD_DQ_PASS", "0")  # the variants are those of the dq-in-dkv backward
     # each launch caches its configuration under its kind, the shape class and the variant's switches
     variants = {("fwd", "split", True, True), ("bwd_dq_dq_in_dkv", True), ("bwd_dkv_dq_in_dkv", True, True)}
     plain = {("fwd", "duplicated", False, False), ("bwd_dq_dq_in_dkv", False), ("bwd_dkv_dq_in_dkv", False, False)}

@@ -169,7 +169,7 @@ def test_calibration_moves_the_split_of_a_long_document() -> None:
     assert calibrated.loc["balanced", "compute_imbalance"] < 1.002
 
 
-FLASH_64K = {"preset": "flash", "ratio": 4, "tokens": 65536}
+FLASH_64K = {"preset": "flash", "ratio": 4, "tokens": 65536, "packing": "one", "loss": "sparse"}
 
 
 def test_read_profile_forms(tmp_path) -> None:
@@ -211,7 +211,8 @@ def test_read_profile_forms(tmp_path) -> None:
         read_profile(tmp_path / "empty")
 
 
-@pytest.mark.parametrize(("field", "value"), [("tokens", 4096), ("preset", "tiny"), ("ratio", 128)])
+@pytest.mark.parametrize(("field", "value"), [("tokens", 4096), ("preset", "tiny"), ("ratio", 128),
+                                              ("packing", "histogram"), ("loss", "dense")])
 def test_calibrate_refuses_another_points_profile(tmp_path, capsys, field: str, value) -> None:
     """A profile of another configuration or batch size is refused (exit 2) naming both points,
     before any fit or output file."""
@@ -223,8 +224,9 @@ def test_calibrate_refuses_another_points_profile(tmp_path, capsys, field: str, 
             "--calibrate", str(tmp_path), "--calibration-out", str(out)]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"measured {' '.join(f'{k}={({**FLASH_64K, field: value})[k]}' for k in FLASH_64K)}" in err
-    assert "asked for (preset=flash ratio=4 tokens=65536)" in err
+    assert f"measured {field}={value!r}, not {field}={FLASH_64K[field]!r}" in err
+    assert "asked for (preset=flash ratio=4 tokens=65536 packing=one loss=sparse)" in err
+    assert err.count("\n") == 1
     assert not out.exists()
 
 
@@ -343,3 +345,29 @@ def test_a_calibration_applies_only_with_its_machine() -> None:
     RowCosts.for_layer(TINY, 4, Machine(), "fwd", cal)  # the default machine is h200x2
     with pytest.raises(ValueError, match="calibration.machine"):
         RowCosts.for_layer(TINY, 4, Machine(name="other"), "fwd", cal)
+
+
+def test_calibrate_fits_only_the_asked_packing_and_says_which_pass(tmp_path, capsys, seed: int) -> None:
+    """From a sweep's records the record of the asked packing is fitted (forward + backward first) and the
+    calibration's source names the pass it measured; a folder holding only another packing's record, or
+    a one-document trace asked for a histogram batch, is refused naming the field and both values."""
+    est = estimate(FLASH, 4, [65536], 1, Machine())
+    phases = _synthetic_profile(est, _known_factors(seed)).to_dict("records")
+    one = {"status": "ok", "cp": 1, **FLASH_64K, "seed": 0, "pass": "fwd", "phases": phases}
+    histogram = {**one, "packing": "histogram", "pass": "fwd+bwd"}
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (one, histogram)))
+    point = ["model", "--preset", "flash", "--ratio", "4", "--tokens", "65536", "--cp", "1", "--machine", "h200x2",
+             "--packing", "histogram", "--calibration-out", str(tmp_path / "cal.json")]
+    assert main([*point, "--calibrate", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert "packing=histogram loss=sparse pass=fwd+bwd" in json.loads((tmp_path / "cal.json").read_text())["source"]
+    (tmp_path / "records.jsonl").write_text(json.dumps(one) + "\n")
+    assert main([*point, "--calibrate", str(tmp_path), "--calibration-out", str(tmp_path / "other.json")]) == 2
+    assert "measured packing='one', not packing='histogram'" in capsys.readouterr().err
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    pd.DataFrame(phases).to_csv(trace / "overlap.csv", index=False)
+    (trace / POINT_FILE).write_text(json.dumps({**FLASH_64K, "cp": 1, "seed": 0}))
+    assert main([*point, "--calibrate", str(trace), "--calibration-out", str(tmp_path / "trace.json")]) == 2
+    assert "measured packing='one', not packing='histogram'" in capsys.readouterr().err
+    assert not (tmp_path / "other.json").exists() and not (tmp_path / "trace.json").exists()

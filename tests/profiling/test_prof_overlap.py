@@ -183,3 +183,17 @@ def test_capture_window_sets_total_idle():
     kernels = [KernelRecord(0, 7, 100, 200, GEMM, is_comm=False)]
     df = overlap_table(kernels, [], windows={0: (0, 1_000)})
     check(df.iloc[0].to_dict(), compute_ms=0.0001, idle_ms=0.0009)
+
+
+def test_a_cpu_op_enclosing_a_blocking_collective_hides_none_of_it():
+    """On a CPU trace the op that calls a blocking collective (an autograd function, the step) spans it on
+    the same thread: that thread is waiting, so only another thread's op hides communication. Counted
+    as compute it hid all of it (0% exposed beside a diagnosis blaming exposed communication)."""
+    us = 1000
+    kernels = [KernelRecord(0, 1, 0, 100 * us, "autograd::function AllGatherKV", False),
+               KernelRecord(0, 1, 20 * us, 80 * us, "gloo:all_gather", True),
+               KernelRecord(0, 2, 30 * us, 50 * us, "aten::mm", False)]  # another thread: really beside it
+    ranges = [RangeRecord(0, "dsv4cp.allgather.kv.fwd", 0, 100 * us)]
+    check(row(overlap_table(kernels, ranges), TOTAL), comm_ms=0.06, overlap_ms=0.02, exposed_comm_ms=0.04)
+    alone = overlap_table(kernels[:2], ranges)
+    check(row(alone, TOTAL), comm_ms=0.06, overlap_ms=0.0, exposed_comm_ms=0.06, compute_ms=0.1)

@@ -55,7 +55,7 @@ def test_report_compares_runs_side_by_side(tmp_path, seed, capsys):
 
 def test_report_input_errors_exit_2_naming_the_problem(tmp_path, seed, capsys):
     points = grid(cp=[1], tokens=[1024])
-    a, b = write_run(tmp_path / "a", points, seed=seed), write_run(tmp_path / "b", points, seed=seed)
+    a, b = write_run(tmp_path / "a", points, seed=seed), write_run(tmp_path / "b", points, seed=seed + 1)
     assert main(["report", str(a), str(b)]) == 2
     assert "--out: required" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing")]) == 2

@@ -59,6 +59,8 @@ def test_forty_series_plots_keep_legends_off_the_axes_and_series_apart(many_seri
             handles, labels = ax.get_legend_handles_labels()
             keys = [_series_key(h) for h in handles]
             assert len(set(keys)) == len(keys), f"{name}: two series share colour and marker"
+            colours = [h.get_color() for h in handles if hasattr(h, "get_color")]
+            assert len(set(map(str, colours))) == len(colours), f"{name}: two series share a colour"
             counted[name] = len(handles)
     assert counted["strong_scaling"] == 40 + 1  # and the ideal line
     assert counted["memory_vs_tokens"] == 40
@@ -72,12 +74,13 @@ def test_cp_axes_are_integer_ranks(many_series):
     assert [t.get_text() for t in bound_fig.legends[0].get_texts()][:2] == ["cp=1", "cp=2"]
 
 
-def test_series_styles_repeat_no_colour_marker_pair_before_ninety():
-    pairs = [(styles.series_style(i).color, styles.series_style(i).marker) for i in range(90)]
-    assert len(set(pairs)) == 90
+def test_series_styles_give_forty_series_their_own_colour_and_no_pair_repeats_before_360():
+    assert len({styles.series_style(i).color for i in range(40)}) == 40
+    pairs = [(styles.series_style(i).color, styles.series_style(i).marker) for i in range(360)]
+    assert len(set(pairs)) == 360
     first = [styles.series_style(i) for i in range(9)]
     assert len({s.color for s in first}) == 9 and len({s.marker for s in first}) == 9
-    assert styles.series_style(90).linestyle != styles.series_style(0).linestyle
+    assert styles.series_style(360).linestyle != styles.series_style(0).linestyle
     with pytest.raises(ValueError, match="index"):
         styles.series_style(-1)
     assert styles.cp_label(2.0) == "cp=2" and styles.cp_label("x") == "cp=x"

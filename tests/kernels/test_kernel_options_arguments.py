@@ -1,8 +1,11 @@
-"""Kernel options in force through a backward that runs after the forward's ``with`` block ended:
-:func:`dsv4cp.ops.kernel_scope.options_in_backward`, ``DSv4Attention(kernel_options=...)`` and
-``sparse_attention(options=...)``."""
+"""Kernel options as arguments: ``DSv4Attention(kernel_options=...)`` and ``sparse_attention(options=...)``
+reach both directions' kernels (the backward runs outside any block, long after the forward), and no module
+below the harness reads them from a global."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,46 +16,15 @@ from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.kernels import triton_available
 from dsv4cp.layer import DSv4Attention
 from dsv4cp.ops import sparse_attention
-from dsv4cp.ops.kernel_scope import options_in_backward
 from dsv4cp.packing import PackedSeqs
 
 needs_triton = pytest.mark.skipif(not triton_available("cpu"), reason="needs Triton's CPU interpreter")
 
 
-class _SeenInBackward(torch.autograd.Function):
-    """Doubles x; its backward records the kernel option ``topk_impl`` in force."""
-
-    seen: list[str] = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return 2 * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        _SeenInBackward.seen.append(kernel_options.get("topk_impl"))
-        return 2 * grad
-
-
-def test_options_hold_in_backward_and_leave_after_it(seed, monkeypatch):
-    monkeypatch.delenv("DSV4CP_TOPK_IMPL", raising=False)
-    x = torch.randn(5, generator=torch.Generator().manual_seed(seed), requires_grad=True)
-    _SeenInBackward.seen.clear()
-    y, none = options_in_backward((_SeenInBackward.apply(x), None), {"topk_impl": "stream"})
-    assert none is None and kernel_options.get("topk_impl") == "chunked"
-    (3 * y).sum().backward()
-    assert _SeenInBackward.seen == ["stream"] and kernel_options.get("topk_impl") == "chunked"
-    assert torch.equal(x.grad, torch.full_like(x, 6.0))  # the identity node changes no number
-    plain = _SeenInBackward.apply(x.detach().requires_grad_())
-    assert options_in_backward((plain,), {}) == (plain,)
-    with pytest.raises(ValueError, match="^topk_impl: must be one of"):
-        options_in_backward((y,), {"topk_impl": "fast"})
-
-
 @needs_triton
 def test_layer_backward_runs_with_its_options(seed):
     cfg = DSv4Config.preset("tiny")
-    pin = {"triton_bwd_config": "16,16,4,1", "triton_dq_in_dkv": "0"}
+    pin = {"triton_bwd_config": "16,16,4,1", "triton_dq_in_dkv": "0", "triton_bwd_dq_pass": "0"}
     torch.manual_seed(seed)
     layer = DSv4Attention(cfg, 4, backend="triton", kernel_options=KernelOptions.resolve(pin))
     x = torch.randn(32, cfg.hidden, requires_grad=True)
@@ -78,7 +50,7 @@ def test_sparse_attention_options_reach_both_directions(seed):
     idx = torch.randint(-1, 10, (6, 7), generator=gen, dtype=torch.int32)
     sink = torch.randn(2, generator=gen, requires_grad=True)
     kernel_options.reset_backends_ran()
-    options = KernelOptions(triton_fwd_config=(16, 16, 4, 1), triton_dq_in_dkv=False)
+    options = KernelOptions(triton_fwd_config=(16, 16, 4, 1), triton_dq_in_dkv=False, triton_bwd_dq_pass=False)
     out, _ = sparse_attention(q, kv, idx, sink, 0.25, backend="triton", options=options)
     out.sum().backward()
     ran = kernel_options.backends_ran()
@@ -86,3 +58,19 @@ def test_sparse_attention_options_reach_both_directions(seed):
     assert "sparse_attention.bwd_dq.config" in ran and "sparse_attention.bwd_dq_dq_in_dkv.config" not in ran
     with pytest.raises(ValueError, match="^options: must be a KernelOptions, got dict"):
         sparse_attention(q, kv, idx, sink, 0.25, backend="triton", options={"triton_fwd_config": "16,16,4,1"})
+
+
+GLOBAL_READS = re.compile(r"kernel_options\.(get|resolved|overrides|where|source)\(|\bresolved\(\)|options_in_force|"
+                          r"options_from|kernel_scope")
+"""What reading the kernel options from the process-wide registry looks like."""
+
+
+def test_no_module_below_the_harness_reads_the_options_from_a_global():
+    """The layer, the CP machinery, the ops and the kernels take the kernel options as arguments: none calls
+    the registry's global reads (``kernel_options.get`` / ``resolved()`` / ``overrides`` / ``where``) or the
+    text round trip the custom ops used to need."""
+    root = Path(__file__).resolve().parents[2] / "dsv4cp"
+    found = [f"{path.relative_to(root.parent)}:{number}: {line.strip()}"
+             for package in ("layer", "ops", "kernels", "cp") for path in sorted((root / package).rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if GLOBAL_READS.search(line)]
+    assert not found, "global kernel-option reads:\n" + "\n".join(found)

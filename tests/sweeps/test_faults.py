@@ -1,0 +1,141 @@
+"""Signals and disk faults during a sweep (CPU, tiny shapes): a full disk leaves every record whole and
+ends in one line; a killed rank is named in one line; an interrupt stops the run promptly, keeping
+every recorded point and not counting the point in flight as a death."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dsv4cp import records
+from dsv4cp.cli.main import main
+from dsv4cp.cp.launch import RankExited, spawn
+from dsv4cp.records import RECORDS_FILE, append_record, make_record, read_records
+from dsv4cp.sweeps.runner import INFLIGHT_FILE
+
+BASE = {"preset": "tiny", "dtype": "fp32", "kernel_backend": "torch", "tokens": 32, "ratio": 0, "pass": "fwd"}
+
+
+def _spec(path: Path, cp: int, seeds: int) -> Path:
+    path.write_text(yaml.safe_dump({"name": path.stem, "run": {"warmup": 0, "reps": 2},
+                                    "base": {**BASE, "cp": cp}, "axes": {"seed": list(range(seeds))}}))
+    return path
+
+
+def _record(seed: int) -> dict:
+    axes = {**BASE, "cp": 1, "seed": seed}
+    return make_record(axes, {"time_ms_median": 1.0}, sweep="t", status="ok", machine="m", git_sha=None)
+
+
+def _disk_filling_after(monkeypatch, allowed: int) -> None:
+    """``os.write`` of the records module takes ``allowed`` more bytes, then half of a buffer once, then
+    fails with ENOSPC (what a filling disk does)."""
+    real = os.write
+    left = {"bytes": allowed}
+
+    def write(fd: int, data) -> int:
+        if left["bytes"] >= len(data):
+            left["bytes"] -= len(data)
+            return real(fd, data)
+        if left["bytes"] > 0 or len(data) > 1:
+            taken, left["bytes"] = max(left["bytes"], len(data) // 2), -1
+            if taken and left["bytes"] != -2:
+                left["bytes"] = -2
+                return real(fd, bytes(data[:taken]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(records.os, "write", write)
+
+
+def test_an_append_a_full_disk_stops_part_way_is_cut_off_again_naming_the_file(tmp_path, monkeypatch):
+    path = tmp_path / RECORDS_FILE
+    append_record(path, _record(0))
+    before = path.read_bytes()
+    _disk_filling_after(monkeypatch, 0)
+    with pytest.raises(OSError) as raised:
+        append_record(path, _record(1))
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+    assert path.read_bytes() == before  # not half a line for the next append to join
+    monkeypatch.undo()
+    append_record(path, _record(2))
+    assert [r["seed"] for r in read_records(path)] == [0, 2]
+
+
+def test_a_sweep_on_a_full_disk_ends_in_one_line_keeping_every_record_whole(tmp_path, monkeypatch, capsys):
+    spec = _spec(tmp_path / "full.yaml", cp=1, seeds=3)
+    out = tmp_path / "run"
+    real = records.append_bytes
+    calls = {"n": 0}
+
+    def filling(path, data):  # the second record meets a full disk
+        calls["n"] += 1
+        if calls["n"] == 2:
+            _disk_filling_after(monkeypatch, 0)
+        return real(path, data)
+
+    monkeypatch.setattr(records, "append_bytes", filling)
+    assert main(["sweep", str(spec), "--out", str(out), "--nproc", "1", "--progress", "off"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dsv4cp sweep: error: {out / RECORDS_FILE}: No space left on device\n", err
+    assert (out / RECORDS_FILE).read_bytes().count(b"\n") == 1
+    assert [r["seed"] for r in read_records(out)] == [0]  # whole: a resume continues from it
+
+
+def _raise_disk_full_on_rank_0(rank, world, device):
+    if rank == 0:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/records.jsonl")
+    time.sleep(300)  # stopped by the spawner, not waited for
+
+
+def _kill_rank_1(rank, world, device):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(300)
+
+
+def test_spawn_raises_a_ranks_disk_error_as_itself_and_names_a_killed_rank():
+    started = time.monotonic()
+    with pytest.raises(OSError) as raised:
+        spawn(_raise_disk_full_on_rank_0, 2)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == "/runs/x/records.jsonl"
+    with pytest.raises(RankExited) as died:
+        spawn(_kill_rank_1, 2)
+    assert str(died.value).startswith("rank 1 (pid ") and "was killed by SIGKILL" in str(died.value)
+    assert time.monotonic() - started < 250  # the other rank was stopped, not waited for (300 s)
+
+
+@pytest.mark.parametrize("target", ["process", "group"])
+def test_an_interrupt_stops_the_sweep_promptly_keeping_its_records(tmp_path, target):
+    spec = _spec(tmp_path / "long.yaml", cp=2, seeds=30)
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "dsv4cp", "sweep", str(spec), "--out", str(out), "--progress", "off"]
+    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and process.poll() is None:
+            if (out / RECORDS_FILE).exists() and (out / RECORDS_FILE).read_bytes().count(b"\n") >= 2:
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the sweep ended before it could be interrupted"
+        (os.kill if target == "process" else os.killpg)(process.pid, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)  # every remaining point would take minutes
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "dsv4cp sweep: interrupted", stderr
+    problems = []
+    kept = read_records(out, problems)
+    assert 2 <= len(kept) < 30 and not problems
+    assert not (out / INFLIGHT_FILE).exists() or json.loads((out / INFLIGHT_FILE).read_text())["attempts"] == 0
