@@ -1,330 +1,454 @@
-"""CI performance gate: the smoke sweep and the CPU benchmarks against the committed CPU baselines.
+"""CI performance gate: the head measured against a base commit INTERLEAVED in one job (A/B), exact
+counters beside the times, and the gate's own false-alarm rate and power measured on every run.
 
-    python .ci/gate.py                       # what .ci/run calls, from the repository root
-    python .ci/gate.py --skip-bench          # the sweep half only
-    python .ci/gate.py --refresh             # re-record results/baselines/cpu-ci/ the same way
+    python .ci/gate.py                                  # what .ci/run calls, from the repository root
+    python .ci/gate.py --refresh --reason "why"         # name HEAD as the base of later runs
 
-Steps (a step's failure fails the gate; the first line of the log says which):
+Steps (a step's failure fails the gate; the log says which):
 
-1. ``dsv4cp sweep`` of ``sweeps/smoke.yaml`` with ``run.reps`` set to :data:`REPS` (a copy of the spec
-   in the work directory) must exit 0 (or 1, a failed point, named by the next check), record every point
-   of the baseline, and record no point as ``error: ...`` or ``oom`` and no invalid line (a broken pipeline);
-2. ``pytest bench -m "not gpu" --benchmark-json WORK/bench.json`` must pass (the CPU sizes run a few
-   rounds each: the quick mode of the benchmarks);
-3. each is judged against its baseline by ``dsv4cp compare``'s own rule (:mod:`dsv4cp.report.compare`),
-   with the gate's thresholds passed in, so the printed verdicts are exactly what the gate acts on.
+1. pipeline: ``dsv4cp sweep`` of ``sweeps/smoke.yaml`` (its own repetitions) exits 0 and records every
+   point ``ok`` (a broken sweep, trace or report path fails here);
+2. base: the commit ``results/baselines/cpu-ci/gate.json`` names (written by ``--refresh``), else the
+   merge base with origin/main, else HEAD~1 (the log says which), checked out with ``git worktree add``
+   into a temporary directory and imported from there (PYTHONPATH: the same dependencies);
+3. workers (``.ci/gate_worker.py``): one long-lived process for the base and two for the head build
+   every case of the spec once (a CP = 2 point as its emulated rank 0: compute only) and time single
+   steps in process CPU time on request; the coordinator alternates the processes step by step, case
+   by case (ABC, BCA, CAB...), so the machine's speed and load cancel;
+4. counters, exactly: per case the aten ops dispatched per step (kernel launches), host syncs per step,
+   collectives and their bytes per step, and the cost model's FLOPs, HBM bytes and communication bytes;
+   base and head must agree, or an entry of ``results/baselines/cpu-ci/accepted.yaml`` (point, counter,
+   old, new, reason) accepts the change. Peak memory is not gated: on CPU it is the process's RSS, which
+   drifts;
+5. times: ``--blocks`` blocks of ``--rounds`` rounds; a comparison is one block's samples of two sides
+   (``--rounds`` steps each). Block 0 compares base with head: the GATE's verdict. Every block compares
+   head with head (the second head process): the SELF-COMPARISONS (a false alarm is any point called
+   SLOWER or FASTER). The first ``len(levels) x --injections`` blocks also compare head with the second
+   head process slowed on purpose (``inject_slowdown``): level L makes the step L slower by a busy loop
+   in its sparse_attn phase (the phase's fraction is L x step / phase, from the case's own times), and
+   a DETECTION is that point called SLOWER.
 
-A matched point REGRESSES only when all hold (loose on purpose: a shared 2-core machine swings tiny CPU
-timings by several x, and its load changes between the baseline's recording and CI):
-
-* new / (baseline x machine factor) > 1 + ``--max-regression`` (default ``200%``: more than 3x slower),
-  the machine factor being the median new/baseline ratio of the whole run (at least 1): how much slower
-  the machine runs now; load slows every point, a regressed code path only its points;
-* the test of ``dsv4cp compare`` says so: with repetition times on both sides (a baseline recorded by
-  ``--refresh``), the one-sided Mann-Whitney U test at ``--alpha`` / points; without them (an older
-  baseline), the band rule: the noise bands apart. The printed table says which rule judged each point;
-* it is slower by more than ``--min-slowdown-ms`` (default 50 ms: stalls of a loaded machine cost
-  tens of ms, whatever the point's size);
-* and all of the above AGAIN when the regressed points are measured once more (the sweep resumes a copy
-  of the run without them; the benchmarks rerun by node id), with the first run's machine factor.
-
-A run whose machine factor itself exceeds ``1 + --max-regression`` fails (everything slowed down, or the
-machine is too loaded to measure). A point that failed in the new run (status not ``ok``), or holds a
-value that cannot be a measurement, fails at once; so does a point of the baseline that is missing or
-not comparable (its kernel configuration differs; a configuration column the baseline does not record
-at all is not compared, and the gate says so). Different machine labels are reported but allowed (CI
-machines differ from the one that recorded the baseline; the gate is coarse).
-Exit status: 0 pass, 1 regression or broken pipeline, 2 unusable input (missing baseline, nothing
-matched).
+Verdict per point (:func:`dsv4cp.report.compare_stats.ab_verdict`): the head/base ratio of the
+block's step pairs (the two sides' steps of one round, taken next to each other) is the
+Hodges-Lehmann estimate with its signed-rank interval at confidence 1 - ``--alpha`` / cases
+(Bonferroni over the cases); SLOWER / FASTER when the interval excludes 1 and the ratio is beyond
+``--threshold`` (default 5%); UNDECIDED when beyond it but the interval holds 1 (reported, not failed);
+SAME otherwise. The gate fails on a SLOWER point, an unaccepted counter change or a broken pipeline.
+Exit status: 0 pass, 1 fail, 2 unusable input.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import datetime
+import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
 import yaml
 
-from dsv4cp.records import CONFIG_FIELDS, META_FILE, RECORDS_FILE, STATUS_OK, append_record, read_records
-from dsv4cp.report.compare import (
-    DEFAULT_ALPHA,
-    Comparison,
-    Side,
-    UnusableInputError,
-    compare,
-    load_side,
-    parse_threshold,
-    render,
-)
+from dsv4cp.records import RECORDS_FILE, STATUS_OK, read_records
+from dsv4cp.report.compare import parse_threshold
+from dsv4cp.report.compare_stats import AB_SAME, AB_UNDECIDED, FASTER, SLOWER, ab_verdict, ratio_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "results" / "baselines" / "cpu-ci"
-METRIC = "time_ms_median"
-
-REPS = 20
-"""Timed repetitions of every smoke point, in the gate and in ``--refresh`` (the spec's own 3 only smoke
-test the pipeline). Why 20: a point's U test must be able to reach alpha / points = 0.01 / 30 = 3.3e-4
-while a few of its repetitions are stalls of the loaded machine. 3 and 3 samples cannot go below
-p = 0.05; 10 and 10 reach 1e-5 only when every sample is apart (one baseline stall above all new
-samples leaves p = 7.5e-4: missed, so 10 catch a 1.3x slowdown in only ~40% of synthetic runs with
-10% stalls); 20 and 20 catch it in ~99% of runs under 5% jitter and 5% stalls up to 2.5x (93% with
-10% stalls up to 3x) while honest reruns of 30 points alarm in under 1% of runs
-(tests/report/test_compare_decision.py). The 17 extra steps of the tiny CPU points cost seconds."""
-
-SweepRunner = Callable[[Path, Path, bool], None]
-"""``(spec, out, resume)``: measure the spec's points missing from ``out`` (all of them unless resuming)."""
-BenchRunner = Callable[[Path, "list[str] | None"], None]
-"""``(json_out, node_ids)``: run the CPU benchmarks (only ``node_ids`` when given) into ``json_out``."""
+GATE_FILE = BASELINES / "gate.json"
+ACCEPTED_FILE = BASELINES / "accepted.yaml"
+WORKER = Path(__file__).resolve().parent / "gate_worker.py"
+LEVELS = (0.05, 0.10, 0.20, 0.50)
+"""Injected slowdowns of the step, put into its sparse_attn phase."""
+VERDICTS = (SLOWER, FASTER, AB_UNDECIDED, AB_SAME)
 
 
 class GateFailure(Exception):
-    """The gate fails: a regression or a broken pipeline (exit 1)."""
+    """The gate fails (exit 1)."""
 
 
-@dataclass(frozen=True)
-class Thresholds:
-    max_regression: float
-    """Allowed relative slowdown (2.0: fail beyond 3x)."""
-    min_slowdown_ms: float
-    """A point must also be slower by more than this, in ms."""
-    alpha: float = DEFAULT_ALPHA
-    """False-alarm level of the rank test over all points of one comparison."""
+class UnusableInput(ValueError):
+    """The gate cannot run (exit 2)."""
 
 
-def _one_thread_env() -> dict[str, str]:
-    """The environment of every measurement: ONE intra-op thread. On a loaded 2-core machine torch's
-    default two OpenMP threads wait on each other and a tiny op's time swings 10x (the sweep's spawned
-    ranks already run one thread each)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def one_thread_env(**extra: str) -> dict[str, str]:
+    """ONE intra-op thread: on a loaded 2-core machine two OpenMP threads wait on each other."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
 
 
-def gate_spec(spec: Path, reps: int, folder: Path) -> Path:
-    """A copy of ``spec`` in ``folder`` (same file name, so the run directory's name is unchanged) with
-    ``run.reps`` set to ``reps``; point ids do not depend on the run options, so its points match the
-    baseline's."""
-    data = yaml.safe_load(spec.read_text())
-    data["run"] = {**(data.get("run") or {}), "reps": reps}
-    folder.mkdir(parents=True, exist_ok=True)
-    copy = folder / spec.name
-    copy.write_text(yaml.safe_dump(data, sort_keys=False))
-    return copy
-
-
-def run_sweep_cli(spec: Path, out: Path, resume: bool) -> None:
-    command = [sys.executable, "-m", "dsv4cp", "sweep", str(spec), "--out", str(out), "--progress", "off"]
-    done = subprocess.run(command + (["--resume"] if resume else []), cwd=ROOT, env=_one_thread_env())
-    if done.returncode not in (0, 1):  # 1: a point failed, which the records check then names
-        raise GateFailure(f"sweep: `{' '.join(command)}` exited with {done.returncode}")
-
-
-def run_bench_cli(json_out: Path, node_ids: list[str] | None) -> None:
-    command = [sys.executable, "-m", "pytest", *(node_ids or ["bench"]), "-m", "not gpu", "-q",
-               "-p", "no:cacheprovider", "--benchmark-json", str(json_out), "--benchmark-columns", "median,rounds"]
-    done = subprocess.run(command, cwd=ROOT, env=_one_thread_env())
+def git(*args: str, cwd: Path = ROOT) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise GateFailure(f"bench: `{' '.join(command)}` exited with {done.returncode}")
+        raise UnusableInput(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
 
 
-def machine_factor(comparison: Comparison) -> float:
-    """How much slower this machine runs right now than when the baseline was recorded: the median
-    new/baseline ratio over the compared points, never below 1 (a faster machine makes no rule stricter).
-    A loaded CI machine slows every point alike; a regressed code path slows some points only."""
-    ratios = comparison.table["ratio"].dropna()
-    return max(1.0, float(ratios.median())) if len(ratios) else 1.0
+def base_commit(gate_file: Path) -> tuple[str, str]:
+    """The commit to compare against and where it came from."""
+    if gate_file.exists():
+        recorded = json.loads(gate_file.read_text())["commit"]
+        return git("rev-parse", "--verify", f"{recorded}^{{commit}}"), f"named by {gate_file.relative_to(ROOT)}"
+    head = git("rev-parse", "HEAD")
+    for ref, why in (("origin/main", "merge base with origin/main"), ("HEAD~1", "HEAD~1")):
+        try:
+            found = git("merge-base", ref, "HEAD") if ref == "origin/main" else git("rev-parse", ref)
+        except UnusableInput:
+            continue
+        if found != head:  # on main itself the merge base is the head: compare with its parent
+            return found, why
+    raise UnusableInput("base: no gate.json, no origin/main and no HEAD~1 to compare against")
 
 
-def _unrecorded_config(baseline: Side) -> list[str]:
-    """The configuration columns no point of ``baseline`` records (a baseline from before they existed):
-    not compared, since "unknown" against a recorded value would make every point incomparable."""
-    configs = baseline.points["config"]
-    return [name for name in CONFIG_FIELDS if all(config.get(name) is None for config in configs)]
-
-
-def _compare(baseline: Path, new: Path, thresholds: Thresholds, what: str, *, keys: list[str] | None = None,
-             factor: float | None = None) -> tuple[Comparison, float]:
-    """Judge ``new`` against ``baseline`` with the gate's thresholds and print the verdicts. ``factor``:
-    the machine factor to scale the baseline by (None: this comparison's own, checked to be plausible);
-    ``keys``: judge only these points (a rerun)."""
-    base_side, new_side = load_side(baseline, METRIC), load_side(new, METRIC)
-    if keys is not None:  # only the points measured again, on both sides
-        base_side, new_side = (dataclasses.replace(side, points=side.points.loc[
-            side.points.index.intersection(pd.Index(keys))]) for side in (base_side, new_side))
-    if base_side.hardware != new_side.hardware:
-        print(f"gate: note: baseline ran on {base_side.hardware!r}, this run on {new_side.hardware!r}")
-    ignored = _unrecorded_config(base_side)
-    if ignored:
-        print(f"gate: note: the baseline records no {', '.join(ignored)}: points are matched by their axes only")
-    options = dict(threshold=thresholds.max_regression, alpha=thresholds.alpha, ignore_options=ignored,
-                   allow_different_hardware=True)
-    if factor is None:
-        factor = machine_factor(compare(base_side, new_side, METRIC, **options))
-        _check_machine_factor(factor, thresholds, what)
-    comparison = compare(base_side, new_side, METRIC, scale=factor, min_difference=thresholds.min_slowdown_ms,
-                         **options)
-    print(render(comparison, base_side, new_side))
-    return comparison, factor
-
-
-def _check_machine_factor(factor: float, thresholds: Thresholds, what: str) -> None:
-    print(f"gate: {what}: this run is {factor:.2f}x the baseline's time at the median point")
-    if factor > 1 + thresholds.max_regression:
-        raise GateFailure(f"{what}: the median point is {factor:.2f}x slower than the baseline: everything "
-                          "regressed, or this machine is too loaded to measure")
-
-
-def _check_sweep_records(run_dir: Path) -> None:
-    problems: list = []
-    records = read_records(run_dir / RECORDS_FILE, problems)
-    if problems:
-        raise GateFailure("sweep: invalid record lines:\n  " + "\n  ".join(map(str, problems)))
-    if not records:
-        raise GateFailure(f"sweep: {run_dir} holds no records")
-    broken = [f"{r['point_id']}: {r['status']}" for r in records
-              if r["status"] != STATUS_OK and not r["status"].startswith("skipped: ")]
-    if broken:
-        raise GateFailure("sweep: points did not run:\n  " + "\n  ".join(broken))
-
-
-def _fail_on_broken(comparison: Comparison, what: str) -> None:
-    """Fail on what no rerun can mend: invalid values, lines that are no record, points of the
-    baseline that are missing or not comparable."""
-    if len(comparison.errors) or comparison.skipped:
-        raise GateFailure(f"{what}: {len(comparison.errors)} points hold invalid values, {len(comparison.skipped)} "
-                          "lines are no record (the INVALID and skipped lines above)")
-    if comparison.missing:
-        raise GateFailure(f"{what}: points of the baseline missing from the new run: " + "; ".join(comparison.missing))
-    if comparison.not_comparable:
-        raise GateFailure(f"{what}: points of the baseline not comparable: " + "; ".join(comparison.not_comparable))
-
-
-def _regressed(baseline: Path, new: Path, thresholds: Thresholds, what: str) -> tuple[list[str], float]:
-    """First verdict on ``new`` against ``baseline``: fail on a broken run or an implausible machine
-    factor, else return the regressed keys and the machine factor their re-measurement is judged by."""
-    comparison, factor = _compare(baseline, new, thresholds, what)
-    _fail_on_broken(comparison, what)
-    return comparison.regressions["key"].tolist(), factor
-
-
-def _regressed_again(baseline: Path, rerun: Path, thresholds: Thresholds, what: str, keys: list[str],
-                     factor: float) -> None:
-    comparison, _ = _compare(baseline, rerun, thresholds, what, keys=keys, factor=factor)
-    _fail_on_broken(comparison, what)
-    again = comparison.regressions
-    if len(again):
-        noun = "benchmarks" if what == "bench" else "points"
-        raise GateFailure(f"{what}: {len(again)} {noun} regressed twice (the REGRESSION lines above)")
-
-
-def gate_sweep(spec: Path, baseline: Path, work: Path, thresholds: Thresholds,
-               run_sweep: SweepRunner = run_sweep_cli, reps: int = REPS) -> None:
-    """Run the sweep (``reps`` repetitions per point) into ``work/<spec stem>``, compare with
-    ``baseline``, re-measure regressed points once."""
-    spec = gate_spec(spec, reps, work / "specs")
-    run_dir = work / spec.stem
-    run_sweep(spec, run_dir, False)
-    _check_sweep_records(run_dir)
-    suspects, factor = _regressed(baseline, run_dir, thresholds, "sweep")
-    if not suspects:
-        return
-    print(f"gate: sweep: {len(suspects)} points regressed; measuring them once more")
-    rerun = work / f"{spec.stem}-rerun"
-    rerun.mkdir(parents=True)
-    shutil.copy(run_dir / META_FILE, rerun / META_FILE)
-    for record in read_records(run_dir / RECORDS_FILE):
-        if record["point_id"] not in suspects:
-            append_record(rerun / RECORDS_FILE, record)
-    run_sweep(spec, rerun, True)
-    _check_sweep_records(rerun)
-    _regressed_again(baseline, rerun, thresholds, "sweep", suspects, factor)
-
-
-def gate_bench(baseline: Path, work: Path, thresholds: Thresholds, run_bench: BenchRunner = run_bench_cli) -> None:
-    """Run the CPU benchmarks into ``work/bench.json``, compare, rerun regressed benchmarks once."""
-    work.mkdir(parents=True, exist_ok=True)
-    new = work / "bench.json"
-    run_bench(new, None)
-    suspects, factor = _regressed(baseline, new, thresholds, "bench")
-    if not suspects:
-        return
-    print(f"gate: bench: {len(suspects)} benchmarks regressed; running them once more")
-    rerun = work / "bench-rerun.json"
-    run_bench(rerun, suspects)
-    _regressed_again(baseline, rerun, thresholds, "bench", suspects, factor)
-
-
-def refresh(spec: Path, sweep_baseline: Path, bench_baseline: Path, skip_sweep: bool, skip_bench: bool,
-            run_sweep: SweepRunner = run_sweep_cli, run_bench: BenchRunner = run_bench_cli,
-            reps: int = REPS) -> int:
-    """Replace the baselines by new runs of exactly what the gate measures (``reps`` repetitions per
-    sweep point, every repetition's time recorded)."""
+@contextmanager
+def checked_out(commit: str):
+    """``commit`` in a temporary worktree (removed afterwards)."""
+    folder = Path(tempfile.mkdtemp(prefix="dsv4cp-gate-base-"))
+    git("worktree", "add", "--detach", "--force", str(folder / "tree"), commit)
     try:
-        if not skip_sweep:
-            if sweep_baseline.exists():
-                shutil.rmtree(sweep_baseline)
-            with tempfile.TemporaryDirectory(prefix="dsv4cp-gate-spec-") as folder:
-                run_sweep(gate_spec(spec, reps, Path(folder)), sweep_baseline, False)
-            _check_sweep_records(sweep_baseline)
-        if not skip_bench:
-            bench_baseline.parent.mkdir(parents=True, exist_ok=True)
-            run_bench(bench_baseline, None)
-    except GateFailure as failure:
-        print(f"gate: refresh FAILED: {failure}", file=sys.stderr)
-        return 1
-    print(f"gate: baselines written: {'' if skip_sweep else sweep_baseline} {'' if skip_bench else bench_baseline}")
+        yield folder / "tree"
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(folder / "tree")], cwd=ROOT, capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class Worker:
+    """A ``gate_worker.py`` process importing ``tree``'s dsv4cp."""
+
+    def __init__(self, label: str, tree: Path, spec: Path) -> None:
+        self.label = label
+        self.process = subprocess.Popen(
+            [sys.executable, str(WORKER), "--spec", str(spec), "--tree", str(tree)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=one_thread_env(PYTHONPATH=str(tree)), cwd=tree)
+
+    def ready(self) -> dict:
+        hello = self._read()
+        if "error" in hello:
+            raise UnusableInput(f"{self.label}: {hello['error']}")
+        return hello
+
+    def time(self, case: int, inject: float | None = None) -> float:
+        self.process.stdin.write(json.dumps({"time": case, "inject": inject}) + "\n")
+        self.process.stdin.flush()
+        return float(self._read()["ms"])
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise GateFailure(f"{self.label} worker ended (exit {self.process.wait()}): its stderr above says why")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write('{"quit": true}\n')
+                self.process.stdin.flush()
+                self.process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+
+
+@dataclass
+class Plan:
+    rounds: int
+    blocks: int
+    injections: int
+    threshold: float
+    alpha: float
+
+
+@dataclass
+class Samples:
+    """Per side label and case: the CPU ms of each step, by block."""
+
+    times: dict = field(default_factory=dict)
+
+    def add(self, side: str, block: int, case: int, ms: float) -> None:
+        self.times.setdefault((side, block, case), []).append(ms)
+
+    def get(self, side: str, block: int, case: int) -> list[float]:
+        return self.times[(side, block, case)]
+
+
+def injected_level(block: int, plan: Plan) -> float | None:
+    """The injected level of ``block`` (None: no injection in it)."""
+    return LEVELS[block % len(LEVELS)] if block < len(LEVELS) * plan.injections else None
+
+
+def measure(workers: dict[str, Worker], cases: list[dict], plan: Plan) -> Samples:
+    """Every block's rounds, sides rotated step by step (module docstring, step 5)."""
+    samples = Samples()
+    for block in range(plan.blocks):
+        level = injected_level(block, plan)
+        sides = (["base"] if block == 0 else []) + ["head", "head2"] + (["inject"] if level is not None else [])
+        for round_ in range(plan.rounds):
+            for index, case in enumerate(cases):
+                shift = (round_ + index) % len(sides)
+                for side in sides[shift:] + sides[:shift]:
+                    if side == "inject":  # the phase's fraction that makes the step `level` slower
+                        fraction = level * case["step_ms"] / max(case["phase_ms"], 1e-3)
+                        ms = workers["head2"].time(index, fraction)
+                    else:
+                        ms = workers[side].time(index)
+                    samples.add(side, block, index, ms)
+    return samples
+
+
+def verdicts(base: list[list[float]], head: list[list[float]], plan: Plan) -> list[tuple[str, object]]:
+    confidence = 1 - plan.alpha / len(base)
+    out = []
+    for b, h in zip(base, head):
+        interval = ratio_interval(b, h, confidence)
+        out.append((ab_verdict(interval, plan.threshold), interval))
+    return out
+
+
+def load_accepted(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    entries = yaml.safe_load(path.read_text()) or []
+    for number, entry in enumerate(entries):
+        missing = {"point", "counter", "old", "new", "reason"} - set(entry or {})
+        if missing:
+            raise UnusableInput(f"{path}: entry {number + 1} lacks {', '.join(sorted(missing))}")
+    return entries
+
+
+def counter_changes(base: dict[str, dict], head: dict[str, dict], head2: dict[str, dict],
+                    accepted: list[dict]) -> tuple[list[str], list[str], list[str]]:
+    """(unaccepted changes, accepted changes, counters that differ between the two head processes)."""
+    failing, passed, unsteady = [], [], []
+    for name, counters in head.items():
+        if name not in base:
+            continue
+        for counter, new in counters.items():
+            if head2[name].get(counter) != new:
+                unsteady.append(f"{name}: {counter} {new} vs {head2[name].get(counter)} in two head processes")
+                continue
+            old = base[name].get(counter)
+            if old == new:
+                continue
+            line = f"{name}: {counter} {old} -> {new}"
+            match = [e for e in accepted if e["point"] == name and e["counter"] == counter
+                     and e["old"] == old and e["new"] == new]
+            (passed if match else failing).append(line + (f" (accepted: {match[0]['reason']})" if match else ""))
+    return failing, passed, unsteady
+
+
+def _count(found: list[tuple[str, object]]) -> dict[str, int]:
+    return {v: sum(verdict == v for verdict, _ in found) for v in VERDICTS}
+
+
+def run_sweep(spec: Path, out: Path) -> None:
+    command = [sys.executable, "-m", "dsv4cp", "sweep", str(spec), "--out", str(out), "--progress", "off"]
+    done = subprocess.run(command, cwd=ROOT, env=one_thread_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stdout[-4000:], done.stderr[-4000:], sep="\n")
+        raise GateFailure(f"pipeline: `{' '.join(command)}` exited with {done.returncode}")
+    problems: list = []
+    records = read_records(out / RECORDS_FILE, problems)
+    broken = [f"{r['point_id']}: {r['status']}" for r in records if r["status"] != STATUS_OK]
+    if problems or broken or not records:
+        raise GateFailure(f"pipeline: {len(problems)} invalid record lines, points not ok: {broken}")
+    print(f"gate: pipeline: the sweep recorded {len(records)} points, all ok")
+
+
+def ab(spec: Path, commit: str, plan: Plan, accepted: list[dict], head: Path = ROOT) -> dict:
+    """Steps 2-5 with ``head``'s dsv4cp as the head; returns the figures."""
+    started = time.monotonic()
+    with checked_out(commit) as tree:
+        workers = {"base": Worker("base", tree, spec), "head": Worker("head", head, spec),
+                   "head2": Worker("head2", head, spec)}
+        try:
+            hello = {label: worker.ready() for label, worker in workers.items()}
+            print(f"gate: workers ready in {time.monotonic() - started:.0f} s")
+            named = {label: {c["name"]: c for c in h["cases"]} for label, h in hello.items()}
+            cases = hello["head"]["cases"]
+            missing = [c["name"] for c in cases if c["name"] not in named["base"]]
+            if missing:
+                raise UnusableInput(f"base: its spec lacks the cases {missing}")
+            # the base worker indexes its own cases: time through a view that maps head's order onto it
+            order = [list(named["base"]).index(c["name"]) for c in cases]
+            workers["base"] = _Reindexed(workers["base"], order)
+            samples = measure(workers, cases, plan)
+        finally:
+            for worker in workers.values():
+                worker.close()
+    defaults = _default_changes(hello["base"]["defaults"], hello["head"]["defaults"])
+    counters = counter_changes(*({n: c["counters"] for n, c in named[s].items()} for s in ("base", "head", "head2")),
+                               accepted)
+    n = len(cases)
+    gate = verdicts([samples.get("base", 0, i) for i in range(n)], [samples.get("head", 0, i) for i in range(n)], plan)
+    selfs = [verdicts([samples.get("head", b, i) for i in range(n)], [samples.get("head2", b, i) for i in range(n)],
+                      plan) for b in range(plan.blocks)]
+    injected: dict[float, list[list[tuple[str, object]]]] = {}
+    for b in range(plan.blocks):
+        level = injected_level(b, plan)
+        if level is not None:
+            injected.setdefault(level, []).append(verdicts(
+                [samples.get("head", b, i) for i in range(n)], [samples.get("inject", b, i) for i in range(n)], plan))
+    return {"cases": cases, "gate": gate, "self": selfs, "injected": injected, "counters": counters,
+            "defaults": defaults, "seconds": time.monotonic() - started}
+
+
+class _Reindexed:
+    def __init__(self, worker: Worker, order: list[int]) -> None:
+        self.worker, self.order = worker, order
+
+    def time(self, case: int, inject: float | None = None) -> float:
+        return self.worker.time(self.order[case], inject)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _default_changes(base: dict, head: dict) -> list[str]:
+    return [f"{name} {base.get(name, 'absent')} -> {head.get(name, 'absent')}"
+            for name in sorted(set(base) | set(head)) if base.get(name) != head.get(name)]
+
+
+def report(figures: dict, plan: Plan, commit: str, why: str) -> tuple[list[str], dict]:
+    """The printed lines and the JSON summary of one A/B run."""
+    cases, gate = figures["cases"], figures["gate"]
+    confidence = 1 - plan.alpha / len(cases)
+    lines = [f"gate: base {commit[:12]} ({why}) vs head; {plan.rounds} step pairs per comparison, "
+             f"interval {100 * confidence:.3g}% (alpha {plan.alpha:g} / {len(cases)} cases), threshold "
+             f"{100 * plan.threshold:g}%; times are process CPU ms of one step"]
+    if figures["defaults"]:
+        lines.append("gate: kernel option defaults differ (the A/B ratios below are old vs new default): "
+                     + "; ".join(figures["defaults"]))
+    lines.append(f"  {'point':<52} {'step ms':>8} {'head/base':>9} {'interval':>15}  verdict")
+    for case, (verdict, interval) in zip(cases, gate):
+        lines.append(f"  {case['name']:<52} {case['step_ms']:8.2f} {interval.ratio:9.3f} "
+                     f"{interval.low:7.3f}..{interval.high:<7.3f}  {verdict}")
+    failing, accepted, unsteady = figures["counters"]
+    for title, entries in (("COUNTER CHANGED", failing), ("counter change accepted", accepted),
+                           ("counter not deterministic (not gated)", unsteady)):
+        lines += [f"gate: {title}: {entry}" for entry in entries]
+    alarms = [sum(v in (SLOWER, FASTER) for v, _ in block) for block in figures["self"]]
+    point_alarms = sum(alarms)
+    lines.append(f"gate: self-comparisons (head vs head, {plan.rounds} steps a side, every case): "
+                 f"{sum(a > 0 for a in alarms)}/{len(alarms)} with a false alarm; {point_alarms}/"
+                 f"{len(alarms) * len(cases)} point comparisons alarmed")
+    detection = {}
+    for level, blocks in sorted(figures["injected"].items()):
+        hits = [[v == SLOWER for v, _ in block] for block in blocks]
+        per_case = [sum(block[i] for block in hits) for i in range(len(cases))]
+        ratios = sorted(i.ratio for block in blocks for _, i in block)
+        detected = sum(per_case)
+        total = len(blocks) * len(cases)
+        resolved = [cases[i]["name"] for i in range(len(cases)) if per_case[i] == len(blocks)]
+        detection[f"{level:g}"] = {"detected": detected, "injections": total, "resolved_every_time": resolved,
+                                   "median_measured_ratio": ratios[len(ratios) // 2]}
+        lines.append(f"gate: injected +{100 * level:g}% (in sparse_attn): detected {detected}/{total} "
+                     f"({100 * detected / total:.0f}%), measured ratio median {ratios[len(ratios) // 2]:.3f}; "
+                     f"caught in every injection on {len(resolved)}/{len(cases)} points")
+    counts = _count(gate)
+    summary = {"base": commit, "base_from": why, "rounds": plan.rounds, "threshold": plan.threshold,
+               "alpha": plan.alpha, "verdicts": counts,
+               "points": [{"point": c["name"], "step_ms": c["step_ms"], "ratio": i.ratio, "low": i.low,
+                           "high": i.high, "verdict": v} for c, (v, i) in zip(cases, gate)],
+               "self_comparisons": len(alarms), "self_comparisons_alarmed": sum(a > 0 for a in alarms),
+               "point_self_comparisons": len(alarms) * len(cases), "point_false_alarms": point_alarms,
+               "detection": detection, "counter_changes": failing, "counter_changes_accepted": accepted,
+               "ab_seconds": figures["seconds"]}
+    return lines, summary
+
+
+def summary_line(summary: dict, seconds: float) -> str:
+    counts = ", ".join(f"{count} {name}" for name, count in summary["verdicts"].items())
+    found = ", ".join(f"+{100 * float(level):g}% {d['detected']}/{d['injections']}"
+                      for level, d in summary["detection"].items())
+    return (f"gate summary: {counts}; false alarms {summary['self_comparisons_alarmed']}/"
+            f"{summary['self_comparisons']} self-comparisons; detected {found}; "
+            f"{len(summary['counter_changes'])} counter changes unaccepted; {seconds:.0f} s")
+
+
+def refresh(args: argparse.Namespace, plan: Plan) -> int:
+    """Name HEAD as the base after showing its A/B against the current base."""
+    if not args.reason or not args.reason.strip():
+        raise UnusableInput("--reason: a refresh needs a reason (it is recorded)")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    if dirty:
+        raise UnusableInput(f"refresh: the tree is dirty; commit first:\n{dirty}")
+    head = git("rev-parse", "HEAD")
+    commit, why = base_commit(args.gate_file)
+    figures = ab(args.spec, commit, plan, load_accepted(args.accepted))
+    lines, summary = report(figures, plan, commit, why)
+    print("\n".join(lines))
+    if figures["defaults"]:
+        print("gate: refresh: the ratios above are the old defaults (base) against the new (head)")
+    record = {"commit": head, "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
+              "load_average": list(os.getloadavg()), "reason": args.reason.strip(),
+              "time_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "previous_base": commit, "ab_against_previous": summary}
+    args.gate_file.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"gate: {args.gate_file} names {head[:12]}; commit it")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--spec", type=Path, default=ROOT / "sweeps" / "smoke.yaml", help="sweep spec to run")
-    parser.add_argument("--sweep-baseline", type=Path, default=BASELINES / "smoke", help="baseline run directory")
-    parser.add_argument("--bench-baseline", type=Path, default=BASELINES / "bench.json",
-                        help="baseline pytest-benchmark JSON")
-    parser.add_argument("--max-regression", default="200%", help="allowed slowdown ratio - 1 (default 200%%: 3x)")
-    parser.add_argument("--min-slowdown-ms", type=float, default=50.0,
-                        help="a regression must also cost more than this many ms (default 50)")
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
-                        help=f"false-alarm level of the rank test over all points (default {DEFAULT_ALPHA})")
-    parser.add_argument("--work", type=Path, default=None, help="where the new runs go (default: a temp dir)")
-    parser.add_argument("--skip-sweep", action="store_true", help="do not run the sweep half")
-    parser.add_argument("--skip-bench", action="store_true", help="do not run the benchmark half")
-    parser.add_argument("--refresh", action="store_true",
-                        help="re-record the baselines (replacing them) with the gate's own commands, then exit")
+    parser.add_argument("--spec", type=Path, default=ROOT / "sweeps" / "smoke.yaml", help="the cases to gate")
+    parser.add_argument("--base", default=None, help="commit to compare against (default: what gate.json names)")
+    parser.add_argument("--gate-file", type=Path, default=GATE_FILE, help="the base's record (--refresh writes it)")
+    parser.add_argument("--accepted", type=Path, default=ACCEPTED_FILE, help="accepted counter changes (YAML)")
+    parser.add_argument("--rounds", type=int, default=14,
+                        help="paired steps per comparison (default 14; 13 is the fewest whose interval can exclude 1 "
+                        "at 0.01 / 30 cases)")
+    parser.add_argument("--blocks", type=int, default=20, help="self-comparisons, block 0 also the gate's (20)")
+    parser.add_argument("--injections", type=int, default=1, help="blocks per injected level (default 1)")
+    parser.add_argument("--threshold", default="5%", help="smallest change a verdict names (default 5%%)")
+    parser.add_argument("--alpha", type=float, default=0.01, help="family-wise error of the intervals (0.01)")
+    parser.add_argument("--skip-sweep", action="store_true", help="skip the pipeline check")
+    parser.add_argument("--head-tree", type=Path, default=ROOT,
+                        help="the tree whose dsv4cp is the head (default: this repository; a scratch copy "
+                        "with a change to try)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--refresh", action="store_true", help="name HEAD as the base (clean tree, --reason)")
+    parser.add_argument("--reason", default=None, help="why the base moves (recorded by --refresh)")
     args = parser.parse_args(argv)
-    if args.refresh:
-        return refresh(args.spec, args.sweep_baseline, args.bench_baseline, args.skip_sweep, args.skip_bench)
+    started = time.monotonic()
     try:
+        if args.rounds < 3 or args.blocks < 1 or args.injections < 0 or args.injections * len(LEVELS) > args.blocks:
+            raise UnusableInput(f"--rounds >= 3, --blocks >= 1, 0 <= --injections <= blocks / {len(LEVELS)}: got "
+                                f"{args.rounds}, {args.blocks}, {args.injections}")
         if not 0 < args.alpha < 1:
-            raise ValueError(f"--alpha: must lie in (0, 1), got {args.alpha}")
-        thresholds = Thresholds(parse_threshold(args.max_regression), args.min_slowdown_ms, args.alpha)
-        if thresholds.min_slowdown_ms < 0:
-            raise ValueError(f"--min-slowdown-ms: must be >= 0, got {thresholds.min_slowdown_ms}")
-        for flag, path in (("--sweep-baseline", args.sweep_baseline), ("--bench-baseline", args.bench_baseline)):
-            if not path.exists():
-                raise ValueError(f"{flag}: {path} does not exist")
-        work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dsv4cp-gate-"))
-        if work.exists() and any(work.iterdir()):
-            raise ValueError(f"--work: {work} is not empty")
-        work.mkdir(parents=True, exist_ok=True)
-        print(f"gate: new runs in {work}; fail beyond {1 + thresholds.max_regression:g}x of the machine factor, "
-              f"significant (alpha {thresholds.alpha:g}) and {thresholds.min_slowdown_ms:g} ms slower, twice")
+            raise UnusableInput(f"--alpha: must lie in (0, 1), got {args.alpha}")
+        try:
+            plan = Plan(args.rounds, args.blocks, args.injections, parse_threshold(args.threshold), args.alpha)
+        except ValueError as err:
+            raise UnusableInput(str(err).replace("--max-regression", "--threshold")) from None
+        if args.refresh:
+            return refresh(args, plan)
+        accepted = load_accepted(args.accepted)
         if not args.skip_sweep:
-            gate_sweep(args.spec, args.sweep_baseline, work, thresholds)
-        if not args.skip_bench:
-            gate_bench(args.bench_baseline, work, thresholds)
+            with tempfile.TemporaryDirectory(prefix="dsv4cp-gate-") as work:
+                run_sweep(args.spec, Path(work) / "smoke")
+        commit, why = (git("rev-parse", "--verify", f"{args.base}^{{commit}}"), "--base") if args.base \
+            else base_commit(args.gate_file)
+        figures = ab(args.spec, commit, plan, accepted, args.head_tree)
+        lines, summary = report(figures, plan, commit, why)
+        print("\n".join(lines))
+        seconds = time.monotonic() - started
+        summary["gate_seconds"] = seconds
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(summary, indent=1) + "\n")
+        print(summary_line(summary, seconds))
+        slower = [p["point"] for p in summary["points"] if p["verdict"] == SLOWER]
+        if slower or summary["counter_changes"]:
+            raise GateFailure(f"{len(slower)} points SLOWER than the base ({'; '.join(slower)}), "
+                              f"{len(summary['counter_changes'])} counter changes not accepted")
     except GateFailure as failure:
         print(f"gate: FAILED: {failure}", file=sys.stderr)
         return 1
-    except (UnusableInputError, ValueError) as err:
+    except UnusableInput as err:
         print(f"gate: unusable input: {err}", file=sys.stderr)
         return 2
     print("gate: passed")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -54,17 +55,19 @@ __all__ = [
     "where",
 ]
 
-CHOICE, FLAG, TILE = "choice", "flag", "tile"
+CHOICE, FLAG, TILE, SLOWDOWN = "choice", "flag", "tile", "slowdown"
 AUTO = "auto"
+OFF = "off"
 _FLAG_TEXT = {"0": False, "1": True}
 
 
 @dataclass(frozen=True)
 class KernelOption:
-    """One kernel option. ``kind``: :data:`CHOICE` (one of ``choices``), :data:`FLAG` (``0`` / ``1``)
-    or :data:`TILE` (``len(fields)`` integers, written ``"a,b,..."``, or ``auto``: the launch ladder).
+    """One kernel option. ``kind``: :data:`CHOICE` (one of ``choices``), :data:`FLAG` (``0`` / ``1``),
+    :data:`TILE` (``len(fields)`` integers, written ``"a,b,..."``, or ``auto``: the launch ladder) or
+    :data:`SLOWDOWN` (``off``, or ``<phase>:<fraction>`` with the phase one of ``choices``).
     ``default``: a word of ``choices`` (``auto`` when the op resolves it by device), a bool for a flag,
-    None (``auto``) for a tile."""
+    None (``auto`` for a tile, ``off`` for a slowdown)."""
 
     name: str
     env: str
@@ -95,7 +98,26 @@ class KernelOption:
             if text not in _FLAG_TEXT:
                 raise ValueError(f"{origin}: must be '0' or '1', got {value!r}{self._also(origin)}")
             return _FLAG_TEXT[text]
+        if self.kind == SLOWDOWN:
+            return self._parse_slowdown(value, origin)
         return self._parse_tile(value, origin)
+
+    def _parse_slowdown(self, value: object, origin: str) -> tuple[str, float] | None:
+        if value is None or (isinstance(value, str) and value.strip() == OFF):
+            return None
+        if isinstance(value, tuple) and len(value) == 2:
+            phase, fraction = value
+        else:
+            phase, _, fraction = str(value).strip().partition(":")
+        try:
+            fraction = float(fraction)
+        except (TypeError, ValueError):
+            fraction = math.nan
+        if phase not in self.choices or not 0 < fraction <= 100:
+            raise ValueError(f"{origin}: expected 'off' or PHASE:FRACTION with PHASE one of "
+                             f"{', '.join(map(repr, self.choices))} and 0 < FRACTION <= 100, got {value!r}"
+                             f"{self._also(origin)}")
+        return phase, fraction
 
     def _parse_tile(self, value: object, origin: str) -> tuple[int, ...] | None:
         if value is None or (isinstance(value, str) and value.strip() == AUTO):
@@ -129,6 +151,8 @@ class KernelOption:
             return "1" if value else "0"
         if self.kind == TILE:
             return AUTO if value is None else ",".join(map(str, value))
+        if self.kind == SLOWDOWN:
+            return OFF if value is None else f"{value[0]}:{value[1]:g}"
         return str(value)
 
     @property
@@ -138,6 +162,8 @@ class KernelOption:
             return " | ".join(self.choices)
         if self.kind == FLAG:
             return "0 | 1"
+        if self.kind == SLOWDOWN:
+            return f"off | {' | '.join(self.choices)}:<fraction>"
         return f"auto | {','.join(self.fields)}"
 
 
@@ -245,6 +271,10 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     _tile("triton_norm_rope_config", "norm_rope", ("block_h", "num_warps"),
           "pins the fused norm / RoPE kernels' launch (powers of two)", block_h="power_of_two",
           num_warps="power_of_two"),
+    KernelOption("inject_slowdown", "DSV4CP_INJECT_SLOWDOWN", SLOWDOWN, "sparse_attention",
+                 "TESTS THE CI GATE, never for a measurement: PHASE:FRACTION makes each eager forward and backward "
+                 "of the phase spin FRACTION x its own host CPU time longer (on a GPU only the host side)",
+                 None, ("sparse_attn",)),
 )}
 """Every kernel option by name."""
 
@@ -299,6 +329,7 @@ class KernelOptions:
     triton_probs_kernel: str = _default("triton_probs_kernel")
     triton_probs_chunk_config: tuple[int, ...] | None = _default("triton_probs_chunk_config")
     triton_norm_rope_config: tuple[int, ...] | None = _default("triton_norm_rope_config")
+    inject_slowdown: tuple[str, float] | None = _default("inject_slowdown")
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:

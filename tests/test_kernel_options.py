@@ -20,10 +20,10 @@ def clean_environment(monkeypatch):
 
 
 def test_every_option_is_complete_and_named_after_its_variable():
-    assert len(ko.OPTIONS) == 33
+    assert len(ko.OPTIONS) == 34
     for name, option in ko.OPTIONS.items():
         assert option.name == name and option.env == "DSV4CP_" + name.upper(), name
-        assert option.kind in (ko.CHOICE, ko.FLAG, ko.TILE) and option.op and option.doc, name
+        assert option.kind in (ko.CHOICE, ko.FLAG, ko.TILE, ko.SLOWDOWN) and option.op and option.doc, name
         if option.kind == ko.CHOICE:
             assert option.default in option.choices, name
         if option.kind == ko.TILE:
@@ -170,3 +170,32 @@ def test_kernel_options_from_resolved_round_trips_a_record():
     assert options.non_default() == ko.non_default(options.texts())
     with pytest.raises(ValueError, match=r"^triton_bwd_config: expected .*'1,2'"):
         ko.KernelOptions.from_resolved({"triton_bwd_config": "1,2"})
+
+
+def test_the_injected_slowdown_is_off_by_default_parsed_and_recorded(monkeypatch):
+    assert ko.get("inject_slowdown") is None and ko.resolved()["inject_slowdown"] == "off"
+    assert "inject_slowdown" not in (ko.configuration({}) or {})  # off: no point id names it
+    monkeypatch.setenv("DSV4CP_INJECT_SLOWDOWN", " sparse_attn:0.25 ")
+    assert ko.KernelOptions.resolve().inject_slowdown == ("sparse_attn", 0.25)
+    assert ko.resolved()["inject_slowdown"] == "sparse_attn:0.25"
+    for bad in ("q_proj:0.2", "sparse_attn:0", "sparse_attn:-1", "sparse_attn:x", "sparse_attn", "sparse_attn:nan"):
+        with pytest.raises(ValueError, match=r"^inject_slowdown: expected 'off' or PHASE:FRACTION"):
+            ko.canonical({"inject_slowdown": bad})
+
+
+def test_an_injected_slowdown_lengthens_only_its_phase_by_its_fraction():
+    import time
+
+    from dsv4cp.profiling.injection import injected_slowdown
+
+    def cpu_ms(phase: str, setting) -> float:
+        start = time.process_time()
+        with injected_slowdown(phase, setting):
+            deadline = time.process_time() + 0.02
+            while time.process_time() < deadline:  # 20 ms of CPU work
+                pass
+        return (time.process_time() - start) * 1e3
+
+    assert cpu_ms("sparse_attn", None) < 25  # off
+    assert 29 < cpu_ms("sparse_attn", ("sparse_attn", 0.5)) < 35  # 20 ms + 50 %
+    assert cpu_ms("q_proj", ("sparse_attn", 0.5)) < 25  # another phase: untouched

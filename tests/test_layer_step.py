@@ -17,7 +17,7 @@ from dsv4cp.cp.partition import RowSplit
 from dsv4cp.harness.build import build_step
 from dsv4cp.harness.case import Case
 from dsv4cp.packing import PackedSeqs
-from dsv4cp.sweeps.measure import point_inputs, point_split, point_step
+from dsv4cp.sweeps.measure import point_case, point_inputs, point_split
 
 CPU = torch.device("cpu")
 
@@ -84,8 +84,7 @@ def test_layer_and_profile_build_the_same_step(ratio, backward, seed):
     layer_step = step_from_args(layer_args, layer_inputs(layer_args), CPU, resolve_dtype(layer_args, CPU))
     point = point_from_args(profile_args, 1, CPU)
     cfg, lengths = point_inputs(point)
-    profile_step = point_step(point, cfg, PackedSeqs.from_lengths(lengths, total=point.tokens),
-                              point_split(point, cfg, lengths), CPU)
+    profile_step = build_step(point_case(point, cfg, lengths, point_split(point, cfg, lengths), CPU))
 
     assert torch.equal(layer_step.packed.cu_seqlens, profile_step.packed.cu_seqlens)
     assert torch.equal(layer_step.x, profile_step.x) and torch.equal(layer_step.upstream, profile_step.upstream)

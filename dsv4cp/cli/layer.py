@@ -39,10 +39,10 @@ from dsv4cp.cli.common import (
     resolve_dtype,
 )
 from dsv4cp.harness.build import LayerStep, build_step
+from dsv4cp.harness.time import nonfinite_parts
 from dsv4cp.profiling.memory import track_memory
 from dsv4cp.profiling.progress import step_progress
 from dsv4cp.profiling.timing import benchmark
-from dsv4cp.sweeps.measure import nonfinite_parts
 
 HELP = "time one layer (forward, optionally backward) on random packed input"
 

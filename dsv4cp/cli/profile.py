@@ -56,6 +56,8 @@ from dsv4cp.config import DTYPES, default_dtype
 from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
 from dsv4cp.cp.launch import init_from_env, under_torchrun
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.harness.fresh_batches import batch_bytes
+from dsv4cp.harness.time import NonFiniteResult
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import Machine, no_machine_reason
 from dsv4cp.model.memory_split import memory_capped_split, trade_off
@@ -64,8 +66,7 @@ from dsv4cp.profiling.memory import peak_phase_line, phase_memory_frame
 from dsv4cp.profiling.memory_snapshot import check_snapshot_request, snapshot_name
 from dsv4cp.profiling.overlap import attribution_lines
 from dsv4cp.profiling.progress import step_progress
-from dsv4cp.sweeps.fresh_batches import batch_bytes, check_fresh_batches
-from dsv4cp.sweeps.measure import NonFiniteResult, check_cuda_graph, measure_point, point_inputs, point_split
+from dsv4cp.sweeps.measure import check_cuda_graph, check_fresh_batches, measure_point, point_inputs, point_split
 from dsv4cp.sweeps.measured_split import MAX_ROUNDS, TARGET_IMBALANCE, load_split
 from dsv4cp.sweeps.spec import ALL_RANKS, MEASURED, PARTITIONS, Point, RunOptions, make_point
 

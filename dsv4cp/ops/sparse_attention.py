@@ -20,6 +20,7 @@ from dsv4cp.kernel_options import DEFAULT_OPTIONS, OPTIONS, KernelOptions
 from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.kernels.contracts import check_sparse_attention_inputs as _check_inputs
 from dsv4cp.ops import sparse_attention_torch
+from dsv4cp.profiling.injection import injected_slowdown
 from dsv4cp.profiling.nvtx import nvtx_range
 
 
@@ -268,7 +269,8 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, idx, sink, scale, topk_length, backend, options):
         kernel_options.note_backend("sparse_attention.fwd", backend.direction_names[0])
-        out, lse = backend.forward(q, kv, idx, sink, scale, topk_length, options=options)  # in the caller's range
+        with injected_slowdown("sparse_attn", options.inject_slowdown):  # in the caller's range
+            out, lse = backend.forward(q, kv, idx, sink, scale, topk_length, options=options)
         ctx.save_for_backward(q, kv, idx, sink, out, lse, topk_length)
         ctx.scale, ctx.backend, ctx.options = scale, backend, options
         ctx.mark_non_differentiable(lse)
@@ -278,7 +280,7 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, kv, idx, sink, out, lse, topk_length = ctx.saved_tensors
         kernel_options.note_backend("sparse_attention.bwd", ctx.backend.direction_names[1])
-        with nvtx_range("sparse_attn.bwd"):
+        with nvtx_range("sparse_attn.bwd"), injected_slowdown("sparse_attn", ctx.options.inject_slowdown):
             dq, dkv, dsink = ctx.backend.backward(dout.contiguous(), q, kv, idx, sink, ctx.scale, out, lse, topk_length,
                                                   options=ctx.options)
         return dq, dkv, None, dsink, None, None, None, None

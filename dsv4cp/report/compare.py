@@ -14,7 +14,9 @@ baseline (baseline / new for a higher-is-better metric, so cost > 1 is always wo
 * ``regression``: cost > 1 + threshold AND (with samples) the one-sided Mann-Whitney U test rejects
   "no slower" at ``alpha / points``, or (without samples: the band rule) the p20..p80 bands are apart;
 * ``improvement``: the mirror image; ``within noise``: beyond the threshold, not significant;
-  ``same``: within the threshold;
+  ``same``: within the threshold; ``undecided``: beyond the threshold where nothing measures the noise
+  (repetition times too few for the test, or a noisy metric without band or times): never a regression;
+* an exact metric (the cost model's ``model_flops``, ``bound_ms``): beyond the threshold is a change;
 * ``failed: <status>``: measured in the baseline, not ``ok`` in the new run (counts as a regression);
 * ``invalid in BASELINE|NEW: <reason>``: a value that cannot be a measurement (non-finite, negative,
   outside its own band or samples, two ``ok`` records of one point): an error, never noise.
@@ -32,8 +34,11 @@ import pandas as pd
 
 from dsv4cp.records import CONFIG_FIELDS, STATUS_OK
 from dsv4cp.report.compare_sides import (
+    EXACT_METRICS,
     HIGHER_IS_BETTER,
+    INVERSE_OF_TIME,
     STATUS_INVALID,
+    TIME_BANDS,
     Side,
     UnusableInputError,
     load_side,
@@ -41,9 +46,13 @@ from dsv4cp.report.compare_sides import (
 )
 from dsv4cp.report.compare_stats import (
     BAND_RULE,
+    EXACT,
     IMPROVEMENT,
+    NO_SPREAD,
     RANK_TEST,
     REGRESSION,
+    TOO_FEW,
+    UNDECIDED,
     Measured,
     Rule,
     decide,
@@ -207,7 +216,11 @@ def compare(baseline: Side, new: Side, metric: str, *, threshold: float, alpha: 
             "pass --ignore-option KEY when that difference is what you compare")
     rule = Rule(threshold, alpha, len(judged), scale, min_difference)
     for index, b, n in judged:
-        decision = decide(_measured(b), _measured(n), rule, higher_is_better=metric in HIGHER_IS_BETTER)
+        # a noisy metric without a band is judged on repetition times where both sides hold them
+        spread = (new.kind == "pytest-benchmark" or metric in TIME_BANDS or metric in INVERSE_OF_TIME
+                  or (b["samples"] is not None and n["samples"] is not None))
+        decision = decide(_measured(b), _measured(n), rule, higher_is_better=metric in HIGHER_IS_BETTER,
+                          exact=metric in EXACT_METRICS, spread=spread)
         rows[index].update(cost=decision.cost, method=decision.method, statistic=decision.statistic,
                            verdict=decision.verdict)
     return Comparison(
@@ -246,17 +259,23 @@ def decision_lines(comparison: Comparison) -> list[str]:
              f"(time_ms_samples), p < alpha/points = {rule.alpha:g}/{rule.points} = {rule.point_alpha:.2g} "
              "(Bonferroni)"]
     if len(banded):
-        few = banded[(banded["baseline_n"] > 0) & (banded["new_n"] > 0)]
-        why = []
-        if len(banded) > len(few):
-            why.append(f"{len(banded) - len(few)} without repetition times on a side (older records)")
-        if len(few):
-            new_n, base_n = int(few["new_n"].iloc[0]), int(few["baseline_n"].iloc[0])
-            lowest = smallest_p(new_n, base_n)
-            why.append(f"{len(few)} with too few to reach it ({new_n} and {base_n}: p >= {lowest:.2g})")
-        lines.append(f"  FALLBACK {BAND_RULE} for {len(banded)} points ({'; '.join(why)}): the p20..p80 bands must "
-                     "not overlap; the bands of a few repetitions do not measure the noise: record more "
-                     "repetitions with their times (refresh the baseline)")
+        lines.append(f"  FALLBACK {BAND_RULE} for {len(banded)} points (without repetition times on a side: older "
+                     "records): the p20..p80 bands must not overlap; the bands of a few repetitions do not measure "
+                     "the noise: record more repetitions with their times")
+    few = t[t["method"] == TOO_FEW]
+    if len(few):
+        new_n, base_n = int(few["new_n"].iloc[0]), int(few["baseline_n"].iloc[0])
+        lines.append(f"  {TOO_FEW} ({len(few)} points): {new_n} and {base_n} repetition times cannot reach it "
+                     f"(p >= {smallest_p(new_n, base_n):.2g}): beyond the threshold is {UNDECIDED}, never a "
+                     "regression; record more repetitions")
+    unspread = t[t["method"] == NO_SPREAD]
+    if len(unspread):
+        lines.append(f"  {NO_SPREAD} ({len(unspread)} points): {comparison.metric} has no noise band or repetition "
+                     f"times here: beyond the threshold is {UNDECIDED}, never a regression")
+    exact = t[t["method"] == EXACT]
+    if len(exact):
+        lines.append(f"  {EXACT} ({len(exact)} points): {comparison.metric} is computed by the cost model, not "
+                     "measured: beyond the threshold is a change")
     if rule.scale != 1.0:
         lines.append(f"  machine factor: the baseline's times x {rule.scale:.3g} before the test and the ratio")
     if comparison.ignored_options:
@@ -305,7 +324,8 @@ def render(comparison: Comparison, baseline: Side, new: Side) -> str:
         else:
             lines.append(f"REGRESSION: {row.name}: {row.verdict} (measured in the baseline)")
     lines.append(f"{len(t)} compared, {len(comparison.regressions)} regressed, {len(comparison.errors)} invalid, "
-                 f"{len(comparison.improvements)} improved, {len(comparison.not_comparable)} not comparable, "
+                 f"{len(comparison.improvements)} improved, {int((t['verdict'] == UNDECIDED).sum())} undecided, "
+                 f"{len(comparison.not_comparable)} not comparable, "
                  f"{len(comparison.missing)} missing, {len(comparison.skipped)} lines skipped")
     return "\n".join(lines)
 

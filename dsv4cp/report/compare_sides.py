@@ -47,6 +47,12 @@ TIME_BANDS: dict[str, tuple[str, str]] = {"time_ms_median": ("time_ms_p20", "tim
 INVERSE_OF_TIME: tuple[str, ...] = ("tokens_per_s", "tflops_per_gpu", "mfu")
 """Rates proportional to 1 / time: their band is the time band inverted, their samples the times."""
 
+TIME_QUANTILES: tuple[str, ...] = ("time_ms_p20", "time_ms_p80")
+"""Quantiles of the repetition times: no band of their own, judged on the times (a rank test)."""
+
+EXACT_METRICS: tuple[str, ...] = ("model_flops", "bound_ms")
+"""Computed by the cost model, not measured: any change beyond the threshold is real."""
+
 HIGHER_IS_BETTER: frozenset[str] = frozenset({*INVERSE_OF_TIME, "overlap_ratio"})
 
 UNITS: dict[str, str] = {"tokens_per_s": "tokens/s", "tflops_per_gpu": "TFLOP/s", "mfu": "fraction",
@@ -110,7 +116,7 @@ def _run_point(record: dict, metric: str) -> dict:
         low, high = value * median / p80, value * median / p20
     else:
         low, high = value, value
-    if metric in TIME_BANDS or metric in INVERSE_OF_TIME:
+    if metric in TIME_BANDS or metric in INVERSE_OF_TIME or metric in TIME_QUANTILES:
         samples = record.get("time_ms_samples")
     problem = None
     if record["status"] == STATUS_OK and record.get(metric) is not None:

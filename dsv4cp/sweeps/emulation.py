@@ -20,9 +20,10 @@ import torch
 
 from dsv4cp.cp.emulate import destroy_emulated_group, init_emulated_group
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.harness.time import Measurement
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import Machine
-from dsv4cp.sweeps.measure import Measurement, measure_point
+from dsv4cp.sweeps.measure import measure_point
 from dsv4cp.sweeps.spec import ALL_RANKS, Point, RunOptions
 
 _SHARED_METRICS = ("split", "calibration", "model_flops", "bound_ms", "bound_measured_ms", "bound_machine")

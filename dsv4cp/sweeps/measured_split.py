@@ -39,13 +39,14 @@ import torch.distributed as dist
 
 from dsv4cp.config import DTYPES
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.harness.time import Measurement
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.memory_split import memory_capped_split
 from dsv4cp.model.partition import policy_split
 from dsv4cp.model.refit import RankTimes, refit
 from dsv4cp.sweeps.emulation import measure_every_rank
-from dsv4cp.sweeps.measure import Measurement, measure_point, point_inputs
+from dsv4cp.sweeps.measure import measure_point, point_inputs
 from dsv4cp.sweeps.spec import MEASURED, Point, RunOptions
 
 TARGET_IMBALANCE = 1.02

@@ -43,6 +43,7 @@ from tqdm import tqdm
 from dsv4cp import kernel_options
 from dsv4cp.cp.launch import RankExited, init_from_env, parent_alive, spawn, under_torchrun
 from dsv4cp.environment import git_sha, machine_label
+from dsv4cp.harness.time import NonFiniteResult
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import this_machine
@@ -64,7 +65,6 @@ from dsv4cp.records import (
     write_meta,
 )
 from dsv4cp.sweeps.identity import check_resume, identity_fields
-from dsv4cp.sweeps.measure import NonFiniteResult
 from dsv4cp.sweeps.measured_split import measure_under_partition
 from dsv4cp.sweeps.meta import run_meta
 from dsv4cp.sweeps.run_lock import RunDirLock

@@ -133,7 +133,7 @@ class Point:
     fresh_batches: int = 0
     """0: every step runs on the point's one batch (its layout built once, then cached). N >= 2: N distinct
     batches of the same documents, built before timing, that the steps cycle through, each step building
-    its batch's layout again (:mod:`dsv4cp.sweeps.fresh_batches`); eager steps only (no ``cuda_graph``)."""
+    its batch's layout again (:mod:`dsv4cp.harness.fresh_batches`); eager steps only (no ``cuda_graph``)."""
 
     @property
     def backward(self) -> bool:

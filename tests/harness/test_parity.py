@@ -166,11 +166,12 @@ def test_a_checked_sweep_point_checks_the_case_it_timed(cp, monkeypatch):
 def _checked_point_cases(rank: int, world: int, device: torch.device) -> tuple:
     import torch.distributed as dist
 
+    from dsv4cp.harness import time
     from dsv4cp.sweeps import measure
     from dsv4cp.sweeps.spec import RunOptions, make_point
 
     seen: dict[str, Case] = {}
-    built, checked = measure.build_step, measure.run_rank
+    built, checked = time.build_step, time.run_rank
 
     def spy_build(case, **kwargs):
         seen["timed"] = case
@@ -180,11 +181,11 @@ def _checked_point_cases(rank: int, world: int, device: torch.device) -> tuple:
         seen["checked"] = case
         return checked(rank, world, device, case, group)
 
-    measure.build_step, measure.run_rank = spy_build, spy_check
+    time.build_step, time.run_rank = spy_build, spy_check
     try:
         point = make_point({"tokens": 64, "ratio": 4, "cp": world, "packing": "histogram", "kernel_backend": "torch"})
         group = dist.group.WORLD if world > 1 else None
         result = measure.measure_point(point, group, device, RunOptions(warmup=0, reps=1), check=True)
     finally:
-        measure.build_step, measure.run_rank = built, checked
+        time.build_step, time.run_rank = built, checked
     return seen["timed"], seen["checked"], result.metrics["parity"]

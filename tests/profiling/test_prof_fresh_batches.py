@@ -19,8 +19,8 @@ from dsv4cp.cli import profile
 from dsv4cp.cli.main import main
 from dsv4cp.cp import layout_cache
 from dsv4cp.cp.launch import spawn
+from dsv4cp.harness.fresh_batches import batch_bytes
 from dsv4cp.records import read_records
-from dsv4cp.sweeps.fresh_batches import batch_bytes
 from dsv4cp.sweeps.measure import measure_point
 from dsv4cp.sweeps.spec import RunOptions, make_point
 

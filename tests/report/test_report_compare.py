@@ -278,5 +278,5 @@ def test_records_without_samples_are_judged_by_the_labelled_band_rule(tmp_path, 
     assert main(["compare", base, new]) == 0
     out = capsys.readouterr().out
     assert "U test (0 points)" in out
-    assert "FALLBACK bands for 8 points (8 without repetition times on a side (older records))" in out
+    assert "FALLBACK bands for 8 points (without repetition times on a side: older records)" in out
     assert sum(" bands " in line and line.rstrip().endswith("same") for line in out.splitlines()) == 8

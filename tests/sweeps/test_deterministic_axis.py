@@ -40,15 +40,15 @@ def test_deterministic_backend_choice_on_cpu():
 
 def test_deterministic_point_runs_in_the_mode(monkeypatch):
     seen = []
-    from dsv4cp.sweeps import measure
+    from dsv4cp.harness import time
 
-    original = measure.point_step
+    original = time.build_step
 
     def spy(*args, **kwargs):
         seen.append(torch.are_deterministic_algorithms_enabled())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(measure, "point_step", spy)
+    monkeypatch.setattr(time, "build_step", spy)
     point = make_point({"tokens": 64, "ratio": 0, "deterministic": True})
     result = measure_point(point, None, torch.device("cpu"), RunOptions(warmup=0, reps=1))
     assert seen == [True] and not torch.are_deterministic_algorithms_enabled()

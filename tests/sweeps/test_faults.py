@@ -139,3 +139,35 @@ def test_an_interrupt_stops_the_sweep_promptly_keeping_its_records(tmp_path, tar
     kept = read_records(out, problems)
     assert 2 <= len(kept) < 30 and not problems
     assert not (out / INFLIGHT_FILE).exists() or json.loads((out / INFLIGHT_FILE).read_text())["attempts"] == 0
+
+
+def test_a_trace_the_profiler_could_not_write_is_an_error_naming_it(tmp_path, monkeypatch):
+    import torch
+
+    from dsv4cp.profiling import trace
+
+    def failing_export(prof, path: str) -> None:  # what Kineto does on a full disk: a partial file, no error
+        Path(f"{path}.tmp").write_text('{"traceEvents": [')
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", failing_export)
+    with pytest.raises(OSError) as raised:
+        trace.capture_trace(lambda: torch.ones(4).sum(), tmp_path, steps=1, rank=0)
+    assert raised.value.filename == str(tmp_path / "rank0.json") and "could not write its trace" in str(raised.value)
+    assert list(tmp_path.iterdir()) == []  # the partial file removed
+
+
+def test_the_profilers_usdt_lines_are_dropped_and_its_other_output_kept(tmp_path, monkeypatch, capfd):
+    import torch
+
+    from dsv4cp.profiling import trace
+
+    export = torch.profiler.profile.export_chrome_trace
+
+    def noisy_export(prof, path: str) -> None:  # a line of the profiler's that is no USDT noise stays
+        os.write(2, b"ERROR: a profiler error to keep\n")
+        export(prof, path)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", noisy_export)
+    trace.capture_trace(lambda: torch.ones(4).sum(), tmp_path, steps=1, rank=0)
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "ERROR: a profiler error to keep\n" in err, err

@@ -12,10 +12,10 @@ import torch
 
 from dsv4cp.cli.main import main
 from dsv4cp.cp import layout_cache
-from dsv4cp.packing import PackedSeqs
+from dsv4cp.harness.build import build_step
+from dsv4cp.harness.fresh_batches import batch_bytes, batch_seed, fresh_batches
 from dsv4cp.records import match_id, point_id, read_records
-from dsv4cp.sweeps.fresh_batches import batch_bytes, batch_seed, fresh_batches
-from dsv4cp.sweeps.measure import measure_point, point_inputs, point_split, point_step
+from dsv4cp.sweeps.measure import measure_point, point_case, point_inputs, point_split
 from dsv4cp.sweeps.spec import RunOptions, expand, make_point, parse_spec
 from report.report_helpers import grid, write_run
 
@@ -82,9 +82,7 @@ def test_repeated_batch_builds_its_layout_once(monkeypatch, seed):
 def test_fresh_batches_are_distinct_inputs_of_the_same_documents(monkeypatch, seed):
     point = _point(seed, cp=1, **{"pass": "fwd+bwd"})
     cfg, lengths = point_inputs(point)
-    packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
-    split = point_split(point, cfg, lengths)
-    step = point_step(point, cfg, packed, split, torch.device("cpu"))
+    step = build_step(point_case(point, cfg, lengths, point_split(point, cfg, lengths), torch.device("cpu")))
     step()  # batch 0's layout is now kept: building the batches forgets it
     spy = BuildSpy(monkeypatch)
     batches = fresh_batches(step, 3, point.seed)
@@ -140,7 +138,7 @@ def test_compiled_fresh_batches_compile_once():
 
 
 def test_fresh_batches_with_a_cuda_graph_are_refused_before_work(monkeypatch):
-    monkeypatch.setattr("dsv4cp.sweeps.measure.point_step", lambda *a, **k: pytest.fail("no step may be built"))
+    monkeypatch.setattr("dsv4cp.harness.time.build_step", lambda *a, **k: pytest.fail("no step may be built"))
     point = make_point({"tokens": 64, "fresh_batches": 2, "cuda_graph": True})
     with pytest.raises(ValueError, match="^fresh_batches: CUDA-graph replays"):
         measure_point(point, None, torch.device("cpu"), RunOptions())

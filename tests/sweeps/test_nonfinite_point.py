@@ -12,8 +12,9 @@ import yaml
 from dsv4cp.cli.main import main
 from dsv4cp.cp.launch import spawn
 from dsv4cp.harness import build as layer_step
+from dsv4cp.harness.time import NonFiniteResult
 from dsv4cp.records import read_records
-from dsv4cp.sweeps.measure import NonFiniteResult, measure_point
+from dsv4cp.sweeps.measure import measure_point
 from dsv4cp.sweeps.spec import RunOptions, make_point
 
 RUN = RunOptions(warmup=0, reps=1)

@@ -32,19 +32,8 @@ from dsv4cp.cp.comm import group_size_and_rank
 from dsv4cp.cp.layout_cache import clear_layouts
 from dsv4cp.harness.build import INPUT_SEED_STRIDE, LayerStep
 from dsv4cp.layer import AttentionOutput
-from dsv4cp.sweeps.spec import Point
 
-__all__ = ["FreshBatches", "batch_bytes", "batch_seed", "check_fresh_batches", "fresh_batches"]
-
-
-def check_fresh_batches(point: Point) -> None:
-    """``ValueError`` naming ``fresh_batches`` when ``point`` asks for fresh batches it cannot time;
-    called before any work."""
-    if point.fresh_batches and point.cuda_graph:
-        # a graph replays the tensors it captured (one batch), and a capture always builds the layout
-        # (layout_cache bypasses itself while capturing): its replays already pay the layout kernels
-        raise ValueError(f"fresh_batches: CUDA-graph replays run the one captured batch, got fresh_batches "
-                         f"{point.fresh_batches} with cuda_graph; time fresh batches eagerly")
+__all__ = ["FreshBatches", "batch_bytes", "batch_seed", "fresh_batches"]
 
 
 def batch_bytes(rows: int, hidden: int, dtype: torch.dtype, backward: bool) -> int:
