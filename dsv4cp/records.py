@@ -471,10 +471,14 @@ def match_id(record: dict) -> str:
 def resolved_options(record: dict) -> dict[str, str] | None:
     """Every kernel option's value as ``record``'s point ran (its ``kernel_options`` column), or None when
     the record holds no mapping of them (written before options were recorded): unknown. An option the
-    mapping lacks (added to the registry after the record was written) is unknown too, never read as
-    today's default: :func:`option_differences` and :func:`configuration_key` keep it apart."""
+    mapping lacks (added to the registry after the record was written) is read as what ran before it
+    existed where that is known (:data:`dsv4cp.kernel_options.BEFORE_IT_EXISTED`), else it stays absent:
+    unknown, never read as today's default (:func:`option_differences` and :func:`configuration_key` keep
+    such a record apart)."""
     options = record.get("kernel_options")
-    return dict(options) if isinstance(options, dict) else None
+    if not isinstance(options, dict):
+        return None
+    return {**kernel_option_registry.BEFORE_IT_EXISTED, **options}
 
 
 def configuration_key(record: dict) -> str:
@@ -482,10 +486,12 @@ def configuration_key(record: dict) -> str:
     its :data:`CONFIG_FIELDS` as stored (every resolved kernel option, the backends that ran, the fresh
     batches). Two records are measurements of the same kernels only when their :func:`point_id` (the axes,
     kept for history) and this key both agree; every consumer that pairs records (``sweep --resume``, the
-    report's runs side by side, ``compare``) keys on both. An option one record lacks is unknown there, so
-    such a record never shares a key with one that holds it; two records holding no options at all (written
+    report's runs side by side, ``compare``) keys on both. An option one record lacks is unknown there
+    (unless :func:`resolved_options` knows what ran before it existed), so such a record never shares a key
+    with one that holds it; two records holding no options at all (written
     before options were recorded) share one, as ``compare`` treats two unknown configurations as equal."""
     values = {name: _plain(record.get(name)) for name in CONFIG_FIELDS}
+    values["kernel_options"] = resolved_options(record)  # what ran before an option existed, where known
     text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
