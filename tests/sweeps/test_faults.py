@@ -171,3 +171,16 @@ def test_the_profilers_usdt_lines_are_dropped_and_its_other_output_kept(tmp_path
     trace.capture_trace(lambda: torch.ones(4).sum(), tmp_path, steps=1, rank=0)
     err = capfd.readouterr().err
     assert "USDT" not in err and "ERROR: a profiler error to keep\n" in err, err
+
+
+def test_a_lock_a_full_disk_cannot_take_is_an_error_naming_it(tmp_path, monkeypatch):
+    from dsv4cp.sweeps import run_lock
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run_lock.os, "pwrite", full)
+    with pytest.raises(OSError) as raised:
+        with run_lock.RunDirLock(tmp_path / "run"):
+            pass
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "run" / run_lock.LOCK_FILE)
