@@ -25,8 +25,8 @@ Steps (a step's failure fails the gate; the log says which):
    head with head (the second head process): the SELF-COMPARISONS (a false alarm is any point called
    SLOWER or FASTER). The first ``len(levels) x --injections`` blocks also compare head with the second
    head process slowed on purpose (``inject_slowdown``): level L makes the step L slower by a busy loop
-   in its sparse_attn phase (the phase's fraction is L x step / phase, from the case's own times), and
-   a DETECTION is that point called SLOWER.
+   in its sparse_attn phase (its fraction is L x step / what fraction 1 adds to the step, both measured
+   by the head worker as it starts), and a DETECTION is that point called SLOWER.
 
 Verdict per point (:func:`dsv4cp.report.compare_stats.ab_verdict`): the head/base ratio of the
 block's step pairs (the two sides' steps of one round, taken next to each other) is the
@@ -190,8 +190,8 @@ def measure(workers: dict[str, Worker], cases: list[dict], plan: Plan) -> Sample
             for index, case in enumerate(cases):
                 shift = (round_ + index) % len(sides)
                 for side in sides[shift:] + sides[:shift]:
-                    if side == "inject":  # the phase's fraction that makes the step `level` slower
-                        fraction = level * case["step_ms"] / max(case["phase_ms"], 1e-3)
+                    if side == "inject":  # the fraction that makes the step `level` slower (measured per case)
+                        fraction = level * case["step_ms"] / case["injected_ms"]
                         ms = workers["head2"].time(index, fraction)
                     else:
                         ms = workers[side].time(index)
@@ -317,7 +317,7 @@ def report(figures: dict, plan: Plan, commit: str, why: str) -> tuple[list[str],
     cases, gate = figures["cases"], figures["gate"]
     confidence = 1 - plan.alpha / len(cases)
     lines = [f"gate: base {commit[:12]} ({why}) vs head; {plan.rounds} step pairs per comparison, "
-             f"interval {100 * confidence:.3g}% (alpha {plan.alpha:g} / {len(cases)} cases), threshold "
+             f"interval {100 * confidence:.4g}% (alpha {plan.alpha:g} / {len(cases)} cases), threshold "
              f"{100 * plan.threshold:g}%; times are process CPU ms of one step"]
     if figures["defaults"]:
         lines.append("gate: kernel option defaults differ (the A/B ratios below are old vs new default): "

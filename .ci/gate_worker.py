@@ -3,7 +3,8 @@ once, then times single steps on request (``.ci/gate.py`` starts one per side an
 
 Run with ``PYTHONPATH`` set to the tree whose ``dsv4cp`` it measures (the base commit's worktree, or the
 head); it uses only interfaces both have. The protocol, one JSON object a line: the worker first writes
-``{"cases": [...]}`` (per case: its label, counters, CPU ms of a step and of its sparse_attn phase), then
+``{"cases": [...]}`` (per case: its label, counters, CPU ms of a step, of its sparse_attn phase and what
+``inject_slowdown`` at fraction 1 adds to the step, measured; None where the tree lacks the option), then
 answers each ``{"time": I, "inject": FRACTION|null}`` with ``{"ms": CPU_MS}`` and ends on ``{"quit": true}``.
 Anything the library prints goes to stderr.
 
@@ -73,6 +74,18 @@ class _PhaseClock:
             self.seconds += time.process_time() - self._open.pop(phase)
 
 
+def _point_step(point, cfg, lengths, packed, split, device, group):
+    """The point's step as the sweep builds it: through its harness Case where the tree has one, else
+    (an older base) through ``point_step``."""
+    from dsv4cp.sweeps import measure
+
+    if hasattr(measure, "point_case"):
+        from dsv4cp.harness.build import build_step
+
+        return build_step(measure.point_case(point, cfg, lengths, split, device), cp_group=group, device=device)
+    return measure.point_step(point, cfg, packed, split, device, group)
+
+
 def _cpu_ms(step) -> float:
     start = time.process_time()
     step()
@@ -81,14 +94,13 @@ def _cpu_ms(step) -> float:
 
 class Case:
     def __init__(self, point, group, device) -> None:
-        import torch
 
         from dsv4cp import kernel_options
         from dsv4cp.model import estimate
         from dsv4cp.model.machine import CPU_ESTIMATE
         from dsv4cp.packing import PackedSeqs
         from dsv4cp.profiling import nvtx
-        from dsv4cp.sweeps.measure import point_split, point_step
+        from dsv4cp.sweeps.measure import point_split
         from dsv4cp.sweeps.spec import point_inputs
 
         self.point, self.options = point, dict(point.kernel_options or {})
@@ -96,7 +108,7 @@ class Case:
         packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
         split = point_split(point, cfg, lengths)
         with self._in_force(kernel_options):
-            self.step = point_step(point, cfg, packed, split, device, group if point.cp > 1 else None)
+            self.step = _point_step(point, cfg, lengths, packed, split, device, group if point.cp > 1 else None)
             for _ in range(2):  # warm-up: first-call allocations and caches
                 self.step()
             clock = _PhaseClock()
@@ -114,7 +126,17 @@ class Case:
         self.counters.update(model_flops=float(table["flops"].sum()), model_hbm_bytes=float(table["hbm_bytes"].sum()),
                              model_comm_bytes=float(table["comm_bytes"].sum()))
         self.step_ms, self.phase_ms = sorted(steps)[1], sorted(phases)[1]
-        self._torch = torch
+        # what a whole phase's worth of injection (fraction 1) adds to the step, measured: the busy loop
+        # spins over the backend's part of the phase only, so the phase's own time would overstate it
+        self.injected_ms = None
+        if hasattr(getattr(self.step, "layer", None), "kernel_options") and hasattr(
+                self.step.layer.kernel_options, "inject_slowdown"):
+            plain, slowed = [], []
+            for _ in range(5):  # interleaved, at fraction 4: the added time well above the steps' noise
+                plain.append(self.time_ms(None))
+                slowed.append(self.time_ms(4.0))
+            added = (sorted(slowed)[2] - sorted(plain)[2]) / 4
+            self.injected_ms = added if added > 0.1 * self.phase_ms else self.phase_ms  # noise: the phase's
 
     def _in_force(self, kernel_options):
         return kernel_options.overrides(self.options)
@@ -170,7 +192,7 @@ def main() -> int:
         return 2
     cases = [Case(point, group, device) for point in points]
     send({"cases": [{"name": case.point.label(), "counters": case.counters, "step_ms": case.step_ms,
-                     "phase_ms": case.phase_ms} for case in cases],
+                     "phase_ms": case.phase_ms, "injected_ms": case.injected_ms} for case in cases],
           "defaults": kernel_options.resolved()})
     for line in sys.stdin:
         request = json.loads(line)

@@ -468,6 +468,16 @@ default changes or an option goes; ``tests/test_committed_records.py`` fails on 
 id then no longer matches."""
 
 
+BEFORE_IT_EXISTED: Mapping[str, str] = {
+    "indexer_loss_scores": "recompute",  # the sparse loss scored its entries again until the option came
+    "inject_slowdown": "off",  # no slowdown was injected before the option that injects one
+}
+"""Option -> the value that describes what ran before the option existed, where that is known (a record
+written before then lacks the option). Any other option a record lacks is unknown for it, never today's
+default (:func:`dsv4cp.records.resolved_options`). Add an entry only when an option is added whose value
+at the earlier code is certain; without one, records written before it pair with no record after."""
+
+
 def configurations(values: Mapping[str, str]) -> list[dict[str, str]]:
     """Every configuration a record's options ``values`` may have named when it was written: the options
     at a value other than today's default (:func:`non_default`), with and without each of those that holds

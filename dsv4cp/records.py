@@ -74,8 +74,10 @@ METRICS: tuple[str, ...] = (
     "rank_time_ms_median",  # list[float], one per rank (imbalance)
     "imbalance_max_over_mean",  # of the per-rank medians
     "tokens_per_s", "tflops_per_gpu", "mfu",  # mfu: against the machine's measured matmul ceiling
-    "model_flops", "bound_ms", "measured_over_bound",
-    "bound_machine",  # str: the machine whose ceilings bound_ms is for (dsv4cp.model.machine); None: no bound
+    "model_flops",
+    "bound_ms", "measured_over_bound",  # the cost model's bound at the hardware's physical limits (spec sheet)
+    "bound_measured_ms", "measured_over_measured_bound",  # ... and at the machine's measured ceilings
+    "bound_machine",  # str: the machine whose ceilings bound_measured_ms is at (dsv4cp.model.machine); None: no bound
     "peak_allocated_bytes",  # list[int] per rank (host peak RSS on CPU)
     "device_used_bytes",  # list[int | None] per rank
     "exposed_comm_ms", "comm_ms", "overlap_ratio",  # totals of rank 0's overlap table; None unless profiled
@@ -88,7 +90,34 @@ METRICS: tuple[str, ...] = (
     "compile_s",  # the first (compiling) step's wall time in s, apart from the timed steps; None when eager
     "graph_breaks",  # int: graph breaks Dynamo counted while compiling; None when eager
 )
-"""What was measured about it; a metric that was not measured is None."""
+"""What was measured about it; a metric that was not measured is None.
+
+Two bounds: ``bound_ms`` at the physical limits of the hardware
+(:func:`dsv4cp.model.machine.physical_limits`: on an H200 its spec sheet, 989 TFLOP/s dense bf16, 4.8 TB/s
+HBM, 450 GB/s per NVLink direction), the time no kernel can beat, and ``bound_measured_ms`` at the
+ceilings of ``bound_machine`` as measured on it (784 TFLOP/s, 4.26 TB/s ...), the time the best measured
+kernels could reach; ``measured_over_bound`` and ``measured_over_measured_bound`` divide the median step
+time by each. A record written before the physical bound existed (no ``bound_measured_ms`` column) held
+in ``bound_ms`` its bound at the measured ceilings: :func:`read_records` moves it to
+``bound_measured_ms`` and leaves ``bound_ms`` None (:func:`before_the_physical_bound`)."""
+
+_MEASURED_BOUND_COLUMNS = {"bound_ms": "bound_measured_ms", "measured_over_bound": "measured_over_measured_bound"}
+"""What a record written before the physical bound held in each of today's physical-bound columns."""
+
+
+def before_the_physical_bound(record: dict) -> bool:
+    """Whether ``record`` (as stored) was written before records carried the physical bound: its ``bound_ms``
+    is the bound at the measured ceilings."""
+    return "bound_measured_ms" not in record
+
+
+def _with_both_bounds(record: dict) -> None:
+    """Fill the measured-ceiling columns of a record written before the physical bound from what it stored
+    (its bound was at the measured ceilings) and leave its physical bound empty: it was never computed."""
+    if before_the_physical_bound(record):
+        for physical, measured in _MEASURED_BOUND_COLUMNS.items():
+            record[measured] = record.get(physical)
+            record[physical] = None
 
 COLUMNS: tuple[str, ...] = (
     "schema", "point_id", "sweep", "status", "time_utc", "git_sha", "machine", "emulated", *AXES, *METRICS,
@@ -174,7 +203,8 @@ COLUMN_TYPES: dict[str, FieldType] = {
     "time_ms_median": NUMBER, "time_ms_p20": NUMBER, "time_ms_p80": NUMBER, "time_ms_samples": NUMBERS,
     "rank_time_ms_median": NUMBERS_OR_NULLS, "imbalance_max_over_mean": NUMBER, "tokens_per_s": NUMBER,
     "tflops_per_gpu": NUMBER, "mfu": NUMBER, "model_flops": NUMBER, "bound_ms": NUMBER, "bound_machine": TEXT,
-    "measured_over_bound": NUMBER, "peak_allocated_bytes": INTS_OR_NULLS, "device_used_bytes": INTS_OR_NULLS,
+    "measured_over_bound": NUMBER, "bound_measured_ms": NUMBER, "measured_over_measured_bound": NUMBER,
+    "peak_allocated_bytes": INTS_OR_NULLS, "device_used_bytes": INTS_OR_NULLS,
     "exposed_comm_ms": NUMBER, "comm_ms": NUMBER, "overlap_ratio": NUMBER, "phases": OBJECTS,
     "parity": OBJECTS, "memory_phases": OBJECTS_OR_NULLS, "split": INTS, "calibration": TEXT,
     "slowest_rank": _int_at_least(0), "slowest_rank_ms": NUMBER, "compile_s": NUMBER,
@@ -349,6 +379,8 @@ VALUE_RULES: dict[str, Callable[[object], str | None]] = {
     "model_flops": _positive("a FLOP count"),
     "bound_ms": _positive("a lower bound on the step's time"),
     "measured_over_bound": _positive("a ratio of two times"),
+    "bound_measured_ms": _positive("a lower bound on the step's time"),
+    "measured_over_measured_bound": _positive("a ratio of two times"),
     "peak_allocated_bytes": _each(_at_least(0, "a byte count")),
     "device_used_bytes": _each(_at_least(0, "a byte count")),
     "comm_ms": _at_least(0, "a communication time"),
@@ -439,10 +471,14 @@ def match_id(record: dict) -> str:
 def resolved_options(record: dict) -> dict[str, str] | None:
     """Every kernel option's value as ``record``'s point ran (its ``kernel_options`` column), or None when
     the record holds no mapping of them (written before options were recorded): unknown. An option the
-    mapping lacks (added to the registry after the record was written) is unknown too, never read as
-    today's default: :func:`option_differences` and :func:`configuration_key` keep it apart."""
+    mapping lacks (added to the registry after the record was written) is read as what ran before it
+    existed where that is known (:data:`dsv4cp.kernel_options.BEFORE_IT_EXISTED`), else it stays absent:
+    unknown, never read as today's default (:func:`option_differences` and :func:`configuration_key` keep
+    such a record apart)."""
     options = record.get("kernel_options")
-    return dict(options) if isinstance(options, dict) else None
+    if not isinstance(options, dict):
+        return None
+    return {**kernel_option_registry.BEFORE_IT_EXISTED, **options}
 
 
 def configuration_key(record: dict) -> str:
@@ -450,10 +486,12 @@ def configuration_key(record: dict) -> str:
     its :data:`CONFIG_FIELDS` as stored (every resolved kernel option, the backends that ran, the fresh
     batches). Two records are measurements of the same kernels only when their :func:`point_id` (the axes,
     kept for history) and this key both agree; every consumer that pairs records (``sweep --resume``, the
-    report's runs side by side, ``compare``) keys on both. An option one record lacks is unknown there, so
-    such a record never shares a key with one that holds it; two records holding no options at all (written
+    report's runs side by side, ``compare``) keys on both. An option one record lacks is unknown there
+    (unless :func:`resolved_options` knows what ran before it existed), so such a record never shares a key
+    with one that holds it; two records holding no options at all (written
     before options were recorded) share one, as ``compare`` treats two unknown configurations as equal."""
     values = {name: _plain(record.get(name)) for name in CONFIG_FIELDS}
+    values["kernel_options"] = resolved_options(record)  # what ran before an option existed, where known
     text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
@@ -703,6 +741,7 @@ def read_records(path: str | os.PathLike, problems: list[RecordProblem] | None =
         if reason is None:
             record.update(_added_axis_defaults(record))
             record.setdefault("emulated", _emulated(record))
+            _with_both_bounds(record)
             records.append(record)
             if line_numbers is not None:
                 line_numbers.append(number)

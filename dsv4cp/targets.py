@@ -31,7 +31,8 @@ from dsv4cp.records import AXES
 
 POINT_METRICS: dict[str, str] = {
     "time_ms": "median step time in ms (max over ranks per repetition)",
-    "measured_over_bound": "median step time / the cost model's lower bound",
+    "measured_over_bound": "median step time / the cost model's lower bound at the hardware's physical limits",
+    "measured_over_measured_bound": "median step time / the cost model's lower bound at the measured ceilings",
     "exposed_comm_fraction": "exposed communication / communication time of rank 0 (profiled points)",
     "imbalance": "max / mean of the per-rank median step times",
     "peak_gib": "peak memory per rank in GiB, max over ranks",

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from dsv4cp import kernel_options
-from dsv4cp.records import check_record, read_records
+from dsv4cp.records import before_the_physical_bound, check_record, read_records
+from dsv4cp.report.load import load_runs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BEFORE_THE_SCHEMA = {"2026-11-30-h200x2-norm-rope", "2026-11-30-h200x2-layer-64k",
@@ -53,3 +56,18 @@ def test_configurations_drop_each_former_default_in_turn():
         {"topk_impl": "stream", "triton_bwd_index_ahead": "0"},
         {"topk_impl": "stream"}])))
     assert kernel_options.configurations(kernel_options.resolved()) == [{}]
+
+
+def test_a_record_from_before_the_physical_bound_keeps_its_bound_as_the_measured_ceilings_one():
+    run = RESULTS / "2026-12-02-h200-layer-defaults" / "layer" / "sweep"
+    stored = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    read = read_records(run)
+    assert len(read) == len(stored) > 0
+    for raw, record in zip(stored, read):
+        assert before_the_physical_bound(raw) and raw["bound_ms"] > 0
+        assert record["bound_measured_ms"] == raw["bound_ms"] and record["bound_ms"] is None
+        assert record["measured_over_measured_bound"] == raw["measured_over_bound"]
+        assert record["measured_over_bound"] is None
+    with pytest.warns(UserWarning, match=f"{len(read)} record\\(s\\) written before the bound at the physical limits"):
+        frame = load_runs(run)
+    assert frame["bound_ms"].isna().all() and (frame["bound_measured_ms"] > 0).all()

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 
 from dsv4cp import kernel_options
 from dsv4cp.config import DTYPE_NAMES, LOSS_VARIANTS, PRESET_NAMES, DSv4Config, default_dtype
+from dsv4cp.stopping import exit_code, signal_name, stopping_on_signals
 
 if TYPE_CHECKING:  # imported where used: a command that reads no tensor (sweep --dry-run) never imports torch
     import torch
@@ -77,7 +78,8 @@ exit codes:
      stderr; what was written before stays whole: a sweep continues with --resume)
   3  out of memory: refused before allocating (the estimate exceeds free memory; --force skips the
      check) or the device ran out while running
-  130  interrupted (SIGINT): the points a sweep recorded stay; --resume continues it
+  130  interrupted (SIGINT), 143 stopped by SIGTERM, 129 by SIGHUP: the points a sweep recorded stay and
+       its ranks are stopped; --resume continues it
 """
 
 DIST_BACKENDS = ("gloo", "nccl")
@@ -155,7 +157,8 @@ def run_command(command: str, fn: Callable[[], int | None]) -> int:
     """
     prog = f"dsv4cp {command}"
     try:
-        return int(fn() or 0)
+        with stopping_on_signals():
+            return int(fn() or 0)
     except WouldNotFitError as err:
         print(f"{prog}: error: {_rank_prefix()}{err}", file=sys.stderr)
         return EXIT_OOM
@@ -176,9 +179,10 @@ def run_command(command: str, fn: Callable[[], int | None]) -> int:
         print(f"{prog}: error: {_rank_prefix()}out of memory ({first}); try more ranks (--cp / "
               "--nproc-per-node), --recompute, fewer --tokens or a smaller --preset", file=sys.stderr)
         return EXIT_OOM
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # SIGINT, SIGTERM or SIGHUP (dsv4cp.stopping)
+        name = signal_name(stop)
+        print(f"{prog}: interrupted" if name == "SIGINT" else f"{prog}: stopped by {name}", file=sys.stderr)
+        return exit_code(stop)
 
 
 def _describe(err: BaseException) -> str:

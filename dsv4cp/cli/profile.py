@@ -381,6 +381,12 @@ def _emulated_rank(text: str) -> int | tuple[int, ...] | str:
     return ranks
 
 
+def _bound_text(record: dict, bound: str, ratio: str) -> str:
+    """``<bound> ms (measured/bound <ratio>)`` of one of a record's two bounds."""
+    over = record[ratio]
+    return f"{record[bound]:.3g} ms (measured/bound {over:.2f})" if over is not None else f"{record[bound]:.3g} ms"
+
+
 def _report(point: Point, record: dict, table) -> None:
     print(f"profile {point.label()} (point {record['point_id']}, {record['machine']})")
     emulated = record["emulated_rank"]
@@ -405,9 +411,10 @@ def _report(point: Point, record: dict, table) -> None:
     if record["compile"] is not None:
         print(f"compile ({record['compile']}): first step {record['compile_s']:.2f} s, not in the timed steps; "
               f"{record['graph_breaks']} graph break(s)")
-    ratio, bound = record["measured_over_bound"], record["bound_ms"]
-    bound_text = (f"bound for machine {record['bound_machine']}: {bound:.3g} ms; measured/bound "
-                  + (f"{ratio:.2f}" if ratio is not None else "n/a")) if bound is not None else no_machine_reason()
+    bound_text = (f"bound at the physical limits {_bound_text(record, 'bound_ms', 'measured_over_bound')}, at "
+                  f"{record['bound_machine']}'s measured ceilings "
+                  f"{_bound_text(record, 'bound_measured_ms', 'measured_over_measured_bound')}"
+                  if record["bound_ms"] is not None else no_machine_reason())
     print(f"model ({bound_text}); {record['tflops_per_gpu']:.3g} model TFLOP/s per GPU; "
           f"{record['tokens_per_s']:.0f} tokens/s")
     for rank, (peak, used) in enumerate(zip(record["peak_allocated_bytes"], record["device_used_bytes"])):

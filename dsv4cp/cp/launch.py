@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv4cp.cp.torchrun import under_torchrun  # noqa: F401  (where the launchers' callers look for it)
+from dsv4cp.stopping import stop_on_signals
 
 TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -94,13 +95,6 @@ INTERRUPT_GRACE_S = 30.0
 stop between two operations) before it terminates them."""
 
 
-def _interrupt_once(signum: int, frame: object) -> None:
-    """The first SIGINT interrupts the rank; later ones (the terminal's and the spawner's forwarded copy
-    both arrive) are ignored so that they cannot break the clean-up the first one started."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 def _forwardable(err: BaseException) -> BaseException | None:
     """``err`` when the spawner should re-raise it as is (:data:`FORWARDED_ERRORS`, picklable), else None."""
     if not isinstance(err, FORWARDED_ERRORS):
@@ -115,7 +109,7 @@ def _forwardable(err: BaseException) -> BaseException | None:
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, results,
             parent_pid: int) -> None:
     _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, _interrupt_once)
+    stop_on_signals()  # a stop signal sent to the whole group ends a rank like the forwarded interrupt
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **{PARENT_PID_ENV: str(parent_pid)},

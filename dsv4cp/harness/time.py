@@ -44,7 +44,7 @@ from dsv4cp.harness.fresh_batches import fresh_batches
 from dsv4cp.harness.parity import merge_ranks, run_rank
 from dsv4cp.layer import AttentionOutput
 from dsv4cp.model import Machine, estimate
-from dsv4cp.model.machine import CPU_ESTIMATE
+from dsv4cp.model.machine import CPU_ESTIMATE, physical_limits
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.profiling.memory import record_phase_memory, track_memory
 from dsv4cp.profiling.memory_snapshot import check_snapshot_device, record_memory_snapshot, snapshot_name
@@ -166,7 +166,9 @@ def time_case(
     apart (module docstring).
 
     ``machine``: the ceilings of the model bound and MFU (None: no bound: ``bound_ms``,
-    ``measured_over_bound`` and ``bound_machine`` stay None); MFU is left None off GPU, where that ceiling
+    ``measured_over_bound``, ``bound_measured_ms``, ``measured_over_measured_bound`` and ``bound_machine``
+    stay None; ``bound_ms`` is at the machine's physical limits, :func:`~dsv4cp.model.machine.physical_limits`,
+    ``bound_measured_ms`` at its own ceilings); MFU is left None off GPU, where that ceiling
     means nothing. ``calibration_label``: the phase factors the split was computed with (metric
     ``calibration``). ``cuda_graph``: time graph replays (the step runs ``run.warmup`` times eagerly, at
     least once, is captured once, then ``run.warmup`` untimed and ``run.reps`` timed replays follow;
@@ -207,6 +209,8 @@ def _time(
     cfg, packed, split = case.cfg, case.packed(), case.row_split(cp)
     # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
     bound = estimate(cfg, case.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(case.direction)
+    physical = None if machine is None else estimate(cfg, case.ratio, packed, cp, physical_limits(machine),
+                                                     split=split).summary(case.direction)
     resolved = {"sparse_attention": resolve_backend(case.backend, device, head_dim=cfg.head_dim).name}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
@@ -253,9 +257,10 @@ def _time(
         "split": list(split.bounds),
         "calibration": calibration_label,
         "model_flops": bound.model_flops, "bound_machine": None if machine is None else machine.name,
-        "bound_ms": None if machine is None else bound.bound_overlap_s * 1e3,
-        "measured_over_bound": seconds / bound.bound_overlap_s if machine is not None and bound.bound_overlap_s > 0
-        else None,
+        "bound_ms": None if physical is None else physical.bound_overlap_s * 1e3,
+        "measured_over_bound": _over(seconds, physical),
+        "bound_measured_ms": None if machine is None else bound.bound_overlap_s * 1e3,
+        "measured_over_measured_bound": _over(seconds, bound if machine is not None else None),
         "peak_allocated_bytes": [r[1] for r in per_rank], "device_used_bytes": [r[2] for r in per_rank],
         "compile_s": compiled.seconds if compiled else None,
         "graph_breaks": compiled.graph_breaks if compiled else None,
@@ -326,3 +331,8 @@ def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:
 def _float_or_none(value) -> float | None:
     value = float(value)
     return None if np.isnan(value) else value
+
+
+def _over(seconds: float, bound) -> float | None:
+    """A measured time over a bound's (a :class:`~dsv4cp.model.DirectionSummary`'s), None without one."""
+    return seconds / bound.bound_overlap_s if bound is not None and bound.bound_overlap_s > 0 else None

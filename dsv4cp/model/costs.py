@@ -26,8 +26,11 @@ FLOP accounting (docs/design.md §4.3)
   gradients only; the Hadamard rotation has no weight, only an input gradient.
 * ``indexer.loss``: forward recomputes the attention logits ``q . k`` (``2 D`` per (query, head,
   key)) over the scored compressed keys (sparse: the selected ``min(K, visible)``; dense: all visible
-  plus the window keys for its denominator) and the indexer scores ``2 Hi Di`` at the scored entries;
-  backward differentiates the scores only (target detached): ``2 x`` their forward.
+  plus the window keys for its denominator) and the indexer scores ``2 Hi Di`` at the scored entries,
+  except where the sparse loss takes the selection's own scores (the kernel option
+  ``indexer_loss_scores=selection``, the default): then it scores nothing and reads the ``[L, K]`` fp32
+  scores the top-k wrote (priced in the top-k's bytes); backward differentiates the scores only (target
+  detached): ``2 x`` the scores' forward, either way.
 
 HBM bytes (assumptions)
 -----------------------
@@ -64,6 +67,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from dsv4cp import kernel_options
 from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.model.counts import DocsLike, RankCounts, rank_counts
@@ -179,7 +183,16 @@ class _Acc:
             self.add("bwd", hbm_bytes=elems * (bo + 2 * bi))
 
 
-def _phase_costs(cfg: DSv4Config, n: RankCounts, machine: Machine, act_bytes: int) -> dict[str, _Acc]:
+def loss_takes_selection_scores(cfg: DSv4Config) -> bool:
+    """Whether ``cfg``'s indexer loss reads the top-k selection's scores instead of scoring its entries
+    again: the sparse loss under the kernel option ``indexer_loss_scores=selection`` (as it stands now: the
+    point's options while a point is measured), as the layer decides it."""
+    return cfg.indexer_loss == "sparse" and kernel_options.get("indexer_loss_scores") == "selection"
+
+
+def _phase_costs(cfg: DSv4Config, n: RankCounts, machine: Machine, act_bytes: int,
+                 selection_scores: bool) -> dict[str, _Acc]:
+    selection_scores = selection_scores and cfg.indexer_loss == "sparse"  # the dense loss scores every entry
     cp, b = n.cp, act_bytes
     Hw = float(n.halo)
     L = n.rank_rows.astype(float)  # [cp]: slices may differ (a balanced split)
@@ -242,8 +255,8 @@ def _phase_costs(cfg: DSv4Config, n: RankCounts, machine: Machine, act_bytes: in
         acc.add("fwd", flops=2.0 * Hi * Di * visible,
                 hbm_bytes=L * Hi * Di * b + L * Hi * b + G * Di * b + visible * F32)
 
-        acc = costs["indexer.topk"] = new()
-        acc.add("fwd", hbm_bytes=visible * F32 + L * K * IDX)
+        acc = costs["indexer.topk"] = new()  # reads every score; writes the indices (and the loss's scores)
+        acc.add("fwd", hbm_bytes=visible * F32 + L * K * IDX + (L * K * F32 if selection_scores else 0.0))
 
     # ---- gathers (forward) and reduce-scatters (backward)
     gathers = {"C": (("allgather.index_k", Di), ("allgather.kv", D)), "H": (("allgather.kv", D),)}
@@ -282,9 +295,12 @@ def _phase_costs(cfg: DSv4Config, n: RankCounts, machine: Machine, act_bytes: in
         scored = (n.visible_entries if dense else n.compressed_keys).astype(float)
         logit_keys = scored + (n.window_keys.astype(float) if dense else 0.0)
         acc = costs["indexer.loss"] = new()
-        acc.add("fwd", flops=2.0 * D * H * logit_keys + 2.0 * Hi * Di * scored,
-                hbm_bytes=q_bytes + key_rows * D * b + L * H * F32 + L * K * IDX  # q, keys, lse, ids
-                + L * Hi * Di * b + L * Hi * b + G * Di * b)  # indexer q, w, keys
+        acc.add("fwd", flops=2.0 * D * H * logit_keys,
+                hbm_bytes=q_bytes + key_rows * D * b + L * H * F32 + L * K * IDX)  # q, keys, lse, ids
+        if selection_scores:  # the selection's scores, read
+            acc.add("fwd", hbm_bytes=L * K * F32)
+        else:  # the entries scored again: indexer q, w, keys read
+            acc.add("fwd", flops=2.0 * Hi * Di * scored, hbm_bytes=L * Hi * Di * b + L * Hi * b + G * Di * b)
         acc.add("bwd", flops=2.0 * 2.0 * Hi * Di * scored,
                 hbm_bytes=L * Hi * Di * b + L * Hi * b + G * Di * b + L * K * IDX  # re-read q, w, keys, ids
                 + L * Hi * Di * b + L * Hi * b + G * Di * F32)  # write dq, dw, dkeys (fp32)
@@ -297,7 +313,8 @@ compressed entry), a (query, window key) pair, a (query, visible entry) pair, a 
 pair of the attention."""
 
 
-def unit_costs(cfg: DSv4Config, ratio: int) -> dict[str, dict[str, dict[str, np.ndarray]]]:
+def unit_costs(cfg: DSv4Config, ratio: int, selection_scores: bool | None = None
+               ) -> dict[str, dict[str, dict[str, np.ndarray]]]:
     """This module's accounting per unit of work: ``{phase: {direction: {"flops" | "hbm_bytes": [4]}}}``
     with the four entries priced per :data:`UNITS` (compute phases of a ``ratio`` layer only).
 
@@ -317,7 +334,9 @@ def unit_costs(cfg: DSv4Config, ratio: int) -> dict[str, dict[str, dict[str, np.
         window_keys=window_key, visible_entries=visible_entry if ratio else none,  # W layers see no entry
         compressed_keys=compressed_key if ratio else none, owned_entries=row / ratio if ratio else none,
     )
-    costs = _phase_costs(cfg, probe, Machine(), ACT_BYTES)  # the machine prices communication only: unused here
+    if selection_scores is None:
+        selection_scores = loss_takes_selection_scores(cfg)
+    costs = _phase_costs(cfg, probe, Machine(), ACT_BYTES, selection_scores)  # the machine prices communication only
     return {
         phase: {d: {key: np.asarray(costs[phase].v[d][key], dtype=float) for key in ("flops", "hbm_bytes")}
                 for d in phase_directions(phase)}
@@ -530,6 +549,7 @@ def _check_direction(direction: str, both: bool) -> str:
 def estimate(
     cfg: DSv4Config, ratio: int, packed_or_lengths: DocsLike, cp: int, machine: Machine | None = None,
     total: int | None = None, *, act_bytes: int = ACT_BYTES, split: RowSplit | None = None, padding: bool = True,
+    selection_scores: bool | None = None,
 ) -> LayerEstimate:
     """The analytic cost of one ``ratio`` layer of ``cfg`` on a packed batch split over ``cp`` ranks.
 
@@ -544,12 +564,16 @@ def estimate(
         split: the ranks' row ranges (e.g. :func:`dsv4cp.model.partition.partition`); None: equal slices.
         padding: False prices the gathered buffer at the entries the ranks own (their mean per rank in
             place of the static capacity): the work without capacity padding.
+        selection_scores: whether the sparse indexer loss takes the selection's scores (prices no
+            re-scoring); None: as the kernel options stand now (:func:`loss_takes_selection_scores`).
     """
     machine = resolve_machine(machine)
     counts = rank_counts(cfg, ratio, packed_or_lengths, cp, total, split)
     if not padding:
         counts = dataclasses.replace(counts, capacity=float(sum(counts.owned_entries)) / counts.cp)
-    costs = _phase_costs(cfg, counts, machine, act_bytes)
+    if selection_scores is None:
+        selection_scores = loss_takes_selection_scores(cfg)
+    costs = _phase_costs(cfg, counts, machine, act_bytes, selection_scores)
     rows = []
     for phase in layer_phases(counts.kind):
         acc, resource = costs[phase], "comm" if phase in COMM_PHASES else "compute"

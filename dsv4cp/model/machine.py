@@ -1,5 +1,10 @@
 """Hardware ceilings for the roofline lower bounds, and the machine this process runs on.
 
+Two sets of ceilings bound a point: the machine's own (a preset's are measured on the hardware: the
+``h200x2`` matrix ceiling is the 784 TFLOP/s a tuned bf16 matrix product reached on an H200) give
+``bound_measured_ms``; the hardware's physical limits (:func:`physical_limits`: the H200 spec sheet's 989
+TFLOP/s, 4.8 TB/s, 450 GB/s per NVLink direction) give ``bound_ms``, the one no kernel can beat.
+
 :func:`this_machine` is the one default of every bound (the ``--machine`` of the CLI, a sweep's
 points, the analytic model): the ``h200x2`` preset on an H200, the ``cpu-estimate`` preset on a host
 without CUDA, and no machine (no bound) on a GPU without a preset.
@@ -103,6 +108,39 @@ CPU_ESTIMATE = Machine(name="cpu-estimate", peak_flops=40e9, hbm_bandwidth=8 * G
 derives the same bounds and the same balanced split: :func:`measure_host` gave 26-31 GFLOP/s (fp32
 matrix product) and 5.2-6.4 GB/s (copy) on the shared 2-core development host; the figures are rounded
 up so the bound stays below what such a host reaches. ``--machine cpu`` measures the host instead."""
+
+H200_SPEC = Machine(name="h200 spec", peak_flops=989e12, hbm_bandwidth=4.8e12, allgather_busbw=450 * GB,
+                    p2p_bandwidth=450 * GB)
+"""The H200's physical limits, from its spec sheet: 989 TFLOP/s dense bf16 matrix throughput (1979 with 2:4
+sparsity, which the layer does not use), 4.8 TB/s HBM3e, NVLink 900 GB/s = 450 GB/s per direction (the
+all-gather bus bandwidth and the point-to-point bandwidth can reach at most that)."""
+
+SPEC_SHEETS: dict[str, Machine] = {"h200x2": H200_SPEC, "internode": H200_SPEC}
+"""The physical limits of the GPU of each preset that has one (a CPU has no spec sheet here)."""
+
+
+def physical_limits(machine: Machine) -> Machine:
+    """``machine`` at the physical limits of its hardware: what ``bound_ms`` is computed at, where
+    ``bound_measured_ms`` is at ``machine``'s own (measured) ceilings.
+
+    For a machine of a preset with a spec sheet (:data:`SPEC_SHEETS`, by the name before any ``@`` that
+    :meth:`Machine.with_bandwidth` appends): the sheet's matrix peak and HBM bandwidth, and the sheet's link
+    bandwidth where the machine's communication ceilings are ``h200x2``'s measured ones; a bandwidth the
+    machine states (``internode``, ``--bandwidth``) is its link's limit and is kept. Any other machine (a
+    CPU, a ``--machine-file``) has no spec sheet here: its own ceilings are its limits, so its two bounds
+    agree."""
+    preset = machine.name.split("@")[0]
+    sheet = SPEC_SHEETS.get(preset)
+    if sheet is None:
+        return machine
+    measured_links = Machine()  # the h200x2 preset: its communication ceilings were measured
+    links_measured = (machine.allgather_busbw, machine.p2p_bandwidth) == (measured_links.allgather_busbw,
+                                                                         measured_links.p2p_bandwidth)
+    return dataclasses.replace(
+        machine, name=f"{machine.name} spec", peak_flops=sheet.peak_flops, hbm_bandwidth=sheet.hbm_bandwidth,
+        allgather_busbw=sheet.allgather_busbw if links_measured else machine.allgather_busbw,
+        p2p_bandwidth=sheet.p2p_bandwidth if links_measured else machine.p2p_bandwidth)
+
 
 GPU_PRESETS: dict[str, str] = {"H200": "h200x2"}
 """The preset of each GPU model with measured ceilings, by a word of ``torch.cuda.get_device_name()``."""

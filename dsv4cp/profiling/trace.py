@@ -36,11 +36,15 @@ else 0 when the directory holds a single trace.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import os
 import re
+import sys
+import tempfile
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,23 +110,62 @@ def capture_trace(
     path = out_dir / f"rank{rank}.json"
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(
+    prof = profile(
         activities=activities,
         schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
         on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
         acc_events=True,  # one cycle only; silences the "clears events at the end of each cycle" warning
-    ) as prof:
+    )
+    with kineto_usdt_dropped():  # the profiler's own calls only: the steps' output stays as it comes
+        prof.__enter__()
+    try:
         for _ in range(warmup + steps):
             with nvtx_range("step"):
                 step_fn()
             if on_gpu:
                 torch.cuda.synchronize()  # keep each step's kernels inside the step in the trace
-            prof.step()
+            with kineto_usdt_dropped():
+                prof.step()
+    finally:
+        with kineto_usdt_dropped():
+            prof.__exit__(None, None, None)
     if not path.is_file():  # Kineto logs a failed write (a full disk) on stderr and returns as if it wrote
         Path(f"{path}.tmp").unlink(missing_ok=True)  # what it wrote before it stopped
         raise OSError(0, "the profiler could not write its trace (is the disk full, or the folder not writable?)",
                       str(path))
     return path
+
+
+KINETO_USDT_PREFIX = b"USDT:"
+"""How libkineto (inside libtorch) starts the lines it logs at its ``USDT`` level: a ``profiler_start`` and a
+``profiler_stop`` per capture, on stderr, between a sweep's progress lines. That level ranks above
+``ERROR``, so ``KINETO_LOG_LEVEL`` cannot drop them without dropping Kineto's errors too."""
+
+
+@contextlib.contextmanager
+def kineto_usdt_dropped() -> Iterator[None]:
+    """While the block runs, file descriptor 2 goes to a temporary file; afterwards every line of it but
+    Kineto's ``USDT:`` ones (:data:`KINETO_USDT_PREFIX`) is written to the real stderr, in order, also
+    when the block raises. Wrap only the profiler's own calls (start, step, stop): a crash inside would
+    take the captured text with it."""
+    sys.stderr.flush()
+    real = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as captured:
+            os.dup2(captured.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(real, 2)
+                captured.seek(0)
+                kept = [line for line in captured.read().splitlines(keepends=True)
+                        if not line.startswith(KINETO_USDT_PREFIX)]
+                rest = memoryview(b"".join(kept))
+                while rest:  # a pipe may take less than all of it at once
+                    rest = rest[os.write(2, rest):]
+    finally:
+        os.close(real)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ Per (point, rank), from the point's traces (``RUN_DIR/traces/<point_id>/rank{R}.
 * ``bound_ms``: the cost model's compute bound of the rank's own work without capacity padding;
   ``padding_ms``: the modelled compute on the gathered buffer's capacity padding (the padded bound
   minus the unpadded one). Both come from :func:`dsv4cp.report.tables.point_estimate` at the default
-  machine's ceilings, scaled so the slowest rank's padded bound equals the record's ``bound_ms`` (a
+  machine's ceilings, scaled so the slowest rank's padded bound equals the record's ``bound_measured_ms`` (its
+  ``bound_ms`` where it has none; a
   sweep run with ``--machine cpu`` recorded bounds at other ceilings; ``bound_scale`` says by how much).
 * ``kernel_excess_ms``: measured compute minus ``bound_ms`` minus ``padding_ms``; split per phase
   class (a phase range and direction, e.g. ``indexer.topk.fwd``) in ``diagnosis_phases``.
@@ -91,7 +92,9 @@ def rank_bounds(point: pd.Series) -> tuple[pd.DataFrame, float]:
     direction = point["pass"]
     directions = DIRECTIONS if direction == BOTH else (direction,)
     recomputed = padded.summary(direction).bound_overlap_s * 1e3
-    recorded = point.get("bound_ms")
+    recorded = point.get("bound_measured_ms")  # the record's bound at record_machine's ceilings, as recomputed
+    if not isinstance(recorded, (int, float)) or pd.isna(recorded):
+        recorded = point.get("bound_ms")
     scale = 1.0
     if isinstance(recorded, (int, float)) and recorded > 0 and recomputed > 0:
         scale = float(recorded) / recomputed

@@ -134,6 +134,12 @@ def read_runs(paths: str | os.PathLike | Iterable[str | os.PathLike],
                 warnings.warn(f"skipping {problem}", stacklevel=2)
         else:
             problems.extend(skipped)
+        measured_only = sum(r.get("bound_ms") is None and r.get("bound_measured_ms") is not None
+                            for r in run.records)
+        if measured_only:
+            warnings.warn(f"{path}: {measured_only} record(s) written before the bound at the physical limits: "
+                          "bound_ms and measured_over_bound left empty; bound_measured_ms holds their stored bound "
+                          "(at the measured ceilings)", stacklevel=2)
         for record in run.records:
             for field in ("machine", "git_sha"):
                 if record.get(field) is None:

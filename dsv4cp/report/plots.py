@@ -217,17 +217,26 @@ def memory_vs_tokens(df: pd.DataFrame) -> Plot:
 
 
 def measured_vs_bound(df: pd.DataFrame) -> Plot:
-    """Measured median time against the cost model's lower bound (log-log), with the bound line."""
-    table = tables.measured_vs_bound(df).dropna(subset=["time_ms_median", "bound_ms"])
-    if table.empty:
+    """Measured median time against the cost model's two lower bounds (log-log), with the bound line:
+    filled markers at the physical limits (``bound_ms``), hollow ones at the measured ceilings
+    (``bound_measured_ms``; a record from before the physical bound has only these)."""
+    table = tables.measured_vs_bound(df)
+    bounds = ("bound_ms", "bound_measured_ms")
+    shown = {column: table.dropna(subset=["time_ms_median", column]) for column in bounds}
+    if all(part.empty for part in shown.values()):
         return Plot(None, "measured vs bound: no point with a model bound")
-    fig, ax = _figure("Measured step time vs the cost model's bound", _caption(df, "median step time"))
-    for i, (cp, group) in enumerate(table.groupby("cp")):
-        style = series_style(i)
-        ax.scatter(group["bound_ms"], group["time_ms_median"], label=cp_label(cp), color=style.color,
-                   marker=style.marker)
-    low = min(table["bound_ms"].min(), table["time_ms_median"].min())
-    high = max(table["bound_ms"].max(), table["time_ms_median"].max())
+    fig, ax = _figure("Measured step time vs the cost model's bounds",
+                      _caption(df, "median step time; filled: bound at the physical limits (spec sheet), hollow: "
+                                   "at the measured ceilings"))
+    labelled = next(column for column in bounds if not shown[column].empty)  # one legend entry per cp
+    for j, column in enumerate(bounds):  # the caption says which markers are which bound
+        for i, (cp, group) in enumerate(shown[column].groupby("cp")):
+            style = series_style(i)
+            ax.scatter(group[column], group["time_ms_median"], marker=style.marker,
+                       label=cp_label(cp) if column == labelled else "_nolegend_",
+                       **({"color": style.color} if j == 0 else {"facecolors": "none", "edgecolors": style.color}))
+    values = pd.concat([shown[column][name] for column in bounds for name in ("time_ms_median", column)])
+    low, high = values.min(), values.max()
     ax.plot([low, high], [low, high], linestyle="--", color="black", label="measured = bound")
     ax.set_xscale("log")
     ax.set_yscale("log")

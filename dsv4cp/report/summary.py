@@ -107,7 +107,11 @@ def _short_status(status: str, limit: int = 100) -> str:
 def _headline_section(report: ReportParts) -> list[str]:
     lines = ["## Headline", "",
              "Per point: median step time [p20, p80] in ms (max over ranks per repetition), tokens/s, TFLOP/s per "
-             "GPU, MFU, measured / model bound, peak memory per rank (GiB, max over ranks), exposed "
+             "GPU, MFU, measured / model bound at the hardware's physical limits (`measured_over_bound`: the H200 "
+             "spec sheet, 989 TFLOP/s, 4.8 TB/s, 450 GB/s per NVLink direction) and at the measured ceilings of "
+             "`bound_machine` (`measured_over_measured_bound`: 784 TFLOP/s, 4.26 TB/s on the h200x2 preset; on a "
+             "machine without a spec sheet here, a CPU, the two agree), peak memory per rank (GiB, max over ranks), "
+             "exposed "
              "communication as % of communication time (profiled points only), parity with CP = 1 "
              "(`sweep --check`; blank when not checked).", ""]
     emulated = report.df["emulated_rank"].notna() if "emulated_rank" in report.df else pd.Series(dtype=bool)

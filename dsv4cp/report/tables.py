@@ -126,13 +126,14 @@ def group_key(df: pd.DataFrame, axes: list[str]) -> pd.Series:
 # ------------------------------------------------------------------------------------------ tables
 def headline(df: pd.DataFrame) -> pd.DataFrame:
     """Per point (every status): the axes that vary, status, time median [p20, p80], tokens/s,
-    TFLOP/s per GPU, MFU, measured/bound and the machine of its bound, peak GiB (max over ranks), exposed
+    TFLOP/s per GPU, MFU, measured/bound at the physical limits (``measured_over_bound``) and at the measured
+    ceilings of ``bound_machine`` (``measured_over_measured_bound``), peak GiB (max over ranks), exposed
     comm % of comm time and parity with CP = 1 (``sweep --check``; blank when not checked), and when a
     record holds a value no measurement can (blank in its column), ``invalid``: which and why."""
     axes = varying_axes(df)
     out = df[axes + ["status"]].copy()
     for column in ("time_ms_median", "time_ms_p20", "time_ms_p80", "tokens_per_s", "tflops_per_gpu", "mfu",
-                   "measured_over_bound"):
+                   "measured_over_bound", "measured_over_measured_bound"):
         out[column] = pd.to_numeric(df[column], errors="coerce")
     out["bound_machine"] = df["bound_machine"]  # whose ceilings measured/bound is against (None: no bound)
     out["peak_gib"] = df["peak_allocated_bytes"].map(_max_gib)
@@ -412,7 +413,14 @@ def point_estimate(point: pd.Series, machine: Machine | None = None, padding: bo
         split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
                              machine or record_machine(point), total=tokens, direction=point["pass"])
     return estimate(cfg, ratio, lengths, cp, machine or record_machine(point), total=tokens, split=split,
-                    padding=padding)
+                    padding=padding, selection_scores=record_selection_scores(point))
+
+
+def record_selection_scores(point: pd.Series) -> bool:
+    """Whether a record's indexer loss took the selection's scores: its ``indexer_loss_scores`` option; a
+    record without it was written before the option existed, when the loss always scored its entries again."""
+    options = point.get("kernel_options")
+    return isinstance(options, dict) and options.get("indexer_loss_scores") == "selection"
 
 
 def record_machine(point: pd.Series) -> Machine:
@@ -442,13 +450,16 @@ def model_imbalance(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def measured_vs_bound(df: pd.DataFrame) -> pd.DataFrame:
-    """Per point: measured time against the cost model's lower bound, FLOPs and achieved rates."""
+    """Per point: measured time against the cost model's lower bounds (``bound_ms`` at the hardware's
+    physical limits, ``bound_measured_ms`` at the measured ceilings of ``bound_machine``), FLOPs and
+    achieved rates. A record from before the physical bound has only the second (its ``bound_ms`` empty)."""
     points = ok_points(df)
     axes = varying_axes(points)
     if "cp" in points and "cp" not in axes:  # the plot colours points by cp even when all share one
         axes.append("cp")
     out = points[axes].copy()
-    for column in ("time_ms_median", "bound_ms", "measured_over_bound", "tflops_per_gpu", "mfu"):
+    for column in ("time_ms_median", "bound_ms", "measured_over_bound", "bound_measured_ms",
+                   "measured_over_measured_bound", "tflops_per_gpu", "mfu"):
         out[column] = pd.to_numeric(points[column], errors="coerce")
     out["model_tflop"] = pd.to_numeric(points["model_flops"], errors="coerce") / 1e12
     out["bound_machine"] = points["bound_machine"]  # whose ceilings the bound is (None: no bound)

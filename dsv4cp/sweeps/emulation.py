@@ -26,7 +26,7 @@ from dsv4cp.model.machine import Machine
 from dsv4cp.sweeps.measure import measure_point
 from dsv4cp.sweeps.spec import ALL_RANKS, Point, RunOptions
 
-_SHARED_METRICS = ("split", "calibration", "model_flops", "bound_ms")
+_SHARED_METRICS = ("split", "calibration", "model_flops", "bound_ms", "bound_measured_ms", "bound_machine")
 """Metrics every emulated rank computes identically (the whole CP step's model and split)."""
 
 
@@ -85,6 +85,7 @@ def summary_metrics(per_rank: list[dict], tokens: int) -> dict:
         "imbalance_max_over_mean": max(medians) / mean, "slowest_rank": slowest, "slowest_rank_ms": medians[slowest],
         "tokens_per_s": tokens / (worst["time_ms_median"] / 1e3), "tflops_per_gpu": worst["tflops_per_gpu"],
         "mfu": worst["mfu"], "measured_over_bound": worst["measured_over_bound"],
+        "measured_over_measured_bound": worst["measured_over_measured_bound"],
         "peak_allocated_bytes": [m["peak_allocated_bytes"][r] for r, m in enumerate(per_rank)],
         "device_used_bytes": [m["device_used_bytes"][r] for r, m in enumerate(per_rank)],
     })

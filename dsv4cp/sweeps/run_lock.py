@@ -83,9 +83,12 @@ class RunDirLock:
             if previous is not None and previous.is_running_here():  # a filesystem whose flock does not exclude
                 raise self._held_by(previous)
             holder = json.dumps(asdict(LockHolder.of_this_process())).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, holder, 0)
-            os.fsync(fd)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, holder, 0)
+                os.fsync(fd)
+            except OSError as err:  # a full disk: named, so the one-line error says which file
+                raise OSError(err.errno, err.strerror or str(err), str(self.path)) from None
         except BaseException:
             os.close(fd)
             raise

@@ -435,7 +435,9 @@ def _line(index: int, total: int, point: Point, record: dict) -> str:
     """One printed line per recorded point."""
     status = record["status"]
     if status == STATUS_OK:
-        status = f"{record['time_ms_median']:.4g} ms (model bound {record['bound_ms']:.3g} ms)"
+        bounds = [f"{record[column]:.3g} ms at the {words}" for column, words in (
+            ("bound_ms", "physical limits"), ("bound_measured_ms", "measured ceilings")) if record[column] is not None]
+        status = f"{record['time_ms_median']:.4g} ms" + (f" (model bound {', '.join(bounds)})" if bounds else "")
     return f"[{index + 1}/{total}] {point.point_id} {point.label()}: {status}"
 
 

@@ -84,6 +84,16 @@ def test_a_point_without_a_machine_records_no_bound(monkeypatch) -> None:
     with_bound = measure.measure_point(point, None, torch.device("cpu"), run, machine=CPU_ESTIMATE).metrics
     assert with_bound["bound_machine"] == "cpu-estimate" and with_bound["bound_ms"] > 0
     assert with_bound["measured_over_bound"] == pytest.approx(with_bound["time_ms_median"] / with_bound["bound_ms"])
+    assert metrics["bound_measured_ms"] is None and metrics["measured_over_measured_bound"] is None
+    # a CPU has no spec sheet here: its physical limits are its ceilings, so the two bounds agree
+    assert with_bound["bound_measured_ms"] == with_bound["bound_ms"]
+    assert with_bound["measured_over_measured_bound"] == with_bound["measured_over_bound"]
+    # an H200's: the bound at the spec sheet's 989 TFLOP/s and 4.8 TB/s lies below the measured ceilings' one
+    h200 = measure.measure_point(point, None, torch.device("cpu"), run, machine=Machine.preset("h200x2")).metrics
+    ratio = h200["bound_ms"] / h200["bound_measured_ms"]
+    assert 784 / 989 <= ratio <= 4.26 / 4.8 and h200["bound_machine"] == "h200x2"
+    assert h200["measured_over_bound"] == pytest.approx(h200["time_ms_median"] / h200["bound_ms"])
+    assert h200["measured_over_measured_bound"] == pytest.approx(h200["time_ms_median"] / h200["bound_measured_ms"])
     balanced = make_point({"preset": "tiny", "tokens": 64, "partition": "balanced"})
     with pytest.raises(ValueError, match="^partition: a balanced split .*no bound"):
         measure.measure_point(balanced, None, torch.device("cpu"), run)

@@ -243,3 +243,65 @@ def test_measured_vs_bound():
     assert out.loc[(1, "sparse_attn", "fwd"), "efficiency"] == pytest.approx(bound / 5e-3)
     with pytest.raises(ValueError, match="measured"):
         measured_vs_bound([1.0], est)
+
+
+# ------------------------------------------------------------------------------ what runs, at which limits
+SELECTED_64K = 523_264 + (65536 - 2047) * 512
+"""Sum over the queries of one 65536-token document of the keys a ratio-4 sparse loss scores, by hand:
+``min(K, (t + 1) // 4)`` with K = 512; below t + 1 = 2048 the sum of ``n // 4`` is 4 (1 + ... + 510) + 4 * 511
+= 523264, then 63489 queries of 512."""
+
+
+def test_the_sparse_loss_on_the_selections_scores_prices_no_rescoring():
+    cfg = FLASH
+    D, H, Hi, Di, K = cfg.head_dim, cfg.n_heads, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    L = 65536
+    by_variant = {}
+    for selection in (True, False):
+        est = estimate(cfg, 4, [L], 1, Machine.preset("h200x2"), selection_scores=selection)
+        rows = est.table("fwd").set_index("phase")
+        by_variant[selection] = rows
+        rescoring = 0 if selection else 2 * Hi * Di * SELECTED_64K
+        assert rows.loc["indexer.loss", "flops"] == 2 * D * H * SELECTED_64K + rescoring
+    selection, recompute = by_variant[True], by_variant[False]
+    gathered = est.counts.gathered_rows
+    # recompute reads the indexer's queries, head weights and keys; selection reads [L, K] fp32 scores ...
+    assert (recompute.loc["indexer.loss", "hbm_bytes"] - selection.loc["indexer.loss", "hbm_bytes"]
+            == 2 * (L * Hi * Di + L * Hi + gathered * Di) - 4 * L * K)
+    # ... which the top-k writes beside its indices
+    assert selection.loc["indexer.topk", "hbm_bytes"] - recompute.loc["indexer.topk", "hbm_bytes"] == 4 * L * K
+    backward = [estimate(cfg, 4, [L], 1, Machine.preset("h200x2"), selection_scores=s).table("bwd") for s in (True, False)]
+    pd.testing.assert_frame_equal(*backward)  # the scores' backward runs either way
+
+
+def test_the_default_bound_follows_the_kernel_option_and_the_dense_loss_always_rescores():
+    from dsv4cp import kernel_options
+
+    machine = Machine.preset("h200x2")
+    def loss_flops(cfg, **kwargs):
+        return estimate(cfg, 4, [65536], 1, machine, **kwargs).table("fwd").set_index("phase").loc["indexer.loss",
+                                                                                                    "flops"]
+    assert kernel_options.get("indexer_loss_scores") == "selection"
+    assert loss_flops(FLASH) == loss_flops(FLASH, selection_scores=True)
+    with kernel_options.overrides({"indexer_loss_scores": "recompute"}):
+        assert loss_flops(FLASH) == loss_flops(FLASH, selection_scores=False) > loss_flops(FLASH, selection_scores=True)
+    dense = FLASH.replace(indexer_loss="dense")
+    assert loss_flops(dense, selection_scores=True) == loss_flops(dense, selection_scores=False)
+
+
+def test_the_physical_bound_is_at_the_h200_spec_sheet():
+    from dsv4cp.model.machine import H200_SPEC, physical_limits
+
+    measured = Machine.preset("h200x2")
+    spec = physical_limits(measured)
+    assert (spec.peak_flops, spec.hbm_bandwidth, spec.allgather_busbw, spec.p2p_bandwidth) == (
+        989e12, 4.8e12, 450e9, 450e9) == (H200_SPEC.peak_flops, H200_SPEC.hbm_bandwidth, H200_SPEC.allgather_busbw,
+                                          H200_SPEC.p2p_bandwidth)
+    assert physical_limits(measured.with_bandwidth(40e9)).allgather_busbw == 40e9  # a stated link limit stays
+    cpu = Machine.preset("cpu-estimate")
+    assert physical_limits(cpu) == cpu  # no spec sheet: its own ceilings
+    # every compute phase is bound by FLOPs or by HBM bytes: at CP = 1 the physical bound is the measured one
+    # scaled by 784/989 (FLOP-bound phases) to 4.26/4.8 (HBM-bound ones)
+    at = {m.name: estimate(FLASH, 4, [65536], 1, m).summary("fwd+bwd").bound_overlap_s for m in (measured, spec)}
+    ratio = at[spec.name] / at[measured.name]
+    assert 784 / 989 <= ratio <= 4.26 / 4.8 and ratio < 0.85

@@ -33,7 +33,8 @@ def _rank_metrics(rank: int, cp: int, rng: random.Random) -> dict:
     return {"rank_time_ms_median": times, "peak_allocated_bytes": peaks, "device_used_bytes": used,
             "time_ms_median": median, "time_ms_p20": median * 0.97, "time_ms_p80": median * 1.04,
             "tflops_per_gpu": 100.0 / median, "mfu": None, "measured_over_bound": median / 3.0,
-            "split": [0, 256, 512], "calibration": None, "model_flops": 1e9, "bound_ms": 3.0}
+            "measured_over_measured_bound": median / 3.5, "split": [0, 256, 512], "calibration": None,
+            "model_flops": 1e9, "bound_ms": 3.0, "bound_measured_ms": 3.5, "bound_machine": "h200x2"}
 
 
 @pytest.mark.parametrize("cp", [2, 3, 8])
@@ -49,6 +50,9 @@ def test_summary_is_the_slowest_rank_and_max_over_mean(cp, seed):
     assert summary["imbalance_max_over_mean"] == pytest.approx(max(medians) * cp / sum(medians), rel=1e-12)
     assert summary["time_ms_median"] == per_rank[slowest]["time_ms_median"]
     assert summary["time_ms_p80"] == per_rank[slowest]["time_ms_p80"]
+    for name in ("measured_over_bound", "measured_over_measured_bound", "bound_ms", "bound_measured_ms",
+                 "bound_machine"):
+        assert summary[name] == per_rank[slowest][name]
     assert summary["tokens_per_s"] == pytest.approx(4096 / (max(medians) / 1e3), rel=1e-12)
     assert summary["peak_allocated_bytes"] == [m["peak_allocated_bytes"][r] for r, m in enumerate(per_rank)]
     assert None not in summary["device_used_bytes"]

@@ -21,7 +21,7 @@ from dsv4cp.records import append_record, make_record, point_id, read_records
 from dsv4cp.report import diagnosis as diagnosis_module
 from dsv4cp.report import load_runs, write_report
 from dsv4cp.report.load import load_trace
-from dsv4cp.report.tables import record_machine
+from dsv4cp.report.tables import record_machine, record_selection_scores
 from dsv4cp.workloads import packing_lengths
 
 NS_MS = 5e-6
@@ -148,10 +148,11 @@ def _model_reference(point: dict, bound_ms: float) -> tuple[np.ndarray, np.ndarr
     lengths = packing_lengths(point["packing"], point["tokens"], cp=point["cp"], ratio=point["ratio"],
                               seed=int(point["seed"]))
     machine = record_machine(pd.Series(point))  # the record's bound machine (h200x2 for records without one)
-    padded = estimate(cfg, point["ratio"], lengths, point["cp"], machine, total=point["tokens"]).summary(point["pass"])
+    scores = record_selection_scores(pd.Series(point))  # what the record's loss ran (no options: re-scoring)
+    padded = estimate(cfg, point["ratio"], lengths, point["cp"], machine, total=point["tokens"],
+                      selection_scores=scores).summary(point["pass"])
     plain = estimate(cfg, point["ratio"], lengths, point["cp"], machine, total=point["tokens"],
-                     padding=False).summary(
-        point["pass"])
+                     padding=False, selection_scores=scores).summary(point["pass"])
     scale = bound_ms / (padded.bound_overlap_s * 1e3)
     bound = np.array(plain.rank_compute_s) * 1e3 * scale
     return bound, np.array(padded.rank_compute_s) * 1e3 * scale - bound

@@ -84,5 +84,5 @@ def test_one_point_id_measured_with_other_kernels_is_not_matched():
     only_a = table[table["match"] == side_by_side.ONLY_A]
     assert len(only_a) == 1 and (only_a["differences"].iloc[0]
                                  == "kernels differ: indexer_loss_kl unknown (A) vs triton (B), indexer_loss_scores "
-                                    "unknown (A) vs selection (B), library_compact_slots unknown (A) vs 1 (B), "
+                                    "recompute (A) vs selection (B), library_compact_slots unknown (A) vs 1 (B), "
                                     "triton_bwd_index_ahead 0 (A) vs 1 (B), triton_dkv_one_product 0 (A) vs 1 (B)")

@@ -113,8 +113,14 @@ def test_spawn_raises_a_ranks_disk_error_as_itself_and_names_a_killed_rank():
     assert time.monotonic() - started < 250  # the other rank was stopped, not waited for (300 s)
 
 
-@pytest.mark.parametrize("target", ["process", "group"])
-def test_an_interrupt_stops_the_sweep_promptly_keeping_its_records(tmp_path, target):
+@pytest.mark.parametrize(("target", "signum", "last_line"), [
+    ("process", signal.SIGINT, "dsv4cp sweep: interrupted"),
+    ("group", signal.SIGINT, "dsv4cp sweep: interrupted"),
+    ("process", signal.SIGTERM, "dsv4cp sweep: stopped by SIGTERM"),
+    ("group", signal.SIGTERM, "dsv4cp sweep: stopped by SIGTERM"),
+    ("process", signal.SIGHUP, "dsv4cp sweep: stopped by SIGHUP"),
+])
+def test_a_stop_signal_ends_the_sweep_promptly_keeping_its_records(tmp_path, target, signum, last_line):
     spec = _spec(tmp_path / "long.yaml", cp=2, seeds=30)
     out = tmp_path / "run"
     command = [sys.executable, "-m", "dsv4cp", "sweep", str(spec), "--out", str(out), "--progress", "off"]
@@ -127,14 +133,14 @@ def test_an_interrupt_stops_the_sweep_promptly_keeping_its_records(tmp_path, tar
                 break
             time.sleep(0.05)
         assert process.poll() is None, "the sweep ended before it could be interrupted"
-        (os.kill if target == "process" else os.killpg)(process.pid, signal.SIGINT)
+        (os.kill if target == "process" else os.killpg)(process.pid, signum)
         stdout, stderr = process.communicate(timeout=60)  # every remaining point would take minutes
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert process.returncode == 130, stderr
-    assert stderr.strip().splitlines()[-1] == "dsv4cp sweep: interrupted", stderr
+    assert process.returncode == 128 + signum, stderr
+    assert stderr.strip().splitlines()[-1] == last_line, stderr
     problems = []
     kept = read_records(out, problems)
     assert 2 <= len(kept) < 30 and not problems
@@ -154,3 +160,33 @@ def test_a_trace_the_profiler_could_not_write_is_an_error_naming_it(tmp_path, mo
         trace.capture_trace(lambda: torch.ones(4).sum(), tmp_path, steps=1, rank=0)
     assert raised.value.filename == str(tmp_path / "rank0.json") and "could not write its trace" in str(raised.value)
     assert list(tmp_path.iterdir()) == []  # the partial file removed
+
+
+def test_the_profilers_usdt_lines_are_dropped_and_its_other_output_kept(tmp_path, monkeypatch, capfd):
+    import torch
+
+    from dsv4cp.profiling import trace
+
+    export = torch.profiler.profile.export_chrome_trace
+
+    def noisy_export(prof, path: str) -> None:  # a line of the profiler's that is no USDT noise stays
+        os.write(2, b"ERROR: a profiler error to keep\n")
+        export(prof, path)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", noisy_export)
+    trace.capture_trace(lambda: torch.ones(4).sum(), tmp_path, steps=1, rank=0)
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "ERROR: a profiler error to keep\n" in err, err
+
+
+def test_a_lock_a_full_disk_cannot_take_is_an_error_naming_it(tmp_path, monkeypatch):
+    from dsv4cp.sweeps import run_lock
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run_lock.os, "pwrite", full)
+    with pytest.raises(OSError) as raised:
+        with run_lock.RunDirLock(tmp_path / "run"):
+            pass
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "run" / run_lock.LOCK_FILE)

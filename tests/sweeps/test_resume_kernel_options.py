@@ -75,8 +75,9 @@ def test_resuming_an_old_run_measures_again_every_point_whose_kernels_changed(tm
     assert read_records(out / SUPERSEDED_FILE) == stored  # nothing recorded is lost
     line, = [line for line in capsys.readouterr().err.splitlines() if "ran other kernel options" in line]
     assert line.startswith("--resume: 5 recorded point(s) ran other kernel options than they run now (")
-    # options added since the run are unknown in its records, never read as today's defaults
-    for name in ("triton_dkv_one_product unknown -> 1", "indexer_loss_scores unknown -> selection",
+    # options added since the run are unknown in its records, never read as today's defaults, unless what ran
+    # before the option existed is known (the loss scored its entries again)
+    for name in ("triton_dkv_one_product unknown -> 1", "indexer_loss_scores recompute -> selection",
                  "triton_probs_kernel unknown -> d_chunks"):
         assert name in line
 
@@ -133,3 +134,14 @@ def test_one_id_of_four_kernel_sets_has_four_configuration_keys():
 ])
 def test_option_differences_name_every_option_that_differs(stored, expected):
     assert option_differences(stored, {"a": "1", "b": "x"}) == expected
+
+
+def test_an_option_added_since_a_record_is_unknown_unless_what_ran_before_it_is_known():
+    record = {"kernel_options": {"topk_impl": "chunked"}}
+    options = resolved_options(record)
+    assert options["inject_slowdown"] == "off" and options["indexer_loss_scores"] == "recompute"
+    assert "triton_dkv_one_product" not in options  # unknown: its value before it existed is not recorded
+    now = {**options, "triton_dkv_one_product": "1"}
+    assert option_differences(options, now) == {"triton_dkv_one_product": ("unknown", "1")}
+    assert configuration_key(record) == configuration_key({"kernel_options": {**record["kernel_options"],
+                                                                               "inject_slowdown": "off"}})

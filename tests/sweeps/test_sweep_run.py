@@ -277,7 +277,9 @@ def test_profile_out_writes_the_same_record_schema(tmp_path, capsys):
     kernels = pd.read_csv(tmp_path / "trace" / "kernels.csv")  # which kernels (host ops on CPU) make each phase
     assert list(kernels.columns) == list(KERNEL_COLUMNS) and (kernels["time_ms"] > 0).all()
     assert {"dsv4cp.q_proj.fwd", "dsv4cp.sparse_attn.fwd"} <= set(kernels["phase"])
-    assert "model (bound for machine " in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "model (bound at the physical limits " in out_text and "at cpu-estimate's measured ceilings " in out_text
+    assert record["bound_measured_ms"] == record["bound_ms"]  # a CPU has no spec sheet: its ceilings are its limits
 
 
 @pytest.mark.slow
