@@ -471,6 +471,9 @@ id then no longer matches."""
 BEFORE_IT_EXISTED: Mapping[str, str] = {
     "indexer_loss_scores": "recompute",  # the sparse loss scored its entries again until the option came
     "inject_slowdown": "off",  # no slowdown was injected before the option that injects one
+    "triton_bwd_dq_pass": "0",  # the backward computed dq beside the kv gradients until its own pass came
+    "triton_kv_pass_config": "auto",  # and that pass's tiles were never pinned before it existed
+    "triton_dq_pass_config": "auto",
 }
 """Option -> the value that describes what ran before the option existed, where that is known (a record
 written before then lacks the option). Any other option a record lacks is unknown for it, never today's
