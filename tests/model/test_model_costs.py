@@ -270,7 +270,8 @@ def test_the_sparse_loss_on_the_selections_scores_prices_no_rescoring():
             == 2 * (L * Hi * Di + L * Hi + gathered * Di) - 4 * L * K)
     # ... which the top-k writes beside its indices
     assert selection.loc["indexer.topk", "hbm_bytes"] - recompute.loc["indexer.topk", "hbm_bytes"] == 4 * L * K
-    backward = [estimate(cfg, 4, [L], 1, Machine.preset("h200x2"), selection_scores=s).table("bwd") for s in (True, False)]
+    backward = [estimate(cfg, 4, [L], 1, Machine.preset("h200x2"), selection_scores=s).table("bwd")
+                for s in (True, False)]
     pd.testing.assert_frame_equal(*backward)  # the scores' backward runs either way
 
 
