@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", type=Path, required=True, help="the calibration JSON of the model column")
     parser.add_argument("--tokens", type=int, default=8192, help="the table's --tokens")
     parser.add_argument("--seed", type=int, default=0, help="the table's --seed (its packings)")
+    parser.add_argument("--indexer-loss-scores", choices=("selection", "recompute"), default="selection",
+                        help="what the sparse loss ran on when the table was measured: the selection's scores "
+                             "(today's default) or scores computed again (recompute; every table measured "
+                             "before the kernel option indexer_loss_scores existed)")
     args = parser.parse_args(argv)
     cfg = DSv4Config.preset("tiny")
     machine = Machine.from_dict(json.loads(args.machine_file.read_text()), source="--machine-file")
@@ -41,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(n) for n in row["rows_per_rank"].split("/")]
         split = RowSplit(tuple(int(b) for b in np.concatenate(([0], np.cumsum(counts)))))
         lengths = packing_lengths(row["packing"], args.tokens, cp=split.cp, ratio=RATIO, seed=args.seed)
-        est = estimate(cfg, RATIO, lengths, split.cp, machine, args.tokens, split=split)
+        est = estimate(cfg, RATIO, lengths, split.cp, machine, args.tokens, split=split,
+                       selection_scores=args.indexer_loss_scores == "selection")
         model = np.asarray(calibration.rank_compute_s(est, BOTH))
         measured = np.array([float(v) for v in row["per_rank_ms"].split("/")])
         rows.append({

@@ -20,8 +20,11 @@ class Stopped(KeyboardInterrupt):
     """A stop signal arrived; ``signum`` says which."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        super().__init__(int(signum))  # the number in args: a rank's Stopped unpickles in its spawner
+        self.signum = int(signum)
+
+    def __str__(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 def exit_code(stop: KeyboardInterrupt) -> int:

@@ -106,9 +106,33 @@ def pytest_report_header(config) -> str:
     return f"{SEED_ENV}={BASE_SEED} (every test seed derives from it; set it to vary them)"
 
 
-def pytest_collection_modifyitems(items) -> None:
-    """Seed every Hypothesis test from the base seed, so a failing example comes back on the next run
-    with the same ``DSV4CP_TEST_SEED`` (and a different one explores other examples)."""
+def pytest_addoption(parser) -> None:
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run only share K (0 <= K < N) of the selected tests, every N-th in node-id order "
+                          "(CI runs one share of the slow tests per commit, all of them over N commits)")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard: expected K/N with integers, got {text!r}") from None
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"--shard: needs 0 <= K < N, got {text!r}")
+    return k, n
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k: the share is of the tests they selected
+def pytest_collection_modifyitems(config, items) -> None:
+    """Keep only ``--shard``'s share of the tests; seed every Hypothesis test from the base seed, so a
+    failing example comes back on the next run with the same ``DSV4CP_TEST_SEED`` (and a different one
+    explores other examples)."""
+    if config.getoption("--shard"):
+        k, n = _shard(config.getoption("--shard"))
+        order = sorted(items, key=lambda item: item.nodeid)
+        kept = {id(item) for index, item in enumerate(order) if index % n == k}
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+        items[:] = [item for item in items if id(item) in kept]
     for item in items:
         test = getattr(item, "obj", None)
         if getattr(test, "is_hypothesis_test", False):

@@ -172,11 +172,16 @@ def spawn(fn: Callable[..., Any], world: int, *args, backend: str = "gloo") -> l
         raise
     drain()
     forwarded = [error for _, _, error in errors if error is not None]
-    if forwarded:  # the cause: a rank whose peer failed sees only a closed connection
-        raise forwarded[0]
+    # A rank stopped by a signal (its own interrupt, or the SIGTERM with which the others are stopped once
+    # one failed) is never the cause when another rank failed: its peer's error or death is.
+    causes = [error for error in forwarded if not isinstance(error, KeyboardInterrupt)]
+    if causes:  # the cause: a rank whose peer failed sees only a closed connection
+        raise causes[0]
     if exited is not None:
         how = f"was killed by {exited.signal_name}" if exited.signal_name else f"exited with code {exited.exit_code}"
         raise RankExited(f"rank {exited.error_index} (pid {exited.error_pid}) {how}; the other ranks were stopped")
+    if forwarded:
+        raise forwarded[0]
     if errors or len(collected) != world:
         raise RuntimeError("distributed run failed:\n" + ("\n".join(f"rank {rank}: {text}" for rank, text, _ in errors)
                                                           or "a rank exited without a result"))

@@ -191,10 +191,10 @@ def test_pinned_config_errors(monkeypatch, config, seed):
     """A bad pin fails where the options are resolved, naming the variable; a bad ``config`` keyword
     fails at the kernel, naming it."""
     monkeypatch.setenv("DSV4CP_TRITON_NORM_ROPE_CONFIG", config)
-    with pytest.raises(ValueError, match="^DSV4CP_TRITON_NORM_ROPE_CONFIG:"):
+    with pytest.raises(ValueError, match=r"^DSV4CP_TRITON_NORM_ROPE_CONFIG(\.\w+)?:"):
         KernelOptions.resolve()
     x, positions, freqs = make_case(seed, 2, 3, 16, 4)
-    with pytest.raises(ValueError, match="^config:"):
+    with pytest.raises(ValueError, match=r"^config(\.\w+)?:"):
         rope_tail(x, positions, freqs, config=config)  # the keyword reads text as the option does
 
 

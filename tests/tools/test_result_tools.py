@@ -49,7 +49,8 @@ def test_partition_shares_reproduce_the_recorded_shares(capsys):
     data = DATA / "cpu-partition"
     assert partition_shares.main(["--table", str(data / "partition-cpu.csv"), "--machine-file",
                                   str(data / "machine-cpu.json"), "--calibration",
-                                  str(data / "calibration-cpu-prefix.json")]) == 0
+                                  str(data / "calibration-cpu-prefix.json"),
+                                  "--indexer-loss-scores", "recompute"]) == 0  # measured before the option
     assert capsys.readouterr().out == (data / "per_rank.txt").read_text()
 
 
