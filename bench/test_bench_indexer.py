@@ -454,15 +454,20 @@ _SCORES_PARAMS = [pytest.param("tiny", id="tiny")] + [
 
 try:
     from dsv4cp.kernels.indexer_scores_triton import GATHER_BWD_CONFIGS as _BWD_TILES
+    from dsv4cp.kernels.indexer_scores_triton import KEYS_ON_M_BWD_CONFIGS as _KEYS_ON_M_TILES
 except ImportError:  # pragma: no cover - no triton: only the torch backend runs
-    _BWD_TILES = []
+    _BWD_TILES, _KEYS_ON_M_TILES = [], []
 _BWD_PINS = {"triton-acqrel": "64,8,2,0"} | {
     "triton-bwd-" + "x".join(map(str, tile)): ",".join(map(str, tile)) + ",1" for tile in _BWD_TILES
 }
 """Backward pins (:data:`dsv4cp.kernels.indexer_scores_triton.BWD_CONFIG_ENV`): the original kernel
 (acq_rel atomics, its 64 x 8 x 2 tile) and every tile of the ladder with relaxed atomics."""
 
-_SCORES_BACKENDS = ["torch", "triton", "triton-deterministic", "triton-acqrel"] + [
+_LAYOUTS = {"triton-heads-on-m": "heads_on_m", "triton-keys-on-m": "keys_on_m"}
+"""The backward kernel's layout per backend (the kernel option ``triton_scores_bwd_layout``; the heads-on-M
+pins of ``_BWD_PINS`` run the heads-on-M kernel, the others the default)."""
+
+_SCORES_BACKENDS = ["torch", "triton", "triton-deterministic", "triton-acqrel", *_LAYOUTS] + [
     pytest.param(name, marks=GPU_ONLY) for name in _BWD_PINS if name != "triton-acqrel"
 ]
 
@@ -483,10 +488,11 @@ def _selection(shape: Shape, entry: dict) -> tuple[torch.Tensor, torch.Tensor, i
 @pytest.mark.parametrize("backend", _SCORES_BACKENDS)
 @pytest.mark.parametrize("shape_name", _SCORES_PARAMS)
 def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeypatch):
-    """``triton`` (the ladder's default: relaxed fp32 atomics for the key gradients) against
-    ``triton-acqrel`` (the original kernel: acq_rel atomics) and ``triton-deterministic`` (per-slot
-    contributions summed per key row after a stable sort, no atomics); ``triton-bwd-KxWxS``: the backward
-    pinned to each ladder tile (GPU only). One forward + backward each, side by side."""
+    """``triton`` (the defaults: relaxed fp32 atomics for the key gradients) against ``triton-acqrel``
+    (the original kernel: acq_rel atomics), ``triton-deterministic`` (per-slot contributions summed per key
+    row after a stable sort, no atomics) and the two backward layouts at their ladders' first tiles
+    (``triton-heads-on-m``, ``triton-keys-on-m``); ``triton-bwd-KxWxS``: the heads-on-M backward pinned to
+    each of its ladder's tiles (GPU only). One forward + backward each, side by side."""
     from dsv4cp import kernels
     from dsv4cp.ops.indexer import indexer_scores
 
@@ -496,6 +502,9 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
         from dsv4cp.kernels.indexer_scores_triton import BWD_CONFIG_ENV
 
         monkeypatch.setenv(BWD_CONFIG_ENV, _BWD_PINS[backend])
+    layout = _LAYOUTS.get(backend, "heads_on_m" if backend in _BWD_PINS else None)
+    if layout is not None:
+        monkeypatch.setenv(OPTIONS["triton_scores_bwd_layout"].env, layout)
 
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
@@ -525,7 +534,7 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
     peak = _peak_extra_bytes(step)
     benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, Hi=shape.heads,
                                 Di=shape.dim, K=shape.topk, valid_slots=valid, dtype=str(q.dtype),
-                                bwd_config=_BWD_PINS.get(backend),
+                                bwd_config=_BWD_PINS.get(backend), layout=settings["layout"],
                                 peak_extra_bytes=peak, peak_extra_gib=None if peak is None else peak / 2**30)
     rounds, warmup = _rounds(shape)
     out = measure(step, None, flops=3 * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),
@@ -634,4 +643,41 @@ def test_indexer_scores_reduce_parts(benchmark, measure, shape_name, reduce, par
     rounds, warmup = _rounds(shape)
     products = {"forward": 1, "kernel": 3}.get(part, 0)
     measure(step, None, flops=products * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),
+            rounds=rounds, warmup_rounds=warmup, device=q.device)
+
+
+_KERNEL_TILES = [("heads_on_m", tile) for tile in _BWD_TILES[:1]] + [("keys_on_m", tile) for tile in _KEYS_ON_M_TILES]
+
+
+@pytest.mark.parametrize("layout,tile", _KERNEL_TILES, ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
+@pytest.mark.parametrize("shape_name", _REDUCE_PARAMS)
+def test_indexer_scores_backward_kernel(benchmark, measure, shape_name, layout, tile):
+    """The scores backward's kernel alone (fp32 atomics into the key gradient; no forward, no reduction
+    beyond the atomics) under each layout (the kernel option ``triton_scores_bwd_layout``) and tile, side by
+    side: the heads-on-M kernel at its default tile against the keys-on-M kernel at every tile of its ladder
+    (FLOPs: the three products, ``3 * 2 * Hi * Di`` per valid slot). On CPU every tile runs the
+    interpreter's one."""
+    from dsv4cp.kernels import interpreted, triton_available
+
+    shape = SHAPES[shape_name]
+    entry = _inputs(shape)
+    q, w, keys = entry["q"], entry["w"], entry["keys"]
+    if not triton_available(q.device):
+        pytest.skip(f"triton cannot run on {q.device} here")
+    from dsv4cp.kernels import indexer_scores_triton as ist
+
+    idx, grad, valid = _selection(shape, entry)
+    config = None if interpreted(q.device) else ist.GatherBwdConfig(*tile)
+    plan = ist.BackwardPlan.new(q.contiguous(), w.contiguous(), keys.contiguous(), idx, grad.float().contiguous(),
+                                "atomic", config, layout=layout)
+
+    def step():
+        plan.run_kernel(0)
+
+    step()
+    benchmark.group = f"indexer.scores.bwd_kernel.{shape.name}"
+    benchmark.extra_info.update(layout=layout, tile=list(tile), shape=shape.name, T=shape.tokens, Hi=shape.heads,
+                                Di=shape.dim, K=shape.topk, valid_slots=valid, dtype=str(q.dtype))
+    rounds, warmup = _rounds(shape)
+    measure(step, None, flops=3 * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),
             rounds=rounds, warmup_rounds=warmup, device=q.device)

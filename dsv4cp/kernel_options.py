@@ -208,6 +208,10 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "indexer scores backward's key-gradient sum: fp32 atomics, or per-slot fp32 / bf16 contributions "
                  "summed per key row in sorted order (deterministic; deterministic mode turns atomic into sorted)",
                  "atomic", ("atomic", "sorted", "sorted-bf16")),
+    KernelOption("triton_scores_bwd_layout", "DSV4CP_TRITON_SCORES_BWD_LAYOUT", CHOICE, "indexer_scores",
+                 "indexer scores backward's products: the selected keys on the matrix unit's M dimension, ds^T "
+                 "reused from the logits' registers (keys_on_m), or the heads on M, ds transposed for the key "
+                 "gradient (heads_on_m)", "keys_on_m", ("keys_on_m", "heads_on_m")),
     _tile("triton_scores_bwd_scratch", "indexer_scores", ("mib",),
           "caps the sorted key-gradient reductions' scratch per chunk of queries, in MiB (auto: 2048)", mib="positive"),
     KernelOption("indexer_loss_scores", "DSV4CP_INDEXER_LOSS_SCORES", CHOICE, "indexer_loss",
@@ -305,6 +309,7 @@ class KernelOptions:
     triton_select_config: tuple[int, ...] | None = _default("triton_select_config")
     triton_gather_bwd_config: tuple[int, ...] | None = _default("triton_gather_bwd_config")
     triton_scores_bwd_reduce: str = _default("triton_scores_bwd_reduce")
+    triton_scores_bwd_layout: str = _default("triton_scores_bwd_layout")
     triton_scores_bwd_scratch: tuple[int, ...] | None = _default("triton_scores_bwd_scratch")
     indexer_loss_scores: str = _default("indexer_loss_scores")
     indexer_loss_kl: str = _default("indexer_loss_kl")
@@ -474,6 +479,7 @@ BEFORE_IT_EXISTED: Mapping[str, str] = {
     "triton_bwd_dq_pass": "0",  # the backward computed dq beside the kv gradients until its own pass came
     "triton_kv_pass_config": "auto",  # and that pass's tiles were never pinned before it existed
     "triton_dq_pass_config": "auto",
+    "triton_scores_bwd_layout": "heads_on_m",  # the scores backward had the heads on M until the option came
 }
 """Option -> the value that describes what ran before the option existed, where that is known (a record
 written before then lacks the option). Any other option a record lacks is unknown for it, never today's

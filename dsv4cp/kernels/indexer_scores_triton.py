@@ -2,12 +2,17 @@
 :func:`indexer_scores_triton`, the autograd function behind :func:`dsv4cp.ops.indexer.indexer_scores`
 (the indexer loss's prediction), ``out[t, j] = sum_h w[t, h] relu(<q[t, h], keys[idx[t, j]]>)``.
 
-Kernels (``_gather_fwd_kernel``, ``_gather_bwd_kernel``): one program per query;
-its heads sit on the matrix-unit M dimension (``Hi = 64`` = one wgmma M), the selected key rows are
-gathered ``BLOCK_K`` at a time (``[BLOCK_K, Di]``, loaded once per block and used in every product of
-the block). Backward recomputes ``s = q k^T``, accumulates ``dw`` and ``dq = ds k`` per query in
-registers (no atomics) and produces ``dk = ds^T q`` per (query, slot) (``ds = [s > 0] w g`` is rounded
-to q's dtype for the two products, as the attention kernels do). The key gradient ``dkeys [G, Di]``
+Kernels (``_gather_fwd_kernel``, and two backward kernels): one program per query, the selected key
+rows gathered ``BLOCK_K`` at a time (``[BLOCK_K, Di]``, loaded once per block and used in every product
+of the block). The forward has the heads on the matrix-unit M dimension (``Hi = 64`` = one wgmma M).
+Backward recomputes the logits, accumulates ``dw`` and ``dq = ds k`` per query in registers (no atomics)
+and produces ``dk = ds^T q`` per (query, slot) (``ds = [s > 0] w g`` is rounded to q's dtype for the two
+products, as the attention kernels do), in one of two layouts (:data:`LAYOUTS`, the kernel option
+``triton_scores_bwd_layout``): ``keys_on_m`` (default, ``_gather_bwd_keys_on_m_kernel``: ``s^T = k q^T``
+with the keys on M, ``ds^T`` reused from the accumulator's registers as ``dk``'s operand, the head
+dimension in halves) or ``heads_on_m`` (``_gather_bwd_kernel``, the kernel before it: ``s = q k^T``,
+``ds`` transposed through shared memory for ``dk``, which runs on mma.sync at 32 keys per step). What
+each measured and what bounds them: docs/kernels.md. The key gradient ``dkeys [G, Di]``
 sums those per key row; how is the *reduction* (:data:`REDUCTIONS`, the kernel option
 ``triton_scores_bwd_reduce``):
 
@@ -42,16 +47,17 @@ Traffic and time model at the 64K flash shapes (T = 65536, Hi = 64, Di = 128, K 
 n ~ 33.0 M valid slots in the benchmark's causal selection, n Di = 4.2 G key-gradient values):
 
 * ``atomic``: 4.2 G fp32 additions (17 GB of ``REDG.F32x4`` payload) into the 8 MB ``dkeys``, which
-  stays in L2: bound by the L2's reduction throughput (the forward kernel gathers the same key rows,
-  8.6 GB from L2, for one of the three products).
+  stays in L2 (the forward kernel gathers the same key rows, 8.6 GB from L2, for one of the three
+  products): the reductions' payload crosses the SMs-to-L2 crossbar, whose throughput it bounds the
+  backward by, whatever its products cost (measured: docs/kernels.md).
 * ``sorted``: the contributions are written once and read once, 2 x 16.9 GB of HBM traffic (a chunk's
   2 GiB does not fit L2): ~8.5 ms at 4 TB/s; the sort (int16 keys while G < 2^15, int64 values: two
   radix passes), the inverse permutation and the destinations' reads add ~60 B per slot, ~2 GB
   (~0.5-1 ms) expected.
 * ``sorted-bf16``: 2 x 8.5 GB (~4.2 ms) plus the same sorting: ~5 ms of reduction traffic expected.
 
-Measured, the atomics are not what bounds the kernel: replacing them by plain stores of the same bytes
-leaves it about as slow, so the sorted reductions add their sort and segment sums on top
+Measured with the heads-on-M kernel, the atomics were not what bound it: replacing them by plain stores of
+the same bytes left it about as slow, so the sorted reductions add their sort and segment sums on top
 (``bench/test_bench_indexer.py::test_indexer_scores_reduce`` and ``test_indexer_scores_reduce_parts``;
 the figures: docs/kernels.md). The sorted reductions are the deterministic path; ``atomic`` stays the
 default.
@@ -63,8 +69,11 @@ equal chunks: at 64K, 9 chunks of 7282 queries (fp32, 1.94 GiB) or 5 of 13108 (b
 deterministic mode torch fills every ``torch.empty`` (``fill_uninitialized_memory``): one extra write of
 the contributions buffer per backward.
 
-Resources (``triton.compile`` for sm_90 with Triton 3.9, the JIT's 16-byte alignment, Di = 128,
-Hi = 64, bf16; registers per thread / shared memory, no spill anywhere): backward ``(32, 4, 2)``
+Resources (``triton.compile`` for sm_90 with Triton 3.6, the JIT's 16-byte alignment, Di = 128, Hi = 64,
+bf16, atomic; registers per thread / shared memory / spill): keys-on-M ``(64, 4, 1)`` 255 / 40 KB / none
+(two programs per SM), ``(64, 4, 2)`` 255 / 64 KB / 24 B, ``(64, 4, 3)`` 255 / 65 KB / 64 B, ``(128, 8, 2)``
+255 / 113 KB / 16 B (with the head dimension whole: ``(64, 4, 2)`` 255 / 80 KB / 56 B). Heads-on-M
+(Triton 3.9, no spill anywhere): backward ``(32, 4, 2)``
 atomic 224 / 56 KB, sorted fp32 200 / 56 KB, sorted bf16 188 / 52 KB; ``(64, 8, 2)`` 175 / 80 KB,
 190 / 80 KB, 183 / 64 KB. ``_segment_reduce_kernel`` (32 rows, 4 warps): 56 registers, 16-byte
 vector loads (``ld.global.v4.b32``); ``_invert_permutation_kernel``: 32 registers.
@@ -81,12 +90,13 @@ import triton.language as tl
 
 from dsv4cp import kernel_options
 from dsv4cp.kernels import is_deterministic
-from dsv4cp.kernels._triton_gather import gather_rows
+from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows
 from dsv4cp.kernels._triton_launch import Kernels, pinned_config
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 from dsv4cp.kernels.indexer_triton import _check_qwk, _dot_f32, _precision
 
-__all__ = ["BWD_CONFIG_ENV", "BWD_SCRATCH_BYTES", "GATHER_BWD_CONFIGS", "INDEX_BYTES_PER_SLOT", "REDUCTIONS",
+__all__ = ["BWD_CONFIG_ENV", "BWD_SCRATCH_BYTES", "GATHER_BWD_CONFIGS", "INDEX_BYTES_PER_SLOT", "KEYS_ON_M_BWD_CONFIGS",
+           "LAYOUTS", "REDUCTIONS",
            "BackwardPlan", "GatherBwdConfig", "GatherConfig", "check_settings", "indexer_scores_triton",
            "resolve_reduction", "sorted_chunk_rows"]
 
@@ -94,6 +104,10 @@ BWD_CONFIG_ENV = kernel_options.OPTIONS["triton_gather_bwd_config"].env
 """The variable of the kernel option ``triton_gather_bwd_config``: pins the ``indexer_scores``
 backward's launch: ``"block_k,num_warps,num_stages,relaxed_atomics"``
 (:class:`GatherBwdConfig`; ``relaxed_atomics`` 0 or 1)."""
+
+LAYOUTS = ("keys_on_m", "heads_on_m")
+"""The backward kernel's product layouts (the kernel option ``triton_scores_bwd_layout``):
+``_gather_bwd_keys_on_m_kernel`` and ``_gather_bwd_kernel``."""
 
 REDUCTIONS = ("atomic", "sorted", "sorted-bf16")
 """The backward's key-gradient reductions (the kernel option ``triton_scores_bwd_reduce``): fp32 atomics
@@ -224,6 +238,90 @@ def _gather_bwd_kernel(
     tl.store(DW + t * HI + heads, dw, mask=hmask)
 
 
+def _gather_bwd_keys_on_m_kernel(
+    Q, W, KEYS, IDX, GRAD, DQ, DW, DKEYS, DEST, CONTRIB,
+    HI, G, KSEL, T0,
+    stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_gt, stride_dqt, stride_dqh, stride_dkn,
+    DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    SORTED: tl.constexpr, RELAXED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """``_gather_bwd_kernel`` (same arguments, same results) with the selected keys on the matrix unit's M
+    dimension and the head dimension in two halves.
+
+    Keys on M: the logits are computed transposed, ``s^T = k q^T`` (``[BLOCK_K, BLOCK_H]``), so the key
+    gradient ``dk = ds^T q`` takes ``ds^T`` straight from the logits' accumulator registers as its wgmma A
+    operand (``BLOCK_K = 64`` keys per warpgroup is a whole wgmma M; the heads-on-M kernel transposes ``ds``
+    through shared memory and, at 32 keys per step, forms ``dk`` on mma.sync with q reloaded from shared
+    memory every step), and ``dq += ds k`` reads ``ds`` from one shared-memory copy of ``ds^T``. ``dw`` is
+    accumulated elementwise in a ``[BLOCK_K, BLOCK_H]`` register tile (``relu(s^T) g``) and reduced over
+    the keys once, after the loop.
+
+    Halves of the head dimension (``BLOCK_D / 2`` columns each): q, each gathered key tile and dq are
+    held as two tiles, ``s^T`` sums two products, and the key gradient of each half (``[BLOCK_K,
+    BLOCK_D / 2]``) is formed and added into the reduction before the other's, so only half of it, of
+    its layout conversion for the atomics and of their addresses is live at a time: at ``64, 4, 1`` no
+    spill, where the whole-width kernel spilled ~6 GB of local memory traffic at 64K (docs/kernels.md).
+    """
+    HALF: tl.constexpr = BLOCK_D // 2
+    t_local = tl.program_id(0).to(tl.int64)
+    t = T0 + t_local
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < HI
+    d0 = tl.arange(0, HALF)
+    d1 = HALF + d0
+    m0 = d0 < DI
+    m1 = d1 < DI
+    q_row = Q + t * stride_qt + heads[:, None] * stride_qh
+    q0 = tl.load(q_row + d0[None, :], mask=hmask[:, None] & m0[None, :], other=0.0)
+    q1 = tl.load(q_row + d1[None, :], mask=hmask[:, None] & m1[None, :], other=0.0)
+    if DOT_F32:
+        q0 = q0.to(tl.float32)
+        q1 = q1.to(tl.float32)
+    w = tl.load(W + t * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
+    dq0 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    dq1 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    dw_parts = tl.zeros([BLOCK_K, BLOCK_H], dtype=tl.float32)
+    for k0 in range(0, KSEL, BLOCK_K):
+        slots = k0 + tl.arange(0, BLOCK_K)
+        smask = slots < KSEL
+        rows = tl.load(IDX + t * stride_it + slots, mask=smask, other=-1)
+        rows, valid, k_0 = gather_loaded_rows(KEYS, rows, G, stride_kn, d0, m0, DI, HALF, DOT_F32)
+        _, _, k_1 = gather_loaded_rows(KEYS + HALF, rows, G, stride_kn, d0, m1, DI, HALF, DOT_F32)
+        g = tl.load(GRAD + t * stride_gt + slots, mask=valid, other=0.0)
+        st = tl.dot(k_0, tl.trans(q0), input_precision=PRECISION)  # [BLOCK_K, BLOCK_H]
+        st = tl.dot(k_1, tl.trans(q1), st, input_precision=PRECISION)
+        dw_parts += tl.maximum(st, 0.0) * g[:, None]
+        dst = tl.where(st > 0.0, g[:, None] * w[None, :], 0.0).to(q0.dtype)
+        dq0 = tl.dot(tl.trans(dst), k_0, dq0, input_precision=PRECISION)
+        dq1 = tl.dot(tl.trans(dst), k_1, dq1, input_precision=PRECISION)
+        dk = tl.dot(dst, q0, input_precision=PRECISION)  # [BLOCK_K, HALF] fp32
+        _store_key_grads(dk, rows, valid, d0, m0, DKEYS, DEST, CONTRIB, t_local, slots, KSEL, stride_dkn, DI,
+                         SORTED, RELAXED)
+        dk = tl.dot(dst, q1, input_precision=PRECISION)
+        _store_key_grads(dk, rows, valid, d1, m1, DKEYS, DEST, CONTRIB, t_local, slots, KSEL, stride_dkn, DI,
+                         SORTED, RELAXED)
+    dq_row = DQ + t * stride_dqt + heads[:, None] * stride_dqh
+    tl.store(dq_row + d0[None, :], dq0.to(DQ.dtype.element_ty), mask=hmask[:, None] & m0[None, :])
+    tl.store(dq_row + d1[None, :], dq1.to(DQ.dtype.element_ty), mask=hmask[:, None] & m1[None, :])
+    tl.store(DW + t * HI + heads, tl.sum(dw_parts, 0), mask=hmask)
+
+
+@triton.jit
+def _store_key_grads(dk, rows, valid, d, dmask, DKEYS, DEST, CONTRIB, t_local, slots, KSEL, stride_dkn,
+                     DI: tl.constexpr, SORTED: tl.constexpr, RELAXED: tl.constexpr):
+    """One step's key gradients ``dk [BLOCK_K, BLOCK_D]`` (fp32) into the reduction: a plain row store at
+    each valid slot's sorted position (SORTED), else a relaxed or acq_rel fp32 ``atomic_add`` into DKEYS."""
+    if SORTED:
+        dest = tl.load(DEST + t_local * KSEL + slots, mask=valid, other=0).to(tl.int64)
+        tl.store(CONTRIB + dest[:, None] * DI + d[None, :], dk.to(CONTRIB.dtype.element_ty),
+                 mask=valid[:, None] & dmask[None, :])
+    elif RELAXED:
+        tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk, mask=valid[:, None] & dmask[None, :],
+                      sem="relaxed")
+    else:
+        tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk, mask=valid[:, None] & dmask[None, :])
+
+
 def _invert_permutation_kernel(PERM, DEST, N, BLOCK: tl.constexpr):
     """DEST[PERM[p]] = p for p < N: each slot's position in the sorted order (PERM int64, DEST int32;
     a permutation, so every element is written once and no two programs meet)."""
@@ -258,7 +356,8 @@ def _segment_reduce_kernel(
     tl.store(DKEYS + g * stride_dkn + d, total, mask=dmask)
 
 
-_KERNELS = Kernels("indexer triton scores", _gather_fwd_kernel, _gather_bwd_kernel, _invert_permutation_kernel,
+_KERNELS = Kernels("indexer triton scores", _gather_fwd_kernel, _gather_bwd_kernel,
+                   _gather_bwd_keys_on_m_kernel, _invert_permutation_kernel,
                    _segment_reduce_kernel, op="indexer_scores")
 _build, _launch = _KERNELS.build, _KERNELS.launch
 
@@ -278,12 +377,18 @@ GATHER_BWD_CONFIGS = [(32, 4, 2), (16, 4, 2), (16, 4, 1), (64, 8, 1), (64, 8, 2)
 (the figures: docs/kernels.md). ``(32, 4, 2)`` fits two resident programs per SM without spilling."""
 
 
-def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[GatherBwdConfig]:
+KEYS_ON_M_BWD_CONFIGS = [(64, 4, 1), (64, 4, 2), (64, 4, 3), (128, 8, 2)]
+"""The keys-on-M backward's bf16 / fp16 tiles (``block_k, num_warps, num_stages``), first = default,
+fastest first at the 64K flash shapes (docs/kernels.md): ``block_k`` a whole wgmma M (64 keys per
+warpgroup); one stage (no software pipelining of the gathers) leaves room for two programs per SM."""
+
+
+def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool, layout: str) -> list[GatherBwdConfig]:
     if interpreted:
         return [GatherBwdConfig(16, 4, 1)]
     if dtype == torch.float32 or block_d > 128:
         return [GatherBwdConfig(*c) for c in ((32, 8, 1), (16, 4, 1))]
-    return [GatherBwdConfig(*c) for c in GATHER_BWD_CONFIGS]
+    return [GatherBwdConfig(*c) for c in (KEYS_ON_M_BWD_CONFIGS if layout == "keys_on_m" else GATHER_BWD_CONFIGS)]
 
 
 def _gather_bwd_pinned(config: GatherBwdConfig | tuple[int, ...] | None) -> GatherBwdConfig | None:
@@ -380,13 +485,15 @@ class BackwardPlan:
     chunk: int
     reduction: str
     config: GatherBwdConfig | None
+    layout: str
 
     @classmethod
     def new(cls, q, w, keys, idx, grad, reduction: str, config: GatherBwdConfig | None = None,
-            scratch_bytes: int = BWD_SCRATCH_BYTES) -> BackwardPlan:
+            scratch_bytes: int = BWD_SCRATCH_BYTES, layout: str | None = None) -> BackwardPlan:
         """The plan of a non-empty backward (``T, K, G > 0``): ``reduction`` one of :data:`REDUCTIONS`
         (resolved), ``config`` a checked pin or None (the ladder), ``scratch_bytes`` the sorted
-        reductions' per-chunk budget (:func:`sorted_chunk_rows`)."""
+        reductions' per-chunk budget (:func:`sorted_chunk_rows`), ``layout`` the kernel (one of
+        :data:`LAYOUTS`; None: the kernel option ``triton_scores_bwd_layout``'s default)."""
         t, _, di = q.shape
         ksel = idx.shape[1]
         contrib, chunk = None, t
@@ -397,7 +504,7 @@ class BackwardPlan:
         # every query's program writes its whole dq and dw rows: no fill (a fill of dq would be a pass over it)
         return cls(q, w, keys, idx, grad, torch.empty_like(q), torch.empty(t, q.shape[1], dtype=torch.float32,
                    device=q.device), torch.zeros(keys.shape[0], di, dtype=torch.float32, device=q.device),
-                   contrib, chunk, reduction, config)
+                   contrib, chunk, reduction, config, _layout_of(layout))
 
     def starts(self) -> range:
         """The first query of every chunk."""
@@ -408,15 +515,15 @@ class BackwardPlan:
         return _sorted_destinations(self.idx[t0:t0 + self.chunk], self.keys.shape[0])
 
     def run_kernel(self, t0: int, dest: torch.Tensor | None = None) -> None:
-        """``_gather_bwd_kernel`` over the chunk starting at ``t0``: dq and dw of its queries, and their
-        key gradients added into ``dkeys`` (``atomic``) or stored to ``contrib`` at ``dest``."""
+        """The backward kernel of :attr:`layout` over the chunk starting at ``t0``: dq and dw of its queries,
+        and their key gradients added into ``dkeys`` (``atomic``) or stored to ``contrib`` at ``dest``."""
         q, dev = self.q, self.q.device
         t, hi, di = q.shape
         rows = min(self.chunk, t - t0)
         block_d = triton.next_power_of_2(di)
         block_h = max(16, triton.next_power_of_2(hi))
         is_sorted = self.contrib is not None
-        kernel = _build("_gather_bwd_kernel", dev)
+        kernel = _build("_gather_bwd_keys_on_m_kernel" if self.layout == "keys_on_m" else "_gather_bwd_kernel", dev)
         dest = dest if is_sorted else self.dkeys  # the atomic build never reads DEST nor CONTRIB
         contrib = self.contrib if is_sorted else self.dkeys
 
@@ -431,8 +538,8 @@ class BackwardPlan:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, self.reduction),
-                _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev)), self.config, launch)
+        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, self.reduction, self.layout),
+                _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev), self.layout), self.config, launch)
 
     def reduce(self, seg: torch.Tensor) -> None:
         """``_segment_reduce_kernel``: add the chunk's contributions, segment ``seg`` by segment, to
@@ -444,17 +551,18 @@ class BackwardPlan:
 
 
 def _gather_backward(q, w, keys, idx, grad, reduction: str, config: GatherBwdConfig | None = None,
-                     scratch_bytes: int = BWD_SCRATCH_BYTES):
+                     scratch_bytes: int = BWD_SCRATCH_BYTES, layout: str | None = None):
     """``(dq, dw fp32, dkeys fp32)`` of :func:`indexer_scores_triton` for the upstream fp32 ``grad
     [T, K]``; ``reduction``: one of :data:`REDUCTIONS` (resolved: deterministic mode already applied);
     ``config``: a checked pin (:func:`_gather_bwd_pinned`) or None (the ladder); ``scratch_bytes``: the
-    sorted reductions' per-chunk budget (:func:`sorted_chunk_rows`)."""
+    sorted reductions' per-chunk budget (:func:`sorted_chunk_rows`); ``layout``: the kernel (one of
+    :data:`LAYOUTS`; None: the option's default)."""
     t, hi, di = q.shape
     g, ksel = keys.shape[0], idx.shape[1]
     if t == 0 or ksel == 0 or g == 0:
         return (torch.zeros_like(q), torch.zeros(t, hi, dtype=torch.float32, device=q.device),
                 torch.zeros(g, di, dtype=torch.float32, device=q.device))
-    plan = BackwardPlan.new(q, w, keys, idx, grad, reduction, config, scratch_bytes)
+    plan = BackwardPlan.new(q, w, keys, idx, grad, reduction, config, scratch_bytes, layout)
     for t0 in plan.starts():
         if reduction == "atomic":
             plan.run_kernel(t0)
@@ -473,11 +581,11 @@ def resolve_reduction(reduction: str, deterministic: bool) -> str:
 
 class _TritonIndexerScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, w, keys, idx, bwd_config, reduction, scratch_bytes):
+    def forward(ctx, q, w, keys, idx, bwd_config, reduction, scratch_bytes, layout):
         q_c, w_c, keys_c, idx_c = q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous()
         out = _gather_forward(q_c, w_c, keys_c, idx_c)
         ctx.save_for_backward(q_c, w_c, keys_c, idx_c)
-        ctx.bwd_config, ctx.reduction, ctx.scratch_bytes = bwd_config, reduction, scratch_bytes
+        ctx.bwd_config, ctx.reduction, ctx.scratch_bytes, ctx.layout = bwd_config, reduction, scratch_bytes, layout
         return out
 
     @staticmethod
@@ -487,8 +595,9 @@ class _TritonIndexerScores(torch.autograd.Function):
         reduction = resolve_reduction(ctx.reduction, is_deterministic())
         kernel_options.note_backend("indexer_scores.bwd", f"triton/{reduction}")
         grad = grad.to(torch.float32).contiguous()
-        dq, dw, dkeys = _gather_backward(q, w, keys, idx, grad, reduction, ctx.bwd_config, ctx.scratch_bytes)
-        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None, None, None, None
+        dq, dw, dkeys = _gather_backward(q, w, keys, idx, grad, reduction, ctx.bwd_config, ctx.scratch_bytes,
+                                         ctx.layout)
+        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None, None, None, None, None
 
 
 def _reduction_of(reduce: str | None) -> str:
@@ -498,6 +607,15 @@ def _reduction_of(reduce: str | None) -> str:
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce: must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduce!r}")
     return reduce
+
+
+def _layout_of(layout: str | None) -> str:
+    """``layout`` (checked), else the kernel option ``triton_scores_bwd_layout``'s default."""
+    if layout is None:
+        return kernel_options.OPTIONS["triton_scores_bwd_layout"].default  # type: ignore[return-value]
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    return layout
 
 
 def _scratch_of(scratch_bytes: int | None) -> int:
@@ -511,7 +629,7 @@ def _scratch_of(scratch_bytes: int | None) -> int:
 
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
                           bwd_config: GatherBwdConfig | None = None, reduce: str | None = None,
-                          scratch_bytes: int | None = None) -> torch.Tensor:
+                          scratch_bytes: int | None = None, layout: str | None = None) -> torch.Tensor:
     """Differentiable scores ``[T, K]`` fp32 of queries at key rows ``idx [T, K]`` (Triton forward and
     backward); the contract of :func:`dsv4cp.ops.indexer.indexer_scores` for bf16 / fp16 / fp32 inputs.
 
@@ -524,20 +642,22 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     chunks of queries whose scratch stays within ``scratch_bytes`` (default: :data:`BWD_SCRATCH_BYTES`;
     the op hands the kernel option ``triton_scores_bwd_scratch`` in MiB). Gradients are returned in the
     inputs' dtypes. ``bwd_config`` pins the backward's launch (a :class:`GatherBwdConfig` or the kernel
-    option ``triton_gather_bwd_config``'s integers; default: the ladder). Every argument is checked here,
-    before any work.
+    option ``triton_gather_bwd_config``'s integers; default: the ladder of the layout); ``layout`` picks the
+    backward kernel (one of :data:`LAYOUTS`; default: the kernel option ``triton_scores_bwd_layout``'s).
+    Every argument is checked here, before any work.
     """
-    pinned, reduction, scratch = check_settings(q, w, keys, idx, bwd_config=bwd_config, reduce=reduce,
-                                                scratch_bytes=scratch_bytes)
-    return _TritonIndexerScores.apply(q, w, keys, idx, pinned, reduction, scratch)
+    pinned, reduction, scratch, layout = check_settings(q, w, keys, idx, bwd_config=bwd_config, reduce=reduce,
+                                                        scratch_bytes=scratch_bytes, layout=layout)
+    return _TritonIndexerScores.apply(q, w, keys, idx, pinned, reduction, scratch, layout)
 
 
 def check_settings(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
                    bwd_config: GatherBwdConfig | None = None, reduce: str | None = None,
-                   scratch_bytes: int | None = None) -> tuple[GatherBwdConfig | None, str, int]:
+                   scratch_bytes: int | None = None,
+                   layout: str | None = None) -> tuple[GatherBwdConfig | None, str, int, str]:
     """The checks :func:`indexer_scores_triton` makes before any work (the inputs, then the backward's
-    launch pin, reduction and scratch, each from its argument or else its default): ``ValueError``
-    naming the first bad one, else ``(pinned launch or None, reduction, scratch bytes)``."""
+    launch pin, reduction, scratch and layout, each from its argument or else its default): ``ValueError``
+    naming the first bad one, else ``(pinned launch or None, reduction, scratch bytes, layout)``."""
     _check_qwk(q, w, keys)
     _check_idx(q, idx)
-    return _gather_bwd_pinned(bwd_config), _reduction_of(reduce), _scratch_of(scratch_bytes)
+    return _gather_bwd_pinned(bwd_config), _reduction_of(reduce), _scratch_of(scratch_bytes), _layout_of(layout)

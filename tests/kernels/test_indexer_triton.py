@@ -674,14 +674,15 @@ def test_gpu_indexer_scores_bf16(deterministic, seed):
 @pytest.mark.parametrize("tile", [(*t, 1) for t in GATHER_BWD_CONFIGS] + [(64, 8, 2, 0)],
                          ids=lambda t: "x".join(map(str, t)))
 def test_gpu_indexer_scores_backward_tiles_bf16(tile, seed):
-    """Every ladder tile (relaxed atomics) and the original acq_rel kernel, pinned, against the torch op:
-    bf16 at Hi = 64, Di = 128, K = 512 selected entries (repeated key rows across queries)."""
+    """Every heads-on-M ladder tile (relaxed atomics) and the original acq_rel kernel, pinned, against the
+    torch op: bf16 at Hi = 64, Di = 128, K = 512 selected entries (repeated key rows across queries). The
+    keys-on-M kernel's tiles: tests/kernels/test_indexer_scores_layouts.py."""
     case = gpu_case(seed, 2048, [2048])
     idx = triton_topk(case, 512)
     grad = torch.randn(idx.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
     cfg = GatherBwdConfig(*tile[:3], relaxed_atomics=bool(tile[3]))
     args = (case["q"], case["w"], case["keys"], idx, grad)
-    got = scores_and_grads(indexer_scores_triton, *args, bwd_config=cfg)
+    got = scores_and_grads(indexer_scores_triton, *args, bwd_config=cfg, layout="heads_on_m")
     ref = scores_and_grads(indexer_scores, *args)
     for name, a, b in zip(("out", "dq", "dw", "dkeys"), got, ref):
         cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
