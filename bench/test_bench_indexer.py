@@ -463,9 +463,10 @@ _BWD_PINS = {"triton-acqrel": "64,8,2,0"} | {
 """Backward pins (:data:`dsv4cp.kernels.indexer_scores_triton.BWD_CONFIG_ENV`): the original kernel
 (acq_rel atomics, its 64 x 8 x 2 tile) and every tile of the ladder with relaxed atomics."""
 
-_LAYOUTS = {"triton-heads-on-m": "heads_on_m", "triton-keys-on-m": "keys_on_m"}
+_LAYOUTS = {"triton-heads-on-m": "heads_on_m", "triton-keys-on-m": "keys_on_m", "triton-keys-on-m-in-step": "keys_on_m"}
 """The backward kernel's layout per backend (the kernel option ``triton_scores_bwd_layout``; the heads-on-M
-pins of ``_BWD_PINS`` run the heads-on-M kernel, the others the default)."""
+pins of ``_BWD_PINS`` run the heads-on-M kernel, the others the default); ``triton-keys-on-m-in-step`` loads
+each step's indices in the step (``triton_scores_bwd_index_ahead=0``)."""
 
 _SCORES_BACKENDS = ["torch", "triton", "triton-deterministic", "triton-acqrel", *_LAYOUTS] + [
     pytest.param(name, marks=GPU_ONLY) for name in _BWD_PINS if name != "triton-acqrel"
@@ -491,7 +492,8 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
     """``triton`` (the defaults: relaxed fp32 atomics for the key gradients) against ``triton-acqrel``
     (the original kernel: acq_rel atomics), ``triton-deterministic`` (per-slot contributions summed per key
     row after a stable sort, no atomics) and the two backward layouts at their ladders' first tiles
-    (``triton-heads-on-m``, ``triton-keys-on-m``); ``triton-bwd-KxWxS``: the heads-on-M backward pinned to
+    (``triton-heads-on-m``, ``triton-keys-on-m``, and ``triton-keys-on-m-in-step`` without the indices
+    ahead); ``triton-bwd-KxWxS``: the heads-on-M backward pinned to
     each of its ladder's tiles (GPU only). One forward + backward each, side by side."""
     from dsv4cp import kernels
     from dsv4cp.ops.indexer import indexer_scores
@@ -505,6 +507,8 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
     layout = _LAYOUTS.get(backend, "heads_on_m" if backend in _BWD_PINS else None)
     if layout is not None:
         monkeypatch.setenv(OPTIONS["triton_scores_bwd_layout"].env, layout)
+    if backend == "triton-keys-on-m-in-step":
+        monkeypatch.setenv(OPTIONS["triton_scores_bwd_index_ahead"].env, "0")
 
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
@@ -535,6 +539,7 @@ def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeyp
     benchmark.extra_info.update(backend=backend, shape=shape.name, T=shape.tokens, Hi=shape.heads,
                                 Di=shape.dim, K=shape.topk, valid_slots=valid, dtype=str(q.dtype),
                                 bwd_config=_BWD_PINS.get(backend), layout=settings["layout"],
+                                index_ahead=settings["index_ahead"],
                                 peak_extra_bytes=peak, peak_extra_gib=None if peak is None else peak / 2**30)
     rounds, warmup = _rounds(shape)
     out = measure(step, None, flops=3 * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),
@@ -646,17 +651,25 @@ def test_indexer_scores_reduce_parts(benchmark, measure, shape_name, reduce, par
             rounds=rounds, warmup_rounds=warmup, device=q.device)
 
 
-_KERNEL_TILES = [("heads_on_m", tile) for tile in _BWD_TILES[:1]] + [("keys_on_m", tile) for tile in _KEYS_ON_M_TILES]
+_KERNEL_TILES = ([("heads_on_m", tile, False) for tile in _BWD_TILES[:1]]
+                 + [("keys_on_m", tile, True) for tile in _KEYS_ON_M_TILES]
+                 + [("keys_on_m", tile, False) for tile in _KEYS_ON_M_TILES[:1]])
 
 
-@pytest.mark.parametrize("layout,tile", _KERNEL_TILES, ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
+def _kernel_id(value) -> str:
+    if isinstance(value, bool):
+        return "ahead" if value else "in-step"
+    return value if isinstance(value, str) else "x".join(map(str, value))
+
+
+@pytest.mark.parametrize("layout,tile,ahead", _KERNEL_TILES, ids=_kernel_id)
 @pytest.mark.parametrize("shape_name", _REDUCE_PARAMS)
-def test_indexer_scores_backward_kernel(benchmark, measure, shape_name, layout, tile):
+def test_indexer_scores_backward_kernel(benchmark, measure, shape_name, layout, tile, ahead):
     """The scores backward's kernel alone (fp32 atomics into the key gradient; no forward, no reduction
     beyond the atomics) under each layout (the kernel option ``triton_scores_bwd_layout``) and tile, side by
     side: the heads-on-M kernel at its default tile against the keys-on-M kernel at every tile of its ladder
-    (FLOPs: the three products, ``3 * 2 * Hi * Di`` per valid slot). On CPU every tile runs the
-    interpreter's one."""
+    with its indices a step ahead, and at its first tile without (``triton_scores_bwd_index_ahead``; FLOPs:
+    the three products, ``3 * 2 * Hi * Di`` per valid slot). On CPU every tile runs the interpreter's one."""
     from dsv4cp.kernels import interpreted, triton_available
 
     shape = SHAPES[shape_name]
@@ -669,14 +682,15 @@ def test_indexer_scores_backward_kernel(benchmark, measure, shape_name, layout, 
     idx, grad, valid = _selection(shape, entry)
     config = None if interpreted(q.device) else ist.GatherBwdConfig(*tile)
     plan = ist.BackwardPlan.new(q.contiguous(), w.contiguous(), keys.contiguous(), idx, grad.float().contiguous(),
-                                "atomic", config, layout=layout)
+                                "atomic", config, layout=layout, index_ahead=ahead)
 
     def step():
         plan.run_kernel(0)
 
     step()
     benchmark.group = f"indexer.scores.bwd_kernel.{shape.name}"
-    benchmark.extra_info.update(layout=layout, tile=list(tile), shape=shape.name, T=shape.tokens, Hi=shape.heads,
+    benchmark.extra_info.update(layout=layout, tile=list(tile), index_ahead=ahead, shape=shape.name, T=shape.tokens,
+                                Hi=shape.heads,
                                 Di=shape.dim, K=shape.topk, valid_slots=valid, dtype=str(q.dtype))
     rounds, warmup = _rounds(shape)
     measure(step, None, flops=3 * 2.0 * shape.heads * shape.dim * valid, bytes_moved=_bytes(shape, entry),

@@ -212,6 +212,8 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "indexer scores backward's products: the selected keys on the matrix unit's M dimension, ds^T "
                  "reused from the logits' registers (keys_on_m), or the heads on M, ds transposed for the key "
                  "gradient (heads_on_m)", "keys_on_m", ("keys_on_m", "heads_on_m")),
+    KernelOption("triton_scores_bwd_index_ahead", "DSV4CP_TRITON_SCORES_BWD_INDEX_AHEAD", FLAG, "indexer_scores",
+                 "indexer scores backward (keys on M) loads each step's key-row indices one step ahead (1)", True),
     _tile("triton_scores_bwd_scratch", "indexer_scores", ("mib",),
           "caps the sorted key-gradient reductions' scratch per chunk of queries, in MiB (auto: 2048)", mib="positive"),
     KernelOption("indexer_loss_scores", "DSV4CP_INDEXER_LOSS_SCORES", CHOICE, "indexer_loss",
@@ -310,6 +312,7 @@ class KernelOptions:
     triton_gather_bwd_config: tuple[int, ...] | None = _default("triton_gather_bwd_config")
     triton_scores_bwd_reduce: str = _default("triton_scores_bwd_reduce")
     triton_scores_bwd_layout: str = _default("triton_scores_bwd_layout")
+    triton_scores_bwd_index_ahead: bool = _default("triton_scores_bwd_index_ahead")
     triton_scores_bwd_scratch: tuple[int, ...] | None = _default("triton_scores_bwd_scratch")
     indexer_loss_scores: str = _default("indexer_loss_scores")
     indexer_loss_kl: str = _default("indexer_loss_kl")
@@ -480,6 +483,7 @@ BEFORE_IT_EXISTED: Mapping[str, str] = {
     "triton_kv_pass_config": "auto",  # and that pass's tiles were never pinned before it existed
     "triton_dq_pass_config": "auto",
     "triton_scores_bwd_layout": "heads_on_m",  # the scores backward had the heads on M until the option came
+    "triton_scores_bwd_index_ahead": "0",  # and loaded no index ahead
 }
 """Option -> the value that describes what ran before the option existed, where that is known (a record
 written before then lacks the option). Any other option a record lacks is unknown for it, never today's

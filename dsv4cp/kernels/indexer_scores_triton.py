@@ -244,6 +244,7 @@ def _gather_bwd_keys_on_m_kernel(
     stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_gt, stride_dqt, stride_dqh, stride_dkn,
     DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     SORTED: tl.constexpr, RELAXED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr = False,
 ):
     """``_gather_bwd_kernel`` (same arguments, same results) with the selected keys on the matrix unit's M
     dimension and the head dimension in two halves.
@@ -261,6 +262,10 @@ def _gather_bwd_keys_on_m_kernel(
     BLOCK_D / 2]``) is formed and added into the reduction before the other's, so only half of it, of
     its layout conversion for the atomics and of their addresses is live at a time: at ``64, 4, 1`` no
     spill, where the whole-width kernel spilled ~6 GB of local memory traffic at 64K (docs/kernels.md).
+
+    INDEX_AHEAD: each step's key-row indices are loaded one step ahead, into registers, so a step's gather
+    waits for the L2 alone, not for an index load from memory first (with one stage nothing else loads
+    them ahead).
     """
     HALF: tl.constexpr = BLOCK_D // 2
     t_local = tl.program_id(0).to(tl.int64)
@@ -281,10 +286,16 @@ def _gather_bwd_keys_on_m_kernel(
     dq0 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     dq1 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     dw_parts = tl.zeros([BLOCK_K, BLOCK_H], dtype=tl.float32)
+    first = tl.arange(0, BLOCK_K)
+    next_rows = tl.load(IDX + t * stride_it + first, mask=INDEX_AHEAD & (first < KSEL), other=-1)
     for k0 in range(0, KSEL, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
         smask = slots < KSEL
-        rows = tl.load(IDX + t * stride_it + slots, mask=smask, other=-1)
+        if INDEX_AHEAD:
+            rows = next_rows
+            next_rows = tl.load(IDX + t * stride_it + slots + BLOCK_K, mask=slots + BLOCK_K < KSEL, other=-1)
+        else:
+            rows = tl.load(IDX + t * stride_it + slots, mask=smask, other=-1)
         rows, valid, k_0 = gather_loaded_rows(KEYS, rows, G, stride_kn, d0, m0, DI, HALF, DOT_F32)
         _, _, k_1 = gather_loaded_rows(KEYS + HALF, rows, G, stride_kn, d0, m1, DI, HALF, DOT_F32)
         g = tl.load(GRAD + t * stride_gt + slots, mask=valid, other=0.0)
@@ -486,14 +497,17 @@ class BackwardPlan:
     reduction: str
     config: GatherBwdConfig | None
     layout: str
+    index_ahead: bool = True
 
     @classmethod
     def new(cls, q, w, keys, idx, grad, reduction: str, config: GatherBwdConfig | None = None,
-            scratch_bytes: int = BWD_SCRATCH_BYTES, layout: str | None = None) -> BackwardPlan:
+            scratch_bytes: int = BWD_SCRATCH_BYTES, layout: str | None = None,
+            index_ahead: bool | None = None) -> BackwardPlan:
         """The plan of a non-empty backward (``T, K, G > 0``): ``reduction`` one of :data:`REDUCTIONS`
         (resolved), ``config`` a checked pin or None (the ladder), ``scratch_bytes`` the sorted
         reductions' per-chunk budget (:func:`sorted_chunk_rows`), ``layout`` the kernel (one of
-        :data:`LAYOUTS`; None: the kernel option ``triton_scores_bwd_layout``'s default)."""
+        :data:`LAYOUTS`; None: the kernel option ``triton_scores_bwd_layout``'s default), ``index_ahead`` the
+        keys-on-M kernel's indices a step ahead (None: the option ``triton_scores_bwd_index_ahead``'s default)."""
         t, _, di = q.shape
         ksel = idx.shape[1]
         contrib, chunk = None, t
@@ -504,7 +518,7 @@ class BackwardPlan:
         # every query's program writes its whole dq and dw rows: no fill (a fill of dq would be a pass over it)
         return cls(q, w, keys, idx, grad, torch.empty_like(q), torch.empty(t, q.shape[1], dtype=torch.float32,
                    device=q.device), torch.zeros(keys.shape[0], di, dtype=torch.float32, device=q.device),
-                   contrib, chunk, reduction, config, _layout_of(layout))
+                   contrib, chunk, reduction, config, _layout_of(layout), _index_ahead_of(index_ahead))
 
     def starts(self) -> range:
         """The first query of every chunk."""
@@ -535,10 +549,11 @@ class BackwardPlan:
                 self.grad.stride(0), self.dq.stride(0), self.dq.stride(1), self.dkeys.stride(0),
                 DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k, SORTED=is_sorted,
                 RELAXED=cfg.relaxed_atomics, PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **ahead,
             )
 
-        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, self.reduction, self.layout),
+        ahead = {"INDEX_AHEAD": self.index_ahead} if self.layout == "keys_on_m" else {}
+        _launch("gather_bwd", (dev.type, di, block_h, q.dtype, self.reduction, self.layout, self.index_ahead),
                 _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev), self.layout), self.config, launch)
 
     def reduce(self, seg: torch.Tensor) -> None:
@@ -551,18 +566,20 @@ class BackwardPlan:
 
 
 def _gather_backward(q, w, keys, idx, grad, reduction: str, config: GatherBwdConfig | None = None,
-                     scratch_bytes: int = BWD_SCRATCH_BYTES, layout: str | None = None):
+                     scratch_bytes: int = BWD_SCRATCH_BYTES, layout: str | None = None,
+                     index_ahead: bool | None = None):
     """``(dq, dw fp32, dkeys fp32)`` of :func:`indexer_scores_triton` for the upstream fp32 ``grad
     [T, K]``; ``reduction``: one of :data:`REDUCTIONS` (resolved: deterministic mode already applied);
     ``config``: a checked pin (:func:`_gather_bwd_pinned`) or None (the ladder); ``scratch_bytes``: the
     sorted reductions' per-chunk budget (:func:`sorted_chunk_rows`); ``layout``: the kernel (one of
-    :data:`LAYOUTS`; None: the option's default)."""
+    :data:`LAYOUTS`; None: the option's default); ``index_ahead``: the keys-on-M kernel's indices a step
+    ahead (None: the option's default)."""
     t, hi, di = q.shape
     g, ksel = keys.shape[0], idx.shape[1]
     if t == 0 or ksel == 0 or g == 0:
         return (torch.zeros_like(q), torch.zeros(t, hi, dtype=torch.float32, device=q.device),
                 torch.zeros(g, di, dtype=torch.float32, device=q.device))
-    plan = BackwardPlan.new(q, w, keys, idx, grad, reduction, config, scratch_bytes, layout)
+    plan = BackwardPlan.new(q, w, keys, idx, grad, reduction, config, scratch_bytes, layout, index_ahead)
     for t0 in plan.starts():
         if reduction == "atomic":
             plan.run_kernel(t0)
@@ -581,11 +598,12 @@ def resolve_reduction(reduction: str, deterministic: bool) -> str:
 
 class _TritonIndexerScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, w, keys, idx, bwd_config, reduction, scratch_bytes, layout):
+    def forward(ctx, q, w, keys, idx, bwd_config, reduction, scratch_bytes, layout, index_ahead):
         q_c, w_c, keys_c, idx_c = q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous()
         out = _gather_forward(q_c, w_c, keys_c, idx_c)
         ctx.save_for_backward(q_c, w_c, keys_c, idx_c)
-        ctx.bwd_config, ctx.reduction, ctx.scratch_bytes, ctx.layout = bwd_config, reduction, scratch_bytes, layout
+        ctx.bwd_config, ctx.reduction, ctx.scratch_bytes = bwd_config, reduction, scratch_bytes
+        ctx.layout, ctx.index_ahead = layout, index_ahead
         return out
 
     @staticmethod
@@ -596,8 +614,8 @@ class _TritonIndexerScores(torch.autograd.Function):
         kernel_options.note_backend("indexer_scores.bwd", f"triton/{reduction}")
         grad = grad.to(torch.float32).contiguous()
         dq, dw, dkeys = _gather_backward(q, w, keys, idx, grad, reduction, ctx.bwd_config, ctx.scratch_bytes,
-                                         ctx.layout)
-        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None, None, None, None, None
+                                         ctx.layout, ctx.index_ahead)
+        return dq, dw.to(w.dtype), dkeys.to(keys.dtype), None, None, None, None, None, None
 
 
 def _reduction_of(reduce: str | None) -> str:
@@ -618,6 +636,15 @@ def _layout_of(layout: str | None) -> str:
     return layout
 
 
+def _index_ahead_of(index_ahead: bool | None) -> bool:
+    """``index_ahead`` (checked), else the kernel option ``triton_scores_bwd_index_ahead``'s default."""
+    if index_ahead is None:
+        return bool(kernel_options.OPTIONS["triton_scores_bwd_index_ahead"].default)
+    if not isinstance(index_ahead, bool):
+        raise ValueError(f"index_ahead: must be a bool, got {index_ahead!r}")
+    return index_ahead
+
+
 def _scratch_of(scratch_bytes: int | None) -> int:
     """``scratch_bytes`` (checked), else :data:`BWD_SCRATCH_BYTES`."""
     if scratch_bytes is None:
@@ -629,7 +656,8 @@ def _scratch_of(scratch_bytes: int | None) -> int:
 
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
                           bwd_config: GatherBwdConfig | None = None, reduce: str | None = None,
-                          scratch_bytes: int | None = None, layout: str | None = None) -> torch.Tensor:
+                          scratch_bytes: int | None = None, layout: str | None = None,
+                          index_ahead: bool | None = None) -> torch.Tensor:
     """Differentiable scores ``[T, K]`` fp32 of queries at key rows ``idx [T, K]`` (Triton forward and
     backward); the contract of :func:`dsv4cp.ops.indexer.indexer_scores` for bf16 / fp16 / fp32 inputs.
 
@@ -643,21 +671,25 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     the op hands the kernel option ``triton_scores_bwd_scratch`` in MiB). Gradients are returned in the
     inputs' dtypes. ``bwd_config`` pins the backward's launch (a :class:`GatherBwdConfig` or the kernel
     option ``triton_gather_bwd_config``'s integers; default: the ladder of the layout); ``layout`` picks the
-    backward kernel (one of :data:`LAYOUTS`; default: the kernel option ``triton_scores_bwd_layout``'s).
-    Every argument is checked here, before any work.
+    backward kernel (one of :data:`LAYOUTS`; default: the kernel option ``triton_scores_bwd_layout``'s) and
+    ``index_ahead`` whether the keys-on-M kernel loads its indices a step ahead (default: the option
+    ``triton_scores_bwd_index_ahead``'s). Every argument is checked here, before any work.
     """
-    pinned, reduction, scratch, layout = check_settings(q, w, keys, idx, bwd_config=bwd_config, reduce=reduce,
-                                                        scratch_bytes=scratch_bytes, layout=layout)
-    return _TritonIndexerScores.apply(q, w, keys, idx, pinned, reduction, scratch, layout)
+    pinned, reduction, scratch, layout, ahead = check_settings(q, w, keys, idx, bwd_config=bwd_config,
+                                                               reduce=reduce, scratch_bytes=scratch_bytes,
+                                                               layout=layout, index_ahead=index_ahead)
+    return _TritonIndexerScores.apply(q, w, keys, idx, pinned, reduction, scratch, layout, ahead)
 
 
 def check_settings(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,
                    bwd_config: GatherBwdConfig | None = None, reduce: str | None = None,
-                   scratch_bytes: int | None = None,
-                   layout: str | None = None) -> tuple[GatherBwdConfig | None, str, int, str]:
+                   scratch_bytes: int | None = None, layout: str | None = None,
+                   index_ahead: bool | None = None) -> tuple[GatherBwdConfig | None, str, int, str, bool]:
     """The checks :func:`indexer_scores_triton` makes before any work (the inputs, then the backward's
-    launch pin, reduction, scratch and layout, each from its argument or else its default): ``ValueError``
-    naming the first bad one, else ``(pinned launch or None, reduction, scratch bytes, layout)``."""
+    launch pin, reduction, scratch, layout and index order, each from its argument or else its default):
+    ``ValueError`` naming the first bad one, else ``(pinned launch or None, reduction, scratch bytes,
+    layout, index_ahead)``."""
     _check_qwk(q, w, keys)
     _check_idx(q, idx)
-    return _gather_bwd_pinned(bwd_config), _reduction_of(reduce), _scratch_of(scratch_bytes), _layout_of(layout)
+    return (_gather_bwd_pinned(bwd_config), _reduction_of(reduce), _scratch_of(scratch_bytes), _layout_of(layout),
+            _index_ahead_of(index_ahead))

@@ -132,7 +132,7 @@ TOPK_OPTION_NAMES = ("topk_impl", "topk_select", "topk_keys", "topk_select_varia
                      "triton_topk_stream_config", "triton_select_config")
 """The kernel options of the top-k: its custom ops (:mod:`.indexer_library`) take their values as arguments."""
 SCORES_OPTION_NAMES = ("triton_gather_bwd_config", "triton_scores_bwd_reduce", "triton_scores_bwd_scratch",
-                       "triton_scores_bwd_layout")
+                       "triton_scores_bwd_layout", "triton_scores_bwd_index_ahead")
 """The kernel options of the scores' backward, taken as arguments by the scores' custom ops."""
 
 
@@ -253,7 +253,7 @@ def scores_backward_keywords(options: KernelOptions) -> dict:
     scratch = options.triton_scores_bwd_scratch
     return {"bwd_config": options.triton_gather_bwd_config, "reduce": options.triton_scores_bwd_reduce,
             "scratch_bytes": None if scratch is None else scratch[0] * 2**20,
-            "layout": options.triton_scores_bwd_layout}
+            "layout": options.triton_scores_bwd_layout, "index_ahead": options.triton_scores_bwd_index_ahead}
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, *,

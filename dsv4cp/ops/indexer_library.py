@@ -72,7 +72,8 @@ def _(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit, *opt
 @torch.library.custom_op("dsv4cp::indexer_scores_fwd", mutates_args=())
 def indexer_scores_fwd(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor,
                        gather_bwd_config: list[int], scores_bwd_reduce: str,
-                       scores_bwd_scratch: list[int], scores_bwd_layout: str) -> torch.Tensor:
+                       scores_bwd_scratch: list[int], scores_bwd_layout: str,
+                       scores_bwd_index_ahead: bool) -> torch.Tensor:
     from dsv4cp.kernels import indexer_scores_triton as kernels  # lazy: imports triton
     from dsv4cp.kernels.indexer_triton import _check_qwk
 
@@ -91,23 +92,23 @@ def _(q, w, keys, idx, *options):
 @torch.library.custom_op("dsv4cp::indexer_scores_bwd", mutates_args=())
 def indexer_scores_bwd(grad: torch.Tensor, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
                        idx: torch.Tensor, gather_bwd_config: list[int], scores_bwd_reduce: str,
-                       scores_bwd_scratch: list[int],
-                       scores_bwd_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       scores_bwd_scratch: list[int], scores_bwd_layout: str,
+                       scores_bwd_index_ahead: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from dsv4cp.kernels import indexer_scores_triton as kernels  # lazy: imports triton
 
     options = KernelOptions.from_op_values(SCORES_OPTION_NAMES,
                                            (gather_bwd_config, scores_bwd_reduce, scores_bwd_scratch,
-                                            scores_bwd_layout))
+                                            scores_bwd_layout, scores_bwd_index_ahead))
     with nvtx_range("indexer.score.bwd"):
         # as the eager autograd function: the options' launch pin, reduction, scratch and layout, and
         # deterministic mode as it stands when the backward runs
-        pinned, reduction, scratch, layout = kernels.check_settings(q, w, keys, idx,
-                                                                    **scores_backward_keywords(options))
+        pinned, reduction, scratch, layout, ahead = kernels.check_settings(q, w, keys, idx,
+                                                                           **scores_backward_keywords(options))
         reduction = kernels.resolve_reduction(reduction, is_deterministic())
         kernel_options.note_backend("indexer_scores.bwd", f"triton/{reduction}")
         dq, dw, dkeys = kernels._gather_backward(q.contiguous(), w.contiguous(), keys.contiguous(), idx.contiguous(),
                                                  grad.to(torch.float32).contiguous(), reduction, pinned, scratch,
-                                                 layout)
+                                                 layout, ahead)
     return dq, dw.to(w.dtype), dkeys.to(keys.dtype)
 
 

@@ -1,7 +1,7 @@
 """One launch of a kernel at the 64K flash shapes of bench/test_bench_indexer.py, for ncu (which profiles the
 kernel its -k names). Run from the repository root:
 
-    python results/2026-12-02-h200-scores-backward/one_kernel.py scores-bwd LAYOUT BLOCK_K,WARPS,STAGES
+    python results/2026-12-02-h200-scores-backward/one_kernel.py scores-bwd LAYOUT BLOCK_K,WARPS,STAGES [ahead|in-step]
     python results/2026-12-02-h200-scores-backward/one_kernel.py topk
 """
 
@@ -19,7 +19,9 @@ q, w, keys = entry["q"], entry["w"], entry["keys"]
 if sys.argv[1] == "scores-bwd":
     idx, grad, _ = _selection(shape, entry)
     cfg = ist.GatherBwdConfig(*map(int, sys.argv[3].split(",")))
-    plan = ist.BackwardPlan.new(q, w, keys, idx, grad.float().contiguous(), "atomic", cfg, layout=sys.argv[2])
+    ahead = {"ahead": True, "in-step": False}[sys.argv[4]] if len(sys.argv) > 4 else None  # None: the default
+    plan = ist.BackwardPlan.new(q, w, keys, idx, grad.float().contiguous(), "atomic", cfg, layout=sys.argv[2],
+                                index_ahead=ahead)
     plan.run_kernel(0)
 else:
     fused_indexer_topk(q, w, keys, *_vis_args(entry), shape.topk)
