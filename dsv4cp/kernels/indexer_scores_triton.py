@@ -70,9 +70,10 @@ deterministic mode torch fills every ``torch.empty`` (``fill_uninitialized_memor
 the contributions buffer per backward.
 
 Resources (``triton.compile`` for sm_90 with Triton 3.6, the JIT's 16-byte alignment, Di = 128, Hi = 64,
-bf16, atomic; registers per thread / shared memory / spill): keys-on-M ``(64, 4, 1)`` 255 / 40 KB / none
-(two programs per SM), ``(64, 4, 2)`` 255 / 64 KB / 24 B, ``(64, 4, 3)`` 255 / 65 KB / 64 B, ``(128, 8, 2)``
-255 / 113 KB / 16 B (with the head dimension whole: ``(64, 4, 2)`` 255 / 80 KB / 56 B). Heads-on-M
+bf16, atomic; registers per thread / shared memory / spill): keys-on-M with the indices ahead ``(64, 4, 3)``
+255 / 81 KB / 96 B, ``(64, 4, 2)`` 255 / 64 KB / 104 B, ``(64, 4, 1)`` 255 / 40 KB / 32 B, ``(128, 8, 2)``
+255 / 113 KB / 48 B; in-step indices ``(64, 4, 1)`` no spill, ``(64, 4, 3)`` 64 B (with the head dimension
+whole: ``(64, 4, 2)`` 255 / 80 KB / 56 B). Heads-on-M
 (Triton 3.9, no spill anywhere): backward ``(32, 4, 2)``
 atomic 224 / 56 KB, sorted fp32 200 / 56 KB, sorted bf16 188 / 52 KB; ``(64, 8, 2)`` 175 / 80 KB,
 190 / 80 KB, 183 / 64 KB. ``_segment_reduce_kernel`` (32 rows, 4 warps): 56 registers, 16-byte
@@ -388,10 +389,10 @@ GATHER_BWD_CONFIGS = [(32, 4, 2), (16, 4, 2), (16, 4, 1), (64, 8, 1), (64, 8, 2)
 (the figures: docs/kernels.md). ``(32, 4, 2)`` fits two resident programs per SM without spilling."""
 
 
-KEYS_ON_M_BWD_CONFIGS = [(64, 4, 1), (64, 4, 2), (64, 4, 3), (128, 8, 2)]
+KEYS_ON_M_BWD_CONFIGS = [(64, 4, 3), (64, 4, 2), (64, 4, 1), (128, 8, 2)]
 """The keys-on-M backward's bf16 / fp16 tiles (``block_k, num_warps, num_stages``), first = default,
-fastest first at the 64K flash shapes (docs/kernels.md): ``block_k`` a whole wgmma M (64 keys per
-warpgroup); one stage (no software pipelining of the gathers) leaves room for two programs per SM."""
+fastest first at the 64K flash shapes with the indices a step ahead (docs/kernels.md): ``block_k`` a whole
+wgmma M (64 keys per warpgroup), two programs per SM at each 4-warp tile."""
 
 
 def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool, layout: str) -> list[GatherBwdConfig]:

@@ -3,8 +3,8 @@
 # pytest-benchmark run, ncu of both (sections, the L2's load, stall reasons), the GPU tests, the kernel's
 # variants (variants.py), ncu of the top-k's kernels, and the layer with either kernel (layer.yaml).
 # Run from the repository root on the GPU machine: PARTS="tests bench ncu l2 stalls layer variants" bash run.sh OUT_DIR
-# (AHEAD=in-step: ncu of the keys-on-M kernel without its indices a step ahead; keys-on-m/ ran so, before the
-# option existed)
+# (ncu of the keys-on-M kernel at TILE, default 64,4,3, AHEAD=in-step: without its indices a step ahead;
+# keys-on-m/ ran TILE=64,4,1 AHEAD=in-step, before the option existed; index-ahead/ TILE=64,4,1)
 set -uo pipefail
 out=${1:?output folder}
 dir=results/2026-12-02-h200-scores-backward
@@ -40,13 +40,13 @@ bench)
     ;;
 ncu)
     ncu_one '^_gather_bwd_kernel$' "heads on M, 32 x 4 x 2" scores-bwd heads_on_m 32,4,2
-    ncu_one '^_gather_bwd_keys_on_m_kernel$' "keys on M, 64 x 4 x 1" scores-bwd keys_on_m 64,4,1 ${AHEAD:-ahead}
+    ncu_one '^_gather_bwd_keys_on_m_kernel$' "keys on M, ${TILE:-64,4,3}" scores-bwd keys_on_m ${TILE:-64,4,3} ${AHEAD:-ahead}
     ;;
 variants)
     timeout 240 python3 "$dir/variants.py" 2>&1 | quiet | tee "$out/variants.txt"
     ;;
 l2)  # the L2's throughput by unit and the sectors by operation: what the backward kernels load the L2 with
-    for args in "heads_on_m 32,4,2" "keys_on_m 64,4,1 ${AHEAD:-ahead}"; do
+    for args in "heads_on_m 32,4,2" "keys_on_m ${TILE:-64,4,3} ${AHEAD:-ahead}"; do
       { echo "=== L2 of scores-bwd $args"
         timeout 120 ncu --clock-control none -k "regex:^_gather_bwd" -c 1 \
           --metrics breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_red.sum,lts__t_sectors_srcunit_tex_op_atom.sum,lts__t_sectors_srcunit_tex_op_write.sum,lts__t_requests_srcunit_tex_op_red.sum,lts__t_sectors_srcunit_tex_aperture_device_op_read_lookup_miss.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,gpu__time_duration.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
@@ -58,7 +58,7 @@ stalls)  # why the warps wait: issue-stall reasons per issued instruction, each 
     m=$(for r in long_scoreboard short_scoreboard barrier wait math_pipe_throttle mio_throttle lg_throttle not_selected \
         selected dispatch_stall no_instruction membar drain sleeping tex_throttle branch_resolving imc_miss misc; do
         printf "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio," $r; done)
-    for spec in "^_gather_bwd_kernel$|scores-bwd heads_on_m 32,4,2" "^_gather_bwd_keys_on_m_kernel$|scores-bwd keys_on_m 64,4,1 ${AHEAD:-ahead}" \
+    for spec in "^_gather_bwd_kernel$|scores-bwd heads_on_m 32,4,2" "^_gather_bwd_keys_on_m_kernel$|scores-bwd keys_on_m ${TILE:-64,4,3} ${AHEAD:-ahead}" \
                 "^_score_kernel$|topk" "^_select_bounded_kernel$|topk"; do
       { echo "=== stalls of ${spec%%|*}: one_kernel.py ${spec#*|}"
         timeout 120 ncu --clock-control none -k "regex:${spec%%|*}" -c 1 --metrics "${m%,}" \
