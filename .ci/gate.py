@@ -135,7 +135,8 @@ class Worker:
     def time(self, case: int, inject: float | None = None) -> float:
         self.process.stdin.write(json.dumps({"time": case, "inject": inject}) + "\n")
         self.process.stdin.flush()
-        return float(self._read()["ms"])
+        (ms,) = self._read()["ms"]  # one step asked, one time back
+        return float(ms)
 
     def _read(self) -> dict:
         line = self.process.stdout.readline()

@@ -5,7 +5,8 @@ Run with ``PYTHONPATH`` set to the tree whose ``dsv4cp`` it measures (the base c
 head); it uses only interfaces both have. The protocol, one JSON object a line: the worker first writes
 ``{"cases": [...]}`` (per case: its label, counters, CPU ms of a step, of its sparse_attn phase and what
 ``inject_slowdown`` at fraction 1 adds to the step, measured; None where the tree lacks the option), then
-answers each ``{"time": I, "inject": FRACTION|null}`` with ``{"ms": CPU_MS}`` and ends on ``{"quit": true}``.
+answers each ``{"time": I, "inject": FRACTION|null, "repeat": N}`` with ``{"ms": [CPU_MS, ...]}`` (N steps
+run back to back; ``repeat`` defaults to 1) and ends on ``{"quit": true}``.
 Anything the library prints goes to stderr.
 
 A case is the point's step as the sweep builds it (:func:`dsv4cp.sweeps.measure.point_step`), on one
@@ -198,7 +199,8 @@ def main() -> int:
         request = json.loads(line)
         if request.get("quit"):
             break
-        send({"ms": cases[request["time"]].time_ms(request.get("inject"))})
+        case = cases[request["time"]]
+        send({"ms": [case.time_ms(request.get("inject")) for _ in range(request.get("repeat", 1))]})
     return 0
 
 

@@ -4,9 +4,11 @@ let a broken value pass as noise.
 Inputs (one per side, :mod:`dsv4cp.report.compare_sides`): a run directory or ``.jsonl`` of records
 (points keyed by ``point_id``, i.e. all their axes) or a pytest-benchmark JSON file (keyed by the
 test's ``fullname``). Two matched points are the same measurement only when their configuration
-(``records.CONFIG_FIELDS``: ``kernel_options``, ``backends`` and ``fresh_batches``; a side without them
-is "unknown", equal to another unknown) agrees too; otherwise they are *not comparable*, printed as ``configuration
-differs: KEY a -> b``, unless ``ignore_options`` names the key (the difference is what is compared).
+(``records.CONFIG_FIELDS``: ``kernel_options``, ``backends`` and ``fresh_batches``, resolved as ``sweep
+--resume`` and the report resolve them: :func:`dsv4cp.records.configuration_differences`; a side without
+them is "unknown", equal to another unknown) agrees too; otherwise they are *not comparable*, printed as
+``configuration differs: KEY a -> b``, unless ``ignore_options`` names the key (the difference is what is
+compared).
 
 Verdict per comparable point (the rule: :mod:`dsv4cp.report.compare_stats`), with ``cost`` = new /
 baseline (baseline / new for a higher-is-better metric, so cost > 1 is always worse):
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from dsv4cp.records import CONFIG_FIELDS, STATUS_OK
+from dsv4cp.records import STATUS_OK, configuration_differences
 from dsv4cp.report.compare_sides import (
     EXACT_METRICS,
     HIGHER_IS_BETTER,
@@ -137,20 +139,16 @@ def _is_ignored(column: str, key: str | None, ignored: Collection[str]) -> bool:
 
 
 def config_differences(base: dict, new: dict, ignored: Collection[str] = ()) -> list[str]:
-    """``KEY a -> b`` for each entry of :data:`records.CONFIG_FIELDS` on which two points differ
-    (None: unknown, equal to another unknown); a KEY is ``column.option`` (e.g.
+    """``KEY a -> b`` for each entry on which two points' configurations differ as they ran
+    (:func:`records.configuration_differences`: kernel options resolved as ``sweep --resume`` and the report
+    resolve them; None: unknown, equal to another unknown); a KEY is ``column.option`` (e.g.
     ``kernel_options.topk_impl``) or a whole column when one side lacks it. ``ignored``: column
     names, option names or ``column.option`` keys whose differences do not count."""
     out = []
-    for column in CONFIG_FIELDS:
-        a, b = base.get(column), new.get(column)
-        if not (isinstance(a, dict) and isinstance(b, dict)):
-            if a != b and not _is_ignored(column, None, ignored):
-                out.append(f"{column} {_shown(a)} -> {_shown(b)}")
-            continue
-        for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key) and not _is_ignored(column, key, ignored):
-                out.append(f"{column}.{key} {_shown(a.get(key))} -> {_shown(b.get(key))}")
+    for key, (a, b) in configuration_differences(base, new).items():
+        column, _, option = key.partition(".")
+        if not _is_ignored(column, option or None, ignored):
+            out.append(f"{key} {_shown(a)} -> {_shown(b)}")
     return out
 
 

@@ -119,7 +119,10 @@ def _run_point(record: dict, metric: str) -> dict:
     if metric in TIME_BANDS or metric in INVERSE_OF_TIME or metric in TIME_QUANTILES:
         samples = record.get("time_ms_samples")
     problem = None
-    if record["status"] == STATUS_OK and record.get(metric) is not None:
+    blanked = record.get("invalid") or {}  # the loader blanks a value no measurement can hold, naming why
+    if record["status"] == STATUS_OK and metric in blanked:
+        problem = f"{metric}: {blanked[metric]}"
+    elif record["status"] == STATUS_OK and record.get(metric) is not None:
         positive = metric in TIME_BANDS or metric in INVERSE_OF_TIME
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
             problem = f"{metric}: must be a finite number {'> 0' if positive else '>= 0'}, got {record[metric]!r}"

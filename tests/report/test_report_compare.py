@@ -280,3 +280,14 @@ def test_records_without_samples_are_judged_by_the_labelled_band_rule(tmp_path, 
     assert "U test (0 points)" in out
     assert "FALLBACK bands for 8 points (without repetition times on a side: older records)" in out
     assert sum(" bands " in line and line.rstrip().endswith("same") for line in out.splitlines()) == 8
+
+
+@pytest.mark.parametrize("metric", ["tflops_per_gpu", "tokens_per_s", "mfu"])
+def test_a_nan_value_of_the_compared_metric_is_invalid_never_missing(tmp_path, seed, capsys, metric):
+    base, new = (Path(p) for p in _pair(tmp_path, seed))
+    _edit(new, POINTS.index(SLOW), **{metric: float("nan")})
+    assert main(["compare", str(base), str(new), "--metric", metric]) == 1
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("INVALID:")]
+    assert f"invalid in NEW: {metric}: " in line and "cp=2" in line and "tokens=4096" in line
+    assert "1 invalid" in out and "0 missing" in out and "not measured in NEW" not in out
