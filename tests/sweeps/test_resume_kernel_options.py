@@ -30,7 +30,7 @@ RESULTS = Path(__file__).resolve().parents[2] / "results"
 OLD_RUN = RESULTS / "2026-12-01-h200-cost-growth" / "run"
 """A sweep written at b3e30c4, before several defaults changed (and options were added)."""
 BASELINE = RESULTS / "baselines" / "cpu-ci" / "smoke"
-"""The CPU CI baseline: written at today's defaults."""
+"""The CPU CI baseline (its spec: the smoke sweep)."""
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
@@ -88,9 +88,13 @@ def test_resuming_an_old_run_measures_again_every_point_whose_kernels_changed(tm
 
 
 def test_a_run_at_todays_options_resumes_without_measuring_until_an_option_changes(tmp_path, monkeypatch, capsys):
-    out = _copy(BASELINE, tmp_path)
-    stored = read_records(out)
+    # a run written at this head's defaults: the CI baseline's smoke spec swept here (by the stand-in)
+    out = tmp_path / "smoke"
+    spec = parse_spec(read_meta(BASELINE)["spec"])
     measured = _measured(monkeypatch)
+    run_sweep(spec, expand(spec), SweepOptions(out=out), nproc=1)
+    stored = read_records(out)  # cp = 2 points recorded as skipped: one rank here
+    measured.clear()
     assert _resume(out).resumed == len(stored) and measured == []
     assert not (out / SUPERSEDED_FILE).exists()
 
