@@ -224,16 +224,8 @@ def _gather_bwd_kernel(
         ds = tl.where(s > 0.0, w[:, None] * g[None, :], 0.0)
         dq = tl.dot(ds.to(kg.dtype), kg, dq, input_precision=PRECISION)
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)  # [BLOCK_K, BLOCK_D] fp32
-        if SORTED:  # one plain row store per valid slot, to its place in its key row's segment
-            dest = tl.load(DEST + t_local * KSEL + slots, mask=valid, other=0).to(tl.int64)
-            tl.store(CONTRIB + dest[:, None] * DI + d[None, :], dk.to(CONTRIB.dtype.element_ty),
-                     mask=valid[:, None] & dmask[None, :])
-        elif RELAXED:  # atomicity is all the sum needs; the kernel's end orders it before any reader
-            tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk,
-                          mask=valid[:, None] & dmask[None, :], sem="relaxed")
-        else:  # acq_rel: a GPU-scope fence and an L1 invalidation around every vector atomic
-            tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk,
-                          mask=valid[:, None] & dmask[None, :])
+        _store_key_grads(dk, rows, valid, d, dmask, DKEYS, DEST, CONTRIB, t_local, slots, KSEL, stride_dkn, DI,
+                         SORTED, RELAXED)
     tl.store(DQ + t * stride_dqt + heads[:, None] * stride_dqh + d[None, :], dq.to(DQ.dtype.element_ty),
              mask=qd_mask)
     tl.store(DW + t * HI + heads, dw, mask=hmask)
@@ -323,14 +315,14 @@ def _store_key_grads(dk, rows, valid, d, dmask, DKEYS, DEST, CONTRIB, t_local, s
                      DI: tl.constexpr, SORTED: tl.constexpr, RELAXED: tl.constexpr):
     """One step's key gradients ``dk [BLOCK_K, BLOCK_D]`` (fp32) into the reduction: a plain row store at
     each valid slot's sorted position (SORTED), else a relaxed or acq_rel fp32 ``atomic_add`` into DKEYS."""
-    if SORTED:
+    if SORTED:  # one plain row store per valid slot, to its place in its key row's segment
         dest = tl.load(DEST + t_local * KSEL + slots, mask=valid, other=0).to(tl.int64)
         tl.store(CONTRIB + dest[:, None] * DI + d[None, :], dk.to(CONTRIB.dtype.element_ty),
                  mask=valid[:, None] & dmask[None, :])
-    elif RELAXED:
+    elif RELAXED:  # atomicity is all the sum needs; the kernel's end orders it before any reader
         tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk, mask=valid[:, None] & dmask[None, :],
                       sem="relaxed")
-    else:
+    else:  # acq_rel: a GPU-scope fence and an L1 invalidation around every vector atomic
         tl.atomic_add(DKEYS + rows[:, None] * stride_dkn + d[None, :], dk, mask=valid[:, None] & dmask[None, :])
 
 
