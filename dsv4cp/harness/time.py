@@ -4,7 +4,7 @@
 torch.distributed for CP = 1), with the Case's kernel options and deterministic mode in force. It builds
 the Case's seeded step (:func:`dsv4cp.harness.build.build_step`: the layer and this rank's rows), times
 it with :func:`dsv4cp.profiling.timing.benchmark`, measures one more step's peak memory, computes the
-model's FLOPs and bound, and optionally records a Kineto trace and its per-phase overlap table, runs
+model's FLOPs and bound, and optionally records a Kineto trace and its tables (:mod:`.trace`), runs
 steps inside an nsys capture range, and checks parity of the same Case against the fp64 reference layer
 (:mod:`dsv4cp.harness.parity`). Timing, tracing and nsys are separate passes: no profiler is attached
 while timing.
@@ -22,7 +22,6 @@ throughout, so the peak memory counts them.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -42,19 +41,15 @@ from dsv4cp.harness.case import Case
 from dsv4cp.harness.compile import compile_step
 from dsv4cp.harness.fresh_batches import fresh_batches
 from dsv4cp.harness.parity import merge_ranks, run_rank
+from dsv4cp.harness.trace import TraceTables, trace_step
 from dsv4cp.layer import AttentionOutput
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.machine import CPU_ESTIMATE, physical_limits
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.profiling.memory import record_phase_memory, track_memory
 from dsv4cp.profiling.memory_snapshot import check_snapshot_device, record_memory_snapshot, snapshot_name
-from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
-from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
+from dsv4cp.profiling.nvtx import capture_range, nvtx_range
 from dsv4cp.profiling.timing import benchmark, graph_replay
-from dsv4cp.profiling.trace import POINT_FILE, capture_trace, load_kineto_dir
-
-_PER_STEP_COLUMNS = ("compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms")
-"""Overlap-table columns summed over the traced steps; divided by their number in the record."""
 
 
 @dataclass(frozen=True)
@@ -284,33 +279,16 @@ def _time(
                 with nvtx_range("step"):
                     run_step()
 
-    overlap = attribution = None
+    traced = TraceTables()
     if trace_dir is not None:
-        capture_trace(run_step, trace_dir, steps=run.trace_steps, warmup=1, rank=rank)
-        if group is not None:
-            dist.barrier(group)  # every rank's file is written before rank 0 reads them
-        reader = emulated if emulated is not None else 0  # an emulated rank wrote the only trace
-        if rank == reader:
-            kernels, ranges = load_kineto_dir(trace_dir)  # parsed once for the three tables
-            overlap = _per_step(overlap_table(kernels, ranges), run.trace_steps)
-            overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
-            # the point its phase times belong to: a calibration from this trace checks it (model --calibrate)
-            if trace_point is not None:
-                (Path(trace_dir) / POINT_FILE).write_text(json.dumps(trace_point) + "\n")
-            attribution = attribution_table(kernels, ranges, step_range=full_name("step"))
-            attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
-            kernel_table(kernels, ranges).to_csv(Path(trace_dir) / "kernels.csv", index=False)
-            metrics["phases"] = overlap.to_dict(orient="records")
-            if emulated is None:  # an emulated rank's collectives move nothing: no communication to report
-                total = overlap[(overlap["rank"] == 0) & (overlap["phase"] == TOTAL)].iloc[0]
-                metrics.update(exposed_comm_ms=float(total["exposed_comm_ms"]), comm_ms=float(total["comm_ms"]),
-                               overlap_ratio=_float_or_none(total["overlap_ratio"]))
+        traced = trace_step(run_step, trace_dir, steps=run.trace_steps, group=group, trace_point=trace_point)
+        metrics.update(traced.metrics)
 
     if check:  # the timed Case itself: its weights, its inputs, its kernels
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
-    return Measurement(metrics, resolved, overlap, attribution, kernel_options=case.kernel_options.texts(),
-                       backends=backends)
+    return Measurement(metrics, resolved, traced.overlap, traced.attribution,
+                       kernel_options=case.kernel_options.texts(), backends=backends)
 
 
 def _raise_if_nonfinite(per_rank: list[list[str]]) -> None:
@@ -319,18 +297,6 @@ def _raise_if_nonfinite(per_rank: list[list[str]]) -> None:
     if ranks:
         where = f"rank {ranks[0]}" + (f" (and ranks {', '.join(map(str, ranks[1:]))})" if ranks[1:] else "")
         raise NonFiniteResult(f"non-finite {', '.join(per_rank[ranks[0]])} on {where}")
-
-
-def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:
-    table = table.copy()
-    for column in _PER_STEP_COLUMNS:
-        table[column] = table[column] / steps
-    return table
-
-
-def _float_or_none(value) -> float | None:
-    value = float(value)
-    return None if np.isnan(value) else value
 
 
 def _over(seconds: float, bound) -> float | None:
