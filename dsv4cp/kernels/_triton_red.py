@@ -49,5 +49,6 @@ def red_add_f32(ptrs, values, mask):
     """``*ptrs += values`` where ``mask``, as relaxed GPU-scope fp32 reductions issued from ``values``'
     own layout (pairs of adjacent elements as one 8-byte vector when contiguous and aligned).
     ``ptrs`` float32 pointers, ``values`` fp32, ``mask`` bool, all of one shape."""
-    tl.inline_asm_elementwise(_RED_V2_F32, "=r,=r,l,l,f,f,r,r", [ptrs, values, mask.to(tl.int32)],
+    # the addresses as integers: the op broadcasts its operands pairwise, and a pointer beside a float is refused
+    tl.inline_asm_elementwise(_RED_V2_F32, "=r,=r,l,l,f,f,r,r", [ptrs.to(tl.int64), values, mask.to(tl.int32)],
                               dtype=tl.int32, is_pure=False, pack=2)

@@ -1,7 +1,7 @@
 """One launch of a kernel at the 64K flash shapes of bench/test_bench_indexer.py, for ncu (which profiles the
 kernel its -k names). Run from the repository root:
 
-    python results/2026-12-03-h200-scores-backward-direct/one_kernel.py scores-bwd LAYOUT BLOCK_K,WARPS,STAGES [ahead|in-step]
+    python results/2026-12-03-h200-scores-backward-direct/one_kernel.py scores-bwd LAYOUT K,WARPS,STAGES [ahead|in-step]
     python results/2026-12-03-h200-scores-backward-direct/one_kernel.py topk
 """
 
