@@ -463,12 +463,10 @@ _BWD_PINS = {"triton-acqrel": "64,8,2,0"} | {
 """Backward pins (:data:`dsv4cp.kernels.indexer_scores_triton.BWD_CONFIG_ENV`): the original kernel
 (acq_rel atomics, its 64 x 8 x 2 tile) and every tile of the ladder with relaxed atomics."""
 
-_LAYOUTS = {"triton-heads-on-m": "heads_on_m", "triton-keys-on-m": "keys_on_m", "triton-keys-on-m-in-step": "keys_on_m",
-            "triton-keys-on-m-direct": "keys_on_m_direct"}
+_LAYOUTS = {"triton-heads-on-m": "heads_on_m", "triton-keys-on-m": "keys_on_m", "triton-keys-on-m-in-step": "keys_on_m"}
 """The backward kernel's layout per backend (the kernel option ``triton_scores_bwd_layout``; the heads-on-M
 pins of ``_BWD_PINS`` run the heads-on-M kernel, the others the default); ``triton-keys-on-m-in-step`` loads
-each step's indices in the step (``triton_scores_bwd_index_ahead=0``); ``triton-keys-on-m-direct`` issues the
-key-gradient atomics from the accumulator's registers (``keys_on_m_direct``)."""
+each step's indices in the step (``triton_scores_bwd_index_ahead=0``)."""
 
 _SCORES_BACKENDS = ["torch", "triton", "triton-deterministic", "triton-acqrel", *_LAYOUTS] + [
     pytest.param(name, marks=GPU_ONLY) for name in _BWD_PINS if name != "triton-acqrel"
@@ -493,9 +491,9 @@ def _selection(shape: Shape, entry: dict) -> tuple[torch.Tensor, torch.Tensor, i
 def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeypatch):
     """``triton`` (the defaults: relaxed fp32 atomics for the key gradients) against ``triton-acqrel``
     (the original kernel: acq_rel atomics), ``triton-deterministic`` (per-slot contributions summed per key
-    row after a stable sort, no atomics) and the backward layouts at their ladders' first tiles
-    (``triton-heads-on-m``, ``triton-keys-on-m``, ``triton-keys-on-m-direct``, and ``triton-keys-on-m-in-step``
-    without the indices ahead); ``triton-bwd-KxWxS``: the heads-on-M backward pinned to
+    row after a stable sort, no atomics) and the two backward layouts at their ladders' first tiles
+    (``triton-heads-on-m``, ``triton-keys-on-m``, and ``triton-keys-on-m-in-step`` without the indices
+    ahead); ``triton-bwd-KxWxS``: the heads-on-M backward pinned to
     each of its ladder's tiles (GPU only). One forward + backward each, side by side."""
     from dsv4cp import kernels
     from dsv4cp.ops.indexer import indexer_scores
@@ -655,8 +653,7 @@ def test_indexer_scores_reduce_parts(benchmark, measure, shape_name, reduce, par
 
 _KERNEL_TILES = ([("heads_on_m", tile, False) for tile in _BWD_TILES[:1]]
                  + [("keys_on_m", tile, True) for tile in _KEYS_ON_M_TILES]
-                 + [("keys_on_m", tile, False) for tile in _KEYS_ON_M_TILES[:1]]
-                 + [("keys_on_m_direct", tile, True) for tile in _KEYS_ON_M_TILES])
+                 + [("keys_on_m", tile, False) for tile in _KEYS_ON_M_TILES[:1]])
 
 
 def _kernel_id(value) -> str:
@@ -671,8 +668,7 @@ def test_indexer_scores_backward_kernel(benchmark, measure, shape_name, layout, 
     """The scores backward's kernel alone (fp32 atomics into the key gradient; no forward, no reduction
     beyond the atomics) under each layout (the kernel option ``triton_scores_bwd_layout``) and tile, side by
     side: the heads-on-M kernel at its default tile against the keys-on-M kernel at every tile of its ladder
-    with its indices a step ahead, and at its first tile without (``triton_scores_bwd_index_ahead``), and the
-    keys-on-M kernel with its atomics from the accumulator's registers (``keys_on_m_direct``) at every tile (FLOPs:
+    with its indices a step ahead, and at its first tile without (``triton_scores_bwd_index_ahead``; FLOPs:
     the three products, ``3 * 2 * Hi * Di`` per valid slot). On CPU every tile runs the interpreter's one."""
     from dsv4cp.kernels import interpreted, triton_available
 

@@ -211,9 +211,7 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     KernelOption("triton_scores_bwd_layout", "DSV4CP_TRITON_SCORES_BWD_LAYOUT", CHOICE, "indexer_scores",
                  "indexer scores backward's products: the selected keys on the matrix unit's M dimension, ds^T "
                  "reused from the logits' registers (keys_on_m), or the heads on M, ds transposed for the key "
-                 "gradient (heads_on_m), or keys on M with the key-gradient atomics issued from the accumulator's "
-                 "registers, no layout conversion (keys_on_m_direct)", "keys_on_m",
-                 ("keys_on_m", "heads_on_m", "keys_on_m_direct")),
+                 "gradient (heads_on_m)", "keys_on_m", ("keys_on_m", "heads_on_m")),
     KernelOption("triton_scores_bwd_index_ahead", "DSV4CP_TRITON_SCORES_BWD_INDEX_AHEAD", FLAG, "indexer_scores",
                  "indexer scores backward (keys on M) loads each step's key-row indices one step ahead (1)", True),
     _tile("triton_scores_bwd_scratch", "indexer_scores", ("mib",),

@@ -11,10 +11,8 @@ products, as the attention kernels do), in one of two layouts (:data:`LAYOUTS`, 
 ``triton_scores_bwd_layout``): ``keys_on_m`` (default, ``_gather_bwd_keys_on_m_kernel``: ``s^T = k q^T``
 with the keys on M, ``ds^T`` reused from the accumulator's registers as ``dk``'s operand, the head
 dimension in halves) or ``heads_on_m`` (``_gather_bwd_kernel``, the kernel before it: ``s = q k^T``,
-``ds`` transposed through shared memory for ``dk``, which runs on mma.sync at 32 keys per step), or
-``keys_on_m_direct`` (the keys-on-M kernel with its key-gradient atomics issued straight from the
-accumulator's registers, no layout conversion: :mod:`._triton_red`). What each measured and what bounds
-them: docs/kernels.md. The key gradient ``dkeys [G, Di]``
+``ds`` transposed through shared memory for ``dk``, which runs on mma.sync at 32 keys per step). What
+each measured and what bounds them: docs/kernels.md. The key gradient ``dkeys [G, Di]``
 sums those per key row; how is the *reduction* (:data:`REDUCTIONS`, the kernel option
 ``triton_scores_bwd_reduce``):
 
@@ -96,7 +94,6 @@ from dsv4cp.kernels import is_deterministic
 from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows
 from dsv4cp.kernels._triton_launch import Kernels, pinned_config
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
-from dsv4cp.kernels._triton_red import red_add_f32
 from dsv4cp.kernels.indexer_triton import _check_qwk, _dot_f32, _precision
 
 __all__ = ["BWD_CONFIG_ENV", "BWD_SCRATCH_BYTES", "GATHER_BWD_CONFIGS", "INDEX_BYTES_PER_SLOT", "KEYS_ON_M_BWD_CONFIGS",
@@ -109,11 +106,9 @@ BWD_CONFIG_ENV = kernel_options.OPTIONS["triton_gather_bwd_config"].env
 backward's launch: ``"block_k,num_warps,num_stages,relaxed_atomics"``
 (:class:`GatherBwdConfig`; ``relaxed_atomics`` 0 or 1)."""
 
-LAYOUTS = ("keys_on_m", "heads_on_m", "keys_on_m_direct")
+LAYOUTS = ("keys_on_m", "heads_on_m")
 """The backward kernel's product layouts (the kernel option ``triton_scores_bwd_layout``):
-``_gather_bwd_keys_on_m_kernel``, ``_gather_bwd_kernel``, and ``_gather_bwd_keys_on_m_kernel`` with its
-key-gradient atomics issued from the accumulator's registers (``DIRECT_RED``; the ``atomic`` reduction with
-relaxed atomics on a GPU; otherwise it runs as ``keys_on_m``)."""
+``_gather_bwd_keys_on_m_kernel`` and ``_gather_bwd_kernel``."""
 
 REDUCTIONS = ("atomic", "sorted", "sorted-bf16")
 """The backward's key-gradient reductions (the kernel option ``triton_scores_bwd_reduce``): fp32 atomics
@@ -242,7 +237,7 @@ def _gather_bwd_keys_on_m_kernel(
     stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_gt, stride_dqt, stride_dqh, stride_dkn,
     DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     SORTED: tl.constexpr, RELAXED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-    INDEX_AHEAD: tl.constexpr = False, DIRECT_RED: tl.constexpr = False,
+    INDEX_AHEAD: tl.constexpr = False,
 ):
     """``_gather_bwd_kernel`` (same arguments, same results) with the selected keys on the matrix unit's M
     dimension and the head dimension in two halves.
@@ -264,12 +259,6 @@ def _gather_bwd_keys_on_m_kernel(
     INDEX_AHEAD: each step's key-row indices are loaded one step ahead, into registers, so a step's gather
     waits for the L2 alone, not for an index load from memory first (with one stage nothing else loads
     them ahead).
-
-    DIRECT_RED (the ``atomic`` reduction, relaxed, on a GPU only): each half's key gradient is added by
-    :func:`~dsv4cp.kernels._triton_red.red_add_f32` from the accumulator's own registers (8-byte vector
-    reductions, whole 32-byte sectors per thread quad) instead of ``tl.atomic_add``, for which Triton first
-    converts the ``[BLOCK_K, HALF]`` fp32 tile to a 16-byte-vector layout through shared memory: two such
-    round trips, with their barriers, per step. The same bytes reach the L2.
     """
     HALF: tl.constexpr = BLOCK_D // 2
     t_local = tl.program_id(0).to(tl.int64)
@@ -310,17 +299,11 @@ def _gather_bwd_keys_on_m_kernel(
         dq0 = tl.dot(tl.trans(dst), k_0, dq0, input_precision=PRECISION)
         dq1 = tl.dot(tl.trans(dst), k_1, dq1, input_precision=PRECISION)
         dk = tl.dot(dst, q0, input_precision=PRECISION)  # [BLOCK_K, HALF] fp32
-        if DIRECT_RED:  # from the accumulator's registers, no layout conversion (atomic, relaxed, not SORTED)
-            red_add_f32(DKEYS + rows[:, None] * stride_dkn + d0[None, :], dk, valid[:, None] & m0[None, :])
-        else:
-            _store_key_grads(dk, rows, valid, d0, m0, DKEYS, DEST, CONTRIB, t_local, slots, KSEL, stride_dkn, DI,
-                             SORTED, RELAXED)
+        _store_key_grads(dk, rows, valid, d0, m0, DKEYS, DEST, CONTRIB, t_local, slots, KSEL, stride_dkn, DI,
+                         SORTED, RELAXED)
         dk = tl.dot(dst, q1, input_precision=PRECISION)
-        if DIRECT_RED:
-            red_add_f32(DKEYS + rows[:, None] * stride_dkn + d1[None, :], dk, valid[:, None] & m1[None, :])
-        else:
-            _store_key_grads(dk, rows, valid, d1, m1, DKEYS, DEST, CONTRIB, t_local, slots, KSEL, stride_dkn, DI,
-                             SORTED, RELAXED)
+        _store_key_grads(dk, rows, valid, d1, m1, DKEYS, DEST, CONTRIB, t_local, slots, KSEL, stride_dkn, DI,
+                         SORTED, RELAXED)
     dq_row = DQ + t * stride_dqt + heads[:, None] * stride_dqh
     tl.store(dq_row + d0[None, :], dq0.to(DQ.dtype.element_ty), mask=hmask[:, None] & m0[None, :])
     tl.store(dq_row + d1[None, :], dq1.to(DQ.dtype.element_ty), mask=hmask[:, None] & m1[None, :])
@@ -409,7 +392,7 @@ def _gather_bwd_ladder(block_d: int, dtype: torch.dtype, interpreted: bool, layo
         return [GatherBwdConfig(16, 4, 1)]
     if dtype == torch.float32 or block_d > 128:
         return [GatherBwdConfig(*c) for c in ((32, 8, 1), (16, 4, 1))]
-    return [GatherBwdConfig(*c) for c in (GATHER_BWD_CONFIGS if layout == "heads_on_m" else KEYS_ON_M_BWD_CONFIGS)]
+    return [GatherBwdConfig(*c) for c in (KEYS_ON_M_BWD_CONFIGS if layout == "keys_on_m" else GATHER_BWD_CONFIGS)]
 
 
 def _gather_bwd_pinned(config: GatherBwdConfig | tuple[int, ...] | None) -> GatherBwdConfig | None:
@@ -547,10 +530,7 @@ class BackwardPlan:
         block_d = triton.next_power_of_2(di)
         block_h = max(16, triton.next_power_of_2(hi))
         is_sorted = self.contrib is not None
-        keys_on_m = self.layout in ("keys_on_m", "keys_on_m_direct")
-        kernel = _build("_gather_bwd_keys_on_m_kernel" if keys_on_m else "_gather_bwd_kernel", dev)
-        # inline PTX: not under the interpreter; relaxed fp32 atomics only (no sorted store, no acq_rel)
-        direct = self.layout == "keys_on_m_direct" and not is_sorted and not _interpreted(dev)
+        kernel = _build("_gather_bwd_keys_on_m_kernel" if self.layout == "keys_on_m" else "_gather_bwd_kernel", dev)
         dest = dest if is_sorted else self.dkeys  # the atomic build never reads DEST nor CONTRIB
         contrib = self.contrib if is_sorted else self.dkeys
 
@@ -562,11 +542,10 @@ class BackwardPlan:
                 self.grad.stride(0), self.dq.stride(0), self.dq.stride(1), self.dkeys.stride(0),
                 DI=di, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=cfg.block_k, SORTED=is_sorted,
                 RELAXED=cfg.relaxed_atomics, PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **({"INDEX_AHEAD": self.index_ahead, "DIRECT_RED": direct and cfg.relaxed_atomics} if keys_on_m
-                   else {}),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **ahead,
             )
 
+        ahead = {"INDEX_AHEAD": self.index_ahead} if self.layout == "keys_on_m" else {}
         _launch("gather_bwd", (dev.type, di, block_h, q.dtype, self.reduction, self.layout, self.index_ahead),
                 _gather_bwd_ladder(block_d, q.dtype, _interpreted(dev), self.layout), self.config, launch)
 

@@ -1,4 +1,4 @@
-"""The indexer scores backward's kernels (:data:`dsv4cp.kernels.indexer_scores_triton.LAYOUTS`, the
+"""The indexer scores backward's two kernels (:data:`dsv4cp.kernels.indexer_scores_triton.LAYOUTS`, the
 kernel option ``triton_scores_bwd_layout``): the keys-on-M kernel and the heads-on-M one give the torch
 op's gradients under every reduction, through Triton's interpreter on CPU (fp32 to 1e-5; bf16 within the
 rounding of ``ds`` to bf16), the option reaches the kernel and a bad layout fails before any work.
@@ -32,7 +32,7 @@ def normwise_errors(got, ref) -> list[float]:
     return [((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(got, ref)]
 
 
-KERNELS = [("heads_on_m", False), ("keys_on_m", True), ("keys_on_m", False), ("keys_on_m_direct", True)]
+KERNELS = [("heads_on_m", False), ("keys_on_m", True), ("keys_on_m", False)]
 """(layout, index_ahead) of every backward kernel build."""
 
 
@@ -77,8 +77,7 @@ def test_the_option_picks_the_kernel(seed, monkeypatch):
         return real_build(name, device)
 
     monkeypatch.setattr(ist, "_build", recording_build)
-    for layout, kernel in (("keys_on_m", "_gather_bwd_keys_on_m_kernel"), ("heads_on_m", "_gather_bwd_kernel"),
-                           ("keys_on_m_direct", "_gather_bwd_keys_on_m_kernel")):
+    for layout, kernel in (("keys_on_m", "_gather_bwd_keys_on_m_kernel"), ("heads_on_m", "_gather_bwd_kernel")):
         monkeypatch.setenv(LAYOUT_ENV, layout)
         built.clear()
         settings = scores_backward_keywords(KernelOptions.resolve())
@@ -112,8 +111,7 @@ def test_keys_on_m_ladder_is_checked():
 @needs_cuda
 @pytest.mark.parametrize("layout,tile,ahead", [("heads_on_m", ist.GATHER_BWD_CONFIGS[0], False)]
                          + [("keys_on_m", tile, True) for tile in ist.KEYS_ON_M_BWD_CONFIGS]
-                         + [("keys_on_m", ist.KEYS_ON_M_BWD_CONFIGS[0], False)]
-                         + [("keys_on_m_direct", tile, True) for tile in ist.KEYS_ON_M_BWD_CONFIGS],
+                         + [("keys_on_m", ist.KEYS_ON_M_BWD_CONFIGS[0], False)],
                          ids=lambda v: str(v) if isinstance(v, (str, bool)) else "x".join(map(str, v)))
 def test_gpu_layouts_bf16_full_size(layout, tile, ahead, seed):
     """Hi = 64, Di = 128, K = 512 random selected rows per query (repeats across queries), bf16, each tile
@@ -132,27 +130,3 @@ def test_gpu_layouts_bf16_full_size(layout, tile, ahead, seed):
     ref = grads(indexer_scores, q.double(), w.double(), keys.double(), idx, grad.double())
     errors = normwise_errors(got, ref)
     assert max(errors) < 2**-7, f"seed={seed} {layout} {tile} {ahead}: dq, dw, dkeys errors {errors}"
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("layout", ["keys_on_m_direct", "keys_on_m"])
-def test_gpu_direct_reductions_match_the_atomics(layout, seed):
-    """The keys-on-M kernel with its key-gradient reductions issued from the accumulator's registers gives
-    the dq and dw of the ``tl.atomic_add`` build (normwise 1e-6), and its dkeys to fp32 summation order (the
-    adds land in a different order: normwise 1e-5), at the flash shapes with empty slots and rows shared
-    across queries; ``keys_on_m`` against itself bounds the order's effect."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    t, hi, di, g, k = 1024, 64, 128, 256, 512
-    q = torch.randn(t, hi, di, device="cuda", generator=gen).bfloat16()
-    keys = torch.randn(g, di, device="cuda", generator=gen).bfloat16()
-    w = torch.randn(t, hi, device="cuda", generator=gen).bfloat16()
-    idx = torch.randint(0, g, (t, k), device="cuda", generator=gen)
-    idx[torch.rand(t, k, device="cuda", generator=gen) < 0.2] = -1
-    grad = torch.randn(t, k, device="cuda", generator=gen) * (idx >= 0)
-    plans = [ist.BackwardPlan.new(q, w, keys, idx, grad, "atomic", layout=name) for name in ("keys_on_m", layout)]
-    for plan in plans:
-        plan.run_kernel(0)
-    ref, got = plans
-    errors = normwise_errors([got.dq, got.dw, got.dkeys], [ref.dq, ref.dw, ref.dkeys])
-    assert max(errors[:2]) < 1e-6 and errors[2] < 1e-5, f"seed={seed} {layout}: dq, dw, dkeys {errors}"
