@@ -4,7 +4,7 @@
 torch.distributed for CP = 1), with the Case's kernel options and deterministic mode in force. It builds
 the Case's seeded step (:func:`dsv4cp.harness.build.build_step`: the layer and this rank's rows), times
 it with :func:`dsv4cp.profiling.timing.benchmark`, measures one more step's peak memory, computes the
-model's FLOPs and bound, and optionally records a Kineto trace and its per-phase overlap table, runs
+model's FLOPs and bound, and optionally records a Kineto trace and its tables (:mod:`.trace`), runs
 steps inside an nsys capture range, and checks parity of the same Case against the fp64 reference layer
 (:mod:`dsv4cp.harness.parity`). Timing, tracing and nsys are separate passes: no profiler is attached
 while timing.
@@ -22,7 +22,6 @@ throughout, so the peak memory counts them.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -42,19 +41,15 @@ from dsv4cp.harness.case import Case
 from dsv4cp.harness.compile import compile_step
 from dsv4cp.harness.fresh_batches import fresh_batches
 from dsv4cp.harness.parity import merge_ranks, run_rank
+from dsv4cp.harness.trace import TraceTables, trace_step
 from dsv4cp.layer import AttentionOutput
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.machine import CPU_ESTIMATE, physical_limits
 from dsv4cp.ops.sparse_attention import resolve_backend
 from dsv4cp.profiling.memory import record_phase_memory, track_memory
 from dsv4cp.profiling.memory_snapshot import check_snapshot_device, record_memory_snapshot, snapshot_name
-from dsv4cp.profiling.nvtx import capture_range, full_name, nvtx_range
-from dsv4cp.profiling.overlap import TOTAL, attribution_table, kernel_table, overlap_table
+from dsv4cp.profiling.nvtx import capture_range, nvtx_range
 from dsv4cp.profiling.timing import benchmark, graph_replay
-from dsv4cp.profiling.trace import POINT_FILE, capture_trace, load_kineto_dir
-
-_PER_STEP_COLUMNS = ("compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms")
-"""Overlap-table columns summed over the traced steps; divided by their number in the record."""
 
 
 @dataclass(frozen=True)
@@ -157,8 +152,8 @@ def _gather(value, group: dist.ProcessGroup | None) -> list:
 
 def time_case(
     case: Case, group: dist.ProcessGroup | None, device: torch.device, run: TimingSettings, *,
-    machine: Machine | None, calibration_label: str | None = None, cuda_graph: bool = False,
-    fresh: int | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
+    machine: Machine | None, calibration_label: str | None = None,
+    trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
     on_step: Callable[[str], object] | None = None, memory_phases: bool = False, memory_snapshot: bool = False,
     trace_point: Mapping | None = None,
 ) -> Measurement:
@@ -170,14 +165,15 @@ def time_case(
     stay None; ``bound_ms`` is at the machine's physical limits, :func:`~dsv4cp.model.machine.physical_limits`,
     ``bound_measured_ms`` at its own ceilings); MFU is left None off GPU, where that ceiling
     means nothing. ``calibration_label``: the phase factors the split was computed with (metric
-    ``calibration``). ``cuda_graph``: time graph replays (the step runs ``run.warmup`` times eagerly, at
-    least once, is captured once, then ``run.warmup`` untimed and ``run.reps`` timed replays follow;
-    gradients accumulate across replays as across eager steps). ``fresh``: N >= 2 batches, every step on
-    the next one (module docstring). ``trace_dir``: write a Kineto trace per rank under it and fill the
-    overlap metrics (with ``trace_point``, the point's axes, beside it: a calibration from the trace
-    checks it). ``nsys``: also run ``run.nsys_steps`` steps inside ``cudaProfilerStart/Stop``. ``check``:
-    compare the Case with the fp64 reference layer (metric ``parity``). ``on_step``: called after each
-    warm-up and timed step. ``memory_phases``: one more step recording each phase's memory.
+    ``calibration``). The Case's ``cuda_graph``: time graph replays (the step runs ``run.warmup`` times
+    eagerly, at least once, is captured once, then ``run.warmup`` untimed and ``run.reps`` timed replays
+    follow; gradients accumulate across replays as across eager steps). Its ``fresh_batches``: N >= 2
+    batches, every step on the next one (module docstring). ``trace_dir``: write a Kineto trace per rank
+    under it and fill the overlap metrics (:mod:`.trace`; with ``trace_point``, the point's axes, beside
+    it: a calibration from the trace checks it). ``nsys``: also run ``run.nsys_steps`` steps inside
+    ``cudaProfilerStart/Stop``. ``check``: compare the Case with the fp64 reference layer (metric
+    ``parity``). ``on_step``: called after each warm-up and timed step. ``memory_phases``: one more step
+    recording each phase's memory.
     ``memory_snapshot``: one more step recording the CUDA allocator's history, dumped beside the traces
     (``trace_dir/memory_snapshot_rank<r>.pickle``); CUDA only.
 
@@ -191,14 +187,13 @@ def time_case(
             raise ValueError("memory_snapshot: the snapshot is written beside the traces: give a trace_dir")
     with kernel_options.overrides(case.kernel_options.texts()), deterministic_algorithms(case.deterministic):
         return _time(case, group, device, run, machine=machine, calibration_label=calibration_label,
-                     cuda_graph=cuda_graph, fresh=fresh, trace_dir=trace_dir, nsys=nsys, check=check,
-                     on_step=on_step, memory_phases=memory_phases, memory_snapshot=memory_snapshot,
-                     trace_point=trace_point)
+                     trace_dir=trace_dir, nsys=nsys, check=check, on_step=on_step, memory_phases=memory_phases,
+                     memory_snapshot=memory_snapshot, trace_point=trace_point)
 
 
 def _time(
     case: Case, group: dist.ProcessGroup | None, device: torch.device, run: TimingSettings, *,
-    machine: Machine | None, calibration_label: str | None, cuda_graph: bool, fresh: int | None,
+    machine: Machine | None, calibration_label: str | None,
     trace_dir: str | Path | None, nsys: bool, check: bool, on_step: Callable[[str], object] | None,
     memory_phases: bool, memory_snapshot: bool, trace_point: Mapping | None,
 ) -> Measurement:
@@ -217,12 +212,12 @@ def _time(
 
     step = build_step(case, cp_group=group, device=device)
     compiled = compile_step(step, case.compile, device) if case.compile is not None else None
-    batches = fresh_batches(step, fresh, case.seed) if fresh else None
+    batches = fresh_batches(step, case.fresh_batches, case.seed) if case.fresh_batches else None
     run_step = batches if batches is not None else step  # what every step below runs
 
     kernel_options.reset_backends_ran()  # what ran in the warm-up and timed steps, nothing from before
     timed = run_step
-    if cuda_graph:
+    if case.cuda_graph:
         with torch.cuda.device(device):
             timed = graph_replay(step, run.warmup, on_step=on_step)  # the eager warm-up steps, then the capture
     clock = _RankClock(timed, device)
@@ -230,7 +225,7 @@ def _time(
                        on_step=on_step)
     backends = kernel_options.backends_ran()
     rank_median = float(np.median(clock.last_ms(run.reps)))
-    if cuda_graph:
+    if case.cuda_graph:
         del clock, timed  # the last references to the graph: its memory pool is released ...
         torch.cuda.empty_cache()  # ... and handed back, so the eager steps below measure their own memory
     with track_memory(device) as tracker:
@@ -284,33 +279,16 @@ def _time(
                 with nvtx_range("step"):
                     run_step()
 
-    overlap = attribution = None
+    traced = TraceTables()
     if trace_dir is not None:
-        capture_trace(run_step, trace_dir, steps=run.trace_steps, warmup=1, rank=rank)
-        if group is not None:
-            dist.barrier(group)  # every rank's file is written before rank 0 reads them
-        reader = emulated if emulated is not None else 0  # an emulated rank wrote the only trace
-        if rank == reader:
-            kernels, ranges = load_kineto_dir(trace_dir)  # parsed once for the three tables
-            overlap = _per_step(overlap_table(kernels, ranges), run.trace_steps)
-            overlap.to_csv(Path(trace_dir) / "overlap.csv", index=False)
-            # the point its phase times belong to: a calibration from this trace checks it (model --calibrate)
-            if trace_point is not None:
-                (Path(trace_dir) / POINT_FILE).write_text(json.dumps(trace_point) + "\n")
-            attribution = attribution_table(kernels, ranges, step_range=full_name("step"))
-            attribution.to_csv(Path(trace_dir) / "attribution.csv", index=False)
-            kernel_table(kernels, ranges).to_csv(Path(trace_dir) / "kernels.csv", index=False)
-            metrics["phases"] = overlap.to_dict(orient="records")
-            if emulated is None:  # an emulated rank's collectives move nothing: no communication to report
-                total = overlap[(overlap["rank"] == 0) & (overlap["phase"] == TOTAL)].iloc[0]
-                metrics.update(exposed_comm_ms=float(total["exposed_comm_ms"]), comm_ms=float(total["comm_ms"]),
-                               overlap_ratio=_float_or_none(total["overlap_ratio"]))
+        traced = trace_step(run_step, trace_dir, steps=run.trace_steps, group=group, trace_point=trace_point)
+        metrics.update(traced.metrics)
 
     if check:  # the timed Case itself: its weights, its inputs, its kernels
         mine = run_rank(rank, cp, device, case, group)
         metrics["parity"] = [asdict(c) for c in merge_ranks(_gather(mine, group))]
-    return Measurement(metrics, resolved, overlap, attribution, kernel_options=case.kernel_options.texts(),
-                       backends=backends)
+    return Measurement(metrics, resolved, traced.overlap, traced.attribution,
+                       kernel_options=case.kernel_options.texts(), backends=backends)
 
 
 def _raise_if_nonfinite(per_rank: list[list[str]]) -> None:
@@ -319,18 +297,6 @@ def _raise_if_nonfinite(per_rank: list[list[str]]) -> None:
     if ranks:
         where = f"rank {ranks[0]}" + (f" (and ranks {', '.join(map(str, ranks[1:]))})" if ranks[1:] else "")
         raise NonFiniteResult(f"non-finite {', '.join(per_rank[ranks[0]])} on {where}")
-
-
-def _per_step(table: pd.DataFrame, steps: int) -> pd.DataFrame:
-    table = table.copy()
-    for column in _PER_STEP_COLUMNS:
-        table[column] = table[column] / steps
-    return table
-
-
-def _float_or_none(value) -> float | None:
-    value = float(value)
-    return None if np.isnan(value) else value
 
 
 def _over(seconds: float, bound) -> float | None:

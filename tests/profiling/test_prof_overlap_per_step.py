@@ -7,7 +7,7 @@ import pytest
 from prof_helpers import K, R, write_kineto
 
 from dsv4cp.cli.main import main
-from dsv4cp.harness.time import _per_step
+from dsv4cp.harness.trace import per_step as _per_step
 from dsv4cp.profiling.overlap import TOTAL, overlap_table
 from dsv4cp.profiling.trace import load_kineto_dir
 
