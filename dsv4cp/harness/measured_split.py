@@ -4,13 +4,13 @@ measured; the best measured split wins.
 
 Every round measures one split: the real ranks of a CP run (each rank's own median, gathered), or every
 rank emulated in turn on one device (:mod:`dsv4cp.harness.emulate`: compute only); the caller says how
-(:data:`MeasureRanks`). The refit (:func:`dsv4cp.model.refit.refit`) uses every round so far, per phase class, so the calibration it ends
-with transfers to other packings and token counts, plus one factor per rank for what no class expresses
-(damped: the geometric mean of every round's estimate); the split is then the model's balanced split under
-it (:func:`model_split`: :func:`dsv4cp.model.partition.policy_split`, refined on the model's per-rank
-evaluation, where the per-rank factors apply). At another cp the per-rank factors are ignored. Both are
-written to files (:func:`dsv4cp.sweeps.measured_split.save_split`, ``Calibration.save``) that
-``--split-file`` and ``--calibration`` take, so a layout is tuned once and reused.
+(:data:`MeasureRanks`). The refit (:func:`dsv4cp.model.refit.refit`) uses every round so far, per phase
+class, so the calibration it ends with transfers to other packings and token counts, plus one factor per
+rank for what no class expresses (damped: the geometric mean of every round's estimate); the split is then
+the model's balanced split under it (:func:`model_split`: :func:`dsv4cp.model.partition.policy_split`,
+refined on the model's per-rank evaluation, where the per-rank factors apply). At another cp the per-rank
+factors are ignored. Both are written to files (:func:`dsv4cp.sweeps.measured_split.save_split`,
+``Calibration.save``) that ``--split-file`` and ``--calibration`` take, so a layout is tuned once and reused.
 
 Every rank runs the same rounds on the same gathered times, so all derive the same splits.
 
