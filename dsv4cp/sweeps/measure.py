@@ -132,6 +132,19 @@ def measure_point(
                          + ("is a real one" if emulated is None else f"emulates rank {emulated}"))
     if check and emulated is not None:
         raise ValueError("check: the parity check needs every real rank, not one emulated rank")
+    case, machine, label = checked_case(point, device, machine=machine, calibration=calibration, split=split)
+    return time_case(case, group, device, run, machine=machine, calibration_label=label, trace_dir=trace_dir,
+                     nsys=nsys, check=check, on_step=on_step, memory_phases=memory_phases,
+                     memory_snapshot=memory_snapshot, trace_point=point.axes())
+
+
+def checked_case(point: Point, device: torch.device, *, machine: Machine | None = None,
+                 calibration: Calibration | None = None, split: RowSplit | None = None,
+                 ) -> tuple[Case, Machine | None, str | None]:
+    """The checks of ``point`` on ``device`` that need no group, then its Case (:func:`point_case`) under
+    ``split`` (default: its policy's, at ``machine`` scaled by ``calibration``): ``(case, machine, label)``
+    with the machine the bound uses (default: this process's, :func:`~dsv4cp.model.machine.this_machine`)
+    and the calibration label the record names. ``ValueError`` before any work (see :func:`measure_point`)."""
     check_fresh_batches(point)
     check_cuda_graph(point, device)
     machine = machine if machine is not None else this_machine()
@@ -148,8 +161,4 @@ def measure_point(
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
     label = calibration.label if calibration is not None and point.partition != "equal" else None
-    return time_case(case, group, device, run, machine=machine, calibration_label=label, trace_dir=trace_dir,
-                     nsys=nsys, check=check, on_step=on_step, memory_phases=memory_phases,
-                     memory_snapshot=memory_snapshot, trace_point=point.axes())
-
-
+    return case, machine, label
