@@ -22,9 +22,11 @@ logits computed by both warpgroups; backward dq accumulated by the dkv kernel, t
 ``ds^T q + p^T dO`` as one product, ``DSV4CP_TRITON_DKV_ONE_PRODUCT=1``), ``triton-index-ahead`` (each
 direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TRITON_FWD_INDEX_AHEAD=1`` /
 ``DSV4CP_TRITON_BWD_INDEX_AHEAD=1``), the two combined, and the forward's default at other tiles
-(``triton-split-ahead-<tile>``), and ``triton-dkv-with-dq`` (the backward before the one with its own dq
-pass: dq beside the kv gradients in the dkv kernel, ``DSV4CP_TRITON_BWD_DQ_PASS=0``; the others above
-set it too). The current kernels against the new ones at the flash shape::
+(``triton-split-ahead-<tile>``), the default with its key loop warp-specialized (``triton-split-ahead-ws``,
+``DSV4CP_TRITON_FWD_WARP_SPECIALIZE=1``, also at tiles: ``-ws-<tile>``), and ``triton-dkv-with-dq`` (the
+backward before the one with its own dq pass: dq beside the kv gradients in the dkv kernel,
+``DSV4CP_TRITON_BWD_DQ_PASS=0``; the others above set it too). The current kernels against the new ones at
+the flash shape::
 
     pytest bench/test_bench_sparse_attention.py -m gpu -k "flash and triton and not deterministic"
 
@@ -45,7 +47,9 @@ from dsv4cp.kernels import cudnn_dsa, flashmla
 from dsv4cp.ops.sparse_attention import SparseAttentionBackend, available_backend, backend_names, resolve_backend
 
 BACKENDS = ["torch", "triton", "triton-deterministic", "cudnn", "flashmla"]
-_BEFORE_FWD = {"triton_fwd_logits": "duplicated", "triton_fwd_index_ahead": "0", "triton_fwd_lazy_rescale": "0"}
+_BEFORE_FWD = {"triton_fwd_logits": "duplicated", "triton_fwd_index_ahead": "0", "triton_fwd_lazy_rescale": "0",
+               "triton_fwd_warp_specialize": "0"}
+_DEFAULT_FWD = _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_index_ahead": "1"}
 _BEFORE_BWD = {"triton_bwd_dq_pass": "0", "triton_dq_in_dkv": "1", "triton_dkv_one_product": "0",
                "triton_bwd_index_ahead": "0"}
 FORWARD_VARIANTS = {
@@ -60,8 +64,14 @@ FORWARD_VARIANTS = {
         "triton_fwd_logits": "split", "triton_fwd_index_ahead": "1", "triton_fwd_config": tile}
        for tile in ("64,32,8,3", "64,32,8,4", "64,64,8,1")},
     "triton-split-64x64x8x3": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_config": "64,64,8,3"},
-    "triton-split-ahead-lazy-rescale": _BEFORE_FWD | {"triton_fwd_logits": "split", "triton_fwd_index_ahead": "1",
-                                                      "triton_fwd_lazy_rescale": "1"},
+    "triton-split-ahead-lazy-rescale": _DEFAULT_FWD | {"triton_fwd_lazy_rescale": "1"},
+    # the default with its key loop warp-specialized (on the ladder and at two tiles), and four warpgroups
+    # (16 warps: [64, 128] of the accumulator each, logits [4, 4]) with and without
+    "triton-split-ahead-ws": _DEFAULT_FWD | {"triton_fwd_warp_specialize": "1"},
+    **{f"triton-split-ahead-ws-{tile.replace(',', 'x')}": _DEFAULT_FWD | {
+        "triton_fwd_warp_specialize": "1", "triton_fwd_config": tile} for tile in ("64,32,8,3", "64,64,16,2")},
+    **{f"triton-split-ahead-{tile.replace(',', 'x')}": _DEFAULT_FWD | {"triton_fwd_config": tile}
+       for tile in ("64,64,16,2", "64,32,16,3")},
 }
 BACKWARD_VARIANTS = {
     "triton-dq-in-dkv": _BEFORE_BWD,

@@ -233,6 +233,9 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     KernelOption("triton_fwd_lazy_rescale", "DSV4CP_TRITON_FWD_LAZY_RESCALE", FLAG, "sparse_attention",
                  "Triton attention forward (split logits) rescales its accumulator only when a head's max rises "
                  "by more than 2^8 (1)", False),
+    KernelOption("triton_fwd_warp_specialize", "DSV4CP_TRITON_FWD_WARP_SPECIALIZE", FLAG, "sparse_attention",
+                 "Triton attention forward asks Triton to warp-specialize its key loop (1): separate warps for the "
+                 "gathers and the products", False),
     _tile("triton_bwd_config", "sparse_attention", _KERNEL_TILE,
           "pins the Triton attention backward's first (dq / scores) kernel"),
     _tile("triton_dkv_config", "sparse_attention", ("block_k", "block_d", "num_warps", "num_stages"),
@@ -320,6 +323,7 @@ class KernelOptions:
     triton_fwd_logits: str = _default("triton_fwd_logits")
     triton_fwd_index_ahead: bool = _default("triton_fwd_index_ahead")
     triton_fwd_lazy_rescale: bool = _default("triton_fwd_lazy_rescale")
+    triton_fwd_warp_specialize: bool = _default("triton_fwd_warp_specialize")
     triton_bwd_config: tuple[int, ...] | None = _default("triton_bwd_config")
     triton_dkv_config: tuple[int, ...] | None = _default("triton_dkv_config")
     triton_dq_in_dkv: bool = _default("triton_dq_in_dkv")
@@ -484,6 +488,7 @@ BEFORE_IT_EXISTED: Mapping[str, str] = {
     "triton_dq_pass_config": "auto",
     "triton_scores_bwd_layout": "heads_on_m",  # the scores backward had the heads on M until the option came
     "triton_scores_bwd_index_ahead": "0",  # and loaded no index ahead
+    "triton_fwd_warp_specialize": "0",  # the forward's key loop was never warp-specialized before the option
 }
 """Option -> the value that describes what ran before the option existed, where that is known (a record
 written before then lacks the option). Any other option a record lacks is unknown for it, never today's

@@ -56,7 +56,7 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, LOGITS: tl.constexpr,
-    INDEX_AHEAD: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr, LAZY_RESCALE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Forward of one (query token t, head block).
 
@@ -85,6 +85,11 @@ def _fwd_kernel(
     rescaled, only on a step where some head's max rises by more than 8 (log2 units); otherwise p is
     taken against the kept max (so p <= 2^8) and the step skips the accumulator's multiply. The same
     max enters the sum and the accumulator, so the result is exact either way.
+
+    WARP_SPECIALIZE: the key loop is a ``tl.range(..., warp_specialize=True)``: Triton is asked to split it
+    into partitions of warps (loads, products, the softmax's arithmetic) that run concurrently, handing
+    tiles through shared memory; where the compiler cannot partition the loop it is compiled as usual.
+    The arithmetic is the same either way.
     """
     pid = tl.program_id(0)
     t = (pid // N_HB).to(tl.int64)
@@ -106,7 +111,7 @@ def _fwd_kernel(
     if INDEX_AHEAD:
         rows_next = tl.load(IDX + t * stride_it + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < kt_len,
                             other=-1)
-    for k0 in range(0, kt_len, BLOCK_K):
+    for k0 in tl.range(0, kt_len, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         slots = k0 + tl.arange(0, BLOCK_K)
         if INDEX_AHEAD:
             rows_here = rows_next
@@ -186,6 +191,7 @@ def sparse_attention_fwd(
     logits: str = OPTIONS["triton_fwd_logits"].default,
     index_ahead: bool = OPTIONS["triton_fwd_index_ahead"].default,
     lazy_rescale: bool = OPTIONS["triton_fwd_lazy_rescale"].default,
+    warp_specialize: bool = OPTIONS["triton_fwd_warp_specialize"].default,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of sparse multi-query attention with a sink (Triton).
 
@@ -205,6 +211,8 @@ def sparse_attention_fwd(
             the kernel option ``triton_fwd_index_ahead``'s).
         lazy_rescale: ``True``: with split logits, the accumulator is rescaled only when a head's max rises
             by more than 2^8 (``LAZY_RESCALE``; default: the kernel option ``triton_fwd_lazy_rescale``'s).
+        warp_specialize: ``True``: the key loop asks for Triton's warp specialization (``WARP_SPECIALIZE``;
+            default: the kernel option ``triton_fwd_warp_specialize``'s).
 
     Returns:
         ``out [T, H, D]`` in q's dtype and ``lse [T, H]`` fp32 (natural log, sink excluded, -inf for a
@@ -215,6 +223,7 @@ def sparse_attention_fwd(
     if layout not in FWD_LOGITS:
         raise ValueError(f"logits: must be one of {', '.join(FWD_LOGITS)}, got {layout!r}")
     lazy = bool(lazy_rescale) and layout == "split"
+    specialize = bool(warp_specialize)
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
     sink = sink.to(torch.float32).contiguous()
     t, h, d = q.shape
@@ -237,9 +246,11 @@ def sparse_attention_fwd(
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
             D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
             HAS_TOPK=topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q), LOGITS=layout,
-            INDEX_AHEAD=ahead, LAZY_RESCALE=lazy, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            INDEX_AHEAD=ahead, LAZY_RESCALE=lazy, WARP_SPECIALIZE=specialize,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch("fwd", (*_config_key(q), layout, ahead, lazy), ladder, pinned, launch)  # a configuration per variant
+    key = (*_config_key(q), layout, ahead, lazy, specialize)  # a configuration per variant
+    _launch("fwd", key, ladder, pinned, launch)
     return out, lse
 

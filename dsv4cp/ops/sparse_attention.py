@@ -174,7 +174,7 @@ def available_backend(name: str, device: torch.device) -> SparseAttentionBackend
 OPTION_NAMES = ("triton_fwd_config", "triton_fwd_logits", "triton_fwd_index_ahead", "triton_fwd_lazy_rescale",
                 "triton_bwd_config", "triton_dkv_config", "triton_dq_in_dkv", "triton_dkv_one_product",
                 "triton_bwd_index_ahead", "library_compact_slots", "triton_bwd_dq_pass", "triton_kv_pass_config",
-                "triton_dq_pass_config")
+                "triton_dq_pass_config", "triton_fwd_warp_specialize")
 """The kernel options the backends read: the custom ops (:mod:`.sparse_attention_library`) take their values
 as arguments (:func:`option_values`), so a compiled graph holds them as constants."""
 
@@ -211,6 +211,7 @@ def _triton_forward(q, kv, idx, sink, scale, topk_length=None, *, options=DEFAUL
     return sparse_attention_fwd(q, kv, idx, sink, scale, topk_length, logits=options.triton_fwd_logits,
                                 index_ahead=options.triton_fwd_index_ahead,
                                 lazy_rescale=options.triton_fwd_lazy_rescale,
+                                warp_specialize=options.triton_fwd_warp_specialize,
                                 **_tile(OPTIONS["triton_fwd_config"].fields, options.triton_fwd_config))
 
 

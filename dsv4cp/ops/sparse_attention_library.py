@@ -30,12 +30,13 @@ def sparse_attention_fwd(
     fwd_config: list[int], fwd_logits: str, fwd_index_ahead: bool, fwd_lazy_rescale: bool,
     bwd_config: list[int], dkv_config: list[int], dq_in_dkv: bool, dkv_one_product: bool, bwd_index_ahead: bool,
     compact_slots: bool, bwd_dq_pass: bool, kv_pass_config: list[int], dq_pass_config: list[int],
+    fwd_warp_specialize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_index_values(kv.shape[0], idx, topk_length)
     chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
     options = options_of((fwd_config, fwd_logits, fwd_index_ahead, fwd_lazy_rescale, bwd_config, dkv_config, dq_in_dkv,
                           dkv_one_product, bwd_index_ahead, compact_slots, bwd_dq_pass, kv_pass_config,
-                          dq_pass_config))
+                          dq_pass_config, fwd_warp_specialize))
     kernel_options.note_backend("sparse_attention.fwd", chosen.direction_names[0])
     with nvtx_range("sparse_attn.fwd"):
         out, lse = chosen.forward(q, kv, idx, sink, scale, topk_length, options=options)
@@ -55,11 +56,12 @@ def sparse_attention_bwd(
     fwd_config: list[int], fwd_logits: str, fwd_index_ahead: bool, fwd_lazy_rescale: bool,
     bwd_config: list[int], dkv_config: list[int], dq_in_dkv: bool, dkv_one_product: bool, bwd_index_ahead: bool,
     compact_slots: bool, bwd_dq_pass: bool, kv_pass_config: list[int], dq_pass_config: list[int],
+    fwd_warp_specialize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     chosen = resolve_backend(backend, q.device, head_dim=q.shape[-1])
     options = options_of((fwd_config, fwd_logits, fwd_index_ahead, fwd_lazy_rescale, bwd_config, dkv_config, dq_in_dkv,
                           dkv_one_product, bwd_index_ahead, compact_slots, bwd_dq_pass, kv_pass_config,
-                          dq_pass_config))
+                          dq_pass_config, fwd_warp_specialize))
     kernel_options.note_backend("sparse_attention.bwd", chosen.direction_names[1])
     with nvtx_range("sparse_attn.bwd"):
         dq, dkv, dsink = chosen.backward(dout.contiguous(), q, kv, idx, sink, scale, out, lse, topk_length,

@@ -253,16 +253,28 @@ def test_forward_lazy_rescale_matches_torch_fp32(case, spread, seed):
                         logits="split", lazy_rescale=True)
 
 
+@pytest.mark.parametrize("variant", ["split-ahead", "duplicated", "slots_on_m"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
+def test_forward_warp_specialized_matches_torch_fp32(case, variant, seed):
+    """The forward whose key loop asks for warp specialization, in every logits layout (the default's
+    indices ahead too), over 16-slot steps so that the loop runs several times. The interpreter runs the
+    loop as written (no partitions): this checks the code path's numerics; the GPU tests and the
+    benchmarks run it compiled."""
+    logits, ahead = variant.split("-")[0], variant.endswith("-ahead")
+    _check_forward_fp32(case, True, seed, f"seed={seed} case={case} variant={variant}", block_k=16, logits=logits,
+                        index_ahead=ahead, warp_specialize=True)
+
+
 LOGITS_VARIABLE = "DSV4CP_TRITON_FWD_LOGITS"
 VARIANT_VARIABLES = ("DSV4CP_TRITON_DKV_ONE_PRODUCT", "DSV4CP_TRITON_FWD_INDEX_AHEAD", "DSV4CP_TRITON_BWD_INDEX_AHEAD",
-                     "DSV4CP_TRITON_FWD_LAZY_RESCALE")
+                     "DSV4CP_TRITON_FWD_LAZY_RESCALE", "DSV4CP_TRITON_FWD_WARP_SPECIALIZE")
 
 
 def test_variant_options_select_the_kernels(seed, monkeypatch):
-    """The variables of the forward's logits layout and lazy rescale, the dkv kernel's one product and both
-    directions' indices ahead, resolved into the options the op takes, select the variants (each under its
-    own cached configuration) both ways; the kernels' keywords select them too; a value a variable does not
-    allow is refused when resolved, a layout the forward does not know by the forward."""
+    """The variables of the forward's logits layout, lazy rescale and warp specialization, the dkv kernel's
+    one product and both directions' indices ahead, resolved into the options the op takes, select the
+    variants (each under its own cached configuration) both ways; the kernels' keywords select them too; a
+    value a variable does not allow is refused when resolved, a layout the forward does not know by the forward."""
     from dsv4cp.kernels import sparse_attention_launch as sat
 
     q, kv, idx, sink, scale, tl_ = make_case(seed, 6, 2, 16, 10, 7, topk=True)
@@ -274,8 +286,9 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
     monkeypatch.delenv(sat.DQ_IN_DKV_ENV, raising=False)
     monkeypatch.setenv("DSV4CP_TRITON_BWD_DQ_PASS", "0")  # the variants are those of the dq-in-dkv backward
     # each launch caches its configuration under its kind, the shape class and the variant's switches
-    variants = {("fwd", "split", True, True), ("bwd_dq_dq_in_dkv", True), ("bwd_dkv_dq_in_dkv", True, True)}
-    plain = {("fwd", "duplicated", False, False), ("bwd_dq_dq_in_dkv", False), ("bwd_dkv_dq_in_dkv", False, False)}
+    variants = {("fwd", "split", True, True, True), ("bwd_dq_dq_in_dkv", True), ("bwd_dkv_dq_in_dkv", True, True)}
+    plain = {("fwd", "duplicated", False, False, False), ("bwd_dq_dq_in_dkv", False),
+             ("bwd_dkv_dq_in_dkv", False, False)}
 
     def kinds():
         return {(key[0], *key[len(sat._config_key(q)) + 1:]) for key in sat._CHOSEN}
@@ -295,7 +308,7 @@ def test_variant_options_select_the_kernels(seed, monkeypatch):
     for split in (False, True):
         sat._CHOSEN.clear()
         out, _ = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits="split" if split else "duplicated",
-                                      index_ahead=split, lazy_rescale=split)
+                                      index_ahead=split, lazy_rescale=split, warp_specialize=split)
         got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, ref_out, ref_lse, tl_, dkv_one_product=split,
                                    index_ahead=split)
         msg = f"seed={seed} keywords={split}"
@@ -613,6 +626,23 @@ def test_gpu_full_size_bf16_variants(heads, n_selected, logits, ahead, seed):
                                    deterministic=det, dkv_one_product=True, index_ahead=ahead)
         for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
             assert rel_fro(a, b) < 1e-2, f"{msg} det={det}: {name} {rel_fro(a, b):.2e}"
+
+
+@pytest.mark.parametrize("tile", [None, (64, 32, 8, 3), (64, 64, 16, 2)], ids=["ladder", "64x32x8x3", "64x64x16x2"])
+@pytest.mark.parametrize("heads, n_selected", [(64, 512), (3, 64)], ids=["flash", "H3"])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_full_size_bf16_warp_specialized(heads, n_selected, tile, seed):
+    """The default forward (split logits, indices ahead) with its key loop warp-specialized, compiled, at
+    D = 512 on the ladder and at the tiles the benchmarks time, against the fp32 reference."""
+    q, kv, idx, sink, scale = gpu_case(seed, 2048, heads, 512, 128, n_selected, torch.bfloat16)
+    ref_out, ref_lse = torch_forward(q.float(), kv.float(), idx, sink, scale)
+    pin = dict(zip(("block_h", "block_k", "num_warps", "num_stages"), tile)) if tile else {}
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, logits="split", index_ahead=True, warp_specialize=True,
+                                    **pin)
+    msg = f"seed={seed} H={heads} tile={tile}"
+    assert rel_fro(out, ref_out) < 1e-2, f"{msg}: out {rel_fro(out, ref_out):.2e}"
+    check_lse(lse, ref_lse, 1e-2, msg)
 
 
 @pytest.mark.parametrize(
