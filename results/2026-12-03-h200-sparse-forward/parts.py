@@ -12,7 +12,10 @@ launches after 3):
 * ``no-pv``: the value product left out (``acc`` stays ``acc * alpha``; wrong results): the time of the
   gathers, the logits' product and the softmax alone;
 * ``same-rows``: every slot of a step gathers the step's first row (the same instructions and products,
-  one kv row's traffic per step instead of 64): what the gathers' memory traffic costs.
+  one kv row's traffic per step instead of 64);
+* ``resident-rows``: the first step's rows gathered once before the loop and used by every step (the indices
+  are still loaded a step ahead and mask the logits; no gather, no copy to wait for in the loop): the time
+  of the products and the softmax without the per-step gather.
 
 With ``--once NAME`` it launches one variant once (for ncu, which profiles the kernel its ``-k`` names).
 Run from the repository root: python results/2026-12-03-h200-sparse-forward/parts.py [--once NAME]
@@ -33,6 +36,8 @@ from dsv4cp.kernels.sparse_attention_launch import LOG2E
 RESCALE = "                        acc_v = acc * alpha[:, None]\n                else:"
 PV = "                acc = tl.dot(p_v, kv, acc_v, input_precision=PRECISION)"
 GATHER = "gather_loaded_rows(KV, rows_here, N,"
+LOOP = "    for k0 in tl.range(0, kt_len, BLOCK_K, warp_specialize=WARP_SPECIALIZE):"
+STEP_GATHER = "rows, valid, kv = gather_loaded_rows(KV, rows_here, N, stride_kvn, d, dmask, D, BLOCK_D, DOT_F32)"
 VARIANTS = {
     "library": ([], False),
     "ws": ([], True),
@@ -42,6 +47,9 @@ VARIANTS = {
               False),
     "same-rows": ([(GATHER, GATHER.replace("rows_here,", "tl.where(rows_here >= 0, tl.max(rows_here, 0), -1),"))],
                   False),
+    "resident-rows": ([(LOOP, "    _, _, kv0 = gather_loaded_rows(KV, rows_next, N, stride_kvn, d, dmask, D, BLOCK_D, "
+                              "DOT_F32)\n" + LOOP),
+                       (STEP_GATHER, "rows, valid, kv = rows_here, (rows_here >= 0) & (rows_here < N), kv0")], False),
 }
 HEADER = ("import triton\nimport triton.language as tl\n"
           "from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows, selected_length\n\n")

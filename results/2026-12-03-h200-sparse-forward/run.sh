@@ -3,7 +3,8 @@
 # the new ones (key loop warp-specialized, four-warpgroup tiles) among them, side by side with the default in one
 # pytest-benchmark run; the default's time with one
 # part left out at a time (parts.py); ncu (stall reasons, issue, tensor pipe, L2 / DRAM throughput) of the
-# default and of the warp-specialized kernel; the GPU tests of the warp-specialized forward.
+# default and of the warp-specialized kernel; the GPU tests of the warp-specialized forward; ncu's sections of the
+# default (PARTS=sections).
 # Run from the repository root: bash results/2026-12-03-h200-sparse-forward/run.sh OUT_DIR
 set -uo pipefail
 out=${1:?output folder}
@@ -41,6 +42,15 @@ ncu)  # one launch of each kernel (parts.py --once), the default and the warp-sp
       } >> "$out/ncu.txt" 2>&1
     done
     tail -60 "$out/ncu.txt"
+    ;;
+sections)  # ncu's own sections for the default kernel (pipe utilisation, throughputs), and its gmma metric names
+    { echo "=== forward library 64,64,8,2 split ahead: SpeedOfLight, ComputeWorkloadAnalysis, MemoryWorkloadAnalysis"
+      timeout 90 ncu --clock-control none -k "regex:_fwd_kernel" -c 1 --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+        python3 "$dir/parts.py" --once library 2>&1 | grep -v "^==PROF==" | quiet
+      echo "=== ncu --query-metrics | grep -i gmma"
+      ncu --query-metrics 2>&1 | grep -i gmma
+    } > "$out/ncu_sections.txt" 2>&1; cat "$out/ncu_sections.txt"
     ;;
 tests)
     { echo "\$ pytest -m gpu tests/kernels/test_sparse_attention_triton.py -k warp_specialized"
