@@ -88,6 +88,10 @@ With 24 pairs at a paired log-sd of 0.15 a 20% slowdown is still caught ~99% of 
 0.01 would catch 84%): tests/test_ci_gate.py simulates it."""
 SUITE_CONFIDENCE = 0.99
 """The pooled suite's interval: one test, not confirmed."""
+DEFAULT_THRESHOLD = "10%"
+"""A point's verdict names changes beyond this. Two processes of one tree drift apart by up to 4% over a
+gate's minutes (the self-comparisons' suite ratios), which at 5% put points past the threshold."""
+DEFAULT_SUITE_THRESHOLD = "5%"
 
 
 class GateFailure(Exception):
@@ -182,6 +186,7 @@ class Plan:
     blocks: int
     injections: int
     threshold: float
+    suite_threshold: float
     alpha: float
 
 
@@ -311,7 +316,7 @@ def suite_verdict(samples: Samples, comparison: Comparison, n: int, plan: Plan) 
         first += a
         second += b
     interval = ratio_interval(first, second, SUITE_CONFIDENCE)
-    return ab_verdict(interval, plan.threshold), interval
+    return ab_verdict(interval, plan.suite_threshold), interval
 
 
 def load_accepted(path: Path) -> list[dict]:
@@ -394,7 +399,7 @@ def ab(spec: Path, commit: str, plan: Plan, accepted: list[dict], head: Path = R
                 "suite": suite_verdict(samples, c, n, plan)} for c, found in first.items()]
     return {"cases": cases, "results": results, "counters": counters, "defaults": defaults,
             "noise": paired_noise(samples, [c for c in first if c.kind == "self"], n),
-            "seconds": time.monotonic() - started}
+            "samples": samples, "seconds": time.monotonic() - started}
 
 
 def paired_noise(samples: Samples, selfs: list[Comparison], n: int) -> float:
@@ -440,8 +445,8 @@ def report(figures: dict, plan: Plan, commit: str, why: str) -> tuple[list[str],
     lines = [f"gate: base {commit[:12]} ({why}) vs head; {plan.rounds} step pairs per comparison, "
              f"interval {100 * confidence:.4g}% per point (alpha {plan.alpha:g} / {len(cases)} cases), "
              f"{100 * SUITE_CONFIDENCE:.4g}% for the suite (every case's pairs pooled), threshold "
-             f"{100 * plan.threshold:g}%; a SLOWER or FASTER point is confirmed by {plan.rounds} fresh pairs; "
-             f"times are process CPU ms of one step"]
+             f"{100 * plan.threshold:g}% per point, {100 * plan.suite_threshold:g}% for the suite; a SLOWER or "
+             f"FASTER point is confirmed by {plan.rounds} fresh pairs; times are process CPU ms of one step"]
     if figures["defaults"]:
         lines.append("gate: kernel option defaults differ (the A/B ratios below are old vs new default): "
                      + "; ".join(figures["defaults"]))
@@ -496,7 +501,8 @@ def report(figures: dict, plan: Plan, commit: str, why: str) -> tuple[list[str],
                 f"{name} ({step[name]:.1f} ms)" for name in entry["points_detected"]))
     counts = {v: sum(p["verdict"] == v for p in gate["points"]) for v in VERDICTS}
     summary = {"base": commit, "base_from": why, "rounds": plan.rounds, "blocks": plan.blocks,
-               "threshold": plan.threshold, "alpha": plan.alpha, "verdicts": counts,
+               "threshold": plan.threshold, "suite_threshold": plan.suite_threshold, "alpha": plan.alpha,
+               "verdicts": counts,
                "suite": {"verdict": suite_v, "ratio": suite_i.ratio, "low": suite_i.low, "high": suite_i.high},
                "points": [{"point": c["name"], "step_ms": c["step_ms"], "ratio": p["interval"].ratio,
                            "low": p["interval"].low, "high": p["interval"].high, "verdict": p["verdict"],
@@ -508,6 +514,18 @@ def report(figures: dict, plan: Plan, commit: str, why: str) -> tuple[list[str],
                "self_suite_alarms": suite_alarms, "paired_log_sd": figures["noise"], "detection": detection,
                "counter_changes": failing, "counter_changes_accepted": accepted, "ab_seconds": figures["seconds"]}
     return lines, summary
+
+
+def write_samples(path: Path, figures: dict) -> None:
+    """Every step time of the run: ``times["side/block/case"]`` and ``confirmations["kind/block/level/
+    case/side"]`` (a case is its index in ``cases``)."""
+    samples = figures["samples"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "cases": [c["name"] for c in figures["cases"]],
+        "times": {f"{side}/{block}/{case}": ms for (side, block, case), ms in samples.times.items()},
+        "confirmations": {f"{c.kind}/{c.block}/{c.level}/{case}/{side}": ms
+                          for (c, case, side), ms in samples.confirmations.items()}}) + "\n")
 
 
 def summary_line(summary: dict, seconds: float) -> str:
@@ -554,7 +572,12 @@ def main(argv: list[str] | None = None) -> int:
                         "interval can exclude 1 at 0.01 / 30 cases)")
     parser.add_argument("--blocks", type=int, default=20, help="self-comparisons, block 0 also the gate's (20)")
     parser.add_argument("--injections", type=int, default=1, help="blocks per injected level (default 1)")
-    parser.add_argument("--threshold", default="5%", help="smallest change a verdict names (default 5%%)")
+    parser.add_argument("--threshold", default=DEFAULT_THRESHOLD,
+                        help=f"smallest change a point's verdict names (default {DEFAULT_THRESHOLD})")
+    parser.add_argument("--suite-threshold", default=DEFAULT_SUITE_THRESHOLD,
+                        help=f"smallest change the suite's verdict names (default {DEFAULT_SUITE_THRESHOLD})")
+    parser.add_argument("--samples", type=Path, default=None,
+                        help="write every step time here (JSON), to study the gate's rule offline")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
                         help=f"family-wise error of one pass's point intervals (default {DEFAULT_ALPHA:g})")
     parser.add_argument("--skip-sweep", action="store_true", help="skip the pipeline check")
@@ -573,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.alpha < 1:
             raise UnusableInput(f"--alpha: must lie in (0, 1), got {args.alpha}")
         try:
-            plan = Plan(args.rounds, args.blocks, args.injections, parse_threshold(args.threshold), args.alpha)
+            plan = Plan(args.rounds, args.blocks, args.injections, parse_threshold(args.threshold),
+                        parse_threshold(args.suite_threshold), args.alpha)
         except ValueError as err:
             raise UnusableInput(str(err).replace("--max-regression", "--threshold")) from None
         if args.refresh:
@@ -587,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         figures = ab(args.spec, commit, plan, accepted, args.head_tree)
         lines, summary = report(figures, plan, commit, why)
         print("\n".join(lines))
+        if args.samples:
+            write_samples(args.samples, figures)
         seconds = time.monotonic() - started
         summary["gate_seconds"] = seconds
         if args.json:

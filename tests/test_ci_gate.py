@@ -135,7 +135,7 @@ def test_no_worker_times_two_steps_in_a_row():
 
 def test_an_alarm_the_confirmation_contradicts_is_undecided(seed):
     rng = np.random.default_rng(seed)
-    plan = gate.Plan(rounds=ROUNDS, blocks=1, injections=0, threshold=0.05, alpha=0.01)
+    plan = gate.Plan(rounds=ROUNDS, blocks=1, injections=0, threshold=0.05, suite_threshold=0.05, alpha=0.01)
     comparison = gate.Comparison("self", 0, "head", "head2")
     samples = gate.Samples()
     for case, (first_slowdown, again) in enumerate(((1.3, 1.3), (1.3, 1.0), (1.0, 1.0))):
