@@ -41,8 +41,8 @@ Hodges-Lehmann estimate with its signed-rank interval at confidence 1 - ``--alph
 (Bonferroni over the cases); SLOWER / FASTER when the interval excludes 1 and the ratio is beyond
 ``--threshold`` (default 10%); UNDECIDED when beyond it but the interval holds 1 (reported, not failed);
 SAME otherwise. The SUITE verdict pools every case's pairs of the comparison into one interval at
-confidence 99% (threshold ``--suite-threshold``, default 5%): a slowdown that every point shares (one phase slower everywhere) is
-resolved well below what one point resolves. The gate fails on a SLOWER point, a SLOWER suite, an
+confidence 99% (threshold ``--suite-threshold``, default 5%): a slowdown that every point shares (one
+phase slower everywhere) is resolved well below what one point resolves. The gate fails on a SLOWER point, a SLOWER suite, an
 unaccepted counter change or a broken pipeline.
 Exit status: 0 pass, 1 fail, 2 unusable input.
 """
@@ -533,7 +533,8 @@ def write_samples(path: Path, figures: dict) -> None:
 def summary_line(summary: dict, seconds: float) -> str:
     counts = ", ".join(f"{count} {name}" for name, count in summary["verdicts"].items())
     found = ", ".join(f"+{100 * float(level):g}% {d['detected']}/{d['injections']} (suite "
-                      f"{d['suite_detected']}/{d['suite_injections']})" for level, d in summary["detection"].items())
+                      f"{d['suite_detected']}/{d['suite_injections']})" for level, d in summary["detection"].items()) \
+        or "nothing (no injections)"
     return (f"gate summary: {counts}, suite {summary['suite']['verdict']} ({summary['suite']['ratio']:.3f}); "
             f"false alarms {summary['self_comparisons_alarmed']}/{summary['self_comparisons']} self-comparisons, "
             f"{summary['self_suite_alarms']} suite; detected {found}; "
