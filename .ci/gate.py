@@ -42,8 +42,8 @@ Hodges-Lehmann estimate with its signed-rank interval at confidence 1 - ``--alph
 ``--threshold`` (default 10%); UNDECIDED when beyond it but the interval holds 1 (reported, not failed);
 SAME otherwise. The SUITE verdict pools every case's pairs of the comparison into one interval at
 confidence 99% (threshold ``--suite-threshold``, default 5%): a slowdown that every point shares (one
-phase slower everywhere) is resolved well below what one point resolves. The gate fails on a SLOWER point, a SLOWER suite, an
-unaccepted counter change or a broken pipeline.
+phase slower everywhere) is resolved well below what one point resolves. The gate fails on a SLOWER
+point, a SLOWER suite, an unaccepted counter change or a broken pipeline.
 Exit status: 0 pass, 1 fail, 2 unusable input.
 """
 
