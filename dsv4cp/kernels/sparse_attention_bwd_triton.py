@@ -40,7 +40,7 @@ import triton.language as tl
 
 from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.kernels import is_deterministic
-from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows
+from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows, selected_length
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels.sparse_attention_launch import (
     _KERNELS,
@@ -137,9 +137,7 @@ def _bwd_dq_kernel(
     has_key = hmask & (lse2 > float("-inf"))
     lt2 = tl.where(has_key, mx_use + tl.math.log2(tl.where(has_key, total, 1.0)), float("inf"))
 
-    kt_len = KT
-    if HAS_TOPK:
-        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    kt_len = selected_length(TOPK, t, KT, HAS_TOPK)
 
     if ACC_DQ:
         dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -227,9 +225,7 @@ def _bwd_dkv_kernel(
             q = q.to(tl.float32)
             do = do.to(tl.float32)
 
-    kt_len = KT
-    if HAS_TOPK:
-        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    kt_len = selected_length(TOPK, t, KT, HAS_TOPK)
     if ACC_DQ:
         dq = tl.zeros([BLOCK_HK, BLOCK_DC], dtype=tl.float32)
     if INDEX_AHEAD:
