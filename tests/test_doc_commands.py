@@ -2,7 +2,7 @@
 that): each is run in this process, in the docs' order, in one scratch directory, so what one command writes
 (``runs/smoke``, ``traces/cp1``, ``calibration.json``) is what the next one the docs show reads.
 
-To run on CPU in seconds, a command runs through its entry of :data:`SHOWN`, a table keyed by the command
+To run on CPU at small sizes, a command runs through its entry of :data:`SHOWN`, a table keyed by the command
 exactly as shown: :class:`Run` lists the substitutions (a tiny preset, few tokens, one timed step, a reduced
 copy of the sweep spec); :class:`NotRun` says why the command cannot run here (a GPU, torchrun with several
 ranks, nsys). A command the docs show that the table does not list fails the test, as does an entry the docs
@@ -22,7 +22,7 @@ from test_readme import USER_DOCS, _cli_argv, _shell_commands
 ROOT = Path(__file__).resolve().parents[1]
 
 TINY = {"--preset": "tiny", "--tokens": "256"}
-"""The tiny preset at a few tokens: a step of milliseconds on CPU, every code path of the flash preset."""
+"""The tiny preset at a few tokens: the flash preset's code paths at a size a CPU runs in milliseconds."""
 ONE_STEP = {"--warmup": "0", "--reps": "1"}
 """No warm-up and one timed step: the command's whole output and record, its timing meaningless."""
 TINY_SPEC_TOKENS = 128
@@ -45,7 +45,6 @@ class NotRun:
     reason: str
 
 
-GPU = "needs CUDA GPUs (nccl, bf16 kernels at the flash preset's sizes)"
 TORCHRUN = "needs torchrun with several ranks on GPUs (nccl)"
 TINY_SPEC = "{tiny}"
 SMOKE = {"sweeps/smoke.yaml": f"{TINY_SPEC}/smoke.yaml"}
@@ -165,7 +164,7 @@ def _tiny_spec(name: str, into: Path) -> None:
     value of every axis but cp (every degree kept: the sweep spawns its ranks once and runs each)."""
     spec = yaml.safe_load((ROOT / "sweeps" / name).read_text())
     spec["run"] = {**spec.get("run", {}), "warmup": 0, "reps": 1}
-    if spec["base"].get("preset") != "tiny":  # a tiny spec keeps its points: those of its committed baseline
+    if spec["base"].get("preset") != "tiny":  # a tiny spec keeps its tokens
         spec["base"] = {**spec["base"], "preset": "tiny", "tokens": TINY_SPEC_TOKENS}
         spec["axes"].pop("tokens", None)
     spec["axes"] = {axis: values if axis == "cp" else values[:1] for axis, values in spec["axes"].items()}
