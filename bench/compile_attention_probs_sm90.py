@@ -19,16 +19,14 @@ Prepend another Triton to ``PYTHONPATH`` to check the figures of the GPU machine
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
-import tempfile
 from dataclasses import astuple
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from bench.cubin_resources import resource_usage
 from dsv4cp.kernels import attention_probs_triton as probs
 from dsv4cp.kernels.sparse_attention_triton import KernelConfig
 
@@ -64,18 +62,13 @@ def compile_resources(body, constexprs: dict, ints: list[str], num_warps: int, n
     sig, attrs = _signature(ints, constexprs, fp32, lse)
     kernel = triton.compile(ASTSource(triton.jit(body), sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
-    fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    usage = resource_usage(kernel)
     shared = kernel.metadata.shared
-    regs = int(fields["REG"])
+    regs = usage["REG"]
     by_shared = SHARED_PER_SM // (shared + RESERVED_PER_PROGRAM)
     by_regs = REGISTERS_PER_SM // (max(regs, 1) * 32 * num_warps)
     buffers = re.findall(r"memdesc<(\d+)x\d+x\d+x(?:bf16|f32)", kernel.asm["ttgir"])
-    return {"shared_kb": shared / 1024, "regs": regs, "spill": int(fields["STACK"]) + int(fields["LOCAL"]),
+    return {"shared_kb": shared / 1024, "regs": regs, "spill": usage["STACK"] + usage["LOCAL"],
             "buffers": max(map(int, buffers)) if buffers else 0, "programs_per_sm": min(by_shared, by_regs)}
 
 

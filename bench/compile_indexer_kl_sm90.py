@@ -10,15 +10,13 @@ Not collected by pytest; run from the repository root (no GPU needed, about a se
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from bench.cubin_resources import resource_usage
 from dsv4cp.kernels import indexer_kl_triton as kl
 
 _SIGNATURE = {"TARGET": "*fp32", "SCORES": "*fp32", "VALID": "*i1", "WEIGHT": "*fp32", "ROW_LOSS": "*fp32",
@@ -35,15 +33,10 @@ def resources(block_k: int, num_warps: int, write_grad: bool) -> dict:
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     kernel = triton.compile(ASTSource(triton.jit(kl._kl_rows_kernel), sig, constexprs, attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
-    fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    usage = resource_usage(kernel)
     vector_loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]", kernel.asm["ptx"]))
-    return {"regs": int(fields["REG"]), "shared": kernel.metadata.shared,
-            "spill": int(fields["STACK"]) + int(fields["LOCAL"]), "vector_loads": vector_loads}
+    return {"regs": usage["REG"], "shared": kernel.metadata.shared, "spill": usage["STACK"] + usage["LOCAL"],
+            "vector_loads": vector_loads}
 
 
 def main() -> None:

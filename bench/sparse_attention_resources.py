@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from unittest import mock
 
 import torch
 
+from bench.cubin_resources import cuobjdump
 from bench.sweep_sparse_attention_configs import CANDIDATES, Candidate, bwd_call, fwd_call
 from bench.test_bench_sparse_attention import SHAPES, Shape
 
@@ -111,13 +109,7 @@ def compile_launch(launch: Launch) -> dict[str, int]:
     backend = triton.compiler.make_backend(target)
     compiled = triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=target,
                               options=backend.parse_options(options).__dict__)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    usage, sass = cuobjdump(compiled, "-res-usage", "-sass")
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2)),
             "shared_kb": compiled.metadata.shared / 1024, "wgmma": len(re.findall(r"\bHGMMA", sass)),

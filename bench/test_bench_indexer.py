@@ -486,6 +486,18 @@ def _selection(shape: Shape, entry: dict) -> tuple[torch.Tensor, torch.Tensor, i
     return idx, grad, int((idx >= 0).sum().item())
 
 
+def _triton_selection(shape_name: str) -> tuple[Shape, dict, torch.Tensor, torch.Tensor, int]:
+    """``(shape, inputs, idx, grad, valid slots)`` of a scores benchmark of the Triton kernels alone
+    (:func:`_inputs`, :func:`_selection`); skips where triton cannot run on the inputs' device."""
+    from dsv4cp.kernels import triton_available
+
+    shape = SHAPES[shape_name]
+    entry = _inputs(shape)
+    if not triton_available(entry["q"].device):
+        pytest.skip(f"triton cannot run on {entry['q'].device} here")
+    return (shape, entry, *_selection(shape, entry))
+
+
 @pytest.mark.parametrize("backend", _SCORES_BACKENDS)
 @pytest.mark.parametrize("shape_name", _SCORES_PARAMS)
 def test_indexer_scores_fwd_bwd(benchmark, measure, shape_name, backend, monkeypatch):
@@ -560,15 +572,9 @@ def test_indexer_scores_reduce(benchmark, measure, shape_name, reduce, part):
     order and summed per key row (the sort, the backward kernel and the segment sums). ``fwd_bwd``: one
     forward + backward; ``bwd``: the backward alone, of one saved forward (FLOPs: the backward's ``dq``
     and ``dkeys`` products, ``2 * 2 * Hi * Di`` per valid slot; the recompute of ``s`` is not counted)."""
-    from dsv4cp.kernels import triton_available
-
-    shape = SHAPES[shape_name]
-    entry = _inputs(shape)
-    if not triton_available(entry["q"].device):
-        pytest.skip(f"triton cannot run on {entry['q'].device} here")
+    shape, entry, idx, grad, valid = _triton_selection(shape_name)
     from dsv4cp.kernels.indexer_scores_triton import indexer_scores_triton
 
-    idx, grad, valid = _selection(shape, entry)
     leaves = [entry[name].detach().clone().requires_grad_(True) for name in ("q", "w", "keys")]
     if part == "fwd_bwd":
         def step():
@@ -608,16 +614,10 @@ def test_indexer_scores_reduce_parts(benchmark, measure, shape_name, reduce, par
     stores, with the destinations built beforehand), ``reduce`` (``_segment_reduce_kernel``: the
     contributions' streaming sums per key row); ``atomic`` / ``forward``: the forward kernel, which
     gathers the same key rows for one product (what the backward's gathers alone cost)."""
-    from dsv4cp.kernels import triton_available
-
-    shape = SHAPES[shape_name]
-    entry = _inputs(shape)
+    shape, entry, idx, grad, valid = _triton_selection(shape_name)
     q, w, keys = entry["q"], entry["w"], entry["keys"]
-    if not triton_available(q.device):
-        pytest.skip(f"triton cannot run on {q.device} here")
     from dsv4cp.kernels import indexer_scores_triton as ist
 
-    idx, grad, valid = _selection(shape, entry)
     grad = grad.float().contiguous()
     plan = ist.BackwardPlan.new(q.contiguous(), w.contiguous(), keys.contiguous(), idx, grad, reduce)
     starts = list(plan.starts())
@@ -670,16 +670,12 @@ def test_indexer_scores_backward_kernel(benchmark, measure, shape_name, layout, 
     side: the heads-on-M kernel at its default tile against the keys-on-M kernel at every tile of its ladder
     with its indices a step ahead, and at its first tile without (``triton_scores_bwd_index_ahead``; FLOPs:
     the three products, ``3 * 2 * Hi * Di`` per valid slot). On CPU every tile runs the interpreter's one."""
-    from dsv4cp.kernels import interpreted, triton_available
+    from dsv4cp.kernels import interpreted
 
-    shape = SHAPES[shape_name]
-    entry = _inputs(shape)
+    shape, entry, idx, grad, valid = _triton_selection(shape_name)
     q, w, keys = entry["q"], entry["w"], entry["keys"]
-    if not triton_available(q.device):
-        pytest.skip(f"triton cannot run on {q.device} here")
     from dsv4cp.kernels import indexer_scores_triton as ist
 
-    idx, grad, valid = _selection(shape, entry)
     config = None if interpreted(q.device) else ist.GatherBwdConfig(*tile)
     plan = ist.BackwardPlan.new(q.contiguous(), w.contiguous(), keys.contiguous(), idx, grad.float().contiguous(),
                                 "atomic", config, layout=layout, index_ahead=ahead)

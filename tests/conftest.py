@@ -162,6 +162,25 @@ def single_process(monkeypatch) -> None:
 
 
 @pytest.fixture
+def triton_paths(monkeypatch) -> None:
+    """The indexer, probabilities, norm / RoPE and pooling ops take their Triton paths for CPU tensors
+    (Triton's interpreter), as for CUDA ones; skips where the interpreter cannot run them."""
+    from dsv4cp.kernels import HAS_TRITON, triton_available
+    from dsv4cp.ops import attention_probs, compress_pool, indexer, norm_rope
+
+    if not (HAS_TRITON and triton_available("cpu")):
+        pytest.skip("needs triton's CPU interpreter (TRITON_INTERPRET=1)")
+
+    def serves(x: torch.Tensor, *_: object) -> bool:
+        return x.dtype != torch.float64 and x.shape[-1] % 16 == 0
+
+    monkeypatch.setattr(indexer, "triton_serves", serves)
+    monkeypatch.setattr(attention_probs, "triton_serves", serves)
+    monkeypatch.setattr(norm_rope, "use_fused", lambda x, freqs=None: serves(x))
+    monkeypatch.setattr(compress_pool, "use_triton", lambda values, gates: serves(values))
+
+
+@pytest.fixture
 def gen(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

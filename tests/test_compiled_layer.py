@@ -15,8 +15,6 @@ from dsv4cp import kernel_options
 from dsv4cp.cli.main import main
 from dsv4cp.harness.build import build_case
 from dsv4cp.harness.case import Case
-from dsv4cp.kernels import HAS_TRITON
-from dsv4cp.ops import attention_probs, compress_pool, indexer, norm_rope
 from dsv4cp.profiling.compilation import UNPLACED, explain_breaks
 
 
@@ -71,21 +69,6 @@ def test_graph_breaks_are_named_with_their_place(seed):
     assert explained.reasons and len(lines) == 1 + len(explained.reasons)
     for reason in explained.reasons:
         assert reason.reason and (".py:" in reason.where or reason.where == UNPLACED) and reason.count >= 1
-
-
-@pytest.fixture
-def triton_paths(monkeypatch):
-    """The ops take their Triton paths for CPU tensors (run by Triton's interpreter), as for CUDA ones."""
-    if not HAS_TRITON:
-        pytest.skip("needs triton (its CPU interpreter)")
-
-    def serves(x: torch.Tensor, *_: object) -> bool:
-        return x.dtype != torch.float64 and x.shape[-1] % 16 == 0
-
-    monkeypatch.setattr(indexer, "triton_serves", serves)
-    monkeypatch.setattr(attention_probs, "triton_serves", serves)
-    monkeypatch.setattr(norm_rope, "use_fused", lambda x, freqs=None: serves(x))
-    monkeypatch.setattr(compress_pool, "use_triton", lambda values, gates: serves(values))
 
 
 def test_compiled_step_on_the_kernels_custom_ops_matches_eager(triton_paths, seed):

@@ -34,7 +34,6 @@ from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.kernels import HAS_TRITON, set_deterministic, triton_available
 from dsv4cp.layer import attention as attention_module
 from dsv4cp.layer.indexer_loss import indexer_loss
-from dsv4cp.ops import attention_probs, compress_pool, norm_rope
 from dsv4cp.ops import indexer as ops_indexer
 from dsv4cp.ops.indexer import indexer_scores, indexer_scores_given
 
@@ -115,22 +114,6 @@ def test_bad_given_scores_are_named(seed):
 
 # ------------------------------------------------------------------------------------------ the layer
 CASE = dict(lengths=(9, 0, 23, 5), total=40, ratio=4)
-
-
-@pytest.fixture
-def triton_paths(monkeypatch):
-    """The indexer, probabilities, norm / RoPE and pooling ops take their Triton paths for CPU tensors
-    (Triton's interpreter), as for CUDA ones."""
-    if not TRITON_CPU:
-        pytest.skip("needs triton's CPU interpreter (TRITON_INTERPRET=1)")
-
-    def serves(x: torch.Tensor, *_: object) -> bool:
-        return x.dtype != torch.float64 and x.shape[-1] % 16 == 0
-
-    monkeypatch.setattr(ops_indexer, "triton_serves", serves)
-    monkeypatch.setattr(attention_probs, "triton_serves", serves)
-    monkeypatch.setattr(norm_rope, "use_fused", lambda x, freqs=None: serves(x))
-    monkeypatch.setattr(compress_pool, "use_triton", lambda values, gates: serves(values))
 
 
 def _layer_step(layer, packed, x, weight, scores: str):

@@ -12,9 +12,10 @@ import torch
 
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.environment import git_sha, machine_label
+from dsv4cp.harness.emulate import summary_metrics
 from dsv4cp.harness.time import Measurement
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, write_meta
-from dsv4cp.sweeps.emulation import measure_every_rank, rank_table_lines, summary_metrics, summary_point
+from dsv4cp.sweeps.emulation import measure_every_rank, rank_table_lines, summary_point
 from dsv4cp.sweeps.measured_split import (
     MeasuredSplit,
     SplitRound,

@@ -32,8 +32,29 @@ def entry_capacity(rows: int, compress_ratio: int) -> int:
     return -(-rows // compress_ratio) if compress_ratio else 0
 
 
+class RankSizes:
+    """The row counts a rank's buffers take from its own rows, its halo and the gathered capacity: one
+    definition for the layout and for the cost model's counts (:class:`dsv4cp.model.counts.RankCounts`),
+    so the two cannot disagree."""
+
+    cp: int
+    rows: int
+    halo: int
+    capacity: int
+
+    @property
+    def ext_rows(self) -> int:
+        """Rows each rank projects for the window KV and the compressors: ``halo + rows``."""
+        return self.halo + self.rows
+
+    @property
+    def gathered_rows(self) -> int:
+        """Rows of the gathered compressed buffer, ``cp * capacity`` (identical on every rank)."""
+        return self.cp * self.capacity
+
+
 @dataclass(frozen=True)
-class RankLayout:
+class RankLayout(RankSizes):
     """What rank ``rank`` of ``cp`` computes for one layer on one packed batch.
 
     Shapes: ``E = halo + rows`` ext rows, ``S`` compressor slots per entry (``r``, or ``2r`` with
@@ -67,14 +88,6 @@ class RankLayout:
     @property
     def local_pos(self) -> torch.Tensor:
         return self.ext_pos[self.halo :]
-
-    @property
-    def ext_rows(self) -> int:
-        return self.halo + self.rows
-
-    @property
-    def gathered_rows(self) -> int:
-        return self.cp * self.capacity
 
     @property
     def key_row_limit(self) -> tuple[int, int]:

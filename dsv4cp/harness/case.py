@@ -22,6 +22,15 @@ PASSES = ("fwd", "fwd+bwd")
 """What a step runs: the forward only, or the forward then the backward."""
 
 
+def check_fresh_batches(fresh_batches: int, cuda_graph: bool) -> None:
+    """``ValueError`` naming ``fresh_batches`` when fresh batches are asked for with CUDA-graph replays."""
+    if fresh_batches and cuda_graph:
+        # a graph replays the tensors it captured (one batch), and a capture always builds the layout
+        # (layout_cache bypasses itself while capturing): its replays already pay the layout kernels
+        raise ValueError(f"fresh_batches: CUDA-graph replays run the one captured batch, got fresh_batches "
+                         f"{fresh_batches} with cuda_graph; time fresh batches eagerly")
+
+
 def _tiny() -> DSv4Config:
     return DSv4Config.preset("tiny")
 
@@ -54,12 +63,17 @@ class Case:
     """The sparse-attention backend the layer asks for (as the layer's ``backend``)."""
     kernel_options: KernelOptions = field(default_factory=KernelOptions.resolve)
     """Every kernel option's value, resolved once by the constructor that built the Case (default: the
-    options in force where the Case is made); the layer holds them and they are in force while every pass
-    of the Case runs."""
+    options in force where the Case is made); every pass hands them on as arguments: the layer holds them
+    (its kernels' both directions), the cost model prices the step under them."""
     deterministic: bool = False
     """Run under ``torch.use_deterministic_algorithms(True)``."""
     compile: str | None = None
     """A ``torch.compile`` backend for the checked or timed layer; None: eager."""
+    cuda_graph: bool = False
+    """The timed pass times replays of the step captured once in a CUDA graph (:mod:`.time`)."""
+    fresh_batches: int = 0
+    """0: every step on the Case's one batch; N >= 2: every step on the next of N batches, building its
+    layout again (:mod:`.fresh_batches`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
@@ -75,6 +89,12 @@ class Case:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: must be 'cpu' or 'cuda', got {self.device!r}")
         check_backend_name(self.backend)
+        if not isinstance(self.cuda_graph, bool):
+            raise ValueError(f"cuda_graph: must be true or false, got {self.cuda_graph!r}")
+        if isinstance(self.fresh_batches, bool) or not isinstance(self.fresh_batches, int) \
+                or self.fresh_batches < 0 or self.fresh_batches == 1:
+            raise ValueError(f"fresh_batches: must be 0 (one batch) or an int >= 2, got {self.fresh_batches!r}")
+        check_fresh_batches(self.fresh_batches, self.cuda_graph)
         if not isinstance(self.kernel_options, KernelOptions):
             raise ValueError(f"kernel_options: must be a KernelOptions, got {type(self.kernel_options).__name__}")
 

@@ -1,7 +1,8 @@
 """Timed pass: the layer step of a Case timed, then measured apart (docs/design.md §5).
 
 :func:`time_case` is called by every rank of the Case's CP group (or by one process without
-torch.distributed for CP = 1), with the Case's kernel options and deterministic mode in force. It builds
+torch.distributed for CP = 1), with the Case's deterministic mode in force (its kernel options travel in
+the Case: the layer holds them, the model's bound is priced under them). It builds
 the Case's seeded step (:func:`dsv4cp.harness.build.build_step`: the layer and this rank's rows), times
 it with :func:`dsv4cp.profiling.timing.benchmark`, measures one more step's peak memory, computes the
 model's FLOPs and bound, and optionally records a Kineto trace and its tables (:mod:`.trace`), runs
@@ -152,8 +153,8 @@ def _gather(value, group: dist.ProcessGroup | None) -> list:
 
 def time_case(
     case: Case, group: dist.ProcessGroup | None, device: torch.device, run: TimingSettings, *,
-    machine: Machine | None, calibration_label: str | None = None, cuda_graph: bool = False,
-    fresh: int | None = None, trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
+    machine: Machine | None, calibration_label: str | None = None,
+    trace_dir: str | Path | None = None, nsys: bool = False, check: bool = False,
     on_step: Callable[[str], object] | None = None, memory_phases: bool = False, memory_snapshot: bool = False,
     trace_point: Mapping | None = None,
 ) -> Measurement:
@@ -165,14 +166,15 @@ def time_case(
     stay None; ``bound_ms`` is at the machine's physical limits, :func:`~dsv4cp.model.machine.physical_limits`,
     ``bound_measured_ms`` at its own ceilings); MFU is left None off GPU, where that ceiling
     means nothing. ``calibration_label``: the phase factors the split was computed with (metric
-    ``calibration``). ``cuda_graph``: time graph replays (the step runs ``run.warmup`` times eagerly, at
-    least once, is captured once, then ``run.warmup`` untimed and ``run.reps`` timed replays follow;
-    gradients accumulate across replays as across eager steps). ``fresh``: N >= 2 batches, every step on
-    the next one (module docstring). ``trace_dir``: write a Kineto trace per rank under it and fill the
-    overlap metrics (with ``trace_point``, the point's axes, beside it: a calibration from the trace
-    checks it). ``nsys``: also run ``run.nsys_steps`` steps inside ``cudaProfilerStart/Stop``. ``check``:
-    compare the Case with the fp64 reference layer (metric ``parity``). ``on_step``: called after each
-    warm-up and timed step. ``memory_phases``: one more step recording each phase's memory.
+    ``calibration``). The Case's ``cuda_graph``: time graph replays (the step runs ``run.warmup`` times
+    eagerly, at least once, is captured once, then ``run.warmup`` untimed and ``run.reps`` timed replays
+    follow; gradients accumulate across replays as across eager steps). Its ``fresh_batches``: N >= 2
+    batches, every step on the next one (module docstring). ``trace_dir``: write a Kineto trace per rank
+    under it and fill the overlap metrics (:mod:`.trace`; with ``trace_point``, the point's axes, beside
+    it: a calibration from the trace checks it). ``nsys``: also run ``run.nsys_steps`` steps inside
+    ``cudaProfilerStart/Stop``. ``check``: compare the Case with the fp64 reference layer (metric
+    ``parity``). ``on_step``: called after each warm-up and timed step. ``memory_phases``: one more step
+    recording each phase's memory.
     ``memory_snapshot``: one more step recording the CUDA allocator's history, dumped beside the traces
     (``trace_dir/memory_snapshot_rank<r>.pickle``); CUDA only.
 
@@ -184,40 +186,41 @@ def time_case(
         check_snapshot_device(device)
         if trace_dir is None:
             raise ValueError("memory_snapshot: the snapshot is written beside the traces: give a trace_dir")
-    with kernel_options.overrides(case.kernel_options.texts()), deterministic_algorithms(case.deterministic):
+    with deterministic_algorithms(case.deterministic):  # the kernel options travel in the Case, as arguments
         return _time(case, group, device, run, machine=machine, calibration_label=calibration_label,
-                     cuda_graph=cuda_graph, fresh=fresh, trace_dir=trace_dir, nsys=nsys, check=check,
-                     on_step=on_step, memory_phases=memory_phases, memory_snapshot=memory_snapshot,
-                     trace_point=trace_point)
+                     trace_dir=trace_dir, nsys=nsys, check=check, on_step=on_step, memory_phases=memory_phases,
+                     memory_snapshot=memory_snapshot, trace_point=trace_point)
 
 
 def _time(
     case: Case, group: dist.ProcessGroup | None, device: torch.device, run: TimingSettings, *,
-    machine: Machine | None, calibration_label: str | None, cuda_graph: bool, fresh: int | None,
+    machine: Machine | None, calibration_label: str | None,
     trace_dir: str | Path | None, nsys: bool, check: bool, on_step: Callable[[str], object] | None,
     memory_phases: bool, memory_snapshot: bool, trace_point: Mapping | None,
 ) -> Measurement:
-    """:func:`time_case` with the Case's kernel options and deterministic mode in force."""
+    """:func:`time_case` with the Case's deterministic mode in force."""
     cp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     emulated = emulated_rank(group)
     cfg, packed, split = case.cfg, case.packed(), case.row_split(cp)
     # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
-    bound = estimate(cfg, case.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(case.direction)
+    options = case.kernel_options
+    bound = estimate(cfg, case.ratio, packed, cp, machine or CPU_ESTIMATE, split=split,
+                     kernel_options=options).summary(case.direction)
     physical = None if machine is None else estimate(cfg, case.ratio, packed, cp, physical_limits(machine),
-                                                     split=split).summary(case.direction)
+                                                     split=split, kernel_options=options).summary(case.direction)
     resolved = {"sparse_attention": resolve_backend(case.backend, device, head_dim=cfg.head_dim).name}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
 
     step = build_step(case, cp_group=group, device=device)
     compiled = compile_step(step, case.compile, device) if case.compile is not None else None
-    batches = fresh_batches(step, fresh, case.seed) if fresh else None
+    batches = fresh_batches(step, case.fresh_batches, case.seed) if case.fresh_batches else None
     run_step = batches if batches is not None else step  # what every step below runs
 
     kernel_options.reset_backends_ran()  # what ran in the warm-up and timed steps, nothing from before
     timed = run_step
-    if cuda_graph:
+    if case.cuda_graph:
         with torch.cuda.device(device):
             timed = graph_replay(step, run.warmup, on_step=on_step)  # the eager warm-up steps, then the capture
     clock = _RankClock(timed, device)
@@ -225,7 +228,7 @@ def _time(
                        on_step=on_step)
     backends = kernel_options.backends_ran()
     rank_median = float(np.median(clock.last_ms(run.reps)))
-    if cuda_graph:
+    if case.cuda_graph:
         del clock, timed  # the last references to the graph: its memory pool is released ...
         torch.cuda.empty_cache()  # ... and handed back, so the eager steps below measure their own memory
     with track_memory(device) as tracker:

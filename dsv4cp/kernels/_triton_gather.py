@@ -1,7 +1,8 @@
 """The gather of selected rows shared by the Triton kernels that read keys through an index: the sparse
 attention's forward and dq kernels, the attention probabilities' two kernels and the indexer scores'
 forward and backward (:mod:`.sparse_attention_triton`, :mod:`.attention_probs_triton`,
-:mod:`.indexer_scores_triton`).
+:mod:`.indexer_scores_triton`); and the count of a query's selected slots that every sparse-attention
+kernel loops over (:func:`selected_length`).
 
 Imports triton: only the kernel modules, themselves imported lazily, import this module.
 """
@@ -10,6 +11,16 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def selected_length(TOPK, t, KT, HAS_TOPK: tl.constexpr):
+    """How many of query ``t``'s ``KT`` selected slots count: ``TOPK[t]`` (its ``topk_length``) clamped to
+    ``0..KT`` when ``HAS_TOPK``, else all ``KT``."""
+    kt_len = KT
+    if HAS_TOPK:
+        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    return kt_len
 
 
 @triton.jit

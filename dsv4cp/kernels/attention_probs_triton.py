@@ -475,6 +475,16 @@ def _lse_chunk_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[LseC
     return [LseChunkConfig(*c) for c in ladder]
 
 
+def _pinned_chunks(chunk_config: object, config_type: type[ChunkConfig] | type[LseChunkConfig],
+                   **whole_d_pins: int | None) -> ChunkConfig | LseChunkConfig | None:
+    """The ``d_chunks`` launch's pin read from ``chunk_config`` (a config, the kernel option's integers or
+    None: the ladder) and checked, after refusing the ``whole_d`` launch's pins (:func:`_refuse_whole_d_pins`)."""
+    _refuse_whole_d_pins(**whole_d_pins)
+    pinned = _pinned_config(chunk_config, config_type, "chunk_config")
+    _check_chunk_config(pinned, "chunk_config")
+    return pinned
+
+
 def _refuse_whole_d_pins(**pins: int | None) -> None:
     """The ``whole_d`` launch's keyword arguments do not apply to ``d_chunks``: refuse them rather than
     ignore them (``chunk_config`` pins that kernel)."""
@@ -584,9 +594,8 @@ def logsumexp_over_triton(
         return lse.fill_(float("-inf"))
     block_d = triton.next_power_of_2(d)
     if _kernel_choice(kernel, "triton_lse_kernel") == "d_chunks":
-        _refuse_whole_d_pins(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
-        pinned_chunks = _pinned_config(chunk_config, LseChunkConfig, "chunk_config")
-        _check_chunk_config(pinned_chunks, "chunk_config")
+        pinned_chunks = _pinned_chunks(chunk_config, LseChunkConfig, block_h=block_h, block_k=block_k,
+                                       num_warps=num_warps, num_stages=num_stages)
         _launch_lse_chunked(q, keys, idx, scale, lse, block_d, pinned_chunks)
         return lse
     ladder = _ladder(block_d, h, q.dtype)
@@ -661,9 +670,8 @@ def head_summed_probs_triton(
         return out.zero_()
     block_d = triton.next_power_of_2(d)
     if _kernel_choice(kernel, "triton_probs_kernel") == "d_chunks":
-        _refuse_whole_d_pins(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
-        pinned = _pinned_config(chunk_config, ChunkConfig, "chunk_config")
-        _check_chunk_config(pinned, "chunk_config")
+        pinned = _pinned_chunks(chunk_config, ChunkConfig, block_h=block_h, block_k=block_k, num_warps=num_warps,
+                                num_stages=num_stages)
         _launch_chunked(q, keys, idx, scale, lden, out, block_d, pinned)
         return out
     on_m = _slots_on_m(slots_on_m)

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4cp.kernels._triton_gather import selected_length
 from dsv4cp.kernels._triton_launch import Kernels, check_tiles
 from dsv4cp.kernels.sparse_attention_bwd_triton import backward_plan
 from dsv4cp.kernels.sparse_attention_launch import _dot_f32, _precision
@@ -94,9 +95,7 @@ def _kv_pass_kernel(
         qdo = qdo.to(tl.float32)
     pds_cols = tl.where(c_from_p, H, 0) + c_head
 
-    kt_len = KT
-    if HAS_TOPK:
-        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    kt_len = selected_length(TOPK, t, KT, HAS_TOPK)
     rows_next = tl.load(IDX + t * stride_it + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < kt_len, other=-1)
     for k0 in range(0, kt_len, BLOCK_K):
         slots = k0 + tl.arange(0, BLOCK_K)
@@ -132,9 +131,7 @@ def _dq_pass_kernel(
     d = (pid % n_db) * BLOCK_DC + tl.arange(0, BLOCK_DC)
     dmask = d < D
 
-    kt_len = KT
-    if HAS_TOPK:
-        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    kt_len = selected_length(TOPK, t, KT, HAS_TOPK)
     dq = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
     rows_next = tl.load(IDX + t * stride_it + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < kt_len, other=-1)
     for k0 in range(0, kt_len, BLOCK_K):

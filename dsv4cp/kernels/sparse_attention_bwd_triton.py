@@ -40,7 +40,7 @@ import triton.language as tl
 
 from dsv4cp.kernel_options import OPTIONS
 from dsv4cp.kernels import is_deterministic
-from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows
+from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows, selected_length
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels.sparse_attention_launch import (
     _KERNELS,
@@ -137,9 +137,7 @@ def _bwd_dq_kernel(
     has_key = hmask & (lse2 > float("-inf"))
     lt2 = tl.where(has_key, mx_use + tl.math.log2(tl.where(has_key, total, 1.0)), float("inf"))
 
-    kt_len = KT
-    if HAS_TOPK:
-        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    kt_len = selected_length(TOPK, t, KT, HAS_TOPK)
 
     if ACC_DQ:
         dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -227,9 +225,7 @@ def _bwd_dkv_kernel(
             q = q.to(tl.float32)
             do = do.to(tl.float32)
 
-    kt_len = KT
-    if HAS_TOPK:
-        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    kt_len = selected_length(TOPK, t, KT, HAS_TOPK)
     if ACC_DQ:
         dq = tl.zeros([BLOCK_HK, BLOCK_DC], dtype=tl.float32)
     if INDEX_AHEAD:
@@ -316,48 +312,21 @@ def sparse_attention_bwd(
     out: torch.Tensor,
     lse: torch.Tensor,
     topk_length: torch.Tensor | None = None,
-    *,
-    deterministic: bool | None = None,
-    block_h: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    dkv_config: DkvConfig | None = None,
-    scratch_bytes: int | None = None,
-    dq_in_dkv: bool = DQ_IN_DKV_DEFAULT,
-    dkv_one_product: bool = OPTIONS["triton_dkv_one_product"].default,
-    index_ahead: bool = OPTIONS["triton_bwd_index_ahead"].default,
+    **launch: object,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`sparse_attention_fwd` (Triton).
 
     Args:
         dout: ``[T, H, D]`` gradient of ``out`` (q's dtype); q, kv, idx, sink, scale, topk_length as in
             the forward; ``out [T, H, D]`` and ``lse [T, H]`` fp32 from the forward.
-        deterministic: ``True``: kv gradients reduced through an inverted index in a fixed order
-            (bitwise reproducible, slower); ``False``: fp32 atomics; ``None``:
-            :func:`dsv4cp.kernels.is_deterministic`.
-        block_h, block_k, num_warps, num_stages: pin the dq kernel's configuration;
-        dkv_config: pin the dkv kernel's configuration.
-        scratch_bytes: scratch budget per query chunk (default :data:`BWD_SCRATCH_BYTES`).
-        dq_in_dkv: ``True``: the dq kernel only writes p / ds (64 heads per program on wgmma) and the
-            dkv kernel accumulates dq by column block beside the kv gradients; ``False``: the dq kernel
-            accumulates dq (mma.sync, 32 heads per program at D = 512); default: the kernel option
-            ``triton_dq_in_dkv``'s (:data:`DQ_IN_DKV_DEFAULT`). block_h..num_stages pin the first kernel,
-            dkv_config the second.
-        dkv_one_product: ``True``: the dkv kernel forms ``ds^T q + p^T dO`` as one product over
-            ``[ds | p]`` (p and ds share one scratch buffer, row by row); ``False``: two chained products;
-            default: the kernel option ``triton_dkv_one_product``'s.
-        index_ahead: ``True``: both kernels load the next step's row indices one step ahead; default: the
-            kernel option ``triton_bwd_index_ahead``'s.
+        launch: how it runs (``deterministic``, the launch pins, the kernel variants): the keywords of
+            :func:`backward_plan`, which checks them.
 
     Returns:
         ``dq [T, H, D]`` (q's dtype), ``dkv [N, D]`` (kv's dtype, accumulated in fp32), ``dsink [H]``
         (sink's dtype, accumulated in fp32 by per-row partials then ``torch.sum``).
     """
-    plan = backward_plan(dout, q, kv, idx, sink, scale, out, lse, topk_length, deterministic=deterministic,
-                         block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                         dkv_config=dkv_config, scratch_bytes=scratch_bytes, dq_in_dkv=dq_in_dkv,
-                         dkv_one_product=dkv_one_product, index_ahead=index_ahead)
+    plan = backward_plan(dout, q, kv, idx, sink, scale, out, lse, topk_length, **launch)
     if plan is None:  # no query or no slot: every gradient is zero
         return (torch.zeros_like(q), torch.zeros(kv.shape, dtype=kv.dtype, device=kv.device),
                 torch.zeros(sink.shape, dtype=sink.dtype, device=sink.device))
@@ -386,9 +355,27 @@ def backward_plan(
     dkv_one_product: bool = OPTIONS["triton_dkv_one_product"].default,
     index_ahead: bool = OPTIONS["triton_bwd_index_ahead"].default,
 ) -> BackwardPlan | None:
-    """The launches of :func:`sparse_attention_bwd` (same arguments, checked the same way) with their
-    buffers allocated, run by :meth:`BackwardPlan.run` or part by part; None when there is no query or no
-    slot (every gradient zero)."""
+    """The launches of :func:`sparse_attention_bwd` (same tensors) with their buffers allocated, run by
+    :meth:`BackwardPlan.run` or part by part; None when there is no query or no slot (every gradient zero).
+
+    Args:
+        deterministic: ``True``: kv gradients reduced through an inverted index in a fixed order
+            (bitwise reproducible, slower); ``False``: fp32 atomics; ``None``:
+            :func:`dsv4cp.kernels.is_deterministic`.
+        block_h, block_k, num_warps, num_stages: pin the dq kernel's configuration;
+        dkv_config: pin the dkv kernel's configuration.
+        scratch_bytes: scratch budget per query chunk (default :data:`BWD_SCRATCH_BYTES`).
+        dq_in_dkv: ``True``: the dq kernel only writes p / ds (64 heads per program on wgmma) and the
+            dkv kernel accumulates dq by column block beside the kv gradients; ``False``: the dq kernel
+            accumulates dq (mma.sync, 32 heads per program at D = 512); default: the kernel option
+            ``triton_dq_in_dkv``'s (:data:`DQ_IN_DKV_DEFAULT`). block_h..num_stages pin the first kernel,
+            dkv_config the second.
+        dkv_one_product: ``True``: the dkv kernel forms ``ds^T q + p^T dO`` as one product over
+            ``[ds | p]`` (p and ds share one scratch buffer, row by row); ``False``: two chained products;
+            default: the kernel option ``triton_dkv_one_product``'s.
+        index_ahead: ``True``: both kernels load the next step's row indices one step ahead; default: the
+            kernel option ``triton_bwd_index_ahead``'s.
+    """
     _check(q, kv, idx, sink, topk_length)
     t, h, d = q.shape
     if dout.shape != q.shape or dout.dtype != q.dtype:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsv4cp.kernel_options import OPTIONS
-from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows
+from dsv4cp.kernels._triton_gather import gather_loaded_rows, gather_rows, selected_length
 from dsv4cp.kernels._triton_launch import pinned as _pinned
 from dsv4cp.kernels.sparse_attention_launch import (
     _KERNELS,
@@ -98,9 +98,7 @@ def _fwd_kernel(
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
     if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: use fp32 products there
         q = q.to(tl.float32)
-    kt_len = KT
-    if HAS_TOPK:
-        kt_len = tl.minimum(tl.maximum(tl.load(TOPK + t).to(tl.int32), 0), KT)
+    kt_len = selected_length(TOPK, t, KT, HAS_TOPK)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of 2^(s - m_i)

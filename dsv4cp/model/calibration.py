@@ -47,6 +47,7 @@ from dsv4cp.model.costs import BOTH, DIRECTIONS, LayerEstimate, range_to_phase
 from dsv4cp.model.phase_classes import INDEXER_SCANS, MODEL_PHASE_CLASS, PHASE_CLASSES
 from dsv4cp.model.row_costs import scanned_slots
 from dsv4cp.profiling.trace import POINT_FILE
+from dsv4cp.records import RECORDS_FILE, read_records
 
 SCHEMA = 1
 
@@ -295,7 +296,10 @@ def read_profile(path: str | Path, cp: int | None = None, want: dict | None = No
     under the run's ``records.jsonl``, or a ``records.jsonl`` in its folder, the folder above or that
     one's ``profile/``), a ``records.jsonl`` (the first ``ok`` record with ``phases`` at ``cp``,
     one agreeing with ``want`` on :data:`POINT_CHECKS` first), or a directory holding one of
-    ``overlap.csv``, ``trace/overlap.csv``, ``records.jsonl``, ``profile/records.jsonl`` (first found)."""
+    ``overlap.csv``, ``trace/overlap.csv``, ``records.jsonl``, ``profile/records.jsonl`` (first found).
+
+    Records are read by the project's one loader (:func:`dsv4cp.records.read_records`): a line that is not
+    a valid record is skipped with a warning naming ``file:line: reason``, never fitted."""
     path = Path(path)
     if path.is_dir():
         for name in ("overlap.csv", "trace/overlap.csv", "records.jsonl", "profile/records.jsonl"):
@@ -306,7 +310,7 @@ def read_profile(path: str | Path, cp: int | None = None, want: dict | None = No
         raise ValueError(f"--calibrate: no such file or directory {str(path)!r}")
     if path.suffix == ".csv":
         return Profile(pd.read_csv(path), _trace_point(path, cp, want), str(path))
-    records = [r for r in _read_records(path) if r.get("status") == "ok" and r.get("phases")
+    records = [r for r in read_records(path) if r.get("status") == "ok" and r.get("phases")
                and (cp is None or r.get("cp") == cp)]
     if not records:
         raise ValueError(f"--calibrate: {str(path)!r} has no ok record with per-phase times"
@@ -331,16 +335,6 @@ def check_profile_point(profile: Profile, want: dict) -> None:
                          "pass the profile of this point, or this command the profile's point")
 
 
-def _read_records(path: Path) -> list[dict]:
-    records = []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--calibrate: {str(path)!r} line {line_no} is not JSON: {err}") from err
-    return records
-
-
 def _first_agreeing(records: list[dict], want: dict | None) -> dict:
     """The first record agreeing with ``want`` on :data:`POINT_CHECKS` (one of forward + backward first: it
     fits both directions), else the first (which :func:`check_profile_point` then refuses, naming both)."""
@@ -357,13 +351,13 @@ def _trace_point(csv: Path, cp: int | None, want: dict | None) -> dict | None:
             return json.loads((folder / POINT_FILE).read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"--calibrate: {str(folder / POINT_FILE)!r} is not JSON: {err}") from err
-    if folder.parent.name == "traces" and (folder.parent.parent / "records.jsonl").is_file():  # a sweep's trace
-        run = _read_records(folder.parent.parent / "records.jsonl")
+    if folder.parent.name == "traces" and (folder.parent.parent / RECORDS_FILE).is_file():  # a sweep's trace
+        run = read_records(folder.parent.parent / RECORDS_FILE)
         return next((r for r in run if r.get("point_id") == folder.name), None)
     for records in (folder, folder.parent, folder.parent / "profile"):
-        records = records / "records.jsonl"
+        records = records / RECORDS_FILE
         if records.is_file():
-            ok = [r for r in _read_records(records) if r.get("status") == "ok" and (cp is None or r.get("cp") == cp)]
+            ok = [r for r in read_records(records) if r.get("status") == "ok" and (cp is None or r.get("cp") == cp)]
             if ok:
                 return _first_agreeing(ok, want)
     return None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsv4cp.config import DSv4Config, layer_kind
-from dsv4cp.cp.layout import entry_capacity, halo_rows, split_rows
+from dsv4cp.cp.layout import RankSizes, entry_capacity, halo_rows, split_rows
 from dsv4cp.cp.partition import RowSplit, as_split
 from dsv4cp.packing import PackedSeqs
 
@@ -100,7 +100,7 @@ def clamped_floor_prefix(n: np.ndarray, r: int, k: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------- counts
 @dataclass(frozen=True)
-class RankCounts:
+class RankCounts(RankSizes):
     """Integer work counts of one layer on every rank (arrays are ``[cp]``, rank-indexed; the halo
     arrays int64, the work sums exact Python ints in object arrays: they exceed int64 past 2^33 rows).
 
@@ -139,16 +139,6 @@ class RankCounts:
     visible_entries: np.ndarray
     compressed_keys: np.ndarray
     owned_entries: np.ndarray
-
-    @property
-    def ext_rows(self) -> int:
-        """Rows each rank projects for the window KV and the compressors: ``halo + rows``."""
-        return self.halo + self.rows
-
-    @property
-    def gathered_rows(self) -> int:
-        """Rows of the gathered compressed buffer, ``cp * capacity`` (identical on every rank)."""
-        return self.cp * self.capacity
 
     @property
     def attention_keys(self) -> np.ndarray:

@@ -31,6 +31,18 @@ from dsv4cp.ops.indexer import SCORES_OPTION_NAMES, TOPK_OPTION_NAMES, fused_ind
 from dsv4cp.profiling.nvtx import nvtx_range
 
 
+def _fused_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, query_doc: torch.Tensor,
+                query_limit: torch.Tensor, key_doc: torch.Tensor, key_j: torch.Tensor, k: int,
+                key_row_limit: list[int] | None, option_values: tuple, *,
+                return_scores: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """What both top-k ops run: :func:`~dsv4cp.ops.indexer.fused_indexer_topk` with the options and the key-row
+    limit read back from the ops' typed arguments (``option_values`` in :data:`TOPK_OPTION_NAMES` order)."""
+    limit = None if key_row_limit is None else (int(key_row_limit[0]), int(key_row_limit[1]))
+    options = KernelOptions.from_op_values(TOPK_OPTION_NAMES, option_values)
+    return fused_indexer_topk(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit=limit,
+                              return_scores=return_scores, options=options)
+
+
 @torch.library.custom_op("dsv4cp::indexer_topk", mutates_args=())
 def indexer_topk(
     q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, query_doc: torch.Tensor, query_limit: torch.Tensor,
@@ -38,11 +50,9 @@ def indexer_topk(
     topk_impl: str, topk_select: str, topk_keys: str, topk_select_variant: str,
     indexer_config: list[int], stream_config: list[int], select_config: list[int],
 ) -> torch.Tensor:
-    limit = None if key_row_limit is None else (int(key_row_limit[0]), int(key_row_limit[1]))
-    options = KernelOptions.from_op_values(TOPK_OPTION_NAMES, (topk_impl, topk_select, topk_keys, topk_select_variant,
-                                                               indexer_config, stream_config, select_config))
-    return fused_indexer_topk(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit=limit,
-                              options=options)
+    return _fused_topk(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit,
+                       (topk_impl, topk_select, topk_keys, topk_select_variant, indexer_config, stream_config,
+                        select_config), return_scores=False)
 
 
 @indexer_topk.register_fake
@@ -57,11 +67,10 @@ def indexer_topk_scores(
     topk_impl: str, topk_select: str, topk_keys: str, topk_select_variant: str,
     indexer_config: list[int], stream_config: list[int], select_config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    limit = None if key_row_limit is None else (int(key_row_limit[0]), int(key_row_limit[1]))
-    options = KernelOptions.from_op_values(TOPK_OPTION_NAMES, (topk_impl, topk_select, topk_keys, topk_select_variant,
-                                                               indexer_config, stream_config, select_config))
-    return fused_indexer_topk(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit=limit,
-                              return_scores=True, options=options)
+    return _fused_topk(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit,
+                       (topk_impl, topk_select, topk_keys, topk_select_variant, indexer_config, stream_config,
+                        select_config), return_scores=True)
+
 
 
 @indexer_topk_scores.register_fake

@@ -21,6 +21,7 @@ from dsv4cp.config import DSv4Config
 from dsv4cp.cp.emulate import emulated_rank
 from dsv4cp.cp.partition import RowSplit, floor_rows
 from dsv4cp.harness.case import Case
+from dsv4cp.harness.case import check_fresh_batches as check_case_fresh_batches
 from dsv4cp.harness.time import Measurement, time_case
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
@@ -33,11 +34,7 @@ from dsv4cp.sweeps.spec import MEASURED, Point, RunOptions, point_inputs  # poin
 def check_fresh_batches(point: Point) -> None:
     """``ValueError`` naming ``fresh_batches`` when ``point`` asks for fresh batches it cannot time;
     called before any work."""
-    if point.fresh_batches and point.cuda_graph:
-        # a graph replays the tensors it captured (one batch), and a capture always builds the layout
-        # (layout_cache bypasses itself while capturing): its replays already pay the layout kernels
-        raise ValueError(f"fresh_batches: CUDA-graph replays run the one captured batch, got fresh_batches "
-                         f"{point.fresh_batches} with cuda_graph; time fresh batches eagerly")
+    check_case_fresh_batches(point.fresh_batches, point.cuda_graph)
 
 
 def check_cuda_graph(point: Point, device: torch.device) -> None:
@@ -64,20 +61,39 @@ def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Mach
                 calibration: Calibration | None = None) -> RowSplit:
     """The ranks' row ranges under the point's ``partition`` policy (the balanced one equalises the
     model's per-rank times of the point's pass at ``machine``'s ceilings, scaled by ``calibration``
-    when given); identical on every rank."""
+    when given, the step priced under the kernel options in force: the point's own are in force only while
+    it is measured); identical on every rank."""
     return policy_split(cfg, point.ratio, lengths, point.cp, point.partition, machine, total=point.tokens,
-                        direction=point.direction, calibration=calibration)
+                        direction=point.direction, calibration=calibration,
+                        kernel_options=kernel_options.KernelOptions.resolve())
 
 
-def point_case(point: Point, cfg: DSv4Config, lengths: list[int], split: RowSplit, device: torch.device) -> Case:
-    """The :class:`~dsv4cp.harness.case.Case` of ``point`` (its config and documents from
-    :func:`point_inputs`) under ``split``: what its timed steps and its parity check both run, with the
-    point's kernel options over those in force."""
+def point_case(point: Point, cfg: DSv4Config | None = None, lengths: list[int] | None = None,
+               split: RowSplit | None = None, device: torch.device | str = "cpu") -> Case:
+    """The :class:`~dsv4cp.harness.case.Case` of ``point``: what its timed steps, its parity check, its
+    emulated ranks and its measured split's rounds all run, with the point's kernel options over those in
+    force. The one conversion of a sweep point into a Case.
+
+    ``cfg`` and ``lengths``: the point's config and documents (default: :func:`point_inputs`, which checks
+    the point's shapes); ``split``: the ranks' row ranges (default: the point's policy split at this
+    process's machine, :func:`point_split`; a ``measured`` point has no policy and needs one); ``device``:
+    where the Case runs (its type is kept).
+    """
+    if cfg is None or lengths is None:
+        inputs = point_inputs(point)
+        cfg, lengths = cfg if cfg is not None else inputs[0], lengths if lengths is not None else inputs[1]
+    if split is None:
+        if point.partition == MEASURED:
+            raise ValueError("partition: a measured split comes from measurements (profile --partition measured, "
+                             "or --split-file): give it as split=")
+        split = point_split(point, cfg, lengths)
+    device = torch.device(device)
     return Case(cfg=cfg, ratio=point.ratio, lengths=tuple(lengths), total=point.tokens, split=split.bounds,
                 seed=point.seed, dtype=point.dtype, device=device.type, direction=point.direction,
                 overlap=point.overlap, recompute=point.recompute, backend=point_backend(point, cfg, device),
                 kernel_options=kernel_options.KernelOptions.resolve(point.kernel_options or {}),
-                deterministic=point.deterministic, compile=point.compile)
+                deterministic=point.deterministic, compile=point.compile, cuda_graph=point.cuda_graph,
+                fresh_batches=point.fresh_batches)
 
 
 def point_backend(point: Point, cfg: DSv4Config, device: torch.device) -> str:
@@ -118,6 +134,19 @@ def measure_point(
                          + ("is a real one" if emulated is None else f"emulates rank {emulated}"))
     if check and emulated is not None:
         raise ValueError("check: the parity check needs every real rank, not one emulated rank")
+    case, machine, label = checked_case(point, device, machine=machine, calibration=calibration, split=split)
+    return time_case(case, group, device, run, machine=machine, calibration_label=label, trace_dir=trace_dir,
+                     nsys=nsys, check=check, on_step=on_step, memory_phases=memory_phases,
+                     memory_snapshot=memory_snapshot, trace_point=point.axes())
+
+
+def checked_case(point: Point, device: torch.device, *, machine: Machine | None = None,
+                 calibration: Calibration | None = None, split: RowSplit | None = None,
+                 ) -> tuple[Case, Machine | None, str | None]:
+    """The checks of ``point`` on ``device`` that need no group, then its Case (:func:`point_case`) under
+    ``split`` (default: its policy's, at ``machine`` scaled by ``calibration``): ``(case, machine, label)``
+    with the machine the bound uses (default: this process's, :func:`~dsv4cp.model.machine.this_machine`)
+    and the calibration label the record names. ``ValueError`` before any work (see :func:`measure_point`)."""
     check_fresh_batches(point)
     check_cuda_graph(point, device)
     machine = machine if machine is not None else this_machine()
@@ -125,20 +154,13 @@ def measure_point(
         raise ValueError(f"partition: a balanced split equalises modelled times at a machine's ceilings; "
                          f"{no_machine_reason()}")
     cfg, lengths = point_inputs(point)
-    if split is None:
-        if point.partition == MEASURED:
-            raise ValueError("partition: a measured split comes from measurements (profile --partition measured, or "
-                             "--split-file); measure_point needs it as split=")
-        split = point_split(point, cfg, lengths, machine, calibration)
-    else:
+    if split is not None:
         split.validate(point.tokens, point.cp, floor_rows(cfg, point.ratio, point.cp, None), field="split")
-    case = point_case(point, cfg, lengths, split, device)  # every kernel option checked here, before any work
+    elif point.partition != MEASURED:
+        split = point_split(point, cfg, lengths, machine, calibration)
+    # every kernel option checked here, before any work; a measured point without its split refused
+    case = point_case(point, cfg, lengths, split, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point
     label = calibration.label if calibration is not None and point.partition != "equal" else None
-    return time_case(case, group, device, run, machine=machine, calibration_label=label,
-                     cuda_graph=point.cuda_graph, fresh=point.fresh_batches, trace_dir=trace_dir, nsys=nsys,
-                     check=check, on_step=on_step, memory_phases=memory_phases, memory_snapshot=memory_snapshot,
-                     trace_point=point.axes())
-
-
+    return case, machine, label

@@ -104,13 +104,19 @@ CPU_CASES = [
 @pytest.mark.parametrize("topk", [False, True], ids=["all-slots", "topk_length"])
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
 def test_forward_matches_torch_fp32(case, topk, seed):
+    _check_forward_fp32(case, topk, seed, f"seed={seed} case={case} topk={topk}")
+
+
+def _check_forward_fp32(case, topk, seed, msg, *, spread=1.0, **launch):
+    """The Triton forward under ``launch`` against the torch forward at fp32 tolerances (out 1e-4 relative,
+    lse 1e-4), on ``make_case``'s inputs with q scaled by ``spread``; row 1 (no key) must output 0."""
     q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=topk)
-    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_)
+    q = q * spread
+    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, **launch)
     ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
-    msg = f"seed={seed} case={case} topk={topk}"
     assert out.dtype == q.dtype and out.shape == q.shape, msg
     assert torch.isfinite(out).all(), msg
-    assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out"
+    assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out {rel_fro(out, ref_out):.2e}"
     check_lse(lse, ref_lse, 1e-4, msg)
     assert out[1].abs().max().item() == 0.0, f"{msg}: row without key must output 0"
 
@@ -119,34 +125,32 @@ def test_forward_matches_torch_fp32(case, topk, seed):
 @pytest.mark.parametrize("topk", [False, True], ids=["all-slots", "topk_length"])
 @pytest.mark.parametrize("case", CPU_CASES[:3], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
 def test_backward_matches_torch_fp32(case, topk, deterministic, seed):
+    _check_backward_fp32(case, topk, seed, f"seed={seed} case={case} topk={topk} deterministic={deterministic}",
+                         deterministic=deterministic)
+
+
+def _check_backward_fp32(case, topk, seed, msg, **launch):
+    """The Triton backward under ``launch`` against the torch backward (dq, dkv, dsink 1e-4 relative) at the
+    torch forward's out and lse; row 1 (no key) must get dq = 0. Returns the Triton gradients."""
     q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=topk)
     out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
-    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=deterministic)
+    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, **launch)
     ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
-    msg = f"seed={seed} case={case} topk={topk} deterministic={deterministic}"
     for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{msg}: {name} {a.dtype} {a.shape}"
         assert torch.isfinite(a).all(), f"{msg}: {name} not finite"
         assert rel_fro(a, b) < 1e-4, f"{msg}: {name} rel err {rel_fro(a, b):.2e}"
     assert got[0][1].abs().max().item() == 0.0, f"{msg}: row without key must get dq = 0"
+    return got
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", CPU_CASES[:3], ids=lambda c: "T{}-H{}-D{}-N{}-Kt{}".format(*c))
 def test_backward_dq_in_dkv_matches_torch_fp32(case, deterministic, seed):
     """dq accumulated by the dkv kernel (the first kernel writes p / ds only)."""
-    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=True)
-    out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
-    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=deterministic,
-                               dq_in_dkv=True)
-    ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
     msg = f"seed={seed} case={case} deterministic={deterministic}"
-    for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{msg}: {name} {a.dtype} {a.shape}"
-        assert rel_fro(a, b) < 1e-4, f"{msg}: {name} rel err {rel_fro(a, b):.2e}"
-    assert got[0][1].abs().max().item() == 0.0, f"{msg}: row without key must get dq = 0"
+    got = _check_backward_fp32(case, True, seed, msg, deterministic=deterministic, dq_in_dkv=True)
     assert got[0][2].abs().max().item() == 0.0, f"{msg}: topk_length 0 must get dq = 0"
 
 
@@ -203,14 +207,7 @@ def test_dq_in_dkv_switch(seed, monkeypatch):
 def test_forward_logits_layouts_match_torch_fp32(case, topk, logits, seed):
     """The forward whose warpgroups split the logits' slots (the value product fed through a branch), and
     the one with the slots on M (``kv @ q^T``, the softmax down the columns)."""
-    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=topk)
-    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, logits=logits)
-    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
-    msg = f"seed={seed} case={case} topk={topk} logits={logits}"
-    assert torch.isfinite(out).all(), msg
-    assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out {rel_fro(out, ref_out):.2e}"
-    check_lse(lse, ref_lse, 1e-4, msg)
-    assert out[1].abs().max().item() == 0.0, f"{msg}: row without key must output 0"
+    _check_forward_fp32(case, topk, seed, f"seed={seed} case={case} topk={topk} logits={logits}", logits=logits)
 
 
 @pytest.mark.parametrize("dq_in_dkv", [False, True], ids=["dq-kernel", "dq-in-dkv"])
@@ -219,17 +216,8 @@ def test_forward_logits_layouts_match_torch_fp32(case, topk, logits, seed):
 def test_backward_dkv_one_product_matches_torch_fp32(case, deterministic, dq_in_dkv, seed):
     """The dkv kernel forming ds^T q + p^T dO as one product (p and ds side by side in one scratch);
     H = 3 and 5 pad the heads to 16 inside the kernel."""
-    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=True)
-    out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
-    got = sparse_attention_bwd(dout, q, kv, idx, sink, scale, out, lse, tl_, deterministic=deterministic,
-                               dq_in_dkv=dq_in_dkv, dkv_one_product=True)
-    ref = torch_backward(dout, q, kv, idx, sink, scale, out, lse, tl_)
     msg = f"seed={seed} case={case} deterministic={deterministic} dq_in_dkv={dq_in_dkv}"
-    for name, a, b in zip(("dq", "dkv", "dsink"), got, ref):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{msg}: {name} {a.dtype} {a.shape}"
-        assert rel_fro(a, b) < 1e-4, f"{msg}: {name} rel err {rel_fro(a, b):.2e}"
-    assert got[0][1].abs().max().item() == 0.0, f"{msg}: row without key must get dq = 0"
+    _check_backward_fp32(case, True, seed, msg, deterministic=deterministic, dq_in_dkv=dq_in_dkv, dkv_one_product=True)
 
 
 @pytest.mark.parametrize("variant", ["plain", "split-one-product", "slots_on_m-one-product"])
@@ -261,14 +249,8 @@ def test_index_ahead_matches_torch_fp32(case, variant, seed):
 def test_forward_lazy_rescale_matches_torch_fp32(case, spread, seed):
     """The split forward rescaling its accumulator only when a head's max rises by more than 2^8, over
     16-slot steps; q scaled by 4 spreads the logits so that some steps rescale and others keep the max."""
-    q, kv, idx, sink, scale, tl_ = make_case(seed, *case, topk=True)
-    q = q * spread
-    out, lse = sparse_attention_fwd(q, kv, idx, sink, scale, tl_, block_k=16, logits="split", lazy_rescale=True)
-    ref_out, ref_lse = torch_forward(q, kv, idx, sink, scale, tl_)
-    msg = f"seed={seed} case={case} spread={spread}"
-    assert torch.isfinite(out).all(), msg
-    assert rel_fro(out, ref_out) < 1e-4, f"{msg}: out {rel_fro(out, ref_out):.2e}"
-    check_lse(lse, ref_lse, 1e-4, msg)
+    _check_forward_fp32(case, True, seed, f"seed={seed} case={case} spread={spread}", spread=spread, block_k=16,
+                        logits="split", lazy_rescale=True)
 
 
 LOGITS_VARIABLE = "DSV4CP_TRITON_FWD_LOGITS"

@@ -29,6 +29,7 @@ from dsv4cp.model.calibration import (
 from dsv4cp.model.partition import compare_policies, partition
 from dsv4cp.model.phase_classes import INDEXER_SCANS, PHASE_CLASSES
 from dsv4cp.model.row_costs import RowCosts, row_costs, scanned_slots, slice_costs
+from dsv4cp.records import RECORDS_FILE, append_record, make_record
 
 TINY = DSv4Config.preset("tiny")
 FLASH = DSv4Config.preset("flash")
@@ -172,6 +173,19 @@ def test_calibration_moves_the_split_of_a_long_document() -> None:
 FLASH_64K = {"preset": "flash", "ratio": 4, "tokens": 65536, "packing": "one", "loss": "sparse"}
 
 
+def _record(*, cp: int, phases: list[dict] | None = None, **axes) -> dict:
+    """A complete ``ok`` record (every column, its own point id) of FLASH_64K changed by ``axes``, carrying
+    a profile's per-phase rows: what ``profile --out`` or a sweep writes, as the record loader reads it."""
+    point = {**FLASH_64K, "pass": "fwd", "cp": cp, **axes}
+    return make_record(point, {"phases": phases}, sweep="calibration-test", status="ok", machine="cpu-test",
+                       git_sha=None)
+
+
+def _write_records(path, records: list[dict]) -> None:
+    for record in records:
+        append_record(path, record)
+
+
 def test_read_profile_forms(tmp_path) -> None:
     """A trace's table with the point beside it, a sweep's trace under its run's records, a records file
     (its ok record at the cp, the one of the asked point first); a trace naming no point is refused."""
@@ -185,19 +199,17 @@ def test_read_profile_forms(tmp_path) -> None:
     check_profile_point(read_profile(tmp_path / "overlap.csv"), FLASH_64K)
 
     run = tmp_path / "run"
-    (run / "traces" / "a1b2c3").mkdir(parents=True)
-    table.to_csv(run / "traces" / "a1b2c3" / "overlap.csv", index=False)
-    sweep = [{"status": "ok", "point_id": "ffff", **FLASH_64K},
-             {"status": "ok", "point_id": "a1b2c3", **FLASH_64K, "tokens": 4096}]
-    (run / "records.jsonl").write_text("\n".join(json.dumps(x) for x in sweep) + "\n")
-    assert read_profile(run / "traces" / "a1b2c3").point["tokens"] == 4096  # its own record, not the first
+    (run / "traces").mkdir(parents=True)
+    sweep = [_record(cp=1), _record(cp=1, tokens=4096)]
+    _write_records(run / RECORDS_FILE, sweep)
+    (run / "traces" / sweep[1]["point_id"]).mkdir()
+    table.to_csv(run / "traces" / sweep[1]["point_id"] / "overlap.csv", index=False)
+    assert read_profile(run / "traces" / sweep[1]["point_id"]).point["tokens"] == 4096  # its own record, not the first
 
     records = tmp_path / "profile" / "records.jsonl"
     records.parent.mkdir()
-    lines = [{"status": "ok", "cp": 1, **FLASH_64K, "phases": None},
-             {"status": "ok", "cp": 2, **FLASH_64K, "tokens": 8, "phases": table.to_dict("records")},
-             {"status": "ok", "cp": 2, **FLASH_64K, "phases": table.to_dict("records")}]
-    records.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    phases = table.to_dict("records")
+    _write_records(records, [_record(cp=1), _record(cp=2, tokens=8, phases=phases), _record(cp=2, phases=phases)])
     found = read_profile(records, cp=2, want=FLASH_64K)
     pd.testing.assert_frame_equal(found.table, table)
     assert found.point["tokens"] == 65536
@@ -353,15 +365,16 @@ def test_calibrate_fits_only_the_asked_packing_and_says_which_pass(tmp_path, cap
     a one-document trace asked for a histogram batch, is refused naming the field and both values."""
     est = estimate(FLASH, 4, [65536], 1, Machine())
     phases = _synthetic_profile(est, _known_factors(seed)).to_dict("records")
-    one = {"status": "ok", "cp": 1, **FLASH_64K, "seed": 0, "pass": "fwd", "phases": phases}
-    histogram = {**one, "packing": "histogram", "pass": "fwd+bwd"}
-    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (one, histogram)))
+    one = _record(cp=1, seed=0, phases=phases)
+    histogram = _record(cp=1, seed=0, packing="histogram", phases=phases, **{"pass": "fwd+bwd"})
+    _write_records(tmp_path / RECORDS_FILE, [one, histogram])
     point = ["model", "--preset", "flash", "--ratio", "4", "--tokens", "65536", "--cp", "1", "--machine", "h200x2",
              "--packing", "histogram", "--calibration-out", str(tmp_path / "cal.json")]
     assert main([*point, "--calibrate", str(tmp_path)]) == 0
     capsys.readouterr()
     assert "packing=histogram loss=sparse pass=fwd+bwd" in json.loads((tmp_path / "cal.json").read_text())["source"]
-    (tmp_path / "records.jsonl").write_text(json.dumps(one) + "\n")
+    (tmp_path / RECORDS_FILE).unlink()
+    _write_records(tmp_path / RECORDS_FILE, [one])
     assert main([*point, "--calibrate", str(tmp_path), "--calibration-out", str(tmp_path / "other.json")]) == 2
     assert "measured packing='one', not packing='histogram'" in capsys.readouterr().err
     trace = tmp_path / "trace"
@@ -371,3 +384,22 @@ def test_calibrate_fits_only_the_asked_packing_and_says_which_pass(tmp_path, cap
     assert main([*point, "--calibrate", str(trace), "--calibration-out", str(tmp_path / "trace.json")]) == 2
     assert "measured packing='one', not packing='histogram'" in capsys.readouterr().err
     assert not (tmp_path / "other.json").exists() and not (tmp_path / "trace.json").exists()
+
+
+def test_read_profile_reads_records_through_the_record_loader(tmp_path) -> None:
+    """A records file is read by ``read_records``: a line that is not a valid record (not JSON, a partial
+    record without its point id) is skipped with a warning naming its file and line, never fitted; a file
+    of nothing else holds no profile."""
+    table = pd.DataFrame({"rank": [0], "phase": ["dsv4cp.sparse_attn.fwd"], "compute_ms": [2.0]})
+    records = tmp_path / RECORDS_FILE
+    records.write_text("{not json\n" + json.dumps({"status": "ok", "cp": 1, "phases": table.to_dict("records")})
+                       + "\n")
+    with pytest.warns(UserWarning, match=f"{RECORDS_FILE}:1: ") as caught:
+        with pytest.raises(ValueError, match="has no ok record with per-phase times"):
+            read_profile(records, cp=1)
+    assert any(f"{RECORDS_FILE}:2: " in str(warning.message) for warning in caught)
+    append_record(records, _record(cp=1, phases=table.to_dict("records")))
+    with pytest.warns(UserWarning, match=f"{RECORDS_FILE}:1: "):
+        found = read_profile(records, cp=1, want=FLASH_64K)
+    pd.testing.assert_frame_equal(found.table, table)
+    assert found.point["point_id"] == _record(cp=1)["point_id"]

@@ -14,8 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from dsv4cp.cli.main import main
+from dsv4cp.harness.emulate import summary_metrics
 from dsv4cp.records import read_records
-from dsv4cp.sweeps.emulation import rank_table_lines, summary_metrics
+from dsv4cp.sweeps.emulation import rank_table_lines
 
 COMMON = ["profile", "--preset", "tiny", "--tokens", "512", "--ratio", "4", "--kernel-backend", "torch",
           "--warmup", "0", "--reps", "2", "--progress", "off", "--backward"]

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dsv4cp import records
 from dsv4cp.cli.main import main
 from dsv4cp.cp.launch import RankExited, spawn
-from dsv4cp.records import RECORDS_FILE, append_record, make_record, read_records
+from dsv4cp.records import RECORDS_FILE, append_record, make_record, read_records, writing
 from dsv4cp.sweeps.runner import INFLIGHT_FILE
 
 BASE = {"preset": "tiny", "dtype": "fp32", "kernel_backend": "torch", "tokens": 32, "ratio": 0, "pass": "fwd"}
@@ -37,8 +36,8 @@ def _record(seed: int) -> dict:
 
 
 def _disk_filling_after(monkeypatch, allowed: int) -> None:
-    """``os.write`` of the records module takes ``allowed`` more bytes, then half of a buffer once, then
-    fails with ENOSPC (what a filling disk does)."""
+    """``os.write`` of the records writer (:mod:`dsv4cp.records.writing`) takes ``allowed`` more bytes, then
+    half of a buffer once, then fails with ENOSPC (what a filling disk does)."""
     real = os.write
     left = {"bytes": allowed}
 
@@ -53,7 +52,7 @@ def _disk_filling_after(monkeypatch, allowed: int) -> None:
                 return real(fd, bytes(data[:taken]))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(records.os, "write", write)
+    monkeypatch.setattr(writing.os, "write", write)
 
 
 def test_an_append_a_full_disk_stops_part_way_is_cut_off_again_naming_the_file(tmp_path, monkeypatch):
@@ -73,7 +72,7 @@ def test_an_append_a_full_disk_stops_part_way_is_cut_off_again_naming_the_file(t
 def test_a_sweep_on_a_full_disk_ends_in_one_line_keeping_every_record_whole(tmp_path, monkeypatch, capsys):
     spec = _spec(tmp_path / "full.yaml", cp=1, seeds=3)
     out = tmp_path / "run"
-    real = records.append_bytes
+    real = writing.append_bytes
     calls = {"n": 0}
 
     def filling(path, data):  # the second record meets a full disk
@@ -82,7 +81,7 @@ def test_a_sweep_on_a_full_disk_ends_in_one_line_keeping_every_record_whole(tmp_
             _disk_filling_after(monkeypatch, 0)
         return real(path, data)
 
-    monkeypatch.setattr(records, "append_bytes", filling)
+    monkeypatch.setattr(writing, "append_bytes", filling)
     assert main(["sweep", str(spec), "--out", str(out), "--nproc", "1", "--progress", "off"]) == 2
     err = capsys.readouterr().err
     assert err == f"dsv4cp sweep: error: {out / RECORDS_FILE}: No space left on device\n", err

@@ -21,7 +21,9 @@ from dsv4cp.records import (
     read_meta,
     read_records,
     write_meta,
+    writing,
 )
+from dsv4cp.records.schema import _ADDED_AXES
 
 AXES_OF_A_POINT = {"preset": "tiny", "ratio": 4, "cp": 2, "tokens": 256, "tokens_per_rank": 128, "pass": "fwd"}
 
@@ -54,7 +56,7 @@ def test_point_id_is_the_sha1_of_the_sorted_json_it_documents(axes):
     if isinstance(values["kernel_options"], dict):
         values["kernel_options"] = kernel_options.non_default(values["kernel_options"]) or None
     kept = {name: value for name, value in values.items()
-            if name not in records._ADDED_AXES or not (value is None or value is records._ADDED_AXES[name])}
+            if name not in _ADDED_AXES or not (value is None or value is _ADDED_AXES[name])}
     text = json.dumps(kept, sort_keys=True, separators=(",", ":"))
     assert point_id(axes) == hashlib.sha1(text.encode()).hexdigest()[:12]
 
@@ -115,8 +117,8 @@ def test_read_skips_other_schemas_and_garbage_naming_the_line(tmp_path):
 
 def test_append_is_one_write_call(tmp_path, monkeypatch):
     calls = []
-    real_write = records.os.write
-    monkeypatch.setattr(records.os, "write", lambda fd, data: calls.append(data) or real_write(fd, data))
+    real_write = writing.os.write
+    monkeypatch.setattr(writing.os, "write", lambda fd, data: calls.append(data) or real_write(fd, data))
     append_record(tmp_path / "records.jsonl", _record())
     assert len(calls) == 1 and calls[0].endswith(b"\n") and calls[0].count(b"\n") == 1
 
