@@ -3,8 +3,9 @@ once, then times single steps on request (``.ci/gate.py`` starts one per side an
 
 Run with ``PYTHONPATH`` set to the tree whose ``dsv4cp`` it measures (the base commit's worktree, or the
 head); it uses only interfaces both have. The protocol, one JSON object a line: the worker first writes
-``{"cases": [...]}`` (per case: its label, counters, CPU ms of a step, of its sparse_attn phase and what
-``inject_slowdown`` at fraction 1 adds to the step, measured; None where the tree lacks the option), then
+``{"cases": [...]}`` (per case: its label, counters, CPU ms of a step and of its sparse_attn phase, and
+the share of the step that ``inject_slowdown`` at fraction 1 adds, measured with
+``--calibrate-injection``, else None), then
 answers each ``{"time": I, "inject": FRACTION|null, "repeat": N}`` with ``{"ms": [CPU_MS, ...]}`` (N steps
 run back to back; ``repeat`` defaults to 1) and ends on ``{"quit": true}``.
 Anything the library prints goes to stderr.
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,6 +63,36 @@ def _count_step(step) -> dict[str, int]:
             ("ops_per_step", "host_syncs_per_step", "collectives_per_step", "collective_bytes_per_step")}
 
 
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 to /dev/null: Kineto writes two log lines per capture straight to it (no
+    setting turns them off), 240 lines of noise in the gate's log."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _peak_step_bytes(step) -> int:
+    """The most bytes the step holds allocated at once beyond what it started with: the allocator's
+    events (``profile_memory``) of one profiled step, summed in time order. The same program allocates
+    the same sizes in the same order, so unlike the process's RSS this does not drift between runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as trace:
+        step()
+    live = peak = 0
+    for _, size in sorted((e.start_ns(), e.nbytes()) for e in trace.profiler.kineto_results.events()
+                          if e.name() == "[memory]"):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
 class _PhaseClock:
     """CPU seconds spent inside the sparse_attn phase (forward and backward ranges)."""
 
@@ -94,7 +127,7 @@ def _cpu_ms(step) -> float:
 
 
 class Case:
-    def __init__(self, point, group, device) -> None:
+    def __init__(self, point, group, device, calibrate_injection: bool) -> None:
 
         from dsv4cp import kernel_options
         from dsv4cp.model import estimate
@@ -121,23 +154,32 @@ class Case:
                 phases.append(clock.seconds * 1e3)
             nvtx.set_phase_listener(previous)
             self.counters = _count_step(self.step)
+            self.counters["peak_step_bytes"] = _peak_step_bytes(self.step)
         table = estimate(cfg, point.ratio, packed, point.cp, CPU_ESTIMATE, split=split).records
         if point.direction != "fwd+bwd":
             table = table[table["direction"] == point.direction]
         self.counters.update(model_flops=float(table["flops"].sum()), model_hbm_bytes=float(table["hbm_bytes"].sum()),
                              model_comm_bytes=float(table["comm_bytes"].sum()))
         self.step_ms, self.phase_ms = sorted(steps)[1], sorted(phases)[1]
-        # what a whole phase's worth of injection (fraction 1) adds to the step, measured: the busy loop
-        # spins over the backend's part of the phase only, so the phase's own time would overstate it
-        self.injected_ms = None
-        if hasattr(getattr(self.step, "layer", None), "kernel_options") and hasattr(
-                self.step.layer.kernel_options, "inject_slowdown"):
-            plain, slowed = [], []
-            for _ in range(5):  # interleaved, at fraction 4: the added time well above the steps' noise
-                plain.append(self.time_ms(None))
-                slowed.append(self.time_ms(4.0))
-            added = (sorted(slowed)[2] - sorted(plain)[2]) / 4
-            self.injected_ms = added if added > 0.1 * self.phase_ms else self.phase_ms  # noise: the phase's
+        self.injected_share = self._injected_share() if calibrate_injection and hasattr(
+            getattr(self.step, "layer", None), "kernel_options") and hasattr(
+            self.step.layer.kernel_options, "inject_slowdown") else None
+
+    def _injected_share(self, pairs: int = 7, fraction: float = 4.0) -> float:
+        """What ``inject_slowdown`` at fraction 1 adds to a step, as a share of the step: the median over
+        ``pairs`` plain and slowed steps taken next to each other of (slowed - plain) / (fraction x plain).
+        A ratio of neighbours, so the machine's speed at start-up (the other workers building) cancels; the
+        busy loop spins over the backend's part of the phase only, so the phase's own time would overstate
+        it. Fraction 4 puts the added time well above a step's noise."""
+        shares = []
+        for _ in range(pairs):
+            plain = self.time_ms(None)
+            shares.append((self.time_ms(fraction) - plain) / (fraction * plain))
+        share = sorted(shares)[pairs // 2]
+        if not share > 0:
+            raise RuntimeError(f"{self.point.label()}: inject_slowdown at fraction {fraction} added nothing "
+                               f"measurable to the step (shares {shares})")
+        return share
 
     def _in_force(self, kernel_options):
         return kernel_options.overrides(self.options)
@@ -165,6 +207,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", type=Path, required=True)
     parser.add_argument("--tree", type=Path, required=True, help="the tree whose dsv4cp must be imported")
+    parser.add_argument("--calibrate-injection", action="store_true",
+                        help="measure each case's injected share (the worker that times injected steps)")
     args = parser.parse_args()
     protocol, sys.stdout = sys.stdout, sys.stderr  # library output must not break the protocol
 
@@ -191,9 +235,9 @@ def main() -> int:
     if bad:
         send({"error": f"cp: the gate measures CP = 1 and 2 (emulated rank 0), the spec has {bad}"})
         return 2
-    cases = [Case(point, group, device) for point in points]
+    cases = [Case(point, group, device, args.calibrate_injection) for point in points]
     send({"cases": [{"name": case.point.label(), "counters": case.counters, "step_ms": case.step_ms,
-                     "phase_ms": case.phase_ms, "injected_ms": case.injected_ms} for case in cases],
+                     "phase_ms": case.phase_ms, "injected_share": case.injected_share} for case in cases],
           "defaults": kernel_options.resolved()})
     for line in sys.stdin:
         request = json.loads(line)

@@ -3,6 +3,7 @@ index must be what the generator writes today, and the generator must see a new,
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -55,3 +56,15 @@ def test_a_folder_named_by_sequence_is_refused(tmp_path):
     (results / "2026-12-03-speed7").mkdir()
     with pytest.raises(SystemExit, match="2026-12-03-speed7: a dated folder is named"):
         results_index.render(results)
+
+
+ACCESS_WORDS = re.compile(r"\bdevice (call|time)s?\b|\blease\b|\bcarried\b|\bcarry:", re.IGNORECASE)
+"""How a machine was reached (the tool that lent it, what travelled to it): not what was measured."""
+
+
+def test_results_say_what_was_measured_not_how_the_machine_was_reached():
+    """The prose and scripts we write (READMEs, run scripts); the tools' own outputs are left as they ran."""
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in sorted((ROOT / "results").rglob("*")) if path.suffix in (".md", ".sh")
+             for number, line in enumerate(path.read_text().splitlines(), 1) if ACCESS_WORDS.search(line)]
+    assert not found, "\n".join(found[:20])

@@ -32,6 +32,7 @@ from dsv4cp.cli.common import (
 )
 from dsv4cp.config import LOSS_VARIANTS, PRESET_NAMES, DSv4Config
 from dsv4cp.cp.partition import POLICIES, RowSplit
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.model import BOTH, Machine, estimate, extrapolate
 from dsv4cp.model.calibration import (
     Calibration,
@@ -136,11 +137,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--partition: balanced needs per-row costs, at most {POLICY_MAX_ROWS} rows, "
                              f"got --tokens {args.tokens}")
         policies = compare_policies(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens, align=args.align,
-                                    calibration=calibration)
+                                    calibration=calibration, kernel_options=KernelOptions.resolve())
         split = RowSplit(policies.set_index("policy").loc[args.partition]["split"])
     else:  # closed form over documents only: exact at any size
         split = None
-    est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens, split=split)
+    est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens, split=split,
+                   kernel_options=KernelOptions.resolve())
     c = est.counts
     _print_machine(machine)  # only once the inputs proved valid: an error prints nothing else
     rows = f"rows/rank={c.rows}" if args.partition == "equal" else f"rows/rank={','.join(map(str, c.rank_rows))}"
@@ -191,7 +193,8 @@ def _run_calibrate(args, cfg, machine, lengths) -> int:
     profile = read_profile(args.calibrate, cp=args.cp, want=want)
     check_profile_point(profile, want)
     measured = profile.table
-    est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens)
+    est = estimate(cfg, args.ratio, lengths, args.cp, machine, total=args.tokens,
+                   kernel_options=KernelOptions.resolve())
     source = (f"{args.calibrate} (preset={args.preset} ratio={args.ratio} tokens={args.tokens} cp={args.cp} "
               f"packing={'lengths' if args.lengths else want['packing']} loss={args.loss} "
               f"pass={profile.point.get('pass')} indexer_scan={args.indexer_scan})")
@@ -277,6 +280,7 @@ def _run_extrapolate(args, cfg, machine) -> int:
     table = extrapolate(
         cfg, args.ratio, args.packing, cps=args.cps, tokens=args.sweep_tokens, machine=machine,
         tokens_per_rank=args.tokens_per_rank, doc_len=args.doc_len, seed=args.seed, direction=args.direction,
+        kernel_options=KernelOptions.resolve(),
     )
     if table.empty:
         raise ValueError("--extrapolate: no feasible (cp, tokens) point (tokens must divide by cp and "

@@ -58,6 +58,7 @@ from dsv4cp.cp.launch import init_from_env, under_torchrun
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.harness.fresh_batches import batch_bytes
 from dsv4cp.harness.time import NonFiniteResult
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.machine import Machine, no_machine_reason
 from dsv4cp.model.memory_split import memory_capped_split, trade_off
@@ -291,13 +292,14 @@ def _memory_capped(args: argparse.Namespace, point: Point, machine, calibration)
                          "--partition balanced or measured")
     cfg, lengths = point_inputs(point)
     policy = point_split(point, cfg, lengths, machine, calibration)
+    options = KernelOptions.resolve()  # as the point's policy split is priced (measure.point_split)
     capped = memory_capped_split(cfg, point.ratio, lengths, policy, _max_rank_bytes(args), dtype=DTYPES[point.dtype],
                                  direction=point.direction, recompute=point.recompute, machine=machine,
-                                 calibration=calibration)
+                                 calibration=calibration, kernel_options=options)
     splits = {"equal": RowSplit.equal(point.tokens, point.cp), point.partition: policy,
               f"{point.partition} <= {args.max_rank_memory:g} GiB": capped}
     table = trade_off(cfg, point.ratio, lengths, splits, dtype=DTYPES[point.dtype], direction=point.direction,
-                      recompute=point.recompute, machine=machine, calibration=calibration)
+                      recompute=point.recompute, machine=machine, calibration=calibration, kernel_options=options)
     print("modelled time / memory of the splits (estimated peak per rank):")
     print(table.drop(columns="split").to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     return capped

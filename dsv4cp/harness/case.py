@@ -63,8 +63,8 @@ class Case:
     """The sparse-attention backend the layer asks for (as the layer's ``backend``)."""
     kernel_options: KernelOptions = field(default_factory=KernelOptions.resolve)
     """Every kernel option's value, resolved once by the constructor that built the Case (default: the
-    options in force where the Case is made); the layer holds them and they are in force while every pass
-    of the Case runs."""
+    options in force where the Case is made); every pass hands them on as arguments: the layer holds them
+    (its kernels' both directions), the cost model prices the step under them."""
     deterministic: bool = False
     """Run under ``torch.use_deterministic_algorithms(True)``."""
     compile: str | None = None

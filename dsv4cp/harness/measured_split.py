@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.harness.case import Case
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.memory_split import memory_capped_split
@@ -88,14 +89,14 @@ def refine_by_measurement(
     case: Case, cp: int, measure_ranks: MeasureRanks, *, label: str, machine: Machine | None = None,
     calibration: Calibration | None = None, target: float = TARGET_IMBALANCE, max_rounds: int = MAX_ROUNDS,
     on_round: Callable[[int, SplitRound], object] | None = None, max_rank_bytes: int | None = None,
-    per_rank: bool = True,
+    per_rank: bool = True, kernel_options: KernelOptions = DEFAULT_OPTIONS,
 ) -> tuple[MeasuredSplit, list]:
     """Run the rounds over ``case``'s layer and batch split over ``cp`` ranks (see the module docstring; the
     Case's own ``split`` is not read: every round measures its own); also returns what ``measure_ranks``
     kept per round. ``label``: what was measured, in the refitted calibration's source.
     ``max_rank_bytes``: every split measured keeps each rank's estimated peak memory at most this
     (:func:`dsv4cp.model.memory_split.memory_capped_split`). ``per_rank=False``: the refit without per-rank
-    factors (phase classes only)."""
+    factors (phase classes only). ``kernel_options``: the options the cost model prices the step under."""
     if cp < 2:
         raise ValueError(f"cp: a measured split needs cp >= 2, got {cp}")
     if not target >= 1.0:
@@ -106,13 +107,14 @@ def refine_by_measurement(
     lengths = list(case.lengths)
 
     def balanced(under: Calibration | None) -> RowSplit:
-        return model_split(case, cp, under, machine, max_rank_bytes)
+        return model_split(case, cp, under, machine, max_rank_bytes, kernel_options)
 
     split = balanced(calibration)
     rounds, kept, samples, fitted = [], [], [], calibration
     for index in range(max_rounds):
         rank_ms, measurement = measure_ranks(split)
-        est = estimate(case.cfg, case.ratio, lengths, cp, machine, case.total, split=split)
+        est = estimate(case.cfg, case.ratio, lengths, cp, machine, case.total, split=split,
+                       kernel_options=kernel_options)
         predicted = None if fitted is None else tuple(map(float, fitted.rank_compute_s(est, case.direction) * 1e3))
         rounds.append(SplitRound(split.bounds, tuple(rank_ms), predicted))
         kept.append(measurement)
@@ -132,15 +134,15 @@ def refine_by_measurement(
 
 
 def model_split(case: Case, cp: int, calibration: Calibration | None, machine: Machine,
-                max_rank_bytes: int | None = None) -> RowSplit:
+                max_rank_bytes: int | None = None, kernel_options: KernelOptions = DEFAULT_OPTIONS) -> RowSplit:
     """The split a round measures: the model's balanced split of ``case``'s batch over ``cp`` ranks under
     ``calibration`` (its per-rank factors included at their cp), within ``max_rank_bytes`` of estimated peak
-    memory per rank."""
+    memory per rank, the step priced under ``kernel_options``."""
     lengths = list(case.lengths)
     split = policy_split(case.cfg, case.ratio, lengths, cp, "balanced", machine, total=case.total,
-                         direction=case.direction, calibration=calibration)
+                         direction=case.direction, calibration=calibration, kernel_options=kernel_options)
     if max_rank_bytes is None:
         return split
     return memory_capped_split(case.cfg, case.ratio, lengths, split, max_rank_bytes, dtype=case.torch_dtype,
                                direction=case.direction, recompute=case.recompute, machine=machine,
-                               calibration=calibration)
+                               calibration=calibration, kernel_options=kernel_options)

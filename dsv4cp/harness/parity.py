@@ -130,7 +130,7 @@ class Results:
 def reference_layer(layer: DSv4Attention) -> DSv4Attention:
     """``layer``'s weights in fp64 on a layer of the same shape that runs the torch reference kernels, one
     rank, no overlap, no recompute."""
-    reference = DSv4Attention(layer.cfg, layer.compress_ratio, backend="torch")
+    reference = DSv4Attention(layer.cfg, layer.compress_ratio, backend="torch", kernel_options=layer.kernel_options)
     reference.load_state_dict(layer.state_dict())  # into fp32 parameters: bf16 and fp32 values are kept exactly
     device = next(layer.parameters()).device
     return reference.to(device=device, dtype=torch.float64)
@@ -160,10 +160,11 @@ def run_rank(rank: int, world: int, device: torch.device, case: Case,
              group: dist.ProcessGroup | None = None) -> list[dict]:
     """Body of one rank (called under :func:`dsv4cp.cp.launch.spawn`, torchrun, or directly for one rank):
     this rank's comparisons as dicts of :class:`Comparison`. ``rank`` and ``world`` are within ``group``
-    (default: the world group when ``world > 1``); the Case's kernel options are in force."""
+    (default: the world group when ``world > 1``); the Case's deterministic mode is in force, its kernel
+    options are the checked layer's and the reference's."""
     if world > 1 and group is None:
         group = dist.group.WORLD
-    with kernel_options.overrides(case.kernel_options.texts()), deterministic_algorithms(case.deterministic):
+    with deterministic_algorithms(case.deterministic):  # the kernel options travel in the Case's layer
         return [asdict(c) for c in _check(rank, world, device, case, group if world > 1 else None)]
 
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dsv4cp import kernel_options
 from dsv4cp.cp.layout import build_layout
 from dsv4cp.environment import deterministic_algorithms
 from dsv4cp.harness.build import backward_, build_layer, one_rank_inputs
@@ -83,7 +82,7 @@ def replay_rank(rank: int, world: int, device: torch.device, replay: Replay,
     if world > 1 and group is None:
         group = dist.group.WORLD
     case = replay.case if world > 1 else dataclasses.replace(replay.case, split=None)  # the split is for CP > 1
-    with kernel_options.overrides(case.kernel_options.texts()), deterministic_algorithms(case.deterministic):
+    with deterministic_algorithms(case.deterministic):  # the kernel options travel in the Case's layer
         pristine = build_layer(case, device)
         packed = case.packed(device)
         x, upstream = one_rank_inputs(case, device)  # one rank's draw: every CP degree's batch

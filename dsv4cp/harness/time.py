@@ -1,7 +1,8 @@
 """Timed pass: the layer step of a Case timed, then measured apart (docs/design.md §5).
 
 :func:`time_case` is called by every rank of the Case's CP group (or by one process without
-torch.distributed for CP = 1), with the Case's kernel options and deterministic mode in force. It builds
+torch.distributed for CP = 1), with the Case's deterministic mode in force (its kernel options travel in
+the Case: the layer holds them, the model's bound is priced under them). It builds
 the Case's seeded step (:func:`dsv4cp.harness.build.build_step`: the layer and this rank's rows), times
 it with :func:`dsv4cp.profiling.timing.benchmark`, measures one more step's peak memory, computes the
 model's FLOPs and bound, and optionally records a Kineto trace and its tables (:mod:`.trace`), runs
@@ -185,7 +186,7 @@ def time_case(
         check_snapshot_device(device)
         if trace_dir is None:
             raise ValueError("memory_snapshot: the snapshot is written beside the traces: give a trace_dir")
-    with kernel_options.overrides(case.kernel_options.texts()), deterministic_algorithms(case.deterministic):
+    with deterministic_algorithms(case.deterministic):  # the kernel options travel in the Case, as arguments
         return _time(case, group, device, run, machine=machine, calibration_label=calibration_label,
                      trace_dir=trace_dir, nsys=nsys, check=check, on_step=on_step, memory_phases=memory_phases,
                      memory_snapshot=memory_snapshot, trace_point=trace_point)
@@ -197,15 +198,17 @@ def _time(
     trace_dir: str | Path | None, nsys: bool, check: bool, on_step: Callable[[str], object] | None,
     memory_phases: bool, memory_snapshot: bool, trace_point: Mapping | None,
 ) -> Measurement:
-    """:func:`time_case` with the Case's kernel options and deterministic mode in force."""
+    """:func:`time_case` with the Case's deterministic mode in force."""
     cp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     emulated = emulated_rank(group)
     cfg, packed, split = case.cfg, case.packed(), case.row_split(cp)
     # the model FLOPs do not depend on the ceilings: without a machine any one gives them, its bound unused
-    bound = estimate(cfg, case.ratio, packed, cp, machine or CPU_ESTIMATE, split=split).summary(case.direction)
+    options = case.kernel_options
+    bound = estimate(cfg, case.ratio, packed, cp, machine or CPU_ESTIMATE, split=split,
+                     kernel_options=options).summary(case.direction)
     physical = None if machine is None else estimate(cfg, case.ratio, packed, cp, physical_limits(machine),
-                                                     split=split).summary(case.direction)
+                                                     split=split, kernel_options=options).summary(case.direction)
     resolved = {"sparse_attention": resolve_backend(case.backend, device, head_dim=cfg.head_dim).name}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # device_used_bytes must not count blocks cached for an earlier point

@@ -21,6 +21,7 @@ import numpy as np
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import POLICIES, RowSplit, check_positive_int, floor_rows
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.model.machine import Machine
 from dsv4cp.model.phase_classes import PhaseFactors
 from dsv4cp.model.row_costs import SPLIT_DIRECTIONS, RowCosts, row_costs
@@ -152,6 +153,7 @@ def partition(
     packed: PackedSeqs | Sequence[int], cp: int, cfg: DSv4Config, ratio: int, *, policy: str = "equal",
     machine: Machine | None = None, align: int = 1, min_rows: int | None = None, costs: RowCosts | None = None,
     total: int | None = None, direction: str = "fwd+bwd", calibration: PhaseFactors | None = None,
+    kernel_options: KernelOptions = DEFAULT_OPTIONS,
 ) -> RowSplit:
     """The row split of ``packed`` (or plain document lengths) over ``cp`` ranks under ``policy``.
 
@@ -170,6 +172,7 @@ def partition(
         calibration: measured-over-bound factors per phase class (needs ``machine``): the balanced split
             then equalises measured-like per-rank times (see :meth:`RowCosts.for_layer`), each rank's
             scaled by the calibration's per-rank factor at ``cp`` (``rank_scale``).
+        kernel_options: the options the step runs (see :meth:`RowCosts.for_layer`).
 
     Identical inputs give the identical split on every rank (host arithmetic only).
     """
@@ -196,7 +199,7 @@ def partition(
         total = int(total)
     if policy == "equal":
         return RowSplit.equal(total, cp, field).validate(total, cp, floor, field=field)
-    costs = costs or RowCosts.for_layer(cfg, ratio, machine, direction, calibration)
+    costs = costs or RowCosts.for_layer(cfg, ratio, machine, direction, calibration, kernel_options)
     prefix = np.concatenate(([0.0], np.cumsum(row_costs(costs, cu, total, cfg, ratio))))
     weights = None if calibration is None else calibration.rank_scale(cp)
     return balanced_split(prefix, cp, floor, align, weights)

@@ -67,9 +67,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from dsv4cp import kernel_options
 from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.model.counts import DocsLike, RankCounts, rank_counts
 from dsv4cp.model.machine import Machine, resolve_machine
 
@@ -183,11 +183,11 @@ class _Acc:
             self.add("bwd", hbm_bytes=elems * (bo + 2 * bi))
 
 
-def loss_takes_selection_scores(cfg: DSv4Config) -> bool:
+def loss_takes_selection_scores(cfg: DSv4Config, options: KernelOptions) -> bool:
     """Whether ``cfg``'s indexer loss reads the top-k selection's scores instead of scoring its entries
-    again: the sparse loss under the kernel option ``indexer_loss_scores=selection`` (as it stands now: the
-    point's options while a point is measured), as the layer decides it."""
-    return cfg.indexer_loss == "sparse" and kernel_options.get("indexer_loss_scores") == "selection"
+    again: the sparse loss under the kernel option ``indexer_loss_scores=selection`` of ``options`` (a
+    Case's, for a measured step), as the layer decides it."""
+    return cfg.indexer_loss == "sparse" and options.indexer_loss_scores == "selection"
 
 
 def _phase_costs(cfg: DSv4Config, n: RankCounts, machine: Machine, act_bytes: int,
@@ -313,8 +313,8 @@ compressed entry), a (query, window key) pair, a (query, visible entry) pair, a 
 pair of the attention."""
 
 
-def unit_costs(cfg: DSv4Config, ratio: int, selection_scores: bool | None = None
-               ) -> dict[str, dict[str, dict[str, np.ndarray]]]:
+def unit_costs(cfg: DSv4Config, ratio: int, selection_scores: bool | None = None, *,
+               kernel_options: KernelOptions = DEFAULT_OPTIONS) -> dict[str, dict[str, dict[str, np.ndarray]]]:
     """This module's accounting per unit of work: ``{phase: {direction: {"flops" | "hbm_bytes": [4]}}}``
     with the four entries priced per :data:`UNITS` (compute phases of a ``ratio`` layer only).
 
@@ -335,7 +335,7 @@ def unit_costs(cfg: DSv4Config, ratio: int, selection_scores: bool | None = None
         compressed_keys=compressed_key if ratio else none, owned_entries=row / ratio if ratio else none,
     )
     if selection_scores is None:
-        selection_scores = loss_takes_selection_scores(cfg)
+        selection_scores = loss_takes_selection_scores(cfg, kernel_options)
     costs = _phase_costs(cfg, probe, Machine(), ACT_BYTES, selection_scores)  # the machine prices communication only
     return {
         phase: {d: {key: np.asarray(costs[phase].v[d][key], dtype=float) for key in ("flops", "hbm_bytes")}
@@ -549,7 +549,7 @@ def _check_direction(direction: str, both: bool) -> str:
 def estimate(
     cfg: DSv4Config, ratio: int, packed_or_lengths: DocsLike, cp: int, machine: Machine | None = None,
     total: int | None = None, *, act_bytes: int = ACT_BYTES, split: RowSplit | None = None, padding: bool = True,
-    selection_scores: bool | None = None,
+    selection_scores: bool | None = None, kernel_options: KernelOptions = DEFAULT_OPTIONS,
 ) -> LayerEstimate:
     """The analytic cost of one ``ratio`` layer of ``cfg`` on a packed batch split over ``cp`` ranks.
 
@@ -565,14 +565,15 @@ def estimate(
         padding: False prices the gathered buffer at the entries the ranks own (their mean per rank in
             place of the static capacity): the work without capacity padding.
         selection_scores: whether the sparse indexer loss takes the selection's scores (prices no
-            re-scoring); None: as the kernel options stand now (:func:`loss_takes_selection_scores`).
+            re-scoring); None: as ``kernel_options`` decide (:func:`loss_takes_selection_scores`).
+        kernel_options: the options the step runs (default: every option at its default).
     """
     machine = resolve_machine(machine)
     counts = rank_counts(cfg, ratio, packed_or_lengths, cp, total, split)
     if not padding:
         counts = dataclasses.replace(counts, capacity=float(sum(counts.owned_entries)) / counts.cp)
     if selection_scores is None:
-        selection_scores = loss_takes_selection_scores(cfg)
+        selection_scores = loss_takes_selection_scores(cfg, kernel_options)
     costs = _phase_costs(cfg, counts, machine, act_bytes, selection_scores)
     rows = []
     for phase in layer_phases(counts.kind):

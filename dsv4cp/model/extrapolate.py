@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from dsv4cp.config import DSv4Config
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.model.costs import LayerEstimate, estimate, range_to_phase
 from dsv4cp.model.machine import Machine, resolve_machine
 from dsv4cp.workloads import pack_lengths
@@ -28,7 +29,7 @@ def extrapolate(
     cfg: DSv4Config, ratio: int, packing: str = "one", cps: Iterable[int] = DEFAULT_CPS,
     tokens: Iterable[int] = DEFAULT_TOKENS, machine: Machine | None = None, *,
     tokens_per_rank: Iterable[int] | None = None, doc_len: int | None = 4096, seed: int = 0,
-    direction: str = "fwd",
+    direction: str = "fwd", kernel_options: KernelOptions = DEFAULT_OPTIONS,
 ) -> pd.DataFrame:
     """Model a layer over a grid of CP sizes and batch sizes: where does communication take over?
 
@@ -54,7 +55,7 @@ def extrapolate(
             continue
         if total not in cache:
             cache[total] = pack_lengths(total, packing, doc_len=doc_len, seed=seed)
-        est = estimate(cfg, ratio, cache[total], cp, machine)
+        est = estimate(cfg, ratio, cache[total], cp, machine, kernel_options=kernel_options)
         rec = est.summary(direction).as_record()
         attention, compute, comm = rec["attention_s"], rec["compute_s"], rec["comm_s"]
         rows.append({

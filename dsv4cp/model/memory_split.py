@@ -18,6 +18,7 @@ import torch
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.costs import BOTH, estimate
 from dsv4cp.model.machine import Machine
@@ -30,9 +31,12 @@ TRADE_OFF_COLUMNS = ("policy", "split", "max_compute_ms", "compute_imbalance", "
 
 
 def rank_time_s(cfg: DSv4Config, ratio: int, lengths: Sequence[int], split: RowSplit, machine: Machine,
-                direction: str = BOTH, calibration: Calibration | None = None) -> np.ndarray:
-    """``[cp]`` modelled compute seconds of each rank of ``split`` (calibrated when given)."""
-    est = estimate(cfg, ratio, list(lengths), split.cp, machine, split.total, split=split)
+                direction: str = BOTH, calibration: Calibration | None = None,
+                kernel_options: KernelOptions = DEFAULT_OPTIONS) -> np.ndarray:
+    """``[cp]`` modelled compute seconds of each rank of ``split`` (calibrated when given) under the options
+    the step runs."""
+    est = estimate(cfg, ratio, list(lengths), split.cp, machine, split.total, split=split,
+                   kernel_options=kernel_options)
     if calibration is not None:
         return calibration.rank_compute_s(est, direction)
     return np.asarray(est.summary(direction).rank_compute_s)
@@ -41,7 +45,7 @@ def rank_time_s(cfg: DSv4Config, ratio: int, lengths: Sequence[int], split: RowS
 def memory_capped_split(
     cfg: DSv4Config, ratio: int, lengths: Sequence[int], split: RowSplit, max_rank_bytes: int, *,
     dtype: torch.dtype, direction: str = BOTH, recompute: bool = False, machine: Machine | None = None,
-    calibration: Calibration | None = None, align: int = 1,
+    calibration: Calibration | None = None, align: int = 1, kernel_options: KernelOptions = DEFAULT_OPTIONS,
 ) -> RowSplit:
     """``split`` when every rank's estimated peak fits ``max_rank_bytes``, else the split of the line towards
     equal slices that fits with the smallest largest per-rank modelled time. ``ValueError`` naming
@@ -66,7 +70,8 @@ def memory_capped_split(
         candidate = RowSplit((0, *inner, total)) if step < LINE_POINTS else RowSplit(tuple(map(int, equal)))
         if any(n <= 0 for n in candidate.rank_rows) or peak(candidate) > max_rank_bytes:
             continue
-        slowest = float(rank_time_s(cfg, ratio, lengths, candidate, machine, direction, calibration).max())
+        slowest = float(rank_time_s(cfg, ratio, lengths, candidate, machine, direction, calibration,
+                                    kernel_options).max())
         if best is None or slowest < best[0]:
             best = (slowest, candidate)
     if best is None:
@@ -78,14 +83,15 @@ def memory_capped_split(
 
 def trade_off(cfg: DSv4Config, ratio: int, lengths: Sequence[int], splits: dict[str, RowSplit], *,
               dtype: torch.dtype, direction: str = BOTH, recompute: bool = False, machine: Machine | None = None,
-              calibration: Calibration | None = None) -> pd.DataFrame:
+              calibration: Calibration | None = None, kernel_options: KernelOptions = DEFAULT_OPTIONS,
+              ) -> pd.DataFrame:
     """One row per named split (:data:`TRADE_OFF_COLUMNS`): the modelled slowest rank and max/mean, and the
     largest and smallest rank's estimated peak memory."""
     machine = machine or Machine()
     memory_direction = "fwd" if direction == "fwd" else "fwd+bwd"
     rows = []
     for name, split in splits.items():
-        times = rank_time_s(cfg, ratio, lengths, split, machine, direction, calibration)
+        times = rank_time_s(cfg, ratio, lengths, split, machine, direction, calibration, kernel_options)
         peaks = rank_peak_bytes(cfg, ratio, list(lengths), split, memory_direction, dtype, recompute)
         rows.append({"policy": name, "split": split.bounds, "max_compute_ms": float(times.max()) * 1e3,
                      "compute_imbalance": float(times.max() / times.mean()) if times.mean() > 0 else 1.0,

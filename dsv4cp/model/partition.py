@@ -21,6 +21,7 @@ import pandas as pd
 
 from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.partition import POLICIES, RowSplit, check_positive_int, floor_rows
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.model.balanced_split import partition
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.costs import BOTH, estimate
@@ -55,7 +56,7 @@ _CAP_BISECTIONS = 40
 def policy_split(
     cfg: DSv4Config, ratio: int, docs: DocsLike, cp: int, policy: str, machine: Machine | None = None,
     total: int | None = None, align: int = 1, direction: str = BOTH, calibration: Calibration | None = None,
-    refine: bool = True,
+    refine: bool = True, kernel_options: KernelOptions = DEFAULT_OPTIONS,
 ) -> RowSplit:
     """The split of ``docs`` over ``cp`` ranks under ``policy``, balanced on the model's per-row times
     in ``direction`` (``fwd+bwd``: a training step), scaled by ``calibration`` when given.
@@ -63,22 +64,24 @@ def policy_split(
     With ``refine`` (default) the balanced split is then refined on the model's per-rank evaluation
     (:func:`refine_split`), which also sees the padding of the gathered buffers to the largest rank;
     ``refine=False`` gives the per-row split alone. ``refine`` has no effect on ``equal``, which needs no
-    ``machine`` (the balanced split's default is the machine this process runs on)."""
+    ``machine`` (the balanced split's default is the machine this process runs on). ``kernel_options``: the
+    options the step runs (the indexer loss's scores, :func:`~dsv4cp.model.costs.loss_takes_selection_scores`)."""
     machine = resolve_machine(machine) if policy == "balanced" else machine
     cu, total = document_extents(docs, total)
     lengths = np.diff(cu).tolist()
     split = partition(lengths, cp, cfg, ratio, policy=policy, machine=machine, align=align,
-                      total=total, direction=direction, calibration=calibration)
+                      total=total, direction=direction, calibration=calibration, kernel_options=kernel_options)
     if policy != "balanced" or not refine:
         return split
     return refine_split(cfg, ratio, lengths, split, machine, total, align=align, direction=direction,
-                        calibration=calibration)
+                        calibration=calibration, kernel_options=kernel_options)
 
 
 def refine_split(
     cfg: DSv4Config, ratio: int, docs: DocsLike, start: RowSplit, machine: Machine | None = None,
     total: int | None = None, *, align: int = 1, min_rows: int | None = None, direction: str = BOTH,
     calibration: Calibration | None = None, max_evaluations: int = MAX_EVALUATIONS,
+    kernel_options: KernelOptions = DEFAULT_OPTIONS,
 ) -> RowSplit:
     """``start`` (e.g. the per-row balanced split) improved on the cost model's own per-rank times.
 
@@ -127,7 +130,8 @@ def refine_split(
     start.validate(total, cp, floor, field="start")
     if cp == 1:
         return start
-    search = _Search(cfg, ratio, cu, total, machine, direction, calibration, floor, align, max_evaluations)
+    search = _Search(cfg, ratio, cu, total, machine, direction, calibration, floor, align, max_evaluations,
+                     kernel_options)
     best = search.evaluate(start.bounds)
     equal = tuple(total * rho // cp for rho in range(cp + 1))
     if total % cp == 0 and search.legal(equal) and not search.exhausted:
@@ -145,8 +149,10 @@ class _Search:
     """The cached model evaluations and moves of :func:`refine_split`; a key is ``(max, sum, bounds)``."""
 
     def __init__(self, cfg: DSv4Config, ratio: int, cu: np.ndarray, total: int, machine: Machine, direction: str,
-                 calibration: Calibration | None, min_rows: int, align: int, budget: int) -> None:
+                 calibration: Calibration | None, min_rows: int, align: int, budget: int,
+                 kernel_options: KernelOptions) -> None:
         self.cfg, self.ratio, self.cu, self.total = cfg, ratio, cu, total
+        self.kernel_options = kernel_options
         self.lengths = np.diff(cu).tolist()  # the documents, as estimate() takes them
         self.machine, self.direction, self.calibration = machine, direction, calibration
         self.min_rows, self.align, self.budget = min_rows, align, budget
@@ -164,7 +170,7 @@ class _Search:
         """``[cp]`` modelled compute seconds per rank of the split ``bounds`` (cached)."""
         if bounds not in self.times:
             est = estimate(self.cfg, self.ratio, self.lengths, len(bounds) - 1, self.machine, self.total,
-                           split=RowSplit(bounds))
+                           split=RowSplit(bounds), kernel_options=self.kernel_options)
             if self.calibration is None:
                 times = np.asarray(est.summary(self.direction).rank_compute_s, dtype=float)
             else:
@@ -194,7 +200,8 @@ class _Search:
         scan counts slots (``prefix`` or ``all``) have this padding term; others return ``best``."""
         if layer_kind(self.ratio) != "C":
             return best
-        costs = RowCosts.for_layer(self.cfg, self.ratio, self.machine, self.direction, self.calibration)
+        costs = RowCosts.for_layer(self.cfg, self.ratio, self.machine, self.direction, self.calibration,
+                                   self.kernel_options)
         if not (costs.per_prefix_entry or costs.per_batch_entry):  # the visible scan: no padding term
             return best
         rest = dataclasses.replace(costs, per_prefix_entry=0.0, per_batch_entry=0.0)
@@ -300,7 +307,7 @@ class _Search:
 def compare_policies(
     cfg: DSv4Config, ratio: int, docs: DocsLike, cp: int, machine: Machine | None = None,
     total: int | None = None, *, policies: Sequence[str] = POLICIES, align: int = 1, direction: str = BOTH,
-    calibration: Calibration | None = None, unrefined: bool = True,
+    calibration: Calibration | None = None, unrefined: bool = True, kernel_options: KernelOptions = DEFAULT_OPTIONS,
 ) -> pd.DataFrame:
     """One row per policy (columns :data:`POLICY_COLUMNS`): the split and the predicted per-rank
     compute bound in ``direction`` (max, mean, max / mean) and layer bound with overlap.
@@ -318,10 +325,10 @@ def compare_policies(
     splits = []
     for policy in policies:
         split = policy_split(cfg, ratio, lengths, cp, policy, machine, total, align, direction, calibration,
-                             refine=False)
+                             refine=False, kernel_options=kernel_options)
         if policy == "balanced":
             refined = refine_split(cfg, ratio, lengths, split, machine, total, align=align, direction=direction,
-                                   calibration=calibration)
+                                   calibration=calibration, kernel_options=kernel_options)
             splits.append((policy, refined))
             if unrefined:
                 splits.append((UNREFINED, split))
@@ -329,7 +336,7 @@ def compare_policies(
             splits.append((policy, split))
     rows = []
     for policy, split in splits:
-        est = estimate(cfg, ratio, lengths, cp, machine, total, split=split)
+        est = estimate(cfg, ratio, lengths, cp, machine, total, split=split, kernel_options=kernel_options)
         step = est.summary(direction)
         if calibration is None:
             compute = np.asarray(step.rank_compute_s)

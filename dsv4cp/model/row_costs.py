@@ -16,6 +16,7 @@ import numpy as np
 
 from dsv4cp.config import DSv4Config, layer_kind
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
 from dsv4cp.model.costs import BOTH, DIRECTIONS, unit_costs
 from dsv4cp.model.machine import Machine
 from dsv4cp.model.phase_classes import INDEXER_SCANS, MODEL_PHASE_CLASS, PHASE_CLASSES, PhaseFactors
@@ -48,7 +49,8 @@ class RowCosts:
 
     @classmethod
     def for_layer(cls, cfg: DSv4Config, ratio: int, machine: Machine | None = None, direction: str = BOTH,
-                  calibration: PhaseFactors | None = None) -> RowCosts:
+                  calibration: PhaseFactors | None = None, kernel_options: KernelOptions = DEFAULT_OPTIONS,
+                  ) -> RowCosts:
         """The per-row costs of a ``ratio`` layer of ``cfg`` in ``direction`` (``fwd``, ``bwd`` or
         ``fwd+bwd``: a training step, the default).
 
@@ -57,7 +59,8 @@ class RowCosts:
         FLOPs at its peak, plus the top-k's reads of one fp32 score per visible entry (the selection
         does no FLOPs). ``calibration`` (needs ``machine``, the one it was fitted against) multiplies each
         phase class's seconds in each direction by its measured factor and charges the indexer on the
-        entries its ``indexer_scan`` says the kernel scans.
+        entries its ``indexer_scan`` says the kernel scans. ``kernel_options``: the options the step runs
+        (the indexer loss's scores: :func:`~dsv4cp.model.costs.loss_takes_selection_scores`).
         """
         if direction not in SPLIT_DIRECTIONS:
             raise ValueError(f"direction: must be one of {SPLIT_DIRECTIONS}, got {direction!r}")
@@ -75,7 +78,7 @@ class RowCosts:
         for pass_ in DIRECTIONS:
             if direction not in (pass_, BOTH):
                 continue
-            for phase_class, terms in class_unit_costs(cfg, ratio, pass_, machine).items():
+            for phase_class, terms in class_unit_costs(cfg, ratio, pass_, machine, kernel_options).items():
                 terms = np.append(terms, [0.0, 0.0])
                 if phase_class == "indexer" and scan != "visible":  # the same per-entry price, other entries
                     terms[_SCAN_TERM[scan]], terms[2] = terms[2], 0.0
@@ -83,12 +86,12 @@ class RowCosts:
         return cls(*(float(v) for v in total))
 
 
-def class_unit_costs(cfg: DSv4Config, ratio: int, direction: str, machine: Machine | None = None
-                     ) -> dict[str, np.ndarray]:
+def class_unit_costs(cfg: DSv4Config, ratio: int, direction: str, machine: Machine | None = None,
+                     kernel_options: KernelOptions = DEFAULT_OPTIONS) -> dict[str, np.ndarray]:
     """Per phase class, the ``[per_row, per_window_key, per_visible_entry, per_compressed_key]`` cost of
     one pass (``fwd`` or ``bwd``) from :func:`unit_costs`: FLOPs, or seconds at ``machine``'s ceilings
     (then the top-k's bytes per visible entry count at its memory bandwidth)."""
-    units = unit_costs(cfg, ratio)
+    units = unit_costs(cfg, ratio, kernel_options=kernel_options)
     terms = {name: np.zeros(4) for name in PHASE_CLASSES}
     for phase, by_direction in units.items():
         if direction in by_direction:

@@ -183,12 +183,15 @@ class RatioInterval:
 @functools.lru_cache(maxsize=64)
 def signed_rank_cdf(n: int) -> tuple[float, ...]:
     """P(T <= t) for t = 0 .. n(n+1)/2 under the null: the Wilcoxon signed-rank statistic's exact
-    distribution (each of the ranks 1..n counted in T with probability 1/2, independently)."""
-    ways = np.zeros(n * (n + 1) // 2 + 1)
-    ways[0] = 1.0
+    distribution (each of the ranks 1..n counted in T with probability 1/2, independently). Built as
+    probabilities, halved per rank, not as counts of ways: the counts pass float64's range at n ~ 1000
+    (a gate's pooled suite has 30 cases x its rounds)."""
+    probability = np.zeros(n * (n + 1) // 2 + 1)
+    probability[0] = 1.0
     for rank in range(1, n + 1):
-        ways[rank:] = ways[rank:] + ways[:-rank].copy()
-    return tuple(np.cumsum(ways) / ways.sum())
+        probability[rank:] = (probability[rank:] + probability[:-rank]) / 2
+        probability[:rank] /= 2
+    return tuple(np.cumsum(probability))
 
 
 def excluded_averages(n: int, confidence: float) -> int:

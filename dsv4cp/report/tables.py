@@ -411,7 +411,8 @@ def point_estimate(point: pd.Series, machine: Machine | None = None, padding: bo
         split = RowSplit(tuple(int(b) for b in recorded)).validate(tokens, cp, field="split")
     else:
         split = policy_split(cfg, ratio, lengths, cp, policy if isinstance(policy, str) else "equal",
-                             machine or record_machine(point), total=tokens, direction=point["pass"])
+                             machine or record_machine(point), total=tokens, direction=point["pass"],
+                             kernel_options=kernel_option_registry.KernelOptions.resolve())  # as the sweep priced it
     return estimate(cfg, ratio, lengths, cp, machine or record_machine(point), total=tokens, split=split,
                     padding=padding, selection_scores=record_selection_scores(point))
 

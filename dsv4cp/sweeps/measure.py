@@ -61,9 +61,11 @@ def point_split(point: Point, cfg: DSv4Config, lengths: list[int], machine: Mach
                 calibration: Calibration | None = None) -> RowSplit:
     """The ranks' row ranges under the point's ``partition`` policy (the balanced one equalises the
     model's per-rank times of the point's pass at ``machine``'s ceilings, scaled by ``calibration``
-    when given); identical on every rank."""
+    when given, the step priced under the kernel options in force: the point's own are in force only while
+    it is measured); identical on every rank."""
     return policy_split(cfg, point.ratio, lengths, point.cp, point.partition, machine, total=point.tokens,
-                        direction=point.direction, calibration=calibration)
+                        direction=point.direction, calibration=calibration,
+                        kernel_options=kernel_options.KernelOptions.resolve())
 
 
 def point_case(point: Point, cfg: DSv4Config | None = None, lengths: list[int] | None = None,

@@ -26,6 +26,7 @@ from dsv4cp.harness.measured_split import (
 from dsv4cp.harness.measured_split import model_split as model_case_split
 from dsv4cp.harness.measured_split import refine_by_measurement as refine_case
 from dsv4cp.harness.time import Measurement
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.model import Machine
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.sweeps.emulation import measure_every_rank
@@ -44,16 +45,20 @@ def measured_case(point: Point, device: torch.device | str = "cpu") -> Case:
 def refine_by_measurement(point: Point, measure_ranks: MeasureRanks, *, device: torch.device | str = "cpu",
                           **rounds) -> tuple[MeasuredSplit, list]:
     """The rounds of :func:`dsv4cp.harness.measured_split.refine_by_measurement` over ``point``'s Case on
-    ``device`` (``rounds``: its keywords, the point's label given)."""
+    ``device`` (``rounds``: its keywords, the point's label given, the model priced under the kernel options
+    in force: the point's own are in force only while it is measured)."""
     if point.cp < 2:
         raise ValueError(f"cp: a measured split needs cp >= 2, got {point.cp}")
-    return refine_case(measured_case(point, device), point.cp, measure_ranks, label=point.label(), **rounds)
+    return refine_case(measured_case(point, device), point.cp, measure_ranks, label=point.label(),
+                       kernel_options=KernelOptions.resolve(), **rounds)
 
 
 def model_split(point: Point, calibration: Calibration | None, machine: Machine,
                 max_rank_bytes: int | None = None) -> RowSplit:
-    """The split a round of ``point`` measures (:func:`dsv4cp.harness.measured_split.model_split`)."""
-    return model_case_split(measured_case(point), point.cp, calibration, machine, max_rank_bytes)
+    """The split a round of ``point`` measures (:func:`dsv4cp.harness.measured_split.model_split`, under the
+    kernel options in force)."""
+    return model_case_split(measured_case(point), point.cp, calibration, machine, max_rank_bytes,
+                            KernelOptions.resolve())
 
 
 def measure_measured_point(

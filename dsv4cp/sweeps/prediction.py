@@ -18,6 +18,7 @@ import math
 import pandas as pd
 
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.costs import range_to_phase
 from dsv4cp.model.step_prediction import StepPrediction, predict_step
@@ -69,7 +70,8 @@ def predict_record(record: dict, machine: Machine) -> StepPrediction | None:
     cfg, lengths = point_inputs(point)
     packed = PackedSeqs.from_lengths(lengths, total=point.tokens)
     split = RowSplit(tuple(record["split"])) if record.get("split") else RowSplit.equal(point.tokens, point.cp)
-    est = estimate(cfg, point.ratio, packed, point.cp, machine, split=split)
+    est = estimate(cfg, point.ratio, packed, point.cp, machine, split=split,
+                   kernel_options=KernelOptions.resolve())  # as a point's bound is priced outside its measurement
     return predict_step(est, compute, overlap=point.overlap, direction=point.direction, phase_compute_ms=per_phase)
 
 

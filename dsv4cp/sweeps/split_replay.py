@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsv4cp.cp.partition import RowSplit
+from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.model import Machine, estimate
 from dsv4cp.model.calibration import Calibration
 from dsv4cp.model.refit import RankTimes, refit
@@ -41,14 +42,16 @@ def _samples(point: Point, rounds: Sequence[SplitRound], machine: Machine) -> li
     cfg, lengths = point_inputs(point)
     for index, measured in enumerate(rounds):
         RowSplit(measured.split).validate(point.tokens, point.cp, 1, field=f"rounds[{index}].split")
+    options = KernelOptions.resolve()  # as the rounds' model priced the step (measured_split.refine_by_measurement)
     return [RankTimes(estimate(cfg, point.ratio, lengths, point.cp, machine, point.tokens,
-                               split=RowSplit(r.split)), r.rank_ms) for r in rounds]
+                               split=RowSplit(r.split), kernel_options=options), r.rank_ms) for r in rounds]
 
 
 def predicted_rank_ms(point: Point, split: RowSplit, calibration: Calibration, machine: Machine) -> np.ndarray:
     """``[cp]`` the model's compute ms per rank of ``point`` on ``split`` under ``calibration``."""
     cfg, lengths = point_inputs(point)
-    est = estimate(cfg, point.ratio, lengths, point.cp, machine, point.tokens, split=split)
+    est = estimate(cfg, point.ratio, lengths, point.cp, machine, point.tokens, split=split,
+                   kernel_options=KernelOptions.resolve())
     return calibration.rank_compute_s(est, point.direction) * 1e3
 
 

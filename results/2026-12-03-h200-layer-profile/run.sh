@@ -2,10 +2,9 @@
 # One H200: the flash C layer (64K tokens, one document, fwd+bwd, bf16) on the auto backend with FlashMLA
 # (sgl-flash-mla 1.0.0) and the cuDNN frontend (1.32, CuTe DSL 4.8.1, CUDA-12 flavour) installed, and on the
 # triton backend, in one sweep (layer.yaml), profiled; then each point's phases against their bounds.
-# The wheels came in four device calls (the working tree's limit is 64 MiB a call): .wa, .wb and .wc were
-# stashed into $HOME/wheels (`mkdir -p $HOME/wheels && cp .wX/* $HOME/wheels/`), the CUDA-12 CuTe DSL wheel
-# split in three 36 MiB parts (`split -b 36M`); this script, in the fourth call (carrying .wd, FlashMLA),
-# joins and installs them. Run from the repository root: bash results/2026-12-03-h200-layer-profile/run.sh OUT
+# The wheels sit in $HOME/wheels (the folders .wa, .wb, .wc copied there with `mkdir -p $HOME/wheels && cp
+# .wX/* $HOME/wheels/`), the CUDA-12 CuTe DSL wheel in three 36 MiB parts (`split -b 36M`); this script adds
+# .wd (FlashMLA), joins the parts and installs them. Run from the repository root: bash results/2026-12-03-h200-layer-profile/run.sh OUT
 set -uo pipefail
 out=${1:?output folder}
 dir=results/2026-12-03-h200-layer-profile

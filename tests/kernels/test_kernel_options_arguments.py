@@ -65,12 +65,16 @@ GLOBAL_READS = re.compile(r"kernel_options\.(get|resolved|overrides|where|source
 """What reading the kernel options from the process-wide registry looks like."""
 
 
+BELOW_THE_HARNESS = ("layer", "model", "cp", "ops", "kernels")
+"""The packages under the harness (pyproject.toml's layers): they take the options as arguments."""
+
+
 def test_no_module_below_the_harness_reads_the_options_from_a_global():
-    """The layer, the CP machinery, the ops and the kernels take the kernel options as arguments: none calls
-    the registry's global reads (``kernel_options.get`` / ``resolved()`` / ``overrides`` / ``where``) or the
-    text round trip the custom ops used to need."""
+    """The layer, the cost model, the CP machinery, the ops and the kernels take the kernel options as
+    arguments: none calls the registry's global reads (``kernel_options.get`` / ``resolved()`` /
+    ``overrides`` / ``where``) or the text round trip the custom ops used to need."""
     root = Path(__file__).resolve().parents[2] / "dsv4cp"
     found = [f"{path.relative_to(root.parent)}:{number}: {line.strip()}"
-             for package in ("layer", "ops", "kernels", "cp") for path in sorted((root / package).rglob("*.py"))
+             for package in BELOW_THE_HARNESS for path in sorted((root / package).rglob("*.py"))
              for number, line in enumerate(path.read_text().splitlines(), 1) if GLOBAL_READS.search(line)]
     assert not found, "global kernel-option reads:\n" + "\n".join(found)

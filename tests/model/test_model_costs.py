@@ -275,17 +275,21 @@ def test_the_sparse_loss_on_the_selections_scores_prices_no_rescoring():
     pd.testing.assert_frame_equal(*backward)  # the scores' backward runs either way
 
 
-def test_the_default_bound_follows_the_kernel_option_and_the_dense_loss_always_rescores():
+def test_the_default_bound_follows_the_kernel_options_given_and_the_dense_loss_always_rescores():
     from dsv4cp import kernel_options
+    from dsv4cp.kernel_options import KernelOptions
 
     machine = Machine.preset("h200x2")
     def loss_flops(cfg, **kwargs):
         return estimate(cfg, 4, [65536], 1, machine, **kwargs).table("fwd").set_index("phase").loc["indexer.loss",
                                                                                                     "flops"]
-    assert kernel_options.get("indexer_loss_scores") == "selection"
+    assert KernelOptions().indexer_loss_scores == "selection"
     assert loss_flops(FLASH) == loss_flops(FLASH, selection_scores=True)
-    with kernel_options.overrides({"indexer_loss_scores": "recompute"}):
-        assert loss_flops(FLASH) == loss_flops(FLASH, selection_scores=False) > loss_flops(FLASH, selection_scores=True)
+    recompute = KernelOptions.resolve({"indexer_loss_scores": "recompute"})
+    assert loss_flops(FLASH, kernel_options=recompute) == loss_flops(FLASH, selection_scores=False) \
+        > loss_flops(FLASH, selection_scores=True)
+    with kernel_options.overrides({"indexer_loss_scores": "recompute"}):  # the model reads no global: as given
+        assert loss_flops(FLASH) == loss_flops(FLASH, selection_scores=True)
     dense = FLASH.replace(indexer_loss="dense")
     assert loss_flops(dense, selection_scores=True) == loss_flops(dense, selection_scores=False)
 
