@@ -4,7 +4,7 @@
 # pytest-benchmark run; the default's time with one
 # part left out at a time (parts.py); ncu (stall reasons, issue, tensor pipe, L2 / DRAM throughput) of the
 # default and of the warp-specialized kernel; the GPU tests of the warp-specialized forward; ncu's sections of the
-# default (PARTS=sections).
+# default (PARTS=sections); tensor-pipe activity of the default and two leave-one-outs (PARTS=gmma).
 # Run from the repository root: bash results/2026-12-03-h200-sparse-forward/run.sh OUT_DIR
 set -uo pipefail
 out=${1:?output folder}
@@ -51,6 +51,14 @@ sections)  # ncu's own sections for the default kernel (pipe utilisation, throug
       echo "=== ncu --query-metrics | grep -i gmma"
       ncu --query-metrics 2>&1 | grep -i gmma
     } > "$out/ncu_sections.txt" 2>&1; cat "$out/ncu_sections.txt"
+    ;;
+gmma)  # tensor-pipe activity and the products' shared-memory bytes: the default, without its value product,
+       # with its rows resident
+    for v in library no-pv resident-rows; do echo "=== $v"
+      timeout 60 ncu --clock-control none -k "regex:_fwd_kernel" -c 1 \
+        --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_tensor_op_gmma.sum,smsp__average_warps_issue_stalled_gmma_per_issue_active.ratio,sm__sass_data_bytes_mem_shared_op_gmma.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum,smsp__issue_active.avg.pct_of_peak_sustained_elapsed \
+        python3 "$dir/parts.py" --once $v 2>&1 | grep -v "^==PROF==" | grep -E "===|ms|%|inst|byte|ratio|Error|error"
+    done 2>&1 | tee "$out/ncu_gmma.txt"
     ;;
 tests)
     { echo "\$ pytest -m gpu tests/kernels/test_sparse_attention_triton.py -k warp_specialized"
