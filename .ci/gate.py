@@ -16,7 +16,9 @@ Steps (a step's failure fails the gate; the log says which):
    only) and time single steps in process CPU time on request; the coordinator alternates the processes
    step by step, case by case, so the machine's speed and load cancel, and never lets one process time
    two steps in a row (the second would find its caches warm: an injected side once run in head2's
-   process right after head2's own step came out 6-13% FASTER than the head it was slowed against);
+   process right after head2's own step came out 6-13% FASTER than the head it was slowed against).
+   All four run on one core (``--no-pin``: any): on an idle machine a process otherwise keeps a core of
+   its own, and two processes of one tree drifted 6% apart (a pair's spread 0.198; pinned: 1% and 0.102);
 4. counters, exactly: per case the aten ops dispatched per step (kernel launches), host syncs per step,
    collectives and their bytes per step, and the cost model's FLOPs, HBM bytes and communication bytes;
    base and head must agree, or an entry of ``results/baselines/cpu-ci/accepted.yaml`` (point, counter,
@@ -147,12 +149,15 @@ def checked_out(commit: str):
 class Worker:
     """A ``gate_worker.py`` process importing ``tree``'s dsv4cp."""
 
-    def __init__(self, label: str, tree: Path, spec: Path, calibrate_injection: bool = False) -> None:
+    def __init__(self, label: str, tree: Path, spec: Path, calibrate_injection: bool = False,
+                 core: int | None = None) -> None:
         self.label = label
         command = [sys.executable, str(WORKER), "--spec", str(spec), "--tree", str(tree)]
         self.process = subprocess.Popen(
             command + (["--calibrate-injection"] if calibrate_injection else []), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=one_thread_env(PYTHONPATH=str(tree)), cwd=tree)
+        if core is not None:
+            os.sched_setaffinity(self.process.pid, {core})
 
     def ready(self) -> dict:
         hello = self._read()
@@ -190,6 +195,7 @@ class Plan:
     threshold: float
     suite_threshold: float
     alpha: float
+    pin: bool = True
 
 
 @dataclass(frozen=True)
@@ -371,10 +377,11 @@ def ab(spec: Path, commit: str, plan: Plan, accepted: list[dict], head: Path = R
     """Steps 2-6 with ``head``'s dsv4cp as the head; returns the figures."""
     started = time.monotonic()
     with checked_out(commit) as tree:
-        workers = {"base": Worker("base", tree, spec), "head": Worker("head", head, spec),
-                   "head2": Worker("head2", head, spec)}
+        core = max(os.sched_getaffinity(0)) if plan.pin else None
+        workers = {"base": Worker("base", tree, spec, core=core), "head": Worker("head", head, spec, core=core),
+                   "head2": Worker("head2", head, spec, core=core)}
         if plan.injections:
-            workers["inject"] = Worker("inject", head, spec, calibrate_injection=True)
+            workers["inject"] = Worker("inject", head, spec, calibrate_injection=True, core=core)
         try:
             hello = {label: worker.ready() for label, worker in workers.items()}
             print(f"gate: workers ready in {time.monotonic() - started:.0f} s")
@@ -579,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"smallest change a point's verdict names (default {DEFAULT_THRESHOLD})")
     parser.add_argument("--suite-threshold", default=DEFAULT_SUITE_THRESHOLD,
                         help=f"smallest change the suite's verdict names (default {DEFAULT_SUITE_THRESHOLD})")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="let the workers run on any core (default: all on one, so no side keeps a core of "
+                        "its own)")
     parser.add_argument("--samples", type=Path, default=None,
                         help="write every step time here (JSON), to study the gate's rule offline")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
@@ -600,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UnusableInput(f"--alpha: must lie in (0, 1), got {args.alpha}")
         try:
             plan = Plan(args.rounds, args.blocks, args.injections, parse_threshold(args.threshold),
-                        parse_threshold(args.suite_threshold), args.alpha)
+                        parse_threshold(args.suite_threshold), args.alpha, pin=not args.no_pin)
         except ValueError as err:
             raise UnusableInput(str(err).replace("--max-regression", "--threshold")) from None
         if args.refresh:

@@ -55,7 +55,11 @@ def replay(cases: list[str], samples: gate.Samples, blocks: int, threshold: floa
             verdicts = [v for v, _ in first]
             for i in needed:
                 if (comparison, i, comparison.first) in samples.confirmations:
-                    verdicts[i] = gate.final_verdicts(samples, comparison, first, plan)[i]["verdict"]
+                    again = gate.ratio_interval(samples.confirmations[(comparison, i, comparison.first)],
+                                                samples.confirmations[(comparison, i, comparison.second)],
+                                                1 - alpha / n)
+                    if gate.ab_verdict(again, threshold) != verdicts[i]:
+                        verdicts[i] = gate.AB_UNDECIDED
         else:
             verdicts = [p["verdict"] for p in gate.final_verdicts(samples, comparison, first, plan)]
         if comparison.kind == "self":
