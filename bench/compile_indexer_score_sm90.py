@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from bench.cubin_resources import cuobjdump
 from dsv4cp.kernels import indexer_triton as it
 
-TILES = ("64,128,4,3", "64,128,8,3", "64,128,8,2", "128,128,8,3")
+TILES = ("64,128,4,3", "64,128,4,2", "64,128,8,3", "64,128,8,2", "128,128,8,3")
 _SIGNATURE = {"Q": "*bf16", "WT": "*fp32", "KEYS": "*bf16", "QDOC": "*i32", "QLIM": "*i32", "KDOC": "*i32",
               "KJ": "*i32", "OUT": "*fp32", "RLO": "*i64", "RHI": "*i64", "M": "i32", "NCOL": "i32", "COL0": "i32",
               "N_KB": "i32", "HI": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_wh": "i32",

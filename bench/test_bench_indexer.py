@@ -293,10 +293,12 @@ def test_indexer_topk_packed(benchmark, measure, variant, monkeypatch):
 
 
 SCORE_CONFIGS = [(64, 256, 8, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 2)]
-HEAD_PAIR_CONFIGS = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 2), (128, 128, 8, 3)]
-"""The tiles ``test_indexer_score_config`` also times with the head-pair loop: the plain default, the pair
-ladder's first two (no spill on sm_90a) and the tall tile (``python -m bench.compile_indexer_score_sm90``)."""
-SCORE_CONFIG_PARAMS = [pytest.param(cfg, False, id="x".join(map(str, cfg))) for cfg in SCORE_CONFIGS] + [
+HEAD_PAIR_CONFIGS = [(64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (64, 128, 8, 2), (128, 128, 8, 3)]
+"""The tiles ``test_indexer_score_config`` also times with the head-pair loop (each one head at a time too):
+the plain default, its two-stage form (two pair programs per SM fit its shared memory), the pair ladder's
+first two (no spill on sm_90a) and the tall tile (``python -m bench.compile_indexer_score_sm90``)."""
+SCORE_CONFIG_PARAMS = [pytest.param(cfg, False, id="x".join(map(str, cfg)))
+                       for cfg in SCORE_CONFIGS + [c for c in HEAD_PAIR_CONFIGS if c not in SCORE_CONFIGS]] + [
     pytest.param(cfg, True, id="x".join(map(str, cfg)) + "-head-pairs") for cfg in HEAD_PAIR_CONFIGS]
 STREAM_CONFIGS = [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 2), (64, 64, 8, 2)]
 
