@@ -96,6 +96,26 @@ def test_kv_pass_column_blocks_match_torch_fp32(case, topk, kv_cfg, seed):
         assert err < 1e-5, f"{msg} t0={t0}: column blocks against one block, rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("topk", [False, True], ids=["all-slots", "topk_length"])
+def test_atomics_alone_adds_one_per_valid_slot(topk, seed):
+    """The benchmark's atomics-alone kernel (``bench/sweep_sparse_attention_dq_pass.py``) adds 1 to every
+    column of a kv row per valid slot choosing it (-1 slots, slots past topk_length and rows >= N add
+    nothing): the reference counts them with ``index_add_``."""
+    from bench.sweep_sparse_attention_dq_pass import atomics_alone
+
+    q, kv, idx, sink, scale, tl_ = make_case(seed, 9, 3, 160, 25, 70, topk=topk)
+    out, lse = torch_forward(q, kv, idx, sink, scale, tl_)
+    idx[3, 5] = kv.shape[0]  # past the last row (after the reference forward, which refuses it): no atomic
+    plan = split_backward_plan(torch.zeros_like(q), q, kv, idx, sink, scale, out, lse, tl_)
+    got = torch.zeros(kv.shape[0], q.shape[2])
+    for t0 in plan.starts():
+        atomics_alone(plan, t0, got)
+    lengths = torch.full((idx.shape[0],), idx.shape[1]) if tl_ is None else tl_.clamp(0, idx.shape[1])
+    counted = (idx >= 0) & (idx < kv.shape[0]) & (torch.arange(idx.shape[1])[None, :] < lengths[:, None])
+    ref = torch.zeros(kv.shape[0]).index_add_(0, idx[counted].long(), torch.ones(int(counted.sum())))
+    assert torch.equal(got, ref[:, None].expand_as(got)), f"seed={seed} topk={topk}"
+
+
 def test_many_queries_on_few_rows(seed):
     """Every slot on one of three kv rows: the atomics of many queries meet on the same rows."""
     q, kv, idx, sink, scale, tl_ = make_case(seed, 12, 4, 32, 20, 24, topk=True, dup_all=True)
