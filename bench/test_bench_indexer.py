@@ -12,6 +12,9 @@ Backends:
   against ALL keys, masked, then ``_select_top``);
 * ``triton``: :func:`dsv4cp.ops.indexer.fused_indexer_topk` as the layer calls it (its
   default path: ``DSV4CP_TOPK_IMPL``, else the chunked path);
+* ``triton-head-pairs``: ``triton`` with ``DSV4CP_TRITON_INDEXER_HEAD_PAIRS=1`` (the chunked path's score
+  kernel takes the heads in pairs, one product in flight during the other's epilogue; its own tile
+  ladder): beside ``triton`` it times the whole top-k with the option on and off in one run;
 * ``triton-chunked``: the same with ``impl="chunked"`` (fused head-sum score kernel per query chunk,
   then the default selection of ``DSV4CP_TOPK_SELECT``: ``radix`` on CUDA, ``torch`` on the CPU);
 * ``triton-chunked-radix``: the chunked path with ``DSV4CP_TOPK_SELECT=radix`` (fp32 score buffers
@@ -33,7 +36,8 @@ Backends:
   chunks), so ``triton-chunked-radix`` minus it is the radix selection's share.
 
 Also (GPU only) ``test_indexer_score_config``: the score kernel alone at T = 32K under each launch
-configuration of the ladder (pinned), to pick the default on the machine;
+configuration of the ladder (pinned), to pick the default on the machine, and (ids ending ``-head-pairs``)
+with the head-pair loop at the tiles of ``HEAD_PAIR_CONFIGS``, beside the same tile one head at a time;
 ``test_indexer_topk_stream_config``: the same for the streaming top-k's tiles;
 ``test_indexer_select`` (GPU only, 32K and 64K): the selection ALONE over every chunk's buffer, scored
 once beforehand (``radix``: :func:`~dsv4cp.kernels.select_top_triton.select_top_triton` over the fp32
@@ -71,9 +75,9 @@ from dsv4cp.ops.indexer import indexer_topk, scores_backward_keywords
 
 _VARIANT_ENV = OPTIONS["topk_select_variant"].env
 
-BACKENDS = ["torch", "triton", "triton-chunked", "triton-chunked-radix", "triton-chunked-radix-bounded",
-            "triton-chunked-torch", "triton-chunked-scores", "triton-stream", "triton-score", "triton-score-packed",
-            "triton-score-radix"]
+BACKENDS = ["torch", "triton", "triton-head-pairs", "triton-chunked", "triton-chunked-radix",
+            "triton-chunked-radix-bounded", "triton-chunked-torch", "triton-chunked-scores", "triton-stream",
+            "triton-score", "triton-score-packed", "triton-score-radix"]
 
 _SELECT = {"triton-chunked-radix": "radix", "triton-chunked-radix-bounded": "radix", "triton-chunked-torch": "torch",
            "triton-chunked-scores": "torch"}
@@ -81,6 +85,8 @@ _SELECT = {"triton-chunked-radix": "radix", "triton-chunked-radix-bounded": "rad
 
 _SELECT_VARIANT = {"triton-chunked-radix": "plain", "triton-chunked-radix-bounded": "bounded"}
 """``DSV4CP_TOPK_SELECT_VARIANT`` per backend (the radix select's kernel; the others run the default)."""
+
+_HEAD_PAIRS_ENV = OPTIONS["triton_indexer_head_pairs"].env
 
 
 SHAPES = {
@@ -155,7 +161,8 @@ def _runner(backend: str, shape: Shape, entry: dict):
     info = {"chunks": len(it.plan_chunks(lo, hi, it.TOPK_BUDGET_BYTES, bytes_per_score=per_score)),
             "budget_bytes": it.TOPK_BUDGET_BYTES, "budget_bytes_per_score": per_score}
     if not backend.startswith("triton-score"):
-        impl = "stream" if backend == "triton-stream" else None if backend == "triton" else "chunked"
+        impl = "stream" if backend == "triton-stream" else None if backend in ("triton", "triton-head-pairs") \
+            else "chunked"
         if impl == "stream":
             info = {}  # one kernel pass: no chunks, no budget
         return (lambda: fused_indexer_topk(q, w, keys, *vis_args, shape.topk, impl=impl, options=options)), info
@@ -220,6 +227,10 @@ def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
         monkeypatch.setenv(_VARIANT_ENV, _SELECT_VARIANT[backend])
     else:
         monkeypatch.delenv(_VARIANT_ENV, raising=False)
+    if backend == "triton-head-pairs":
+        monkeypatch.setenv(_HEAD_PAIRS_ENV, "1")
+    else:
+        monkeypatch.delenv(_HEAD_PAIRS_ENV, raising=False)
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
     fn, info = _runner(backend, shape, entry)
@@ -282,6 +293,11 @@ def test_indexer_topk_packed(benchmark, measure, variant, monkeypatch):
 
 
 SCORE_CONFIGS = [(64, 256, 8, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 2)]
+HEAD_PAIR_CONFIGS = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 2), (128, 128, 8, 3)]
+"""The tiles ``test_indexer_score_config`` also times with the head-pair loop: the plain default, the pair
+ladder's first two (no spill on sm_90a) and the tall tile (``python -m bench.compile_indexer_score_sm90``)."""
+SCORE_CONFIG_PARAMS = [pytest.param(cfg, False, id="x".join(map(str, cfg))) for cfg in SCORE_CONFIGS] + [
+    pytest.param(cfg, True, id="x".join(map(str, cfg)) + "-head-pairs") for cfg in HEAD_PAIR_CONFIGS]
 STREAM_CONFIGS = [(32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 2), (64, 64, 8, 2)]
 
 
@@ -315,19 +331,21 @@ def _vis_args(entry: dict) -> tuple:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="config sweep needs CUDA")
-@pytest.mark.parametrize("cfg", SCORE_CONFIGS, ids=lambda c: "x".join(map(str, c)))
-def test_indexer_score_config(benchmark, measure, cfg):
-    """The scoring kernel alone (no selection) at T = 32K under each pinned tile."""
+@pytest.mark.parametrize("cfg,head_pairs", SCORE_CONFIG_PARAMS)
+def test_indexer_score_config(benchmark, measure, cfg, head_pairs):
+    """The scoring kernel alone (no selection) at T = 32K under each pinned tile, one head at a time and
+    (``-head-pairs``, the tiles of ``HEAD_PAIR_CONFIGS``) with the head-pair loop."""
     from dsv4cp.kernels import indexer_triton as it
 
     def score_only(entry, shape, config):
         last = None
         for _, _, _, scores in it.iter_score_chunks(entry["q"], entry["w"], entry["keys"], *_vis_args(entry),
-                                                    config=config):
+                                                    config=config, head_pairs=head_pairs):
             last = scores
         return last
 
-    _time_pinned_tile(benchmark, measure, cfg, "indexer.score.config.32k", "triton-score", score_only)
+    _time_pinned_tile(benchmark, measure, cfg, "indexer.score.config.32k",
+                      "triton-score-head-pairs" if head_pairs else "triton-score", score_only, head_pairs=head_pairs)
 
 
 @pytest.mark.gpu

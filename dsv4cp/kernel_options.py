@@ -210,6 +210,9 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
                  "radix select kernel: a lower bound from each lane's maximum, then passes over the few keys "
                  "above it (bounded), or four passes over the row (plain)", "bounded", ("bounded", "plain")),
     _tile("triton_indexer_config", "indexer_topk", _INDEXER_TILE, "pins the indexer score kernel's launch"),
+    KernelOption("triton_indexer_head_pairs", "DSV4CP_TRITON_INDEXER_HEAD_PAIRS", FLAG, "indexer_topk",
+                 "indexer score kernel (chunked top-k) takes its heads in pairs and keeps the second head's product "
+                 "on the matrix unit while the first one's epilogue runs (1), or one head at a time (0)", False),
     _tile("triton_topk_stream_config", "indexer_topk", _INDEXER_TILE, "pins the streaming top-k kernel's launch"),
     _tile("triton_select_config", "indexer_topk", ("block_n", "radix_bits", "num_warps", "num_stages"),
           "pins the radix select kernel's launch"),
@@ -324,6 +327,7 @@ class KernelOptions:
     topk_keys: str = _default("topk_keys")
     topk_select_variant: str = _default("topk_select_variant")
     triton_indexer_config: tuple[int, ...] | None = _default("triton_indexer_config")
+    triton_indexer_head_pairs: bool = _default("triton_indexer_head_pairs")
     triton_topk_stream_config: tuple[int, ...] | None = _default("triton_topk_stream_config")
     triton_select_config: tuple[int, ...] | None = _default("triton_select_config")
     triton_gather_bwd_config: tuple[int, ...] | None = _default("triton_gather_bwd_config")

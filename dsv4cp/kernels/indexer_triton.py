@@ -53,6 +53,15 @@ on top of the matrix time. The ladder (``128 x 128``: 245 registers, 128 KB; ``6
 134 registers, 80 KB; smaller tiles) takes over on ``OutOfResources``; which tile is fastest on the
 H200 is what ``bench/test_bench_indexer.py::test_indexer_score_config`` measures.
 
+Head pairs (``HEAD_PAIRS``, kernel option ``triton_indexer_head_pairs``, off by default): the head loop
+takes two heads per iteration and keeps the second one's product on the matrix unit while the first
+one's epilogue runs (:func:`_head_pair_sum` says how Triton and ptxas are led there), so the program
+itself overlaps half of its epilogues instead of relying on the second program of the SM. It holds one
+more fp32 tile in registers and two query streams in shared memory, so it has its own ladder, led by the
+tile where that fits (``64 x 128 x 8 warps``; ``python -m bench.compile_indexer_score_sm90`` prints both
+loops' resources and order of products, waits and epilogues for sm_90a). Same sums in the same order:
+the same scores bit for bit.
+
 Skipping: a tile whose queries see none of its keys (other documents, causally invisible, padding
 slots) loads no keys, runs zero head iterations and only stores ``-inf``. On top of that the wrapper
 narrows every query chunk to a key-row range holding every key its queries can see (two planners,
@@ -193,19 +202,77 @@ class IndexerConfig:
 
 @triton.jit
 def _head_sum(q_ptrs, q_mask, w_ptrs, rmask, kt, n_heads, stride_qh, stride_wh, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+              HEAD_PAIRS: tl.constexpr = False, COMPILED: tl.constexpr = False):
     """``[BLOCK_M, BLOCK_N]`` fp32 ``sum_h w_h relu(q_h @ kt)`` over heads ``h < n_heads``: ``q_ptrs``
     / ``q_mask`` address head 0's query tile (heads ``stride_qh`` apart), ``w_ptrs`` / ``rmask`` head
     0's weights (``stride_wh`` apart), ``kt [BLOCK_D, BLOCK_N]`` the key tile, on chip for every head.
-    The scoring arithmetic of ``_score_kernel`` and the streaming top-k's ``_stream_topk_kernel``."""
+    The scoring arithmetic of ``_score_kernel`` and the streaming top-k's ``_stream_topk_kernel``.
+    HEAD_PAIRS: the heads two at a time (:func:`_head_pair_sum`; ``COMPILED``: built for the GPU, not
+    interpreted); the same sums in the same order, so the same bits."""
+    if HEAD_PAIRS:
+        acc = _head_pair_sum(q_ptrs, q_mask, w_ptrs, rmask, kt, n_heads, stride_qh, stride_wh, BLOCK_M, BLOCK_N,
+                             PRECISION, DOT_F32, COMPILED)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for h in range(n_heads):
+            qh = _query_tile(q_ptrs + h * stride_qh, q_mask, DOT_F32)
+            wh = tl.load(w_ptrs + h * stride_wh, mask=rmask, other=0.0)
+            s = tl.dot(qh, kt, input_precision=PRECISION)
+            acc += wh[:, None] * tl.maximum(s, 0.0)
+    return acc
+
+
+@triton.jit
+def _query_tile(ptrs, mask, DOT_F32: tl.constexpr):
+    """One head's query tile ``[BLOCK_M, BLOCK_D]`` (masked rows and dims 0)."""
+    qh = tl.load(ptrs, mask=mask, other=0.0)
+    if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: use fp32 products there
+        qh = qh.to(tl.float32)
+    return qh
+
+
+@triton.jit
+def _head_pair_sum(q_ptrs, q_mask, w_ptrs, rmask, kt, n_heads, stride_qh, stride_wh, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                   COMPILED: tl.constexpr):
+    """:func:`_head_sum` with the heads in pairs ``(h, h + 1)``, the product of ``h + 1`` still on the
+    matrix unit while the epilogue (``acc += w * relu(s)``) of ``h`` runs; an odd last head alone.
+
+    Why this shape (Triton 3.6 and 3.9 on sm_90, wgmma): Triton waits for a product right after it (``wait 0``)
+    unless the product's only use in the loop is the loop's carried value AND every read of the carried
+    value from the last iteration comes after such a wait. So per iteration: head ``h``'s product, waited
+    (which also completes the carried product of ``h - 1``), the epilogue of ``h - 1``, then the product
+    of ``h + 1`` issued and carried to the next iteration, then the epilogue of ``h``, which runs while
+    that product is in flight. ptxas serialises every wgmma of the kernel if an instruction reads the
+    registers of one in flight, which a copy of the carried product at the loop's end would do: so the
+    epilogue of ``h - 1`` must be finished before the product of ``h + 1`` is issued into the same
+    registers, and a register move in volatile inline asm over ``acc`` keeps the compiler from sinking
+    that epilogue below the product (``COMPILED`` only: the interpreter runs no asm). Costs: one more
+    ``[BLOCK_M, BLOCK_N]`` fp32 tile in registers and a second pipelined query stream in shared memory
+    (``num_stages`` x 2 query tiles instead of ``num_stages``)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for h in range(n_heads):
-        qh = tl.load(q_ptrs + h * stride_qh, mask=q_mask, other=0.0)
-        if DOT_F32:  # Triton's CPU interpreter multiplies bf16 tiles wrongly: use fp32 products there
-            qh = qh.to(tl.float32)
-        wh = tl.load(w_ptrs + h * stride_wh, mask=rmask, other=0.0)
-        s = tl.dot(qh, kt, input_precision=PRECISION)
-        acc += wh[:, None] * tl.maximum(s, 0.0)
+    carried = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # the product of head h - 1
+    w_carried = tl.zeros([BLOCK_M], dtype=tl.float32)  # its weights (0 before the first pair: adds +0)
+    for h in range(0, n_heads - 1, 2):
+        q_first = _query_tile(q_ptrs + h * stride_qh, q_mask, DOT_F32)
+        q_second = _query_tile(q_ptrs + (h + 1) * stride_qh, q_mask, DOT_F32)
+        w_first = tl.load(w_ptrs + h * stride_wh, mask=rmask, other=0.0)
+        w_second = tl.load(w_ptrs + (h + 1) * stride_wh, mask=rmask, other=0.0)
+        first = tl.dot(q_first, kt, input_precision=PRECISION)
+        acc += w_carried[:, None] * tl.maximum(carried, 0.0)
+        if COMPILED:  # the epilogue above is done before the product below is issued
+            acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False,
+                                            pack=1)
+        carried = tl.dot(q_second, kt, input_precision=PRECISION)
+        w_carried = w_second
+        acc += w_first[:, None] * tl.maximum(first, 0.0)
+    acc += w_carried[:, None] * tl.maximum(carried, 0.0)
+    if n_heads % 2 == 1:
+        last = n_heads - 1
+        q_last = _query_tile(q_ptrs + last * stride_qh, q_mask, DOT_F32)
+        w_last = tl.load(w_ptrs + last * stride_wh, mask=rmask, other=0.0)
+        acc += w_last[:, None] * tl.maximum(tl.dot(q_last, kt, input_precision=PRECISION), 0.0)
     return acc
 
 
@@ -225,6 +292,7 @@ def _score_kernel(
     stride_qt, stride_qh, stride_wh, stride_kn, stride_ot,
     DI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr, PACKED: tl.constexpr, IN_RANGE_ONLY: tl.constexpr,
+    HEAD_PAIRS: tl.constexpr, COMPILED: tl.constexpr,
 ):
     """Masked head-summed scores of one (query block, key block) tile.
 
@@ -238,7 +306,9 @@ def _score_kernel(
     ``2^32 - 1 - c``), so the selection is one ``torch.topk`` with no pass over the scores in torch.
     IN_RANGE_ONLY: RLO / RHI ``[M]`` int64 key rows: row t's scores are written at key rows
     ``[RLO[t], RHI[t])`` only (the rest of the row is left as it was, for a selection that reads no
-    further), so tiles of other documents store nothing.
+    further), so tiles of other documents store nothing. HEAD_PAIRS: the head sum two heads at a time, one
+    product in flight during the other's epilogue (:func:`_head_pair_sum`; kernel option
+    ``triton_indexer_head_pairs``), bit for bit the same scores; COMPILED: built for the GPU (not interpreted).
     """
     pid = tl.program_id(0)
     qb = pid // N_KB
@@ -270,7 +340,7 @@ def _score_kernel(
     q_ptrs = Q + rows64[:, None] * stride_qt + d[None, :]
     q_mask = rmask[:, None] & dmask[None, :]
     acc = _head_sum(q_ptrs, q_mask, WT + rows64, rmask, kt, n_heads, stride_qh, stride_wh, BLOCK_M, BLOCK_N,
-                    PRECISION, DOT_F32)
+                    PRECISION, DOT_F32, HEAD_PAIRS, COMPILED)
     out_ptrs = OUT + rows64[:, None] * stride_ot + cols[None, :]
     out_mask = rmask[:, None] & cmask[None, :]
     if IN_RANGE_ONLY:
@@ -297,11 +367,15 @@ _build, _launch = _KERNELS.build, _KERNELS.launch
 # ---------------------------------------------------------------------------------------------------
 
 
-def _score_ladder(block_d: int, dtype: torch.dtype, interpreted: bool) -> list[IndexerConfig]:
+def _score_ladder(block_d: int, dtype: torch.dtype, interpreted: bool, head_pairs: bool = False) -> list[IndexerConfig]:
     if interpreted:  # numpy runs the tiles: small ones keep the CPU tests fast and still multi-tile
         return [IndexerConfig(16, 32, 4, 1)]
     if dtype == torch.float32:
         ladder = [(64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 1), (16, 32, 4, 1)]
+    elif block_d <= 128 and head_pairs:  # 64 x 128 with 8 warps first: the pairs' two fp32 tiles and the
+        # accumulator fit its registers; 64 x 128 x 4 and 128 x 128 x 8 spill (sm_90a: bench.compile_indexer_score_sm90)
+        ladder = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3),
+                  (64, 64, 4, 2), (32, 64, 4, 1)]
     elif block_d <= 128:  # 64 x 128 with 4 warps first: two programs per SM, one's epilogue under the other's
         # products (faster than 64 x 256 x 8 at the flash shape: docs/kernels.md)
         ladder = [(64, 128, 4, 3), (64, 256, 8, 3), (64, 256, 8, 2), (128, 128, 8, 3), (64, 128, 8, 3),
@@ -366,6 +440,12 @@ def _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j) -> None:
             raise ValueError(f"{name}: must be on q's device {q.device}, got {tensor.device}")
 
 
+def _check_flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be a bool, got {value!r}")
+    return value
+
+
 def _check_k(k) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k: must be a positive int, got {k!r}")
@@ -383,15 +463,17 @@ def _pinned(config: IndexerConfig | tuple[int, ...] | None) -> IndexerConfig | N
     return pinned_config(config, IndexerConfig)
 
 
-def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pinned, row_ranges=None) -> None:
+def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pinned, row_ranges=None,
+                   head_pairs: bool = False) -> None:
     """Fill ``out [e - s, width]`` (row stride ``out.stride(0)``) with the masked scores of query rows
     ``[s, e)`` against key rows ``[col0, col0 + width)``: fp32 scores, or their packed int64 selection
     keys (columns numbered from 0 at ``col0``) when ``out`` is int64. ``row_ranges``: ``(lo, hi)`` int64
-    ``[T]`` key rows: only ``[lo[t], hi[t])`` of row t is written."""
+    ``[T]`` key rows: only ``[lo[t], hi[t])`` of row t is written. ``head_pairs``: the kernel's
+    ``HEAD_PAIRS`` (its own ladder choice: it needs more registers and shared memory)."""
     _, hi, di = q.shape
     block_d = triton.next_power_of_2(di)
     dev = q.device
-    ladder = _score_ladder(block_d, q.dtype, _interpreted(dev))
+    ladder = _score_ladder(block_d, q.dtype, _interpreted(dev), head_pairs)
     kernel = _build("_score_kernel", dev)
     m = e - s
     qs, ws = q[s:e], wt[:, s:e]
@@ -407,10 +489,11 @@ def _launch_scores(q, wt, keys, qdoc, qlim, kdoc, kj, out, s, e, col0, width, pi
             qs.stride(0), qs.stride(1), ws.stride(0), keys.stride(0), out.stride(0),
             DI=di, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PRECISION=_precision(q.dtype, dev), DOT_F32=_dot_f32(q.dtype, dev), PACKED=packed,
-            IN_RANGE_ONLY=row_ranges is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            IN_RANGE_ONLY=row_ranges is not None, HEAD_PAIRS=head_pairs, COMPILED=not _interpreted(dev),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch("score", (dev.type, di, q.dtype, packed), ladder, pinned, launch)
+    _launch("score", (dev.type, di, q.dtype, packed, head_pairs), ladder, pinned, launch)
 
 
 @torch.no_grad()
@@ -435,10 +518,12 @@ def indexer_score_matrix(
     width: int | None = None,
     *,
     config: IndexerConfig | None = None,
+    head_pairs: bool = False,
 ) -> torch.Tensor:
     """``[T, width]`` fp32 masked indexer scores of all queries against key rows ``[col0, col0 + width)``
     (default: all ``G``): ``sum_h w relu(<q_h, k>)`` where visible, ``-inf`` elsewhere. Materialises the
-    whole block: for tests and benchmarks; :func:`indexer_topk_triton` runs it chunk by chunk."""
+    whole block: for tests and benchmarks; :func:`indexer_topk_triton` runs it chunk by chunk.
+    ``head_pairs``: the score kernel's head-pair loop (kernel option ``triton_indexer_head_pairs``)."""
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
     g = keys.shape[0]
@@ -450,7 +535,7 @@ def indexer_score_matrix(
     if t == 0 or width == 0:
         return out
     args = _prepare(q, w, keys, query_doc, query_limit, key_doc, key_j)
-    _launch_scores(*args, out, 0, t, col0, width, _pinned(config))
+    _launch_scores(*args, out, 0, t, col0, width, _pinned(config), head_pairs=_check_flag(head_pairs, "head_pairs"))
     return out
 
 
@@ -474,6 +559,7 @@ def indexer_topk_triton(
     key_row_limit: tuple[int, int] | None = None,
     select_variant: str | None = None,
     return_scores: bool = False,
+    head_pairs: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``keys`` with the ``k`` highest indexer scores among those visible, per query (Triton,
     score buffers + a selection).
@@ -503,6 +589,8 @@ def indexer_topk_triton(
         select_variant: the radix select's kernel (``"bounded"`` or ``"plain"``; default: the kernel
             option ``topk_select_variant``'s).
         return_scores: also return the chosen key rows' scores, as the score kernel wrote them.
+        head_pairs: the score kernel takes the heads in pairs (kernel option ``triton_indexer_head_pairs``;
+            the same scores bit for bit).
 
     Returns: ``[T, k]`` int64 key rows in increasing order, ``-1`` where fewer than ``k`` are visible;
     the same contract and tie rule as :func:`dsv4cp.ops.indexer.indexer_topk` with
@@ -533,7 +621,7 @@ def indexer_topk_triton(
     chunks = iter_score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk,
                                budget_bytes=budget_bytes, config=config, key_row_limit=key_row_limit,
                                packed=packed, bytes_per_score=per_score,
-                               row_ranges=ranges if in_range_only else None)  # validates the inputs
+                               row_ranges=ranges if in_range_only else None, head_pairs=head_pairs)  # validates
     out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
     out_scores = torch.zeros((q.shape[0], k) if return_scores else (0, 0), dtype=torch.float32, device=q.device)
     for s, e, col0, block in chunks:
@@ -585,6 +673,7 @@ def iter_score_chunks(
     packed: bool = False,
     bytes_per_score: int | None = None,
     row_ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
+    head_pairs: bool = False,
 ) -> Iterator[tuple[int, int, int, torch.Tensor]]:
     """The scoring half of :func:`indexer_topk_triton`: yields ``(start, stop, col0, scores)`` per
     chunk of queries, ``scores [stop - start, width]`` fp32 holding the masked scores of query rows
@@ -596,8 +685,8 @@ def iter_score_chunks(
     plan (no ``key_row_limit``) chunks whose queries see no key are skipped. ``scores`` is a view of ONE
     buffer reused by every chunk: consume it before advancing the iterator. ``row_ranges``: ``(lo, hi)``
     (:func:`key_ranges`): row t is written at key rows ``[lo[t], hi[t])`` only, the rest of the buffer
-    row holds stale values (for a selection that reads only there). Arguments as in
-    :func:`indexer_topk_triton`."""
+    row holds stale values (for a selection that reads only there). ``head_pairs``: the score kernel's
+    head-pair loop. Arguments as in :func:`indexer_topk_triton`."""
     _check_qwk(q, w, keys)
     _check_visibility(q, keys, query_doc, query_limit, key_doc, key_j)
     budget = check_chunking(chunk, budget_bytes)
@@ -614,12 +703,12 @@ def iter_score_chunks(
         if not ok:
             raise ValueError(f"row_ranges: must be (lo, hi), int64 [{t}] tensors on {q.device} (key_ranges)")
     return _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, _pinned(config),
-                         key_row_limit, packed, bytes_per_score, row_ranges)
+                         key_row_limit, packed, bytes_per_score, row_ranges, _check_flag(head_pairs, "head_pairs"))
 
 
 
 def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, budget, pinned, key_row_limit,
-                  packed, per_score, row_ranges=None):
+                  packed, per_score, row_ranges=None, head_pairs=False):
     # Nothing here records autograd history (the kernels write raw buffers; key_ranges and _prepare run
     # under no_grad), so the generator leaves the caller's grad mode alone between chunks.
     t, g = q.shape[0], keys.shape[0]
@@ -638,6 +727,6 @@ def _score_chunks(q, w, keys, query_doc, query_limit, key_doc, key_j, chunk, bud
                        dtype=torch.int64 if packed else torch.float32, device=q.device)
     for s, e, col0, width in plan:
         scores = flat[: (e - s) * width].view(e - s, width)
-        _launch_scores(*args, scores, s, e, col0, width, pinned, row_ranges)
+        _launch_scores(*args, scores, s, e, col0, width, pinned, row_ranges, head_pairs)
         yield s, e, col0, scores
 

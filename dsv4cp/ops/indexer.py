@@ -129,7 +129,7 @@ def indexer_topk(
 TOPK_IMPLS = ("chunked", "stream")
 
 TOPK_OPTION_NAMES = ("topk_impl", "topk_select", "topk_keys", "topk_select_variant", "triton_indexer_config",
-                     "triton_topk_stream_config", "triton_select_config")
+                     "triton_topk_stream_config", "triton_select_config", "triton_indexer_head_pairs")
 """The kernel options of the top-k: its custom ops (:mod:`.indexer_library`) take their values as arguments."""
 SCORES_OPTION_NAMES = ("triton_gather_bwd_config", "triton_scores_bwd_reduce", "triton_scores_bwd_scratch",
                        "triton_scores_bwd_layout", "triton_scores_bwd_index_ahead")
@@ -156,7 +156,8 @@ def fused_indexer_topk(
     ``radix`` for compiled kernels, ``torch`` under the interpreter) and, on the torch selection, the
     buffer ``keys_mode`` (else ``topk_keys``); the radix select's kernel: ``select_variant`` (else
     ``topk_select_variant``); the chunked score kernel's pin: ``config`` (else ``triton_indexer_config``),
-    the radix select's: ``triton_select_config``. Every keyword is checked whichever path runs.
+    the radix select's: ``triton_select_config``; its head loop: ``triton_indexer_head_pairs`` (the
+    streaming kernel keeps one head at a time). Every keyword is checked whichever path runs.
     ``return_scores``: also the chosen rows' scores (see :func:`indexer_topk`); the streaming kernel keeps
     none, so it then runs chunked. Notes ``indexer_topk`` -> ``triton/stream``, ``triton/chunked/radix``
     (``.../radix/bounded`` for that kernel) or ``triton/chunked/torch/<keys>``.
@@ -184,7 +185,8 @@ def fused_indexer_topk(
                                keys_mode=chosen_keys, budget_bytes=budget_bytes,
                                config=options.triton_indexer_config if config is None else config,
                                select_config=options.triton_select_config, key_row_limit=key_row_limit,
-                               select_variant=chosen_variant, return_scores=return_scores)
+                               select_variant=chosen_variant, return_scores=return_scores,
+                               head_pairs=options.triton_indexer_head_pairs)
 
 
 def _choice(explicit: str | None, option_value: str, keyword: str, allowed: tuple[str, ...]) -> str:

@@ -48,11 +48,11 @@ def indexer_topk(
     q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, query_doc: torch.Tensor, query_limit: torch.Tensor,
     key_doc: torch.Tensor, key_j: torch.Tensor, k: int, key_row_limit: list[int] | None,
     topk_impl: str, topk_select: str, topk_keys: str, topk_select_variant: str,
-    indexer_config: list[int], stream_config: list[int], select_config: list[int],
+    indexer_config: list[int], stream_config: list[int], select_config: list[int], indexer_head_pairs: bool,
 ) -> torch.Tensor:
     return _fused_topk(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit,
                        (topk_impl, topk_select, topk_keys, topk_select_variant, indexer_config, stream_config,
-                        select_config), return_scores=False)
+                        select_config, indexer_head_pairs), return_scores=False)
 
 
 @indexer_topk.register_fake
@@ -65,11 +65,11 @@ def indexer_topk_scores(
     q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, query_doc: torch.Tensor, query_limit: torch.Tensor,
     key_doc: torch.Tensor, key_j: torch.Tensor, k: int, key_row_limit: list[int] | None,
     topk_impl: str, topk_select: str, topk_keys: str, topk_select_variant: str,
-    indexer_config: list[int], stream_config: list[int], select_config: list[int],
+    indexer_config: list[int], stream_config: list[int], select_config: list[int], indexer_head_pairs: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _fused_topk(q, w, keys, query_doc, query_limit, key_doc, key_j, k, key_row_limit,
                        (topk_impl, topk_select, topk_keys, topk_select_variant, indexer_config, stream_config,
-                        select_config), return_scores=True)
+                        select_config, indexer_head_pairs), return_scores=True)
 
 
 

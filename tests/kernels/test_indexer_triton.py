@@ -212,6 +212,45 @@ def test_score_matrix_matches_reference(t, hi, di, entries, cp, seed):
     assert_within_rounding(part, ref[:, window], bound[:, window], f"{msg} window {window}")
 
 
+HEAD_PAIR_CASES = [  # (t, hi, di, entries per document, cp): even, odd (a last unpaired head), one head only
+    (24, 4, 32, [9, 5, 14], 3),
+    (20, 5, 16, [20, 3], 2),
+    (17, 1, 16, [12, 8], 2),
+]
+
+
+@pytest.mark.parametrize("t,hi,di,entries,cp", HEAD_PAIR_CASES)
+def test_head_pairs_score_matrix_matches_reference(t, hi, di, entries, cp, seed):
+    """The score kernel's head-pair loop (``head_pairs``): normal inputs within the fp32 rounding bound of
+    the reference; integer inputs (every score exact) equal to it and to the one-head loop, ``-inf``
+    pattern included, also on 16 x 16 tiles, some of which see no key at all (zero head iterations)."""
+    case = make_case(seed, t, hi, di, entries, cp, integer=False)
+    got = indexer_score_matrix(**case, head_pairs=True)
+    assert_within_rounding(got, reference_scores(case), rounding_bound(case), f"seed={seed}")
+    exact = make_case(seed, t, hi, di, entries, cp, integer=True)
+    ref = reference_scores(exact)
+    tile = IndexerConfig(16, 16, 4, 1)
+    for config in (None, tile):
+        paired = indexer_score_matrix(**exact, config=config, head_pairs=True)
+        plain = indexer_score_matrix(**exact, config=config)
+        assert torch.equal(paired.double(), ref), f"seed={seed} config={config}: head pairs differ from the reference"
+        assert torch.equal(paired, plain), f"seed={seed} config={config}: head pairs differ from one head at a time"
+    ragged = torch.cat([ref, ref.new_full((-t % 16, ref.shape[1]), float("-inf"))])
+    ragged = torch.cat([ragged, ragged.new_full((ragged.shape[0], -ref.shape[1] % 16), float("-inf"))], 1)
+    blind_tiles = torch.isneginf(ragged).unflatten(0, (-1, 16)).unflatten(2, (-1, 16)).all(3).all(1)
+    assert blind_tiles.any() and not blind_tiles.all(), f"seed={seed}: the case needs tiles that see no key"
+
+
+@pytest.mark.parametrize("t,hi,di,entries,cp", HEAD_PAIR_CASES)
+def test_head_pairs_topk_identical_with_exact_scores(t, hi, di, entries, cp, seed):
+    """The op with ``triton_indexer_head_pairs`` selects exactly the reference's entries (ties included)."""
+    case = make_case(seed, t, hi, di, entries, cp, integer=True)
+    options = KernelOptions(triton_indexer_head_pairs=True)
+    for k in (1, 5, 40):
+        got = triton_topk(case, k, options=options)
+        assert torch.equal(got, reference_topk(case, k)), f"seed={seed} k={k}: head pairs select differently"
+
+
 @pytest.mark.parametrize("k", [1, 4, 9, 40])
 @pytest.mark.parametrize("t,hi,di,entries,cp", CPU_CASES)
 def test_topk_identical_with_exact_scores_and_ties(t, hi, di, entries, cp, k, seed):
