@@ -25,8 +25,10 @@ direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TR
 (``triton-split-ahead-<tile>``), the default with its key loop warp-specialized (``triton-split-ahead-ws``,
 ``DSV4CP_TRITON_FWD_WARP_SPECIALIZE=1``, also at tiles: ``-ws-<tile>``), and ``triton-dkv-with-dq`` (the
 backward before the one with its own dq pass: dq beside the kv gradients in the dkv kernel,
-``DSV4CP_TRITON_BWD_DQ_PASS=0``; the others above set it too). The current kernels against the new ones at
-the flash shape::
+``DSV4CP_TRITON_BWD_DQ_PASS=0``; the others above set it too), and ``triton-kv-pass-2-blocks`` (the default
+backward with each kv-pass program over two blocks of 128 columns, ``DSV4CP_TRITON_KV_PASS_CONFIG=64,128,8,3,2``;
+the default's kv pass is ``64,128,8,3`` with one). The current kernels against the new ones at the flash
+shape::
 
     pytest bench/test_bench_sparse_attention.py -m gpu -k "flash and triton and not deterministic"
 
@@ -88,6 +90,9 @@ BACKWARD_VARIANTS = {
         "triton_dkv_one_product": "1", "triton_dkv_config": "64,128,4,2", "triton_bwd_index_ahead": "1"},
     # the default before the backward with its own dq pass: dq beside the kv gradients in the dkv kernel
     "triton-dkv-with-dq": {"triton_bwd_dq_pass": "0"},
+    # the default with kv-pass programs of two 128-column blocks (each slot step's [ds | p] tile read once
+    # for 256 columns; at H = 64 112 KB of shared memory, two programs per SM, no spills)
+    "triton-kv-pass-2-blocks": {"triton_kv_pass_config": "64,128,8,3,2"},
 }
 """Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set,
 every option of the direction named, so the kernels before the variants (``triton-duplicated-logits``,

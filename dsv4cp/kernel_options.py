@@ -81,6 +81,9 @@ class KernelOption:
     """A tile's field -> the rule its value keeps (:data:`TILE_RULES`), checked on parsing, so a bad pin fails
     where the options are resolved and names its variable. Fields without one: ``block_*`` a matrix-unit
     tile, ``num_warps`` / ``num_stages`` at least 1, any other integer."""
+    trailing_defaults: tuple[int, ...] = ()
+    """A tile's last ``len(trailing_defaults)`` fields may be left out (a tile pinned before they existed):
+    parsing fills them in with these values, so both spellings are one setting."""
 
     def parse(self, value: object, origin: str) -> str | bool | tuple[int, ...] | None:
         """``value`` (text, or a Python value of the option's type) as the option's type; ``ValueError``
@@ -127,11 +130,15 @@ class KernelOption:
             if any(isinstance(p, (bool, float)) for p in parts):
                 raise ValueError
             numbers = tuple(int(p) for p in parts)
-            if len(numbers) != len(self.fields):
+            left_out = len(self.fields) - len(numbers)
+            if not 0 <= left_out <= len(self.trailing_defaults):
                 raise ValueError
         except (TypeError, ValueError):
-            raise ValueError(f"{origin}: expected '{','.join(self.fields)}' ({len(self.fields)} integers) or "
-                             f"'auto', got {value!r}{self._also(origin)}") from None
+            counts = f"{len(self.fields) - len(self.trailing_defaults)} to " if self.trailing_defaults else ""
+            raise ValueError(f"{origin}: expected '{','.join(self.fields)}' ({counts}{len(self.fields)} integers) "
+                             f"or 'auto', got {value!r}{self._also(origin)}") from None
+        if left_out:
+            numbers += self.trailing_defaults[len(self.trailing_defaults) - left_out:]
         rules = dict(self.rules)
         for field_name, number in zip(self.fields, numbers):
             rule = rules.get(field_name) or _DEFAULT_RULES.get(field_name) or (
@@ -164,7 +171,9 @@ class KernelOption:
             return "0 | 1"
         if self.kind == SLOWDOWN:
             return f"off | {' | '.join(self.choices)}:<fraction>"
-        return f"auto | {','.join(self.fields)}"
+        required = len(self.fields) - len(self.trailing_defaults)
+        optional = "".join(f"[,{name}]" for name in self.fields[required:])
+        return f"auto | {','.join(self.fields[:required])}{optional}"
 
 
 TILE_RULES = {
@@ -178,8 +187,10 @@ TILE_RULES = {
 _DEFAULT_RULES = {"num_warps": "positive", "num_stages": "positive"}
 
 
-def _tile(name: str, op: str, fields: tuple[str, ...], doc: str, **rules: str) -> KernelOption:
-    return KernelOption(name, "DSV4CP_" + name.upper(), TILE, op, doc, None, (), fields, tuple(rules.items()))
+def _tile(name: str, op: str, fields: tuple[str, ...], doc: str, *, trailing_defaults: tuple[int, ...] = (),
+          **rules: str) -> KernelOption:
+    return KernelOption(name, "DSV4CP_" + name.upper(), TILE, op, doc, None, (), fields, tuple(rules.items()),
+                        trailing_defaults)
 
 
 _KERNEL_TILE = ("block_h", "block_k", "num_warps", "num_stages")
@@ -256,8 +267,11 @@ OPTIONS: dict[str, KernelOption] = {o.name: o for o in (
     KernelOption("triton_bwd_dq_pass", "DSV4CP_TRITON_BWD_DQ_PASS", FLAG, "sparse_attention",
                  "Triton attention backward (not deterministic) computes dq in its own pass after the scores "
                  "kernel and the kv gradients in a pass without it (1), or dq beside the kv gradients (0)", True),
-    _tile("triton_kv_pass_config", "sparse_attention", ("block_k", "block_d", "num_warps", "num_stages"),
-          "pins the kv-gradient pass of the Triton attention backward with its own dq pass"),
+    _tile("triton_kv_pass_config", "sparse_attention",
+          ("block_k", "block_d", "num_warps", "num_stages", "column_blocks"),
+          "pins the kv-gradient pass of the Triton attention backward with its own dq pass (column_blocks: "
+          "blocks of block_d columns per program, each slot step's scratch tile read once for all; 1 if left out)",
+          trailing_defaults=(1,), column_blocks="positive"),
     _tile("triton_dq_pass_config", "sparse_attention", ("block_h", "block_d", "block_k", "num_warps", "num_stages"),
           "pins the dq pass of the Triton attention backward with its own dq pass"),
     _tile("triton_probs_config", "attention_probs", _KERNEL_TILE, "pins the head-summed probabilities kernel"),

@@ -8,7 +8,14 @@ side by side to a ``[chunk, Kt, 2, H]`` scratch); the rest is two query-major ke
 * ``_kv_pass_kernel``: per (query, column block), ``g = [ds | p] [BLOCK_K, 2H] @ [q ; dO] [2H, BLOCK_DC]``
   (one product, K = V: both roles add) and fp32 atomics of ``g`` into the kv rows. Unlike the default's
   dkv kernel it gathers no kv columns and holds no dq accumulator, so one program can span more columns
-  (fewer re-reads of the scratch) in the same registers.
+  (fewer re-reads of the scratch) in the same registers. With one column block per program
+  (``KvPassConfig.column_blocks = 1``) each of a query's ``D / BLOCK_DC`` programs reads the query's whole
+  ``[ds | p]`` scratch rows and index row again: at D = 512 and 128 columns four times the scratch traffic,
+  on the L2 that the atomics already load. ``column_blocks = C`` gives one program ``C`` blocks: their
+  ``[q ; dO]`` tiles loaded once before the slot loop (held in shared memory as the products' B operands:
+  ``C * 2H * BLOCK_DC`` elements), then per slot step the ``[ds | p]`` tile and the row indices are loaded
+  once and each block multiplies them and issues its own ``[BLOCK_K, BLOCK_DC]`` atomics (the same
+  addresses, mask and width as one block per program). ``C = 1`` compiles to the one-block kernel.
 * ``_dq_pass_kernel``: per (query, head block, column block), ``dq = ds @ kv[idx]`` over the query's
   slots (the forward's value product with ``ds`` for ``p``): no atomics, each dq element written once.
 
@@ -43,12 +50,15 @@ __all__ = ["DqPassConfig", "KvPassConfig", "SplitBackwardPlan", "sparse_attentio
 
 @dataclass(frozen=True)
 class KvPassConfig:
-    """kv-pass launch: slots per step (matrix-unit M), head-dim columns per program, warps, stages."""
+    """kv-pass launch: slots per step (matrix-unit M), head-dim columns per product (N), warps, stages, and
+    column blocks per program: one program covers ``column_blocks * block_d`` columns of its query, loading
+    each step's ``[ds | p]`` tile and row indices once for all of them (1: one block per program)."""
 
     block_k: int
     block_d: int
     num_warps: int
     num_stages: int
+    column_blocks: int = 1
 
 
 @dataclass(frozen=True)
@@ -68,31 +78,44 @@ def _kv_pass_kernel(
     H, N, KT, T0, SCRATCH_ROW,
     stride_qt, stride_qh, stride_it, stride_dt, stride_dh,
     D: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    COLUMN_BLOCKS: tl.constexpr, HAS_TOPK: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """kv-row gradients of query t = T0 + pid // cdiv(D, BLOCK_DC), columns ``[(pid % cdiv(D, BLOCK_DC)) *
-    BLOCK_DC, +BLOCK_DC)``: ``g[slot] = [ds | p][slot] @ [q ; dO]`` over all H heads (BLOCK_HK >= H),
-    fp32 atomics into DKV ``[N, D]`` at the slot's row (valid slots below the query's length only).
+    """kv-row gradients of query t = T0 + pid // n_db (n_db = cdiv(D, COLUMN_BLOCKS * BLOCK_DC) programs per
+    query), columns ``[(pid % n_db) * COLUMN_BLOCKS * BLOCK_DC, +COLUMN_BLOCKS * BLOCK_DC)`` in COLUMN_BLOCKS
+    blocks of BLOCK_DC: ``g[slot] = [ds | p][slot] @ [q ; dO]`` over all H heads (BLOCK_HK >= H), fp32
+    atomics into DKV ``[N, D]`` at the slot's row (valid slots below the query's length, columns below D).
 
     Q, DOUT ``[T, H, D]``; IDX ``[T, KT]``; TOPK ``[T]`` (read iff HAS_TOPK); PDS the scores kernel's
     scratch: row ``(t - T0) * KT + slot`` (``SCRATCH_ROW`` elements apart) holds ds of the H heads, then p.
-    The next step's row indices are loaded a step ahead (off the path to the atomics' addresses)."""
-    n_db: tl.constexpr = (D + BLOCK_DC - 1) // BLOCK_DC
+    Every block's ``[q ; dO]`` tile is loaded before the slot loop (loop-invariant: the products' B
+    operands); per step the ``[ds | p]`` tile and the row indices are loaded once and each column block
+    multiplies them and issues its atomics. The next step's row indices are loaded a step ahead (off the
+    path to the atomics' addresses)."""
+    program_cols: tl.constexpr = COLUMN_BLOCKS * BLOCK_DC
+    n_db: tl.constexpr = (D + program_cols - 1) // program_cols
     pid = tl.program_id(0)
     t_local = (pid // n_db).to(tl.int64)
     t = T0 + t_local
-    d = (pid % n_db) * BLOCK_DC + tl.arange(0, BLOCK_DC)
-    dmask = d < D
-    # [q ; dO] [2 BLOCK_HK, BLOCK_DC]: rows c < BLOCK_HK from q (they meet ds), the others from dO (p)
+    d_blocks = ()  # each column block's columns and their mask (< D)
+    dmask_blocks = ()
+    for cb in tl.static_range(COLUMN_BLOCKS):
+        d = (pid % n_db) * program_cols + cb * BLOCK_DC + tl.arange(0, BLOCK_DC)
+        d_blocks = d_blocks + (d,)
+        dmask_blocks = dmask_blocks + (d < D,)
+    # [q ; dO] [2 BLOCK_HK, BLOCK_DC] per column block: rows c < BLOCK_HK from q (they meet ds), the others
+    # from dO (p)
     cols = tl.arange(0, 2 * BLOCK_HK)
     c_head = cols % BLOCK_HK
     c_from_p = cols >= BLOCK_HK
     c_mask = c_head < H
     qdo_rows = tl.where(c_from_p[:, None], DOUT + t * stride_dt + c_head[:, None] * stride_dh,
                         Q + t * stride_qt + c_head[:, None] * stride_qh)
-    qdo = tl.load(qdo_rows + d[None, :], mask=c_mask[:, None] & dmask[None, :], other=0.0)
-    if DOT_F32:
-        qdo = qdo.to(tl.float32)
+    qdo_blocks = ()
+    for cb in tl.static_range(COLUMN_BLOCKS):
+        qdo = tl.load(qdo_rows + d_blocks[cb][None, :], mask=c_mask[:, None] & dmask_blocks[cb][None, :], other=0.0)
+        if DOT_F32:
+            qdo = qdo.to(tl.float32)
+        qdo_blocks = qdo_blocks + (qdo,)
     pds_cols = tl.where(c_from_p, H, 0) + c_head
 
     kt_len = selected_length(TOPK, t, KT, HAS_TOPK)
@@ -107,8 +130,10 @@ def _kv_pass_kernel(
                       mask=in_len[:, None] & c_mask[None, :], other=0.0)  # [BLOCK_K, 2 BLOCK_HK]
         if DOT_F32:
             pds = pds.to(tl.float32)
-        g = tl.dot(pds, qdo, input_precision=PRECISION)  # [BLOCK_K, BLOCK_DC] fp32
-        tl.atomic_add(DKV + rows[:, None] * D + d[None, :], g, mask=valid[:, None] & dmask[None, :], sem="relaxed")
+        for cb in tl.static_range(COLUMN_BLOCKS):
+            g = tl.dot(pds, qdo_blocks[cb], input_precision=PRECISION)  # [BLOCK_K, BLOCK_DC] fp32
+            tl.atomic_add(DKV + rows[:, None] * D + d_blocks[cb][None, :], g,
+                          mask=valid[:, None] & dmask_blocks[cb][None, :], sem="relaxed")
 
 
 def _dq_pass_kernel(
@@ -156,11 +181,14 @@ _build, _launch = _KERNELS.build, _KERNELS.launch
 
 
 def _kv_pass_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KvPassConfig]:
-    """[q ; dO] of ``2 * next_pow2(H)`` rows stays in shared memory: at H = 64 and 256 columns 64 KB."""
+    """[q ; dO] of ``2 * next_pow2(H)`` rows stays in shared memory: at H = 64 and 256 columns (one block of
+    256, or two of 128) 64 KB."""
     if block_d >= 256 and dtype != torch.float32:
         # 64 x 128 x 8 warps x 3 stages first at both head counts: 6.97 ms (flash) / 17.44 ms (pro) against
-        # 7.32 / 22.48 at 2 stages and 7.65 / 20.00 for the next best (results/2026-12-02-h200-sparse-backward)
-        ladder = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 1)]
+        # 7.32 / 22.48 at 2 stages and 7.65 / 20.00 for the next best (results/2026-12-02-h200-sparse-backward);
+        # then two column blocks per program (each step's [ds | p] tile read once for 256 columns; not yet
+        # timed, so behind the measured head)
+        ladder = [(64, 128, 8, 3), (64, 128, 8, 3, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 1)]
     else:
         wide = min(block_d, 128 if dtype == torch.float32 else 256)
         ladder = [(32, wide, 4, 2), (16, min(wide, 64), 4, 1)]
@@ -214,13 +242,13 @@ class SplitBackwardPlan:
         rows = min(b.chunk, t - t0)
 
         def launch(cfg: KvPassConfig) -> None:
-            _build("_kv_pass_kernel", q.device)[(rows * triton.cdiv(d, cfg.block_d),)](
+            _build("_kv_pass_kernel", q.device)[(rows * triton.cdiv(d, cfg.block_d * cfg.column_blocks),)](
                 q, dout, idx, b.topk, b.dsbuf, b.dkv,
                 h, b.kv.shape[0] if write else 0, idx.shape[1], t0, b.scratch_row,
                 q.stride(0), q.stride(1), idx.stride(0), dout.stride(0), dout.stride(1),
                 D=d, BLOCK_DC=cfg.block_d, BLOCK_HK=max(16, triton.next_power_of_2(h)), BLOCK_K=cfg.block_k,
-                HAS_TOPK=b.topk_length is not None, PRECISION=_precision(q), DOT_F32=_dot_f32(q),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                COLUMN_BLOCKS=cfg.column_blocks, HAS_TOPK=b.topk_length is not None, PRECISION=_precision(q),
+                DOT_F32=_dot_f32(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
         _launch("bwd_kv_pass", _shape_class(q), self.kv_ladder, self.kv_pinned, launch)
@@ -280,12 +308,14 @@ def split_backward_plan(dout, q, kv, idx, sink, scale, out, lse, topk_length=Non
 
 
 def _checked(config, name: str):
-    """A pinned configuration (None: the ladder) with its tiles powers of two >= 16 and at least one warp
-    and stage; errors start with ``name``, the keyword argument."""
+    """A pinned configuration (None: the ladder) with its tiles powers of two >= 16 and at least one warp,
+    stage (and column block); errors start with ``name``, the keyword argument."""
     if config is not None:
         check_tiles(config, prefix=f"{name}.")
         if config.num_warps < 1 or config.num_stages < 1:
             raise ValueError(f"{name}: num_warps and num_stages must be >= 1, got {config}")
+        if isinstance(config, KvPassConfig) and config.column_blocks < 1:
+            raise ValueError(f"{name}.column_blocks: must be >= 1, got {config.column_blocks}")
     return config
 
 
