@@ -25,10 +25,10 @@ direction's kernels load the next step's row indices one step ahead, ``DSV4CP_TR
 (``triton-split-ahead-<tile>``), the default with its key loop warp-specialized (``triton-split-ahead-ws``,
 ``DSV4CP_TRITON_FWD_WARP_SPECIALIZE=1``, also at tiles: ``-ws-<tile>``), and ``triton-dkv-with-dq`` (the
 backward before the one with its own dq pass: dq beside the kv gradients in the dkv kernel,
-``DSV4CP_TRITON_BWD_DQ_PASS=0``; the others above set it too), and ``triton-kv-pass-2-blocks`` (the default
-backward with each kv-pass program over two blocks of 128 columns, ``DSV4CP_TRITON_KV_PASS_CONFIG=64,128,8,3,2``;
-the default's kv pass is ``64,128,8,3`` with one). The current kernels against the new ones at the flash
-shape::
+``DSV4CP_TRITON_BWD_DQ_PASS=0``; the others above set it too), and ``triton-kv-pass-4-blocks`` (the default
+backward with each kv-pass program over four blocks of 128 columns, ``DSV4CP_TRITON_KV_PASS_CONFIG=64,128,8,3,4``;
+the default's kv pass is ``64,128,8,3`` with one; a pinned tile the device cannot fit is skipped). The
+current kernels against the new ones at the flash shape::
 
     pytest bench/test_bench_sparse_attention.py -m gpu -k "flash and triton and not deterministic"
 
@@ -90,9 +90,9 @@ BACKWARD_VARIANTS = {
         "triton_dkv_one_product": "1", "triton_dkv_config": "64,128,4,2", "triton_bwd_index_ahead": "1"},
     # the default before the backward with its own dq pass: dq beside the kv gradients in the dkv kernel
     "triton-dkv-with-dq": {"triton_bwd_dq_pass": "0"},
-    # the default with kv-pass programs of two 128-column blocks (each slot step's [ds | p] tile read once
-    # for 256 columns; at H = 64 112 KB of shared memory, two programs per SM, no spills)
-    "triton-kv-pass-2-blocks": {"triton_kv_pass_config": "64,128,8,3,2"},
+    # the default with kv-pass programs of four 128-column blocks (each slot step's [ds | p] tile read once
+    # for all 512 columns; at H = 64 208 KB of shared memory with triton 3.6; at H = 128 it does not fit: skipped)
+    "triton-kv-pass-4-blocks": {"triton_kv_pass_config": "64,128,8,3,4"},
 }
 """Benchmarked beside the backends: the triton backend with these kernel options (name -> value) set,
 every option of the direction named, so the kernels before the variants (``triton-duplicated-logits``,
@@ -264,6 +264,10 @@ def test_sparse_attention_backward(benchmark, measure, shape_name, backend):
         call()
     except NotImplementedError as exc:
         pytest.skip(f"{backend}: no backward ({exc})")
+    except Exception as exc:  # a variant's pinned tile over this device's shared memory or registers
+        if type(exc).__name__ != "OutOfResources":
+            raise
+        pytest.skip(f"{backend}: its pinned tile does not fit this device ({str(exc).splitlines()[0]})")
     rounds, warmup = _rounds()
     dq, dkv, dsink = measure(call, None, flops=2.5 * _flops_forward(shape, entry["valid"]),
                              bytes_moved=_bytes(shape, entry["valid"], True), rounds=rounds,

@@ -186,8 +186,8 @@ def _kv_pass_ladder(block_d: int, heads: int, dtype: torch.dtype) -> list[KvPass
     if block_d >= 256 and dtype != torch.float32:
         # 64 x 128 x 8 warps x 3 stages first at both head counts: 6.97 ms (flash) / 17.44 ms (pro) against
         # 7.32 / 22.48 at 2 stages and 7.65 / 20.00 for the next best (results/2026-12-02-h200-sparse-backward);
-        # then two column blocks per program (each step's [ds | p] tile read once for 256 columns; not yet
-        # timed, so behind the measured head)
+        # then two column blocks per program (each step's [ds | p] tile read once for 256 columns): 7.22 ms
+        # at flash, 18.01 at pro with 2 stages (results/2026-12-03-h200-kv-pass-column-blocks)
         ladder = [(64, 128, 8, 3), (64, 128, 8, 3, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 1)]
     else:
         wide = min(block_d, 128 if dtype == torch.float32 else 256)
