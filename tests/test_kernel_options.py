@@ -20,7 +20,7 @@ def clean_environment(monkeypatch):
 
 
 def test_every_option_is_complete_and_named_after_its_variable():
-    assert len(ko.OPTIONS) == 37
+    assert len(ko.OPTIONS) == 38
     for name, option in ko.OPTIONS.items():
         assert option.name == name and option.env == "DSV4CP_" + name.upper(), name
         assert option.kind in (ko.CHOICE, ko.FLAG, ko.TILE, ko.SLOWDOWN) and option.op and option.doc, name
