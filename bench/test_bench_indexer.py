@@ -15,6 +15,8 @@ Backends:
 * ``triton-head-pairs``: ``triton`` with ``DSV4CP_TRITON_INDEXER_HEAD_PAIRS=1`` (the chunked path's score
   kernel takes the heads in pairs, one product in flight during the other's epilogue; its own tile
   ladder): beside ``triton`` it times the whole top-k with the option on and off in one run;
+* ``triton-bounded-2048x8x4x2``: ``triton`` with the ``bounded`` radix select pinned to ``2048,8,4,2``
+  (``DSV4CP_TRITON_SELECT_CONFIG``), its default before ``1024,5,4,2``: the two side by side in one run;
 * ``triton-chunked``: the same with ``impl="chunked"`` (fused head-sum score kernel per query chunk,
   then the default selection of ``DSV4CP_TOPK_SELECT``: ``radix`` on CUDA, ``torch`` on the CPU);
 * ``triton-chunked-radix``: the chunked path with ``DSV4CP_TOPK_SELECT=radix`` (fp32 score buffers
@@ -75,7 +77,8 @@ from dsv4cp.ops.indexer import indexer_topk, scores_backward_keywords
 
 _VARIANT_ENV = OPTIONS["topk_select_variant"].env
 
-BACKENDS = ["torch", "triton", "triton-head-pairs", "triton-chunked", "triton-chunked-radix",
+BACKENDS = ["torch", "triton", "triton-head-pairs", "triton-bounded-2048x8x4x2", "triton-chunked",
+            "triton-chunked-radix",
             "triton-chunked-radix-bounded", "triton-chunked-torch", "triton-chunked-scores", "triton-stream",
             "triton-score", "triton-score-packed", "triton-score-radix"]
 
@@ -87,6 +90,14 @@ _SELECT_VARIANT = {"triton-chunked-radix": "plain", "triton-chunked-radix-bounde
 """``DSV4CP_TOPK_SELECT_VARIANT`` per backend (the radix select's kernel; the others run the default)."""
 
 _HEAD_PAIRS_ENV = OPTIONS["triton_indexer_head_pairs"].env
+
+_SELECT_PINS = {"triton-bounded-2048x8x4x2": "2048,8,4,2"}
+"""``DSV4CP_TRITON_SELECT_CONFIG`` per backend: the default top-k with its ``bounded`` select pinned to the
+ladder's first before ``1024,5,4,2`` (the others run the ladder)."""
+_SELECT_CONFIG_ENV = OPTIONS["triton_select_config"].env
+
+_DEFAULT_PATH = ("triton", "triton-head-pairs", *_SELECT_PINS)
+"""Backends that run the op's default path (``impl`` left to the op) under their variables."""
 
 
 SHAPES = {
@@ -153,7 +164,7 @@ def _runner(backend: str, shape: Shape, entry: dict):
     options = KernelOptions.resolve()  # the variables this benchmark sets, read once
     select = options.topk_select
     radix = backend in ("triton-chunked-radix", "triton-chunked-radix-bounded", "triton-score-radix") or (
-        backend in ("triton", "triton-chunked")
+        backend in (*_DEFAULT_PATH, "triton-chunked")
         and (select == "radix" or (select == "auto" and not interpreted(q.device))))  # the op's rule
     fp32 = backend in ("triton-chunked-scores", "triton-score")
     per_score = (it.TOPK_RADIX_BYTES_PER_SCORE if radix else
@@ -161,8 +172,7 @@ def _runner(backend: str, shape: Shape, entry: dict):
     info = {"chunks": len(it.plan_chunks(lo, hi, it.TOPK_BUDGET_BYTES, bytes_per_score=per_score)),
             "budget_bytes": it.TOPK_BUDGET_BYTES, "budget_bytes_per_score": per_score}
     if not backend.startswith("triton-score"):
-        impl = "stream" if backend == "triton-stream" else None if backend in ("triton", "triton-head-pairs") \
-            else "chunked"
+        impl = "stream" if backend == "triton-stream" else None if backend in _DEFAULT_PATH else "chunked"
         if impl == "stream":
             info = {}  # one kernel pass: no chunks, no budget
         return (lambda: fused_indexer_topk(q, w, keys, *vis_args, shape.topk, impl=impl, options=options)), info
@@ -231,6 +241,10 @@ def test_indexer_topk(benchmark, measure, shape_name, backend, monkeypatch):
         monkeypatch.setenv(_HEAD_PAIRS_ENV, "1")
     else:
         monkeypatch.delenv(_HEAD_PAIRS_ENV, raising=False)
+    if backend in _SELECT_PINS:
+        monkeypatch.setenv(_SELECT_CONFIG_ENV, _SELECT_PINS[backend])
+    else:
+        monkeypatch.delenv(_SELECT_CONFIG_ENV, raising=False)
     shape = SHAPES[shape_name]
     entry = _inputs(shape)
     fn, info = _runner(backend, shape, entry)
@@ -442,11 +456,13 @@ def test_indexer_select_config(benchmark, measure, cfg):
     benchmark.extra_info.update(config=list(cfg))
 
 
-BOUNDED_SELECT_SWEEP = [(2048, 8, 4, 2), (1024, 8, 4, 2), (2048, 8, 8, 2), (2048, 6, 4, 2), (1024, 6, 4, 2),
-                        (2048, 5, 4, 2), (1024, 5, 4, 2), (1024, 10, 4, 2), (4096, 8, 8, 2)]
+BOUNDED_SELECT_SWEEP = [(1024, 5, 4, 2), (2048, 8, 4, 2), (1024, 8, 4, 2), (2048, 8, 8, 2), (2048, 6, 4, 2),
+                        (1024, 6, 4, 2), (2048, 5, 4, 2), (1024, 10, 4, 2), (4096, 8, 8, 2), (1024, 4, 4, 2),
+                        (1024, 3, 4, 2), (1024, 5, 2, 2), (1024, 4, 2, 2), (1024, 5, 8, 2), (1024, 5, 4, 1)]
 """Launches of the ``bounded`` radix select timed by ``test_indexer_select_bounded_config`` (``block_n,
-radix_bits, num_warps, num_stages``; the first is the ladder's default). Its histograms run over the
-``block_n`` lane maxima and the short candidate list, not the row, so the step sets both the register
+radix_bits, num_warps, num_stages``; the first is the ladder's default, the second the default before it).
+Its histograms run over the ``block_n`` lane maxima and the short candidate list, not the row, so the step
+sets both the register
 use (programs per SM) and how tight the lower bound is (keys listed per row, for independent scores:
 ~589 at 2048 lanes, ~710 at 1024, of the 768 the list holds; ~547 at 4096), and narrower digits
 (Triton 3.6's histogram costs per bin) may pay. Registers per thread (sm_90a, Triton 3.9): 2048 x 8 x

@@ -118,8 +118,8 @@ from dsv4cp import kernel_options
 from dsv4cp.kernels._triton_launch import Kernels, pinned_config
 from dsv4cp.kernels._triton_launch import interpreted as _interpreted
 
-__all__ = ["MAX_RADIX_BITS", "SELECT_CONFIGS", "SELECT_CONFIG_ENV", "SELECT_VARIANTS", "SelectConfig",
-           "select_config_ladder", "select_top_triton"]
+__all__ = ["BOUNDED_SELECT_CONFIGS", "MAX_RADIX_BITS", "SELECT_CONFIGS", "SELECT_CONFIG_ENV", "SELECT_VARIANTS",
+           "SelectConfig", "select_config_ladder", "select_top_triton"]
 
 SELECT_CONFIG_ENV = kernel_options.OPTIONS["triton_select_config"].env
 """The variable of the kernel option ``triton_select_config``: pins the radix select's launch:
@@ -130,9 +130,16 @@ MAX_RADIX_BITS = 12
 see the cost argument above)."""
 
 SELECT_CONFIGS = [(2048, 8, 4, 2), (2048, 8, 8, 2), (1024, 8, 4, 2), (512, 8, 4, 1)]
-"""Compiled ladder (``block_n, radix_bits, num_warps, num_stages``), first = default; any of them fits
-(compiled for sm_90a with Triton 3.6, no spills). ``bench/test_bench_indexer.py::test_indexer_select_config``
-times them with other digit widths (docs/kernels.md)."""
+"""Compiled ladder of the ``plain`` kernel (``block_n, radix_bits, num_warps, num_stages``), first = default;
+any of them fits (compiled for sm_90a with Triton 3.6, no spills).
+``bench/test_bench_indexer.py::test_indexer_select_config`` times them with other digit widths (docs/kernels.md)."""
+
+BOUNDED_SELECT_CONFIGS = [(1024, 5, 4, 2), (2048, 8, 4, 2), (512, 8, 4, 1)]
+"""Compiled ladder of the ``bounded`` kernel, first = default. Its histograms run over the ``block_n`` lane
+maxima and the short list, not the row, so fewer lanes (fewer registers per program, more programs per SM)
+and narrower digits (fewer bins per pass) pay until the bound loosens past the list: 1024 lanes list ~710
+keys per row of independent scores, inside the ``keep + BOUNDED_LIST_EXTRA`` = 768 the list holds.
+``bench/test_bench_indexer.py::test_indexer_select_bounded_config`` times the alternatives (docs/kernels.md)."""
 
 SELECT_VARIANTS = ("bounded", "plain")
 """The kernel option ``topk_select_variant``'s words: ``bounded`` (:func:`_select_bounded_kernel`:
@@ -506,12 +513,13 @@ def _select_bounded_kernel(
 _KERNELS = Kernels("select top triton", _select_kernel, _select_bounded_kernel, op="indexer_topk")
 
 
-def select_config_ladder(interpreted: bool) -> list[SelectConfig]:
-    """Launch configurations tried in order (the first that compiles is kept). Per program: one
-    ``[BLOCK]`` fp32 tile and its int64 keys in registers, a ``2^radix_bits``-bin histogram; any of these fits."""
+def select_config_ladder(interpreted: bool, variant: str = "plain") -> list[SelectConfig]:
+    """Launch configurations of the ``variant`` kernel tried in order (the first that compiles is kept). Per
+    program: one ``[BLOCK]`` fp32 tile and its keys in registers, a ``2^radix_bits``-bin histogram; any of
+    these fits."""
     if interpreted:  # numpy runs the steps: small ones keep the CPU tests fast and still multi-step
         return [SelectConfig(32, 8, 4, 1)]
-    return [SelectConfig(*c) for c in SELECT_CONFIGS]
+    return [SelectConfig(*c) for c in (BOUNDED_SELECT_CONFIGS if variant == "bounded" else SELECT_CONFIGS)]
 
 
 def _pinned(config: SelectConfig | None) -> SelectConfig | None:
@@ -571,7 +579,7 @@ def select_top_triton(
             or past column ``base + (row0 + r) // ratio + 1`` (clamped to ``[0, columns]``); those
             columns are then never read. None: every column is read.
         config: pin the launch (a config or the kernel option ``triton_select_config``'s integers;
-            default: :func:`select_config_ladder`).
+            default: the variant's :func:`select_config_ladder`).
         variant: ``"bounded"`` or ``"plain"`` (:data:`SELECT_VARIANTS`; default: the kernel option
             ``topk_select_variant``'s).
         return_values: also return the chosen columns' scores.
@@ -654,7 +662,8 @@ def _bounded_launch(scores, out, values, keep, row_limit, row_range, pinned) -> 
     kernel = _KERNELS.build("_select_bounded_kernel", dev)
     with_values = values.shape[1] > 0
     # one list width for every config of the ladder: the extra candidates are capped by the smallest step
-    extra = min([BOUNDED_LIST_EXTRA] + [c.block_n for c in select_config_ladder(_interpreted(dev))]
+    ladder = select_config_ladder(_interpreted(dev), "bounded")
+    extra = min([BOUNDED_LIST_EXTRA] + [c.block_n for c in ladder]
                 + ([pinned.block_n] if pinned is not None else []))
     list_cols = torch.empty(rows, keep + extra, dtype=torch.int32, device=dev)
     list_values = torch.empty(rows, keep + extra, dtype=torch.float32, device=dev)
@@ -671,4 +680,4 @@ def _bounded_launch(scores, out, values, keep, row_limit, row_range, pinned) -> 
             BITS=cfg.radix_bits, BINS=1 << cfg.radix_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _KERNELS.launch("select-bounded", (dev.type,), select_config_ladder(_interpreted(dev)), pinned, launch)
+    _KERNELS.launch("select-bounded", (dev.type,), ladder, pinned, launch)

@@ -726,3 +726,24 @@ def test_gpu_indexer_scores_backward_tiles_bf16(tile, seed):
     for name, a, b in zip(("out", "dq", "dw", "dkeys"), got, ref):
         cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
         assert cos > 1 - 1e-3, f"seed={seed} {cfg} {name}: cosine {cos}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tile", [(64, 128, 4, 3), (64, 128, 8, 3)], ids=lambda t: "x".join(map(str, t)))
+def test_gpu_head_pairs_score_the_same_as_one_head_at_a_time(tile, seed):
+    """bf16 at full size (T = 8192, Hi = 64, Di = 128, four documents): under one pinned tile the head-pair
+    loop's scores equal the one-head loop's bitwise (the same products, summed over the heads in the same
+    order), and the op with ``triton_indexer_head_pairs`` selects what the fp32 reference selects up to
+    near-ties."""
+    case = gpu_case(seed, 8192, [3000, 100, 5000, 92])
+    config = IndexerConfig(*tile)
+    plain = indexer_score_matrix(**case, config=config)
+    paired = indexer_score_matrix(**case, config=config, head_pairs=True)
+    finite = torch.isfinite(plain)
+    assert torch.equal(torch.isfinite(paired), finite), f"seed={seed} {tile}: the -inf pattern differs"
+    gap = (paired[finite] - plain[finite]).abs().max().item()
+    assert torch.equal(paired, plain), f"seed={seed} {tile}: head pairs differ from one head at a time by {gap:.3e}"
+    got = triton_topk(case, 512, options=KernelOptions(triton_indexer_head_pairs=True))
+    assert_equivalent_selection(got, reference_topk(case, 512), chunked_scores(case), 1e-3, f"seed={seed}",
+                                min_identical=0.5)

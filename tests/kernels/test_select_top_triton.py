@@ -28,6 +28,7 @@ import torch
 from dsv4cp.kernel_options import OPTIONS, KernelOptions
 from dsv4cp.kernels.contracts import select_top
 from dsv4cp.kernels.select_top_triton import (
+    BOUNDED_SELECT_CONFIGS,
     SELECT_CONFIG_ENV,
     SELECT_CONFIGS,
     SELECT_VARIANTS,
@@ -311,9 +312,12 @@ def test_interpreted_ladder_is_small():
 # ------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("cfg", SELECT_CONFIGS + [(2048, 11, 8, 2)],
-                         ids=lambda c: "x".join(map(str, c)))
-def test_flash_sized_rows_on_gpu(cfg, seed):
+@pytest.mark.parametrize("variant,cfg", [("plain", c) for c in SELECT_CONFIGS + [(2048, 11, 8, 2)]] + [
+    ("bounded", c) for c in BOUNDED_SELECT_CONFIGS + [(1024, 4, 4, 2), (1024, 3, 4, 2)]],
+    ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
+def test_flash_sized_rows_on_gpu(variant, cfg, seed):
+    """Rows of the flash shape (half of them zero after the relu, bf16-rounded: heavy ties) under each launch
+    of both kernels' ladders and a few narrower digits: exactly ``select_top``'s selection."""
     cfg = SelectConfig(*cfg)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows, columns, keep = 512, 16384, 512
@@ -323,10 +327,10 @@ def test_flash_sized_rows_on_gpu(cfg, seed):
     visible[:8] = torch.arange(8, device="cuda") * 100  # ... and a few short rows, some below keep
     scores[torch.arange(columns, device="cuda")[None, :] >= visible[:, None]] = float("-inf")
     expected = select_top(scores, keep)
-    got = select_top_triton(scores, keep, config=cfg)
-    assert torch.equal(got, expected), f"seed={seed} {cfg}"
-    limited = select_top_triton(scores, keep, config=cfg, row_limit=(base, 1, 0))
-    assert torch.equal(limited, expected), f"seed={seed} {cfg}"
+    got = select_top_triton(scores, keep, config=cfg, variant=variant)
+    assert torch.equal(got, expected), f"seed={seed} {variant} {cfg}"
+    limited = select_top_triton(scores, keep, config=cfg, row_limit=(base, 1, 0), variant=variant)
+    assert torch.equal(limited, expected), f"seed={seed} {variant} {cfg}"
 
 
 # ------------------------------------------------------------------------------- the chunked top-k
