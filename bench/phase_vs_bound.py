@@ -17,7 +17,7 @@ import sys
 import pandas as pd
 
 from dsv4cp.model import Machine
-from dsv4cp.model.costs import range_to_phase
+from dsv4cp.model.costs import measured_phase, phase_measured_in
 from dsv4cp.report.load import load_runs
 from dsv4cp.report.tables import point_estimate
 
@@ -26,23 +26,24 @@ H200 = Machine.preset("h200x2")
 
 def phase_table(point: pd.Series, measured: pd.DataFrame) -> pd.DataFrame:
     """Rows ``phase, measured_ms, bound_ms, ratio, above_2x_ms`` of rank 0's compute phases, largest
-    first. The top-k's own scoring is priced inside ``indexer.topk.fwd`` (it runs there), and the loss's
-    differentiable scores with the loss (``indexer.loss.DIR (+ indexer.score.DIR)``)."""
+    first. A range's time faces the bounds of the model phases whose work it times
+    (:func:`dsv4cp.model.costs.measured_phase`, :func:`~dsv4cp.model.costs.phase_measured_in`): the top-k's
+    own scoring is priced inside ``indexer.topk.fwd`` (it runs there), and the loss's differentiable scores
+    with the loss (``indexer.loss.DIR (+ indexer.score.DIR)``)."""
     bounds = point_estimate(point, H200).phase_table()
-    bound_ms = {(r.phase, r.direction): r.max_rank_bound_s * 1e3 for r in bounds.itertuples()}
+    bound_ms: dict[tuple[str, str], float] = {}
+    for r in bounds.itertuples():
+        key = phase_measured_in(r.phase, r.direction)
+        bound_ms[key] = bound_ms.get(key, 0.0) + r.max_rank_bound_s * 1e3
     measured = measured[(measured["rank"] == 0) & measured["phase"].str.startswith("dsv4cp.")]
     rows: dict[str, list[float]] = {}
     for r in measured.itertuples():
         name = r.phase.removeprefix("dsv4cp.")
-        phase = range_to_phase(name)
-        if name == "indexer.topk.fwd":
-            label, bound = name, bound_ms[("indexer.score", "fwd")] + bound_ms[("indexer.topk", "fwd")]
-        elif name.startswith(("indexer.score.", "indexer.loss.")):
-            direction = name.rsplit(".", 1)[1]
-            label = f"indexer.loss.{direction} (+ indexer.score.{direction})"
-            bound = bound_ms[("indexer.loss", direction)]
-        else:
-            label, bound = name, bound_ms.get(phase, float("nan")) if phase is not None else float("nan")
+        phase = measured_phase(name)
+        label = name
+        if phase is not None and phase[0] == "indexer.loss":
+            label = f"indexer.loss.{phase[1]} (+ indexer.score.{phase[1]})"
+        bound = bound_ms.get(phase, float("nan")) if phase is not None else float("nan")
         entry = rows.setdefault(label, [0.0, bound])
         entry[0] += r.compute_ms
     table = pd.DataFrame([(k, *v) for k, v in rows.items()], columns=["phase", "measured_ms", "bound_ms"])

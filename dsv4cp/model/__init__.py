@@ -20,8 +20,10 @@ from dsv4cp.model.costs import (
     LayerEstimate,
     estimate,
     layer_phases,
+    measured_phase,
     nvtx_ranges,
     phase_directions,
+    phase_measured_in,
     range_to_phase,
 )
 from dsv4cp.model.counts import RankCounts, document_extents, rank_counts
@@ -31,6 +33,6 @@ from dsv4cp.model.machine import MACHINE_PRESETS, Machine
 __all__ = [
     "BOTH", "COLUMNS", "COMM_PHASES", "DIRECTIONS", "EXTRAPOLATE_COLUMNS", "MACHINE_PRESETS", "PHASES",
     "DirectionSummary", "LayerEstimate", "Machine", "RankCounts", "document_extents", "estimate",
-    "extrapolate", "layer_phases", "measured_vs_bound", "nvtx_ranges", "phase_directions", "range_to_phase",
-    "rank_counts",
+    "extrapolate", "layer_phases", "measured_phase", "measured_vs_bound", "nvtx_ranges", "phase_directions",
+    "phase_measured_in", "range_to_phase", "rank_counts",
 ]

@@ -13,11 +13,10 @@ Fitting (:func:`fit`) needs a profile's per-phase table (the ``overlap.csv`` tha
 direction, the measured compute time summed over ranks divided by the summed bound. A CP = 1
 profile is enough (its phases see the whole sequence); a CP > 1 profile checks the fit per rank.
 
-Measured ranges map to classes by their NVTX names. One exception to :func:`range_to_phase`: the
-``indexer.score`` ranges time the LOSS's differentiable scores at the selected entries (they run
-inside ``indexer.loss``), while the selection's own scoring of every visible entry runs inside
-``indexer.topk.fwd``; so ``indexer.score.*`` counts as ``loss`` and the model's ``indexer.score`` +
-``indexer.topk`` bounds together face the measured ``indexer.topk.fwd``.
+Measured ranges map to classes by their NVTX names through :func:`dsv4cp.model.costs.measured_phase`:
+the ``indexer.score`` ranges time the LOSS's differentiable scores at the selected entries, so they count
+as ``loss``, while the selection's own scoring of every visible entry runs inside ``indexer.topk.fwd``,
+whose time faces the model's ``indexer.score`` + ``indexer.topk`` bounds together (one ``indexer`` class).
 
 The indexer's selection does not cost what the model counts on every backend: the model charges each
 query its document's earlier entries (``visible``), the Triton top-k's static chunk plan scans every
@@ -43,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dsv4cp.model.costs import BOTH, DIRECTIONS, LayerEstimate, range_to_phase
+from dsv4cp.model.costs import BOTH, DIRECTIONS, LayerEstimate, measured_phase
 from dsv4cp.model.phase_classes import INDEXER_SCANS, MODEL_PHASE_CLASS, PHASE_CLASSES
 from dsv4cp.model.row_costs import scanned_slots
 from dsv4cp.profiling.trace import POINT_FILE
@@ -55,11 +54,7 @@ SCHEMA = 1
 def measured_class(range_name: str) -> tuple[str, str] | None:
     """``(phase class, direction)`` of a measured NVTX range (``dsv4cp.`` prefix optional), or None for
     ranges no class covers (``step``, communication, ``total``)."""
-    name = range_name.removeprefix("dsv4cp.")
-    if name.startswith("indexer.score."):  # the loss's scores (see the module docstring)
-        direction = name.removeprefix("indexer.score.")
-        return ("loss", direction) if direction in DIRECTIONS else None
-    phase = range_to_phase(name)
+    phase = measured_phase(range_name)  # the loss's scores count as the loss (see the module docstring)
     if phase is None or phase[0] not in MODEL_PHASE_CLASS:
         return None
     return MODEL_PHASE_CLASS[phase[0]], phase[1]

@@ -144,6 +144,49 @@ _RANGE_INDEX = {
 }
 
 
+_LOSS_SCORES_RANGE = "indexer.score."
+"""Prefix of the ranges that time the indexer loss's differentiable scores (:mod:`dsv4cp.ops.indexer`)."""
+_TIMED_IN_TOPK = ("indexer.score", "fwd")
+"""The model phase whose work no range of its own times: the selection's scoring runs in ``indexer.topk.fwd``."""
+
+
+def measured_phase(range_name: str) -> tuple[str, str] | None:
+    """``(phase, direction)`` whose bound the time of a measured NVTX range faces (``dsv4cp.`` prefix
+    optional), or None for ranges the model has no record for.
+
+    :func:`range_to_phase`, except the ``indexer.score.fwd`` / ``.bwd`` ranges: they time the indexer
+    LOSS's differentiable scores at the selected entries (:func:`dsv4cp.ops.indexer.indexer_scores` and
+    the backward of the selection's own scores, called by :mod:`dsv4cp.layer.indexer_loss`), which the
+    model prices inside ``indexer.loss`` in both directions, so they face ``("indexer.loss", direction)``.
+    The forward range runs nested inside ``indexer.loss.fwd`` (as does the backward one in the dense
+    variant, whose forward computes the gradients; the sparse one's follows the loss's backward region);
+    per-phase compute attributes each kernel to its innermost range (:mod:`dsv4cp.profiling.overlap`,
+    rule 1), so the ranges' compute do not overlap and summing them counts every kernel once. The model's
+    own ``indexer.score`` phase (the top-k's scoring of every visible entry) has no range of its own: see
+    :func:`phase_measured_in`.
+    """
+    name = range_name.removeprefix("dsv4cp.")
+    if name.startswith(_LOSS_SCORES_RANGE):
+        direction = name.removeprefix(_LOSS_SCORES_RANGE)
+        return ("indexer.loss", direction) if direction in DIRECTIONS else None
+    return range_to_phase(name)
+
+
+def phase_measured_in(phase: str, direction: str) -> tuple[str, str]:
+    """The ``(phase, direction)`` key under which a model phase's bound meets measured time: the key
+    :func:`measured_phase` gives the ranges that time its work.
+
+    Itself, except ``("indexer.score", "fwd")``: the model prices the top-k as two forward phases, the
+    scoring of every visible entry (``indexer.score``) and the selection (``indexer.topk``), while one
+    range, ``indexer.topk.fwd``, times both (the top-k kernels score and select in one pass), so the
+    scoring's bound is compared under ``("indexer.topk", "fwd")``. Consumers sum the bounds (FLOPs, bytes)
+    of the model phases that share a key.
+    """
+    if phase not in PHASES or direction not in phase_directions(phase):
+        raise ValueError(f"phase/direction: unknown pair ({phase!r}, {direction!r})")
+    return ("indexer.topk", "fwd") if (phase, direction) == _TIMED_IN_TOPK else (phase, direction)
+
+
 # ---------------------------------------------------------------------------------- accumulation
 class _Acc:
     """Per-rank cost arrays of one phase, forward and backward."""

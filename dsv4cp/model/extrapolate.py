@@ -9,7 +9,7 @@ import pandas as pd
 
 from dsv4cp.config import DSv4Config
 from dsv4cp.kernel_options import DEFAULT_OPTIONS, KernelOptions
-from dsv4cp.model.costs import LayerEstimate, estimate, range_to_phase
+from dsv4cp.model.costs import LayerEstimate, estimate, measured_phase, phase_measured_in
 from dsv4cp.model.machine import Machine, resolve_machine
 from dsv4cp.workloads import pack_lengths
 
@@ -93,8 +93,11 @@ def measured_vs_bound(
     * a mapping ``phase -> seconds`` (slowest rank) for ``direction``: returns a DataFrame per phase;
     * a breakdown table in the profiling overlap-table schema (columns ``rank, phase, compute_ms,
       comm_ms``; phases are NVTX range names such as ``dsv4cp.allgather.kv.launch``): ranges map to
-      ``(phase, direction)`` and their compute + comm times are summed per rank; returns a DataFrame
-      per (rank, phase, direction) with measured and bound seconds and their ratio.
+      the ``(phase, direction)`` whose bound they face (:func:`~dsv4cp.model.costs.measured_phase`) and
+      their compute + comm times are summed per rank; returns a DataFrame per (rank, phase, direction)
+      with measured and bound seconds and their ratio, the bound summed over the model phases measured
+      under that key (:func:`~dsv4cp.model.costs.phase_measured_in`: ``indexer.topk`` fwd holds the
+      top-k's scoring, ``indexer.score``, too).
     """
     if isinstance(measured, pd.DataFrame):
         return _breakdown_vs_bound(measured, est)
@@ -136,7 +139,7 @@ def _breakdown_vs_bound(table: pd.DataFrame, est: LayerEstimate) -> pd.DataFrame
     missing = {"rank", "phase", "compute_ms", "comm_ms"} - set(table.columns)
     if missing:
         raise ValueError(f"measured: breakdown table lacks columns {sorted(missing)}")
-    mapped = table["phase"].map(lambda name: range_to_phase(str(name)))
+    mapped = table["phase"].map(lambda name: measured_phase(str(name)))
     keep = mapped.notna()
     sub = table[keep].copy()
     sub["model_phase"] = [p for p, _ in mapped[keep]]
@@ -145,6 +148,10 @@ def _breakdown_vs_bound(table: pd.DataFrame, est: LayerEstimate) -> pd.DataFrame
     measured = sub.groupby(["rank", "model_phase", "direction"], as_index=False)["measured_s"].sum()
     measured = measured.rename(columns={"model_phase": "phase"})
     bounds = est.records[["rank", "phase", "direction", "resource", "time_lower_bound_s"]]
+    keys = [phase_measured_in(p, d) for p, d in zip(bounds["phase"], bounds["direction"])]
+    bounds = (bounds.assign(phase=[p for p, _ in keys], direction=[d for _, d in keys])
+              .groupby(["rank", "phase", "direction"], as_index=False, sort=False)
+              .agg(resource=("resource", "first"), time_lower_bound_s=("time_lower_bound_s", "sum")))
     out = measured.merge(bounds, on=["rank", "phase", "direction"], how="left")
     out = out.rename(columns={"time_lower_bound_s": "bound_s"})
     out["efficiency"] = np.where(out["measured_s"] > 0, out["bound_s"] / out["measured_s"], np.nan)

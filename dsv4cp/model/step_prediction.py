@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4cp.model.costs import LayerEstimate
+from dsv4cp.model.costs import LayerEstimate, phase_measured_in
 
 OVERLAP_WINDOWS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
     ("allgather.index_k", "fwd"): (("compress", "fwd"), ("q_proj", "fwd"), ("indexer.q_proj", "fwd")),
@@ -74,8 +74,11 @@ def predict_step(
     """The step of ``est``'s layout (its cp, split and machine) with each rank's measured ``compute_ms``.
 
     ``direction``: ``fwd`` or ``fwd+bwd`` (which collectives the step runs). ``phase_compute_ms``: measured
-    compute per ``(rank, phase, direction)`` (model phase names) for the overlap windows; phases it lacks,
-    or all of them when None, take the model's bound. Raises ``ValueError`` naming a bad argument."""
+    compute per ``(rank, phase, direction)`` (model phase names, keyed as :func:`dsv4cp.model.measured_phase`
+    keys ranges) for the overlap windows; a window's phases that share a key
+    (:func:`~dsv4cp.model.costs.phase_measured_in`: the top-k's scoring is measured in ``indexer.topk``) take
+    its measured time once, and keys it lacks, or all of them when None, the model's bounds of those phases.
+    Raises ``ValueError`` naming a bad argument."""
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap: must be one of {OVERLAPS}, got {overlap!r}")
     if direction not in ("fwd", "fwd+bwd"):
@@ -99,8 +102,10 @@ def predict_step(
         comm_ms[rank] += transfer
         window = 0.0
         if overlap == "async":
+            keys: dict[tuple[int, str, str], float] = {}  # measured key -> the window's bounds under it
             for key in OVERLAP_WINDOWS.get((phase, phase_direction), ()):
-                full = (int(rank), *key)
-                window += measured.get(full, bound_ms.get(full, 0.0))
+                measured_key = (int(rank), *phase_measured_in(*key))
+                keys[measured_key] = keys.get(measured_key, 0.0) + bound_ms.get((int(rank), *key), 0.0)
+            window = sum(measured.get(key, bounds) for key, bounds in keys.items())
         exposed_ms[rank] += max(0.0, transfer - window)
     return StepPrediction(tuple(float(c) for c in compute_ms), tuple(comm_ms.tolist()), tuple(exposed_ms.tolist()))

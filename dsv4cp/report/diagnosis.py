@@ -14,7 +14,11 @@ Per (point, rank), from the point's traces (``RUN_DIR/traces/<point_id>/rank{R}.
   ``bound_ms`` where it has none; a
   sweep run with ``--machine cpu`` recorded bounds at other ceilings; ``bound_scale`` says by how much).
 * ``kernel_excess_ms``: measured compute minus ``bound_ms`` minus ``padding_ms``; split per phase
-  class (a phase range and direction, e.g. ``indexer.topk.fwd``) in ``diagnosis_phases``.
+  class (a phase and direction, e.g. ``indexer.topk.fwd``) in ``diagnosis_phases``. A class pairs the
+  ranges that time a model phase's work with the bounds of the model phases they time
+  (:func:`dsv4cp.model.measured_phase`, :func:`dsv4cp.model.phase_measured_in`): ``indexer.topk.fwd``
+  faces the model's ``indexer.score.fwd`` + ``indexer.topk.fwd`` (the top-k scores and selects in one
+  range), ``indexer.loss.D`` holds the ``indexer.score.D`` ranges too (the loss's scores).
 * ``imbalance_wait_ms``, ``exposed_comm_ms``, ``host_idle_ms``:
   :func:`dsv4cp.profiling.overlap.step_decomposition` (collectives matched across ranks by order: the
   shortest rank's duration is the transfer, the rest of a longer one is waiting for a slower peer).
@@ -32,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dsv4cp.model import BOTH, COMM_PHASES, DIRECTIONS
+from dsv4cp.model import BOTH, COMM_PHASES, DIRECTIONS, measured_phase, phase_measured_in
 from dsv4cp.profiling.nvtx import full_name
 from dsv4cp.profiling.overlap import TOTAL, UNATTRIBUTED, step_decomposition
 from dsv4cp.profiling.trace import RANGE_PREFIX
@@ -77,17 +81,23 @@ STEP_OWN_TOP = 3
 
 # ------------------------------------------------------------------------------------- the bound
 def phase_class(range_name: str) -> str:
-    """The phase class of a range: its name without the domain (``indexer.topk.fwd``)."""
+    """The phase class of a range: the model phase and direction whose bound its compute faces
+    (:func:`dsv4cp.model.measured_phase`: ``dsv4cp.indexer.score.bwd`` -> ``indexer.loss.bwd``), else
+    (communication, ranges the model has no phase for) its name without the domain."""
     if range_name == STEP_RANGE:
         return STEP_OWN
     if range_name == UNATTRIBUTED:
         return NO_RANGE
+    mapped = measured_phase(range_name)
+    if mapped is not None and mapped[0] not in COMM_PHASES:
+        return ".".join(mapped)
     return range_name.removeprefix(RANGE_PREFIX)
 
 
 def rank_bounds(point: pd.Series) -> tuple[pd.DataFrame, float]:
     """Per (rank, compute phase class) of the point's pass: the model's bound without padding and
-    the padding's modelled time (ms), and the scale applied (see the module docstring)."""
+    the padding's modelled time (ms), summed over the model phases the class's ranges time
+    (:func:`dsv4cp.model.phase_measured_in`), and the scale applied (see the module docstring)."""
     padded, unpadded = point_estimate(point), point_estimate(point, padding=False)
     direction = point["pass"]
     directions = DIRECTIONS if direction == BOTH else (direction,)
@@ -103,9 +113,11 @@ def rank_bounds(point: pd.Series) -> tuple[pd.DataFrame, float]:
         if with_padding.phase in COMM_PHASES or with_padding.direction not in directions:
             continue
         bound = without.time_lower_bound_s * 1e3 * scale
-        rows.append({"rank": with_padding.rank, "phase": f"{with_padding.phase}.{with_padding.direction}",
+        rows.append({"rank": with_padding.rank,
+                     "phase": ".".join(phase_measured_in(with_padding.phase, with_padding.direction)),
                      "bound_ms": bound, "padding_ms": with_padding.time_lower_bound_s * 1e3 * scale - bound})
-    return pd.DataFrame(rows, columns=["rank", "phase", "bound_ms", "padding_ms"]), scale
+    bounds = pd.DataFrame(rows, columns=["rank", "phase", "bound_ms", "padding_ms"])
+    return bounds.groupby(["rank", "phase"], as_index=False, sort=False)[["bound_ms", "padding_ms"]].sum(), scale
 
 
 # ------------------------------------------------------------------------------------- one point

@@ -18,7 +18,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from dsv4cp.model import PHASES, range_to_phase
+from dsv4cp.model import PHASES, measured_phase
 from dsv4cp.profiling.overlap import TOTAL, KernelRecord, RangeRecord
 from dsv4cp.report import growth, tables
 from dsv4cp.report import roofline as roofline_module
@@ -89,11 +89,14 @@ def _cp_axis(ax: Axes, cps: Iterable[object]) -> None:
 
 def phase_category(range_name: str) -> str:
     """The phase a ``dsv4cp.*`` range times, named as the cost model names it (forward, backward,
-    launch and wait of one phase together: ``dsv4cp.reducescatter.kv.wait`` -> ``allgather.kv``);
-    a range the model has no phase for keeps its own name, the step itself is :data:`OUTSIDE_PHASES`."""
+    launch and wait of one phase together: ``dsv4cp.reducescatter.kv.wait`` -> ``allgather.kv``; the loss's
+    scores with the loss: ``dsv4cp.indexer.score.bwd`` -> ``indexer.loss``, as
+    :func:`dsv4cp.model.measured_phase` pairs them, since the model's ``indexer.score`` is the top-k's
+    scoring, timed in ``indexer.topk``); a range the model has no phase for keeps its own name, the step
+    itself is :data:`OUTSIDE_PHASES`."""
     if range_name.removeprefix("dsv4cp.") == "step":
         return OUTSIDE_PHASES
-    mapped = range_to_phase(range_name)
+    mapped = measured_phase(range_name)
     return mapped[0] if mapped is not None else range_name.removeprefix("dsv4cp.")
 
 

@@ -6,8 +6,12 @@ measured compute time of the ranges that time it (the record's ``phases``, per s
 intensity = FLOPs / bytes and achieved = FLOPs / time. The roof at an intensity ``I`` is
 ``min(peak_flops, I * hbm_bandwidth)`` of :class:`dsv4cp.model.Machine`; the ceilings are the H200
 ones (the ``h200x2`` preset) for GPU points; a CPU point's host ceilings are not recorded, so its
-roof is left blank. Communication phases (no FLOPs) and phases the model counts no FLOPs for
-(``indexer.topk``) have no intensity and are left out.
+roof is left blank. Communication phases (no FLOPs) have no intensity and are left out.
+
+A row is a measured key (:func:`dsv4cp.model.measured_phase`) with the FLOPs and bytes of every model phase
+whose work its ranges time (:func:`dsv4cp.model.phase_measured_in`): ``indexer.topk fwd`` carries the
+top-k's scoring (the model's ``indexer.score``, timed inside ``indexer.topk.fwd``) beside its selection,
+and ``indexer.loss`` its time in the ``indexer.score`` ranges (the loss's scores).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from dsv4cp.model import DIRECTIONS, PHASES, Machine, range_to_phase
+from dsv4cp.model import DIRECTIONS, PHASES, Machine, measured_phase, phase_measured_in
 from dsv4cp.report import tables
 from dsv4cp.report.styles import outside_legend, series_style
 
@@ -32,16 +36,28 @@ MEASURED_COLUMNS: tuple[str, ...] = (
 
 
 def _measured_ms(phases: list[dict]) -> dict[tuple[int, str, str], float]:
-    """(rank, model phase, direction) -> compute ms per step summed over the ranges that time it."""
+    """(rank, model phase, direction) -> compute ms per step summed over the ranges whose time faces its
+    bound (:func:`dsv4cp.model.measured_phase`)."""
     out: dict[tuple[int, str, str], float] = {}
     for row in phases:
-        mapped = range_to_phase(str(row.get("phase")))
+        mapped = measured_phase(str(row.get("phase")))
         compute = row.get("compute_ms")
         if mapped is None or compute is None or (isinstance(compute, float) and math.isnan(compute)):
             continue
         key = (int(row.get("rank", 0)), *mapped)
         out[key] = out.get(key, 0.0) + float(compute)
     return out
+
+
+def model_work(table: pd.DataFrame) -> pd.DataFrame:
+    """``rank, phase, direction, flops, hbm_bytes`` of the compute records of a cost-model table, summed
+    per key their work is measured under (:func:`dsv4cp.model.phase_measured_in`), keys with FLOPs and
+    bytes only."""
+    table = table[table["resource"] == "compute"]
+    keys = [phase_measured_in(p, d) for p, d in zip(table["phase"], table["direction"])]
+    table = table.assign(phase=[p for p, _ in keys], direction=[d for _, d in keys])
+    work = table.groupby(["rank", "phase", "direction"], as_index=False, sort=False)[["flops", "hbm_bytes"]].sum()
+    return work[(work["flops"] > 0) & (work["hbm_bytes"] > 0)]
 
 
 def roof_flops(machine: Machine, intensity: float | np.ndarray) -> float | np.ndarray:
@@ -58,8 +74,7 @@ def roofline(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for (_, point), cpu in zip(points.iterrows(), tables.on_cpu(points)):
         measured = _measured_ms(point["phases"])
-        model = tables.point_estimate(point, GPU_MACHINE).table()
-        model = model[(model["resource"] == "compute") & (model["flops"] > 0) & (model["hbm_bytes"] > 0)]
+        model = model_work(tables.point_estimate(point, GPU_MACHINE).table())
         for record in model.itertuples(index=False):
             ms = measured.get((int(record.rank), record.phase, record.direction))
             if ms is None or ms <= 0:

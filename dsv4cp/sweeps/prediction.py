@@ -20,7 +20,7 @@ import pandas as pd
 from dsv4cp.cp.partition import RowSplit
 from dsv4cp.kernel_options import KernelOptions
 from dsv4cp.model import Machine, estimate
-from dsv4cp.model.costs import range_to_phase
+from dsv4cp.model.costs import measured_phase
 from dsv4cp.model.step_prediction import StepPrediction, predict_step
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.records import AXES, STATUS_OK, point_id
@@ -33,7 +33,9 @@ COLUMNS = ("point_id", "label", "source", "cp", "overlap", "partition", "measure
 
 def traced_compute(phases: list[dict], cp: int) -> tuple[list[float], dict[tuple[int, str, str], float]]:
     """Per rank, busy + idle device milliseconds per step (the ``total`` rows of a record's ``phases``) and
-    the measured compute of every model phase, keyed ``(rank, phase, direction)``."""
+    the measured compute of every model phase, keyed ``(rank, phase, direction)`` as
+    :func:`dsv4cp.model.measured_phase` pairs ranges with phases (the loss's ``indexer.score`` ranges under
+    ``indexer.loss``; the top-k's scoring is inside ``indexer.topk``)."""
     totals: dict[int, float] = {}
     per_phase: dict[tuple[int, str, str], float] = {}
     for row in phases:
@@ -41,7 +43,7 @@ def traced_compute(phases: list[dict], cp: int) -> tuple[list[float], dict[tuple
         if row["phase"] == "total":
             totals[rank] = float(row["compute_ms"]) + float(row["idle_ms"])
             continue
-        phase = range_to_phase(row["phase"])
+        phase = measured_phase(row["phase"])
         if phase is not None:
             key = (rank, *phase)
             per_phase[key] = per_phase.get(key, 0.0) + float(row["compute_ms"])

@@ -16,8 +16,10 @@ from dsv4cp.model import (
     Machine,
     estimate,
     extrapolate,
+    measured_phase,
     measured_vs_bound,
     nvtx_ranges,
+    phase_measured_in,
     range_to_phase,
 )
 from dsv4cp.model.costs import PHASES, layer_phases, phase_directions
@@ -222,6 +224,32 @@ def test_table_schema_and_nvtx_names():
     assert list(frame["direction"]) == ["fwd", "bwd", "fwd+bwd"]
 
 
+def test_measured_ranges_face_the_phases_whose_work_they_time():
+    """The top-k's range times the model's scoring and selection; the loss's score ranges count as the loss.
+    Every other range and phase pair as :func:`nvtx_ranges` names them."""
+    from dsv4cp.profiling.nvtx import PHASES as NVTX_PHASES
+
+    for direction in ("fwd", "bwd"):
+        assert measured_phase(f"dsv4cp.indexer.score.{direction}") == ("indexer.loss", direction)
+        assert measured_phase(f"indexer.loss.{direction}") == ("indexer.loss", direction)
+    assert measured_phase("dsv4cp.indexer.topk.fwd") == ("indexer.topk", "fwd")
+    assert measured_phase("dsv4cp.indexer.score.total") is None and measured_phase("dsv4cp.step") is None
+    assert phase_measured_in("indexer.score", "fwd") == ("indexer.topk", "fwd")
+    keys = {measured_phase(name) for name in NVTX_PHASES} - {None}
+    for phase in PHASES:
+        for direction in phase_directions(phase):
+            key = phase_measured_in(phase, direction)
+            assert key in keys, (phase, direction)  # some range's time faces every phase's bound
+            if (phase, direction) != ("indexer.score", "fwd"):
+                assert key == (phase, direction)
+                assert all(measured_phase(name) == key for name in nvtx_ranges(phase, direction))
+    for name in NVTX_PHASES:  # a key a range is measured under is a model phase's, measured there
+        key = measured_phase(name)
+        assert key is None or phase_measured_in(*key) == key, name
+    with pytest.raises(ValueError, match="unknown pair"):
+        phase_measured_in("indexer.topk", "bwd")
+
+
 def test_measured_vs_bound():
     est = estimate(FLASH, 4, [1 << 16], 2)
     s = est.summary("fwd")
@@ -243,6 +271,30 @@ def test_measured_vs_bound():
     assert out.loc[(1, "sparse_attn", "fwd"), "efficiency"] == pytest.approx(bound / 5e-3)
     with pytest.raises(ValueError, match="measured"):
         measured_vs_bound([1.0], est)
+
+
+def test_a_breakdown_faces_the_bounds_of_the_work_its_ranges_time(seed):
+    """The top-k's range against the model's scoring + selection, the loss's score ranges with the loss."""
+    rng = np.random.default_rng(seed)
+    print(f"seed {seed}")
+    est = estimate(FLASH, 4, [1 << 14, 1 << 13], 2)
+    names = ["dsv4cp.indexer.topk.fwd", "dsv4cp.indexer.score.fwd", "dsv4cp.indexer.loss.fwd",
+             "dsv4cp.indexer.score.bwd", "dsv4cp.indexer.loss.bwd"]
+    ms = rng.uniform(0.1, 20.0, size=(2, len(names)))
+    breakdown = pd.DataFrame([{"rank": r, "phase": n, "compute_ms": ms[r, i], "comm_ms": 0.0}
+                              for r in range(2) for i, n in enumerate(names)])
+    out = measured_vs_bound(breakdown, est).set_index(["rank", "phase", "direction"])
+    bounds = est.records.set_index(["rank", "phase", "direction"])["time_lower_bound_s"]
+    assert sorted({p for _, p, _ in out.index}) == ["indexer.loss", "indexer.topk"]
+    for r in range(2):
+        topk = out.loc[(r, "indexer.topk", "fwd")]
+        assert topk["measured_s"] == pytest.approx(ms[r, 0] / 1e3)
+        both = bounds[(r, "indexer.score", "fwd")] + bounds[(r, "indexer.topk", "fwd")]
+        assert topk["bound_s"] == pytest.approx(both, rel=1e-12) and both > 2 * bounds[(r, "indexer.topk", "fwd")]
+        for direction, (score, loss) in (("fwd", (1, 2)), ("bwd", (3, 4))):
+            row = out.loc[(r, "indexer.loss", direction)]
+            assert row["measured_s"] == pytest.approx((ms[r, score] + ms[r, loss]) / 1e3)
+            assert row["bound_s"] == pytest.approx(bounds[(r, "indexer.loss", direction)], rel=1e-12)
 
 
 # ------------------------------------------------------------------------------ what runs, at which limits

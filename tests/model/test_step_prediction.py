@@ -9,7 +9,7 @@ import random
 import pytest
 
 from dsv4cp.config import DSv4Config
-from dsv4cp.model import Machine, estimate
+from dsv4cp.model import Machine, estimate, phase_measured_in
 from dsv4cp.model.step_prediction import OVERLAP_WINDOWS, predict_step
 from dsv4cp.packing import PackedSeqs
 from dsv4cp.records import make_record
@@ -64,7 +64,8 @@ def test_async_hides_each_collective_behind_its_window(ratio, seed):
         for (r, phase, direction), transfer in comm.items():
             if r != rank:
                 continue
-            window = sum(measured.get((rank, *key), 0.0) for key in OVERLAP_WINDOWS.get((phase, direction), ()))
+            keys = dict.fromkeys(phase_measured_in(*key) for key in OVERLAP_WINDOWS.get((phase, direction), ()))
+            window = sum(measured.get((rank, *key), 0.0) for key in keys)  # a measured key's time counts once
             expected += max(0.0, transfer - window)
         assert prediction.exposed_comm_ms[rank] == pytest.approx(expected, rel=1e-12)
     halo_only = predict_step(est, [5.0, 6.0], overlap="async",
@@ -72,6 +73,38 @@ def test_async_hides_each_collective_behind_its_window(ratio, seed):
     for rank in range(2):
         halo = sum(ms for (r, p, _), ms in comm.items() if r == rank and p == "halo")
         assert halo_only.exposed_comm_ms[rank] == pytest.approx(halo, rel=1e-12)
+
+
+def test_the_kv_gathers_window_holds_the_measured_top_k_once_and_not_the_losss_scores(seed):
+    """Traced ranges: ``indexer.topk.fwd`` times the model's scoring and selection, so the compressed KV
+    gather's window takes its time in place of both bounds; the loss's ``indexer.score.fwd`` (run after the
+    gather's wait) counts as the loss, in no window."""
+    rng = random.Random(seed)
+    print(f"seed {seed}")
+    est = _estimate(4, 2)  # slow links: every transfer outlasts its window, so each window's time is hidden
+    bounds = _bounds_ms(est)
+    names = ("q_proj.fwd", "indexer.q_proj.fwd", "indexer.topk.fwd", "indexer.score.fwd", "indexer.loss.fwd")
+    phases = [{"rank": rank, "phase": f"dsv4cp.{name}", "compute_ms": rng.uniform(0.1, 3.0), "idle_ms": 0.0}
+              for rank in range(2) for name in names]
+    phases += [{"rank": rank, "phase": "total", "compute_ms": 20.0, "idle_ms": 0.0} for rank in range(2)]
+    compute, per_phase = traced_compute(phases, 2)
+    traced = {(row["rank"], row["phase"]): row["compute_ms"] for row in phases}
+    assert not any(phase == "indexer.score" for _, phase, _ in per_phase)
+    assert per_phase[(0, "indexer.loss", "fwd")] == pytest.approx(
+        traced[(0, "dsv4cp.indexer.score.fwd")] + traced[(0, "dsv4cp.indexer.loss.fwd")])
+
+    def exposed(measured: dict) -> float:
+        return predict_step(est, compute, overlap="async", phase_compute_ms=measured).exposed_comm_ms[0]
+
+    base, delta = exposed(per_phase), rng.uniform(0.01, 0.1)
+    topk = (0, "indexer.topk", "fwd")
+    assert exposed({**per_phase, topk: per_phase[topk] + delta}) == pytest.approx(base - delta, rel=1e-12)
+    loss = (0, "indexer.loss", "fwd")
+    assert exposed({**per_phase, loss: per_phase[loss] + delta}) == pytest.approx(base, rel=1e-12)
+    unmeasured = {key: ms for key, ms in per_phase.items() if key != topk}  # the model's bounds stand in
+    selection = bounds[(0, "indexer.score", "fwd")] + bounds[topk]
+    assert bounds[(0, "indexer.score", "fwd")] > 0
+    assert exposed(unmeasured) == pytest.approx(base + per_phase[topk] - selection, rel=1e-12)
 
 
 def test_forward_only_counts_forward_collectives():

@@ -15,7 +15,7 @@ from report_helpers import grid, point_metrics, write_run
 
 from dsv4cp.cli.main import main
 from dsv4cp.config import DSv4Config
-from dsv4cp.model import estimate
+from dsv4cp.model import LayerEstimate, estimate
 from dsv4cp.profiling.overlap import KernelRecord, RangeRecord, attribution_table, step_decomposition
 from dsv4cp.records import append_record, make_record, point_id, read_records
 from dsv4cp.report import diagnosis as diagnosis_module
@@ -141,18 +141,21 @@ def test_a_host_op_blocked_in_a_nested_collective_is_communicating(seed):
 
 
 # ------------------------------------------------------------------------------------- with the model
-def _model_reference(point: dict, bound_ms: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per rank, the compute bound without padding and the padding's time (ms), from the cost model
-    directly, scaled so the slowest rank's padded bound equals ``bound_ms`` (the record's)."""
+def _model_estimates(point: dict) -> tuple[LayerEstimate, LayerEstimate]:
+    """The cost model of a point with and without capacity padding, built directly from its axes."""
     cfg = DSv4Config.preset(point["preset"], indexer_loss=point["loss"])
     lengths = packing_lengths(point["packing"], point["tokens"], cp=point["cp"], ratio=point["ratio"],
                               seed=int(point["seed"]))
     machine = record_machine(pd.Series(point))  # the record's bound machine (h200x2 for records without one)
     scores = record_selection_scores(pd.Series(point))  # what the record's loss ran (no options: re-scoring)
-    padded = estimate(cfg, point["ratio"], lengths, point["cp"], machine, total=point["tokens"],
-                      selection_scores=scores).summary(point["pass"])
-    plain = estimate(cfg, point["ratio"], lengths, point["cp"], machine, total=point["tokens"],
-                     padding=False, selection_scores=scores).summary(point["pass"])
+    return tuple(estimate(cfg, point["ratio"], lengths, point["cp"], machine, total=point["tokens"], padding=padding,
+                          selection_scores=scores) for padding in (True, False))
+
+
+def _model_reference(point: dict, bound_ms: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the compute bound without padding and the padding's time (ms), from the cost model
+    directly, scaled so the slowest rank's padded bound equals ``bound_ms`` (the record's)."""
+    padded, plain = (est.summary(point["pass"]) for est in _model_estimates(point))
     scale = bound_ms / (padded.bound_overlap_s * 1e3)
     bound = np.array(plain.rank_compute_s) * 1e3 * scale
     return bound, np.array(padded.rank_compute_s) * 1e3 * scale - bound
@@ -204,6 +207,53 @@ def test_diagnosis_parts_sum_to_the_step_and_each_matches_its_known_value(tmp_pa
     attn = [known[r]["sparse_attn.fwd"] for r in (0, 1)]
     assert stragglers.loc["sparse_attn.fwd", "max_over_mean"] == pytest.approx(max(attn) / np.mean(attn), rel=1e-4)
     assert stragglers.loc["sparse_attn.fwd", "slowest_rank"] == int(np.argmax(attn))
+
+
+INDEXER_RANGES: tuple[tuple[str, float, float], ...] = (
+    ("indexer.topk.fwd", 100.0, 200.0), ("indexer.loss.fwd", 300.0, 600.0), ("indexer.score.fwd", 400.0, 500.0),
+    ("indexer.score.bwd", 700.0, 800.0), ("indexer.loss.bwd", 900.0, 1000.0),
+)
+"""(range, host start, host end) in us of one step; the loss's forward scores run nested inside its range."""
+
+
+def test_the_indexer_ranges_face_the_bounds_of_the_work_they_time(tmp_path, seed):
+    """Random kernel times under the top-k's, the loss's and the loss's scores' ranges (one rank, one step):
+    ``indexer.topk.fwd`` faces the model's scoring + selection bounds, the loss's classes hold its scores."""
+    rng = np.random.default_rng(seed)
+    print(f"seed {seed}")
+    (point,) = grid(cp=[1], tokens=[4096], packing=["one"])
+    run = write_run(tmp_path / "run", [point], seed=seed)
+    (record,) = read_records(run)
+    kernel_us = {name: float(rng.uniform(10.0, 60.0)) for name, _, _ in INDEXER_RANGES}
+    kernel_us["indexer.topk.fwd"] *= 2000.0  # above the whole bound: the excess the summary names
+    kernels, ranges, t = [], [R(0, "step", 0.0, 1e6)], 2000.0
+    for corr, (name, start, end) in enumerate(INDEXER_RANGES):
+        ranges.append(R(0, name, start, end))
+        kernels.append(K(0, 7, t, t + kernel_us[name], f"kernel{corr}", launch=start + 10.0))  # inside the range
+        t += kernel_us[name]
+    write_kineto(run / "traces" / point_id(point), kernels, ranges)
+    tables = diagnosis_module.diagnosis_tables(load_runs(run))
+    phases = tables["diagnosis_phases"].set_index("phase")
+    assert not any(name.startswith("indexer.score") for name in phases.index)
+    padded, plain = (est.records.set_index(["phase", "direction"])["time_lower_bound_s"] * 1e3
+                     for est in _model_estimates(point))
+    scale = record["bound_ms"] / (_model_estimates(point)[0].summary(point["pass"]).bound_overlap_s * 1e3)
+    assert tables["diagnosis"]["bound_scale"].iloc[0] == pytest.approx(scale, rel=1e-9)
+    topk = phases.loc["indexer.topk.fwd"]
+    selection = [("indexer.score", "fwd"), ("indexer.topk", "fwd")]
+    assert topk["compute_ms"] == pytest.approx(kernel_us["indexer.topk.fwd"] / 1e3, abs=NS_MS)
+    assert topk["bound_ms"] == pytest.approx(scale * sum(plain[k] for k in selection), rel=1e-9)
+    assert topk["bound_ms"] > 2 * scale * plain[("indexer.topk", "fwd")]  # the scoring is most of it
+    assert topk["padding_ms"] == pytest.approx(scale * sum(padded[k] - plain[k] for k in selection), abs=1e-12)
+    for direction in ("fwd", "bwd"):
+        loss = phases.loc[f"indexer.loss.{direction}"]
+        both = kernel_us[f"indexer.loss.{direction}"] + kernel_us[f"indexer.score.{direction}"]
+        assert loss["compute_ms"] == pytest.approx(both / 1e3, abs=NS_MS)
+        assert loss["bound_ms"] == pytest.approx(scale * plain[("indexer.loss", direction)], rel=1e-9)
+    (rank,) = tables["diagnosis"].itertuples(index=False)
+    assert rank.cause_phase == "indexer.topk.fwd"
+    assert rank.cause_phase_over_bound == pytest.approx(
+        topk["compute_ms"] / (topk["bound_ms"] + topk["padding_ms"]), rel=1e-9)
 
 
 def test_summary_names_the_slowest_ranks_largest_cause_and_who_waits(tmp_path, seed):

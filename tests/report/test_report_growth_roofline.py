@@ -91,6 +91,46 @@ def test_roofline_rows_are_model_work_over_measured_time(tmp_path, seed):
     assert drawn == pytest.approx(sorted(table["achieved_tflops"]))
 
 
+def test_the_roofline_pairs_the_indexer_ranges_with_the_work_they_time(tmp_path, seed):
+    """Each range timed at a random 1-3x the bound of the work it runs (the top-k: the model's scoring +
+    selection; the loss's share split between its scores' range, most of it, and its own): the top-k row
+    carries the scoring's FLOPs, the loss rows their scores' time, and no row beats its roof."""
+    rng = np.random.default_rng(seed)
+    print(f"seed {seed}")
+    df = _profiled_point(tmp_path, seed)
+    point = tables.ok_points(df).iloc[0]
+    model = tables.point_estimate(point, roofline.GPU_MACHINE).table()
+    model = model.set_index(["rank", "phase", "direction"]).sort_index()
+    rows, template = [], {"comm_ms": 0.0, "overlap_ms": 0.0, "exposed_comm_ms": 0.0, "idle_ms": 0.0}
+    measured: dict[tuple[int, str], float] = {}
+    for rank in (0, 1):
+        bound_ms = model.loc[rank, "time_lower_bound_s"] * 1e3
+        selection_ms = bound_ms[("indexer.score", "fwd")] + bound_ms[("indexer.topk", "fwd")]
+        measured[(rank, "indexer.topk.fwd")] = rng.uniform(1, 3) * selection_ms
+        for direction in ("fwd", "bwd"):
+            loss_ms = rng.uniform(1, 3) * bound_ms[("indexer.loss", direction)]
+            scores = rng.uniform(0.9, 0.99)
+            measured[(rank, f"indexer.score.{direction}")] = scores * loss_ms
+            measured[(rank, f"indexer.loss.{direction}")] = (1 - scores) * loss_ms
+        rows += [{**template, "rank": r, "phase": f"dsv4cp.{name}", "compute_ms": ms}
+                 for (r, name), ms in measured.items() if r == rank]
+    df.at[df.index[0], "phases"] = rows
+    table = roofline.roofline(df).set_index(["rank", "phase", "direction"])
+    assert sorted({p for _, p, _ in table.index}) == ["indexer.loss", "indexer.topk"]
+    for rank in (0, 1):
+        topk = table.loc[(rank, "indexer.topk", "fwd")]
+        selection = [(rank, "indexer.score", "fwd"), (rank, "indexer.topk", "fwd")]
+        assert topk["flops"] == pytest.approx(sum(model.loc[k, "flops"] for k in selection), rel=1e-12)
+        assert topk["hbm_bytes"] == pytest.approx(sum(model.loc[k, "hbm_bytes"] for k in selection), rel=1e-12)
+        assert topk["flops"] > 0 and topk["measured_ms"] == pytest.approx(measured[(rank, "indexer.topk.fwd")])
+        for direction in ("fwd", "bwd"):
+            loss = table.loc[(rank, "indexer.loss", direction)]
+            assert loss["flops"] == pytest.approx(model.loc[(rank, "indexer.loss", direction), "flops"], rel=1e-12)
+            assert loss["measured_ms"] == pytest.approx(
+                measured[(rank, f"indexer.score.{direction}")] + measured[(rank, f"indexer.loss.{direction}")])
+    assert (table["fraction_of_roof"] <= 1 + 1e-9).all(), table["fraction_of_roof"]
+
+
 def test_roofline_of_a_cpu_run_has_no_roof_and_no_plot(tmp_path, seed):
     df = _profiled_point(tmp_path, seed, machine="cpu-2core")
     table = roofline.roofline(df)

@@ -87,7 +87,7 @@ def test_series_styles_give_forty_series_their_own_colour_and_no_pair_repeats_be
 
 
 @pytest.mark.parametrize(("range_name", "phase"), [
-    ("dsv4cp.indexer.score.fwd", "indexer.score"), ("dsv4cp.indexer.topk.fwd", "indexer.topk"),
+    ("dsv4cp.indexer.score.fwd", "indexer.loss"), ("dsv4cp.indexer.topk.fwd", "indexer.topk"),
     ("dsv4cp.indexer.loss.bwd", "indexer.loss"), ("dsv4cp.reducescatter.index_k.launch", "allgather.index_k"),
     ("dsv4cp.kv_rebuild.bwd", "kv_rebuild.bwd"), ("dsv4cp.step", plots.OUTSIDE_PHASES),
 ])
@@ -106,10 +106,12 @@ def test_phase_plot_names_every_indexer_phase(tmp_path, seed):
     df.at[0, "phases"] = [*rows, *({**template, "phase": name, "compute_ms": 0.5 + i} for i, name in enumerate(extra))]
     fig = plots.phase_times(df).figure
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    for phase in ("indexer.score", "indexer.topk", "indexer.loss", "indexer.compress", "indexer.q_proj"):
+    for phase in ("indexer.topk", "indexer.loss", "indexer.compress", "indexer.q_proj"):
         assert phase in labels
+    # the model's indexer.score is the top-k's scoring, timed inside indexer.topk: no bar of its own
+    assert "indexer.score" not in labels
     assert "other" not in labels and len(labels) == len(set(labels))
     bars = {patch.get_facecolor() for patch in fig.axes[0].patches}
     assert len(bars) == len(labels)  # one colour per phase
     loss_bar = [p for p in fig.axes[0].containers if p.get_label() == "indexer.loss"][0]
-    assert loss_bar.patches[0].get_width() == pytest.approx(0.5 + 2 + 0.5 + 3)  # fwd + bwd summed
+    assert loss_bar.patches[0].get_width() == pytest.approx(0.5 + 2 + 0.5 + 3 + 0.5)  # fwd + bwd + its scores

@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from bench import calibration_check, emulated_summary, partition_shares, phase_vs_bound
 from dsv4cp.records import append_record, make_record, point_id
+from dsv4cp.report.load import load_runs
+from dsv4cp.report.tables import point_estimate
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -41,6 +45,29 @@ def test_phase_vs_bound_prices_the_records_own_packing(tmp_path, capsys):
         last = capsys.readouterr().out.strip().splitlines()[-1]
         sums[packing] = float(last.rsplit("sum of bounds ", 1)[1].split()[0])
     assert sums["histogram"] < 0.95 * sums["one"], sums
+
+
+def test_phase_vs_bound_sets_the_indexer_ranges_against_the_work_they_time(seed):
+    """Random times on the indexer's ranges: the top-k's faces the model's scoring + selection, the loss's
+    scores' ranges are summed with the loss under its label."""
+    rng = np.random.default_rng(seed)
+    print(f"seed {seed}")
+    point = load_runs(DATA / "phase-vs-bound" / "records.jsonl").iloc[0]
+    names = ["indexer.topk.fwd", "indexer.score.fwd", "indexer.loss.fwd", "indexer.score.bwd", "indexer.loss.bwd"]
+    ms = dict(zip(names, rng.uniform(0.1, 20.0, size=len(names))))
+    measured = pd.DataFrame({"rank": 0, "phase": [f"dsv4cp.{n}" for n in ms], "compute_ms": list(ms.values())})
+    table = phase_vs_bound.phase_table(point, measured).set_index("phase")
+    bounds = point_estimate(point, phase_vs_bound.H200).phase_table().set_index(["phase", "direction"])
+    bound_ms = bounds["max_rank_bound_s"] * 1e3
+    assert sorted(table.index) == ["indexer.loss.bwd (+ indexer.score.bwd)", "indexer.loss.fwd (+ indexer.score.fwd)",
+                                   "indexer.topk.fwd"]
+    topk = table.loc["indexer.topk.fwd"]
+    assert topk["measured_ms"] == pytest.approx(ms["indexer.topk.fwd"])
+    assert topk["bound_ms"] == pytest.approx(bound_ms[("indexer.score", "fwd")] + bound_ms[("indexer.topk", "fwd")])
+    for direction in ("fwd", "bwd"):
+        loss = table.loc[f"indexer.loss.{direction} (+ indexer.score.{direction})"]
+        assert loss["measured_ms"] == pytest.approx(ms[f"indexer.loss.{direction}"] + ms[f"indexer.score.{direction}"])
+        assert loss["bound_ms"] == pytest.approx(bound_ms[("indexer.loss", direction)])
 
 
 def test_partition_shares_reproduce_the_recorded_shares(capsys):
