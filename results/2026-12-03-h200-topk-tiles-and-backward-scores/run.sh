@@ -14,6 +14,9 @@
 #         select under its new default launch) and the tensor pipe of the sparse backward's scores kernel;
 #  parts  the top-k's score kernel at 64K with parts of its head loop left out (score_parts.py), and the tensor
 #         pipe's activity (ncu) of the kernel as is and of its products alone;
+#  layertests  (after the select's new default) the GPU tests of the layer that run its top-k: the bf16 flash
+#         layer with every default kernel against fp64 at full size, the triton layer against the torch one,
+#         the radix top-k's scores, the indexer loss on the selection's scores;
 #  ncu    what bounds the sparse backward's scores kernel (_bwd_dq_kernel: p and ds of each (query, slot,
 #         head)): stall reasons per issued instruction, issue activity, tensor pipe, L2 / DRAM throughput and
 #         ncu's sections, one launch at flash and at pro (T = 16K).
@@ -82,6 +85,13 @@ ncu2)
         python3 "$dir/one_scores.py" flash 2>&1 | grep -v "^==PROF==" | quiet
     } >> "$out/ncu_topk.txt" 2>&1
     grep -E "===|duration|issue_active|hmma|fma|alu|stalled_(long|barrier|wait|mio|math|short|no_inst|dispatch)|registers|warps_active" "$out/ncu_topk.txt"
+    ;;
+layertests)
+    { echo "\$ pytest -m gpu tests/harness/test_parity.py tests/kernels/test_layer_backends.py tests/kernels/test_indexer_topk_scores.py tests/test_indexer_loss_selection_scores.py"
+      timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/harness/test_parity.py \
+        tests/kernels/test_layer_backends.py tests/kernels/test_indexer_topk_scores.py \
+        tests/test_indexer_loss_selection_scores.py 2>&1 | quiet | tail -15
+    } > "$out/gpu_tests_layer.txt" 2>&1; tail -6 "$out/gpu_tests_layer.txt"
     ;;
 parts)
     { echo "\$ python3 $dir/score_parts.py"; timeout 150 python3 "$dir/score_parts.py" 2>&1 | quiet; } | tee "$out/score_parts.txt"
