@@ -18,7 +18,6 @@ Prepend another Triton to ``PYTHONPATH`` to check the figures of the GPU machine
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import astuple
 
@@ -26,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.cubin_resources import resource_usage
+from bench.cubin_resources import heads_parser, parse_heads, resource_usage
 from dsv4cp.kernels import attention_probs_triton as probs
 from dsv4cp.kernels.sparse_attention_triton import KernelConfig
 
@@ -100,19 +99,15 @@ def _row(kind: str, cfg, res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = heads_parser(__doc__, "query heads (64 flash, 128 pro): the ladders'")
     parser.add_argument("--chunk", action="append", default=[],
                         help="a d_chunks config 'block_h,block_k,block_d,num_warps,num_stages,slots_on_m,"
                              "programs_per_sm' (repeatable; default: the ladders and the bench's variants)")
     parser.add_argument("--lse-chunk", action="append", default=[],
                         help="a d_chunks log-sum-exp config 'block_h,block_k,block_d,num_warps,num_stages,"
                              "programs_per_sm' (repeatable)")
-    parser.add_argument("--heads", type=int, default=64, help="query heads (64 flash, 128 pro): the ladders'")
-    args = parser.parse_args(argv)
-    if args.heads < 1:
-        parser.error(f"--heads: must be positive, got {args.heads}")
+    args = parse_heads(parser, argv, D)
     heads = args.heads
-    print(f"triton {triton.__version__}, sm_90, bf16, H={heads}, D={D}")
     if args.chunk or args.lse_chunk:
         for text in args.chunk:
             cfg = probs.ChunkConfig(*(int(v) for v in text.split(",")))

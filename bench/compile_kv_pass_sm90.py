@@ -19,7 +19,6 @@ Not collected by pytest; run from the repository root (no GPU needed, a few seco
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections import Counter
 from dataclasses import astuple
@@ -28,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.cubin_resources import cuobjdump
+from bench.cubin_resources import cuobjdump, heads_parser, parse_heads
 from bench.sweep_sparse_attention_dq_pass import ATOMICS_TILE, _atomics_alone_kernel
 from dsv4cp.kernels import sparse_attention_bwd_dq_pass_triton as dqp
 
@@ -88,16 +87,12 @@ def _text(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = heads_parser(__doc__)
     parser.add_argument("--tile", action="append", default=[],
                         help="a kv-pass tile 'block_k,block_d,num_warps,num_stages[,column_blocks]' (repeatable; "
                              "default: the candidates)")
-    parser.add_argument("--heads", type=int, default=64, help="query heads (64 flash, 128 pro)")
-    args = parser.parse_args(argv)
-    if args.heads < 1:
-        parser.error(f"--heads: must be positive, got {args.heads}")
+    args = parse_heads(parser, argv, D)
     tiles = [tuple(int(v) for v in text.split(",")) for text in args.tile] or CANDIDATES
-    print(f"triton {triton.__version__}, sm_90, bf16, H={args.heads}, D={D}")
     for tile in tiles:
         cfg = dqp.KvPassConfig(*tile)
         name = ",".join(map(str, astuple(cfg)))
