@@ -178,7 +178,7 @@ def phase_measured_in(phase: str, direction: str) -> tuple[str, str]:
 
     Itself, except ``("indexer.score", "fwd")``: the model prices the top-k as two forward phases, the
     scoring of every visible entry (``indexer.score``) and the selection (``indexer.topk``), while one
-    range, ``indexer.topk.fwd``, times both (the top-k kernels score and select in one pass), so the
+    range, ``indexer.topk.fwd``, times both (the top-k's score and select kernels run inside it), so the
     scoring's bound is compared under ``("indexer.topk", "fwd")``. Consumers sum the bounds (FLOPs, bytes)
     of the model phases that share a key.
     """
