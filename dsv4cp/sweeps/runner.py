@@ -216,30 +216,41 @@ def run_sweep(spec: SweepSpec, points: Sequence[Point], options: SweepOptions,
         if lock is not None and lock.taken_over is not None:
             print(f"sweep: {options.out}: taking over the lock of a run that died ({lock.taken_over.describe()})",
                   file=sys.stderr)
-        check_out_dir(options.out, options.resume)
-        if options.resume:
-            check_resume(options.out, dict(spec.source), [point.point_id for point in points])
-        if under_torchrun():
-            device = init_from_env(options.dist_backend)
-            try:
-                return sweep_rank(dist.get_rank(), dist.get_world_size(), device, spec, points, options)
-            finally:
-                dist.destroy_process_group()
-        done = recorded_statuses(options.out, options.retry_errors, points) if options.resume else {}
-        pending = [point for point in points if point.point_id not in done]
-        if not pending:  # nothing left to measure: no ranks to start
-            failed_before = sum(_is_failure(done[point.point_id]) for point in points)
-            return SweepSummary(recorded=0, ok=0, failed=0, skipped=0, resumed=len(points), parity_failed=0,
-                                resumed_failed=failed_before)
-        world = nproc or max(point.cp for point in pending)
-        if world == 1:
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            return sweep_rank(0, 1, device, spec, points, options)
         try:
-            return spawn(sweep_rank, world, spec, points, options, backend=options.dist_backend)[0]
-        except RankExited as err:
-            raise RankExited(f"{err}; the points recorded so far are kept in {options.out}: --resume "
-                             "continues the run") from None
+            return _run_holding_lock(spec, points, options, nproc)
+        except KeyboardInterrupt:  # stopped by the user (SIGINT, SIGTERM, SIGHUP): every recorded point stays
+            if rank == 0:  # the lock holder, once every rank it spawned has exited
+                _unmark_interrupted(options.out)  # the point in flight did not kill the run
+            raise
+
+
+def _run_holding_lock(spec: SweepSpec, points: Sequence[Point], options: SweepOptions,
+                      nproc: int | None) -> SweepSummary:
+    """:func:`run_sweep`'s work once rank 0 holds the run directory's lock."""
+    check_out_dir(options.out, options.resume)
+    if options.resume:
+        check_resume(options.out, dict(spec.source), [point.point_id for point in points])
+    if under_torchrun():
+        device = init_from_env(options.dist_backend)
+        try:
+            return sweep_rank(dist.get_rank(), dist.get_world_size(), device, spec, points, options)
+        finally:
+            dist.destroy_process_group()
+    done = recorded_statuses(options.out, options.retry_errors, points) if options.resume else {}
+    pending = [point for point in points if point.point_id not in done]
+    if not pending:  # nothing left to measure: no ranks to start
+        failed_before = sum(_is_failure(done[point.point_id]) for point in points)
+        return SweepSummary(recorded=0, ok=0, failed=0, skipped=0, resumed=len(points), parity_failed=0,
+                            resumed_failed=failed_before)
+    world = nproc or max(point.cp for point in pending)
+    if world == 1:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return sweep_rank(0, 1, device, spec, points, options)
+    try:
+        return spawn(sweep_rank, world, spec, points, options, backend=options.dist_backend)[0]
+    except RankExited as err:
+        raise RankExited(f"{err}; the points recorded so far are kept in {options.out}: --resume "
+                         "continues the run") from None
 
 
 def _mark_inflight(out: Path, point_id: str) -> None:
@@ -367,10 +378,6 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, poi
                     counts["parity_failed"] += 1
                 bar.write(_line(index, len(points), point, record))
             bar.update()
-    except KeyboardInterrupt:  # stopped by the user: every point recorded so far stays
-        if rank == 0:
-            _unmark_interrupted(options.out)  # the point in flight: not counted as a death
-        raise
     finally:
         bar.close()
     return SweepSummary(**counts)

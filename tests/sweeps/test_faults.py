@@ -19,7 +19,10 @@ import yaml
 from dsv4cp.cli.main import main
 from dsv4cp.cp.launch import RankExited, spawn
 from dsv4cp.records import RECORDS_FILE, append_record, make_record, read_records, writing
-from dsv4cp.sweeps.runner import INFLIGHT_FILE
+from dsv4cp.stopping import Stopped
+from dsv4cp.sweeps import runner
+from dsv4cp.sweeps.runner import INFLIGHT_FILE, SweepOptions
+from dsv4cp.sweeps.spec import expand, load_spec
 
 BASE = {"preset": "tiny", "dtype": "fp32", "kernel_backend": "torch", "tokens": 32, "ratio": 0, "pass": "fwd"}
 
@@ -189,3 +192,32 @@ def test_a_lock_a_full_disk_cannot_take_is_an_error_naming_it(tmp_path, monkeypa
         with run_lock.RunDirLock(tmp_path / "run"):
             pass
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "run" / run_lock.LOCK_FILE)
+
+
+@pytest.mark.parametrize("attempts_before", [0, 1])
+def test_a_stop_that_lands_while_an_error_unwinds_does_not_count_the_point_as_a_death(tmp_path, monkeypatch,
+                                                                                      attempts_before):
+    """A stop signal whose handler runs while another error unwinds a rank (a peer the same signal ended
+    closed the connection) still takes back the attempt the stopped point added: the run directory's
+    lock holder does it once the ranks are gone, whichever exception the rank ended with."""
+    spec_path = _spec(tmp_path / "one.yaml", cp=1, seeds=1)
+    spec = load_spec(spec_path)
+    points = list(expand(spec))
+    out = tmp_path / "run"
+    out.mkdir()
+    if attempts_before:  # the run died in this point once before
+        (out / INFLIGHT_FILE).write_text(json.dumps({"point_id": points[0].point_id, "attempts": attempts_before}))
+
+    def stopped_while_unwinding(rank, world, device, spec, points, options):
+        runner._mark_inflight(options.out, points[0].point_id)
+        try:
+            raise RuntimeError("Connection closed by peer")
+        finally:
+            raise Stopped(signal.SIGTERM)  # the handler fires during the unwinding
+
+    monkeypatch.setattr(runner, "sweep_rank", stopped_while_unwinding)
+    options = SweepOptions(out=out, resume=bool(attempts_before), progress=False)
+    with pytest.raises(Stopped):
+        runner.run_sweep(spec, points, options)
+    left = json.loads((out / INFLIGHT_FILE).read_text())["attempts"] if (out / INFLIGHT_FILE).exists() else 0
+    assert left == attempts_before
