@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.cubin_resources import heads_parser, parse_heads, resource_usage
+from bench.cubin_resources import heads_parser, parse_heads_and_print_target, resource_usage
 from dsv4cp.kernels import attention_probs_triton as probs
 from dsv4cp.kernels.sparse_attention_triton import KernelConfig
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lse-chunk", action="append", default=[],
                         help="a d_chunks log-sum-exp config 'block_h,block_k,block_d,num_warps,num_stages,"
                              "programs_per_sm' (repeatable)")
-    args = parse_heads(parser, argv, D)
+    args = parse_heads_and_print_target(parser, argv, D)
     heads = args.heads
     if args.chunk or args.lse_chunk:
         for text in args.chunk:

@@ -27,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.cubin_resources import cuobjdump, heads_parser, parse_heads
+from bench.cubin_resources import cuobjdump, heads_parser, parse_heads_and_print_target
 from bench.sweep_sparse_attention_dq_pass import ATOMICS_TILE, _atomics_alone_kernel
 from dsv4cp.kernels import sparse_attention_bwd_dq_pass_triton as dqp
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tile", action="append", default=[],
                         help="a kv-pass tile 'block_k,block_d,num_warps,num_stages[,column_blocks]' (repeatable; "
                              "default: the candidates)")
-    args = parse_heads(parser, argv, D)
+    args = parse_heads_and_print_target(parser, argv, D)
     tiles = [tuple(int(v) for v in text.split(",")) for text in args.tile] or CANDIDATES
     for tile in tiles:
         cfg = dqp.KvPassConfig(*tile)

@@ -1,7 +1,8 @@
 """What the ``cuobjdump`` that ships with triton reads off a kernel compiled for the GPU (``triton.compile``
 for sm_90 runs on any machine): its resource usage (``-res-usage``: registers per thread, stack and local
 bytes) and its instructions (``-sass``). Shared by the scripts that print sm_90 resources without a GPU,
-with the command line those scripts have in common (:func:`heads_parser`, :func:`parse_heads`)."""
+with the command line those scripts have in common (:func:`heads_parser`,
+:func:`parse_heads_and_print_target`)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ def heads_parser(doc: str, heads_help: str = "query heads (64 flash, 128 pro)") 
     return parser
 
 
-def parse_heads(parser: argparse.ArgumentParser, argv: list[str] | None, dim: int) -> argparse.Namespace:
+def parse_heads_and_print_target(parser: argparse.ArgumentParser, argv: list[str] | None,
+                                 dim: int) -> argparse.Namespace:
     """``parser``'s arguments, ``--heads`` checked positive, and the line every such script prints first
     (triton's version, the target, the heads and head dim ``dim``)."""
-    import triton
+    import triton  # lazy, as in cuobjdump: importing this module needs no triton
 
     args = parser.parse_args(argv)
     if args.heads < 1:

@@ -462,13 +462,13 @@ BOUNDED_SELECT_SWEEP = [(1024, 5, 4, 2), (2048, 8, 4, 2), (1024, 8, 4, 2), (2048
 """Launches of the ``bounded`` radix select timed by ``test_indexer_select_bounded_config`` (``block_n,
 radix_bits, num_warps, num_stages``; the first is the ladder's default, the second the default before it).
 Its histograms run over the ``block_n`` lane maxima and the short candidate list, not the row, so the step
-sets both the register
-use (programs per SM) and how tight the lower bound is (keys listed per row, for independent scores:
-~589 at 2048 lanes, ~710 at 1024, of the 768 the list holds; ~547 at 4096), and narrower digits
-(Triton 3.6's histogram costs per bin) may pay. Registers per thread (sm_90a, Triton 3.9): 2048 x 8 x
-4: 166, 1024 x 8 x 4: 72, 2048 x 8 x 8: 102, 2048 x 6 x 4: 160, 1024 x 6 x 4: 80, 2048 x 5 x 4: 166,
-1024 x 5 x 4: 72, 1024 x 10 x 4: 96, 4096 x 8 x 8: 190 (1024-column steps keep 8 bytes of stack, no spill
-elsewhere)."""
+sets both the register use (programs per SM) and how tight the lower bound is (keys listed per row, for
+independent scores at ``keep`` = 512: ~589 at 2048 lanes, ~710 at 1024, of the 768 the list holds; ~547 at
+4096), and narrower digits (Triton 3.6's histogram costs per bin) may pay until the passes multiply; warps
+and stages around the default complete it. Registers per thread (sm_90a, Triton 3.9): 2048 x 8 x 4: 166,
+1024 x 8 x 4: 72, 2048 x 8 x 8: 102, 2048 x 6 x 4: 160, 1024 x 6 x 4: 80, 2048 x 5 x 4: 166, 1024 x 5 x 4: 72
+(96 with the H200's Triton 3.6, ncu), 1024 x 10 x 4: 96, 4096 x 8 x 8: 190 (1024-column steps keep 8 bytes
+of stack, no spill elsewhere)."""
 
 
 @pytest.mark.gpu

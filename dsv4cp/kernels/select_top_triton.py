@@ -75,9 +75,9 @@ member) and pass 1 sends a row into a handful of bins (its scores share sign and
    list order = column order). Without a bound (``keep`` above the lanes, too few finite scores) ``lb``
    is the smallest finite key; a row reading at most ``keep`` columns skips every pass.
 3. When the list overflows (heavy ties, ``keep`` close to ``block_n``): radix passes over the row from
-   those shared bits, 8-bit digits by default, until the group at the cut holds at most ``rem + extra``
-   keys; one pass lists that group and every key above it, and the list finishes as in 2. A group that
-   ends exact or taken whole on the row is compacted from the row.
+   those shared bits, in the launch's digits (5 bits at the default), until the group at the cut holds at
+   most ``rem + extra`` keys; one pass lists that group and every key above it, and the list finishes as
+   in 2. A group that ends exact or taken whole on the row is compacted from the row.
 5. ``row_range``: a per-row ``[start, stop)`` of the columns that may hold a finite score (the key
    range of the row's document, in a packed batch), so a row scans its own document, not every column
    before its causal limit.
@@ -138,7 +138,8 @@ BOUNDED_SELECT_CONFIGS = [(1024, 5, 4, 2), (2048, 8, 4, 2), (512, 8, 4, 1)]
 """Compiled ladder of the ``bounded`` kernel, first = default. Its histograms run over the ``block_n`` lane
 maxima and the short list, not the row, so fewer lanes (fewer registers per program, more programs per SM)
 and narrower digits (fewer bins per pass) pay until the bound loosens past the list: 1024 lanes list ~710
-keys per row of independent scores, inside the ``keep + BOUNDED_LIST_EXTRA`` = 768 the list holds.
+keys per row of independent scores at ``keep`` = 512, inside the ``keep + BOUNDED_LIST_EXTRA`` = 768 the list
+holds.
 ``bench/test_bench_indexer.py::test_indexer_select_bounded_config`` times the alternatives (docs/kernels.md)."""
 
 SELECT_VARIANTS = ("bounded", "plain")
@@ -517,6 +518,8 @@ def select_config_ladder(interpreted: bool, variant: str = "plain") -> list[Sele
     """Launch configurations of the ``variant`` kernel tried in order (the first that compiles is kept). Per
     program: one ``[BLOCK]`` fp32 tile and its keys in registers, a ``2^radix_bits``-bin histogram; any of
     these fits."""
+    if variant not in SELECT_VARIANTS:
+        raise ValueError(f"variant: must be one of {', '.join(map(repr, SELECT_VARIANTS))}, got {variant!r}")
     if interpreted:  # numpy runs the steps: small ones keep the CPU tests fast and still multi-step
         return [SelectConfig(32, 8, 4, 1)]
     return [SelectConfig(*c) for c in (BOUNDED_SELECT_CONFIGS if variant == "bounded" else SELECT_CONFIGS)]

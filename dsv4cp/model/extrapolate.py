@@ -90,7 +90,9 @@ def measured_vs_bound(
       per-rank times: returns a dict with the bounds, ``efficiency`` = bound with overlap / measured
       (<= 1 when the model holds), the gap to the serial bound, model TFLOPs/GPU at the measured time
       and, for per-rank input, the measured time imbalance beside the modelled one;
-    * a mapping ``phase -> seconds`` (slowest rank) for ``direction``: returns a DataFrame per phase;
+    * a mapping ``phase -> seconds`` (slowest rank) for ``direction``, keyed by the model's phases, each
+      against its own bound (a measured top-k time holds the scoring too: it faces ``indexer.score`` +
+      ``indexer.topk``, which the breakdown form below pairs for it): returns a DataFrame per phase;
     * a breakdown table in the profiling overlap-table schema (columns ``rank, phase, compute_ms,
       comm_ms``; phases are NVTX range names such as ``dsv4cp.allgather.kv.launch``): ranges map to
       the ``(phase, direction)`` whose bound they face (:func:`~dsv4cp.model.costs.measured_phase`) and

@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import sys
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,24 +217,25 @@ def run_sweep(spec: SweepSpec, points: Sequence[Point], options: SweepOptions,
         if lock is not None and lock.taken_over is not None:
             print(f"sweep: {options.out}: taking over the lock of a run that died ({lock.taken_over.describe()})",
                   file=sys.stderr)
+        run_id = uuid.uuid4().hex  # stamps this run's in-flight marks: only those are taken back on a stop
         try:
-            return _run_holding_lock(spec, points, options, nproc)
+            return _run_holding_lock(spec, points, options, nproc, run_id)
         except KeyboardInterrupt:  # stopped by the user (SIGINT, SIGTERM, SIGHUP): every recorded point stays
-            if rank == 0:  # the lock holder, once every rank it spawned has exited
-                _unmark_interrupted(options.out)  # the point in flight did not kill the run
+            if rank == 0:  # the lock holder, when the stop reaches it (its spawned ranks have exited by then)
+                _unmark_interrupted(options.out, run_id)  # the point in flight did not kill the run
             raise
 
 
 def _run_holding_lock(spec: SweepSpec, points: Sequence[Point], options: SweepOptions,
-                      nproc: int | None) -> SweepSummary:
-    """:func:`run_sweep`'s work once rank 0 holds the run directory's lock."""
+                      nproc: int | None, run_id: str) -> SweepSummary:
+    """:func:`run_sweep`'s work once rank 0 holds the run directory's lock (``run_id``: see :func:`sweep_rank`)."""
     check_out_dir(options.out, options.resume)
     if options.resume:
         check_resume(options.out, dict(spec.source), [point.point_id for point in points])
     if under_torchrun():
         device = init_from_env(options.dist_backend)
         try:
-            return sweep_rank(dist.get_rank(), dist.get_world_size(), device, spec, points, options)
+            return sweep_rank(dist.get_rank(), dist.get_world_size(), device, spec, points, options, run_id)
         finally:
             dist.destroy_process_group()
     done = recorded_statuses(options.out, options.retry_errors, points) if options.resume else {}
@@ -245,34 +247,38 @@ def _run_holding_lock(spec: SweepSpec, points: Sequence[Point], options: SweepOp
     world = nproc or max(point.cp for point in pending)
     if world == 1:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return sweep_rank(0, 1, device, spec, points, options)
+        return sweep_rank(0, 1, device, spec, points, options, run_id)
     try:
-        return spawn(sweep_rank, world, spec, points, options, backend=options.dist_backend)[0]
+        return spawn(sweep_rank, world, spec, points, options, run_id, backend=options.dist_backend)[0]
     except RankExited as err:
         raise RankExited(f"{err}; the points recorded so far are kept in {options.out}: --resume "
                          "continues the run") from None
 
 
-def _mark_inflight(out: Path, point_id: str) -> None:
-    """Note (atomically) that ``point_id`` is being measured, counting the attempts across resumes."""
+def _mark_inflight(out: Path, point_id: str, run_id: str) -> None:
+    """Note (atomically) that run ``run_id`` is measuring ``point_id``, counting the attempts across resumes."""
     previous = _read_inflight(out)
-    _write_inflight(out, point_id, previous["attempts"] + 1 if previous and previous["point_id"] == point_id else 1)
+    attempts = previous["attempts"] + 1 if previous and previous["point_id"] == point_id else 1
+    _write_inflight(out, point_id, attempts, run_id)
 
 
-def _unmark_interrupted(out: Path) -> None:
-    """Take back the attempt an interrupt (SIGINT) ended: the user stopped the point, it did not kill the
-    run, so it must not count towards :data:`MAX_ATTEMPTS`."""
+def _unmark_interrupted(out: Path, run_id: str) -> None:
+    """Take back the attempt a stop signal ended: the user stopped the point, it did not kill the run, so it
+    must not count towards :data:`MAX_ATTEMPTS`. Only an attempt run ``run_id`` added: a stop before this
+    run marked anything leaves an earlier run's death counted."""
     inflight = _read_inflight(out)
-    if inflight is None:
+    if inflight is None or inflight.get("run_id") != run_id:
         return
     if inflight["attempts"] > 1:
-        _write_inflight(out, inflight["point_id"], inflight["attempts"] - 1)
+        _write_inflight(out, inflight["point_id"], inflight["attempts"] - 1, None)
     else:
         (out / INFLIGHT_FILE).unlink(missing_ok=True)
 
 
-def _write_inflight(out: Path, point_id: str, attempts: int) -> None:
-    write_file_atomically(out / INFLIGHT_FILE, json.dumps({"point_id": point_id, "attempts": attempts}).encode())
+def _write_inflight(out: Path, point_id: str, attempts: int, run_id: str | None) -> None:
+    """``run_id``: the run that is measuring the point now (None: none is, the count is a previous runs')."""
+    record = {"point_id": point_id, "attempts": attempts, "run_id": run_id}
+    write_file_atomically(out / INFLIGHT_FILE, json.dumps(record).encode())
 
 
 def _read_inflight(out: Path) -> dict | None:
@@ -316,8 +322,10 @@ def _check_parent() -> None:
 
 
 def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, points: Sequence[Point],
-               options: SweepOptions) -> SweepSummary:
-    """One rank's part of the sweep of ``points`` (all ranks call it with the same ones; only rank 0 writes)."""
+               options: SweepOptions, run_id: str = "") -> SweepSummary:
+    """One rank's part of the sweep of ``points`` (all ranks call it with the same ones; only rank 0 writes).
+    ``run_id``: the lock holder's name for this run, stamped on each point rank 0 marks in flight, so that
+    a stop takes back this run's attempt only (:func:`run_sweep`)."""
     distributed = world > 1
     timeout = datetime.timedelta(seconds=options.point_timeout_s)
     control = dist.new_group(backend="gloo", timeout=timeout * CONTROL_TIMEOUT_FACTOR) if distributed else None
@@ -361,7 +369,7 @@ def sweep_rank(rank: int, world: int, device: torch.device, spec: SweepSpec, poi
             else:
                 if rank == 0:
                     _check_parent()
-                    _mark_inflight(options.out, point.point_id)
+                    _mark_inflight(options.out, point.point_id, run_id)
                 status, error, metrics, columns = _run_point(point, rank, device, groups, control, spec, options)
             if rank == 0:
                 columns.setdefault("kernel_options", _options_of(point))  # a point not measured: what it would run

@@ -195,29 +195,30 @@ def test_a_lock_a_full_disk_cannot_take_is_an_error_naming_it(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("attempts_before", [0, 1])
-def test_a_stop_that_lands_while_an_error_unwinds_does_not_count_the_point_as_a_death(tmp_path, monkeypatch,
-                                                                                      attempts_before):
-    """A stop signal whose handler runs while another error unwinds a rank (a peer the same signal ended
-    closed the connection) still takes back the attempt the stopped point added: the run directory's
-    lock holder does it once the ranks are gone, whichever exception the rank ended with."""
-    spec_path = _spec(tmp_path / "one.yaml", cp=1, seeds=1)
-    spec = load_spec(spec_path)
+@pytest.mark.parametrize("stop_at", ["marked", "before-marking"])
+def test_a_stop_takes_back_only_the_attempt_this_run_added(tmp_path, monkeypatch, attempts_before, stop_at):
+    """The run directory's lock holder takes back the attempt of the point it was measuring when a stop
+    reached it, whichever exception its rank ended with (here a stop raised while a peer's closed
+    connection unwinds), and leaves an earlier run's death counted when the stop comes before this run
+    marked anything (during start-up, a resume's checks, the ranks' spawning)."""
+    spec = load_spec(_spec(tmp_path / "one.yaml", cp=1, seeds=1))
     points = list(expand(spec))
     out = tmp_path / "run"
     out.mkdir()
-    if attempts_before:  # the run died in this point once before
+    if attempts_before:  # an earlier run died in this point
         (out / INFLIGHT_FILE).write_text(json.dumps({"point_id": points[0].point_id, "attempts": attempts_before}))
 
-    def stopped_while_unwinding(rank, world, device, spec, points, options):
-        runner._mark_inflight(options.out, points[0].point_id)
+    def stopped(rank, world, device, spec, points, options, run_id):
+        if stop_at == "before-marking":
+            raise Stopped(signal.SIGINT)
+        runner._mark_inflight(options.out, points[0].point_id, run_id)
         try:
             raise RuntimeError("Connection closed by peer")
         finally:
             raise Stopped(signal.SIGTERM)  # the handler fires during the unwinding
 
-    monkeypatch.setattr(runner, "sweep_rank", stopped_while_unwinding)
-    options = SweepOptions(out=out, resume=bool(attempts_before), progress=False)
+    monkeypatch.setattr(runner, "sweep_rank", stopped)
     with pytest.raises(Stopped):
-        runner.run_sweep(spec, points, options)
+        runner.run_sweep(spec, points, SweepOptions(out=out, resume=bool(attempts_before), progress=False))
     left = json.loads((out / INFLIGHT_FILE).read_text())["attempts"] if (out / INFLIGHT_FILE).exists() else 0
-    assert left == attempts_before
+    assert left == attempts_before, f"stop {stop_at}: {left} attempts left, {attempts_before} before the run"
